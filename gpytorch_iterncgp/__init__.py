@@ -1,0 +1,40 @@
+"""IterNCGP for GPyTorch: Laplace inference for non-conjugate GPs by Newton steps solved with IterGP.
+
+Tatzel, Wenger, Schneider, Hennig: "Accelerating Non-Conjugate Gaussian Processes By Trading Off
+Computation For Uncertainty". See ``SPEC.md`` for the algorithm in plain notation.
+"""
+
+from .likelihoods import ExpPoissonLikelihood, LikelihoodAdapter, LogitBernoulliLikelihood, likelihood_adapter
+from .newton import FitReport, LaplaceState, NewtonStep, SolverOptions
+from .noise import BlockNoiseInverse, DiagonalNoiseInverse, SoftmaxPseudoInverse
+from .policies import ConjugateGradientPolicy, Policy, UnitVectorPolicy
+from .precision import LowRankPrecision
+from .recycling import ActionBuffer, virtual_solver_run
+from .solver import IterGPResult, NumericalBreakdownWarning, itergp_solve
+from .strategy import IterNCGPStrategy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ActionBuffer",
+    "BlockNoiseInverse",
+    "ConjugateGradientPolicy",
+    "DiagonalNoiseInverse",
+    "ExpPoissonLikelihood",
+    "FitReport",
+    "IterGPResult",
+    "IterNCGPStrategy",
+    "LaplaceState",
+    "LikelihoodAdapter",
+    "LogitBernoulliLikelihood",
+    "LowRankPrecision",
+    "NewtonStep",
+    "NumericalBreakdownWarning",
+    "Policy",
+    "SoftmaxPseudoInverse",
+    "SolverOptions",
+    "UnitVectorPolicy",
+    "itergp_solve",
+    "likelihood_adapter",
+    "virtual_solver_run",
+]

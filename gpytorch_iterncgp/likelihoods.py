@@ -1,0 +1,392 @@
+r"""Likelihoods and their derivatives: :math:`\ell(\mathbf f)`, :math:`\mathbf g = \nabla \ell` and :math:`\mathbf W = -\nabla^2 \ell`.
+
+Two GPyTorch likelihoods that GPyTorch lacks (:class:`LogitBernoulliLikelihood`,
+:class:`ExpPoissonLikelihood`), and *adapters* that give the Newton loop what it needs from any
+likelihood: target validation, :math:`\ell(\mathbf f) = \sum_n \log p(y_n \mid \mathbf f_n)`, the
+gradient ``(N, C)`` and the noise :math:`\mathbf W^{-1}` as a linear operator. Closed forms (SPEC.md):
+
+==========================  ==========================================  ===========================================
+likelihood                  :math:`g`                                   :math:`W`
+==========================  ==========================================  ===========================================
+Bernoulli, logit            :math:`y - \sigma(f)`                        :math:`\sigma(f)(1 - \sigma(f))`
+Bernoulli, probit           :math:`s \phi(f) / \Phi(s f)`, s = 2y - 1    :math:`r (r + s f)`, :math:`r = \phi(f)/\Phi(sf)`
+Poisson, exp                :math:`y - e^f`                              :math:`e^f`
+Poisson, softplus           :math:`(y/\lambda - 1)\lambda'`             :math:`y \lambda'^2/\lambda^2 - (y/\lambda - 1)\lambda''`
+Softmax                     :math:`\mathbf e_y - \boldsymbol\pi`         :math:`\operatorname{diag}(\boldsymbol\pi) - \boldsymbol\pi\boldsymbol\pi^\top`
+other                       autograd                                     autograd (:math:`C \times C` blocks)
+==========================  ==========================================  ===========================================
+
+Latent values are ``(N, C)`` tensors (data-major); :math:`C = 1` for binary and count data.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import gpytorch
+import torch
+from gpytorch.distributions import MultivariateNormal
+from gpytorch.likelihoods import (
+    BernoulliLikelihood,
+    Likelihood,
+    PoissonLikelihood,
+    SoftmaxLikelihood,
+    StudentTLikelihood,
+)
+from gpytorch.likelihoods.likelihood import _OneDimensionalLikelihood
+from linear_operator.operators import LinearOperator
+from torch import Tensor
+from torch.distributions import Bernoulli, Poisson
+
+from .noise import BlockNoiseInverse, DiagonalNoiseInverse, SoftmaxPseudoInverse, project_to_zero_sum
+
+_PROBIT_TO_LOGIT = math.pi / 8  # sigma(x) ~ Phi(sqrt(pi / 8) x)
+
+
+class LogitBernoulliLikelihood(_OneDimensionalLikelihood):
+    r"""Bernoulli likelihood with the logistic link, :math:`p(y = 1 \mid f) = \sigma(f)`; labels in {0, 1}.
+
+    Its :meth:`marginal` uses the probit approximation
+    :math:`p(y = 1) \approx \sigma\big(\mu / \sqrt{1 + \pi \sigma^2 / 8}\big)` (R&W eq. 3.25 ff.).
+    """
+
+    has_analytic_marginal = True
+
+    def forward(self, function_samples: Tensor, *args, **kwargs) -> Bernoulli:
+        return Bernoulli(logits=function_samples)
+
+    def marginal(self, function_dist: MultivariateNormal, *args, **kwargs) -> Bernoulli:
+        scaled = function_dist.mean / torch.sqrt(1 + _PROBIT_TO_LOGIT * function_dist.variance)
+        return Bernoulli(logits=scaled)
+
+
+class ExpPoissonLikelihood(_OneDimensionalLikelihood):
+    r"""Poisson likelihood with the exponential link, :math:`y \sim \operatorname{Poisson}(e^f)`.
+
+    (GPyTorch's :class:`~gpytorch.likelihoods.PoissonLikelihood` uses the softplus link.)
+    The expected rate under a Gaussian latent is :math:`e^{\mu + \sigma^2/2}`.
+    """
+
+    def forward(self, function_samples: Tensor, *args, **kwargs) -> Poisson:
+        return Poisson(rate=function_samples.exp())
+
+
+@dataclass
+class LikelihoodDerivatives:
+    r""":math:`\ell(\mathbf f)` (scalar), :math:`\mathbf g` ``(N, C)`` and :math:`\mathbf W^{-1}` ``(N C, N C)``."""
+
+    log_likelihood: Tensor
+    gradient: Tensor
+    noise_inverse: LinearOperator
+
+
+class LikelihoodAdapter:
+    """What the Newton loop needs from a likelihood. Build one with :func:`likelihood_adapter`.
+
+    :param likelihood: the GPyTorch likelihood.
+    :param min_curvature: lower bound on the curvature (and on softmax probabilities), which bounds
+        :math:`\\mathbf W^{-1}`; ``None``: ``sqrt(finfo(dtype).eps)`` of the latent values.
+    """
+
+    num_latents: int = 1
+    zero_sum_actions: bool = False  # softmax: actions restricted to range(W)
+    name: str = "likelihood"
+
+    def __init__(self, likelihood: Likelihood, min_curvature: float | None = None):
+        self.likelihood = likelihood
+        self.min_curvature = min_curvature
+
+    def _min_curvature(self, dtype: torch.dtype) -> float:
+        return math.sqrt(torch.finfo(dtype).eps) if self.min_curvature is None else self.min_curvature
+
+    # -- targets ---------------------------------------------------------------------------------
+    def check_targets(self, targets: Tensor, dtype: torch.dtype) -> Tensor:
+        """Validate targets ``(N,)`` and return them as a floating tensor of ``dtype``.
+
+        :raises ValueError: naming the problem (shape, NaN/inf, values outside the support).
+        """
+        if not torch.is_tensor(targets):
+            raise TypeError(f"train_targets must be a torch.Tensor, got {type(targets).__name__}.")
+        if targets.dim() != 1:
+            raise ValueError(f"train_targets must be 1-D (N,), got shape {tuple(targets.shape)}.")
+        if targets.is_floating_point() and not bool(torch.isfinite(targets).all()):
+            raise ValueError("train_targets contain NaN or inf.")
+        self._check_support(targets)
+        return targets.to(dtype)
+
+    def _check_support(self, targets: Tensor) -> None:
+        pass
+
+    # -- derivatives -----------------------------------------------------------------------------
+    def log_likelihood(self, latent: Tensor, targets: Tensor) -> Tensor:
+        r""":math:`\ell(\mathbf f) = \sum_n \log p(y_n \mid \mathbf f_n)` for latents ``(N, C)``."""
+        raise NotImplementedError
+
+    def derivatives(self, latent: Tensor, targets: Tensor) -> LikelihoodDerivatives:
+        raise NotImplementedError
+
+    def project(self, vectors: Tensor) -> Tensor:
+        """Projection of data-major actions ``(N C, k)`` (identity unless actions have zero class sum)."""
+        return vectors
+
+    # -- predictions -----------------------------------------------------------------------------
+    def predictive_mean(self, mean: Tensor, variance: Tensor) -> Tensor:
+        r""":math:`\mathbb E[y_*]` from the latent marginals ``(N*, C)``: class probabilities or expected counts."""
+        raise NotImplementedError(f"{type(self.likelihood).__name__} has no closed-form predictive mean here.")
+
+
+def _check_binary(targets: Tensor) -> None:
+    bad = ~((targets == 0) | (targets == 1))
+    if bool(bad.any()):
+        raise ValueError(
+            "Bernoulli likelihood: labels must be 0 or 1; found "
+            f"{targets[bad].unique()[:5].tolist()} at {int(bad.sum())} position(s)."
+        )
+
+
+def _check_counts(targets: Tensor) -> None:
+    if bool((targets < 0).any()):
+        raise ValueError(f"Poisson likelihood: counts must be non-negative; found {targets[targets < 0][:5].tolist()}.")
+    if targets.is_floating_point() and bool((targets != targets.round()).any()):
+        bad = targets[targets != targets.round()]
+        raise ValueError(f"Poisson likelihood: counts must be integers; found {bad[:5].tolist()}.")
+
+
+class _DiagonalAdapter(LikelihoodAdapter):
+    """:math:`C = 1` likelihoods with closed-form per-point terms."""
+
+    def _terms(self, latent: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Per point ``(N,)``: log-likelihood, gradient and curvature."""
+        raise NotImplementedError
+
+    def _log_terms(self, latent: Tensor, targets: Tensor) -> Tensor:
+        return self._terms(latent, targets)[0]
+
+    def log_likelihood(self, latent: Tensor, targets: Tensor) -> Tensor:
+        return self._log_terms(latent[:, 0], targets).sum()
+
+    def derivatives(self, latent: Tensor, targets: Tensor) -> LikelihoodDerivatives:
+        log_terms, gradient, curvature = self._terms(latent[:, 0], targets)
+        noise_inverse = DiagonalNoiseInverse.from_curvature(curvature, self._min_curvature(latent.dtype))
+        return LikelihoodDerivatives(log_terms.sum(), gradient[:, None], noise_inverse)
+
+
+class LogitBernoulliAdapter(_DiagonalAdapter):
+    name = "Bernoulli (logit link)"
+
+    def _check_support(self, targets: Tensor) -> None:
+        _check_binary(targets)
+
+    def _log_terms(self, latent: Tensor, targets: Tensor) -> Tensor:
+        return targets * latent - torch.nn.functional.softplus(latent)
+
+    def _terms(self, latent, targets):
+        probability = torch.sigmoid(latent)
+        return self._log_terms(latent, targets), targets - probability, probability * (1 - probability)
+
+    def predictive_mean(self, mean, variance):
+        return torch.sigmoid(mean / torch.sqrt(1 + _PROBIT_TO_LOGIT * variance))
+
+
+class ProbitBernoulliAdapter(_DiagonalAdapter):
+    name = "Bernoulli (probit link)"
+
+    def _check_support(self, targets: Tensor) -> None:
+        _check_binary(targets)
+
+    def _log_terms(self, latent: Tensor, targets: Tensor) -> Tensor:
+        return torch.special.log_ndtr((2 * targets - 1) * latent)
+
+    def _terms(self, latent, targets):
+        sign = 2 * targets - 1
+        log_cdf = torch.special.log_ndtr(sign * latent)
+        log_pdf = -0.5 * latent.square() - 0.5 * math.log(2 * math.pi)
+        ratio = torch.exp(log_pdf - log_cdf)  # phi(f) / Phi(s f), computed in log space
+        curvature = (ratio * (ratio + sign * latent)).clamp(0, 1)
+        return log_cdf, sign * ratio, curvature
+
+    def predictive_mean(self, mean, variance):
+        return torch.special.ndtr(mean / torch.sqrt(1 + variance))
+
+
+class ExpPoissonAdapter(_DiagonalAdapter):
+    name = "Poisson (exp link)"
+
+    def _check_support(self, targets: Tensor) -> None:
+        _check_counts(targets)
+
+    def _log_terms(self, latent: Tensor, targets: Tensor) -> Tensor:
+        return targets * latent - latent.exp() - torch.lgamma(targets + 1)
+
+    def _terms(self, latent, targets):
+        rate = latent.exp()
+        return self._log_terms(latent, targets), targets - rate, rate
+
+    def predictive_mean(self, mean, variance):
+        return torch.exp(mean + variance / 2)
+
+
+def _log_softplus(latent: Tensor) -> Tensor:
+    r""":math:`\log \log(1 + e^f)`, accurate where :math:`f \ll 0` (there :math:`\approx f - e^f / 2`)."""
+    safe = torch.where(latent < -20, torch.zeros_like(latent), latent)
+    return torch.where(latent < -20, latent - latent.exp() / 2, torch.log(torch.nn.functional.softplus(safe)))
+
+
+class SoftplusPoissonAdapter(_DiagonalAdapter):
+    name = "Poisson (softplus link)"
+
+    def _check_support(self, targets: Tensor) -> None:
+        _check_counts(targets)
+
+    def _log_terms(self, latent: Tensor, targets: Tensor) -> Tensor:
+        rate = torch.nn.functional.softplus(latent)
+        return targets * _log_softplus(latent) - rate - torch.lgamma(targets + 1)
+
+    def _terms(self, latent, targets):
+        rate = torch.nn.functional.softplus(latent)
+        log_rate = _log_softplus(latent)
+        slope = torch.sigmoid(latent)  # lambda'
+        bend = slope * (1 - slope)  # lambda''
+        ratio = torch.exp(torch.nn.functional.logsigmoid(latent) - log_rate)  # lambda' / lambda
+        gradient = targets * ratio - slope
+        curvature = targets * ratio * (ratio - (1 - slope)) + bend
+        log_terms = targets * log_rate - rate - torch.lgamma(targets + 1)
+        return log_terms, gradient, curvature.clamp_min(0)
+
+    def predictive_mean(self, mean, variance):
+        quadrature = gpytorch.utils.quadrature.GaussHermiteQuadrature1D().to(mean.device)
+        marginal = torch.distributions.Normal(mean, variance.clamp_min(0).sqrt())
+        return quadrature(torch.nn.functional.softplus, marginal)
+
+
+class SoftmaxAdapter(LikelihoodAdapter):
+    r"""Softmax over :math:`C` classes: :math:`\mathbf W^{-1}` is the pseudo-inverse of Lemma A.7.
+
+    Actions are projected to zero sum over classes, so that IterGP's covariance converges to the
+    Laplace covariance :math:`(\mathbf K^{-1} + \mathbf W)^{-1}` (SPEC.md). Probabilities are bounded
+    below by ``min_curvature`` inside :math:`\mathbf W^+` (saturated softmax outputs).
+    """
+
+    zero_sum_actions = True
+    name = "Softmax"
+
+    def __init__(self, likelihood: SoftmaxLikelihood, min_curvature: float | None = None):
+        super().__init__(likelihood, min_curvature)
+        if likelihood.mixing_weights is not None:
+            raise ValueError(
+                "SoftmaxLikelihood with mixing_weights=True mixes the latent functions with a learnt C×C matrix, "
+                "which IterNCGP does not support: use SoftmaxLikelihood(num_classes=C, mixing_weights=False) and "
+                "one latent GP per class."
+            )
+        self.num_latents = likelihood.num_classes
+
+    def _check_support(self, targets: Tensor) -> None:
+        if targets.is_floating_point() and bool((targets != targets.round()).any()):
+            raise ValueError("Softmax likelihood: labels must be integers (class indices).")
+        bad = (targets < 0) | (targets >= self.num_latents)
+        if bool(bad.any()):
+            raise ValueError(
+                f"Softmax likelihood: labels must lie in [0, {self.num_latents}); found "
+                f"{targets[bad].unique()[:5].tolist()}."
+            )
+
+    def log_likelihood(self, latent: Tensor, targets: Tensor) -> Tensor:
+        log_probs = torch.log_softmax(latent, dim=-1)
+        return log_probs.gather(-1, targets.long()[:, None]).sum()
+
+    def derivatives(self, latent: Tensor, targets: Tensor) -> LikelihoodDerivatives:
+        log_probs = torch.log_softmax(latent, dim=-1)
+        probabilities = log_probs.exp()
+        one_hot = torch.nn.functional.one_hot(targets.long(), self.num_latents).to(latent.dtype)
+        noise_inverse = SoftmaxPseudoInverse.from_probabilities(probabilities, self._min_curvature(latent.dtype))
+        log_likelihood = (log_probs * one_hot).sum()
+        return LikelihoodDerivatives(log_likelihood, one_hot - probabilities, noise_inverse)
+
+    def project(self, vectors: Tensor) -> Tensor:
+        return project_to_zero_sum(vectors, self.num_latents)
+
+    def predictive_mean(self, mean, variance):
+        return torch.softmax(mean / torch.sqrt(1 + _PROBIT_TO_LOGIT * variance), dim=-1)
+
+
+class AutogradAdapter(LikelihoodAdapter):
+    r"""Any factorising likelihood: :math:`\mathbf g` and the :math:`C \times C` blocks of :math:`\mathbf W` by autograd.
+
+    Uses ``likelihood.forward(f).log_prob(y)``. :math:`C` is 1 unless the likelihood has ``num_classes``
+    or ``num_tasks``. Raises a ``ValueError`` if :math:`\mathbf W` is not positive semi-definite at the
+    current latent values (the likelihood is not log-concave there).
+    """
+
+    name = "autograd"
+
+    def __init__(self, likelihood: Likelihood, min_curvature: float | None = None):
+        super().__init__(likelihood, min_curvature)
+        self.num_latents = int(getattr(likelihood, "num_classes", None) or getattr(likelihood, "num_tasks", None) or 1)
+        self.name = type(likelihood).__name__
+
+    def _distribution(self, latent: Tensor):
+        return self.likelihood.forward(latent[:, 0] if self.num_latents == 1 else latent)
+
+    def _check_support(self, targets: Tensor) -> None:
+        support = getattr(self._distribution(torch.zeros(len(targets), self.num_latents)), "support", None)
+        if support is not None and not bool(support.check(targets.double()).all()):
+            raise ValueError(f"{self.name}: train_targets lie outside the likelihood's support ({support}).")
+
+    def log_likelihood(self, latent: Tensor, targets: Tensor) -> Tensor:
+        return self._distribution(latent).log_prob(targets).sum()
+
+    def derivatives(self, latent: Tensor, targets: Tensor) -> LikelihoodDerivatives:
+        with torch.enable_grad():
+            latent = latent.detach().requires_grad_(True)
+            log_likelihood = self.log_likelihood(latent, targets)
+            (gradient,) = torch.autograd.grad(log_likelihood, latent, create_graph=True)
+            # The log-likelihood factorises over data points, so row c of every block is the
+            # gradient of sum_n g_nc.
+            rows = [
+                torch.autograd.grad(-gradient[:, c].sum(), latent, retain_graph=c < self.num_latents - 1)[0]
+                for c in range(self.num_latents)
+            ]
+        curvature = torch.stack(rows, dim=-2).detach()  # (N, C, C)
+        gradient = gradient.detach()
+        if not (bool(torch.isfinite(curvature).all()) and bool(torch.isfinite(gradient).all())):
+            raise FloatingPointError(f"{self.name}: the gradient or curvature of the log-likelihood is not finite.")
+        min_curvature = self._min_curvature(latent.dtype)
+        scale = curvature.diagonal(dim1=-2, dim2=-1).abs().max().clamp_min(1.0)
+        smallest = torch.linalg.eigvalsh(curvature).min() if self.num_latents > 1 else curvature.min()
+        if smallest < -1e3 * torch.finfo(latent.dtype).eps * scale:
+            raise ValueError(
+                f"{self.name} is not log-concave at the current latent values: W = -d²log p(y|f)/df² has an "
+                f"eigenvalue {float(smallest):.3g} < 0, so Newton's method / Laplace inference cannot use it."
+            )
+        if self.num_latents == 1:
+            noise_inverse = DiagonalNoiseInverse.from_curvature(curvature[:, 0, 0], min_curvature)
+        else:
+            noise_inverse = BlockNoiseInverse.from_curvature(curvature, min_curvature)
+        return LikelihoodDerivatives(log_likelihood.detach(), gradient, noise_inverse)
+
+
+def likelihood_adapter(likelihood: Likelihood, min_curvature: float | None = None) -> LikelihoodAdapter:
+    """The adapter for a GPyTorch likelihood: closed forms where known, autograd otherwise.
+
+    :raises TypeError: if ``likelihood`` is not a GPyTorch likelihood.
+    :raises ValueError: for likelihoods that are known not to be log-concave.
+    """
+    if not isinstance(likelihood, Likelihood):
+        raise TypeError(f"likelihood must be a gpytorch.likelihoods.Likelihood, got {type(likelihood).__name__}.")
+    if isinstance(likelihood, StudentTLikelihood):
+        raise ValueError(
+            "StudentTLikelihood is not log-concave (its curvature turns negative for large residuals), so the "
+            "Laplace approximation by Newton's method is not defined for it."
+        )
+    closed_forms = [
+        (LogitBernoulliLikelihood, LogitBernoulliAdapter),
+        (BernoulliLikelihood, ProbitBernoulliAdapter),
+        (ExpPoissonLikelihood, ExpPoissonAdapter),
+        (PoissonLikelihood, SoftplusPoissonAdapter),
+        (SoftmaxLikelihood, SoftmaxAdapter),
+    ]
+    for likelihood_type, adapter_type in closed_forms:
+        if type(likelihood) is likelihood_type:
+            return adapter_type(likelihood, min_curvature)
+    return AutogradAdapter(likelihood, min_curvature)

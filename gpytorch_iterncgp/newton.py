@@ -1,0 +1,329 @@
+r"""The outer loop: damped Newton's method as a sequence of GP regressions (paper, Algorithm 1).
+
+With :math:`\mathbf f = \mathbf m + \mathbf K \mathbf a`, step :math:`i` computes
+:math:`\mathbf W_i = \mathbf W(\mathbf f_i)`, the pseudo-targets
+:math:`\hat{\mathbf y}_i = \mathbf f_i + \mathbf W_i^{-1} \mathbf g(\mathbf f_i)` and solves the regression
+:math:`(\mathbf K + \mathbf W_i^{-1}) \mathbf v_i = \hat{\mathbf y}_i - \mathbf m` with IterGP, recycling
+the actions of the earlier steps. The candidate :math:`\mathbf f_{i+1} = \mathbf m + \mathbf K \mathbf v_i`
+is accepted if it increases the log posterior
+
+.. math::
+    \Psi(\mathbf f) = \ell(\mathbf f) - \tfrac12 (\mathbf f - \mathbf m)^\top \mathbf a ,
+
+otherwise the step is halved, :math:`\mathbf a \leftarrow \mathbf a_i + \alpha (\mathbf v_i - \mathbf a_i)`,
+:math:`\alpha = \tfrac12, \tfrac14, \dots` (damping; the undamped iteration diverges outside benign
+settings, SPEC.md). :math:`\mathbf K \mathbf v_i` comes from the solver's buffers, so :math:`\Psi` costs no
+product with :math:`\mathbf K`. The loop stops when
+:math:`\|\mathbf a_{i+1} - \mathbf a_i\| \le \text{outer\_tol} \, \|\mathbf a_i\|`.
+
+After the loop, a virtual solver run at :math:`\mathbf W(\hat{\mathbf f})` over all buffered actions makes the
+approximate precision :math:`\mathbf C = \mathbf Q \mathbf Q^\top` that of the final mode (no product with
+:math:`\mathbf K`), so that the posterior covariance is :math:`\mathbf K - \mathbf K \mathbf C \mathbf K`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from .likelihoods import LikelihoodAdapter
+from .policies import Policy
+from .prior import LatentPrior
+from .recycling import ActionBuffer, virtual_solver_run
+from .solver import NumericalBreakdownWarning, itergp_solve
+
+
+@dataclass
+class SolverOptions:
+    """Settings of the Newton loop and of IterGP (see :class:`~gpytorch_iterncgp.IterNCGPStrategy`)."""
+
+    max_newton_steps: int = 20
+    max_solver_iterations: int | None = 5
+    outer_tol: float = 1e-2
+    abs_tol: float = 1e-5
+    rel_tol: float = 1e-5
+    compression_rank: int | None = None
+    recycle: bool = True
+    min_step_size: float = 2.0**-10
+
+    def validate(self) -> None:
+        """:raises ValueError: naming the option that is out of range."""
+        if not (isinstance(self.max_newton_steps, int) and self.max_newton_steps >= 0):
+            raise ValueError(f"max_newton_steps must be a non-negative integer, got {self.max_newton_steps!r}.")
+        if self.max_solver_iterations is not None and not (
+            isinstance(self.max_solver_iterations, int) and self.max_solver_iterations >= 1
+        ):
+            raise ValueError(
+                f"max_solver_iterations must be a positive integer or None, got {self.max_solver_iterations!r}."
+            )
+        if self.compression_rank is not None and not (
+            isinstance(self.compression_rank, int) and self.compression_rank >= 1
+        ):
+            raise ValueError(f"compression_rank must be a positive integer or None, got {self.compression_rank!r}.")
+        for name in ("outer_tol", "abs_tol", "rel_tol"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a non-negative number, got {value!r}.")
+        if not 0 < self.min_step_size <= 1:
+            raise ValueError(f"min_step_size must lie in (0, 1], got {self.min_step_size!r}.")
+
+
+@dataclass
+class LaplaceState:
+    r"""Where the Newton loop stands; all a fitted model needs to predict and to continue.
+
+    ``n = N C`` (data-major), ``r`` the rank of :math:`\mathbf C`, ``B`` the number of buffered actions.
+    """
+
+    representer_weights: Tensor  # a, (n,): f = m + K a
+    kernel_representer_weights: Tensor  # K a, (n,)
+    precision_root: Tensor  # Q, (n, r): C = Q Q^T
+    kernel_precision_root: Tensor  # K Q, (n, r)
+    actions: Tensor  # S, (n, B)
+    kernel_actions: Tensor  # K S, (n, B)
+    log_posterior: float = -math.inf
+    newton_steps: int = 0
+
+    @classmethod
+    def initial(cls, size: int, dtype: torch.dtype, device: torch.device) -> LaplaceState:
+        """The prior: :math:`\\mathbf a = \\mathbf 0`, no actions."""
+        zeros = torch.zeros(size, dtype=dtype, device=device)
+        empty = torch.zeros(size, 0, dtype=dtype, device=device)
+        return cls(zeros, zeros.clone(), empty, empty.clone(), empty.clone(), empty.clone())
+
+    def tensors(self) -> dict[str, Tensor]:
+        return {name: getattr(self, name) for name in TENSOR_FIELDS}
+
+
+TENSOR_FIELDS = (
+    "representer_weights",
+    "kernel_representer_weights",
+    "precision_root",
+    "kernel_precision_root",
+    "actions",
+    "kernel_actions",
+)
+
+
+@dataclass
+class NewtonStep:
+    """One Newton step as recorded in the :class:`FitReport`."""
+
+    step: int
+    log_posterior: float
+    step_size: float  # 1 (full step), 1/2, 1/4, ... (damped) or 0 (rejected)
+    solver_iterations: int
+    residual_norm: float
+    relative_change: float
+    kernel_products: int
+
+
+@dataclass
+class FitReport:
+    """What a call of :meth:`~gpytorch_iterncgp.IterNCGPStrategy.fit` did."""
+
+    newton_steps: int = 0
+    solver_iterations: int = 0
+    kernel_products: int = 0  # calls of the kernel matmul
+    kernel_columns: int = 0  # vectors multiplied by K in those calls
+    converged: bool = False
+    breakdown: bool = False
+    stopped_by_callback: bool = False
+    wall_time: float = 0.0
+    steps: list[NewtonStep] = field(default_factory=list)
+
+    @property
+    def log_posteriors(self) -> list[float]:
+        return [step.log_posterior for step in self.steps]
+
+    @property
+    def residual_norms(self) -> list[float]:
+        return [step.residual_norm for step in self.steps]
+
+    @property
+    def step_sizes(self) -> list[float]:
+        return [step.step_size for step in self.steps]
+
+    def __str__(self) -> str:
+        last = self.steps[-1] if self.steps else None
+        return (
+            f"IterNCGP fit: {self.newton_steps} Newton steps, {self.solver_iterations} solver iterations, "
+            f"{self.kernel_products} products with K, converged={self.converged}, breakdown={self.breakdown}, "
+            f"log posterior={last.log_posterior if last else float('nan'):.6g}, "
+            f"residual={last.residual_norm if last else float('nan'):.3g}, {self.wall_time:.2f}s"
+        )
+
+
+def _log_posterior(adapter, latent, targets, weights, kernel_weights) -> float:
+    return float(adapter.log_likelihood(latent, targets)) - 0.5 * float(kernel_weights @ weights)
+
+
+def run_newton(
+    prior: LatentPrior,
+    adapter: LikelihoodAdapter,
+    targets: Tensor,
+    state: LaplaceState,
+    options: SolverOptions,
+    policy: Policy,
+    commit: Callable[[LaplaceState], None],
+    callback: Callable[[NewtonStep, LaplaceState], bool | None] | None = None,
+    show_progress: bool = True,
+) -> FitReport:
+    """Run damped Newton steps from ``state``; hand every completed step's state to ``commit``.
+
+    :param prior: the GP prior at the training inputs (its matmul is the one product with K).
+    :param adapter: the likelihood's derivatives.
+    :param targets: validated targets ``(N,)``.
+    :param state: where to start (:meth:`LaplaceState.initial` for the prior).
+    :param options: tolerances and limits.
+    :param policy: IterGP's policy (already prepared for the problem size).
+    :param commit: receives the state after every completed step and after the final update of the
+        precision, so an interrupted fit leaves the last completed step behind.
+    :param callback: called after every step with its record and the state; returning ``True`` stops.
+    :param show_progress: show a tqdm progress bar.
+    """
+    start_time = time.perf_counter()
+    products_before, columns_before = prior.products, prior.columns
+    prior_mean = prior.mean.reshape(-1)
+    num_latents = adapter.num_latents
+    report = FitReport()
+    eps = torch.finfo(prior_mean.dtype).eps
+    num_data = len(prior_mean) // num_latents
+    action_space_dimension = num_data * (num_latents - 1) if adapter.zero_sum_actions else num_data * num_latents
+
+    def latent_of(kernel_weights: Tensor) -> Tensor:
+        return (prior_mean + kernel_weights).reshape(-1, num_latents)
+
+    weights, kernel_weights = state.representer_weights, state.kernel_representer_weights
+    psi = _log_posterior(adapter, latent_of(kernel_weights), targets, weights, kernel_weights)
+    buffer = ActionBuffer.from_tensors(state.actions, state.kernel_actions)
+    derivatives = None
+    progress = tqdm(total=options.max_newton_steps, desc="IterNCGP", disable=not show_progress, leave=False)
+    try:
+        for _ in range(options.max_newton_steps):
+            products_at_step = prior.products
+            derivatives = adapter.derivatives(latent_of(kernel_weights), targets)
+            noise_inverse = derivatives.noise_inverse
+            gradient_step = noise_inverse.matmul(derivatives.gradient.reshape(-1, 1))[:, 0]
+            if not (bool(torch.isfinite(gradient_step).all()) and math.isfinite(float(derivatives.log_likelihood))):
+                warnings.warn(
+                    "IterNCGP: the likelihood's gradient or curvature is not finite at the current latent values; "
+                    "stopping with the posterior of the last completed Newton step.",
+                    NumericalBreakdownWarning,
+                    stacklevel=3,
+                )
+                report.breakdown = True
+                break
+            if not options.recycle:
+                buffer = ActionBuffer.empty(len(prior_mean), prior_mean.dtype, prior_mean.device)
+                policy.reset()
+            rhs = kernel_weights + gradient_step  # pseudo-targets minus prior mean
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", NumericalBreakdownWarning)
+                result = itergp_solve(
+                    prior.matmul,
+                    noise_inverse,
+                    rhs,
+                    buffer,
+                    policy,
+                    project=adapter.project if adapter.zero_sum_actions else None,
+                    max_iterations=options.max_solver_iterations,
+                    abs_tol=options.abs_tol,
+                    rel_tol=options.rel_tol,
+                    compression_rank=options.compression_rank,
+                    action_space_dimension=action_space_dimension,
+                )
+            for warning in caught:
+                warnings.warn(warning.message, warning.category, stacklevel=3)
+            report.breakdown |= result.breakdown
+            buffer = result.buffer
+
+            # Damping: halve the step until the log posterior does not decrease.
+            step_size = 1.0
+            new_weights, new_kernel_weights = result.representer_weights, result.kernel_representer_weights
+            while True:
+                new_psi = _log_posterior(
+                    adapter, latent_of(new_kernel_weights), targets, new_weights, new_kernel_weights
+                )
+                if new_psi >= psi - 100 * eps * max(1.0, abs(psi)) and math.isfinite(new_psi):
+                    break
+                step_size /= 2
+                if step_size < options.min_step_size:
+                    step_size = 0.0
+                    new_weights, new_kernel_weights, new_psi = weights, kernel_weights, psi
+                    break
+                new_weights = weights + step_size * (result.representer_weights - weights)
+                new_kernel_weights = kernel_weights + step_size * (result.kernel_representer_weights - kernel_weights)
+
+            change = float((new_weights - weights).norm())
+            previous_norm = float(weights.norm())
+            relative_change = change / previous_norm if previous_norm > 0 else (0.0 if change == 0 else math.inf)
+            weights, kernel_weights, psi = new_weights, new_kernel_weights, new_psi
+            state = LaplaceState(
+                weights,
+                kernel_weights,
+                result.precision.root_tensor,
+                result.kernel_precision_root,
+                buffer.actions.value,
+                buffer.kernel_actions.value,
+                psi,
+                state.newton_steps + 1,
+            )
+            commit(state)
+            record = NewtonStep(
+                step=state.newton_steps,
+                log_posterior=psi,
+                step_size=step_size,
+                solver_iterations=result.iterations,
+                residual_norm=result.residual_norm,
+                relative_change=relative_change,
+                kernel_products=prior.products - products_at_step,
+            )
+            report.steps.append(record)
+            report.newton_steps += 1
+            report.solver_iterations += result.iterations
+            progress.update(1)
+            progress.set_postfix(log_posterior=f"{psi:.5g}", residual=f"{result.residual_norm:.2g}")
+            if step_size == 0.0 and (not options.recycle or result.iterations == 0):
+                warnings.warn(
+                    "IterNCGP: no step along the Newton direction increases the log posterior; stopping.",
+                    NumericalBreakdownWarning,
+                    stacklevel=3,
+                )
+                break
+            if callback is not None and callback(record, state):
+                report.stopped_by_callback = True
+                break
+            if step_size > 0 and relative_change <= options.outer_tol:
+                report.converged = True
+                break
+    finally:
+        progress.close()
+
+    if report.newton_steps > 0:
+        # The precision of the final mode: a virtual solver run at W(f) over every buffered action.
+        final = adapter.derivatives(latent_of(kernel_weights), targets)
+        if bool(torch.isfinite(final.noise_inverse.diagonal()).all()):
+            virtual = virtual_solver_run(buffer, final.noise_inverse)
+            state = LaplaceState(
+                weights,
+                kernel_weights,
+                virtual.precision_root,
+                virtual.kernel_precision_root,
+                virtual.buffer.actions.value,
+                virtual.buffer.kernel_actions.value,
+                psi,
+                state.newton_steps,
+            )
+            commit(state)
+    report.kernel_products = prior.products - products_before
+    report.kernel_columns = prior.columns - columns_before
+    report.wall_time = time.perf_counter() - start_time
+    return report

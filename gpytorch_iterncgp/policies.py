@@ -1,0 +1,109 @@
+r"""Policies: how IterGP chooses its next action :math:`\mathbf s_j`.
+
+A policy maps the current residual :math:`\mathbf r_{j-1} = \mathbf b - \hat{\mathbf K} \mathbf v_{j-1}`
+(shape ``(N C,)``, data-major) to an action of the same shape. The solver normalises the action,
+projects it (softmax: onto :math:`\operatorname{range}(\mathbf W)`) and makes it
+:math:`\hat{\mathbf K}`-conjugate to the previous ones.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class Policy:
+    """Base class. Subclasses implement :meth:`__call__`; stateful ones also :meth:`reset`."""
+
+    def prepare(self, num_data: int, num_latents: int, zero_sum_actions: bool) -> None:
+        """Called by the solver before use with the problem's size.
+
+        :param num_data: :math:`N`.
+        :param num_latents: :math:`C`.
+        :param zero_sum_actions: whether actions are projected to zero sum over the classes of each
+            point (softmax), so that only :math:`C - 1` independent directions exist per point.
+        """
+
+    def reset(self) -> None:
+        """Forget the actions taken so far (called when the solver drops its action buffer)."""
+
+    def __call__(self, residual: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def state(self) -> dict:
+        """What a saved model needs to continue the same sequence of actions."""
+        return {}
+
+    def load_state(self, state: dict) -> None:
+        """Inverse of :meth:`state`."""
+
+
+class ConjugateGradientPolicy(Policy):
+    r"""CG: the action is the residual, :math:`\mathbf s_j = \mathbf r_{j-1}`.
+
+    With :math:`\hat{\mathbf K}`-conjugation this is the method of conjugate gradients; its posterior
+    mean after :math:`j` iterations is the CG iterate.
+    """
+
+    def __call__(self, residual: Tensor) -> Tensor:
+        return residual
+
+
+class UnitVectorPolicy(Policy):
+    r"""Unit vectors :math:`\mathbf s_j = \mathbf e_{k_j}`: a subset of the data (partial Cholesky).
+
+    Visits data points in a fixed order (a seeded random permutation, or ``order``), and for each
+    point its latent coordinates ``n * C + c`` one after the other (all but the last when the actions
+    have zero sum over classes, whose last coordinate is then redundant). After all coordinates it
+    starts over; with recycling and compression the dropped directions are thereby revisited.
+
+    :param order: data point indices in the order to visit them (default: random with ``seed``).
+    :param seed: seed of the random order.
+    """
+
+    def __init__(self, order: Tensor | None = None, seed: int = 0):
+        self.order = None if order is None else torch.as_tensor(order, dtype=torch.long)
+        self.seed = seed
+        self.position = 0
+        self._coordinates: Tensor | None = None
+
+    def prepare(self, num_data: int, num_latents: int, zero_sum_actions: bool) -> None:
+        if self.order is None:
+            generator = torch.Generator().manual_seed(self.seed)
+            order = torch.randperm(num_data, generator=generator)
+        else:
+            order = self.order
+            if order.dim() != 1 or len(order) == 0 or order.min() < 0 or order.max() >= num_data:
+                raise ValueError(f"UnitVectorPolicy: order must be a 1-D list of data indices in [0, {num_data}).")
+        latents_used = num_latents - 1 if (zero_sum_actions and num_latents > 1) else num_latents
+        self._coordinates = (order[:, None] * num_latents + torch.arange(latents_used)).flatten()
+
+    def reset(self) -> None:
+        self.position = 0
+
+    def __call__(self, residual: Tensor) -> Tensor:
+        if self._coordinates is None:
+            raise RuntimeError("UnitVectorPolicy.prepare must be called before use.")
+        coordinate = self._coordinates[self.position % len(self._coordinates)]
+        self.position += 1
+        action = torch.zeros_like(residual)
+        action[coordinate] = 1.0
+        return action
+
+    def state(self) -> dict:
+        return {"position": self.position}
+
+    def load_state(self, state: dict) -> None:
+        self.position = int(state.get("position", 0))
+
+
+POLICIES = {"cg": ConjugateGradientPolicy, "unit": UnitVectorPolicy}
+
+
+def make_policy(policy: str | Policy, seed: int = 0) -> Policy:
+    """A policy from its name (``"cg"`` or ``"unit"``) or a :class:`Policy` instance."""
+    if isinstance(policy, Policy):
+        return policy
+    if isinstance(policy, str) and policy.lower() in POLICIES:
+        return UnitVectorPolicy(seed=seed) if policy.lower() == "unit" else ConjugateGradientPolicy()
+    raise ValueError(f"Unknown policy {policy!r}: use 'cg', 'unit' or a gpytorch_iterncgp.Policy instance.")

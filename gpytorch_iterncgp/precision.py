@@ -1,0 +1,87 @@
+r"""The low-rank approximate precision :math:`\mathbf C_j = \mathbf Q \mathbf Q^\top \approx \hat{\mathbf K}^{-1}`.
+
+IterGP's belief about :math:`\hat{\mathbf K}^{-1} = (\mathbf K + \mathbf W^{-1})^{-1}` after :math:`j`
+actions is the rank-:math:`j` matrix :math:`\mathbf C_j = \mathbf S (\mathbf S^\top \hat{\mathbf K}
+\mathbf S)^{-1} \mathbf S^\top = \mathbf Q \mathbf Q^\top`, with :math:`\hat{\mathbf K}`-conjugate
+columns :math:`\mathbf q_i`. Each solver iteration appends one column; old columns never change.
+"""
+
+from __future__ import annotations
+
+import torch
+from linear_operator.operators import LowRankRootLinearOperator
+from torch import Tensor
+
+
+class ColumnStore:
+    r"""A matrix ``(n, k)`` that grows by one column at a time without copying its old columns.
+
+    Storage is allocated with spare capacity and doubled when full, so appending a column costs
+    :math:`O(n)` amortised. :attr:`value` is a view of the filled part; views handed out earlier stay
+    valid, because appending only writes beyond them.
+
+    :param columns: the initial columns, shape ``(n, k)``.
+    """
+
+    def __init__(self, columns: Tensor):
+        self._storage = columns
+        self.size = columns.shape[-1]
+
+    @property
+    def value(self) -> Tensor:
+        """The filled columns, shape ``(n, size)``."""
+        return self._storage[:, : self.size]
+
+    def append(self, column: Tensor) -> None:
+        """Append ``column`` (shape ``(n,)``) as the last column."""
+        if self.size == self._storage.shape[-1]:
+            capacity = max(8, 2 * self.size)
+            storage = self._storage.new_empty(self._storage.shape[0], capacity)
+            storage[:, : self.size] = self.value
+            self._storage = storage
+        self._storage[:, self.size] = column
+        self.size += 1
+
+
+class LowRankPrecision(LowRankRootLinearOperator):
+    r"""Approximate precision :math:`\mathbf C = \mathbf Q \mathbf Q^\top` of size ``(N C, N C)``.
+
+    Positive semi-definite with rank :math:`j` (the number of columns of :math:`\mathbf Q`).
+    :math:`\mathbf C \mathbf b` is IterGP's estimate of :math:`\hat{\mathbf K}^{-1} \mathbf b`, and the
+    posterior covariance :math:`\mathbf K - \mathbf K \mathbf C \mathbf K` includes the computational
+    uncertainty of having stopped after :math:`j` iterations.
+
+    :param root: :math:`\mathbf Q`, shape ``(N C, j)``.
+    """
+
+    def __init__(self, root: Tensor):
+        super().__init__(root)
+        self._store: ColumnStore | None = None
+
+    @property
+    def root_tensor(self) -> Tensor:
+        r""":math:`\mathbf Q` as a dense tensor ``(N C, j)``."""
+        return self.root.to_dense()
+
+    @property
+    def rank(self) -> int:
+        return self.root.shape[-1]
+
+    def append(self, column: Tensor) -> LowRankPrecision:
+        r"""Return :math:`\mathbf C + \mathbf q \mathbf q^\top` for a new column ``q`` (shape ``(N C,)``).
+
+        The old columns are neither recomputed nor copied (amortised :math:`O(N C)`); ``self`` is
+        left unchanged.
+        """
+        store = self._store
+        if store is None or store.size != self.rank:
+            store = ColumnStore(self.root_tensor)
+        store.append(column)
+        grown = LowRankPrecision(store.value)
+        grown._store = store
+        return grown
+
+    @classmethod
+    def empty(cls, size: int, dtype: torch.dtype, device: torch.device) -> LowRankPrecision:
+        """The zero precision (no action taken yet) of size ``(size, size)``."""
+        return cls(torch.zeros(size, 0, dtype=dtype, device=device))

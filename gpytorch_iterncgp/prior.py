@@ -1,0 +1,148 @@
+r"""The GP prior over data-major latents, as the Newton loop and the predictions see it.
+
+A GPyTorch model's ``forward(x)`` returns one of
+
+* a :class:`~gpytorch.distributions.MultivariateNormal` without batch shape: one GP (:math:`C = 1`),
+  or one kernel shared by all :math:`C` classes, :math:`\mathbf K = \mathbf K_x \otimes \mathbf I_C`;
+* a ``MultivariateNormal`` with ``batch_shape=[C]``: :math:`C` independent GPs;
+* a :class:`~gpytorch.distributions.MultitaskMultivariateNormal` (correlated outputs).
+
+:class:`LatentPrior` hides the difference: its mean is ``(N, C)`` and :meth:`LatentPrior.matmul` multiplies
+data-major ``(N C, k)`` blocks by :math:`\mathbf K` with *one* call of the kernel's matmul (a shared kernel
+is one ``N × (C k)`` product, independent kernels one batched product). It counts those calls.
+"""
+
+from __future__ import annotations
+
+import torch
+from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
+from linear_operator.operators import (
+    BlockInterleavedLinearOperator,
+    IdentityLinearOperator,
+    KroneckerProductLinearOperator,
+    LinearOperator,
+)
+from torch import Tensor
+
+SINGLE, SHARED, INDEPENDENT, MULTITASK = "single", "shared", "independent", "multitask"
+
+
+class LatentPrior:
+    r"""Prior mean ``(N, C)`` and covariance :math:`\mathbf K` (``(N C, M C)``, data-major) of the latents.
+
+    :param mean: prior mean in the layout of ``layout`` (see :meth:`from_distribution`).
+    :param covariance: the kernel matrix as GPyTorch returned it (``(N, M)``, ``(C, N, M)`` or
+        ``(N C, M C)``).
+    :param layout: one of ``"single"``, ``"shared"``, ``"independent"``, ``"multitask"``.
+    :param num_latents: :math:`C`.
+    """
+
+    def __init__(self, mean: Tensor, covariance: LinearOperator, layout: str, num_latents: int):
+        self._mean = mean
+        self.covariance = covariance
+        self.layout = layout
+        self.num_latents = num_latents
+        self.products = 0  # calls of the kernel's matmul
+        self.columns = 0  # columns multiplied in those calls
+
+    @classmethod
+    def from_distribution(cls, distribution: MultivariateNormal, num_latents: int) -> LatentPrior:
+        """Read the layout from the output of a model's ``forward``.
+
+        :raises ValueError: if its shape does not fit ``num_latents`` (e.g. a batch model for C = 1).
+        """
+        if isinstance(distribution, MultitaskMultivariateNormal):
+            if distribution.num_tasks != num_latents:
+                raise ValueError(
+                    f"The model returns a MultitaskMultivariateNormal with {distribution.num_tasks} tasks, but the "
+                    f"likelihood needs {num_latents} latent functions."
+                )
+            covariance = distribution.lazy_covariance_matrix
+            if not distribution._interleaved:
+                raise ValueError("IterNCGP needs an interleaved MultitaskMultivariateNormal (data-major order).")
+            return cls(distribution.mean, covariance, MULTITASK, num_latents)
+        if not isinstance(distribution, MultivariateNormal):
+            raise TypeError(f"The model's forward must return a MultivariateNormal, got {type(distribution).__name__}.")
+        batch_shape = tuple(distribution.batch_shape)
+        if batch_shape == ():
+            layout = SINGLE if num_latents == 1 else SHARED
+            return cls(distribution.mean, distribution.lazy_covariance_matrix, layout, num_latents)
+        if batch_shape == (num_latents,) and num_latents > 1:
+            return cls(distribution.mean, distribution.lazy_covariance_matrix, INDEPENDENT, num_latents)
+        raise ValueError(
+            f"The model's forward returns batch_shape {list(batch_shape)}; with {num_latents} latent function(s) "
+            f"IterNCGP expects batch_shape [] (one kernel{' shared by all classes' if num_latents > 1 else ''})"
+            + (f" or [{num_latents}] (one GP per class)." if num_latents > 1 else ".")
+        )
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(N, M)``: the number of row and column points."""
+        rows, cols = self.covariance.shape[-2:]
+        if self.layout == MULTITASK:
+            return rows // self.num_latents, cols // self.num_latents
+        return rows, cols
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._mean.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._mean.device
+
+    @property
+    def mean(self) -> Tensor:
+        """Prior mean at the row points, ``(N, C)``."""
+        if self.layout == SINGLE:
+            return self._mean[:, None]
+        if self.layout == SHARED:
+            return self._mean[:, None].expand(-1, self.num_latents)
+        if self.layout == INDEPENDENT:
+            return self._mean.mT
+        return self._mean
+
+    def block(self, rows: slice, cols: slice) -> LatentPrior:
+        """The prior restricted to row points ``rows`` and column points ``cols`` (lazy; nothing is evaluated)."""
+        if self.layout == MULTITASK:
+            num = self.num_latents
+            scaled_rows = slice(rows.start * num if rows.start else None, rows.stop * num if rows.stop else None)
+            scaled_cols = slice(cols.start * num if cols.start else None, cols.stop * num if cols.stop else None)
+            return LatentPrior(self._mean[rows], self.covariance[scaled_rows, scaled_cols], self.layout, num)
+        return LatentPrior(self._mean[..., rows], self.covariance[..., rows, cols], self.layout, self.num_latents)
+
+    def matmul(self, rhs: Tensor) -> Tensor:
+        r""":math:`\mathbf K \mathbf X` for data-major ``X`` of shape ``(M C, k)``; returns ``(N C, k)``.
+
+        One call of the underlying kernel matmul, whatever :math:`C` and :math:`k`.
+        """
+        num_rows, num_cols = self.shape
+        num, width = self.num_latents, rhs.shape[-1]
+        self.products += 1
+        self.columns += width
+        if self.layout in (SINGLE, MULTITASK):
+            return self.covariance.matmul(rhs)
+        if self.layout == SHARED:
+            product = self.covariance.matmul(rhs.reshape(num_cols, num * width))
+            return product.reshape(num_rows * num, width)
+        per_class = rhs.reshape(num_cols, num, width).permute(1, 0, 2)
+        product = self.covariance.matmul(per_class)  # (C, N, k)
+        return product.permute(1, 0, 2).reshape(num_rows * num, width)
+
+    def diagonal(self) -> Tensor:
+        """The prior variances, data-major ``(N C,)`` (square blocks only)."""
+        diagonal = self.covariance.diagonal(dim1=-2, dim2=-1)
+        if self.layout == SHARED:
+            return diagonal[:, None].expand(-1, self.num_latents).reshape(-1)
+        if self.layout == INDEPENDENT:
+            return diagonal.mT.reshape(-1)
+        return diagonal
+
+    def data_major_covariance(self) -> LinearOperator:
+        r"""The square covariance as one data-major ``(N C, N C)`` LinearOperator (lazy)."""
+        if self.layout in (SINGLE, MULTITASK):
+            return self.covariance
+        if self.layout == SHARED:
+            identity = IdentityLinearOperator(self.num_latents, dtype=self.dtype, device=self.device)
+            return KroneckerProductLinearOperator(self.covariance, identity)
+        return BlockInterleavedLinearOperator(self.covariance, block_dim=-3)

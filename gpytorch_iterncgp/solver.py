@@ -1,0 +1,158 @@
+r"""IterGP: a probabilistic linear solver for :math:`\hat{\mathbf K} \mathbf v = \mathbf b` (paper, Algorithm 2).
+
+:math:`\hat{\mathbf K} = \mathbf K + \mathbf W^{-1}` (``(N C, N C)``, data-major). Starting from the
+virtual solver run over recycled actions (Algorithm 3), each iteration
+
+.. math::
+    \mathbf r &= \mathbf b - \hat{\mathbf K} \mathbf v, \quad \mathbf s = \text{policy}(\mathbf r), \quad
+    \mathbf t = \mathbf K \mathbf s \ \text{(the one product with } \mathbf K\text{)}, \\
+    \mathbf d &= \mathbf s - \mathbf Q \mathbf Q^\top \hat{\mathbf K} \mathbf s, \quad
+    \eta = \mathbf d^\top \hat{\mathbf K} \mathbf d, \quad
+    \mathbf Q \leftarrow [\mathbf Q, \mathbf d / \sqrt\eta], \quad
+    \mathbf v \leftarrow \mathbf v + \mathbf d \, (\mathbf d^\top \mathbf r) / \eta .
+
+:math:`\mathbf v`, :math:`\mathbf Q` and :math:`\mathbf d` lie in :math:`\operatorname{span}(\mathbf S)`,
+so :math:`\mathbf K \mathbf v` and :math:`\mathbf K \mathbf Q` are tracked from :math:`\mathbf T = \mathbf K
+\mathbf S` and every iteration multiplies by :math:`\mathbf K` exactly once. The conjugation is done twice
+(classical Gram–Schmidt with re-orthogonalisation in the :math:`\hat{\mathbf K}` inner product), which
+needs no further product with :math:`\mathbf K`.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from linear_operator.operators import LinearOperator
+from torch import Tensor
+
+from .policies import Policy
+from .precision import ColumnStore, LowRankPrecision
+from .recycling import ActionBuffer, virtual_solver_run
+
+
+class NumericalBreakdownWarning(RuntimeWarning):
+    """The solver stopped early because of a numerical breakdown; its result is still usable."""
+
+
+@dataclass
+class IterGPResult:
+    r"""What one IterGP solve returns. Shapes use :math:`n = N C` and :math:`r` = rank of :math:`\mathbf C`."""
+
+    representer_weights: Tensor  # v, (n,)
+    kernel_representer_weights: Tensor  # K v, (n,)
+    precision: LowRankPrecision  # C = Q Q^T, (n, n)
+    kernel_precision_root: Tensor  # K Q, (n, r)
+    buffer: ActionBuffer  # S, K S, (n, B)
+    iterations: int
+    residual_norm: float
+    breakdown: bool
+
+
+def itergp_solve(
+    kernel_matmul: Callable[[Tensor], Tensor],
+    noise_inverse: LinearOperator,
+    rhs: Tensor,
+    buffer: ActionBuffer,
+    policy: Policy,
+    project: Callable[[Tensor], Tensor] | None = None,
+    max_iterations: int | None = None,
+    abs_tol: float = 1e-5,
+    rel_tol: float = 1e-5,
+    compression_rank: int | None = None,
+    action_space_dimension: int | None = None,
+) -> IterGPResult:
+    r"""Solve :math:`(\mathbf K + \mathbf W^{-1}) \mathbf v = \mathbf b` approximately, recycling ``buffer``.
+
+    :param kernel_matmul: :math:`\mathbf X \mapsto \mathbf K \mathbf X` for ``(n, k)`` inputs.
+    :param noise_inverse: :math:`\mathbf W^{-1}`, ``(n, n)``.
+    :param rhs: :math:`\mathbf b`, ``(n,)``.
+    :param buffer: recycled actions and their kernel products (computed with the same kernel).
+    :param policy: chooses the actions.
+    :param project: projection applied to actions and residuals (softmax: zero sum per point);
+        convergence is measured on the projected residual.
+    :param max_iterations: at most this many iterations (products with :math:`\mathbf K`); ``None``: until
+        the tolerance is met (at most :math:`n`).
+    :param abs_tol: stop when :math:`\|\mathbf r\| \le \max(\text{abs\_tol}, \text{rel\_tol} \|\mathbf b\|)`.
+    :param rel_tol: see ``abs_tol``.
+    :param compression_rank: :math:`R` for the virtual solver run (``None``: keep every action).
+    :param action_space_dimension: the dimension of the space the projected actions span (default
+        :math:`n`); once :math:`\mathbf C` has this rank it equals :math:`\hat{\mathbf K}^{-1}` there and the
+        solver stops.
+    """
+    project = project or (lambda vectors: vectors)
+    num_rows = rhs.shape[0]
+    limit = num_rows if max_iterations is None else max_iterations
+    full_rank = num_rows if action_space_dimension is None else action_space_dimension
+    virtual = virtual_solver_run(buffer, noise_inverse, compression_rank)
+    buffer = virtual.buffer
+    precision = LowRankPrecision(virtual.precision_root)
+    kernel_precision_root = ColumnStore(virtual.kernel_precision_root)
+
+    coefficients = virtual.precision_root.mT @ rhs
+    weights = virtual.precision_root @ coefficients
+    kernel_weights = virtual.kernel_precision_root @ coefficients
+    tolerance = max(abs_tol, rel_tol * float(project(rhs[:, None]).norm()))
+    eps = torch.finfo(rhs.dtype).eps
+    breakdown = False
+    iterations = 0
+    while True:
+        residual = project((rhs - kernel_weights - noise_inverse.matmul(weights[:, None])[:, 0])[:, None])[:, 0]
+        residual_norm = float(residual.norm())
+        if not math.isfinite(residual_norm):
+            warnings.warn("IterGP: the residual is not finite; stopping.", NumericalBreakdownWarning, stacklevel=3)
+            breakdown = True
+            break
+        if residual_norm <= tolerance or iterations >= limit or precision.rank >= full_rank:
+            break
+        action = project(policy(residual)[:, None])[:, 0]
+        action_norm = action.norm()
+        if not action_norm > 0:
+            breakdown = True
+            warnings.warn(
+                "IterGP: the policy returned a zero action; stopping.", NumericalBreakdownWarning, stacklevel=3
+            )
+            break
+        action = action / action_norm
+        kernel_action = kernel_matmul(action[:, None])[:, 0]
+        root, kernel_root = precision.root_tensor, kernel_precision_root.value
+        noisy_action_norm = float(action @ (kernel_action + noise_inverse.matmul(action[:, None])[:, 0]))
+        direction, kernel_direction = action, kernel_action
+        for _ in range(2):
+            noisy_direction = kernel_direction + noise_inverse.matmul(direction[:, None])[:, 0]
+            conjugation = root.mT @ noisy_direction
+            direction = direction - root @ conjugation
+            kernel_direction = kernel_direction - kernel_root @ conjugation
+        eta = float(direction @ (kernel_direction + noise_inverse.matmul(direction[:, None])[:, 0]))
+        if not eta > 100 * eps * abs(noisy_action_norm):
+            breakdown = True
+            warnings.warn(
+                f"IterGP: numerical breakdown (eta = {eta:.3g} <= 0: the action lies in the span of the previous "
+                f"ones) after {iterations} iterations; stopping with the posterior so far.",
+                NumericalBreakdownWarning,
+                stacklevel=3,
+            )
+            break
+        buffer.append(action, kernel_action)
+        scale = eta**-0.5
+        column, kernel_column = direction * scale, kernel_direction * scale
+        step = column @ residual
+        weights = weights + step * column
+        kernel_weights = kernel_weights + step * kernel_column
+        precision = precision.append(column)
+        kernel_precision_root.append(kernel_column)
+        iterations += 1
+
+    return IterGPResult(
+        representer_weights=weights,
+        kernel_representer_weights=kernel_weights,
+        precision=precision,
+        kernel_precision_root=kernel_precision_root.value,
+        buffer=buffer,
+        iterations=iterations,
+        residual_norm=residual_norm,
+        breakdown=breakdown,
+    )

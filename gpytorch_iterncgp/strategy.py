@@ -1,0 +1,376 @@
+r"""The GPyTorch-facing layer: :class:`IterNCGPStrategy` replaces a ``VariationalStrategy``.
+
+.. code-block:: python
+
+    class Model(gpytorch.models.ApproximateGP):
+        def __init__(self, train_x, train_y, likelihood):
+            strategy = IterNCGPStrategy(self, train_x, train_y, likelihood, policy="cg")
+            super().__init__(strategy)
+            self.mean_module = gpytorch.means.ZeroMean()
+            self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=1.5))
+
+        def forward(self, x):
+            return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+
+    model = Model(train_x, train_y, likelihood)
+    report = model.variational_strategy.fit()
+    model.eval()
+    latent = model(test_x)   # Laplace posterior incl. computational uncertainty
+
+The posterior at inputs :math:`\mathbf X_*` is
+
+.. math::
+    \mathbf m(\mathbf X_*) + \mathbf K_{*X} \mathbf a, \qquad
+    \mathbf K_{**} - \mathbf K_{*X} \mathbf Q \mathbf Q^\top \mathbf K_{X*},
+
+where :math:`\mathbf a` are the representer weights of the (approximate) mode and
+:math:`\mathbf C = \mathbf Q \mathbf Q^\top` is IterGP's approximate precision: the covariance is wider than
+the exact Laplace covariance by exactly the error of having stopped the solver early.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import gpytorch
+import torch
+from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
+from linear_operator.operators import MatmulLinearOperator
+from torch import Tensor
+
+from .likelihoods import LogitBernoulliAdapter, ProbitBernoulliAdapter, SoftmaxAdapter, likelihood_adapter
+from .newton import TENSOR_FIELDS, FitReport, LaplaceState, NewtonStep, SolverOptions, run_newton
+from .policies import Policy, make_policy
+from .precision import LowRankPrecision
+from .prior import LatentPrior
+
+_UNSET = object()
+
+
+def _check_inputs(inputs: Tensor, name: str) -> Tensor:
+    if not torch.is_tensor(inputs):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(inputs).__name__}.")
+    if not inputs.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor (float32 or float64), got dtype {inputs.dtype}.")
+    if inputs.dim() == 1:
+        inputs = inputs.unsqueeze(-1)
+    if inputs.dim() != 2:
+        raise ValueError(f"{name} must have shape (N, D) or (N,), got {tuple(inputs.shape)}.")
+    if inputs.shape[0] == 0:
+        raise ValueError(f"{name} is empty.")
+    if not bool(torch.isfinite(inputs).all()):
+        raise ValueError(f"{name} contains NaN or inf.")
+    return inputs
+
+
+class IterNCGPStrategy(gpytorch.Module):
+    r"""Laplace inference by damped Newton steps solved with IterGP (IterNCGP), for an ``ApproximateGP``.
+
+    :param model: the ``ApproximateGP`` that owns this strategy (pass ``self`` in its ``__init__``); its
+        ``forward`` defines the prior. ``batch_shape=[C]`` means one GP per class, no batch shape with
+        :math:`C > 1` classes means one kernel shared by all classes.
+    :param train_inputs: :math:`\mathbf X`, shape ``(N, D)`` (or ``(N,)``).
+    :param train_targets: :math:`\mathbf y`, shape ``(N,)``: labels in {0, 1} (Bernoulli), class indices in
+        :math:`[0, C)` (softmax), non-negative integer counts (Poisson).
+    :param likelihood: a GPyTorch likelihood: ``BernoulliLikelihood`` (probit), :class:`LogitBernoulliLikelihood`,
+        ``PoissonLikelihood`` (softplus), :class:`ExpPoissonLikelihood`,
+        ``SoftmaxLikelihood(num_classes=C, mixing_weights=False)``, or any log-concave likelihood (autograd).
+    :param policy: ``"cg"`` (conjugate gradients), ``"unit"`` (subset of data) or a :class:`Policy`.
+    :param max_newton_steps: the default limit of Newton steps per :meth:`fit`.
+    :param max_solver_iterations: IterGP iterations (products with :math:`\mathbf K`) per Newton step;
+        ``None``: until ``abs_tol``/``rel_tol``.
+    :param compression_rank: :math:`R`, the number of recycled actions kept between Newton steps
+        (``None``: all).
+    :param recycle: recycle actions across Newton steps (Algorithm 3); otherwise every step starts afresh.
+    :param outer_tol: stop when the relative change of the representer weights is below it.
+    :param abs_tol: IterGP stops when the residual norm is below ``max(abs_tol, rel_tol * ||b||)``.
+    :param rel_tol: see ``abs_tol``.
+    :param min_curvature: lower bound on :math:`\mathbf W` (and on softmax probabilities), bounding the noise
+        :math:`\mathbf W^{-1}`; default ``sqrt(eps)`` of the dtype.
+    :param seed: seed of the unit-vector policy's random order.
+    :param show_progress: show a tqdm progress bar in :meth:`fit`.
+    """
+
+    def __init__(
+        self,
+        model: gpytorch.models.ApproximateGP,
+        train_inputs: Tensor,
+        train_targets: Tensor,
+        likelihood: gpytorch.likelihoods.Likelihood,
+        policy: str | Policy = "cg",
+        max_newton_steps: int = 20,
+        max_solver_iterations: int | None = 5,
+        compression_rank: int | None = None,
+        recycle: bool = True,
+        outer_tol: float = 1e-2,
+        abs_tol: float = 1e-5,
+        rel_tol: float = 1e-5,
+        min_curvature: float | None = None,
+        seed: int = 0,
+        show_progress: bool = True,
+    ):
+        super().__init__()
+        object.__setattr__(self, "model", model)  # not a submodule: the model owns the strategy
+        object.__setattr__(self, "likelihood", likelihood)
+        self.adapter = likelihood_adapter(likelihood, min_curvature)
+        train_inputs = _check_inputs(train_inputs, "train_inputs")
+        targets = self.adapter.check_targets(train_targets, train_inputs.dtype)
+        if len(targets) != len(train_inputs):
+            raise ValueError(
+                f"train_inputs has {len(train_inputs)} points but train_targets has {len(targets)}: they must match."
+            )
+        if targets.device != train_inputs.device:
+            raise ValueError(f"train_targets is on {targets.device} but train_inputs on {train_inputs.device}.")
+        self.register_buffer("train_inputs", train_inputs, persistent=False)
+        self.register_buffer("train_targets", targets, persistent=False)
+        self.options = SolverOptions(
+            max_newton_steps=max_newton_steps,
+            max_solver_iterations=max_solver_iterations,
+            outer_tol=outer_tol,
+            abs_tol=abs_tol,
+            rel_tol=rel_tol,
+            compression_rank=compression_rank,
+            recycle=recycle,
+        )
+        self.options.validate()
+        self.policy = make_policy(policy, seed)
+        self.show_progress = show_progress
+        self._state: LaplaceState | None = None
+        self._fingerprint: Tensor | None = None
+        self.last_report: FitReport | None = None
+
+    # -- sizes -----------------------------------------------------------------------------------
+    @property
+    def num_data(self) -> int:
+        return self.train_inputs.shape[0]
+
+    @property
+    def num_latents(self) -> int:
+        """:math:`C`, the number of latent functions (1 for binary and count data)."""
+        return self.adapter.num_latents
+
+    # -- fitting ---------------------------------------------------------------------------------
+    def _hyperparameter_fingerprint(self) -> Tensor:
+        """All parameters of model and likelihood, flattened: the solver state is valid for these only."""
+        parameters = [p.detach().reshape(-1) for p in self.model.parameters()]
+        parameters += [p.detach().reshape(-1).to(self.train_inputs.dtype) for p in self.likelihood.parameters()]
+        if not parameters:
+            return self.train_inputs.new_zeros(0)
+        return torch.cat([p.to(self.train_inputs) for p in parameters]).clone()
+
+    def _is_current(self) -> bool:
+        if self._state is None or self._fingerprint is None:
+            return False
+        fingerprint = self._hyperparameter_fingerprint()
+        return fingerprint.shape == self._fingerprint.shape and bool(torch.equal(fingerprint, self._fingerprint))
+
+    def _train_prior(self) -> LatentPrior:
+        return LatentPrior.from_distribution(self.model.forward(self.train_inputs), self.num_latents)
+
+    def _starting_state(self, prior: LatentPrior) -> LaplaceState:
+        """The state to continue from; if the hyperparameters changed, its products with K are renewed."""
+        if self._state is None:
+            return LaplaceState.initial(self.num_data * self.num_latents, prior.dtype, prior.device)
+        if self._is_current():
+            return self._state
+        # K changed: K a and K S are stale. One product with K renews both; a is kept (warm start).
+        state = self._state
+        stacked = torch.cat([state.representer_weights[:, None], state.actions], dim=-1)
+        product = prior.matmul(stacked)
+        empty = stacked[:, :0]
+        return dataclasses.replace(
+            state,
+            kernel_representer_weights=product[:, 0],
+            kernel_actions=product[:, 1:],
+            precision_root=empty,
+            kernel_precision_root=empty,
+            log_posterior=float("-inf"),
+        )
+
+    def _commit(self, state: LaplaceState) -> None:
+        self._state = state
+        self._fingerprint = self._hyperparameter_fingerprint()
+
+    def fit(
+        self,
+        max_newton_steps: int | None = None,
+        max_solver_iterations=_UNSET,
+        outer_tol: float | None = None,
+        abs_tol: float | None = None,
+        rel_tol: float | None = None,
+        callback: Callable[[NewtonStep, LaplaceState], bool | None] | None = None,
+        show_progress: bool | None = None,
+    ) -> FitReport:
+        """Run Newton steps from the current state until the stopping criteria (or a limit) are met.
+
+        Calling it again continues where the last call stopped, reusing the recycled actions. Arguments
+        override the strategy's settings for this call only.
+
+        :param callback: called after every Newton step with its :class:`NewtonStep` record and the
+            :class:`LaplaceState`; return ``True`` to stop.
+        :return: a :class:`FitReport` (Newton steps, solver iterations, products with K, residuals, time).
+        """
+        overrides = {
+            "max_newton_steps": max_newton_steps,
+            "outer_tol": outer_tol,
+            "abs_tol": abs_tol,
+            "rel_tol": rel_tol,
+        }
+        options = dataclasses.replace(self.options, **{k: v for k, v in overrides.items() if v is not None})
+        if max_solver_iterations is not _UNSET:
+            options.max_solver_iterations = max_solver_iterations
+        options.validate()
+        show = self.show_progress if show_progress is None else show_progress
+        with torch.no_grad():
+            prior = self._train_prior()
+            if prior.dtype != self.train_inputs.dtype:
+                raise TypeError(
+                    f"The model computes in {prior.dtype} but train_inputs are {self.train_inputs.dtype}: "
+                    "convert the model and the data to one dtype."
+                )
+            state = self._starting_state(prior)
+            self.policy.prepare(self.num_data, self.num_latents, self.adapter.zero_sum_actions)
+            report = run_newton(
+                prior,
+                self.adapter,
+                self.train_targets,
+                state,
+                options,
+                self.policy,
+                commit=self._commit,
+                callback=callback,
+                show_progress=show,
+            )
+        report.kernel_products = prior.products
+        report.kernel_columns = prior.columns
+        self.last_report = report
+        return report
+
+    def _ensure_fitted(self) -> LaplaceState:
+        if not self._is_current():
+            self.fit(show_progress=False)
+        return self._state
+
+    # -- the posterior ---------------------------------------------------------------------------
+    @property
+    def state(self) -> LaplaceState | None:
+        """The solver state (representer weights, precision root, action buffers), or ``None`` before fitting."""
+        return self._state
+
+    @property
+    def approximate_precision(self) -> LowRankPrecision:
+        r""":math:`\mathbf C = \mathbf Q \mathbf Q^\top \approx (\mathbf K + \mathbf W^{-1})^{-1}`, ``(N C, N C)``."""
+        return LowRankPrecision(self._ensure_fitted().precision_root)
+
+    @property
+    def mode(self) -> Tensor:
+        r"""The (approximate) posterior mode :math:`\hat{\mathbf f} = \mathbf m + \mathbf K \mathbf a`, ``(N, C)``."""
+        state = self._ensure_fitted()
+        with torch.no_grad():
+            mean = self._train_prior().mean
+        return mean + state.kernel_representer_weights.reshape(-1, self.num_latents)
+
+    def _check_test_inputs(self, inputs: Tensor) -> Tensor:
+        inputs = _check_inputs(inputs, "inputs")
+        if inputs.shape[-1] != self.train_inputs.shape[-1]:
+            raise ValueError(
+                f"inputs have {inputs.shape[-1]} features but the training inputs have {self.train_inputs.shape[-1]}."
+            )
+        if inputs.device != self.train_inputs.device:
+            raise ValueError(
+                f"inputs are on {inputs.device} but the model's training data on {self.train_inputs.device}."
+            )
+        if inputs.dtype != self.train_inputs.dtype:
+            raise TypeError(f"inputs are {inputs.dtype} but the model's training data {self.train_inputs.dtype}.")
+        return inputs
+
+    def _posterior_parts(self, inputs: Tensor) -> tuple[Tensor, Tensor, LatentPrior]:
+        """Posterior mean ``(N* C,)``, :math:`\\mathbf K_{*X} \\mathbf Q` ``(N* C, r)`` and the prior at ``inputs``."""
+        state = self._ensure_fitted()
+        num_train = self.num_data
+        if self.training and inputs.shape == self.train_inputs.shape and bool(torch.equal(inputs, self.train_inputs)):
+            prior = self._train_prior()
+            mean = prior.mean.reshape(-1) + state.kernel_representer_weights
+            return mean, state.kernel_precision_root, prior
+        full = LatentPrior.from_distribution(
+            self.model.forward(torch.cat([self.train_inputs, inputs], dim=-2)), self.num_latents
+        )
+        test_prior = full.block(slice(num_train, None), slice(num_train, None))
+        cross = full.block(slice(num_train, None), slice(None, num_train))
+        weights = torch.cat([state.representer_weights[:, None], state.precision_root], dim=-1)
+        product = cross.matmul(weights)
+        mean = test_prior.mean.reshape(-1) + product[:, 0]
+        return mean, product[:, 1:], test_prior
+
+    def forward(self, inputs: Tensor, prior: bool = False, **kwargs) -> MultivariateNormal:
+        """The posterior over the latent function(s) at ``inputs`` (``(N*, D)``).
+
+        :return: ``MultivariateNormal`` (C = 1) or interleaved ``MultitaskMultivariateNormal`` (``N* × C``);
+            with ``prior=True`` the model's prior.
+        """
+        if prior:
+            return self.model.forward(inputs, **kwargs)
+        inputs = self._check_test_inputs(inputs)
+        mean, root, test_prior = self._posterior_parts(inputs)
+        covariance = test_prior.data_major_covariance() + MatmulLinearOperator(root, root.mT.neg())
+        if self.num_latents == 1:
+            return MultivariateNormal(mean, covariance)
+        return MultitaskMultivariateNormal(mean.reshape(-1, self.num_latents), covariance, interleaved=True)
+
+    def marginal_latent(self, inputs: Tensor) -> tuple[Tensor, Tensor]:
+        """Posterior mean and variance of the latents at ``inputs``, each ``(N*, C)``, without forming covariances."""
+        inputs = self._check_test_inputs(inputs)
+        mean, root, test_prior = self._posterior_parts(inputs)
+        variance = (test_prior.diagonal() - root.square().sum(-1)).clamp_min(0)
+        return mean.reshape(-1, self.num_latents), variance.reshape(-1, self.num_latents)
+
+    def predictive_mean(self, inputs: Tensor) -> Tensor:
+        r""":math:`\mathbb E[y_*]`: class probabilities (``(N*,)`` for :math:`p(y=1)`, ``(N*, C)`` for softmax) or
+        expected counts ``(N*,)``, from the marginal posterior of the latents.
+
+        Probit link: exact :math:`\Phi(\mu / \sqrt{1 + \sigma^2})`; logit link and softmax: the probit
+        approximation :math:`\sigma(\mu / \sqrt{1 + \pi \sigma^2 / 8})`; Poisson: :math:`e^{\mu + \sigma^2/2}`
+        (exp link) or Gauss–Hermite quadrature (softplus link).
+        """
+        mean, variance = self.marginal_latent(inputs)
+        if self.num_latents == 1:
+            return self.adapter.predictive_mean(mean[:, 0], variance[:, 0])
+        return self.adapter.predictive_mean(mean, variance)
+
+    def predictive_probabilities(self, inputs: Tensor) -> Tensor:
+        """Class probabilities at ``inputs`` (see :meth:`predictive_mean`); classification likelihoods only."""
+        if not isinstance(self.adapter, (LogitBernoulliAdapter, ProbitBernoulliAdapter, SoftmaxAdapter)):
+            raise TypeError(f"predictive_probabilities needs a classification likelihood, not {self.adapter.name}.")
+        return self.predictive_mean(inputs)
+
+    # -- state_dict and devices ------------------------------------------------------------------
+    def get_extra_state(self) -> dict:
+        state = None
+        if self._state is not None:
+            state = {name: tensor.clone() for name, tensor in self._state.tensors().items()}
+            state.update(log_posterior=self._state.log_posterior, newton_steps=self._state.newton_steps)
+        return {"version": 1, "state": state, "fingerprint": self._fingerprint, "policy": self.policy.state()}
+
+    def set_extra_state(self, extra: dict) -> None:
+        saved = extra.get("state")
+        if saved is None:
+            self._state, self._fingerprint = None, None
+        else:
+            reference = self.train_inputs
+            tensors = {name: saved[name].to(reference) for name in TENSOR_FIELDS}
+            self._state = LaplaceState(
+                **tensors, log_posterior=saved["log_posterior"], newton_steps=saved["newton_steps"]
+            )
+            fingerprint = extra.get("fingerprint")
+            self._fingerprint = None if fingerprint is None else fingerprint.to(reference)
+        self.policy.load_state(extra.get("policy", {}))
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        if self._state is not None:
+            converted = {name: fn(tensor) for name, tensor in self._state.tensors().items()}
+            self._state = dataclasses.replace(self._state, **converted)
+        if self._fingerprint is not None:
+            self._fingerprint = fn(self._fingerprint)
+        return self
