@@ -4,6 +4,7 @@ Tatzel, Wenger, Schneider, Hennig: "Accelerating Non-Conjugate Gaussian Processe
 Computation For Uncertainty". See ``SPEC.md`` for the algorithm in plain notation.
 """
 
+from .evidence import LaplaceMarginalLogLikelihood, dense_laplace_mode, exact_laplace_evidence
 from .likelihoods import ExpPoissonLikelihood, LikelihoodAdapter, LogitBernoulliLikelihood, likelihood_adapter
 from .newton import FitReport, LaplaceState, NewtonStep, SolverOptions
 from .noise import BlockNoiseInverse, DiagonalNoiseInverse, SoftmaxPseudoInverse
@@ -24,6 +25,7 @@ __all__ = [
     "FitReport",
     "IterGPResult",
     "IterNCGPStrategy",
+    "LaplaceMarginalLogLikelihood",
     "LaplaceState",
     "LikelihoodAdapter",
     "LogitBernoulliLikelihood",
@@ -34,6 +36,8 @@ __all__ = [
     "SoftmaxPseudoInverse",
     "SolverOptions",
     "UnitVectorPolicy",
+    "dense_laplace_mode",
+    "exact_laplace_evidence",
     "itergp_solve",
     "likelihood_adapter",
     "virtual_solver_run",

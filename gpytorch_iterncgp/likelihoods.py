@@ -124,6 +124,15 @@ class LikelihoodAdapter:
         raise NotImplementedError
 
     def derivatives(self, latent: Tensor, targets: Tensor) -> LikelihoodDerivatives:
+        r""":math:`\ell`, :math:`\mathbf g` and the bounded noise :math:`\mathbf W^{-1}` for the Newton loop."""
+        raise NotImplementedError
+
+    def local_terms(self, latent: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        r""":math:`\ell` (scalar), :math:`\mathbf g` ``(N, C)`` and the curvature blocks :math:`\mathbf W_n` ``(N, C, C)``.
+
+        Unbounded (no ``min_curvature``) and differentiable with respect to ``latent`` and the likelihood's
+        parameters: this is what the Laplace evidence and its gradient are built from.
+        """
         raise NotImplementedError
 
     def project(self, vectors: Tensor) -> Tensor:
@@ -170,6 +179,10 @@ class _DiagonalAdapter(LikelihoodAdapter):
         log_terms, gradient, curvature = self._terms(latent[:, 0], targets)
         noise_inverse = DiagonalNoiseInverse.from_curvature(curvature, self._min_curvature(latent.dtype))
         return LikelihoodDerivatives(log_terms.sum(), gradient[:, None], noise_inverse)
+
+    def local_terms(self, latent: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        log_terms, gradient, curvature = self._terms(latent[:, 0], targets)
+        return log_terms.sum(), gradient[:, None], curvature[:, None, None]
 
 
 class LogitBernoulliAdapter(_DiagonalAdapter):
@@ -295,13 +308,22 @@ class SoftmaxAdapter(LikelihoodAdapter):
         log_probs = torch.log_softmax(latent, dim=-1)
         return log_probs.gather(-1, targets.long()[:, None]).sum()
 
-    def derivatives(self, latent: Tensor, targets: Tensor) -> LikelihoodDerivatives:
+    def _softmax_terms(self, latent: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Log-likelihood, gradient and probabilities ``(N, C)``."""
         log_probs = torch.log_softmax(latent, dim=-1)
         probabilities = log_probs.exp()
         one_hot = torch.nn.functional.one_hot(targets.long(), self.num_latents).to(latent.dtype)
+        return (log_probs * one_hot).sum(), one_hot - probabilities, probabilities
+
+    def derivatives(self, latent: Tensor, targets: Tensor) -> LikelihoodDerivatives:
+        log_likelihood, gradient, probabilities = self._softmax_terms(latent, targets)
         noise_inverse = SoftmaxPseudoInverse.from_probabilities(probabilities, self._min_curvature(latent.dtype))
-        log_likelihood = (log_probs * one_hot).sum()
-        return LikelihoodDerivatives(log_likelihood, one_hot - probabilities, noise_inverse)
+        return LikelihoodDerivatives(log_likelihood, gradient, noise_inverse)
+
+    def local_terms(self, latent: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        log_likelihood, gradient, probabilities = self._softmax_terms(latent, targets)
+        curvature = torch.diag_embed(probabilities) - probabilities[:, :, None] * probabilities[:, None, :]
+        return log_likelihood, gradient, curvature
 
     def project(self, vectors: Tensor) -> Tensor:
         return project_to_zero_sum(vectors, self.num_latents)
@@ -336,19 +358,22 @@ class AutogradAdapter(LikelihoodAdapter):
     def log_likelihood(self, latent: Tensor, targets: Tensor) -> Tensor:
         return self._distribution(latent).log_prob(targets).sum()
 
-    def derivatives(self, latent: Tensor, targets: Tensor) -> LikelihoodDerivatives:
+    def local_terms(self, latent: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         with torch.enable_grad():
-            latent = latent.detach().requires_grad_(True)
+            if not latent.requires_grad:
+                latent = latent.detach().requires_grad_(True)
             log_likelihood = self.log_likelihood(latent, targets)
             (gradient,) = torch.autograd.grad(log_likelihood, latent, create_graph=True)
             # The log-likelihood factorises over data points, so row c of every block is the
             # gradient of sum_n g_nc.
             rows = [
-                torch.autograd.grad(-gradient[:, c].sum(), latent, retain_graph=c < self.num_latents - 1)[0]
+                torch.autograd.grad(-gradient[:, c].sum(), latent, create_graph=True)[0]
                 for c in range(self.num_latents)
             ]
-        curvature = torch.stack(rows, dim=-2).detach()  # (N, C, C)
-        gradient = gradient.detach()
+        return log_likelihood, gradient, torch.stack(rows, dim=-2)
+
+    def derivatives(self, latent: Tensor, targets: Tensor) -> LikelihoodDerivatives:
+        log_likelihood, gradient, curvature = (term.detach() for term in self.local_terms(latent, targets))
         if not (bool(torch.isfinite(curvature).all()) and bool(torch.isfinite(gradient).all())):
             raise FloatingPointError(f"{self.name}: the gradient or curvature of the log-likelihood is not finite.")
         min_curvature = self._min_curvature(latent.dtype)
@@ -363,7 +388,7 @@ class AutogradAdapter(LikelihoodAdapter):
             noise_inverse = DiagonalNoiseInverse.from_curvature(curvature[:, 0, 0], min_curvature)
         else:
             noise_inverse = BlockNoiseInverse.from_curvature(curvature, min_curvature)
-        return LikelihoodDerivatives(log_likelihood.detach(), gradient, noise_inverse)
+        return LikelihoodDerivatives(log_likelihood, gradient, noise_inverse)
 
 
 def likelihood_adapter(likelihood: Likelihood, min_curvature: float | None = None) -> LikelihoodAdapter:

@@ -77,7 +77,8 @@ class BlockNoiseInverse(LinearOperator):
     def _matmul(self, rhs: Tensor) -> Tensor:
         num_data, num_latents = self.curvature_cholesky.shape[-3:-1]
         blocks = rhs.reshape(*rhs.shape[:-2], num_data, num_latents, rhs.shape[-1])
-        return torch.cholesky_solve(blocks, self.curvature_cholesky).reshape(rhs.shape)
+        result = torch.cholesky_solve(blocks, self.curvature_cholesky)
+        return result.reshape(*result.shape[:-3], num_data * num_latents, rhs.shape[-1])
 
     def _transpose_nonbatch(self) -> LinearOperator:
         return self
@@ -130,7 +131,7 @@ class SoftmaxPseudoInverse(LinearOperator):
         blocks = blocks - blocks.mean(dim=-2, keepdim=True)
         blocks = blocks / self.probabilities.unsqueeze(-1)
         blocks = blocks - blocks.mean(dim=-2, keepdim=True)
-        return blocks.reshape(rhs.shape)
+        return blocks.reshape(*blocks.shape[:-3], num_data * num_classes, rhs.shape[-1])
 
     def _transpose_nonbatch(self) -> LinearOperator:
         return self

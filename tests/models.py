@@ -34,7 +34,7 @@ class IterNCGPModel(gpytorch.models.ApproximateGP):
         if constant_mean is None:
             self.mean_module = gpytorch.means.ZeroMean(batch_shape=batch_shape)
         else:
-            self.mean_module = gpytorch.means.ConstantMean(batch_shape=batch_shape)
+            self.mean_module = gpytorch.means.ConstantMean(batch_shape=batch_shape).to(train_x.dtype)
             self.mean_module.constant = constant_mean
         if kernel == "rbf":
             base = gpytorch.kernels.RBFKernel(batch_shape=batch_shape)
@@ -45,9 +45,9 @@ class IterNCGPModel(gpytorch.models.ApproximateGP):
         else:
             raise ValueError(kernel)
         self.covar_module = gpytorch.kernels.ScaleKernel(base, batch_shape=batch_shape)
+        self.to(train_x.dtype)  # before setting hyperparameters, so they are not rounded through float32
         self.covar_module.outputscale = outputscale
         self.covar_module.base_kernel.lengthscale = lengthscale
-        self.to(train_x.dtype)
 
     def forward(self, x):
         return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))

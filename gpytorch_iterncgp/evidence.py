@@ -1,0 +1,238 @@
+r"""The Laplace evidence :math:`\log q(\mathbf y \mid \mathbf X, \theta)` for learning hyperparameters.
+
+.. math::
+    \log q(\mathbf y \mid \mathbf X, \theta) = \ell(\hat{\mathbf f}) - \tfrac12 \hat{\mathbf a}^\top \mathbf K \hat{\mathbf a}
+    - \tfrac12 \log \lvert \mathbf I + \mathbf R^\top \mathbf K \mathbf R \rvert,
+    \qquad \hat{\mathbf f} = \mathbf m + \mathbf K \hat{\mathbf a},\quad \mathbf W = \mathbf R \mathbf R^\top,
+
+(R&W eq. 3.32 and 3.44; :math:`\lvert \mathbf I + \mathbf R^\top \mathbf K \mathbf R \rvert = \lvert \mathbf I +
+\mathbf W^{1/2} \mathbf K \mathbf W^{1/2} \rvert` by Sylvester's theorem, and the block root
+:math:`\mathbf R_n = \operatorname{diag}(\sqrt{\boldsymbol\pi}) - \boldsymbol\pi \sqrt{\boldsymbol\pi}^\top` of the
+softmax curvature needs no eigendecomposition). Two regimes behind :class:`LaplaceMarginalLogLikelihood`:
+
+* **exact** (:math:`N C \le` ``gpytorch.settings.max_cholesky_size``): the mode by dense damped Newton
+  (warm-started from the strategy's mode), then one *differentiable* Newton step from it,
+  :math:`\mathbf a' = (\mathbf I + \mathbf W \mathbf K)^{-1} (\mathbf W (\hat{\mathbf f} - \mathbf m) + \mathbf g)`.
+  Its value is the mode, and because the Newton map has zero derivative at its fixed point, its
+  derivative is the implicit derivative :math:`d\hat{\mathbf f} / d\theta` (R&W Algorithms 5.1, 5.2; the
+  approach of BoTorch's ``PairwiseGP``). The gradient is the total derivative of the evidence.
+* **matrix-free** (larger): the mode from IterNCGP (warm-started, recycled actions); the same
+  differentiable Newton step in the symmetric form :math:`\mathbf a' = \mathbf b - \mathbf R \mathbf B^{-1}
+  \mathbf R^\top \mathbf K \mathbf b` solved by linear_operator's CG (``gpytorch.settings.cg_tolerance``);
+  the log-determinant by stochastic Lanczos quadrature (``gpytorch.settings.num_trace_samples`` probe
+  vectors, ``max_lanczos_quadrature_iterations``). Products with :math:`\mathbf K` only. Estimated, not
+  exact: the log-determinant and its gradient (stochastic), and the implicit derivative (up to the CG
+  tolerance). The value's quadratic and likelihood terms are those of IterNCGP's (approximate) mode.
+"""
+
+from __future__ import annotations
+
+import math
+
+import gpytorch
+import torch
+from gpytorch.mlls import MarginalLogLikelihood
+from linear_operator.operators import BlockDiagLinearOperator, DenseLinearOperator, IdentityLinearOperator
+from torch import Tensor
+
+from .likelihoods import LikelihoodAdapter
+from .prior import LatentPrior
+from .strategy import IterNCGPStrategy
+
+
+def curvature_root(curvature: Tensor, probabilities: Tensor | None = None) -> Tensor:
+    r"""Blocks :math:`\mathbf R_n` with :math:`\mathbf R_n \mathbf R_n^\top = \mathbf W_n`, shape ``(N, C, C)``.
+
+    Softmax (``probabilities`` ``(N, C)`` given): :math:`\operatorname{diag}(\sqrt{\boldsymbol\pi}) -
+    \boldsymbol\pi\sqrt{\boldsymbol\pi}^\top`; :math:`C = 1`: :math:`\sqrt{w}`; otherwise a Cholesky factor.
+    """
+    if probabilities is not None:
+        root = probabilities.sqrt()
+        return torch.diag_embed(root) - probabilities[:, :, None] * root[:, None, :]
+    if curvature.shape[-1] == 1:
+        return curvature.clamp_min(0).sqrt()
+    eye = torch.eye(curvature.shape[-1], dtype=curvature.dtype, device=curvature.device)
+    return torch.linalg.cholesky(curvature + 1e3 * torch.finfo(curvature.dtype).eps * eye)
+
+
+def _block_times_dense(blocks: Tensor, matrix: Tensor) -> Tensor:
+    r"""Block-diagonal ``(N, C, C)`` times a dense ``(N C, k)`` matrix, in :math:`O(N C^2 k)`."""
+    num_data, num_latents = blocks.shape[:2]
+    return (blocks @ matrix.reshape(num_data, num_latents, -1)).reshape(matrix.shape)
+
+
+def _log_posterior(adapter, targets, weights, kernel_matrix, prior_mean) -> Tensor:
+    latent = prior_mean + kernel_matrix @ weights
+    return adapter.log_likelihood(latent.reshape(-1, adapter.num_latents), targets) - 0.5 * (
+        weights @ (latent - prior_mean)
+    )
+
+
+def _newton_weights(adapter, targets, latent, kernel_matrix, prior_mean) -> Tensor:
+    r"""One undamped Newton step: :math:`(\mathbf I + \mathbf W \mathbf K)^{-1} (\mathbf W (\mathbf f - \mathbf m) + \mathbf g)`."""
+    _, gradient, curvature = adapter.local_terms(latent.reshape(-1, adapter.num_latents), targets)
+    rhs = _block_times_dense(curvature, (latent - prior_mean)[:, None])[:, 0] + gradient.reshape(-1)
+    system = torch.eye(len(rhs), dtype=rhs.dtype, device=rhs.device) + _block_times_dense(curvature, kernel_matrix)
+    return torch.linalg.solve(system, rhs)
+
+
+def dense_laplace_mode(
+    kernel_matrix: Tensor,
+    prior_mean: Tensor,
+    adapter: LikelihoodAdapter,
+    targets: Tensor,
+    weights: Tensor | None = None,
+    max_steps: int = 100,
+    tol: float = 1e-10,
+) -> Tensor:
+    r"""Representer weights :math:`\hat{\mathbf a}` of the exact Laplace mode by dense damped Newton.
+
+    :param kernel_matrix: :math:`\mathbf K`, dense ``(N C, N C)``, data-major.
+    :param prior_mean: :math:`\mathbf m`, ``(N C,)``.
+    :param weights: starting representer weights (warm start); default zero (the prior mean).
+    :param tol: stop when :math:`\|\Delta\mathbf a\| \le \text{tol} \max(1, \|\mathbf a\|)`.
+    """
+    with torch.no_grad():
+        weights = torch.zeros_like(prior_mean) if weights is None else weights.clone()
+        psi = _log_posterior(adapter, targets, weights, kernel_matrix, prior_mean)
+        for _ in range(max_steps):
+            latent = prior_mean + kernel_matrix @ weights
+            proposal = _newton_weights(adapter, targets, latent, kernel_matrix, prior_mean)
+            step = 1.0
+            while True:
+                candidate = weights + step * (proposal - weights)
+                new_psi = _log_posterior(adapter, targets, candidate, kernel_matrix, prior_mean)
+                if bool(new_psi >= psi - 1e-12 * abs(float(psi))) or step < 2.0**-20:
+                    break
+                step /= 2
+            change = float((candidate - weights).norm())
+            weights, psi = candidate, new_psi
+            if change <= tol * max(1.0, float(weights.norm())):
+                break
+    return weights
+
+
+def exact_laplace_evidence(
+    kernel_matrix: Tensor, prior_mean: Tensor, adapter: LikelihoodAdapter, targets: Tensor, weights: Tensor
+) -> Tensor:
+    r"""The Laplace evidence at the mode ``weights``, differentiable in :math:`\mathbf K`, :math:`\mathbf m` and the likelihood.
+
+    Takes one differentiable Newton step from the (detached) mode, so that the gradient includes the
+    implicit dependence of the mode on the hyperparameters.
+    """
+    mode = (prior_mean + kernel_matrix @ weights.detach()).detach()
+    weights = _newton_weights(adapter, targets, mode, kernel_matrix, prior_mean)
+    latent = prior_mean + kernel_matrix @ weights
+    log_likelihood, _, curvature = adapter.local_terms(latent.reshape(-1, adapter.num_latents), targets)
+    system = torch.eye(len(latent), dtype=latent.dtype, device=latent.device) + _block_times_dense(
+        curvature, kernel_matrix
+    )
+    _, log_det = torch.linalg.slogdet(system)  # |I + W K| = |I + W^½ K W^½|
+    return log_likelihood - 0.5 * (weights @ (latent - prior_mean)) - 0.5 * log_det
+
+
+def _probabilities_if_softmax(adapter: LikelihoodAdapter, latent: Tensor) -> Tensor | None:
+    return torch.softmax(latent, dim=-1) if adapter.zero_sum_actions else None
+
+
+def _whitened_system(prior: LatentPrior, adapter: LikelihoodAdapter, latent: Tensor, targets: Tensor):
+    r""":math:`\ell(\mathbf f)`, :math:`\mathbf g`, :math:`\mathbf W` blocks, :math:`\mathbf R` and :math:`\mathbf B = \mathbf I + \mathbf R^\top \mathbf K \mathbf R` (lazy)."""
+    latent = latent.reshape(-1, adapter.num_latents)
+    log_likelihood, gradient, curvature = adapter.local_terms(latent, targets)
+    roots = curvature_root(curvature, _probabilities_if_softmax(adapter, latent))
+    root_operator = BlockDiagLinearOperator(DenseLinearOperator(roots))
+    size = root_operator.shape[-1]
+    identity = IdentityLinearOperator(size, dtype=latent.dtype, device=latent.device)
+    system = identity + root_operator.mT @ prior.data_major_covariance() @ root_operator
+    return log_likelihood, gradient, curvature, root_operator, system
+
+
+def matrix_free_laplace_evidence(prior: LatentPrior, adapter: LikelihoodAdapter, targets: Tensor, state) -> Tensor:
+    r"""The Laplace evidence at IterNCGP's mode, with products with :math:`\mathbf K` only (see the module docstring).
+
+    The gradient is the total derivative: one differentiable Newton step from the mode in the symmetric
+    form :math:`\mathbf a' = \mathbf b - \mathbf R \mathbf B^{-1} \mathbf R^\top \mathbf K \mathbf b`,
+    :math:`\mathbf b = \mathbf W (\hat{\mathbf f} - \mathbf m) + \mathbf g` (linear_operator's CG solve,
+    differentiable), then the evidence at :math:`\mathbf f' = \mathbf m + \mathbf K \mathbf a'` with the
+    log-determinant by stochastic Lanczos quadrature. The value is the evidence at the strategy's mode.
+
+    :param prior: the prior at the training inputs, built *with* gradients.
+    :param state: the strategy's :class:`~gpytorch_iterncgp.LaplaceState` for the same hyperparameters.
+    """
+    weights = state.representer_weights.detach()
+    kernel_weights = state.kernel_representer_weights.detach()
+    prior_mean = prior.mean.reshape(-1)
+    mode = prior_mean.detach() + kernel_weights
+    _, gradient, curvature, root_operator, system = _whitened_system(prior, adapter, mode, targets)
+    rhs = _block_times_dense(curvature, (mode - prior_mean)[:, None])[:, 0] + gradient.reshape(-1)
+    kernel_rhs = prior.matmul(rhs[:, None])
+    new_weights = rhs - (root_operator @ system.solve(root_operator.mT @ kernel_rhs))[:, 0]
+    latent = prior_mean + prior.matmul(new_weights[:, None])[:, 0]
+    log_likelihood, _, _, _, new_system = _whitened_system(prior, adapter, latent, targets)
+    log_posterior = log_likelihood - 0.5 * (new_weights @ (latent - prior_mean))
+    mode_log_posterior = adapter.log_likelihood(mode.reshape(-1, adapter.num_latents), targets) - 0.5 * (
+        weights @ kernel_weights
+    )
+    # Value at the strategy's mode; gradient through the differentiable Newton step.
+    return log_posterior - 0.5 * new_system.logdet() + (mode_log_posterior - log_posterior).detach()
+
+
+class LaplaceMarginalLogLikelihood(MarginalLogLikelihood):
+    r"""The Laplace approximation of :math:`\log p(\mathbf y \mid \mathbf X, \theta)`, divided by :math:`N`.
+
+    For a model whose ``variational_strategy`` is an :class:`~gpytorch_iterncgp.IterNCGPStrategy`:
+
+    .. code-block:: python
+
+        mll = LaplaceMarginalLogLikelihood(likelihood, model)
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+        for _ in range(100):
+            optimizer.zero_grad()
+            loss = -mll(model(train_x), train_y)
+            loss.backward()
+            optimizer.step()
+
+    Every call re-finds the mode for the current hyperparameters, warm-started from the previous one
+    (the strategy renews its stale kernel products after each optimizer step). See the module docstring
+    for the two regimes.
+
+    :param likelihood: the strategy's likelihood.
+    :param model: the ``ApproximateGP`` with an ``IterNCGPStrategy``.
+    :param exact: force the exact (``True``) or matrix-free (``False``) regime; default: exact when
+        :math:`N C \le` ``gpytorch.settings.max_cholesky_size``.
+    """
+
+    def __init__(self, likelihood, model, exact: bool | None = None):
+        super().__init__(likelihood, model)
+        strategy = getattr(model, "variational_strategy", None)
+        if not isinstance(strategy, IterNCGPStrategy):
+            raise TypeError(
+                "LaplaceMarginalLogLikelihood needs a model whose variational_strategy is an IterNCGPStrategy."
+            )
+        if strategy.likelihood is not likelihood:
+            raise ValueError(
+                "LaplaceMarginalLogLikelihood: likelihood must be the one the model's IterNCGPStrategy uses."
+            )
+        self.exact = exact
+
+    def forward(self, function_dist, target: Tensor, **kwargs) -> Tensor:
+        """The Laplace evidence per data point (``function_dist`` is not used: the mode is refound)."""
+        strategy: IterNCGPStrategy = self.model.variational_strategy
+        targets = strategy.adapter.check_targets(target, strategy.train_inputs.dtype)
+        if targets.shape != strategy.train_targets.shape or not bool(torch.equal(targets, strategy.train_targets)):
+            raise ValueError("LaplaceMarginalLogLikelihood: target must equal the strategy's training targets.")
+        size = strategy.num_data * strategy.num_latents
+        exact = size <= gpytorch.settings.max_cholesky_size.value() if self.exact is None else self.exact
+        prior = strategy._train_prior()
+        if exact:
+            kernel_matrix = prior.data_major_covariance().to_dense()
+            prior_mean = prior.mean.reshape(-1)
+            start = strategy.state.representer_weights if strategy.state is not None else None
+            weights = dense_laplace_mode(kernel_matrix.detach(), prior_mean.detach(), strategy.adapter, targets, start)
+            evidence = exact_laplace_evidence(kernel_matrix, prior_mean, strategy.adapter, targets, weights)
+        else:
+            state = strategy._ensure_fitted()
+            evidence = matrix_free_laplace_evidence(prior, strategy.adapter, targets, state)
+        if not math.isfinite(float(evidence.detach())):
+            raise FloatingPointError("LaplaceMarginalLogLikelihood: the evidence is not finite.")
+        return evidence / strategy.num_data
