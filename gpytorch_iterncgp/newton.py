@@ -165,6 +165,44 @@ def _log_posterior(adapter, latent, targets, weights, kernel_weights) -> float:
     return float(adapter.log_likelihood(latent, targets)) - 0.5 * float(kernel_weights @ weights)
 
 
+def _relative_change(new: Tensor, old: Tensor) -> float:
+    change, norm = float((new - old).norm()), float(old.norm())
+    return change / norm if norm > 0 else (0.0 if change == 0 else math.inf)
+
+
+def _warm_start(adapter, targets, latent_of, weights, kernel_weights) -> tuple[Tensor, Tensor]:
+    r"""Scale representer weights :math:`\mathbf a` kept across a change of :math:`\mathbf K`.
+
+    :math:`\mathbf m + \mathbf K_{\text{new}} \mathbf a` can be far worse than the prior after a large
+    hyperparameter step (e.g. overflow of an exponential link); keep the best of :math:`\alpha \mathbf a`,
+    :math:`\alpha \in \{1, \tfrac12, \dots, 2^{-10}, 0\}` by the log posterior (no product with K).
+    """
+    best, best_psi = 0.0, _log_posterior(adapter, latent_of(0 * kernel_weights), targets, 0 * weights, 0 * weights)
+    for scale in [2.0**-k for k in range(11)]:
+        psi = _log_posterior(
+            adapter, latent_of(scale * kernel_weights), targets, scale * weights, scale * kernel_weights
+        )
+        if math.isfinite(psi) and psi > best_psi:
+            best, best_psi = scale, psi
+    return best * weights, best * kernel_weights
+
+
+def _damped_step(adapter, targets, latent_of, weights, kernel_weights, psi, result, min_step_size):
+    """Halve the Newton step until the log posterior does not decrease; step size 0 if none does."""
+    eps = torch.finfo(weights.dtype).eps
+    step_size = 1.0
+    new_weights, new_kernel_weights = result.representer_weights, result.kernel_representer_weights
+    while True:
+        new_psi = _log_posterior(adapter, latent_of(new_kernel_weights), targets, new_weights, new_kernel_weights)
+        if new_psi >= psi - 100 * eps * max(1.0, abs(psi)) and math.isfinite(new_psi):
+            return step_size, new_weights, new_kernel_weights, new_psi
+        step_size /= 2
+        if step_size < min_step_size:
+            return 0.0, weights, kernel_weights, psi
+        new_weights = weights + step_size * (result.representer_weights - weights)
+        new_kernel_weights = kernel_weights + step_size * (result.kernel_representer_weights - kernel_weights)
+
+
 def run_newton(
     prior: LatentPrior,
     adapter: LikelihoodAdapter,
@@ -194,7 +232,6 @@ def run_newton(
     prior_mean = prior.mean.reshape(-1)
     num_latents = adapter.num_latents
     report = FitReport()
-    eps = torch.finfo(prior_mean.dtype).eps
     num_data = len(prior_mean) // num_latents
     action_space_dimension = num_data * (num_latents - 1) if adapter.zero_sum_actions else num_data * num_latents
 
@@ -202,7 +239,10 @@ def run_newton(
         return (prior_mean + kernel_weights).reshape(-1, num_latents)
 
     weights, kernel_weights = state.representer_weights, state.kernel_representer_weights
+    if state.newton_steps > 0 and state.log_posterior == -math.inf:  # K changed since these weights
+        weights, kernel_weights = _warm_start(adapter, targets, latent_of, weights, kernel_weights)
     psi = _log_posterior(adapter, latent_of(kernel_weights), targets, weights, kernel_weights)
+    forcing = 1.0  # scales the inner tolerances; tightened after a step that did not increase psi
     buffer = ActionBuffer.from_tensors(state.actions, state.kernel_actions)
     derivatives = None
     progress = tqdm(total=options.max_newton_steps, desc="IterNCGP", disable=not show_progress, leave=False)
@@ -235,8 +275,8 @@ def run_newton(
                     policy,
                     project=adapter.project if adapter.zero_sum_actions else None,
                     max_iterations=options.max_solver_iterations,
-                    abs_tol=options.abs_tol,
-                    rel_tol=options.rel_tol,
+                    abs_tol=options.abs_tol * forcing,
+                    rel_tol=options.rel_tol * forcing,
                     compression_rank=options.compression_rank,
                     action_space_dimension=action_space_dimension,
                 )
@@ -245,26 +285,11 @@ def run_newton(
             report.breakdown |= result.breakdown
             buffer = result.buffer
 
-            # Damping: halve the step until the log posterior does not decrease.
-            step_size = 1.0
-            new_weights, new_kernel_weights = result.representer_weights, result.kernel_representer_weights
-            while True:
-                new_psi = _log_posterior(
-                    adapter, latent_of(new_kernel_weights), targets, new_weights, new_kernel_weights
-                )
-                if new_psi >= psi - 100 * eps * max(1.0, abs(psi)) and math.isfinite(new_psi):
-                    break
-                step_size /= 2
-                if step_size < options.min_step_size:
-                    step_size = 0.0
-                    new_weights, new_kernel_weights, new_psi = weights, kernel_weights, psi
-                    break
-                new_weights = weights + step_size * (result.representer_weights - weights)
-                new_kernel_weights = kernel_weights + step_size * (result.kernel_representer_weights - kernel_weights)
-
-            change = float((new_weights - weights).norm())
-            previous_norm = float(weights.norm())
-            relative_change = change / previous_norm if previous_norm > 0 else (0.0 if change == 0 else math.inf)
+            step_size, new_weights, new_kernel_weights, new_psi = _damped_step(
+                adapter, targets, latent_of, weights, kernel_weights, psi, result, options.min_step_size
+            )
+            relative_change = _relative_change(new_weights, weights)
+            proposed_change = _relative_change(result.representer_weights, weights)
             weights, kernel_weights, psi = new_weights, new_kernel_weights, new_psi
             state = LaplaceState(
                 weights,
@@ -291,19 +316,26 @@ def run_newton(
             report.solver_iterations += result.iterations
             progress.update(1)
             progress.set_postfix(log_posterior=f"{psi:.5g}", residual=f"{result.residual_norm:.2g}")
-            if step_size == 0.0 and (not options.recycle or result.iterations == 0):
-                warnings.warn(
-                    "IterNCGP: no step along the Newton direction increases the log posterior; stopping.",
-                    NumericalBreakdownWarning,
-                    stacklevel=3,
-                )
-                break
             if callback is not None and callback(record, state):
                 report.stopped_by_callback = True
                 break
             if step_size > 0 and relative_change <= options.outer_tol:
                 report.converged = True
                 break
+            if step_size == 0.0:
+                if proposed_change <= options.outer_tol:  # no ascent left within the tolerance: the mode
+                    report.converged = True
+                    break
+                if not options.recycle or forcing < 1e-10:
+                    warnings.warn(
+                        "IterNCGP: no step along the Newton direction increases the log posterior; stopping.",
+                        NumericalBreakdownWarning,
+                        stacklevel=3,
+                    )
+                    break
+                forcing *= 1e-2  # the direction was too inexact: solve the same system more accurately
+            elif step_size == 1.0:
+                forcing = 1.0
     finally:
         progress.close()
 
