@@ -4,7 +4,12 @@ Tatzel, Wenger, Schneider, Hennig: "Accelerating Non-Conjugate Gaussian Processe
 Computation For Uncertainty". See ``SPEC.md`` for the algorithm in plain notation.
 """
 
-from .evidence import LaplaceMarginalLogLikelihood, dense_laplace_mode, exact_laplace_evidence
+from .evidence import (
+    IllConditionedKernelWarning,
+    LaplaceMarginalLogLikelihood,
+    dense_laplace_mode,
+    exact_laplace_evidence,
+)
 from .likelihoods import ExpPoissonLikelihood, LikelihoodAdapter, LogitBernoulliLikelihood, likelihood_adapter
 from .newton import FitReport, LaplaceState, NewtonStep, SolverOptions
 from .noise import BlockNoiseInverse, DiagonalNoiseInverse, SoftmaxPseudoInverse
@@ -23,6 +28,7 @@ __all__ = [
     "DiagonalNoiseInverse",
     "ExpPoissonLikelihood",
     "FitReport",
+    "IllConditionedKernelWarning",
     "IterGPResult",
     "IterNCGPStrategy",
     "LaplaceMarginalLogLikelihood",

@@ -15,7 +15,10 @@ softmax curvature needs no eigendecomposition). Two regimes behind :class:`Lapla
   :math:`\mathbf a' = (\mathbf I + \mathbf W \mathbf K)^{-1} (\mathbf W (\hat{\mathbf f} - \mathbf m) + \mathbf g)`.
   Its value is the mode, and because the Newton map has zero derivative at its fixed point, its
   derivative is the implicit derivative :math:`d\hat{\mathbf f} / d\theta` (R&W Algorithms 5.1, 5.2; the
-  approach of BoTorch's ``PairwiseGP``). The gradient is the total derivative of the evidence.
+  approach of BoTorch's ``PairwiseGP``). The gradient is the total derivative of the evidence. Nothing
+  here inverts :math:`\mathbf K`, so duplicate inputs or very long lengthscales (a numerically singular
+  :math:`\mathbf K`, reported by an :class:`IllConditionedKernelWarning`) leave the evidence finite: this
+  plays the role of the projection onto the well-conditioned eigenvectors of :math:`\mathbf K` in seed 000.
 * **matrix-free** (larger): the mode from IterNCGP (warm-started, recycled actions); the same
   differentiable Newton step in the symmetric form :math:`\mathbf a' = \mathbf b - \mathbf R \mathbf B^{-1}
   \mathbf R^\top \mathbf K \mathbf b` solved by linear_operator's CG (``gpytorch.settings.cg_tolerance``);
@@ -28,11 +31,12 @@ softmax curvature needs no eigendecomposition). Two regimes behind :class:`Lapla
 from __future__ import annotations
 
 import math
+import warnings
 
 import gpytorch
 import torch
 from gpytorch.mlls import MarginalLogLikelihood
-from linear_operator.operators import BlockDiagLinearOperator, DenseLinearOperator, IdentityLinearOperator
+from linear_operator.operators import LinearOperator
 from torch import Tensor
 
 from .likelihoods import LikelihoodAdapter
@@ -135,16 +139,49 @@ def _probabilities_if_softmax(adapter: LikelihoodAdapter, latent: Tensor) -> Ten
     return torch.softmax(latent, dim=-1) if adapter.zero_sum_actions else None
 
 
+class WhitenedKernel(LinearOperator):
+    r""":math:`\mathbf B = \mathbf I + \mathbf R^\top \mathbf K \mathbf R` (size ``(N C, N C)``, data-major).
+
+    :math:`\mathbf R` is block diagonal with :math:`\mathbf R_n \mathbf R_n^\top = \mathbf W_n`, so
+    :math:`\lvert\mathbf B\rvert = \lvert\mathbf I + \mathbf W^{1/2}\mathbf K\mathbf W^{1/2}\rvert` and
+    :math:`\mathbf B \succeq \mathbf I`. One product with :math:`\mathbf K` per matmul; the diagonal uses the
+    :math:`C \times C` prior blocks of the points, so linear_operator's preconditioner never indexes
+    :math:`\mathbf K` entry by entry.
+
+    :param roots: :math:`\mathbf R_n`, ``(N, C, C)``.
+    :param kernel: :math:`\mathbf K`, a data-major ``(N C, N C)`` LinearOperator.
+    :param kernel_point_blocks: :math:`\mathbf K_{nn}`, ``(N, C, C)``.
+    """
+
+    def __init__(self, roots: Tensor, kernel: LinearOperator, kernel_point_blocks: Tensor):
+        super().__init__(roots, kernel, kernel_point_blocks)
+        self.roots, self.kernel, self.kernel_point_blocks = roots, kernel, kernel_point_blocks
+
+    def _size(self) -> torch.Size:
+        return self.kernel.shape
+
+    def _matmul(self, rhs: Tensor) -> Tensor:
+        num_data, num_latents = self.roots.shape[:2]
+        blocks = rhs.reshape(*rhs.shape[:-2], num_data, num_latents, rhs.shape[-1])
+        rooted = (self.roots @ blocks).reshape(rhs.shape)
+        product = self.kernel.matmul(rooted).reshape(blocks.shape)
+        return rhs + (self.roots.mT @ product).reshape(rhs.shape)
+
+    def _transpose_nonbatch(self) -> LinearOperator:
+        return self
+
+    def _diagonal(self) -> Tensor:
+        quadratic = torch.einsum("ndc,nde,nec->nc", self.roots, self.kernel_point_blocks, self.roots)
+        return 1 + quadratic.reshape(-1)
+
+
 def _whitened_system(prior: LatentPrior, adapter: LikelihoodAdapter, latent: Tensor, targets: Tensor):
     r""":math:`\ell(\mathbf f)`, :math:`\mathbf g`, :math:`\mathbf W` blocks, :math:`\mathbf R` and :math:`\mathbf B = \mathbf I + \mathbf R^\top \mathbf K \mathbf R` (lazy)."""
     latent = latent.reshape(-1, adapter.num_latents)
     log_likelihood, gradient, curvature = adapter.local_terms(latent, targets)
     roots = curvature_root(curvature, _probabilities_if_softmax(adapter, latent))
-    root_operator = BlockDiagLinearOperator(DenseLinearOperator(roots))
-    size = root_operator.shape[-1]
-    identity = IdentityLinearOperator(size, dtype=latent.dtype, device=latent.device)
-    system = identity + root_operator.mT @ prior.data_major_covariance() @ root_operator
-    return log_likelihood, gradient, curvature, root_operator, system
+    system = WhitenedKernel(roots, prior.data_major_covariance(), prior.point_blocks())
+    return log_likelihood, gradient, curvature, roots, system
 
 
 def matrix_free_laplace_evidence(prior: LatentPrior, adapter: LikelihoodAdapter, targets: Tensor, state) -> Tensor:
@@ -163,10 +200,11 @@ def matrix_free_laplace_evidence(prior: LatentPrior, adapter: LikelihoodAdapter,
     kernel_weights = state.kernel_representer_weights.detach()
     prior_mean = prior.mean.reshape(-1)
     mode = prior_mean.detach() + kernel_weights
-    _, gradient, curvature, root_operator, system = _whitened_system(prior, adapter, mode, targets)
+    _, gradient, curvature, roots, system = _whitened_system(prior, adapter, mode, targets)
     rhs = _block_times_dense(curvature, (mode - prior_mean)[:, None])[:, 0] + gradient.reshape(-1)
     kernel_rhs = prior.matmul(rhs[:, None])
-    new_weights = rhs - (root_operator @ system.solve(root_operator.mT @ kernel_rhs))[:, 0]
+    correction = system.solve(_block_times_dense(roots.mT, kernel_rhs))
+    new_weights = rhs - _block_times_dense(roots, correction)[:, 0]
     latent = prior_mean + prior.matmul(new_weights[:, None])[:, 0]
     log_likelihood, _, _, _, new_system = _whitened_system(prior, adapter, latent, targets)
     log_posterior = log_likelihood - 0.5 * (new_weights @ (latent - prior_mean))
@@ -175,6 +213,28 @@ def matrix_free_laplace_evidence(prior: LatentPrior, adapter: LikelihoodAdapter,
     )
     # Value at the strategy's mode; gradient through the differentiable Newton step.
     return log_posterior - 0.5 * new_system.logdet() + (mode_log_posterior - log_posterior).detach()
+
+
+class IllConditionedKernelWarning(RuntimeWarning):
+    """The kernel matrix is numerically singular (duplicate inputs, very long lengthscales, large outputscales)."""
+
+
+def _warn_if_singular(kernel_matrix: Tensor) -> None:
+    r"""Warn if :math:`\mathbf K` is numerically singular: its Cholesky factorisation fails, or its smallest
+    pivot is at rounding level. The evidence stays finite either way (nothing inverts :math:`\mathbf K`)."""
+    matrix = kernel_matrix.detach()
+    cholesky, info = torch.linalg.cholesky_ex(matrix)
+    size = matrix.shape[-1]
+    rounding = size * torch.finfo(matrix.dtype).eps * float(matrix.diagonal().abs().max())
+    if int(info) > 0 or float(cholesky.diagonal().min()) ** 2 <= rounding:
+        warnings.warn(
+            f"The kernel matrix ({size} rows) is numerically singular (duplicate inputs, very long "
+            "lengthscales or large outputscales?). The Laplace evidence is computed in a form that never inverts K "
+            "(|I + W^½ K W^½| and (I + W K)^{-1}), so it stays finite, but the hyperparameters may be poorly "
+            "determined.",
+            IllConditionedKernelWarning,
+            stacklevel=4,
+        )
 
 
 class LaplaceMarginalLogLikelihood(MarginalLogLikelihood):
@@ -226,6 +286,7 @@ class LaplaceMarginalLogLikelihood(MarginalLogLikelihood):
         prior = strategy._train_prior()
         if exact:
             kernel_matrix = prior.data_major_covariance().to_dense()
+            _warn_if_singular(kernel_matrix)
             prior_mean = prior.mean.reshape(-1)
             start = strategy.state.representer_weights if strategy.state is not None else None
             weights = dense_laplace_mode(kernel_matrix.detach(), prior_mean.detach(), strategy.adapter, targets, start)

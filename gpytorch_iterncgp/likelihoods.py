@@ -278,11 +278,18 @@ class SoftmaxAdapter(LikelihoodAdapter):
 
     Actions are projected to zero sum over classes, so that IterGP's covariance converges to the
     Laplace covariance :math:`(\mathbf K^{-1} + \mathbf W)^{-1}` (SPEC.md). Probabilities are bounded
-    below by ``min_curvature`` inside :math:`\mathbf W^+` (saturated softmax outputs).
+    below by ``min_curvature`` (default ``max(1e-6, sqrt(eps))``) inside :math:`\mathbf W^+` (saturated
+    softmax outputs). Any such bound changes the Newton direction, not the mode (its fixed point is
+    :math:`\mathbf a = \mathbf g`), and the covariance only where a probability is below it.
     """
 
     zero_sum_actions = True
     name = "Softmax"
+
+    def _min_curvature(self, dtype: torch.dtype) -> float:
+        # Probabilities below 1e-6 make W⁺ so large on confidently wrong points that a few CG iterations
+        # are spent on them alone; the bound changes the Newton direction, not the mode.
+        return max(1e-6, super()._min_curvature(dtype)) if self.min_curvature is None else self.min_curvature
 
     def __init__(self, likelihood: SoftmaxLikelihood, min_curvature: float | None = None):
         super().__init__(likelihood, min_curvature)

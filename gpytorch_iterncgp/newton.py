@@ -188,17 +188,23 @@ def _warm_start(adapter, targets, latent_of, weights, kernel_weights) -> tuple[T
 
 
 def _damped_step(adapter, targets, latent_of, weights, kernel_weights, psi, result, min_step_size):
-    """Halve the Newton step until the log posterior does not decrease; step size 0 if none does."""
+    """Halve the Newton step until the log posterior does not decrease; step size 0 if none does.
+
+    :return: step size, new weights, new kernel weights, new log posterior, and the log posterior of the
+        full step.
+    """
     eps = torch.finfo(weights.dtype).eps
     step_size = 1.0
     new_weights, new_kernel_weights = result.representer_weights, result.kernel_representer_weights
+    full_psi = None
     while True:
         new_psi = _log_posterior(adapter, latent_of(new_kernel_weights), targets, new_weights, new_kernel_weights)
+        full_psi = new_psi if full_psi is None else full_psi
         if new_psi >= psi - 100 * eps * max(1.0, abs(psi)) and math.isfinite(new_psi):
-            return step_size, new_weights, new_kernel_weights, new_psi
+            return step_size, new_weights, new_kernel_weights, new_psi, full_psi
         step_size /= 2
         if step_size < min_step_size:
-            return 0.0, weights, kernel_weights, psi
+            return 0.0, weights, kernel_weights, psi, full_psi
         new_weights = weights + step_size * (result.representer_weights - weights)
         new_kernel_weights = kernel_weights + step_size * (result.kernel_representer_weights - kernel_weights)
 
@@ -244,7 +250,6 @@ def run_newton(
     psi = _log_posterior(adapter, latent_of(kernel_weights), targets, weights, kernel_weights)
     forcing = 1.0  # scales the inner tolerances; tightened after a step that did not increase psi
     buffer = ActionBuffer.from_tensors(state.actions, state.kernel_actions)
-    derivatives = None
     progress = tqdm(total=options.max_newton_steps, desc="IterNCGP", disable=not show_progress, leave=False)
     try:
         for _ in range(options.max_newton_steps):
@@ -279,13 +284,14 @@ def run_newton(
                     rel_tol=options.rel_tol * forcing,
                     compression_rank=options.compression_rank,
                     action_space_dimension=action_space_dimension,
+                    keep=(weights, kernel_weights),
                 )
             for warning in caught:
                 warnings.warn(warning.message, warning.category, stacklevel=3)
             report.breakdown |= result.breakdown
             buffer = result.buffer
 
-            step_size, new_weights, new_kernel_weights, new_psi = _damped_step(
+            step_size, new_weights, new_kernel_weights, new_psi, full_psi = _damped_step(
                 adapter, targets, latent_of, weights, kernel_weights, psi, result, options.min_step_size
             )
             relative_change = _relative_change(new_weights, weights)
@@ -319,21 +325,23 @@ def run_newton(
             if callback is not None and callback(record, state):
                 report.stopped_by_callback = True
                 break
-            if step_size > 0 and relative_change <= options.outer_tol:
+            # Converged when the full (undamped) Newton step would change a by less than the tolerance,
+            # or when it changes the log posterior only at rounding level.
+            rounding = math.sqrt(torch.finfo(weights.dtype).eps) * max(1.0, abs(psi))
+            if proposed_change <= options.outer_tol or (step_size == 0.0 and abs(full_psi - psi) <= rounding):
                 report.converged = True
                 break
             if step_size == 0.0:
-                if proposed_change <= options.outer_tol:  # no ascent left within the tolerance: the mode
-                    report.converged = True
-                    break
-                if not options.recycle or forcing < 1e-10:
+                if not options.recycle or (result.iterations == 0 and forcing < 1e-10):
                     warnings.warn(
                         "IterNCGP: no step along the Newton direction increases the log posterior; stopping.",
                         NumericalBreakdownWarning,
                         stacklevel=3,
                     )
                     break
-                forcing *= 1e-2  # the direction was too inexact: solve the same system more accurately
+                # The direction was too inexact: the next step solves the same system further (recycled
+                # actions) and to a tighter tolerance.
+                forcing = max(forcing * 1e-2, 1e-12)
             elif step_size == 1.0:
                 forcing = 1.0
     finally:

@@ -138,6 +138,14 @@ class LatentPrior:
             return diagonal.mT.reshape(-1)
         return diagonal
 
+    def point_blocks(self) -> Tensor:
+        """The :math:`C \times C` prior covariance of each point's latents, ``(N, C, C)`` (square blocks only)."""
+        num = self.num_latents
+        if self.layout != MULTITASK:
+            return torch.diag_embed(self.diagonal().reshape(-1, num))
+        index = torch.arange(self.shape[0], device=self.device)[:, None] * num + torch.arange(num, device=self.device)
+        return self.covariance[..., index[:, :, None], index[:, None, :]]
+
     def data_major_covariance(self) -> LinearOperator:
         r"""The square covariance as one data-major ``(N C, N C)`` LinearOperator (lazy)."""
         if self.layout in (SINGLE, MULTITASK):

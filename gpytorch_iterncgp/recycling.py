@@ -71,6 +71,7 @@ def virtual_solver_run(
     noise_inverse: LinearOperator,
     compression_rank: int | None = None,
     relative_eigenvalue_tolerance: float | None = None,
+    keep: tuple[Tensor, Tensor] | None = None,
 ) -> VirtualRun:
     r"""Algorithm 3: the initial precision for a new noise :math:`\mathbf W^{-1}`, with no product with :math:`\mathbf K`.
 
@@ -79,9 +80,20 @@ def virtual_solver_run(
     :param compression_rank: :math:`R`, the number of eigenpairs kept (``None``: all).
     :param relative_eigenvalue_tolerance: eigenvalues :math:`\lambda \le \epsilon \lambda_1` are dropped
         (numerically dependent actions); default ``1000 * finfo(dtype).eps``.
+    :param keep: a direction and its kernel product, ``((N C,), (N C,))``, that compression must not
+        drop: the top :math:`R - 1` eigen-directions are kept, plus this one. The Newton loop passes the
+        current representer weights :math:`\mathbf a`, so that the initial solution
+        :math:`\mathbf C_0 \mathbf b` is never worse than (a multiple of) :math:`\mathbf a`.
     :return: the re-weighted buffer (at most :math:`R` columns, unit-norm actions), :math:`\mathbf Q`
         and :math:`\mathbf K \mathbf Q`.
     """
+    if keep is not None and compression_rank is not None and float(keep[0].norm()) > 0:
+        compressed = virtual_solver_run(
+            buffer, noise_inverse, max(compression_rank - 1, 0), relative_eigenvalue_tolerance
+        )
+        norm = keep[0].norm()
+        compressed.buffer.append(keep[0] / norm, keep[1] / norm)
+        return virtual_solver_run(compressed.buffer, noise_inverse, None, relative_eigenvalue_tolerance)
     actions, kernel_actions = buffer.actions.value, buffer.kernel_actions.value
     if buffer.size == 0:
         return VirtualRun(buffer, actions, kernel_actions)
@@ -94,12 +106,12 @@ def virtual_solver_run(
     gram = (gram + gram.mT) / 2
     eigenvalues, eigenvectors = torch.linalg.eigh(gram)
     eigenvalues, eigenvectors = eigenvalues.flip(-1), eigenvectors.flip(-1)
-    keep = int((eigenvalues > relative_eigenvalue_tolerance * eigenvalues[0].clamp_min(0)).sum())
+    rank = int((eigenvalues > relative_eigenvalue_tolerance * eigenvalues[0].clamp_min(0)).sum())
     if eigenvalues[0] <= 0:
-        keep = 0
+        rank = 0
     if compression_rank is not None:
-        keep = min(keep, compression_rank)
-    eigenvalues, eigenvectors = eigenvalues[:keep], eigenvectors[:, :keep]
+        rank = min(rank, compression_rank)
+    eigenvalues, eigenvectors = eigenvalues[:rank], eigenvectors[:, :rank]
     new_actions = actions.double() @ eigenvectors
     new_kernel_actions = kernel_actions.double() @ eigenvectors
     inverse_sqrt = eigenvalues.rsqrt()

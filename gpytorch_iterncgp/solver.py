@@ -64,6 +64,7 @@ def itergp_solve(
     rel_tol: float = 1e-5,
     compression_rank: int | None = None,
     action_space_dimension: int | None = None,
+    keep: tuple[Tensor, Tensor] | None = None,
 ) -> IterGPResult:
     r"""Solve :math:`(\mathbf K + \mathbf W^{-1}) \mathbf v = \mathbf b` approximately, recycling ``buffer``.
 
@@ -82,12 +83,14 @@ def itergp_solve(
     :param action_space_dimension: the dimension of the space the projected actions span (default
         :math:`n`); once :math:`\mathbf C` has this rank it equals :math:`\hat{\mathbf K}^{-1}` there and the
         solver stops.
+    :param keep: a direction and its kernel product that compression keeps (see
+        :func:`~gpytorch_iterncgp.virtual_solver_run`).
     """
     project = project or (lambda vectors: vectors)
     num_rows = rhs.shape[0]
     limit = num_rows if max_iterations is None else max_iterations
     full_rank = num_rows if action_space_dimension is None else action_space_dimension
-    virtual = virtual_solver_run(buffer, noise_inverse, compression_rank)
+    virtual = virtual_solver_run(buffer, noise_inverse, compression_rank, keep=keep)
     buffer = virtual.buffer
     precision = LowRankPrecision(virtual.precision_root)
     kernel_precision_root = ColumnStore(virtual.kernel_precision_root)

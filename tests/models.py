@@ -79,3 +79,8 @@ def multiclass_data(num_data=60, num_classes=3, dim=2, dtype=torch.float64, seed
     logits = -10 * torch.cdist(x, centres).square()
     y = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)[:, 0]
     return x, y
+
+
+def softmax_likelihood(num_classes: int = 3):
+    """GPyTorch's softmax likelihood with one latent function per class (no mixing weights)."""
+    return gpytorch.likelihoods.SoftmaxLikelihood(num_classes=num_classes, mixing_weights=False)

@@ -16,25 +16,13 @@ import torch
 from gpytorch_iterncgp import ExpPoissonLikelihood, LogitBernoulliLikelihood
 from tests import reference
 from tests.models import IterNCGPModel, binary_data, count_data, multiclass_data
+from tests.models import softmax_likelihood as _softmax
 
 DTYPE = torch.float64
 EXACT = dict(
     policy="unit", max_solver_iterations=None, outer_tol=1e-12, abs_tol=1e-11, rel_tol=0.0, max_newton_steps=100
 )
 TOL = 1e-6
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny matrices: one thread is faster, and much faster when other processes share the two cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def _softmax():
-    return gpytorch.likelihoods.SoftmaxLikelihood(num_classes=3, mixing_weights=False)
 
 
 # name: (likelihood factory, data factory, reference likelihood, C, model options)

@@ -32,15 +32,6 @@ DTYPE = torch.float64
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny matrices: one thread is faster, and much faster when other processes share the two cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def assert_relative(actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:
     """``max |actual - expected| <= tol * max |expected|``."""
     actual, expected = actual.detach(), expected.detach()
