@@ -15,6 +15,7 @@ from .newton import FitReport, LaplaceState, NewtonStep, SolverOptions
 from .noise import BlockNoiseInverse, DiagonalNoiseInverse, SoftmaxPseudoInverse
 from .policies import ConjugateGradientPolicy, Policy, UnitVectorPolicy
 from .precision import LowRankPrecision
+from .prior import dense_kernel_limit
 from .recycling import ActionBuffer, virtual_solver_run
 from .solver import IterGPResult, NumericalBreakdownWarning, itergp_solve
 from .strategy import IterNCGPStrategy
@@ -42,6 +43,7 @@ __all__ = [
     "SoftmaxPseudoInverse",
     "SolverOptions",
     "UnitVectorPolicy",
+    "dense_kernel_limit",
     "dense_laplace_mode",
     "exact_laplace_evidence",
     "itergp_solve",

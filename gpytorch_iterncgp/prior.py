@@ -14,8 +14,10 @@ is one ``N × (C k)`` product, independent kernels one batched product). It coun
 
 from __future__ import annotations
 
+import gpytorch
 import torch
 from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
+from gpytorch.lazy import LazyEvaluatedKernelTensor
 from linear_operator.operators import (
     BlockInterleavedLinearOperator,
     IdentityLinearOperator,
@@ -25,6 +27,51 @@ from linear_operator.operators import (
 from torch import Tensor
 
 SINGLE, SHARED, INDEPENDENT, MULTITASK = "single", "shared", "independent", "multitask"
+
+
+class dense_kernel_limit:
+    """Largest dense kernel matrix (bytes) that GPyTorch may evaluate and cache; larger ones are multiplied in row chunks.
+
+    A ``LazyEvaluatedKernelTensor`` evaluates and caches the whole :math:`N \times M` kernel on its first
+    matmul: fast (one BLAS call per product) while it fits in memory. Above this limit, products with
+    :math:`\\mathbf K` run in chunks of rows through ``gpytorch.beta_features.checkpoint_kernel``, so the
+    dense matrix is never formed (each product then re-evaluates the kernel; KeOps kernels are never
+    evaluated densely anyway). Chunking applies where no gradient is recorded (fit, predictions);
+    :class:`~gpytorch_iterncgp.LaplaceMarginalLogLikelihood` at that size needs a KeOps kernel or
+    ``gpytorch.beta_features.checkpoint_kernel`` around the whole training step.
+
+    Use as a context manager, ``with dense_kernel_limit(2**28): ...``, or read :meth:`value`.
+    Default: 4 GiB; chunks of about 256 MiB.
+    """
+
+    _value = 4 * 2**30
+    chunk_bytes = 2**28
+
+    def __init__(self, limit_bytes: int):
+        self.limit_bytes = int(limit_bytes)
+
+    @classmethod
+    def value(cls) -> int:
+        return cls._value
+
+    def __enter__(self):
+        self._previous, dense_kernel_limit._value = dense_kernel_limit._value, self.limit_bytes
+        return self
+
+    def __exit__(self, *exc):
+        dense_kernel_limit._value = self._previous
+        return False
+
+
+def _chunk_rows(covariance: LinearOperator) -> int:
+    """Rows per chunk for products with a lazily evaluated kernel too large to cache (0: no chunking)."""
+    if not isinstance(covariance, LazyEvaluatedKernelTensor):
+        return 0
+    rows, cols = covariance.shape[-2:]
+    row_bytes = cols * covariance.batch_shape.numel() * covariance.dtype.itemsize
+    if rows * row_bytes <= dense_kernel_limit.value():
+        return 0
+    return max(1, dense_kernel_limit.chunk_bytes // row_bytes)
 
 
 class LatentPrior:
@@ -114,12 +161,18 @@ class LatentPrior:
     def matmul(self, rhs: Tensor) -> Tensor:
         r""":math:`\mathbf K \mathbf X` for data-major ``X`` of shape ``(M C, k)``; returns ``(N C, k)``.
 
-        One call of the underlying kernel matmul, whatever :math:`C` and :math:`k`.
+        One call of the underlying kernel matmul, whatever :math:`C` and :math:`k`; in row chunks if the
+        dense kernel would exceed :class:`dense_kernel_limit` (and no gradient is recorded).
         """
+        self.products += 1
+        self.columns += rhs.shape[-1]
+        chunk_rows = 0 if torch.is_grad_enabled() else _chunk_rows(self.covariance)
+        with gpytorch.beta_features.checkpoint_kernel(chunk_rows):
+            return self._matmul(rhs)
+
+    def _matmul(self, rhs: Tensor) -> Tensor:
         num_rows, num_cols = self.shape
         num, width = self.num_latents, rhs.shape[-1]
-        self.products += 1
-        self.columns += width
         if self.layout in (SINGLE, MULTITASK):
             return self.covariance.matmul(rhs)
         if self.layout == SHARED:

@@ -1,0 +1,86 @@
+"""Shared helpers of the example scripts: command line, seeds, tables and figure output."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display needed; must precede the pyplot import in the scripts
+
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+FIGURE_DIR = Path(__file__).resolve().parent / "figures"
+
+try:  # run from a checkout without installing the package: python examples/<name>.py
+    import gpytorch_iterncgp  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(ROOT))
+
+
+def parse_args(description: str) -> argparse.Namespace:
+    """``--smoke`` (tiny, seconds), ``--quiet`` (no progress bars), ``--out DIR`` (where to save the PNG),
+    ``--threads N`` (torch threads, set here)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--smoke", action="store_true", help="run a much smaller version (a few seconds)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.add_argument("--out", type=Path, default=FIGURE_DIR, help=f"output directory (default {FIGURE_DIR})")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (default 1: the matrices are small, and on a busy 2-core machine two threads "
+        "can be several times slower than one)",
+    )
+    args = parser.parse_args()
+    torch.set_num_threads(max(1, min(args.threads, os.cpu_count() or 1)))
+    return args
+
+
+def setup(seed: int = 0) -> None:
+    """Fixed seeds and double precision."""
+    torch.manual_seed(seed)
+    torch.set_default_dtype(torch.float64)
+
+
+def save_figure(fig, args: argparse.Namespace, name: str) -> Path:
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"{name}.png"
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    print(f"saved {path}")
+    return path
+
+
+def print_table(header: list[str], rows: list[list], title: str | None = None) -> None:
+    """A plain fixed-width table; floats with 4 significant digits."""
+
+    def cell(value) -> str:
+        if isinstance(value, float):
+            return f"{value:.4g}"
+        return str(value)
+
+    cells = [[cell(v) for v in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(header)]
+    if title:
+        print(f"\n{title}")
+    print("  ".join(h.rjust(w) for h, w in zip(header, widths, strict=True)))
+    print("  ".join("-" * w for w in widths))
+    for row in cells:
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
+
+
+class Timer:
+    """``with Timer() as t: ...; t.seconds``."""
+
+    def __enter__(self):
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.seconds = time.perf_counter() - self.start
+        return False
