@@ -94,8 +94,17 @@ class LikelihoodAdapter:
     name: str = "likelihood"
 
     def __init__(self, likelihood: Likelihood, min_curvature: float | None = None):
+        if min_curvature is not None and not (
+            isinstance(min_curvature, (int, float))
+            and not isinstance(min_curvature, bool)
+            and 0 < min_curvature < math.inf
+        ):
+            raise ValueError(
+                f"min_curvature must be a positive finite number or None, got {min_curvature!r} (0 would let "
+                "W^-1 overflow where the likelihood is flat)."
+            )
         self.likelihood = likelihood
-        self.min_curvature = min_curvature
+        self.min_curvature = None if min_curvature is None else float(min_curvature)
 
     def _min_curvature(self, dtype: torch.dtype) -> float:
         return math.sqrt(torch.finfo(dtype).eps) if self.min_curvature is None else self.min_curvature
@@ -104,12 +113,17 @@ class LikelihoodAdapter:
     def check_targets(self, targets: Tensor, dtype: torch.dtype) -> Tensor:
         """Validate targets ``(N,)`` and return them as a floating tensor of ``dtype``.
 
-        :raises ValueError: naming the problem (shape, NaN/inf, values outside the support).
+        :raises ValueError: naming the problem (shape, empty, NaN/inf, values outside the support).
+        :raises TypeError: for a non-tensor or complex targets.
         """
         if not torch.is_tensor(targets):
             raise TypeError(f"train_targets must be a torch.Tensor, got {type(targets).__name__}.")
+        if targets.is_complex():
+            raise TypeError(f"train_targets must be real (bool, integer or floating point), got dtype {targets.dtype}.")
         if targets.dim() != 1:
             raise ValueError(f"train_targets must be 1-D (N,), got shape {tuple(targets.shape)}.")
+        if len(targets) == 0:
+            raise ValueError("train_targets is empty: at least one target is needed.")
         if targets.is_floating_point() and not bool(torch.isfinite(targets).all()):
             raise ValueError("train_targets contain NaN or inf.")
         self._check_support(targets)
@@ -269,7 +283,8 @@ class SoftplusPoissonAdapter(_DiagonalAdapter):
 
     def predictive_mean(self, mean, variance):
         quadrature = gpytorch.utils.quadrature.GaussHermiteQuadrature1D().to(mean.device)
-        marginal = torch.distributions.Normal(mean, variance.clamp_min(0).sqrt())
+        # validate_args=False: a marginal variance of exactly 0 (clamped rounding) is a valid point mass here.
+        marginal = torch.distributions.Normal(mean, variance.clamp_min(0).sqrt(), validate_args=False)
         return quadrature(torch.nn.functional.softplus, marginal)
 
 

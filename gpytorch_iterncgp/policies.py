@@ -8,6 +8,8 @@ projects it (softmax: onto :math:`\operatorname{range}(\mathbf W)`) and makes it
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from torch import Tensor
 
@@ -57,13 +59,35 @@ class UnitVectorPolicy(Policy):
     have zero sum over classes, whose last coordinate is then redundant). After all coordinates it
     starts over; with recycling and compression the dropped directions are thereby revisited.
 
-    :param order: data point indices in the order to visit them (default: random with ``seed``).
-    :param seed: seed of the random order.
+    The random order depends only on ``seed`` and :math:`N` (a CPU ``torch.Generator``, independent of the
+    global random state and of the device), so it is reproducible.
+
+    :param order: distinct data point indices in the order to visit them (default: random with ``seed``);
+        a subset of the data is allowed.
+    :param seed: seed of the random order, an integer.
+    :raises TypeError: for a non-integer ``seed`` or ``order`` (fractional indices are not truncated).
+    :raises ValueError: for an ``order`` that is not 1-D, is empty or repeats an index (a repeated unit vector
+        lies in the span of the earlier ones and breaks the solver down).
     """
 
     def __init__(self, order: Tensor | None = None, seed: int = 0):
-        self.order = None if order is None else torch.as_tensor(order, dtype=torch.long)
-        self.seed = seed
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+            raise TypeError(f"seed must be an integer, got {seed!r}.")
+        if order is not None:
+            order = torch.as_tensor(order)
+            if order.numel() == 0:
+                raise ValueError("UnitVectorPolicy: order must be a non-empty 1-D list, got an empty one.")
+            if order.is_floating_point() or order.is_complex() or order.dtype == torch.bool:
+                raise TypeError(f"UnitVectorPolicy: order must hold integer data indices, got dtype {order.dtype}.")
+            order = order.to(torch.long)
+            if order.dim() != 1 or len(order) == 0:
+                raise ValueError(
+                    f"UnitVectorPolicy: order must be a non-empty 1-D list, got shape {tuple(order.shape)}."
+                )
+            if len(order.unique()) != len(order):
+                raise ValueError("UnitVectorPolicy: order repeats a data index; every index may appear once.")
+        self.order = order
+        self.seed = int(seed)
         self.position = 0
         self._coordinates: Tensor | None = None
 
@@ -73,8 +97,11 @@ class UnitVectorPolicy(Policy):
             order = torch.randperm(num_data, generator=generator)
         else:
             order = self.order
-            if order.dim() != 1 or len(order) == 0 or order.min() < 0 or order.max() >= num_data:
-                raise ValueError(f"UnitVectorPolicy: order must be a 1-D list of data indices in [0, {num_data}).")
+            if order.min() < 0 or order.max() >= num_data:
+                raise ValueError(
+                    f"UnitVectorPolicy: order must hold data indices in [0, {num_data}); found "
+                    f"{order[(order < 0) | (order >= num_data)][:5].tolist()}."
+                )
         latents_used = num_latents - 1 if (zero_sum_actions and num_latents > 1) else num_latents
         self._coordinates = (order[:, None] * num_latents + torch.arange(latents_used)).flatten()
 
@@ -94,16 +121,24 @@ class UnitVectorPolicy(Policy):
         return {"position": self.position}
 
     def load_state(self, state: dict) -> None:
-        self.position = int(state.get("position", 0))
+        position = state.get("position", 0)
+        self.position = int(position.item() if torch.is_tensor(position) else position)
 
 
 POLICIES = {"cg": ConjugateGradientPolicy, "unit": UnitVectorPolicy}
 
 
 def make_policy(policy: str | Policy, seed: int = 0) -> Policy:
-    """A policy from its name (``"cg"`` or ``"unit"``) or a :class:`Policy` instance."""
+    """A policy from its name (``"cg"`` or ``"unit"``, any case) or a :class:`Policy` instance.
+
+    :raises ValueError: for an unknown name. :raises TypeError: for anything else, or a non-integer ``seed``.
+    """
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"seed must be an integer, got {seed!r}.")
     if isinstance(policy, Policy):
         return policy
     if isinstance(policy, str) and policy.lower() in POLICIES:
         return UnitVectorPolicy(seed=seed) if policy.lower() == "unit" else ConjugateGradientPolicy()
-    raise ValueError(f"Unknown policy {policy!r}: use 'cg', 'unit' or a gpytorch_iterncgp.Policy instance.")
+    if isinstance(policy, str):
+        raise ValueError(f"Unknown policy {policy!r}: use 'cg', 'unit' or a gpytorch_iterncgp.Policy instance.")
+    raise TypeError(f"policy must be 'cg', 'unit' or a gpytorch_iterncgp.Policy instance, got {type(policy).__name__}.")

@@ -31,11 +31,14 @@ the exact Laplace covariance by exactly the error of having stopped the solver e
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import warnings
 from collections.abc import Callable
 
 import gpytorch
 import torch
 from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
+from gpytorch.utils.warnings import NumericalWarning
 from linear_operator.operators import MatmulLinearOperator
 from torch import Tensor
 
@@ -48,7 +51,13 @@ from .prior import LatentPrior
 _UNSET = object()
 
 
-def _check_inputs(inputs: Tensor, name: str) -> Tensor:
+def _check_inputs(inputs: Tensor, name: str, device: torch.device | None = None) -> Tensor:
+    """Validate inputs ``(N, D)`` or ``(N,)`` and return them as ``(N, D)``.
+
+    :param device: the device they must be on (checked before any value is read).
+    :raises TypeError: not a tensor, or not floating point (integer inputs).
+    :raises ValueError: wrong shape, no points or no features, NaN/inf, or on another device than ``device``.
+    """
     if not torch.is_tensor(inputs):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(inputs).__name__}.")
     if not inputs.is_floating_point():
@@ -58,10 +67,29 @@ def _check_inputs(inputs: Tensor, name: str) -> Tensor:
     if inputs.dim() != 2:
         raise ValueError(f"{name} must have shape (N, D) or (N,), got {tuple(inputs.shape)}.")
     if inputs.shape[0] == 0:
-        raise ValueError(f"{name} is empty.")
+        raise ValueError(f"{name} is empty (shape {tuple(inputs.shape)}): at least one point is needed.")
+    if inputs.shape[1] == 0:
+        raise ValueError(f"{name} has no features (shape {tuple(inputs.shape)}): D must be at least 1.")
+    if device is not None and inputs.device != device:
+        raise ValueError(f"{name} are on {inputs.device} but the model's training data on {device}.")
     if not bool(torch.isfinite(inputs).all()):
         raise ValueError(f"{name} contains NaN or inf.")
     return inputs
+
+
+def _data_fingerprint(inputs: Tensor, targets: Tensor) -> str:
+    """A hash of the training data (rounded to float32, so a float32 copy of float64 data matches)."""
+    digest = hashlib.sha256()
+    for tensor in (inputs, targets):
+        values = tensor.detach().to(device="cpu", dtype=torch.float32).contiguous()
+        digest.update(str(tuple(values.shape)).encode())
+        digest.update(values.numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _check_flag(value, name: str) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}.")
 
 
 class IterNCGPStrategy(gpytorch.Module):
@@ -111,17 +139,27 @@ class IterNCGPStrategy(gpytorch.Module):
         show_progress: bool = True,
     ):
         super().__init__()
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(
+                f"model must be the gpytorch ApproximateGP that owns the strategy (pass self), got {type(model).__name__}."
+            )
         object.__setattr__(self, "model", model)  # not a submodule: the model owns the strategy
         object.__setattr__(self, "likelihood", likelihood)
         self.adapter = likelihood_adapter(likelihood, min_curvature)
+        if torch.is_tensor(train_inputs) and torch.is_tensor(train_targets):
+            if train_targets.device != train_inputs.device:
+                raise ValueError(
+                    f"train_targets are on {train_targets.device} but train_inputs on {train_inputs.device}: "
+                    "put both on one device."
+                )
         train_inputs = _check_inputs(train_inputs, "train_inputs")
         targets = self.adapter.check_targets(train_targets, train_inputs.dtype)
         if len(targets) != len(train_inputs):
             raise ValueError(
                 f"train_inputs has {len(train_inputs)} points but train_targets has {len(targets)}: they must match."
             )
-        if targets.device != train_inputs.device:
-            raise ValueError(f"train_targets is on {targets.device} but train_inputs on {train_inputs.device}.")
+        _check_flag(recycle, "recycle")
+        _check_flag(show_progress, "show_progress")
         self.register_buffer("train_inputs", train_inputs, persistent=False)
         self.register_buffer("train_targets", targets, persistent=False)
         self.options = SolverOptions(
@@ -138,6 +176,7 @@ class IterNCGPStrategy(gpytorch.Module):
         self.show_progress = show_progress
         self._state: LaplaceState | None = None
         self._fingerprint: Tensor | None = None
+        self._policy_state: dict = self.policy.state()  # the policy's position at the committed state
         self.last_report: FitReport | None = None
 
     # -- sizes -----------------------------------------------------------------------------------
@@ -186,11 +225,22 @@ class IterNCGPStrategy(gpytorch.Module):
             precision_root=empty,
             kernel_precision_root=empty,
             log_posterior=float("-inf"),
+            forcing=1.0,  # a new system: IterGP's tolerances start afresh
         )
 
     def _commit(self, state: LaplaceState) -> None:
         self._state = state
         self._fingerprint = self._hyperparameter_fingerprint()
+        self._policy_state = self.policy.state()
+
+    def _check_model_device(self) -> None:
+        device = self.train_inputs.device
+        for name, parameter in [*self.model.named_parameters(), *self.likelihood.named_parameters()]:
+            if parameter.device != device:
+                raise ValueError(
+                    f"The model's parameter {name} is on {parameter.device} but train_inputs on {device}: move the "
+                    "model (model.to(device)) and the likelihood to the device of the data."
+                )
 
     def fit(
         self,
@@ -202,7 +252,7 @@ class IterNCGPStrategy(gpytorch.Module):
         callback: Callable[[NewtonStep, LaplaceState], bool | None] | None = None,
         show_progress: bool | None = None,
     ) -> FitReport:
-        """Run Newton steps from the current state until the stopping criteria (or a limit) are met.
+        r"""Run Newton steps from the current state until the stopping criteria (or a limit) are met.
 
         Calling it again continues where the last call stopped, reusing the recycled actions. Arguments
         override the strategy's settings for this call only.
@@ -210,6 +260,17 @@ class IterNCGPStrategy(gpytorch.Module):
         :param callback: called after every Newton step with its :class:`NewtonStep` record and the
             :class:`LaplaceState`; return ``True`` to stop.
         :return: a :class:`FitReport` (Newton steps, solver iterations, products with K, residuals, time).
+
+        Interruption: the strategy's state is replaced only after each completed Newton step. If the fit is
+        stopped by the callback, or by an exception such as ``KeyboardInterrupt`` (also one raised inside the
+        callback), the strategy keeps the state of the last completed step (and the unit-vector policy its
+        position there), so that ``fit()`` resumes from it, and a ``state_dict()`` saved then (or inside the
+        callback) resumes in a fresh model exactly as the uninterrupted fit continues. After an exception the
+        precision :math:`\mathbf Q` is that of the last completed solve, not yet updated to :math:`\mathbf W`
+        at its mode (the next ``fit()`` does that).
+
+        :raises ValueError: for an option out of range, or model parameters on another device than the data.
+        :raises TypeError: for a callback that is not callable, or a model computing in another dtype.
         """
         overrides = {
             "max_newton_steps": max_newton_steps,
@@ -221,7 +282,12 @@ class IterNCGPStrategy(gpytorch.Module):
         if max_solver_iterations is not _UNSET:
             options.max_solver_iterations = max_solver_iterations
         options.validate()
+        if callback is not None and not callable(callback):
+            raise TypeError(f"callback must be callable (step, state) -> bool | None, got {type(callback).__name__}.")
+        if show_progress is not None:
+            _check_flag(show_progress, "show_progress")
         show = self.show_progress if show_progress is None else show_progress
+        self._check_model_device()
         with torch.no_grad():
             prior = self._train_prior()
             if prior.dtype != self.train_inputs.dtype:
@@ -229,19 +295,35 @@ class IterNCGPStrategy(gpytorch.Module):
                     f"The model computes in {prior.dtype} but train_inputs are {self.train_inputs.dtype}: "
                     "convert the model and the data to one dtype."
                 )
+            resolution = 10 * torch.finfo(prior.dtype).eps
+            if 0 < options.outer_tol < resolution:
+                warnings.warn(
+                    f"outer_tol={options.outer_tol:g} is below what {prior.dtype} resolves (10 eps = {resolution:.2g}): "
+                    "the relative change of the representer weights stays at rounding level above it, so the fit "
+                    "will likely run to max_newton_steps without reporting convergence. Use float64 or a larger "
+                    "outer_tol.",
+                    UserWarning,
+                    stacklevel=2,
+                )
             state = self._starting_state(prior)
             self.policy.prepare(self.num_data, self.num_latents, self.adapter.zero_sum_actions)
-            report = run_newton(
-                prior,
-                self.adapter,
-                self.train_targets,
-                state,
-                options,
-                self.policy,
-                commit=self._commit,
-                callback=callback,
-                show_progress=show,
-            )
+            try:
+                report = run_newton(
+                    prior,
+                    self.adapter,
+                    self.train_targets,
+                    state,
+                    options,
+                    self.policy,
+                    commit=self._commit,
+                    callback=callback,
+                    show_progress=show,
+                )
+            except BaseException:
+                # Interrupted (KeyboardInterrupt, an error in the callback, ...): the state is that of the last
+                # completed step; put the policy back to where it was then.
+                self.policy.load_state(self._policy_state)
+                raise
         report.kernel_products = prior.products
         report.kernel_columns = prior.columns
         self.last_report = report
@@ -272,17 +354,14 @@ class IterNCGPStrategy(gpytorch.Module):
         return mean + state.kernel_representer_weights.reshape(-1, self.num_latents)
 
     def _check_test_inputs(self, inputs: Tensor) -> Tensor:
-        inputs = _check_inputs(inputs, "inputs")
+        inputs = _check_inputs(inputs, "inputs", device=self.train_inputs.device)
         if inputs.shape[-1] != self.train_inputs.shape[-1]:
             raise ValueError(
                 f"inputs have {inputs.shape[-1]} features but the training inputs have {self.train_inputs.shape[-1]}."
             )
-        if inputs.device != self.train_inputs.device:
-            raise ValueError(
-                f"inputs are on {inputs.device} but the model's training data on {self.train_inputs.device}."
-            )
         if inputs.dtype != self.train_inputs.dtype:
             raise TypeError(f"inputs are {inputs.dtype} but the model's training data {self.train_inputs.dtype}.")
+        self._check_model_device()
         return inputs
 
     def _posterior_parts(self, inputs: Tensor) -> tuple[Tensor, Tensor, LatentPrior]:
@@ -319,10 +398,26 @@ class IterNCGPStrategy(gpytorch.Module):
         return MultitaskMultivariateNormal(mean.reshape(-1, self.num_latents), covariance, interleaved=True)
 
     def marginal_latent(self, inputs: Tensor) -> tuple[Tensor, Tensor]:
-        """Posterior mean and variance of the latents at ``inputs``, each ``(N*, C)``, without forming covariances."""
+        r"""Posterior mean and variance of the latents at ``inputs``, each ``(N*, C)``, without forming covariances.
+
+        The variance is :math:`k(x, x) - \|\mathbf Q^\top \mathbf K_{X x}\|^2`, clamped at 0. Where it is below
+        ``100 eps`` times the prior variance it is dominated by rounding (cancellation; e.g. float32 with an
+        outputscale of 1e8), and a ``NumericalWarning`` says so.
+        """
         inputs = self._check_test_inputs(inputs)
         mean, root, test_prior = self._posterior_parts(inputs)
-        variance = (test_prior.diagonal() - root.square().sum(-1)).clamp_min(0)
+        prior_variance = test_prior.diagonal()
+        variance = prior_variance - root.square().sum(-1)
+        lost = variance < 100 * torch.finfo(variance.dtype).eps * prior_variance
+        if bool(lost.any()):
+            warnings.warn(
+                f"IterNCGP: the posterior variance of {int(lost.sum())} latent value(s) is below 100 eps of the prior "
+                f"variance (up to {float(prior_variance[lost].max()):.3g}) and dominated by rounding in K - K C K "
+                f"({variance.dtype}); use float64 or a smaller outputscale for accurate variances there.",
+                NumericalWarning,
+                stacklevel=2,
+            )
+        variance = variance.clamp_min(0)
         return mean.reshape(-1, self.num_latents), variance.reshape(-1, self.num_latents)
 
     def predictive_mean(self, inputs: Tensor) -> Tensor:
@@ -346,25 +441,90 @@ class IterNCGPStrategy(gpytorch.Module):
 
     # -- state_dict and devices ------------------------------------------------------------------
     def get_extra_state(self) -> dict:
+        """The solver state for ``state_dict()``: tensors, numbers and strings only (``weights_only`` loadable).
+
+        Holds the state of the last completed Newton step (also when saved inside a ``fit`` callback), the
+        unit-vector policy's position there, and a hash of the training data it belongs to.
+        """
         state = None
         if self._state is not None:
             state = {name: tensor.clone() for name, tensor in self._state.tensors().items()}
-            state.update(log_posterior=self._state.log_posterior, newton_steps=self._state.newton_steps)
-        return {"version": 1, "state": state, "fingerprint": self._fingerprint, "policy": self.policy.state()}
+            state.update(
+                log_posterior=self._state.log_posterior,
+                newton_steps=self._state.newton_steps,
+                forcing=self._state.forcing,
+            )
+        return {
+            "version": 2,
+            "state": state,
+            "fingerprint": self._fingerprint,
+            "policy": dict(self._policy_state),
+            "data": _data_fingerprint(self.train_inputs, self.train_targets),
+        }
 
     def set_extra_state(self, extra: dict) -> None:
+        """Restore :meth:`get_extra_state`.
+
+        :raises ValueError: if the saved state is malformed (missing entries, shapes that disagree).
+        A state saved for other training data (another size, or a different hash) is discarded with a
+        ``UserWarning``: the hyperparameters still load, and the next ``fit()`` or prediction starts from the
+        prior instead of predicting with weights fitted to other data.
+        """
+        if not isinstance(extra, dict):
+            raise ValueError(f"IterNCGPStrategy extra state must be a dict, got {type(extra).__name__}.")
         saved = extra.get("state")
         if saved is None:
             self._state, self._fingerprint = None, None
-        else:
-            reference = self.train_inputs
-            tensors = {name: saved[name].to(reference) for name in TENSOR_FIELDS}
-            self._state = LaplaceState(
-                **tensors, log_posterior=saved["log_posterior"], newton_steps=saved["newton_steps"]
+            self.policy.load_state(extra.get("policy", {}))
+            self._policy_state = self.policy.state()
+            return
+        missing = [name for name in (*TENSOR_FIELDS, "log_posterior", "newton_steps") if name not in saved]
+        missing += [name for name in TENSOR_FIELDS if name in saved and not torch.is_tensor(saved[name])]
+        if missing:
+            raise ValueError(f"IterNCGPStrategy extra state is malformed: missing or non-tensor entries {missing}.")
+        size = saved["representer_weights"].shape
+        rank, buffered = saved["precision_root"].shape[-1:], saved["actions"].shape[-1:]
+        expected = {
+            "representer_weights": size,
+            "kernel_representer_weights": size,
+            "precision_root": size + rank,
+            "kernel_precision_root": size + rank,
+            "actions": size + buffered,
+            "kernel_actions": size + buffered,
+        }
+        wrong = {name: tuple(saved[name].shape) for name in TENSOR_FIELDS if saved[name].shape != expected[name]}
+        if len(size) != 1 or wrong:
+            raise ValueError(
+                f"IterNCGPStrategy extra state is malformed: inconsistent shapes {wrong or dict(size=size)}."
             )
-            fingerprint = extra.get("fingerprint")
-            self._fingerprint = None if fingerprint is None else fingerprint.to(reference)
+        expected_size = self.num_data * self.num_latents
+        data = extra.get("data")
+        if size[0] != expected_size or (
+            data is not None and data != _data_fingerprint(self.train_inputs, self.train_targets)
+        ):
+            warnings.warn(
+                f"The saved IterNCGP solver state belongs to other training data ({size[0]} latent values, this model "
+                f"has {expected_size}, or different values): it is discarded, and the next fit() or prediction "
+                "starts from the prior.",
+                UserWarning,
+                stacklevel=2,
+            )
+            self._state, self._fingerprint = None, None
+            self.policy.load_state({})
+            self._policy_state = self.policy.state()
+            return
+        reference = self.train_inputs
+        tensors = {name: saved[name].to(reference) for name in TENSOR_FIELDS}
+        self._state = LaplaceState(
+            **tensors,
+            log_posterior=float(saved["log_posterior"]),
+            newton_steps=int(saved["newton_steps"]),
+            forcing=float(saved.get("forcing", 1.0)),
+        )
+        fingerprint = extra.get("fingerprint")
+        self._fingerprint = None if fingerprint is None else fingerprint.to(reference)
         self.policy.load_state(extra.get("policy", {}))
+        self._policy_state = self.policy.state()
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = ["binary_classification", "poisson_regression", "multiclass", "hyperparameters"]
+EXAMPLES = ["binary_classification", "poisson_regression", "multiclass", "hyperparameters", "sklearn_quickstart"]
 
 
 @pytest.mark.parametrize("name", EXAMPLES)

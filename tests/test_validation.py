@@ -6,6 +6,8 @@ labels are accepted), so that a check rejecting everything would fail too.
 
 from __future__ import annotations
 
+import warnings
+
 import gpytorch
 import pytest
 import torch
@@ -272,3 +274,303 @@ def test_wrong_batch_shape_softmax():
     model = IterNCGPModel(train_x, train_y, _softmax(), batch_classes=2)
     with pytest.raises(ValueError, match=r"batch_shape \[2\].*\[3\] \(one GP per class\)"):
         model.variational_strategy.fit()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Devices (a "meta" tensor stands in for a second device: only CPU is available here)
+# ---------------------------------------------------------------------------------------------------
+def test_train_data_on_two_devices():
+    train_x, train_y = binary_data(num_data=20)
+    with pytest.raises(ValueError, match="train_targets are on cpu but train_inputs on meta"):
+        IterNCGPModel(train_x.to("meta"), train_y, LogitBernoulliLikelihood())
+    with pytest.raises(ValueError, match="train_targets are on meta but train_inputs on cpu"):
+        IterNCGPModel(train_x, train_y.to("meta"), LogitBernoulliLikelihood())
+
+
+def test_test_inputs_on_another_device_than_the_model():
+    model = _fitted_binary_model()
+    inputs = torch.rand(4, 2, dtype=torch.float64, device="meta")
+    strategy = model.variational_strategy
+    for predict in (model, strategy.marginal_latent, strategy.predictive_mean, strategy.predictive_probabilities):
+        with pytest.raises(ValueError, match="inputs are on meta but the model's training data on cpu"):
+            predict(inputs)
+
+
+def test_model_parameters_on_another_device_than_the_data():
+    train_x, train_y = binary_data(num_data=20)
+    model = IterNCGPModel(train_x, train_y, LogitBernoulliLikelihood())
+    model.covar_module.to("meta")  # e.g. a submodule left behind by a partial .to(device)
+    with pytest.raises(ValueError, match=r"parameter covar_module\.raw_outputscale is on meta but train_inputs on cpu"):
+        model.variational_strategy.fit()
+    assert model.variational_strategy.state is None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Shapes, empty data, types
+# ---------------------------------------------------------------------------------------------------
+def test_empty_training_data():
+    train_x, train_y = binary_data(num_data=20)
+    with pytest.raises(ValueError, match=r"train_inputs is empty \(shape \(0, 2\)\)"):
+        IterNCGPModel(train_x[:0], train_y[:0], LogitBernoulliLikelihood())
+    with pytest.raises(ValueError, match="train_targets is empty"):
+        IterNCGPModel(train_x, train_y[:0], LogitBernoulliLikelihood())
+    with pytest.raises(ValueError, match=r"train_inputs has no features \(shape \(20, 0\)\)"):
+        IterNCGPModel(train_x[:, :0], train_y, LogitBernoulliLikelihood())
+
+
+def test_empty_or_featureless_test_inputs():
+    model = _fitted_binary_model()
+    with pytest.raises(ValueError, match="inputs is empty"):
+        model(torch.zeros(0, 2, dtype=torch.float64))
+    with pytest.raises(ValueError, match="inputs has no features"):
+        model.variational_strategy.marginal_latent(torch.zeros(3, 0, dtype=torch.float64))
+
+
+@pytest.mark.parametrize(
+    "inputs, error, message",
+    [
+        ([[0.1, 0.2]] * 20, TypeError, "train_inputs must be a torch.Tensor, got list"),
+        (torch.rand(20, 2, 1, dtype=torch.float64), ValueError, r"train_inputs must have shape \(N, D\) or \(N,\)"),
+        (torch.rand(20, 2, dtype=torch.complex128), TypeError, "floating-point"),
+    ],
+)
+def test_bad_train_inputs(inputs, error, message):
+    _, train_y = binary_data(num_data=20)
+    with pytest.raises(error, match=message):
+        IterNCGPModel(inputs, train_y, LogitBernoulliLikelihood())
+
+
+@pytest.mark.parametrize(
+    "targets, error, message",
+    [
+        ([0, 1] * 10, TypeError, "train_targets must be a torch.Tensor, got list"),
+        (torch.zeros(20, 1), ValueError, r"train_targets must be 1-D \(N,\), got shape \(20, 1\)"),
+        (torch.zeros(20, dtype=torch.complex64), TypeError, "train_targets must be real"),
+    ],
+)
+def test_bad_train_targets(targets, error, message):
+    train_x, _ = binary_data(num_data=20)
+    with pytest.raises(error, match=message):
+        IterNCGPModel(train_x, targets, LogitBernoulliLikelihood())
+
+
+def test_boolean_and_integer_labels_are_accepted():
+    train_x, train_y = binary_data(num_data=20)
+    reference = IterNCGPModel(train_x, train_y, LogitBernoulliLikelihood())
+    reference.variational_strategy.fit()
+    for labels in (train_y.bool(), train_y.long(), train_y.int()):
+        model = IterNCGPModel(train_x, labels, LogitBernoulliLikelihood())
+        model.variational_strategy.fit()
+        assert torch.equal(model.variational_strategy.mode, reference.variational_strategy.mode)
+
+
+def test_model_not_a_module():
+    from gpytorch_iterncgp import IterNCGPStrategy
+
+    train_x, train_y = binary_data(num_data=20)
+    with pytest.raises(TypeError, match="model must be the gpytorch ApproximateGP that owns the strategy"):
+        IterNCGPStrategy(None, train_x, train_y, LogitBernoulliLikelihood())
+
+
+def test_model_in_another_dtype_than_the_data():
+    train_x, train_y = binary_data(num_data=20, dtype=torch.float32)
+    model = IterNCGPModel(train_x, train_y.float(), LogitBernoulliLikelihood(), constant_mean=0.5)
+    model.mean_module.double()
+    with pytest.raises(TypeError, match="The model computes in torch.float64 but train_inputs are torch.float32"):
+        model.variational_strategy.fit()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Options and policies
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("value", [0, 0.0, -1e-3, float("nan"), float("inf"), "small", True])
+def test_invalid_min_curvature(value):
+    train_x, train_y = binary_data(num_data=20)
+    with pytest.raises(ValueError, match="min_curvature must be a positive finite number or None"):
+        IterNCGPModel(train_x, train_y, LogitBernoulliLikelihood(), min_curvature=value)
+
+
+def test_valid_min_curvature_bounds_the_noise():
+    train_x, train_y = binary_data(num_data=20)
+    model = IterNCGPModel(train_x, train_y, LogitBernoulliLikelihood(), min_curvature=0.2)
+    model.variational_strategy.fit()
+    derivatives = model.variational_strategy.adapter.derivatives(model.variational_strategy.mode, train_y)
+    assert float(derivatives.noise_inverse.diagonal().max()) <= 1 / 0.2 + 1e-12
+
+
+@pytest.mark.parametrize("option, value", [("recycle", "yes"), ("recycle", 1), ("show_progress", None)])
+def test_flags_must_be_booleans(option, value):
+    train_x, train_y = binary_data(num_data=20)
+    with pytest.raises(TypeError, match=f"{option} must be True or False"):
+        IterNCGPModel(train_x, train_y, LogitBernoulliLikelihood(), **{option: value})
+
+
+@pytest.mark.parametrize("option", ["max_newton_steps", "max_solver_iterations", "compression_rank", "outer_tol"])
+def test_booleans_are_not_numbers(option):
+    train_x, train_y = binary_data(num_data=20)
+    with pytest.raises(ValueError, match=f"{option} must be a number, got True"):
+        IterNCGPModel(train_x, train_y, LogitBernoulliLikelihood(), **{option: True})
+
+
+@pytest.mark.parametrize("seed", [1.5, "0", True, None])
+def test_seed_must_be_an_integer(seed):
+    from gpytorch_iterncgp import UnitVectorPolicy
+
+    train_x, train_y = binary_data(num_data=20)
+    with pytest.raises(TypeError, match="seed must be an integer"):
+        IterNCGPModel(train_x, train_y, LogitBernoulliLikelihood(), policy="unit", seed=seed)
+    with pytest.raises(TypeError, match="seed must be an integer"):
+        UnitVectorPolicy(seed=seed)
+
+
+@pytest.mark.parametrize("policy", [None, 3, object()])
+def test_policy_of_the_wrong_type(policy):
+    train_x, train_y = binary_data(num_data=20)
+    with pytest.raises(TypeError, match="policy must be 'cg', 'unit' or a gpytorch_iterncgp.Policy instance"):
+        IterNCGPModel(train_x, train_y, LogitBernoulliLikelihood(), policy=policy)
+
+
+def test_policy_names_ignore_case():
+    from gpytorch_iterncgp import ConjugateGradientPolicy, UnitVectorPolicy
+
+    train_x, train_y = binary_data(num_data=20)
+    cg = IterNCGPModel(train_x, train_y, LogitBernoulliLikelihood(), policy="CG")
+    unit = IterNCGPModel(train_x, train_y, LogitBernoulliLikelihood(), policy="Unit")
+    assert isinstance(cg.variational_strategy.policy, ConjugateGradientPolicy)
+    assert isinstance(unit.variational_strategy.policy, UnitVectorPolicy)
+
+
+@pytest.mark.parametrize(
+    "order, error, message",
+    [
+        ([0.5, 1.5], TypeError, "order must hold integer data indices, got dtype torch.float"),
+        ([[0, 1], [2, 3]], ValueError, r"order must be a non-empty 1-D list, got shape \(2, 2\)"),
+        ([], ValueError, "order must be a non-empty 1-D list"),
+        ([3, 1, 3], ValueError, "order repeats a data index"),
+    ],
+)
+def test_unit_vector_order_rejected_at_construction(order, error, message):
+    from gpytorch_iterncgp import UnitVectorPolicy
+
+    with pytest.raises(error, match=message):
+        UnitVectorPolicy(order=order)
+
+
+@pytest.mark.parametrize("bad", [20, -1])
+def test_unit_vector_order_outside_the_data(bad):
+    from gpytorch_iterncgp import UnitVectorPolicy
+
+    train_x, train_y = binary_data(num_data=20)
+    subset = UnitVectorPolicy(order=[0, 5, 19])
+    model = IterNCGPModel(train_x, train_y, LogitBernoulliLikelihood(), policy=subset, max_solver_iterations=3)
+    model.variational_strategy.fit(max_newton_steps=1)  # valid: a subset of the data
+    model = IterNCGPModel(train_x, train_y, LogitBernoulliLikelihood(), policy=UnitVectorPolicy(order=[0, bad]))
+    with pytest.raises(ValueError, match=rf"order must hold data indices in \[0, 20\); found \[{bad}\]"):
+        model.variational_strategy.fit()
+
+
+def test_fit_callback_and_show_progress_types():
+    train_x, train_y = binary_data(num_data=20)
+    model = IterNCGPModel(train_x, train_y, LogitBernoulliLikelihood())
+    with pytest.raises(TypeError, match="callback must be callable"):
+        model.variational_strategy.fit(callback="stop")
+    with pytest.raises(TypeError, match="show_progress must be True or False"):
+        model.variational_strategy.fit(show_progress="no")
+    assert model.variational_strategy.state is None
+    model.variational_strategy.fit(callback=lambda step, state: None, show_progress=False)
+
+
+def test_unknown_options_are_type_errors_naming_them():
+    train_x, train_y = binary_data(num_data=20)
+    with pytest.raises(TypeError, match="max_iterations"):
+        IterNCGPModel(train_x, train_y, LogitBernoulliLikelihood(), max_iterations=3)
+    model = IterNCGPModel(train_x, train_y, LogitBernoulliLikelihood())
+    with pytest.raises(TypeError, match="tol"):
+        model.variational_strategy.fit(tol=1e-3)
+
+
+def test_outer_tol_below_float32_resolution_warns():
+    train_x, train_y = binary_data(num_data=20, dtype=torch.float32)
+    model = IterNCGPModel(train_x, train_y, LogitBernoulliLikelihood(), max_newton_steps=3)
+    with pytest.warns(UserWarning, match=r"outer_tol=1e-10 is below what torch.float32 resolves"):
+        model.variational_strategy.fit(outer_tol=1e-10)
+    # float64 resolves it; and 0 (run every step) is a deliberate choice, not a precision problem.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        model.variational_strategy.fit(outer_tol=0.0)
+        train_x, train_y = binary_data(num_data=20)
+        IterNCGPModel(train_x, train_y, LogitBernoulliLikelihood(), max_newton_steps=3).variational_strategy.fit(
+            outer_tol=1e-10
+        )
+
+
+def test_likelihood_adapter_validates_min_curvature():
+    from gpytorch_iterncgp import likelihood_adapter
+
+    with pytest.raises(ValueError, match="min_curvature"):
+        likelihood_adapter(LogitBernoulliLikelihood(), min_curvature=-1.0)
+    assert likelihood_adapter(LogitBernoulliLikelihood(), min_curvature=1).min_curvature == 1.0
+
+
+def test_itergp_solve_checks_its_arguments():
+    from gpytorch_iterncgp import ActionBuffer, ConjugateGradientPolicy, DiagonalNoiseInverse, itergp_solve
+
+    kernel = torch.eye(5, dtype=torch.float64)
+    noise = DiagonalNoiseInverse(torch.ones(5, dtype=torch.float64))
+    buffer = ActionBuffer.empty(5, torch.float64, torch.device("cpu"))
+    policy = ConjugateGradientPolicy()
+    rhs = torch.ones(5, dtype=torch.float64)
+    itergp_solve(kernel.matmul, noise, rhs, buffer, policy)  # valid
+    with pytest.raises(ValueError, match=r"noise_inverse must be \(4, 4\) to match rhs"):
+        itergp_solve(kernel.matmul, noise, rhs[:4], buffer, policy)
+    with pytest.raises(ValueError, match="rhs must be a 1-D floating-point tensor"):
+        itergp_solve(kernel.matmul, noise, rhs[:, None], buffer, policy)
+    with pytest.raises(ValueError, match="rhs contains NaN or inf"):
+        itergp_solve(kernel.matmul, noise, rhs * float("nan"), buffer, policy)
+    with pytest.raises(ValueError, match=r"buffer must hold actions and kernel products of shape \(5, B\)"):
+        itergp_solve(kernel.matmul, noise, rhs, ActionBuffer.empty(4, torch.float64, torch.device("cpu")), policy)
+    with pytest.raises(ValueError, match="max_iterations"):
+        itergp_solve(kernel.matmul, noise, rhs, buffer, policy, max_iterations=-1)
+    with pytest.raises(ValueError, match="rel_tol"):
+        itergp_solve(kernel.matmul, noise, rhs, buffer, policy, rel_tol=float("nan"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# load_state_dict
+# ---------------------------------------------------------------------------------------------------
+def test_state_dict_of_other_training_data_is_discarded_with_a_warning():
+    train_x, train_y = binary_data(num_data=20)
+    model = IterNCGPModel(train_x, train_y, LogitBernoulliLikelihood())
+    model.variational_strategy.fit()
+    state_dict = model.state_dict()
+    for other_x, other_y in [binary_data(num_data=20, seed=5), binary_data(num_data=25)]:
+        other = IterNCGPModel(other_x, other_y, LogitBernoulliLikelihood())
+        with pytest.warns(UserWarning, match="belongs to other training data"):
+            other.load_state_dict(state_dict)
+        assert other.variational_strategy.state is None  # not silently reused
+        fresh = IterNCGPModel(other_x, other_y, LogitBernoulliLikelihood())
+        other.eval(), fresh.eval()
+        test_x = torch.rand(5, 2, dtype=torch.float64)
+        with torch.no_grad():
+            assert torch.equal(other(test_x).mean, fresh(test_x).mean)  # refitted to its own data
+    # The same data as float32 is the same data: no warning, the state is kept.
+    model32 = IterNCGPModel(train_x.float(), train_y.float(), LogitBernoulliLikelihood())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        model32.load_state_dict(state_dict)
+    assert model32.variational_strategy.state.newton_steps == model.variational_strategy.state.newton_steps
+
+
+def test_malformed_extra_state_is_rejected():
+    train_x, train_y = binary_data(num_data=20)
+    model = IterNCGPModel(train_x, train_y, LogitBernoulliLikelihood())
+    model.variational_strategy.fit()
+    state_dict = model.state_dict()
+    key = "variational_strategy._extra_state"
+    broken = {**state_dict, key: {**state_dict[key], "state": {**state_dict[key]["state"]}}}
+    broken[key]["state"]["actions"] = broken[key]["state"]["actions"][:5]
+    with pytest.raises(ValueError, match="extra state is malformed: inconsistent shapes"):
+        IterNCGPModel(train_x, train_y, LogitBernoulliLikelihood()).load_state_dict(broken)
+    del broken[key]["state"]["actions"]
+    with pytest.raises(ValueError, match=r"extra state is malformed: missing or non-tensor entries \['actions'\]"):
+        IterNCGPModel(train_x, train_y, LogitBernoulliLikelihood()).load_state_dict(broken)

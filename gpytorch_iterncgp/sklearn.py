@@ -1,0 +1,551 @@
+r"""scikit-learn estimators on top of :class:`~gpytorch_iterncgp.IterNCGPStrategy`.
+
+.. code-block:: python
+
+    from gpytorch_iterncgp.sklearn import IterNCGPClassifier, IterNCGPPoissonRegressor
+
+    clf = IterNCGPClassifier(random_state=0).fit(X_train, y_train)     # numpy in
+    proba = clf.predict_proba(X_test)                                   # numpy out, (n, n_classes)
+    proba, latent_std = clf.predict_proba(X_test, return_std=True)     # + std of the latent function(s)
+
+    reg = IterNCGPPoissonRegressor(random_state=0).fit(X_train, counts)
+    rate = reg.predict(X_test)                                          # expected counts E[y*]
+
+Both estimators build an ``ApproximateGP`` whose prior is ``kernel`` (any GPyTorch kernel; default a
+scaled Matérn-5/2) with the IterNCGP strategy, optionally learn the kernel's hyperparameters by Adam on
+the Laplace evidence (:class:`~gpytorch_iterncgp.LaplaceMarginalLogLikelihood`), then run the damped
+Newton / IterGP loop once more at the learnt hyperparameters. Everything is computed in float64.
+
+Importing this module imports scikit-learn; ``import gpytorch_iterncgp`` does not.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import numbers
+import warnings
+
+import gpytorch
+import numpy as np
+import torch
+from gpytorch.distributions import MultivariateNormal
+from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin
+from sklearn.exceptions import ConvergenceWarning
+from sklearn.metrics import d2_tweedie_score
+from sklearn.utils import check_random_state
+from sklearn.utils.multiclass import check_classification_targets
+from sklearn.utils.validation import check_is_fitted, validate_data
+from torch.distributions import Poisson, constraints
+
+from .evidence import LaplaceMarginalLogLikelihood
+from .likelihoods import ExpPoissonLikelihood, LogitBernoulliLikelihood, likelihood_adapter
+from .policies import Policy
+from .strategy import IterNCGPStrategy
+
+__all__ = ["IterNCGPClassifier", "IterNCGPPoissonRegressor"]
+
+_DTYPE = torch.float64
+_PREDICT_CHUNK = 4096  # test points per kernel evaluation: bounds the (chunk, N) cross-covariance in memory
+
+
+# ---------------------------------------------------------------------------------------------------
+# The GPyTorch model behind the estimators
+# ---------------------------------------------------------------------------------------------------
+class _LatentGP(gpytorch.models.ApproximateGP):
+    """Prior ``mean_module(x)``, ``covar_module(x)``; IterNCGP inference (module level, so it pickles)."""
+
+    def __init__(self, train_x, train_y, likelihood, kernel, mean, strategy_options):
+        strategy = IterNCGPStrategy(self, train_x, train_y, likelihood, **strategy_options)
+        super().__init__(strategy)
+        self.mean_module = mean
+        self.covar_module = kernel
+
+    def forward(self, x):
+        return MultivariateNormal(self.mean_module(x), self.covar_module(x))
+
+
+def _log_positive() -> gpytorch.constraints.Positive:
+    """Positivity by ``exp``: Adam's steps are then relative (an outputscale of hundreds is reached quickly)."""
+    return gpytorch.constraints.Positive(transform=torch.exp, inv_transform=torch.log)
+
+
+def default_kernel(num_features: int) -> gpytorch.kernels.Kernel:
+    r"""The default prior: ``ScaleKernel(MaternKernel(nu=2.5))``, lengthscale :math:`\sqrt{D}`, outputscale 1.
+
+    Both hyperparameters are log-parametrised (``Positive(transform=exp)``). :math:`\sqrt{D}` is the
+    typical distance scale of standardised features in :math:`D` dimensions.
+    """
+    kernel = gpytorch.kernels.ScaleKernel(
+        gpytorch.kernels.MaternKernel(nu=2.5, lengthscale_constraint=_log_positive()),
+        outputscale_constraint=_log_positive(),
+    ).to(_DTYPE)  # before setting values, so they are not rounded through float32
+    kernel.base_kernel.lengthscale = math.sqrt(num_features)
+    kernel.outputscale = 1.0
+    return kernel
+
+
+class _NonNegativePoisson(Poisson):
+    """``Poisson`` whose ``log_prob`` accepts any ``y >= 0`` (the quasi-likelihood ``y log λ − λ − log Γ(y+1)``)."""
+
+    support = constraints.nonnegative
+
+
+class _QuasiExpPoissonLikelihood(ExpPoissonLikelihood):
+    """Exp-link Poisson for non-integer targets ``y >= 0`` (rates, averages): derivatives by autograd."""
+
+    def forward(self, function_samples, *args, **kwargs):
+        return _NonNegativePoisson(function_samples.exp(), validate_args=False)
+
+
+class _QuasiSoftplusPoissonLikelihood(gpytorch.likelihoods.PoissonLikelihood):
+    """Softplus-link Poisson for non-integer targets ``y >= 0``: derivatives by autograd."""
+
+    def forward(self, function_samples, *args, **kwargs):
+        return _NonNegativePoisson(torch.nn.functional.softplus(function_samples), validate_args=False)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Shared machinery
+# ---------------------------------------------------------------------------------------------------
+def _param_error(estimator, name: str, expected: str, value) -> ValueError:
+    return ValueError(
+        f"The {name!r} parameter of {type(estimator).__name__} must be {expected}. Got {value!r} instead."
+    )
+
+
+class _IterNCGPEstimator(BaseEstimator):
+    """Parameters, validation, model construction and hyperparameter learning shared by the estimators."""
+
+    _links: tuple[str, ...] = ()
+
+    def __init__(
+        self,
+        kernel=None,
+        *,
+        link=None,
+        policy="cg",
+        max_newton_steps=20,
+        max_solver_iterations=10,
+        compression_rank=None,
+        recycle=True,
+        outer_tol=1e-2,
+        solver_tol=1e-5,
+        optimize_hyperparameters=True,
+        optimizer_steps=25,
+        learning_rate=0.2,
+        random_state=None,
+        verbose=False,
+    ):
+        self.kernel = kernel
+        self.link = link
+        self.policy = policy
+        self.max_newton_steps = max_newton_steps
+        self.max_solver_iterations = max_solver_iterations
+        self.compression_rank = compression_rank
+        self.recycle = recycle
+        self.outer_tol = outer_tol
+        self.solver_tol = solver_tol
+        self.optimize_hyperparameters = optimize_hyperparameters
+        self.optimizer_steps = optimizer_steps
+        self.learning_rate = learning_rate
+        self.random_state = random_state
+        self.verbose = verbose
+
+    # -- parameters ------------------------------------------------------------------------------
+    def _validate_params(self) -> None:
+        def positive_int(name, allow_none=False, allow_zero=False):
+            value = getattr(self, name)
+            if value is None and allow_none:
+                return
+            ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+            if not ok or value < (0 if allow_zero else 1):
+                bound = "a non-negative int" if allow_zero else "a positive int"
+                raise _param_error(self, name, bound + (" or None" if allow_none else ""), value)
+
+        if self.kernel is not None and not isinstance(self.kernel, gpytorch.kernels.Kernel):
+            raise _param_error(self, "kernel", "a gpytorch.kernels.Kernel or None", self.kernel)
+        if self.link not in self._links:
+            raise _param_error(self, "link", f"a str among {set(self._links)}", self.link)
+        if not (self.policy in ("cg", "unit") or isinstance(self.policy, Policy)):
+            raise _param_error(self, "policy", "'cg', 'unit' or a gpytorch_iterncgp.Policy", self.policy)
+        positive_int("max_newton_steps")
+        positive_int("max_solver_iterations", allow_none=True)
+        positive_int("compression_rank", allow_none=True)
+        positive_int("optimizer_steps", allow_zero=True)
+        for name in ("outer_tol", "solver_tol", "learning_rate"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Real) or isinstance(value, bool) or not value > 0:
+                raise _param_error(self, name, "a positive float", value)
+        for name in ("recycle", "optimize_hyperparameters", "verbose"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise _param_error(self, name, "a bool", getattr(self, name))
+
+    def _strategy_options(self, seed: int) -> dict:
+        return dict(
+            policy=copy.deepcopy(self.policy),
+            max_newton_steps=self.max_newton_steps,
+            max_solver_iterations=self.max_solver_iterations,
+            compression_rank=self.compression_rank,
+            recycle=bool(self.recycle),
+            outer_tol=float(self.outer_tol),
+            abs_tol=float(self.solver_tol),
+            rel_tol=float(self.solver_tol),
+            seed=seed,
+            show_progress=bool(self.verbose),
+        )
+
+    # -- fitting ---------------------------------------------------------------------------------
+    def _fit_model(self, X: np.ndarray, targets: torch.Tensor, likelihood, mean) -> None:
+        """Build the model, learn hyperparameters (optional), run the Newton loop; set the fitted attributes."""
+        seed = int(check_random_state(self.random_state).randint(np.iinfo(np.int32).max))
+        train_x = torch.tensor(X, dtype=_DTYPE)
+        kernel = default_kernel(X.shape[1]) if self.kernel is None else copy.deepcopy(self.kernel).to(_DTYPE)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)  # probe vectors of the matrix-free evidence, random actions
+            model = _LatentGP(train_x, targets, likelihood, kernel, mean, self._strategy_options(seed)).to(_DTYPE)
+            self.loss_curve_ = []
+            if self.optimize_hyperparameters and self.optimizer_steps > 0:
+                self.loss_curve_ = self._learn_hyperparameters(model, likelihood, train_x, targets)
+            model.eval()
+            self.fit_report_ = model.variational_strategy.fit()
+        self.model_ = model
+        self.likelihood_ = likelihood
+        self.kernel_ = model.covar_module
+
+    def _learn_hyperparameters(self, model, likelihood, train_x, targets) -> list[float]:
+        """Adam on ``-LaplaceMarginalLogLikelihood``; keeps the parameters with the best evidence seen."""
+        parameters = [p for p in model.parameters() if p.requires_grad]
+        if not parameters:
+            return []
+        mll = LaplaceMarginalLogLikelihood(likelihood, model)
+        optimizer = torch.optim.Adam(parameters, lr=float(self.learning_rate))
+        best_loss, best_state = math.inf, None
+        losses = []
+        model.train()
+        for _ in range(self.optimizer_steps):
+            optimizer.zero_grad()
+            try:
+                loss = -mll(model(train_x), targets)
+            except (FloatingPointError, ValueError, torch.linalg.LinAlgError) as error:
+                if not losses:  # fails at the initial hyperparameters: a real error, not a bad step
+                    raise
+                warnings.warn(
+                    f"{type(self).__name__}: hyperparameter learning stopped after {len(losses)} Adam steps "
+                    f"({error}); keeping the hyperparameters with the best evidence seen.",
+                    ConvergenceWarning,
+                    stacklevel=3,
+                )
+                break
+            value = float(loss.detach())
+            losses.append(value)
+            if value < best_loss:
+                best_loss = value
+                best_state = {name: p.detach().clone() for name, p in model.named_parameters()}
+            loss.backward()
+            optimizer.step()
+        if best_state is not None:
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    p.copy_(best_state[name])
+        return losses
+
+    # -- predictions -----------------------------------------------------------------------------
+    def _validated_test_inputs(self, X) -> torch.Tensor:
+        check_is_fitted(self)
+        X = validate_data(self, X, dtype=np.float64, reset=False)
+        return torch.tensor(X, dtype=_DTYPE)
+
+    def _chunked(self, function, inputs: torch.Tensor) -> list[torch.Tensor]:
+        """``function`` on rows of ``inputs`` in chunks; each output concatenated over the chunks."""
+        self.model_.eval()
+        with torch.no_grad():
+            pieces = [
+                function(inputs[start : start + _PREDICT_CHUNK]) for start in range(0, len(inputs), _PREDICT_CHUNK)
+            ]
+        if isinstance(pieces[0], tuple):
+            return [torch.cat(parts) for parts in zip(*pieces, strict=True)]
+        return [torch.cat(pieces)]
+
+    def _latent(self, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latent mean and variance ``(n, C)``."""
+        mean, variance = self._chunked(self.model_.variational_strategy.marginal_latent, inputs)
+        return mean, variance
+
+    def predict_latent(self, X):
+        """Posterior mean and standard deviation of the latent function(s) at ``X``.
+
+        The standard deviation includes IterNCGP's computational uncertainty (the solver's error of
+        having stopped early).
+
+        :return: ``(mean, std)``, each ``(n,)`` for one latent function (binary classification, counts)
+            or ``(n, n_classes)`` for multi-class (softmax) classification.
+        """
+        mean, variance = self._latent(self._validated_test_inputs(X))
+        if mean.shape[-1] == 1:
+            mean, variance = mean[:, 0], variance[:, 0]
+        return mean.numpy(), variance.sqrt().numpy()
+
+    def log_marginal_likelihood(self) -> float:
+        """The Laplace approximation of :math:`\\log p(\\mathbf y \\mid \\mathbf X, \\theta)` at the fitted
+        hyperparameters (exact, or estimated by stochastic Lanczos quadrature above
+        ``gpytorch.settings.max_cholesky_size``; see :class:`~gpytorch_iterncgp.LaplaceMarginalLogLikelihood`)."""
+        check_is_fitted(self)
+        strategy = self.model_.variational_strategy
+        mll = LaplaceMarginalLogLikelihood(self.likelihood_, self.model_)
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)  # the matrix-free regime's probe vectors: the same value on every call
+            value = mll(self.model_.forward(strategy.train_inputs), strategy.train_targets)
+        return float(value) * strategy.num_data
+
+
+# ---------------------------------------------------------------------------------------------------
+# Classifier
+# ---------------------------------------------------------------------------------------------------
+class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
+    r"""Gaussian process classification by IterNCGP (Laplace approximation, Newton steps solved by IterGP).
+
+    Binary: one latent function, Bernoulli likelihood with the ``link`` (``"logit"`` or ``"probit"``).
+    Multi-class (more than two labels): one latent function per class with the softmax likelihood (the
+    multi-class logit link) and one kernel shared by all classes; ``link="probit"`` is refused there.
+    Labels can be of any type; they are mapped to ``classes_`` (sorted) as scikit-learn does.
+
+    :param kernel: a GPyTorch kernel (not fitted in place: a deep copy is fitted and stored as
+        ``kernel_``). Default :func:`default_kernel`: ``ScaleKernel(MaternKernel(nu=2.5))``, lengthscale
+        :math:`\sqrt{D}`, outputscale 1 (meant for standardised features). A kernel with
+        ``batch_shape=[n_classes]`` gives one independent GP per class.
+    :param link: ``"logit"`` (default) or ``"probit"`` (binary only).
+    :param policy: IterGP's actions: ``"cg"`` (conjugate gradients), ``"unit"`` (a random subset of the data
+        per iteration, seeded by ``random_state``) or a :class:`~gpytorch_iterncgp.Policy`.
+    :param max_newton_steps: damped Newton steps per fit.
+    :param max_solver_iterations: IterGP iterations (products with the kernel matrix) per Newton step;
+        ``None``: until the residual is below the tolerance.
+    :param compression_rank: number of recycled solver actions kept between Newton steps (``None``: all).
+    :param recycle: recycle solver actions across Newton steps.
+    :param outer_tol: stop the Newton loop when the representer weights change by less than this (relative).
+    :param solver_tol: IterGP stops a Newton step early when the residual norm is below
+        ``solver_tol * max(1, ||b||)`` (with ``max_solver_iterations=None`` this is the only stop).
+    :param optimize_hyperparameters: learn the kernel's hyperparameters by Adam on the Laplace evidence.
+    :param optimizer_steps: Adam steps (each re-finds the Laplace mode, warm-started).
+    :param learning_rate: Adam's learning rate.
+    :param random_state: seeds the unit-vector policy and the probe vectors of the matrix-free evidence
+        (the global torch RNG is left as it was).
+    :param verbose: show progress bars of the Newton loop.
+
+    Fitted attributes: ``classes_``, ``n_classes_``, ``n_features_in_`` (``feature_names_in_``),
+    ``model_`` (the GPyTorch ``ApproximateGP``; ``model_.variational_strategy`` is the
+    :class:`~gpytorch_iterncgp.IterNCGPStrategy`), ``likelihood_``, ``kernel_`` (the fitted kernel),
+    ``fit_report_`` (the final :class:`~gpytorch_iterncgp.FitReport`), ``loss_curve_`` (``-evidence / n``
+    per Adam step).
+    """
+
+    _links = ("logit", "probit")
+
+    def __init__(
+        self,
+        kernel=None,
+        *,
+        link="logit",
+        policy="cg",
+        max_newton_steps=20,
+        max_solver_iterations=10,
+        compression_rank=None,
+        recycle=True,
+        outer_tol=1e-2,
+        solver_tol=1e-5,
+        optimize_hyperparameters=True,
+        optimizer_steps=25,
+        learning_rate=0.2,
+        random_state=None,
+        verbose=False,
+    ):
+        super().__init__(
+            kernel,
+            link=link,
+            policy=policy,
+            max_newton_steps=max_newton_steps,
+            max_solver_iterations=max_solver_iterations,
+            compression_rank=compression_rank,
+            recycle=recycle,
+            outer_tol=outer_tol,
+            solver_tol=solver_tol,
+            optimize_hyperparameters=optimize_hyperparameters,
+            optimizer_steps=optimizer_steps,
+            learning_rate=learning_rate,
+            random_state=random_state,
+            verbose=verbose,
+        )
+
+    def fit(self, X, y):
+        """Fit the Laplace posterior (and, optionally, the kernel hyperparameters) to ``X`` ``(n, d)``, ``y`` ``(n,)``."""
+        self._validate_params()
+        X, y = validate_data(self, X, y, dtype=np.float64)
+        check_classification_targets(y)
+        self.classes_, encoded = np.unique(y, return_inverse=True)
+        self.n_classes_ = len(self.classes_)
+        if self.n_classes_ < 2:
+            raise ValueError(
+                f"{type(self).__name__} requires samples of at least 2 classes in the data; got 1 class "
+                f"({self.classes_[0]!r})."
+            )
+        if self.n_classes_ == 2:
+            likelihood = (
+                LogitBernoulliLikelihood() if self.link == "logit" else gpytorch.likelihoods.BernoulliLikelihood()
+            )
+        elif self.link == "probit":
+            raise ValueError(
+                f"Only binary classification is supported with link='probit'; y has {self.n_classes_} classes. "
+                "Use link='logit' (softmax likelihood) for multi-class data."
+            )
+        else:
+            likelihood = gpytorch.likelihoods.SoftmaxLikelihood(num_classes=self.n_classes_, mixing_weights=False)
+        targets = torch.tensor(encoded, dtype=_DTYPE)
+        batch_shape = self.kernel.batch_shape if self.kernel is not None else torch.Size([])
+        self._fit_model(X, targets, likelihood, gpytorch.means.ZeroMean(batch_shape=batch_shape))
+        return self
+
+    def predict_proba(self, X, return_std=False):
+        """Predictive class probabilities ``(n, n_classes)``, columns in the order of ``classes_``.
+
+        Binary probit: exact :math:`\\Phi(\\mu / \\sqrt{1 + \\sigma^2})`; logit and softmax: the probit
+        approximation :math:`\\sigma(\\mu / \\sqrt{1 + \\pi \\sigma^2 / 8})` per latent (softmax-normalised),
+        with the latent marginals :math:`\\mu, \\sigma^2` (computational uncertainty included).
+
+        :param return_std: also return the standard deviation of the latent function(s): ``(n,)`` for
+            binary, ``(n, n_classes)`` for multi-class data (see :meth:`predict_latent` for the mean too).
+        :return: ``proba`` or ``(proba, latent_std)``.
+        """
+        inputs = self._validated_test_inputs(X)
+        strategy = self.model_.variational_strategy
+        if return_std:
+
+            def function(x):
+                mean, variance = strategy.marginal_latent(x)
+                squeeze = (lambda t: t[:, 0]) if self.n_classes_ == 2 else (lambda t: t)
+                return strategy.adapter.predictive_mean(squeeze(mean), squeeze(variance)), squeeze(variance).sqrt()
+
+            probabilities, std = self._chunked(function, inputs)
+        else:
+            (probabilities,) = self._chunked(strategy.predictive_probabilities, inputs)
+        probabilities = probabilities.numpy()
+        if self.n_classes_ == 2:
+            probabilities = np.stack([1 - probabilities, probabilities], axis=1)
+        if return_std:
+            return probabilities, std.numpy()
+        return probabilities
+
+    def predict(self, X):
+        """The most probable class of each row of ``X`` (labels from ``classes_``)."""
+        probabilities = self.predict_proba(X)
+        return self.classes_[np.argmax(probabilities, axis=1)]
+
+    def __sklearn_tags__(self):
+        tags = super().__sklearn_tags__()
+        tags.classifier_tags.multi_class = self.link != "probit"  # multi-class data need the softmax (logit) link
+        return tags
+
+
+# ---------------------------------------------------------------------------------------------------
+# Poisson regressor
+# ---------------------------------------------------------------------------------------------------
+class IterNCGPPoissonRegressor(RegressorMixin, _IterNCGPEstimator):
+    r"""Gaussian process regression of counts by IterNCGP: :math:`y \sim \operatorname{Poisson}(\lambda(f(x)))`.
+
+    ``link="exp"`` (default): :math:`\lambda = e^f`; ``link="softplus"``: :math:`\lambda = \log(1 + e^f)`.
+    The prior mean of :math:`f` is a constant, started at :math:`\lambda^{-1}(\bar y)` and learnt with the
+    kernel when ``optimize_hyperparameters``. Targets must be non-negative; non-integer ones (rates,
+    averages) are accepted as scikit-learn's ``PoissonRegressor`` does, with the Poisson quasi-likelihood
+    :math:`y \log\lambda - \lambda` (derivatives by autograd instead of the closed form).
+
+    ``predict`` gives the expected count :math:`\mathbb E[y_*]` (:math:`e^{\mu + \sigma^2/2}` for the exp
+    link, Gauss–Hermite quadrature for softplus); ``predict(X, return_std=True)`` also the standard
+    deviation of the latent :math:`f` (log rate for the exp link), as scikit-learn's
+    ``GaussianProcessRegressor`` returns that of its latent function; :meth:`predict_latent` gives both
+    moments of :math:`f`. ``score`` is :math:`D^2`, the fraction of Poisson deviance explained (as in
+    ``PoissonRegressor``).
+
+    Parameters and fitted attributes as :class:`IterNCGPClassifier` (without ``classes_``).
+    """
+
+    _links = ("exp", "softplus")
+
+    def __init__(
+        self,
+        kernel=None,
+        *,
+        link="exp",
+        policy="cg",
+        max_newton_steps=20,
+        max_solver_iterations=10,
+        compression_rank=None,
+        recycle=True,
+        outer_tol=1e-2,
+        solver_tol=1e-5,
+        optimize_hyperparameters=True,
+        optimizer_steps=25,
+        learning_rate=0.2,
+        random_state=None,
+        verbose=False,
+    ):
+        super().__init__(
+            kernel,
+            link=link,
+            policy=policy,
+            max_newton_steps=max_newton_steps,
+            max_solver_iterations=max_solver_iterations,
+            compression_rank=compression_rank,
+            recycle=recycle,
+            outer_tol=outer_tol,
+            solver_tol=solver_tol,
+            optimize_hyperparameters=optimize_hyperparameters,
+            optimizer_steps=optimizer_steps,
+            learning_rate=learning_rate,
+            random_state=random_state,
+            verbose=verbose,
+        )
+
+    def fit(self, X, y):
+        """Fit the Laplace posterior (and, optionally, hyperparameters) to ``X`` ``(n, d)`` and counts ``y`` ``(n,)``."""
+        self._validate_params()
+        X, y = validate_data(self, X, y, dtype=np.float64, y_numeric=True)
+        if np.any(y < 0):
+            raise ValueError(
+                f"Some value(s) of y are negative (min {y.min():g}): {type(self).__name__} models non-negative "
+                "counts with a Poisson likelihood."
+            )
+        integer = bool(np.all(y == np.round(y)))
+        if self.link == "exp":
+            likelihood = ExpPoissonLikelihood() if integer else _QuasiExpPoissonLikelihood()
+        else:
+            likelihood = gpytorch.likelihoods.PoissonLikelihood() if integer else _QuasiSoftplusPoissonLikelihood()
+        # Prior mean of f: the inverse link of the (smoothed) mean count.
+        rate = max(float(y.mean()), 0.5 / len(y))
+        offset = math.log(rate) if self.link == "exp" else rate + math.log(-math.expm1(-rate))
+        batch_shape = self.kernel.batch_shape if self.kernel is not None else torch.Size([])
+        mean = gpytorch.means.ConstantMean(batch_shape=batch_shape).to(_DTYPE)
+        with torch.no_grad():
+            mean.constant.fill_(offset)
+        self._fit_model(X, torch.tensor(y, dtype=_DTYPE), likelihood, mean)
+        return self
+
+    def _predictive_mean(self, mean: torch.Tensor, variance: torch.Tensor) -> torch.Tensor:
+        closed_form = ExpPoissonLikelihood() if self.link == "exp" else gpytorch.likelihoods.PoissonLikelihood()
+        return likelihood_adapter(closed_form).predictive_mean(mean, variance)
+
+    def predict(self, X, return_std=False):
+        """Expected counts :math:`\\mathbb E[y_*]` ``(n,)``; with ``return_std`` also the latent std ``(n,)``."""
+        inputs = self._validated_test_inputs(X)
+        mean, variance = self._latent(inputs)
+        expected = self._predictive_mean(mean[:, 0], variance[:, 0]).numpy()
+        if return_std:
+            return expected, variance[:, 0].sqrt().numpy()
+        return expected
+
+    def score(self, X, y, sample_weight=None):
+        """:math:`D^2`: the fraction of Poisson deviance explained by ``predict(X)`` (1 is best)."""
+        return d2_tweedie_score(y, self.predict(X), sample_weight=sample_weight, power=1)
+
+    def __sklearn_tags__(self):
+        tags = super().__sklearn_tags__()
+        tags.target_tags.positive_only = True
+        return tags

@@ -1,0 +1,414 @@
+"""The scikit-learn estimators of ``gpytorch_iterncgp.sklearn``.
+
+* scikit-learn's own estimator checks (``parametrize_with_checks``);
+* numbers against independent references: scikit-learn's ``GaussianProcessClassifier`` (logit link,
+  fixed kernel: latent mean and variance, log evidence), the dense exact Laplace implementation of
+  ``tests/reference.py`` on kernel matrices built by scikit-learn's ``Matern`` (probit, softmax,
+  Poisson with integer and with non-integer targets), and the underlying strategy's own predictions;
+* label mapping, validation errors, hyperparameter learning, seeding, and that ``import gpytorch_iterncgp``
+  leaves scikit-learn unimported.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+import subprocess
+import sys
+
+import gpytorch
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("sklearn", minversion="1.7")  # GaussianProcessClassifier.latent_mean_and_variance
+
+from sklearn.base import clone  # noqa: E402
+from sklearn.gaussian_process import GaussianProcessClassifier  # noqa: E402
+from sklearn.gaussian_process.kernels import RBF, ConstantKernel, Matern  # noqa: E402
+from sklearn.utils.estimator_checks import parametrize_with_checks  # noqa: E402
+
+from gpytorch_iterncgp.sklearn import IterNCGPClassifier, IterNCGPPoissonRegressor  # noqa: E402
+from tests import reference  # noqa: E402
+
+# Tiny settings for scikit-learn's checks (dozens of fits on up to 300 points); the hyperparameter path
+# runs (two Adam steps) in the default classifier and the regressor.
+FAST = dict(max_newton_steps=5, max_solver_iterations=5, optimizer_steps=2, random_state=0)
+CHECKED = [
+    IterNCGPClassifier(**FAST),
+    IterNCGPClassifier(link="probit", optimize_hyperparameters=False, **FAST),
+    IterNCGPPoissonRegressor(**FAST),
+]
+# Every solve exact: unit-vector actions until the residual vanishes (all N of them, so the precision
+# C = QQ^T is the exact (K + W^-1)^-1 and the covariance the exact Laplace covariance), Newton to 1e-12.
+TIGHT = dict(
+    policy="unit",
+    max_solver_iterations=None,
+    solver_tol=1e-12,
+    outer_tol=1e-12,
+    max_newton_steps=100,
+    optimize_hyperparameters=False,
+)
+
+
+def expected_failed_checks(estimator) -> dict[str, str]:
+    """Checks an estimator is known to fail, with the reason (see README, "scikit-learn and BoTorch").
+
+    None at present: with the settings above every applicable check passes. (pandas and array-API
+    checks are skipped by scikit-learn itself when those libraries are not installed.)
+    """
+    return {}
+
+
+@parametrize_with_checks(CHECKED, expected_failed_checks=expected_failed_checks)
+def test_sklearn_estimator_checks(estimator, check):
+    check(estimator)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Data and references
+# ---------------------------------------------------------------------------------------------------
+def _binary(num=70, seed=0):
+    rng = np.random.RandomState(seed)
+    x = rng.uniform(-2, 2, size=(num, 2))
+    latent = 2 * np.sin(2 * x[:, 0]) + x[:, 1]
+    y = (rng.uniform(size=num) < 1 / (1 + np.exp(-latent))).astype(int)
+    return x, y, rng.uniform(-2.5, 2.5, size=(25, 2))
+
+
+def _multiclass(num=60, classes=3, seed=1):
+    rng = np.random.RandomState(seed)
+    x = rng.uniform(-2, 2, size=(num, 2))
+    centres = rng.uniform(-2, 2, size=(classes, 2))
+    logits = -2 * ((x[:, None, :] - centres[None]) ** 2).sum(-1)
+    probabilities = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
+    y = np.array([rng.choice(classes, p=p) for p in probabilities])
+    return x, y, rng.uniform(-2.5, 2.5, size=(20, 2))
+
+
+def _counts(num=50, seed=2):
+    rng = np.random.RandomState(seed)
+    x = rng.uniform(0, 3, size=(num, 1))
+    y = rng.poisson(np.exp(1 + np.sin(2 * x[:, 0])))
+    return x, y, rng.uniform(0, 3, size=(15, 1))
+
+
+def _matern(x1, x2, lengthscale, outputscale=1.0):
+    """The default kernel of the estimators (scaled Matérn-5/2), computed by scikit-learn."""
+    return torch.as_tensor((ConstantKernel(outputscale) * Matern(lengthscale, nu=2.5))(x1, x2))
+
+
+def _reference_latent(x, y, x_test, likelihood, num_classes=1, prior_mean=0.0):
+    """Exact Laplace latent mean and variance at ``x_test`` (``(M, C)``), dense, default kernel (shared)."""
+    lengthscale = math.sqrt(x.shape[1])
+    kernel = reference.data_major(_matern(x, x, lengthscale), num_classes)
+    cross = reference.data_major(_matern(x_test, x, lengthscale), num_classes)
+    test = reference.data_major(_matern(x_test, x_test, lengthscale), num_classes)
+    mean = torch.full((len(x) * num_classes,), prior_mean, dtype=torch.float64)
+    laplace = reference.laplace_mode(kernel, mean, torch.as_tensor(y, dtype=torch.float64), likelihood, num_classes)
+    assert laplace.converged
+    test_mean = torch.full((len(x_test) * num_classes,), prior_mean, dtype=torch.float64)
+    latent_mean, covariance = laplace.predict(cross, test, test_mean)
+    shape = (len(x_test), num_classes)
+    return latent_mean.reshape(shape).numpy(), covariance.diagonal().reshape(shape).numpy()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Numbers against independent references
+# ---------------------------------------------------------------------------------------------------
+def test_binary_logit_matches_sklearn_gaussian_process_classifier():
+    """Logit link, default kernel fixed: latent mean/variance and log evidence equal scikit-learn's GPC
+    (R&W Algorithms 3.1, 3.2, 5.1) to 1e-6. Its probabilities use a 5-term erf expansion of the sigmoid
+    integral, ours the probit approximation σ(μ/√(1+πσ²/8)): those we check against the formula
+    evaluated on scikit-learn's moments (1e-6), and against its probabilities only to 1e-2."""
+    x, y, x_test = _binary()
+    ours = IterNCGPClassifier(**TIGHT).fit(x, y)
+    kernel = ConstantKernel(1.0, "fixed") * Matern(math.sqrt(2), "fixed", nu=2.5)
+    theirs = GaussianProcessClassifier(kernel, optimizer=None).fit(x, y)
+    mean, std = ours.predict_latent(x_test)
+    ref_mean, ref_variance = theirs.latent_mean_and_variance(x_test)
+    np.testing.assert_allclose(mean, ref_mean, atol=1e-6)
+    np.testing.assert_allclose(std**2, ref_variance, atol=1e-6)
+    np.testing.assert_allclose(ours.log_marginal_likelihood(), theirs.log_marginal_likelihood_value_, atol=1e-6)
+    probit_approximation = 1 / (1 + np.exp(-ref_mean / np.sqrt(1 + np.pi * ref_variance / 8)))
+    np.testing.assert_allclose(ours.predict_proba(x_test)[:, 1], probit_approximation, atol=1e-6)
+    np.testing.assert_allclose(ours.predict_proba(x_test), theirs.predict_proba(x_test), atol=1e-2)
+    np.testing.assert_array_equal(ours.predict(x_test), theirs.predict(x_test))
+
+
+def test_binary_probit_matches_exact_laplace():
+    """Probit link: latent moments against the dense exact Laplace reference; probabilities are exactly
+    Φ(μ/√(1+σ²)) of the reference moments (1e-6)."""
+    from scipy.special import ndtr
+
+    x, y, x_test = _binary(seed=3)
+    ours = IterNCGPClassifier(link="probit", **TIGHT).fit(x, y)
+    ref_mean, ref_variance = _reference_latent(x, y, x_test, "probit")
+    mean, std = ours.predict_latent(x_test)
+    np.testing.assert_allclose(mean, ref_mean[:, 0], atol=1e-6)
+    np.testing.assert_allclose(std**2, ref_variance[:, 0], atol=1e-6)
+    expected = ndtr(ref_mean[:, 0] / np.sqrt(1 + ref_variance[:, 0]))
+    np.testing.assert_allclose(ours.predict_proba(x_test)[:, 1], expected, atol=1e-6)
+
+
+def test_multiclass_softmax_matches_exact_laplace():
+    """Three classes, softmax, one kernel shared by the classes: latent moments against the dense exact
+    Laplace reference (R&W Algorithm 3.3/3.4), probabilities against the softmax of the probit-scaled
+    reference means."""
+    x, y, x_test = _multiclass()
+    ours = IterNCGPClassifier(**TIGHT).fit(x, y)
+    ref_mean, ref_variance = _reference_latent(x, y, x_test, "softmax", num_classes=3)
+    mean, std = ours.predict_latent(x_test)
+    np.testing.assert_allclose(mean, ref_mean, atol=1e-6)
+    np.testing.assert_allclose(std**2, ref_variance, atol=1e-6)
+    scaled = ref_mean / np.sqrt(1 + np.pi * ref_variance / 8)
+    expected = np.exp(scaled) / np.exp(scaled).sum(1, keepdims=True)
+    proba, latent_std = ours.predict_proba(x_test, return_std=True)
+    np.testing.assert_allclose(proba, expected, atol=1e-6)
+    np.testing.assert_allclose(latent_std, np.sqrt(ref_variance), atol=1e-6)
+
+
+def test_kernel_per_class_matches_exact_laplace():
+    """A GPyTorch kernel with ``batch_shape=[3]``: one independent GP per class (lengthscales 0.5, 1, 2),
+    against the dense exact Laplace reference with the block-diagonal (data-major) prior."""
+    x, y, x_test = _multiclass()
+    batch = torch.Size([3])
+    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=2.5, batch_shape=batch), batch_shape=batch)
+    kernel = kernel.double()
+    lengthscales = [0.5, 1.0, 2.0]
+    kernel.base_kernel.lengthscale = torch.tensor(lengthscales, dtype=torch.float64).reshape(3, 1, 1)
+    kernel.outputscale = torch.ones(3, dtype=torch.float64)
+    ours = IterNCGPClassifier(kernel, **TIGHT).fit(x, y)
+
+    def blocks(a, b):
+        return reference.data_major(torch.stack([_matern(a, b, ell) for ell in lengthscales]))
+
+    laplace = reference.laplace_mode(
+        blocks(x, x), torch.zeros(3 * len(x), dtype=torch.float64), torch.as_tensor(y), "softmax", 3
+    )
+    zeros = torch.zeros(3 * len(x_test), dtype=torch.float64)
+    ref_mean, ref_covariance = laplace.predict(blocks(x_test, x), blocks(x_test, x_test), zeros)
+    mean, std = ours.predict_latent(x_test)
+    np.testing.assert_allclose(mean, ref_mean.reshape(-1, 3).numpy(), atol=1e-6)
+    np.testing.assert_allclose(std**2, ref_covariance.diagonal().reshape(-1, 3).numpy(), atol=1e-6)
+
+
+@pytest.mark.parametrize("integer", [True, False], ids=["counts", "non-integer"])
+def test_poisson_matches_exact_laplace(integer):
+    """Exp link with a constant prior mean log(ȳ): expected counts exp(μ + σ²/2) from the dense exact
+    Laplace reference. Non-integer targets go through the autograd quasi-likelihood; the reference's
+    ℓ(f) = Σ y f − e^f − log Γ(y+1) is the same function of f for any y ≥ 0."""
+    x, y, x_test = _counts()
+    y = y if integer else y * 0.7 + 0.05
+    ours = IterNCGPPoissonRegressor(**TIGHT).fit(x, y)
+    offset = math.log(y.mean())
+    ref_mean, ref_variance = _reference_latent(x, y, x_test, "poisson_exp", prior_mean=offset)
+    np.testing.assert_allclose(ours.model_.mean_module.constant.item(), offset, rtol=1e-12)
+    expected = np.exp(ref_mean[:, 0] + ref_variance[:, 0] / 2)
+    prediction, latent_std = ours.predict(x_test, return_std=True)
+    np.testing.assert_allclose(prediction, expected, rtol=1e-6)
+    np.testing.assert_allclose(latent_std, np.sqrt(ref_variance[:, 0]), atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["binary", "multiclass"])
+def test_predict_proba_is_the_strategys_predictive_probabilities(case):
+    """With the default (inexact, computationally uncertain) solver: the estimator only converts."""
+    x, y, x_test = _binary() if case == "binary" else _multiclass()
+    classifier = IterNCGPClassifier(optimize_hyperparameters=False, random_state=0).fit(x, y)
+    strategy = classifier.model_.variational_strategy
+    with torch.no_grad():
+        expected = strategy.predictive_probabilities(torch.as_tensor(x_test)).numpy()
+        mean, variance = strategy.marginal_latent(torch.as_tensor(x_test))
+    proba, std = classifier.predict_proba(x_test, return_std=True)
+    if case == "binary":
+        expected, mean, variance = np.stack([1 - expected, expected], 1), mean[:, 0], variance[:, 0]
+    np.testing.assert_allclose(proba, expected, rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(std, variance.sqrt().numpy(), rtol=1e-12)
+    np.testing.assert_allclose(classifier.predict_latent(x_test)[0], mean.numpy(), rtol=1e-12)
+    np.testing.assert_allclose(proba.sum(1), 1, atol=1e-12)
+
+
+def test_poisson_predict_is_the_strategys_predictive_mean():
+    x, y, x_test = _counts()
+    regressor = IterNCGPPoissonRegressor(random_state=0, optimizer_steps=5).fit(x, y)
+    with torch.no_grad():
+        expected = regressor.model_.variational_strategy.predictive_mean(torch.as_tensor(x_test)).numpy()
+    np.testing.assert_allclose(regressor.predict(x_test), expected, rtol=1e-12)
+
+
+def test_softplus_link_matches_gauss_hermite_of_latent():
+    """Softplus link: E[softplus(f)] under the latent marginal by 60-point Gauss–Hermite (numpy)."""
+    x, y, x_test = _counts()
+    regressor = IterNCGPPoissonRegressor(link="softplus", optimize_hyperparameters=False).fit(x, y)
+    mean, std = regressor.predict_latent(x_test)
+    nodes, weights = np.polynomial.hermite_e.hermegauss(60)
+    samples = mean[:, None] + std[:, None] * nodes[None]
+    expected = (np.logaddexp(0, samples) * weights).sum(1) / weights.sum()
+    np.testing.assert_allclose(regressor.predict(x_test), expected, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Labels, kernels, hyperparameters, seeding
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "labels", [np.array(["cat", "dog"]), np.array([-1, 1]), np.array([7.0, 3.0]), np.array([True, False])]
+)
+def test_labels_of_any_type_map_like_sklearn(labels):
+    """Any two labels give the same probabilities as {0, 1} (columns in sorted label order)."""
+    x, y, x_test = _binary()
+    plain = IterNCGPClassifier(optimize_hyperparameters=False).fit(x, y)
+    relabelled = IterNCGPClassifier(optimize_hyperparameters=False).fit(x, labels[y])
+    order = np.argsort(labels)  # classes_ are sorted
+    np.testing.assert_array_equal(relabelled.classes_, labels[order])
+    np.testing.assert_allclose(relabelled.predict_proba(x_test), plain.predict_proba(x_test)[:, order], atol=1e-12)
+    np.testing.assert_array_equal(relabelled.predict(x_test), labels[plain.predict(x_test)])
+
+
+def test_multiclass_string_labels():
+    x, y, x_test = _multiclass()
+    names = np.array(["setosa", "versicolor", "virginica"])
+    classifier = IterNCGPClassifier(optimize_hyperparameters=False).fit(x, names[y])
+    plain = IterNCGPClassifier(optimize_hyperparameters=False).fit(x, y)
+    assert classifier.n_classes_ == 3 and classifier.predict_proba(x_test).shape == (len(x_test), 3)
+    np.testing.assert_array_equal(classifier.predict(x_test), names[plain.predict(x_test)])
+
+
+def test_user_kernel_is_copied_and_matches_sklearn():
+    """A GPyTorch RBF kernel: the estimator fits a copy (``kernel_``), the parameter is untouched, and with
+    fixed hyperparameters the latent posterior equals scikit-learn's GPC with the same RBF kernel."""
+    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).double()
+    kernel.base_kernel.lengthscale, kernel.outputscale = 0.8, 2.0
+    before = [p.detach().clone() for p in kernel.parameters()]
+    x, y, x_test = _binary()
+    learnt = IterNCGPClassifier(kernel, optimizer_steps=3).fit(x, y)
+    assert learnt.kernel_ is not kernel and learnt.kernel is kernel
+    assert all(torch.equal(a, b) for a, b in zip(before, kernel.parameters(), strict=True))
+    assert not torch.isclose(learnt.kernel_.outputscale, torch.tensor(2.0, dtype=torch.float64))
+    ours = IterNCGPClassifier(kernel, **TIGHT).fit(x, y)
+    theirs = GaussianProcessClassifier(ConstantKernel(2.0, "fixed") * RBF(0.8, "fixed"), optimizer=None).fit(x, y)
+    ref_mean, ref_variance = theirs.latent_mean_and_variance(x_test)
+    mean, std = ours.predict_latent(x_test)
+    np.testing.assert_allclose(mean, ref_mean, atol=1e-6)
+    np.testing.assert_allclose(std**2, ref_variance, atol=1e-6)
+    clone(ours)  # deep-copies the kernel parameter
+
+
+def test_hyperparameter_learning_raises_the_evidence_towards_sklearn_optimum():
+    """Adam on the Laplace evidence (exact regime): the evidence rises from the initial kernel's and ends
+    within 0.5 nats of scikit-learn's L-BFGS optimum for the same kernel family (Constant * Matérn-5/2),
+    whose value we re-evaluate with our own evidence at scikit-learn's hyperparameters."""
+    x, y, _ = _binary(num=80, seed=5)
+    fixed = IterNCGPClassifier(**TIGHT).fit(x, y).log_marginal_likelihood()
+    learnt = IterNCGPClassifier(**{**TIGHT, "optimize_hyperparameters": True}, optimizer_steps=60).fit(x, y)
+    assert learnt.log_marginal_likelihood() > fixed + 1.0
+    assert len(learnt.loss_curve_) == 60 and min(learnt.loss_curve_) < learnt.loss_curve_[0]
+    kernel = ConstantKernel(1.0, (1e-3, 1e4)) * Matern(math.sqrt(2), (1e-2, 1e3), nu=2.5)
+    theirs = GaussianProcessClassifier(kernel, random_state=0).fit(x, y)
+    assert learnt.log_marginal_likelihood() > theirs.log_marginal_likelihood_value_ - 0.5
+    # Our evidence at scikit-learn's optimum is scikit-learn's value (the same Laplace evidence).
+    optimum = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=2.5)).double()
+    optimum.outputscale = theirs.kernel_.k1.constant_value
+    optimum.base_kernel.lengthscale = theirs.kernel_.k2.length_scale
+    at_optimum = IterNCGPClassifier(optimum, **TIGHT).fit(x, y).log_marginal_likelihood()
+    np.testing.assert_allclose(at_optimum, theirs.log_marginal_likelihood_value_, atol=1e-5)
+
+
+def test_failing_evidence_keeps_the_best_hyperparameters(monkeypatch):
+    """If the evidence fails after some Adam steps (here: forced on the 4th call), learning stops with a
+    ConvergenceWarning and the model keeps the hyperparameters of the best evidence seen; a failure at
+    the initial hyperparameters is raised."""
+    from sklearn.exceptions import ConvergenceWarning
+
+    import gpytorch_iterncgp.sklearn as module
+
+    calls = []
+
+    class FailingEvidence(module.LaplaceMarginalLogLikelihood):
+        def forward(self, function_dist, target, **kwargs):
+            calls.append(None)
+            if len(calls) == fail_at:
+                raise FloatingPointError("forced")
+            return super().forward(function_dist, target, **kwargs)
+
+    monkeypatch.setattr(module, "LaplaceMarginalLogLikelihood", FailingEvidence)
+    x, y, _ = _binary()
+    fail_at = 4
+    with pytest.warns(ConvergenceWarning, match="stopped after 3 Adam steps"):
+        classifier = IterNCGPClassifier(optimizer_steps=10, random_state=0).fit(x, y)
+    assert len(classifier.loss_curve_) == 3
+    best = int(np.argmin(classifier.loss_curve_))
+    reference = IterNCGPClassifier(optimizer_steps=best + 1, random_state=0)
+    fail_at, calls[:] = 0, []
+    reference.fit(x, y)
+    for ours, theirs in zip(classifier.kernel_.parameters(), reference.kernel_.parameters(), strict=True):
+        torch.testing.assert_close(ours, theirs)  # best of the first best+1 steps = the same parameters
+    fail_at, calls[:] = 1, []
+    with pytest.raises(FloatingPointError, match="forced"):
+        IterNCGPClassifier(optimizer_steps=10).fit(x, y)
+
+
+def test_random_state_reproducible_and_global_rng_untouched():
+    x, y, x_test = _multiclass(num=90)  # N C = 270; forced matrix-free evidence is stochastic
+    state = torch.random.get_rng_state()
+    with gpytorch.settings.max_cholesky_size(10):
+        first = IterNCGPClassifier(policy="unit", optimizer_steps=3, random_state=3).fit(x, y)
+        second = IterNCGPClassifier(policy="unit", optimizer_steps=3, random_state=3).fit(x, y)
+    assert torch.equal(state, torch.random.get_rng_state())
+    np.testing.assert_array_equal(first.predict_proba(x_test), second.predict_proba(x_test))
+    assert first.loss_curve_ == second.loss_curve_
+
+
+def test_pickle_round_trip_predicts_without_refitting():
+    x, y, x_test = _counts()
+    regressor = IterNCGPPoissonRegressor(random_state=0, optimizer_steps=3).fit(x, y)
+    loaded = pickle.loads(pickle.dumps(regressor))
+    np.testing.assert_array_equal(loaded.predict(x_test), regressor.predict(x_test))
+    assert loaded.model_.variational_strategy._is_current()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "estimator, x, y, message",
+    [
+        (IterNCGPClassifier(), [[np.nan, 1.0], [0.0, 1.0]], [0, 1], "Input X contains NaN"),
+        (IterNCGPClassifier(), [[np.inf, 1.0], [0.0, 1.0]], [0, 1], "Input X contains infinity"),
+        (IterNCGPClassifier(), np.zeros((3, 2, 2)), [0, 1, 0], "Found array with dim 3"),
+        (IterNCGPClassifier(), np.zeros((3, 2)), [0, 1], "inconsistent numbers of samples"),
+        (IterNCGPClassifier(), np.zeros((3, 2)), [0, 0, 0], "got 1 class"),
+        (IterNCGPClassifier(), np.zeros((3, 2)), [0.5, 1.5, 2.5], "Unknown label type"),
+        (
+            IterNCGPClassifier(link="probit"),
+            np.zeros((3, 2)),
+            [0, 1, 2],
+            "Only binary classification is supported with link='probit'",
+        ),
+        (IterNCGPClassifier(link="cauchit"), np.zeros((2, 2)), [0, 1], "'link' parameter of IterNCGPClassifier"),
+        (IterNCGPClassifier(max_newton_steps=0), np.zeros((2, 2)), [0, 1], "'max_newton_steps' parameter"),
+        (IterNCGPClassifier(kernel="rbf"), np.zeros((2, 2)), [0, 1], "'kernel' parameter"),
+        (IterNCGPClassifier(policy="random"), np.zeros((2, 2)), [0, 1], "'policy' parameter"),
+        (IterNCGPPoissonRegressor(), np.zeros((3, 1)), [1, -1, 2], "Some value\\(s\\) of y are negative"),
+        (IterNCGPPoissonRegressor(), np.zeros((3, 1)), [1, np.nan, 2], "Input y contains NaN"),
+        (IterNCGPPoissonRegressor(link="log"), np.zeros((2, 1)), [1, 2], "'link' parameter"),
+    ],
+)
+def test_bad_input_raises_value_error(estimator, x, y, message):
+    with pytest.raises(ValueError, match=message):
+        estimator.fit(x, y)
+
+
+def test_prediction_input_is_validated():
+    x, y, _ = _binary()
+    classifier = IterNCGPClassifier(optimize_hyperparameters=False).fit(x, y)
+    with pytest.raises(ValueError, match="X has 3 features, but IterNCGPClassifier is expecting 2"):
+        classifier.predict(np.zeros((2, 3)))
+    with pytest.raises(ValueError, match="Input X contains NaN"):
+        classifier.predict_proba([[np.nan, 0.0]])
+
+
+def test_importing_the_package_does_not_import_sklearn_or_botorch():
+    code = "import sys, gpytorch_iterncgp; print('sklearn' in sys.modules, 'botorch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[-2:] == ["False", "False"]
