@@ -25,7 +25,7 @@ except ImportError:
 
 def parse_args(description: str) -> argparse.Namespace:
     """``--smoke`` (tiny, seconds), ``--quiet`` (no progress bars), ``--out DIR`` (where to save the PNG),
-    ``--threads N`` (torch threads, set here)."""
+    ``--threads N`` (torch and numpy BLAS threads, set here)."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--smoke", action="store_true", help="run a much smaller version (a few seconds)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -38,7 +38,14 @@ def parse_args(description: str) -> argparse.Namespace:
         "can be several times slower than one)",
     )
     args = parser.parse_args()
-    torch.set_num_threads(max(1, min(args.threads, os.cpu_count() or 1)))
+    threads = max(1, min(args.threads, os.cpu_count() or 1))
+    torch.set_num_threads(threads)
+    try:  # numpy's BLAS (scikit-learn's baselines) gets as many threads as torch
+        from threadpoolctl import threadpool_limits
+
+        threadpool_limits(threads)
+    except ImportError:
+        pass
     return args
 
 

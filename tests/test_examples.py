@@ -19,7 +19,7 @@ def test_example_smoke(name, tmp_path):
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,
     )
     assert result.returncode == 0, f"{name} failed:\n{result.stdout}\n{result.stderr}"
     figure = tmp_path / f"{name}.png"
