@@ -191,6 +191,10 @@ def check_exact_mode(problem: Problem, options: dict) -> None:
     problem=Problem("softmax", num_classes=2, num_data=36, dim=2, seed=174, lengthscale=0.05078125, outputscale=1.0),
     options={"policy": "unit", "compression_rank": 3},
 )
+@example(
+    problem=Problem("softmax", num_classes=5, num_data=36, dim=2, seed=5659, lengthscale=0.05, outputscale=1.0),
+    options={"policy": "unit", "compression_rank": 3},
+)
 def test_converged_mode_is_exact(problem, options):
     check_exact_mode(problem, options)
 
