@@ -84,11 +84,16 @@ class Problem:
 
 
 def dense_prior(model, x) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prior covariance ``(N C, N C)`` and mean ``(N C,)`` at ``x``, data-major, in float64 (from GPyTorch)."""
+    """Prior covariance ``(N C, N C)`` and mean ``(N C,)`` at ``x``, data-major, in float64 (from GPyTorch).
+
+    Symmetrised: a float32 kernel matrix is symmetric only up to rounding, which stalls the reference's
+    damped Newton iteration.
+    """
     num_classes = model.variational_strategy.num_latents
     with torch.no_grad():
         prior = model.forward(x)
         kernel, mean = prior.covariance_matrix.double(), prior.mean.double()
+    kernel = (kernel + kernel.mT) / 2  # a float32 kernel matrix is symmetric only up to rounding
     if kernel.dim() == 3:  # one GP per class
         return reference.data_major(kernel), mean.mT.reshape(-1)
     return reference.data_major(kernel, num_classes), mean[:, None].expand(-1, num_classes).reshape(-1)

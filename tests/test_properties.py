@@ -181,6 +181,11 @@ def check_exact_mode(problem: Problem, options: dict) -> None:
 
 @settings(max_examples=150, **FAST)
 @given(problem=problems(), options=choices_of_recycling)
+# The dense reference stalled on the float32 kernel matrix before it was symmetrised (tests/problems.py).
+@example(
+    problem=Problem("poisson_exp", num_data=47, dtype=torch.float32, seed=1, lengthscale=0.0546875, outputscale=3.0),
+    options={"policy": "cg", "compression_rank": None},
+)
 # IterGP accepted unit vectors that recycled directions already covered, and its residual drifted from the true
 # one: "converged" 0.05% off the mode, or never converged (see tests/test_robustness.py).
 @example(
