@@ -84,3 +84,11 @@ def multiclass_data(num_data=60, num_classes=3, dim=2, dtype=torch.float64, seed
 def softmax_likelihood(num_classes: int = 3):
     """GPyTorch's softmax likelihood with one latent function per class (no mixing weights)."""
     return gpytorch.likelihoods.SoftmaxLikelihood(num_classes=num_classes, mixing_weights=False)
+
+
+def set_distinct_class_hyperparameters(model) -> None:
+    """Different lengthscale, outputscale and mean per class (3 classes), so that a mix-up of classes shows."""
+    dtype = model.variational_strategy.train_inputs.dtype
+    model.covar_module.base_kernel.lengthscale = torch.tensor([0.2, 0.35, 0.5], dtype=dtype).view(3, 1, 1)
+    model.covar_module.outputscale = torch.tensor([1.0, 2.5, 4.0], dtype=dtype)
+    model.mean_module.constant = torch.tensor([0.5, -0.3, 0.1], dtype=dtype)

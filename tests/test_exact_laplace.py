@@ -15,7 +15,7 @@ import torch
 
 from gpytorch_iterncgp import ExpPoissonLikelihood, LogitBernoulliLikelihood
 from tests import reference
-from tests.models import IterNCGPModel, binary_data, count_data, multiclass_data
+from tests.models import IterNCGPModel, binary_data, count_data, multiclass_data, set_distinct_class_hyperparameters
 from tests.models import softmax_likelihood as _softmax
 
 DTYPE = torch.float64
@@ -61,10 +61,7 @@ def build(case: str, **options):
     x, y = make_data()
     model = IterNCGPModel(x, y, likelihood, **{**case_options, **options})
     if case == "softmax-independent":
-        # Different hyperparameters per class, so that a mix-up of classes (or of the layout) shows.
-        model.covar_module.base_kernel.lengthscale = torch.tensor([0.2, 0.35, 0.5], dtype=DTYPE).view(3, 1, 1)
-        model.covar_module.outputscale = torch.tensor([1.0, 2.5, 4.0], dtype=DTYPE)
-        model.mean_module.constant = torch.tensor([0.5, -0.3, 0.1], dtype=DTYPE)
+        set_distinct_class_hyperparameters(model)
     return model, likelihood, x, y, name, num_classes
 
 
