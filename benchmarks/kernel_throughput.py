@@ -18,26 +18,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import time
 from pathlib import Path
 
 import gpytorch
 import torch
+from common import machine
 
 from gpytorch_iterncgp.prior import LatentPrior, dense_kernel_limit
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def machine() -> dict:
-    return {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "gpytorch": gpytorch.__version__,
-    }
 
 
 def peak_flops_estimate(dtype: torch.dtype) -> float:

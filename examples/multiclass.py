@@ -25,6 +25,7 @@ import torch
 from torchmetrics.classification import MulticlassCalibrationError
 
 from gpytorch_iterncgp import IterNCGPStrategy
+from gpytorch_iterncgp.datasets import gaussian_mixture
 
 NAME = "multiclass"
 NUM_CLASSES = 10
@@ -47,27 +48,6 @@ class Model(gpytorch.models.ApproximateGP):
 
     def forward(self, x):
         return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
-
-
-def gaussian_mixture(num_train: int, num_test: int, seed: int = 0):
-    """Appendix C.3: class means uniform in [-1, 1]^3, covariances V diag(λ) V^T with V the eigenvectors of
-    A A^T (A uniform in [0, 1]^{3×3}) and λ uniform in [0.001, 0.1]; equally many points per class."""
-    generator = torch.Generator().manual_seed(seed)
-    means = 2 * torch.rand(NUM_CLASSES, 3, generator=generator) - 1
-    matrices = torch.rand(NUM_CLASSES, 3, 3, generator=generator)
-    _, eigenvectors = torch.linalg.eigh(matrices @ matrices.mT)
-    eigenvalues = 0.001 + (0.1 - 0.001) * torch.rand(NUM_CLASSES, 3, generator=generator)
-    roots = eigenvectors * eigenvalues.sqrt()[:, None, :]  # covariance = root @ root^T
-
-    def sample(num):
-        per_class = num // NUM_CLASSES
-        noise = torch.randn(NUM_CLASSES, per_class, 3, generator=generator)
-        x = (means[:, None, :] + noise @ roots.mT).reshape(-1, 3)
-        y = torch.arange(NUM_CLASSES).repeat_interleave(per_class)
-        order = torch.randperm(len(y), generator=generator)
-        return x[order], y[order]
-
-    return (*sample(num_train), *sample(num_test))
 
 
 def metrics(probs, labels) -> dict:
@@ -147,7 +127,7 @@ def main():
     args = _common.parse_args(__doc__.splitlines()[0])
     _common.setup(seed=0)
     num_train, num_test, steps = (300, 300, 6) if args.smoke else (2000, 2000, 40)
-    data = gaussian_mixture(num_train, num_test)
+    data = gaussian_mixture(num_train, num_test, num_classes=NUM_CLASSES)
     configs = [
         {"label": "ℓ=0.3, s²=5, R=∞", "lengthscale": 0.3, "outputscale": 5.0, "rank": None, "steps": steps},
         {"label": "ℓ=0.3, s²=5, R=10", "lengthscale": 0.3, "outputscale": 5.0, "rank": 10, "steps": steps},

@@ -276,8 +276,22 @@ class LaplaceMarginalLogLikelihood(MarginalLogLikelihood):
         self.exact = exact
 
     def forward(self, function_dist, target: Tensor, **kwargs) -> Tensor:
-        """The Laplace evidence per data point (``function_dist`` is not used: the mode is refound)."""
+        """The Laplace evidence per data point of the training data.
+
+        ``function_dist`` (``model(train_x)``) is only checked to have been computed at as many points as the
+        training data: the mode is refound from the strategy's training data.
+
+        :raises ValueError: if ``function_dist`` has another number of points or ``target`` is not the
+            strategy's training targets.
+        """
         strategy: IterNCGPStrategy = self.model.variational_strategy
+        mean = getattr(function_dist, "mean", None)
+        if mean is not None and mean.numel() != strategy.num_data * strategy.num_latents:
+            raise ValueError(
+                f"LaplaceMarginalLogLikelihood: function_dist holds {mean.numel()} latent values, but the training "
+                f"data has {strategy.num_data} points x {strategy.num_latents} latent(s); call "
+                "mll(model(train_x), train_y) with the strategy's training inputs."
+            )
         targets = strategy.adapter.check_targets(target, strategy.train_inputs.dtype)
         if targets.shape != strategy.train_targets.shape or not bool(torch.equal(targets, strategy.train_targets)):
             raise ValueError("LaplaceMarginalLogLikelihood: target must equal the strategy's training targets.")

@@ -24,22 +24,25 @@ class ColumnStore:
     """
 
     def __init__(self, columns: Tensor):
-        self._storage = columns
+        # Stored as rows of a (capacity, n) tensor, so appending writes one contiguous row; the initial
+        # copy leaves room for as many columns again (at least 8), so the first appends copy nothing.
         self.size = columns.shape[-1]
+        self._storage = columns.new_empty(max(8, 2 * self.size), columns.shape[0])
+        self._storage[: self.size] = columns.mT
 
     @property
     def value(self) -> Tensor:
-        """The filled columns, shape ``(n, size)``."""
-        return self._storage[:, : self.size]
+        """The filled columns, shape ``(n, size)`` (a transposed view of the row storage)."""
+        return self._storage[: self.size].mT
 
     def append(self, column: Tensor) -> None:
         """Append ``column`` (shape ``(n,)``) as the last column."""
-        if self.size == self._storage.shape[-1]:
+        if self.size == self._storage.shape[0]:
             capacity = max(8, 2 * self.size)
-            storage = self._storage.new_empty(self._storage.shape[0], capacity)
-            storage[:, : self.size] = self.value
+            storage = self._storage.new_empty(capacity, self._storage.shape[-1])
+            storage[: self.size] = self._storage[: self.size]
             self._storage = storage
-        self._storage[:, self.size] = column
+        self._storage[self.size] = column
         self.size += 1
 
 

@@ -9,10 +9,13 @@ A GPyTorch model's ``forward(x)`` returns one of
 
 :class:`LatentPrior` hides the difference: its mean is ``(N, C)`` and :meth:`LatentPrior.matmul` multiplies
 data-major ``(N C, k)`` blocks by :math:`\mathbf K` with *one* call of the kernel's matmul (a shared kernel
-is one ``N × (C k)`` product, independent kernels one batched product). It counts those calls.
+is one ``N × (C k)`` product, independent kernels one batched product). It counts those calls and the
+wall time spent in them.
 """
 
 from __future__ import annotations
+
+import time
 
 import gpytorch
 import torch
@@ -91,6 +94,7 @@ class LatentPrior:
         self.num_latents = num_latents
         self.products = 0  # calls of the kernel's matmul
         self.columns = 0  # columns multiplied in those calls
+        self.product_seconds = 0.0  # wall time spent in those calls
 
     @classmethod
     def from_distribution(cls, distribution: MultivariateNormal, num_latents: int) -> LatentPrior:
@@ -167,8 +171,11 @@ class LatentPrior:
         self.products += 1
         self.columns += rhs.shape[-1]
         chunk_rows = 0 if torch.is_grad_enabled() else _chunk_rows(self.covariance)
+        start = time.perf_counter()
         with gpytorch.beta_features.checkpoint_kernel(chunk_rows):
-            return self._matmul(rhs)
+            product = self._matmul(rhs)
+        self.product_seconds += time.perf_counter() - start
+        return product
 
     def _matmul(self, rhs: Tensor) -> Tensor:
         num_rows, num_cols = self.shape

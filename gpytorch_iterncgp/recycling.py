@@ -112,11 +112,13 @@ def virtual_solver_run(
     if compression_rank is not None:
         rank = min(rank, compression_rank)
     eigenvalues, eigenvectors = eigenvalues[:rank], eigenvectors[:, :rank]
-    new_actions = actions.double() @ eigenvectors
-    new_kernel_actions = kernel_actions.double() @ eigenvectors
-    inverse_sqrt = eigenvalues.rsqrt()
-    precision_root = (new_actions * inverse_sqrt).to(dtype)
-    kernel_precision_root = (new_kernel_actions * inverse_sqrt).to(dtype)
-    norms = new_actions.norm(dim=0).clamp_min(torch.finfo(torch.float64).tiny)
-    new_buffer = ActionBuffer.from_tensors((new_actions / norms).to(dtype), (new_kernel_actions / norms).to(dtype))
+    # The re-weighting itself in the working dtype: O(N C B r), the bulk of this function's cost.
+    eigenvectors = eigenvectors.to(dtype)
+    new_actions = actions @ eigenvectors
+    new_kernel_actions = kernel_actions @ eigenvectors
+    inverse_sqrt = eigenvalues.rsqrt().to(dtype)
+    precision_root = new_actions * inverse_sqrt
+    kernel_precision_root = new_kernel_actions * inverse_sqrt
+    norms = new_actions.norm(dim=0).clamp_min(torch.finfo(dtype).tiny)
+    new_buffer = ActionBuffer.from_tensors(new_actions / norms, new_kernel_actions / norms)
     return VirtualRun(new_buffer, precision_root, kernel_precision_root)

@@ -226,6 +226,7 @@ class IterNCGPStrategy(gpytorch.Module):
             kernel_precision_root=empty,
             log_posterior=float("-inf"),
             forcing=1.0,  # a new system: IterGP's tolerances start afresh
+            same_system=False,
         )
 
     def _commit(self, state: LaplaceState) -> None:
@@ -326,6 +327,7 @@ class IterNCGPStrategy(gpytorch.Module):
                 raise
         report.kernel_products = prior.products
         report.kernel_columns = prior.columns
+        report.kernel_product_seconds = prior.product_seconds
         self.last_report = report
         return report
 
@@ -453,6 +455,7 @@ class IterNCGPStrategy(gpytorch.Module):
                 log_posterior=self._state.log_posterior,
                 newton_steps=self._state.newton_steps,
                 forcing=self._state.forcing,
+                same_system=self._state.same_system,
             )
         return {
             "version": 2,
@@ -520,6 +523,7 @@ class IterNCGPStrategy(gpytorch.Module):
             log_posterior=float(saved["log_posterior"]),
             newton_steps=int(saved["newton_steps"]),
             forcing=float(saved.get("forcing", 1.0)),
+            same_system=bool(saved.get("same_system", False)),
         )
         fingerprint = extra.get("fingerprint")
         self._fingerprint = None if fingerprint is None else fingerprint.to(reference)

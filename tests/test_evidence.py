@@ -504,6 +504,8 @@ def test_wrong_usage_is_rejected():
         mll(model(x), flipped)
     with pytest.raises(ValueError):
         mll(model(x), y[:-1])
+    with pytest.raises(ValueError, match="function_dist holds 30 latent values"):  # computed at other points
+        mll(model(x[:30]), y)
     # the same targets as another tensor (a copy, integer labels) are accepted, with the reference's value
     expected = reference_evidence(model, likelihood, x, y, "logit", 1)
     for targets in (y.clone(), y.long()):

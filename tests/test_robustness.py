@@ -658,3 +658,47 @@ def test_reported_residual_is_the_true_residual(problem, monkeypatch):
     assert report.converged
     exact = exact_mode(model, problem, x, y)
     torch.testing.assert_close(model.variational_strategy.mode.reshape(-1), exact.mode, rtol=0, atol=1e-8)
+
+
+def test_rejected_step_continues_the_same_system_without_compression():
+    """After a rejected Newton step W is unchanged: the next solve continues with all its actions instead of
+    compressing them away (otherwise it repeats the same too-short solve, and with R = 10, j <= 5 on the
+    10-class mixture at N = 10^4 every step after the 10th was rejected). The next accepted step compresses."""
+    import gpytorch
+
+    from gpytorch_iterncgp.datasets import gaussian_mixture
+    from tests.models import IterNCGPModel
+
+    x, y, _, _ = gaussian_mixture(500, 10, num_classes=10, dtype=torch.float64)
+    likelihood = gpytorch.likelihoods.SoftmaxLikelihood(num_classes=10, mixing_weights=False)
+    rank, iterations = 3, 2
+    model = IterNCGPModel(
+        x,
+        y,
+        likelihood,
+        kernel="matern",
+        lengthscale=0.3,
+        outputscale=20.0,
+        compression_rank=rank,
+        max_solver_iterations=iterations,
+        max_newton_steps=18,
+        min_curvature=1e-6,
+    )
+    records, saved = [], {}
+
+    def callback(step, state):
+        records.append((step.step_size, state.actions.shape[-1], state.same_system))
+        if step.step_size == 0.0 and not saved:
+            saved.update(model.state_dict())
+
+    model.variational_strategy.fit(callback=callback)
+    rejected = [index for index, (size, _, _) in enumerate(records) if size == 0.0]
+    assert rejected, "the problem is chosen so that a step is rejected"
+    index = rejected[0]
+    assert records[index] == (0.0, rank + iterations, True)
+    assert records[index + 1][1] == rank + 2 * iterations  # the same system, continued with every action
+    later = [columns for size, columns, _ in records[index + 2 :] if size > 0]
+    assert later and max(later) <= rank + iterations  # compressed again once W changed
+    fresh = IterNCGPModel(x, y, likelihood, kernel="matern", lengthscale=0.3, outputscale=20.0)
+    fresh.load_state_dict(saved)
+    assert fresh.variational_strategy.state.same_system

@@ -1,0 +1,86 @@
+"""What every benchmark records: the machine it ran on, and the process's peak resident memory."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+
+import gpytorch
+import linear_operator
+import torch
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def machine() -> dict:
+    """CPU, cores, memory, threads used and library versions, for the results' JSON."""
+    try:
+        import pykeops
+
+        keops = pykeops.__version__
+    except ImportError:
+        keops = None
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "platform": platform.platform(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "memory_bytes": _memory_bytes(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "gpytorch": gpytorch.__version__,
+        "linear_operator": linear_operator.__version__,
+        "pykeops": keops,
+    }
+
+
+def _status_bytes(field: str) -> int:
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident memory of this process since start or the last :func:`reset_peak_rss` (Linux VmHWM)."""
+    return _status_bytes("VmHWM:")
+
+
+def rss_bytes() -> int:
+    """Resident memory of this process now (Linux VmRSS)."""
+    return _status_bytes("VmRSS:")
+
+
+def reset_peak_rss() -> None:
+    """Restart the peak-memory count at the current resident size (Linux >= 4.0; a no-op elsewhere)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+    except OSError:
+        pass

@@ -1,0 +1,173 @@
+"""The benchmark suite's own numerics, checked against independent references before its numbers are trusted.
+
+* the subset-of-data / exact Laplace baseline (R&W Algorithms 3.3 and 3.4 with the E_c factorisation)
+  against the dense reference of tests/reference.py (symmetric W^½, one (N C)² Cholesky);
+* the IterNCGP marginals the suite computes from a cached cross kernel against
+  ``IterNCGPStrategy.marginal_latent``;
+* the metrics against hand computations, the paper's Gaussian mixture recipe, SVGP learning, and the
+  whole suite end to end at tiny sizes (JSON + PNG written).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import gpytorch
+import pytest
+import torch
+
+from gpytorch_iterncgp.datasets import gaussian_mixture
+
+from .reference import data_major, laplace_mode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import methods  # noqa: E402
+import suite  # noqa: E402
+
+NUM_CLASSES = 4
+
+
+def _problem(num_train=48, num_test=20, lengthscale=0.4, outputscale=3.0, dtype=torch.float64) -> methods.Problem:
+    train_x, train_y, test_x, test_y = gaussian_mixture(
+        num_train, num_test, num_classes=NUM_CLASSES, dim=2, mixture_seed=3, sample_seed=1, dtype=dtype
+    )
+    return methods.Problem("toy", train_x, train_y, test_x, test_y, NUM_CLASSES, lengthscale, outputscale)
+
+
+def _dense_reference(problem: methods.Problem):
+    """Exact Laplace marginals at the test points from the dense (N C)² reference implementation."""
+    kernel = methods.fixed_kernel(problem)
+    with torch.no_grad():
+        train = kernel(problem.train_x).to_dense()
+        cross = kernel(problem.test_x, problem.train_x).to_dense()
+        test = kernel(problem.test_x).to_dense()
+    reference = laplace_mode(
+        data_major(train, NUM_CLASSES),
+        torch.zeros(problem.num_train * NUM_CLASSES),
+        problem.train_y,
+        "softmax",
+        NUM_CLASSES,
+    )
+    mean, covariance = reference.predict(
+        data_major(cross, NUM_CLASSES), data_major(test, NUM_CLASSES), torch.zeros(len(problem.test_y) * NUM_CLASSES)
+    )
+    return reference, mean.reshape(-1, NUM_CLASSES), covariance.diagonal().reshape(-1, NUM_CLASSES)
+
+
+def test_softmax_laplace_matches_dense_reference():
+    problem = _problem()
+    reference, mean, variance = _dense_reference(problem)
+    kernel = methods.fixed_kernel(problem)
+    with torch.no_grad():
+        train = kernel(problem.train_x).to_dense()
+        cross = kernel(problem.train_x, problem.test_x).to_dense()
+    latent, gradient, blocks, sum_factor, steps = methods.softmax_laplace(train, problem.train_y, NUM_CLASSES)
+    assert steps < 100
+    torch.testing.assert_close(latent.reshape(-1), reference.mode, rtol=1e-7, atol=1e-7)
+    our_mean, our_variance = methods.softmax_laplace_marginals(cross, problem.outputscale, gradient, blocks, sum_factor)
+    torch.testing.assert_close(our_mean, mean, rtol=1e-7, atol=1e-7)
+    torch.testing.assert_close(our_variance, variance, rtol=1e-7, atol=1e-7)
+
+
+def test_sod_laplace_on_all_data_is_exact_laplace():
+    problem = _problem()
+    _, mean, variance = _dense_reference(problem)
+    result = methods.run_sod_laplace(problem, subset_size=problem.num_train)
+    probabilities = methods.class_probabilities(mean, variance, NUM_CLASSES)
+    expected = methods.classification_metrics(probabilities, problem.test_y, NUM_CLASSES)
+    for name, value in expected.items():
+        assert result["history"][-1][name] == pytest.approx(value, rel=1e-6, abs=1e-9)
+    assert result["subset_size"] == problem.num_train
+
+
+def test_iterncgp_marginals_from_cached_cross_kernel_match_strategy():
+    problem = _problem()
+    model = methods.IterNCGPModel(problem, keops=False, max_solver_iterations=3, max_newton_steps=4)
+    strategy = model.variational_strategy
+    with torch.no_grad():
+        strategy.fit(show_progress=False)
+        model.eval()
+        expected_mean, expected_variance = strategy.marginal_latent(problem.test_x)
+        cross = methods.fixed_kernel(problem)(problem.test_x, problem.train_x).to_dense()
+    mean, variance = methods.shared_kernel_marginals(strategy.state, cross, problem.outputscale, NUM_CLASSES)
+    torch.testing.assert_close(mean, expected_mean, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(variance, expected_variance, rtol=1e-9, atol=1e-9)
+
+
+def test_run_iterncgp_reports_time_split_and_buffers():
+    problem = _problem(dtype=torch.float32)
+    result = methods.run_iterncgp(problem, compression_rank=3, max_newton_steps=3, kernel_path="chunked")
+    history = result["history"]
+    assert [entry["step"] for entry in history[:-1]] == list(range(1, result["newton_steps"] + 1))
+    assert history[-1]["final"] and history[-1]["step"] == result["newton_steps"]
+    assert history[-1]["products"] == result["products"]
+    assert 0 < result["product_seconds"] <= result["fit_seconds"]
+    assert result["other_seconds"] == pytest.approx(result["fit_seconds"] - result["product_seconds"])
+    assert result["buffer_columns"] <= 3 + 5
+    assert result["buffer_bytes"] == 2 * problem.num_train * NUM_CLASSES * result["buffer_columns"] * 4
+    assert all(0 <= entry["ece"] <= 1 and 0 <= entry["accuracy"] <= 1 for entry in history)
+    times = [entry["time"] for entry in history]
+    assert times == sorted(times)
+
+
+def test_classification_metrics_by_hand():
+    probabilities = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.3, 0.6], [0.5, 0.25, 0.25]])
+    labels = torch.tensor([0, 1, 0])
+    result = methods.classification_metrics(probabilities, labels, 3)
+    assert result["accuracy"] == pytest.approx(2 / 3)
+    assert result["nll"] == pytest.approx(-(math.log(0.7) + math.log(0.3) + math.log(0.5)) / 3)
+    # 15 bins: confidences 0.7, 0.6 and 0.5 fall in three different bins with accuracies 1, 0, 1.
+    assert result["ece"] == pytest.approx((0.3 + 0.6 + 0.5) / 3, rel=1e-6)
+
+
+def test_gaussian_mixture_recipe():
+    train_x, train_y, test_x, test_y = gaussian_mixture(1000, 200, num_classes=10, dtype=torch.float64)
+    assert train_x.shape == (1000, 3) and test_x.shape == (200, 3)
+    assert torch.bincount(train_y).tolist() == [100] * 10 and torch.bincount(test_y).tolist() == [20] * 10
+    # Class means in [-1, 1]^3, covariance eigenvalues in [0.001, 0.1] (sample estimates).
+    for label in range(10):
+        points = train_x[train_y == label]
+        assert bool((points.mean(0).abs() < 1 + 0.1).all())
+        eigenvalues = torch.linalg.eigvalsh(torch.cov(points.T))
+        assert 0.0005 < float(eigenvalues.min()) and float(eigenvalues.max()) < 0.15
+    same_mixture = gaussian_mixture(1000, 200, num_classes=10, sample_seed=5, dtype=torch.float64)
+    assert not torch.equal(same_mixture[0], train_x)
+    for label in range(10):  # the same Gaussians: the class means agree to sampling error
+        difference = same_mixture[0][same_mixture[1] == label].mean(0) - train_x[train_y == label].mean(0)
+        assert float(difference.abs().max()) < 0.1
+    with pytest.raises(ValueError, match="multiple of num_classes"):
+        gaussian_mixture(1001, 200)
+
+
+def test_svgp_learns_within_its_budget():
+    problem = _problem(num_train=200, num_test=40, dtype=torch.float32)
+    result = methods.run_svgp(problem, num_inducing=20, learning_rate=0.05, budget_seconds=2.0, batch_size=64)
+    history = result["history"]
+    assert result["adam_steps"] > 10 and len(history) >= 2
+    assert history[-1]["nll"] < history[0]["nll"]
+    assert history[-1]["time"] >= 2.0
+
+
+def test_suite_quick_run_writes_results(tmp_path):
+    output = suite.main(["--quick", "--quiet", "--datasets", "mixture", "--out", str(tmp_path), "--threads", "1"])
+    saved = json.loads((tmp_path / "suite.json").read_text())
+    assert saved["machine"]["cpu_count"] >= 1 and "torch" in saved["machine"]
+    assert set(saved["problems"]) == {"mixture_paper", "mixture_sensible"}
+    for name, problem in output["problems"].items():
+        assert (tmp_path / f"suite_{name}.png").stat().st_size > 10_000
+        methods_run = {row["method"] for row in problem["summary"]}
+        assert any(m.startswith("IterNCGP-CG R=10") for m in methods_run)
+        assert any(m.startswith("SVGP") for m in methods_run) and "exact Laplace (Cholesky)" in methods_run
+        for row in problem["summary"]:
+            assert math.isfinite(row["nll"]) and row["peak_rss_MiB"] > 0
+
+
+def test_fixed_kernel_is_not_trained():
+    problem = _problem()
+    kernel = methods.fixed_kernel(problem)
+    assert not any(parameter.requires_grad for parameter in kernel.parameters())
+    assert float(kernel.outputscale) == pytest.approx(problem.outputscale)
+    assert isinstance(kernel.base_kernel, gpytorch.kernels.MaternKernel) and kernel.base_kernel.nu == 1.5
