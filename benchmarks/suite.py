@@ -324,7 +324,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--datasets", nargs="+", default=["mixture", "digits"], choices=sorted(SETTINGS))
     parser.add_argument("--newton-steps", type=int, default=20, help="Newton steps of the matrix-free runs")
     parser.add_argument(
-        "--dense-newton-steps", type=int, default=100, help="Newton steps of the runs with K cached (much cheaper)"
+        "--dense-newton-steps", type=int, default=60, help="Newton steps of the runs with K cached (much cheaper)"
     )
     parser.add_argument("--solver-iterations", type=int, default=5, help="j: IterGP iterations per Newton step")
     parser.add_argument("--unit-iterations", type=int, default=10, help="iterations per step for unit vectors")

@@ -61,7 +61,9 @@ def test_fit_with_chunked_kernel_products_reaches_the_same_mode(small_chunks):
     with dense_kernel_limit(2**40):
         dense = IterNCGPModel(train_x, train_y, gpytorch.likelihoods.BernoulliLikelihood(), **options)
         dense.variational_strategy.fit()
-    torch.testing.assert_close(chunked.variational_strategy.mode, dense.variational_strategy.mode, rtol=1e-8, atol=1e-10)
+    torch.testing.assert_close(
+        chunked.variational_strategy.mode, dense.variational_strategy.mode, rtol=1e-8, atol=1e-10
+    )
 
 
 def test_dense_kernel_limit_restores_previous_value():
