@@ -179,6 +179,8 @@ def summary_rows(runs: list[dict]) -> list[dict]:
             "accuracy": last["accuracy"],
             "nll": last["nll"],
             "ece": last["ece"],
+            "plug_in_nll": last.get("plug_in_nll", float("nan")),
+            "plug_in_ece": last.get("plug_in_ece", float("nan")),
             "peak_rss_MiB": run["peak_rss_bytes"] / 2**20,
             "fit_memory_MiB": (run["peak_rss_bytes"] - run["baseline_rss_bytes"]) / 2**20,
             "state_MiB": run.get("state_bytes", 0) / 2**20,
@@ -213,14 +215,16 @@ def print_table(title: str, rows: list[dict]) -> None:
 def markdown_table(rows: list[dict]) -> str:
     """The summary as a Markdown table (for the READMEs)."""
     lines = [
-        "| method | time [s] | test acc | test NLL | test ECE | peak RSS [MiB] (fit adds) | products (time in K) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| method | time [s] | test acc | test NLL | test ECE | NLL / ECE of softmax(mean) | peak RSS [MiB] (fit adds) "
+        "| products (time in K) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in rows:
         products = f"{row['products']} ({1 - row['other_fraction']:.0%})" if "products" in row else "–"
         lines.append(
             f"| {row['method']} | {row['fit_seconds']:.1f} | {row['accuracy']:.3f} | {row['nll']:.3f} | "
-            f"{row['ece']:.3f} | {row['peak_rss_MiB']:.0f} ({row['fit_memory_MiB']:.0f}) | {products} |"
+            f"{row['ece']:.3f} | {row['plug_in_nll']:.3f} / {row['plug_in_ece']:.3f} | "
+            f"{row['peak_rss_MiB']:.0f} ({row['fit_memory_MiB']:.0f}) | {products} |"
         )
     return "\n".join(lines)
 
