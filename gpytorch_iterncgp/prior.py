@@ -181,7 +181,10 @@ class LatentPrior:
         self.columns += rhs.shape[-1]
         chunk_rows = 0 if torch.is_grad_enabled() else _chunk_rows(self.covariance)
         start = time.perf_counter()
-        with gpytorch.beta_features.checkpoint_kernel(chunk_rows):
+        if chunk_rows:  # (entering GPyTorch's checkpoint context at all emits a deprecation warning)
+            with gpytorch.beta_features.checkpoint_kernel(chunk_rows):
+                product = self._matmul(rhs)
+        else:
             product = self._matmul(rhs)
         self.product_seconds += time.perf_counter() - start
         return product
