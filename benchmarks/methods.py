@@ -445,14 +445,8 @@ def run_sod_laplace(problem: Problem, subset_size: int, seed: int = 0, dtype: to
     }
 
 
-def dense_bytes(num_train: int, num_classes: int, itemsize: int = 8) -> float:
-    r"""Bytes of a dense :math:`N C \times N C` :math:`\hat{\mathbf K}` (what a plain Cholesky would factor)."""
-    return float((num_train * num_classes) ** 2 * itemsize)
-
-
 __all__ = [
     "Problem",
-    "dense_bytes",
     "run_iterncgp",
     "run_sod_laplace",
     "run_svgp",
