@@ -25,7 +25,8 @@ import gpytorch
 import torch
 from common import machine
 
-from gpytorch_iterncgp.prior import LatentPrior, dense_kernel_limit
+from gpytorch_iterncgp.prior import LatentPrior
+from gpytorch_iterncgp.settings import dense_kernel_limit
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

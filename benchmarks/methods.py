@@ -27,7 +27,9 @@ from common import peak_rss_bytes, reset_peak_rss, rss_bytes
 from torch import Tensor
 from torchmetrics.classification import MulticlassCalibrationError
 
-from gpytorch_iterncgp import IterNCGPStrategy, dense_kernel_limit, likelihood_adapter
+from gpytorch_iterncgp import IterNCGPStrategy
+from gpytorch_iterncgp.likelihoods import likelihood_adapter
+from gpytorch_iterncgp.settings import dense_kernel_limit
 
 
 @dataclass

@@ -112,18 +112,13 @@ class IterNCGPBoTorchModel(Model):
     def _single_latent(self, X: Tensor) -> MultivariateNormal:
         r""":math:`C = 1`, all batch elements at once: prior at ``[X_train; X_b]``, then the IterNCGP correction."""
         strategy = self.strategy
-        root = strategy.approximate_precision.root_tensor  # refits if the hyperparameters changed; Q (N, r)
-        weights = torch.cat([strategy.state.representer_weights[:, None], root], dim=-1)  # [a, Q]
-        train_x = strategy.train_inputs
-        num_train = train_x.shape[0]
-        batch_shape = X.shape[:-2]
-        joint = torch.cat([train_x.expand(*batch_shape, *train_x.shape), X], dim=-2)
-        prior = self.model.forward(joint)  # lazy: only the blocks below are evaluated
-        covariance = prior.lazy_covariance_matrix
-        product = covariance[..., num_train:, :num_train].matmul(weights)  # K_{*X} [a, Q]: (batch, q, 1 + r)
-        mean = prior.mean[..., num_train:] + product[..., 0]
+        state = strategy.ensure_fitted()  # refits if the hyperparameters changed
+        weights = torch.cat([state.representer_weights[:, None], state.precision_root], dim=-1)  # [a, Q]
+        prior_mean, cross_covariance, test_prior = strategy.joint_prior(X)
+        product = cross_covariance.matmul(weights)  # K_{*X} [a, Q]: (batch, q, 1 + r)
+        mean = prior_mean + product[..., 0]
         correction = product[..., 1:]
-        test_covariance = covariance[..., num_train:, num_train:].to_dense() - correction @ correction.mT
+        test_covariance = test_prior.to_dense() - correction @ correction.mT
         return MultivariateNormal(mean, test_covariance)
 
     def _multi_latent(self, X: Tensor, output_indices: list[int] | None) -> MultivariateNormal:

@@ -10,15 +10,16 @@ r"""The Laplace evidence :math:`\log q(\mathbf y \mid \mathbf X, \theta)` for le
 :math:`\mathbf R_n = \operatorname{diag}(\sqrt{\boldsymbol\pi}) - \boldsymbol\pi \sqrt{\boldsymbol\pi}^\top` of the
 softmax curvature needs no eigendecomposition). Two regimes behind :class:`LaplaceMarginalLogLikelihood`:
 
-* **exact** (:math:`N C \le` ``gpytorch.settings.max_cholesky_size``): the mode by dense damped Newton
-  (warm-started from the strategy's mode), then one *differentiable* Newton step from it,
+* **exact** (:math:`N C \le` :class:`gpytorch_iterncgp.settings.exact_evidence_size`): the strategy's mode (the
+  fit that ``model(train_x)`` ran; no second mode finder), then one *differentiable* dense Newton step from it,
   :math:`\mathbf a' = (\mathbf I + \mathbf W \mathbf K)^{-1} (\mathbf W (\hat{\mathbf f} - \mathbf m) + \mathbf g)`.
   Its value is the mode, and because the Newton map has zero derivative at its fixed point, its
   derivative is the implicit derivative :math:`d\hat{\mathbf f} / d\theta` (R&W Algorithms 5.1, 5.2; the
-  approach of BoTorch's ``PairwiseGP``). The gradient is the total derivative of the evidence. Nothing
-  here inverts :math:`\mathbf K`, so duplicate inputs or very long lengthscales (a numerically singular
-  :math:`\mathbf K`, reported by an :class:`IllConditionedKernelWarning`) leave the evidence finite: this
-  plays the role of the projection onto the well-conditioned eigenvectors of :math:`\mathbf K` in seed 000.
+  approach of BoTorch's ``PairwiseGP``). The gradient is the total derivative of the evidence. The value is
+  the evidence one exact Newton step from the strategy's mode: as accurate as the strategy's solve makes the
+  mode (quadratically better). Nothing here inverts :math:`\mathbf K`, so duplicate inputs or very long
+  lengthscales (a numerically singular :math:`\mathbf K`) leave the evidence finite: this plays the role of
+  the projection onto the well-conditioned eigenvectors of :math:`\mathbf K` in seed 000.
 * **matrix-free** (larger): the mode from IterNCGP (warm-started, recycled actions); the same
   differentiable Newton step in the symmetric form :math:`\mathbf a' = \mathbf b - \mathbf R \mathbf B^{-1}
   \mathbf R^\top \mathbf K \mathbf b` solved by linear_operator's CG (``gpytorch.settings.cg_tolerance``);
@@ -31,14 +32,14 @@ softmax curvature needs no eigendecomposition). Two regimes behind :class:`Lapla
 from __future__ import annotations
 
 import math
-import warnings
 
-import gpytorch
 import torch
 from gpytorch.mlls import MarginalLogLikelihood
 from linear_operator.operators import LinearOperator
 from torch import Tensor
 
+from . import settings
+from .exceptions import NonFiniteEvidenceError
 from .likelihoods import LikelihoodAdapter
 from .prior import LatentPrior
 from .strategy import IterNCGPStrategy
@@ -54,7 +55,9 @@ def curvature_root(curvature: Tensor, probabilities: Tensor | None = None) -> Te
         root = probabilities.sqrt()
         return torch.diag_embed(root) - probabilities[:, :, None] * root[:, None, :]
     if curvature.shape[-1] == 1:
-        return curvature.clamp_min(0).sqrt()
+        # Clamped at the smallest normal number, not at 0: sqrt has an infinite derivative at 0, and a curvature
+        # that underflows (a confidently classified point) must give a zero gradient, not NaN.
+        return curvature.clamp_min(torch.finfo(curvature.dtype).tiny).sqrt()
     eye = torch.eye(curvature.shape[-1], dtype=curvature.dtype, device=curvature.device)
     return torch.linalg.cholesky(curvature + 1e3 * torch.finfo(curvature.dtype).eps * eye)
 
@@ -65,55 +68,12 @@ def _block_times_dense(blocks: Tensor, matrix: Tensor) -> Tensor:
     return (blocks @ matrix.reshape(num_data, num_latents, -1)).reshape(matrix.shape)
 
 
-def _log_posterior(adapter, targets, weights, kernel_matrix, prior_mean) -> Tensor:
-    latent = prior_mean + kernel_matrix @ weights
-    return adapter.log_likelihood(latent.reshape(-1, adapter.num_latents), targets) - 0.5 * (
-        weights @ (latent - prior_mean)
-    )
-
-
 def _newton_weights(adapter, targets, latent, kernel_matrix, prior_mean) -> Tensor:
     r"""One undamped Newton step: :math:`(\mathbf I + \mathbf W \mathbf K)^{-1} (\mathbf W (\mathbf f - \mathbf m) + \mathbf g)`."""
     _, gradient, curvature = adapter.local_terms(latent.reshape(-1, adapter.num_latents), targets)
     rhs = _block_times_dense(curvature, (latent - prior_mean)[:, None])[:, 0] + gradient.reshape(-1)
     system = torch.eye(len(rhs), dtype=rhs.dtype, device=rhs.device) + _block_times_dense(curvature, kernel_matrix)
     return torch.linalg.solve(system, rhs)
-
-
-def dense_laplace_mode(
-    kernel_matrix: Tensor,
-    prior_mean: Tensor,
-    adapter: LikelihoodAdapter,
-    targets: Tensor,
-    weights: Tensor | None = None,
-    max_steps: int = 100,
-    tol: float = 1e-10,
-) -> Tensor:
-    r"""Representer weights :math:`\hat{\mathbf a}` of the exact Laplace mode by dense damped Newton.
-
-    :param kernel_matrix: :math:`\mathbf K`, dense ``(N C, N C)``, data-major.
-    :param prior_mean: :math:`\mathbf m`, ``(N C,)``.
-    :param weights: starting representer weights (warm start); default zero (the prior mean).
-    :param tol: stop when :math:`\|\Delta\mathbf a\| \le \text{tol} \max(1, \|\mathbf a\|)`.
-    """
-    with torch.no_grad():
-        weights = torch.zeros_like(prior_mean) if weights is None else weights.clone()
-        psi = _log_posterior(adapter, targets, weights, kernel_matrix, prior_mean)
-        for _ in range(max_steps):
-            latent = prior_mean + kernel_matrix @ weights
-            proposal = _newton_weights(adapter, targets, latent, kernel_matrix, prior_mean)
-            step = 1.0
-            while True:
-                candidate = weights + step * (proposal - weights)
-                new_psi = _log_posterior(adapter, targets, candidate, kernel_matrix, prior_mean)
-                if bool(new_psi >= psi - 1e-12 * abs(float(psi))) or step < 2.0**-20:
-                    break
-                step /= 2
-            change = float((candidate - weights).norm())
-            weights, psi = candidate, new_psi
-            if change <= tol * max(1.0, float(weights.norm())):
-                break
-    return weights
 
 
 def exact_laplace_evidence(
@@ -215,28 +175,6 @@ def matrix_free_laplace_evidence(prior: LatentPrior, adapter: LikelihoodAdapter,
     return log_posterior - 0.5 * new_system.logdet() + (mode_log_posterior - log_posterior).detach()
 
 
-class IllConditionedKernelWarning(RuntimeWarning):
-    """The kernel matrix is numerically singular (duplicate inputs, very long lengthscales, large outputscales)."""
-
-
-def _warn_if_singular(kernel_matrix: Tensor) -> None:
-    r"""Warn if :math:`\mathbf K` is numerically singular: its Cholesky factorisation fails, or its smallest
-    pivot is at rounding level. The evidence stays finite either way (nothing inverts :math:`\mathbf K`)."""
-    matrix = kernel_matrix.detach()
-    cholesky, info = torch.linalg.cholesky_ex(matrix)
-    size = matrix.shape[-1]
-    rounding = size * torch.finfo(matrix.dtype).eps * float(matrix.diagonal().abs().max())
-    if int(info) > 0 or float(cholesky.diagonal().min()) ** 2 <= rounding:
-        warnings.warn(
-            f"The kernel matrix ({size} rows) is numerically singular (duplicate inputs, very long "
-            "lengthscales or large outputscales?). The Laplace evidence is computed in a form that never inverts K "
-            "(|I + W^½ K W^½| and (I + W K)^{-1}), so it stays finite, but the hyperparameters may be poorly "
-            "determined.",
-            IllConditionedKernelWarning,
-            stacklevel=4,
-        )
-
-
 class LaplaceMarginalLogLikelihood(MarginalLogLikelihood):
     r"""The Laplace approximation of :math:`\log p(\mathbf y \mid \mathbf X, \theta)`, divided by :math:`N`.
 
@@ -259,7 +197,7 @@ class LaplaceMarginalLogLikelihood(MarginalLogLikelihood):
     :param likelihood: the strategy's likelihood.
     :param model: the ``ApproximateGP`` with an ``IterNCGPStrategy``.
     :param exact: force the exact (``True``) or matrix-free (``False``) regime; default: exact when
-        :math:`N C \le` ``gpytorch.settings.max_cholesky_size``.
+        :math:`N C \le` :class:`gpytorch_iterncgp.settings.exact_evidence_size` (1000).
     """
 
     def __init__(self, likelihood, model, exact: bool | None = None):
@@ -278,36 +216,46 @@ class LaplaceMarginalLogLikelihood(MarginalLogLikelihood):
     def forward(self, function_dist, target: Tensor, **kwargs) -> Tensor:
         """The Laplace evidence per data point of the training data.
 
-        ``function_dist`` (``model(train_x)``) is only checked to have been computed at as many points as the
-        training data: the mode is refound from the strategy's training data.
-
-        :raises ValueError: if ``function_dist`` has another number of points or ``target`` is not the
-            strategy's training targets.
+        :param function_dist: ``model(train_x)``: the strategy's posterior at the training inputs, whose mean is
+            the mode the evidence is computed at.
+        :raises ValueError: if ``function_dist`` was not computed at the training inputs (another number of
+            points, or a mean that is not the strategy's mode) or ``target`` is not the training targets.
+        :raises NonFiniteEvidenceError: if the evidence is not finite.
         """
         strategy: IterNCGPStrategy = self.model.variational_strategy
         mean = getattr(function_dist, "mean", None)
-        if mean is not None and mean.numel() != strategy.num_data * strategy.num_latents:
+        size = strategy.num_data * strategy.num_latents
+        if mean is None or mean.numel() != size:
             raise ValueError(
-                f"LaplaceMarginalLogLikelihood: function_dist holds {mean.numel()} latent values, but the training "
-                f"data has {strategy.num_data} points x {strategy.num_latents} latent(s); call "
-                "mll(model(train_x), train_y) with the strategy's training inputs."
+                f"LaplaceMarginalLogLikelihood: function_dist holds {None if mean is None else mean.numel()} latent "
+                f"values, but the training data has {strategy.num_data} points x {strategy.num_latents} latent(s); "
+                "call mll(model(train_x), train_y) with the strategy's training inputs."
             )
         targets = strategy.adapter.check_targets(target, strategy.train_inputs.dtype)
         if targets.shape != strategy.train_targets.shape or not bool(torch.equal(targets, strategy.train_targets)):
             raise ValueError("LaplaceMarginalLogLikelihood: target must equal the strategy's training targets.")
-        size = strategy.num_data * strategy.num_latents
-        exact = size <= gpytorch.settings.max_cholesky_size.value() if self.exact is None else self.exact
-        prior = strategy._train_prior()
+        state = strategy.ensure_fitted()  # model(train_x) has fitted it: no work here
+        prior = strategy.train_prior()
+        mode = prior.mean.detach().reshape(-1) + state.kernel_representer_weights
+        given = mean.detach().reshape(-1)
+        if not bool(torch.allclose(given, mode, rtol=1e-4, atol=1e-4 * (1 + float(mode.abs().max())))):
+            raise ValueError(
+                "LaplaceMarginalLogLikelihood: the mean of function_dist is not the strategy's mode at the current "
+                "hyperparameters; call mll(model(train_x), train_y) right after computing model(train_x)."
+            )
+        exact = size <= settings.exact_evidence_size.value() if self.exact is None else self.exact
         if exact:
             kernel_matrix = prior.data_major_covariance().to_dense()
-            _warn_if_singular(kernel_matrix)
             prior_mean = prior.mean.reshape(-1)
-            start = strategy.state.representer_weights if strategy.state is not None else None
-            weights = dense_laplace_mode(kernel_matrix.detach(), prior_mean.detach(), strategy.adapter, targets, start)
-            evidence = exact_laplace_evidence(kernel_matrix, prior_mean, strategy.adapter, targets, weights)
+            evidence = exact_laplace_evidence(
+                kernel_matrix, prior_mean, strategy.adapter, targets, state.representer_weights
+            )
         else:
-            state = strategy._ensure_fitted()
             evidence = matrix_free_laplace_evidence(prior, strategy.adapter, targets, state)
         if not math.isfinite(float(evidence.detach())):
-            raise FloatingPointError("LaplaceMarginalLogLikelihood: the evidence is not finite.")
+            raise NonFiniteEvidenceError(
+                f"LaplaceMarginalLogLikelihood: the evidence is {float(evidence.detach())} at the current "
+                "hyperparameters (overflow of the likelihood at the mode?); lower the learning rate or bound the "
+                "hyperparameters with constraints."
+            )
         return evidence / strategy.num_data

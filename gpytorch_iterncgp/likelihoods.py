@@ -40,6 +40,7 @@ from torch import Tensor
 from torch.distributions import Bernoulli, Poisson
 
 from .noise import BlockNoiseInverse, DiagonalNoiseInverse, SoftmaxPseudoInverse, project_to_zero_sum
+from .validation import check_nonnegative
 
 _PROBIT_TO_LOGIT = math.pi / 8  # sigma(x) ~ Phi(sqrt(pi / 8) x)
 
@@ -94,15 +95,8 @@ class LikelihoodAdapter:
     name: str = "likelihood"
 
     def __init__(self, likelihood: Likelihood, min_curvature: float | None = None):
-        if min_curvature is not None and not (
-            isinstance(min_curvature, (int, float))
-            and not isinstance(min_curvature, bool)
-            and 0 < min_curvature < math.inf
-        ):
-            raise ValueError(
-                f"min_curvature must be a positive finite number or None, got {min_curvature!r} (0 would let "
-                "W^-1 overflow where the likelihood is flat)."
-            )
+        if min_curvature is not None:
+            check_nonnegative(min_curvature, "min_curvature", positive=True)
         self.likelihood = likelihood
         self.min_curvature = None if min_curvature is None else float(min_curvature)
 
@@ -210,7 +204,8 @@ class LogitBernoulliAdapter(_DiagonalAdapter):
 
     def _terms(self, latent, targets):
         probability = torch.sigmoid(latent)
-        return self._log_terms(latent, targets), targets - probability, probability * (1 - probability)
+        # sigma(f) sigma(-f), not p (1 - p): the latter rounds to exactly 0 for |f| > 17 (float32) / 37 (float64).
+        return self._log_terms(latent, targets), targets - probability, probability * torch.sigmoid(-latent)
 
     def predictive_mean(self, mean, variance):
         return torch.sigmoid(mean / torch.sqrt(1 + _PROBIT_TO_LOGIT * variance))
@@ -274,10 +269,10 @@ class SoftplusPoissonAdapter(_DiagonalAdapter):
         rate = torch.nn.functional.softplus(latent)
         log_rate = _log_softplus(latent)
         slope = torch.sigmoid(latent)  # lambda'
-        bend = slope * (1 - slope)  # lambda''
+        bend = slope * torch.sigmoid(-latent)  # lambda''
         ratio = torch.exp(torch.nn.functional.logsigmoid(latent) - log_rate)  # lambda' / lambda
         gradient = targets * ratio - slope
-        curvature = targets * ratio * (ratio - (1 - slope)) + bend
+        curvature = targets * ratio * (ratio - torch.sigmoid(-latent)) + bend
         log_terms = targets * log_rate - rate - torch.lgamma(targets + 1)
         return log_terms, gradient, curvature.clamp_min(0)
 
@@ -397,7 +392,9 @@ class AutogradAdapter(LikelihoodAdapter):
     def derivatives(self, latent: Tensor, targets: Tensor) -> LikelihoodDerivatives:
         log_likelihood, gradient, curvature = (term.detach() for term in self.local_terms(latent, targets))
         if not (bool(torch.isfinite(curvature).all()) and bool(torch.isfinite(gradient).all())):
-            raise FloatingPointError(f"{self.name}: the gradient or curvature of the log-likelihood is not finite.")
+            # The Newton loop stops on it with a NumericalBreakdownWarning, as for the closed forms.
+            nan = torch.full_like(gradient, math.nan)
+            return LikelihoodDerivatives(log_likelihood, nan, DiagonalNoiseInverse(nan.reshape(-1)))
         min_curvature = self._min_curvature(latent.dtype)
         scale = curvature.diagonal(dim1=-2, dim2=-1).abs().max().clamp_min(1.0)
         smallest = torch.linalg.eigvalsh(curvature).min() if self.num_latents > 1 else curvature.min()

@@ -12,15 +12,18 @@ is accepted if it increases the log posterior
 
 otherwise the step is halved, :math:`\mathbf a \leftarrow \mathbf a_i + \alpha (\mathbf v_i - \mathbf a_i)`,
 :math:`\alpha = \tfrac12, \tfrac14, \dots` (damping; the undamped iteration diverges outside benign
-settings, SPEC.md). :math:`\mathbf K \mathbf v_i` comes from the solver's buffers, so :math:`\Psi` costs no
+settings; seed 001's step halving). :math:`\mathbf K \mathbf v_i` comes from the solver's buffers, so :math:`\Psi` costs no
 product with :math:`\mathbf K`. The loop stops when
 :math:`\|\mathbf a_{i+1} - \mathbf a_i\| \le \text{outer\_tol} \, \|\mathbf a_i\|` for the full step, provided
 that step was a real Newton step (IterGP solved its system, or :math:`\mathbf a = \nabla \log p(\mathbf y \mid
 \mathbf f)`, the first-order condition of the mode, holds to ``outer_tol``).
 
-Each completed step is handed to ``commit`` with everything the next step needs (including the forcing
-term that scales IterGP's tolerances), so a fit interrupted after it, and resumed, repeats an
-uninterrupted fit exactly.
+:class:`DampedNewton` is an *outer loop*: :meth:`DampedNewton.steps` is a generator that yields one
+:class:`OuterStep` per completed Newton step (its record, the new :class:`LaplaceState`, and whether the loop
+has converged or cannot go on). It never warns, shows progress or counts products itself: the driver
+:func:`~gpytorch_iterncgp.outer_loop.run_outer_loop` does that for any outer loop. Each yielded state holds
+everything the next step needs (:class:`NewtonControl`: the forcing term that scales IterGP's tolerances), so a
+fit interrupted after a step, and resumed, repeats an uninterrupted fit exactly.
 
 After the loop, a virtual solver run at :math:`\mathbf W(\hat{\mathbf f})` over all buffered actions makes the
 approximate precision :math:`\mathbf C = \mathbf Q \mathbf Q^\top` that of the final mode (no product with
@@ -30,22 +33,20 @@ approximate precision :math:`\mathbf C = \mathbf Q \mathbf Q^\top` that of the f
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-import time
-import warnings
-from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
-from tqdm.auto import tqdm
 
-from .likelihoods import LikelihoodAdapter
+from .likelihoods import LikelihoodAdapter, LikelihoodDerivatives
+from .outer_loop import BREAKDOWN, CONTINUE, CONVERGED, STALLED, NewtonStep, OuterStep
 from .policies import Policy
 from .prior import LatentPrior
 from .recycling import ActionBuffer, virtual_solver_run
-from .solver import NumericalBreakdownWarning, itergp_solve
+from .solver import itergp_solve
+from .validation import check_count, check_flag, check_nonnegative
 
 
 @dataclass
@@ -63,34 +64,27 @@ class SolverOptions:
 
     def validate(self) -> None:
         """:raises ValueError: naming the option that is out of range (or not a number; ``True`` is not a count)."""
-        for name in (
-            "max_newton_steps",
-            "max_solver_iterations",
-            "compression_rank",
-            "outer_tol",
-            "abs_tol",
-            "rel_tol",
-        ):
-            if isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a number, got {getattr(self, name)!r}.")
-        if not (isinstance(self.max_newton_steps, int) and self.max_newton_steps >= 0):
-            raise ValueError(f"max_newton_steps must be a non-negative integer, got {self.max_newton_steps!r}.")
-        if self.max_solver_iterations is not None and not (
-            isinstance(self.max_solver_iterations, int) and self.max_solver_iterations >= 1
-        ):
-            raise ValueError(
-                f"max_solver_iterations must be a positive integer or None, got {self.max_solver_iterations!r}."
-            )
-        if self.compression_rank is not None and not (
-            isinstance(self.compression_rank, int) and self.compression_rank >= 1
-        ):
-            raise ValueError(f"compression_rank must be a positive integer or None, got {self.compression_rank!r}.")
+        check_count(self.max_newton_steps, "max_newton_steps")
+        check_count(self.max_solver_iterations, "max_solver_iterations", minimum=1, allow_none=True)
+        check_count(self.compression_rank, "compression_rank", minimum=1, allow_none=True)
         for name in ("outer_tol", "abs_tol", "rel_tol"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
-                raise ValueError(f"{name} must be a non-negative number, got {value!r}.")
+            check_nonnegative(getattr(self, name), name)
+        check_flag(self.recycle, "recycle")
         if not 0 < self.min_step_size <= 1:
             raise ValueError(f"min_step_size must lie in (0, 1], got {self.min_step_size!r}.")
+
+
+@dataclass
+class NewtonControl:
+    """The Newton loop's own bookkeeping between steps, kept with the state so that a resumed fit repeats an
+    uninterrupted one exactly."""
+
+    # Scales IterGP's tolerances in the next step (tightened after a rejected step).
+    forcing: float = 1.0
+    # The last step was rejected: W is unchanged, and the next solve continues the same system with all its
+    # actions (no compression, which would throw away the progress of the rejected solve; with R = 10 and
+    # j <= 5 on the 10-class mixture at N = 10^4 every later step was rejected at Psi = -8181 otherwise).
+    same_system: bool = False
 
 
 @dataclass
@@ -108,13 +102,7 @@ class LaplaceState:
     kernel_actions: Tensor  # K S, (n, B)
     log_posterior: float = -math.inf
     newton_steps: int = 0
-    # Scales IterGP's tolerances in the next step (tightened after a rejected step): part of the state, so
-    # that a fit resumed from it (same object or a loaded state_dict) repeats an uninterrupted fit exactly.
-    forcing: float = 1.0
-    # The last step was rejected: W is unchanged, and the next solve continues the same system with all its
-    # actions (no compression, which would throw away the progress of the rejected solve; with R = 10 and
-    # j <= 5 on the 10-class mixture at N = 10^4 every later step was rejected at Psi = -8181 otherwise).
-    same_system: bool = False
+    control: NewtonControl = field(default_factory=NewtonControl)  # the outer loop's bookkeeping
 
     @classmethod
     def initial(cls, size: int, dtype: torch.dtype, device: torch.device) -> LaplaceState:
@@ -137,314 +125,262 @@ TENSOR_FIELDS = (
 )
 
 
-@dataclass
-class NewtonStep:
-    """One Newton step as recorded in the :class:`FitReport`."""
-
-    step: int
-    log_posterior: float
-    step_size: float  # 1 (full step), 1/2, 1/4, ... (damped) or 0 (rejected)
-    solver_iterations: int
-    residual_norm: float
-    relative_change: float
-    kernel_products: int
-    kernel_product_seconds: float = 0.0  # wall time of this step's products with K
-
-
-@dataclass
-class FitReport:
-    """What a call of :meth:`~gpytorch_iterncgp.IterNCGPStrategy.fit` did."""
-
-    newton_steps: int = 0
-    solver_iterations: int = 0
-    kernel_products: int = 0  # calls of the kernel matmul
-    kernel_columns: int = 0  # vectors multiplied by K in those calls
-    kernel_product_seconds: float = 0.0  # wall time spent in those calls (the rest of wall_time is everything else)
-    converged: bool = False
-    breakdown: bool = False
-    stopped_by_callback: bool = False
-    wall_time: float = 0.0
-    steps: list[NewtonStep] = field(default_factory=list)
-
-    @property
-    def log_posteriors(self) -> list[float]:
-        return [step.log_posterior for step in self.steps]
-
-    @property
-    def residual_norms(self) -> list[float]:
-        return [step.residual_norm for step in self.steps]
-
-    @property
-    def step_sizes(self) -> list[float]:
-        return [step.step_size for step in self.steps]
-
-    def __str__(self) -> str:
-        last = self.steps[-1] if self.steps else None
-        return (
-            f"IterNCGP fit: {self.newton_steps} Newton steps, {self.solver_iterations} solver iterations, "
-            f"{self.kernel_products} products with K ({self.kernel_product_seconds:.2f}s), converged={self.converged}, breakdown={self.breakdown}, "
-            f"log posterior={last.log_posterior if last else float('nan'):.6g}, "
-            f"residual={last.residual_norm if last else float('nan'):.3g}, {self.wall_time:.2f}s"
-        )
-
-
-def _log_posterior(adapter, latent, targets, weights, kernel_weights) -> float:
-    return float(adapter.log_likelihood(latent, targets)) - 0.5 * float(kernel_weights @ weights)
-
-
 def _relative_change(new: Tensor, old: Tensor) -> float:
     change, norm = float((new - old).norm()), float(old.norm())
     return change / norm if norm > 0 else (0.0 if change == 0 else math.inf)
 
 
-def _warm_start(adapter, targets, latent_of, weights, kernel_weights) -> tuple[Tensor, Tensor]:
-    r"""Scale representer weights :math:`\mathbf a` kept across a change of :math:`\mathbf K`.
-
-    :math:`\mathbf m + \mathbf K_{\text{new}} \mathbf a` can be far worse than the prior after a large
-    hyperparameter step (e.g. overflow of an exponential link); keep the best of :math:`\alpha \mathbf a`,
-    :math:`\alpha \in \{1, \tfrac12, \dots, 2^{-10}, 0\}` by the log posterior (no product with K).
-    """
-    best, best_psi = 0.0, _log_posterior(adapter, latent_of(0 * kernel_weights), targets, 0 * weights, 0 * weights)
-    for scale in [2.0**-k for k in range(11)]:
-        psi = _log_posterior(
-            adapter, latent_of(scale * kernel_weights), targets, scale * weights, scale * kernel_weights
-        )
-        if math.isfinite(psi) and psi > best_psi:
-            best, best_psi = scale, psi
-    return best * weights, best * kernel_weights
-
-
+# Halvings that only bring an overflowing candidate back to a finite log posterior are free down to this step
+# size (an exponential link far along a long first step from the prior, counts ~1e6); without them the step was
+# rejected and the fit stopped at the prior.
 _OVERFLOW_MIN_STEP_SIZE = 2.0**-60
 
 
-def _damped_step(adapter, targets, latent_of, weights, kernel_weights, psi, result, min_step_size):
-    r"""Halve the Newton step until the log posterior does not decrease; step size 0 if none does.
+@dataclass
+class _Point:
+    r"""A point :math:`\mathbf f = \mathbf m + \mathbf K \mathbf a` of the Newton iteration and :math:`\Psi` there."""
 
-    ``min_step_size`` counts from the largest step at which :math:`\Psi` is finite: halvings that only bring
-    an overflowing candidate (e.g. an exponential link far along a long first step from the prior, counts
-    ~1e6) back to a finite :math:`\Psi` are free, down to ``2**-60``. Without this the step was rejected
-    and the fit stopped at the prior with "no step ... increases the log posterior".
-
-    :return: step size, new weights, new kernel weights, new log posterior, and the log posterior of the
-        full step.
-    """
-    eps = torch.finfo(weights.dtype).eps
-    step_size = 1.0
-    first_finite = None  # the largest step size with a finite log posterior
-    new_weights, new_kernel_weights = result.representer_weights, result.kernel_representer_weights
-    full_psi = None
-    while True:
-        new_psi = _log_posterior(adapter, latent_of(new_kernel_weights), targets, new_weights, new_kernel_weights)
-        full_psi = new_psi if full_psi is None else full_psi
-        if new_psi >= psi - 100 * eps * max(1.0, abs(psi)) and math.isfinite(new_psi):
-            return step_size, new_weights, new_kernel_weights, new_psi, full_psi
-        if first_finite is None and math.isfinite(new_psi):
-            first_finite = step_size
-        step_size /= 2
-        floor = _OVERFLOW_MIN_STEP_SIZE if first_finite is None else first_finite * min_step_size
-        if step_size < floor:
-            return 0.0, weights, kernel_weights, psi, full_psi
-        new_weights = weights + step_size * (result.representer_weights - weights)
-        new_kernel_weights = kernel_weights + step_size * (result.kernel_representer_weights - kernel_weights)
+    weights: Tensor  # a
+    kernel_weights: Tensor  # K a
+    log_posterior: float  # Psi
 
 
-def _satisfies_first_order_condition(weights: Tensor, derivatives: Callable, tolerance: float) -> bool:
-    r"""Whether :math:`\|\nabla \log p(\mathbf y \mid \mathbf f) - \mathbf a\| \le \text{tolerance}\,\|\mathbf a\|`.
+class DampedNewton:
+    r"""Damped Newton's method for the Laplace mode, each step a GP regression solved by IterGP (Algorithm 1).
 
-    :math:`\mathbf a = \nabla \log p(\mathbf y \mid \mathbf f)` is the first-order condition of the mode (the
-    fixed point of Newton's iteration); checking it costs no product with :math:`\mathbf K`.
-
-    :param derivatives: returns the likelihood's derivatives at the current point (computed only if needed).
-    """
-    gradient = derivatives().gradient.reshape(-1)
-    return float((gradient - weights).norm()) <= tolerance * float(weights.norm())
-
-
-def run_newton(
-    prior: LatentPrior,
-    adapter: LikelihoodAdapter,
-    targets: Tensor,
-    state: LaplaceState,
-    options: SolverOptions,
-    policy: Policy,
-    commit: Callable[[LaplaceState], None],
-    callback: Callable[[NewtonStep, LaplaceState], bool | None] | None = None,
-    show_progress: bool = True,
-) -> FitReport:
-    """Run damped Newton steps from ``state``; hand every completed step's state to ``commit``.
+    An outer loop for :func:`~gpytorch_iterncgp.outer_loop.run_outer_loop`: :meth:`steps` yields after every
+    Newton step, :meth:`finalize` makes the precision that of the final mode.
 
     :param prior: the GP prior at the training inputs (its matmul is the one product with K).
     :param adapter: the likelihood's derivatives.
     :param targets: validated targets ``(N,)``.
-    :param state: where to start (:meth:`LaplaceState.initial` for the prior).
-    :param options: tolerances and limits.
+    :param options: tolerances and limits (``max_newton_steps`` is the driver's business).
     :param policy: IterGP's policy (already prepared for the problem size).
-    :param commit: receives the state after every completed step and after the final update of the
-        precision, so an interrupted fit leaves the last completed step behind.
-    :param callback: called after every step with its record and the state; returning ``True`` stops.
-    :param show_progress: show a tqdm progress bar.
     """
-    start_time = time.perf_counter()
-    products_before, columns_before, seconds_before = prior.products, prior.columns, prior.product_seconds
-    prior_mean = prior.mean.reshape(-1)
-    num_latents = adapter.num_latents
-    report = FitReport()
-    num_data = len(prior_mean) // num_latents
-    action_space_dimension = num_data * (num_latents - 1) if adapter.zero_sum_actions else num_data * num_latents
 
-    def latent_of(kernel_weights: Tensor) -> Tensor:
-        return (prior_mean + kernel_weights).reshape(-1, num_latents)
+    def __init__(
+        self,
+        prior: LatentPrior,
+        adapter: LikelihoodAdapter,
+        targets: Tensor,
+        options: SolverOptions,
+        policy: Policy,
+    ):
+        self.prior, self.adapter, self.targets, self.options, self.policy = prior, adapter, targets, options, policy
+        self.prior_mean = prior.mean.reshape(-1)
+        num_data = len(self.prior_mean) // adapter.num_latents
+        latents = adapter.num_latents - 1 if adapter.zero_sum_actions else adapter.num_latents
+        self.action_space_dimension = num_data * latents
+        self._cached: tuple[Tensor, LikelihoodDerivatives] | None = None
 
-    weights, kernel_weights = state.representer_weights, state.kernel_representer_weights
-    if state.newton_steps > 0 and state.log_posterior == -math.inf:  # K changed since these weights
-        weights, kernel_weights = _warm_start(adapter, targets, latent_of, weights, kernel_weights)
-    psi = _log_posterior(adapter, latent_of(kernel_weights), targets, weights, kernel_weights)
-    cached = None  # (kernel weights, likelihood derivatives there): computed once per point
+    # -- the objective -----------------------------------------------------------------------------------------
+    def latent_of(self, kernel_weights: Tensor) -> Tensor:
+        """:math:`\\mathbf m + \\mathbf K \\mathbf a`, ``(N, C)``."""
+        return (self.prior_mean + kernel_weights).reshape(-1, self.adapter.num_latents)
 
-    def derivatives_at(kernel_weights: Tensor):
-        nonlocal cached
-        if cached is None or cached[0] is not kernel_weights:
-            cached = (kernel_weights, adapter.derivatives(latent_of(kernel_weights), targets))
-        return cached[1]
+    def point(self, weights: Tensor, kernel_weights: Tensor) -> _Point:
+        r""":math:`\Psi(\mathbf f) = \ell(\mathbf f) - \tfrac12 \mathbf a^\top \mathbf K \mathbf a` at :math:`\mathbf a`."""
+        log_likelihood = float(self.adapter.log_likelihood(self.latent_of(kernel_weights), self.targets))
+        return _Point(weights, kernel_weights, log_likelihood - 0.5 * float(kernel_weights @ weights))
 
-    forcing = state.forcing  # scales the inner tolerances; tightened after a step that did not increase psi
-    same_system = state.same_system  # the last step was rejected: compress only once W changes
-    buffer = ActionBuffer.from_tensors(state.actions, state.kernel_actions)
-    progress = tqdm(total=options.max_newton_steps, desc="IterNCGP", disable=not show_progress, leave=False)
-    try:
-        for _ in range(options.max_newton_steps):
-            products_at_step, seconds_at_step = prior.products, prior.product_seconds
-            derivatives = derivatives_at(kernel_weights)
+    def derivatives(self, kernel_weights: Tensor) -> LikelihoodDerivatives:
+        """The likelihood's derivatives at :math:`\\mathbf m + \\mathbf K \\mathbf a` (one point cached)."""
+        if self._cached is None or self._cached[0] is not kernel_weights:
+            self._cached = (kernel_weights, self.adapter.derivatives(self.latent_of(kernel_weights), self.targets))
+        return self._cached[1]
+
+    def slope(self, point: _Point, direction: Tensor) -> float:
+        r""":math:`\mathrm d\Psi(\mathbf a + t \boldsymbol\delta)/\mathrm dt` at ``point``, with ``direction`` :math:`= \mathbf K \boldsymbol\delta`.
+
+        :math:`\nabla_{\mathbf a} \Psi = \mathbf K (\mathbf g - \mathbf a)`, so the slope is
+        :math:`(\mathbf K \boldsymbol\delta)^\top (\mathbf g - \mathbf a)`: no product with :math:`\mathbf K`.
+        """
+        gradient = self.derivatives(point.kernel_weights).gradient.reshape(-1)
+        return float(direction @ (gradient - point.weights))
+
+    def warm_start(self, weights: Tensor, kernel_weights: Tensor) -> _Point:
+        r"""Scale representer weights :math:`\mathbf a` kept across a change of :math:`\mathbf K`.
+
+        :math:`\mathbf m + \mathbf K_{\text{new}} \mathbf a` can be far worse than the prior after a large
+        hyperparameter step (e.g. overflow of an exponential link); keep the best of :math:`\alpha \mathbf a`,
+        :math:`\alpha \in \{1, \tfrac12, \dots, 2^{-10}, 0\}` by the log posterior (no product with K).
+        """
+        best = self.point(0 * weights, 0 * kernel_weights)
+        for scale in [2.0**-k for k in range(11)]:
+            candidate = self.point(scale * weights, scale * kernel_weights)
+            if math.isfinite(candidate.log_posterior) and candidate.log_posterior > best.log_posterior:
+                best = candidate
+        return best
+
+    def damped_step(self, current: _Point, proposal: _Point) -> tuple[float, _Point, float]:
+        r"""Halve the step from ``current`` towards ``proposal`` until :math:`\Psi` does not decrease.
+
+        A candidate is accepted if its :math:`\Psi` is not below the current one (up to rounding), or if
+        :math:`\Psi` still increases at the candidate along the step: :math:`\Psi` is concave in
+        :math:`\mathbf a` (a log-concave likelihood plus a Gaussian prior), so a non-negative slope at the
+        end of the step means :math:`\Psi` rose all along it. The second test decides where the change of
+        :math:`\Psi` is below the rounding of :math:`\Psi` itself (counts up to :math:`10^6` sum terms of
+        :math:`10^7` to a :math:`\Psi` of :math:`-254`; comparing values there stalled the fit on some CPUs).
+        ``min_step_size`` counts from the largest step at which :math:`\Psi` is finite.
+
+        :return: the step size (0: rejected), the new point, and :math:`\Psi` at the full step.
+        """
+        eps = torch.finfo(current.weights.dtype).eps
+        step_size, first_finite, candidate = 1.0, None, proposal
+        direction = proposal.kernel_weights - current.kernel_weights
+        while True:
+            finite = math.isfinite(candidate.log_posterior)
+            if finite and (
+                candidate.log_posterior >= current.log_posterior - 100 * eps * max(1.0, abs(current.log_posterior))
+                or self.slope(candidate, direction) >= 0
+            ):
+                return step_size, candidate, proposal.log_posterior
+            if first_finite is None and finite:
+                first_finite = step_size
+            step_size /= 2
+            floor = _OVERFLOW_MIN_STEP_SIZE if first_finite is None else first_finite * self.options.min_step_size
+            if step_size < floor:
+                return 0.0, current, proposal.log_posterior
+            candidate = self.point(
+                current.weights + step_size * (proposal.weights - current.weights),
+                current.kernel_weights + step_size * direction,
+            )
+
+    def first_order_condition(self, point: _Point, tolerance: float) -> bool:
+        r"""Whether :math:`\|\nabla \log p(\mathbf y \mid \mathbf f) - \mathbf a\| \le \text{tolerance}\,\|\mathbf a\|`.
+
+        :math:`\mathbf a = \nabla \log p(\mathbf y \mid \mathbf f)` is the first-order condition of the mode (the
+        fixed point of Newton's iteration); checking it costs no product with :math:`\mathbf K`.
+        """
+        gradient = self.derivatives(point.kernel_weights).gradient.reshape(-1)
+        return float((gradient - point.weights).norm()) <= tolerance * float(point.weights.norm())
+
+    # -- the loop ------------------------------------------------------------------------------------------
+    def steps(self, state: LaplaceState) -> Iterator[OuterStep]:
+        """Damped Newton steps from ``state``, until converged or stalled (the driver limits their number)."""
+        options, adapter = self.options, self.adapter
+        current = self.point(state.representer_weights, state.kernel_representer_weights)
+        if state.newton_steps > 0 and state.log_posterior == -math.inf:  # K changed since these weights
+            current = self.warm_start(state.representer_weights, state.kernel_representer_weights)
+        control = state.control
+        buffer = ActionBuffer.from_tensors(state.actions, state.kernel_actions)
+        while True:
+            derivatives = self.derivatives(current.kernel_weights)
             noise_inverse = derivatives.noise_inverse
             gradient_step = noise_inverse.matmul(derivatives.gradient.reshape(-1, 1))[:, 0]
             if not (bool(torch.isfinite(gradient_step).all()) and math.isfinite(float(derivatives.log_likelihood))):
-                warnings.warn(
+                message = (
                     "IterNCGP: the likelihood's gradient or curvature is not finite at the current latent values; "
-                    "stopping with the posterior of the last completed Newton step.",
-                    NumericalBreakdownWarning,
-                    stacklevel=3,
+                    "stopping with the posterior of the last completed Newton step."
                 )
-                report.breakdown = True
-                break
+                yield OuterStep(None, state, BREAKDOWN, message)
+                return
             if not options.recycle:
-                buffer = ActionBuffer.empty(len(prior_mean), prior_mean.dtype, prior_mean.device)
-                policy.reset()
-            rhs = kernel_weights + gradient_step  # pseudo-targets minus prior mean
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always", NumericalBreakdownWarning)
-                result = itergp_solve(
-                    prior.matmul,
-                    noise_inverse,
-                    rhs,
-                    buffer,
-                    policy,
-                    project=adapter.project if adapter.zero_sum_actions else None,
-                    max_iterations=options.max_solver_iterations,
-                    abs_tol=options.abs_tol * forcing,
-                    rel_tol=options.rel_tol * forcing,
-                    compression_rank=None if same_system else options.compression_rank,
-                    action_space_dimension=action_space_dimension,
-                    keep=(weights, kernel_weights),
-                )
-            for warning in caught:
-                warnings.warn(warning.message, warning.category, stacklevel=3)
-            report.breakdown |= result.breakdown
+                buffer = ActionBuffer.empty(len(self.prior_mean), self.prior_mean.dtype, self.prior_mean.device)
+                self.policy.reset()
+            result = itergp_solve(
+                self.prior.matmul,
+                noise_inverse,
+                current.kernel_weights + gradient_step,  # pseudo-targets minus prior mean
+                buffer,
+                self.policy,
+                project=adapter.project if adapter.zero_sum_actions else None,
+                max_iterations=options.max_solver_iterations,
+                abs_tol=options.abs_tol * control.forcing,
+                rel_tol=options.rel_tol * control.forcing,
+                compression_rank=None if control.same_system else options.compression_rank,
+                action_space_dimension=self.action_space_dimension,
+                keep=(current.weights, current.kernel_weights),
+            )
             buffer = result.buffer
-
-            step_size, new_weights, new_kernel_weights, new_psi, full_psi = _damped_step(
-                adapter, targets, latent_of, weights, kernel_weights, psi, result, options.min_step_size
-            )
-            relative_change = _relative_change(new_weights, weights)
-            proposed_change = _relative_change(result.representer_weights, weights)
-            weights, kernel_weights, psi = new_weights, new_kernel_weights, new_psi
-            # Converged when the full (undamped) Newton step changes a by at most outer_tol and was a real Newton
-            # step: IterGP solved its system, or a = grad log p(y|f) holds to outer_tol. Or, when outer_tol is
-            # below what rounding allows, when the full step changes the log posterior only at rounding level and
-            # a = grad log p(y|f) holds to sqrt(eps) (Psi is flat at the mode: a change of sqrt(eps)|Psi| alone
-            # leaves f uncertain to ~eps^(1/4)). An incomplete solve can barely move far from the mode; without
-            # these checks such steps were reported as converged. Unit-vector actions, one iteration per step:
-            # exp-link Poisson, 32 points, after one step with the mode 90% off (the action hit a point with zero
-            # residual: nothing moved); probit, 21 points, after 32 steps through the rounding rule, 0.6% off.
-            # CG, one iteration per step: softplus Poisson, 15 points, lengthscale 2, after 8 steps, 0.05% off (CG
-            # stagnating). Solves at full rank with a residual stalled by rounding: softmax, 36 points, unit
-            # actions, R = 3, after 4 steps through the rounding rule, 0.05% off. With a small iteration budget
-            # on a large problem certifying convergence can take a few more Newton steps than the relative change
-            # alone (the 10-class example, R = infinity: 38 instead of 32).
-            root_eps = math.sqrt(torch.finfo(weights.dtype).eps)
-            first_order = functools.partial(
-                _satisfies_first_order_condition, weights, functools.partial(derivatives_at, kernel_weights)
-            )
-            converged = (
-                proposed_change <= options.outer_tol and (result.converged or first_order(options.outer_tol))
-            ) or (step_size == 0.0 and abs(full_psi - psi) <= root_eps * max(1.0, abs(psi)) and first_order(root_eps))
-            stuck = False
+            proposal = self.point(result.representer_weights, result.kernel_representer_weights)
+            # Half the Newton decrement: what the full step promises to gain in Psi (exact for a quadratic).
+            predicted_gain = 0.5 * self.slope(current, proposal.kernel_weights - current.kernel_weights)
+            step_size, new, full_psi = self.damped_step(current, proposal)
+            relative_change = _relative_change(new.weights, current.weights)
+            proposed_change = _relative_change(proposal.weights, current.weights)
+            converged = self._converged(result, current, new, step_size, full_psi, proposed_change, predicted_gain)
+            status = CONVERGED if converged else CONTINUE
+            forcing = control.forcing
+            message = ""
             if not converged and step_size == 0.0:
                 if not options.recycle or (result.iterations == 0 and forcing < 1e-10):
-                    stuck = True
+                    status = STALLED
+                    message = "IterNCGP: no step along the Newton direction increases the log posterior; stopping."
                 else:
                     # The direction was too inexact: the next step solves the same system further (recycled
                     # actions) and to a tighter tolerance.
                     forcing = max(forcing * 1e-2, 1e-12)
             elif not converged and step_size == 1.0:
                 forcing = 1.0
-            same_system = step_size == 0.0
+            control = NewtonControl(forcing=forcing, same_system=step_size == 0.0)
+            current = new
             state = LaplaceState(
-                weights,
-                kernel_weights,
+                current.weights,
+                current.kernel_weights,
                 result.precision.root_tensor,
                 result.kernel_precision_root,
                 buffer.actions.value,
                 buffer.kernel_actions.value,
-                psi,
+                current.log_posterior,
                 state.newton_steps + 1,
-                forcing,
-                same_system,
+                control,
             )
-            commit(state)
             record = NewtonStep(
                 step=state.newton_steps,
-                log_posterior=psi,
+                log_posterior=current.log_posterior,
                 step_size=step_size,
                 solver_iterations=result.iterations,
                 residual_norm=result.residual_norm,
                 relative_change=relative_change,
-                kernel_products=prior.products - products_at_step,
-                kernel_product_seconds=prior.product_seconds - seconds_at_step,
             )
-            report.steps.append(record)
-            report.newton_steps += 1
-            report.solver_iterations += result.iterations
-            progress.update(1)
-            progress.set_postfix(log_posterior=f"{psi:.5g}", residual=f"{result.residual_norm:.2g}")
-            if callback is not None and callback(record, state):
-                report.stopped_by_callback = True
-                break
-            if converged:
-                report.converged = True
-                break
-            if stuck:
-                warnings.warn(
-                    "IterNCGP: no step along the Newton direction increases the log posterior; stopping.",
-                    NumericalBreakdownWarning,
-                    stacklevel=3,
-                )
-                break
-    finally:
-        progress.close()
+            yield OuterStep(record, state, status, message, breakdown=result.breakdown)
+            if status != CONTINUE:
+                return
 
-    if report.newton_steps > 0:
-        # The precision of the final mode: a virtual solver run at W(f) over every buffered action. The
-        # buffer itself is kept as the loop left it (not the re-weighted one of this run), so that a later
-        # fit() continues exactly as if this one had not stopped here.
-        final = derivatives_at(kernel_weights)
-        if bool(torch.isfinite(final.noise_inverse.diagonal()).all()):
-            virtual = virtual_solver_run(buffer, final.noise_inverse)
-            state = dataclasses.replace(
-                state, precision_root=virtual.precision_root, kernel_precision_root=virtual.kernel_precision_root
-            )
-            commit(state)
-    report.kernel_products = prior.products - products_before
-    report.kernel_columns = prior.columns - columns_before
-    report.kernel_product_seconds = prior.product_seconds - seconds_before
-    report.wall_time = time.perf_counter() - start_time
-    return report
+    def _converged(self, result, current, new, step_size, full_psi, proposed_change, predicted_gain) -> bool:
+        r"""Whether the loop has converged after a step from ``current`` to ``new``.
+
+        * The full (undamped) Newton step changes :math:`\mathbf a` by at most ``outer_tol`` and was a real Newton
+          step: IterGP solved its system, or :math:`\mathbf a = \nabla \log p(\mathbf y \mid \mathbf f)` holds to
+          ``outer_tol``. An incomplete solve can barely move far from the mode; without this check such steps were
+          reported as converged (unit-vector actions, one iteration per step: exp-link Poisson, 32 points, after
+          one step with the mode 90% off; CG stagnating on softplus Poisson, 0.05% off).
+        * Or a solved Newton step promises a gain in :math:`\Psi` (half the Newton decrement) below the
+          resolution of :math:`\Psi`: nothing is left to gain, however tight ``outer_tol`` is (a relative change
+          of :math:`\mathbf a` at rounding level depends on the CPU's rounding; counts up to :math:`10^6` stalled
+          on one CPU and not on another). ``outer_tol = 0`` turns this off (run every step).
+        * Or, when ``outer_tol`` is below what rounding allows, the full step was rejected, changes :math:`\Psi`
+          only at rounding level and :math:`\mathbf a = \nabla \log p(\mathbf y \mid \mathbf f)` holds to
+          :math:`\sqrt{\epsilon}` (softmax, unit actions, R = 3, residual stalled by rounding).
+        """
+        eps = torch.finfo(new.weights.dtype).eps
+        root_eps = math.sqrt(eps)
+        scale = max(1.0, abs(new.log_posterior))
+        if proposed_change <= self.options.outer_tol and (
+            result.converged or self.first_order_condition(new, self.options.outer_tol)
+        ):
+            return True
+        if self.options.outer_tol > 0 and result.converged and step_size > 0 and predicted_gain <= eps * scale:
+            return True
+        return (
+            step_size == 0.0
+            and abs(full_psi - new.log_posterior) <= root_eps * scale
+            and self.first_order_condition(new, root_eps)
+        )
+
+    def finalize(self, state: LaplaceState) -> LaplaceState:
+        r"""The precision of the final mode: a virtual solver run at :math:`\mathbf W(\hat{\mathbf f})` over every
+        buffered action (no product with :math:`\mathbf K`).
+
+        The buffer itself is kept as the loop left it (not the re-weighted one of this run), so that a later fit
+        continues exactly as if this one had not stopped here.
+        """
+        final = self.derivatives(state.kernel_representer_weights)
+        if not bool(torch.isfinite(final.noise_inverse.diagonal()).all()):
+            return state
+        buffer = ActionBuffer.from_tensors(state.actions, state.kernel_actions)
+        virtual = virtual_solver_run(buffer, final.noise_inverse)
+        return dataclasses.replace(
+            state, precision_root=virtual.precision_root, kernel_precision_root=virtual.kernel_precision_root
+        )

@@ -8,10 +8,10 @@ projects it (softmax: onto :math:`\operatorname{range}(\mathbf W)`) and makes it
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 from torch import Tensor
+
+from .validation import check_seed
 
 
 class Policy:
@@ -71,8 +71,7 @@ class UnitVectorPolicy(Policy):
     """
 
     def __init__(self, order: Tensor | None = None, seed: int = 0):
-        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-            raise TypeError(f"seed must be an integer, got {seed!r}.")
+        check_seed(seed)
         if order is not None:
             order = torch.as_tensor(order)
             if order.numel() == 0:
@@ -133,8 +132,7 @@ def make_policy(policy: str | Policy, seed: int = 0) -> Policy:
 
     :raises ValueError: for an unknown name. :raises TypeError: for anything else, or a non-integer ``seed``.
     """
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-        raise TypeError(f"seed must be an integer, got {seed!r}.")
+    check_seed(seed)
     if isinstance(policy, Policy):
         return policy
     if isinstance(policy, str) and policy.lower() in POLICIES:

@@ -29,41 +29,9 @@ from linear_operator.operators import (
 )
 from torch import Tensor
 
+from . import settings
+
 SINGLE, SHARED, INDEPENDENT, MULTITASK = "single", "shared", "independent", "multitask"
-
-
-class dense_kernel_limit:
-    """Largest dense kernel matrix (bytes) that GPyTorch may evaluate and cache; larger ones are multiplied in row chunks.
-
-    A ``LazyEvaluatedKernelTensor`` evaluates and caches the whole :math:`N \times M` kernel on its first
-    matmul: fast (one BLAS call per product) while it fits in memory. Above this limit, products with
-    :math:`\\mathbf K` run in chunks of rows through ``gpytorch.beta_features.checkpoint_kernel``, so the
-    dense matrix is never formed (each product then re-evaluates the kernel). KeOps kernels are never
-    chunked: they do not form the matrix. Chunking applies where no gradient is recorded (fit, predictions);
-    :class:`~gpytorch_iterncgp.LaplaceMarginalLogLikelihood` at that size needs a KeOps kernel or
-    ``gpytorch.beta_features.checkpoint_kernel`` around the whole training step.
-
-    Use as a context manager, ``with dense_kernel_limit(2**28): ...``, or read :meth:`value`.
-    Default: 4 GiB; chunks of about 256 MiB.
-    """
-
-    _value = 4 * 2**30
-    chunk_bytes = 2**28
-
-    def __init__(self, limit_bytes: int):
-        self.limit_bytes = int(limit_bytes)
-
-    @classmethod
-    def value(cls) -> int:
-        return cls._value
-
-    def __enter__(self):
-        self._previous, dense_kernel_limit._value = dense_kernel_limit._value, self.limit_bytes
-        return self
-
-    def __exit__(self, *exc):
-        dense_kernel_limit._value = self._previous
-        return False
 
 
 def _uses_keops(kernel: gpytorch.kernels.Kernel) -> bool:
@@ -81,9 +49,16 @@ def _chunk_rows(covariance: LinearOperator) -> int:
         return 0
     rows, cols = covariance.shape[-2:]
     row_bytes = cols * covariance.batch_shape.numel() * covariance.dtype.itemsize
-    if rows * row_bytes <= dense_kernel_limit.value():
+    if rows * row_bytes <= settings.dense_kernel_limit.value():
         return 0
-    return max(1, dense_kernel_limit.chunk_bytes // row_bytes)
+    return max(1, settings.kernel_chunk_bytes.value() // row_bytes)
+
+
+def _chunked_matmul(covariance: LinearOperator, rhs: Tensor, chunk_rows: int) -> Tensor:
+    """``covariance @ rhs`` over blocks of ``chunk_rows`` rows, each evaluated densely and dropped after use."""
+    rows = covariance.shape[-2]
+    blocks = [covariance[..., start : start + chunk_rows, :].to_dense() @ rhs for start in range(0, rows, chunk_rows)]
+    return torch.cat(blocks, dim=-2)
 
 
 class LatentPrior:
@@ -175,30 +150,32 @@ class LatentPrior:
         r""":math:`\mathbf K \mathbf X` for data-major ``X`` of shape ``(M C, k)``; returns ``(N C, k)``.
 
         One call of the underlying kernel matmul, whatever :math:`C` and :math:`k`; in row chunks if the
-        dense kernel would exceed :class:`dense_kernel_limit` (and no gradient is recorded).
+        dense kernel would exceed :class:`~gpytorch_iterncgp.settings.dense_kernel_limit` (and no gradient is recorded).
         """
         self.products += 1
         self.columns += rhs.shape[-1]
         chunk_rows = 0 if torch.is_grad_enabled() else _chunk_rows(self.covariance)
         start = time.perf_counter()
-        if chunk_rows:  # (entering GPyTorch's checkpoint context at all emits a deprecation warning)
-            with gpytorch.beta_features.checkpoint_kernel(chunk_rows):
-                product = self._matmul(rhs)
-        else:
-            product = self._matmul(rhs)
+        product = self._matmul(rhs, chunk_rows)
         self.product_seconds += time.perf_counter() - start
         return product
 
-    def _matmul(self, rhs: Tensor) -> Tensor:
+    def _matmul(self, rhs: Tensor, chunk_rows: int = 0) -> Tensor:
         num_rows, num_cols = self.shape
         num, width = self.num_latents, rhs.shape[-1]
+
+        def multiply(matrix: Tensor) -> Tensor:
+            return (
+                _chunked_matmul(self.covariance, matrix, chunk_rows) if chunk_rows else self.covariance.matmul(matrix)
+            )
+
         if self.layout in (SINGLE, MULTITASK):
-            return self.covariance.matmul(rhs)
+            return multiply(rhs)
         if self.layout == SHARED:
-            product = self.covariance.matmul(rhs.reshape(num_cols, num * width))
+            product = multiply(rhs.reshape(num_cols, num * width))
             return product.reshape(num_rows * num, width)
         per_class = rhs.reshape(num_cols, num, width).permute(1, 0, 2)
-        product = self.covariance.matmul(per_class)  # (C, N, k)
+        product = multiply(per_class)  # (C, N, k)
         return product.permute(1, 0, 2).reshape(num_rows * num, width)
 
     def diagonal(self) -> Tensor:

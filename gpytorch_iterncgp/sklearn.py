@@ -289,13 +289,13 @@ class _IterNCGPEstimator(BaseEstimator):
     def log_marginal_likelihood(self) -> float:
         """The Laplace approximation of :math:`\\log p(\\mathbf y \\mid \\mathbf X, \\theta)` at the fitted
         hyperparameters (exact, or estimated by stochastic Lanczos quadrature above
-        ``gpytorch.settings.max_cholesky_size``; see :class:`~gpytorch_iterncgp.LaplaceMarginalLogLikelihood`)."""
+        ``gpytorch_iterncgp.settings.exact_evidence_size``; see :class:`~gpytorch_iterncgp.LaplaceMarginalLogLikelihood`)."""
         check_is_fitted(self)
         strategy = self.model_.variational_strategy
         mll = LaplaceMarginalLogLikelihood(self.likelihood_, self.model_)
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)  # the matrix-free regime's probe vectors: the same value on every call
-            value = mll(self.model_.forward(strategy.train_inputs), strategy.train_targets)
+            value = mll(self.model_(strategy.train_inputs), strategy.train_targets)
         return float(value) * strategy.num_data
 
 

@@ -35,17 +35,15 @@ import torch
 from linear_operator.operators import LinearOperator
 from torch import Tensor
 
+from .exceptions import NumericalBreakdownWarning
 from .policies import Policy
 from .precision import ColumnStore, LowRankPrecision
 from .recycling import ActionBuffer, virtual_solver_run
+from .validation import check_count, check_nonnegative
 
 # An action with less than this fraction of its energy s^T K̂ s outside the span of the earlier actions is
 # replaced by that new part (see itergp_solve); with less than 1000 eps, it counts as linearly dependent.
 NEARLY_DEPENDENT = 1e-2
-
-
-class NumericalBreakdownWarning(RuntimeWarning):
-    """The solver stopped early because of a numerical breakdown; its result is still usable."""
 
 
 @dataclass
@@ -77,15 +75,10 @@ def _check_solver_arguments(noise_inverse, rhs, buffer, max_iterations, abs_tol,
         )
     if not bool(torch.isfinite(rhs).all()):
         raise ValueError("rhs contains NaN or inf.")
-    if max_iterations is not None and (isinstance(max_iterations, bool) or not isinstance(max_iterations, int)):
-        raise ValueError(f"max_iterations must be a non-negative integer or None, got {max_iterations!r}.")
-    if max_iterations is not None and max_iterations < 0:
-        raise ValueError(f"max_iterations must be a non-negative integer or None, got {max_iterations!r}.")
-    if compression_rank is not None and not (isinstance(compression_rank, int) and compression_rank >= 1):
-        raise ValueError(f"compression_rank must be a positive integer or None, got {compression_rank!r}.")
-    for name, value in (("abs_tol", abs_tol), ("rel_tol", rel_tol)):
-        if not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
-            raise ValueError(f"{name} must be a non-negative finite number, got {value!r}.")
+    check_count(max_iterations, "max_iterations", allow_none=True)
+    check_count(compression_rank, "compression_rank", minimum=1, allow_none=True)
+    check_nonnegative(abs_tol, "abs_tol")
+    check_nonnegative(rel_tol, "rel_tol")
 
 
 def itergp_solve(

@@ -39,42 +39,18 @@ import gpytorch
 import torch
 from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
 from gpytorch.utils.warnings import NumericalWarning
-from linear_operator.operators import MatmulLinearOperator
+from linear_operator.operators import LinearOperator, MatmulLinearOperator
 from torch import Tensor
 
 from .likelihoods import LogitBernoulliAdapter, ProbitBernoulliAdapter, SoftmaxAdapter, likelihood_adapter
-from .newton import TENSOR_FIELDS, FitReport, LaplaceState, NewtonStep, SolverOptions, run_newton
+from .newton import TENSOR_FIELDS, DampedNewton, LaplaceState, NewtonControl, SolverOptions
+from .outer_loop import FitReport, NewtonStep, run_outer_loop
 from .policies import Policy, make_policy
 from .precision import LowRankPrecision
 from .prior import LatentPrior
+from .validation import check_flag, check_inputs
 
 _UNSET = object()
-
-
-def _check_inputs(inputs: Tensor, name: str, device: torch.device | None = None) -> Tensor:
-    """Validate inputs ``(N, D)`` or ``(N,)`` and return them as ``(N, D)``.
-
-    :param device: the device they must be on (checked before any value is read).
-    :raises TypeError: not a tensor, or not floating point (integer inputs).
-    :raises ValueError: wrong shape, no points or no features, NaN/inf, or on another device than ``device``.
-    """
-    if not torch.is_tensor(inputs):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(inputs).__name__}.")
-    if not inputs.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor (float32 or float64), got dtype {inputs.dtype}.")
-    if inputs.dim() == 1:
-        inputs = inputs.unsqueeze(-1)
-    if inputs.dim() != 2:
-        raise ValueError(f"{name} must have shape (N, D) or (N,), got {tuple(inputs.shape)}.")
-    if inputs.shape[0] == 0:
-        raise ValueError(f"{name} is empty (shape {tuple(inputs.shape)}): at least one point is needed.")
-    if inputs.shape[1] == 0:
-        raise ValueError(f"{name} has no features (shape {tuple(inputs.shape)}): D must be at least 1.")
-    if device is not None and inputs.device != device:
-        raise ValueError(f"{name} are on {inputs.device} but the model's training data on {device}.")
-    if not bool(torch.isfinite(inputs).all()):
-        raise ValueError(f"{name} contains NaN or inf.")
-    return inputs
 
 
 def _data_fingerprint(inputs: Tensor, targets: Tensor) -> str:
@@ -85,11 +61,6 @@ def _data_fingerprint(inputs: Tensor, targets: Tensor) -> str:
         digest.update(str(tuple(values.shape)).encode())
         digest.update(values.numpy().tobytes())
     return digest.hexdigest()
-
-
-def _check_flag(value, name: str) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r}.")
 
 
 class IterNCGPStrategy(gpytorch.Module):
@@ -152,14 +123,14 @@ class IterNCGPStrategy(gpytorch.Module):
                     f"train_targets are on {train_targets.device} but train_inputs on {train_inputs.device}: "
                     "put both on one device."
                 )
-        train_inputs = _check_inputs(train_inputs, "train_inputs")
+        train_inputs = check_inputs(train_inputs, "train_inputs")
         targets = self.adapter.check_targets(train_targets, train_inputs.dtype)
         if len(targets) != len(train_inputs):
             raise ValueError(
                 f"train_inputs has {len(train_inputs)} points but train_targets has {len(targets)}: they must match."
             )
-        _check_flag(recycle, "recycle")
-        _check_flag(show_progress, "show_progress")
+        check_flag(recycle, "recycle")
+        check_flag(show_progress, "show_progress")
         self.register_buffer("train_inputs", train_inputs, persistent=False)
         self.register_buffer("train_targets", targets, persistent=False)
         self.options = SolverOptions(
@@ -204,7 +175,8 @@ class IterNCGPStrategy(gpytorch.Module):
         fingerprint = self._hyperparameter_fingerprint()
         return fingerprint.shape == self._fingerprint.shape and bool(torch.equal(fingerprint, self._fingerprint))
 
-    def _train_prior(self) -> LatentPrior:
+    def train_prior(self) -> LatentPrior:
+        """The model's prior at the training inputs (with gradients where autograd records them)."""
         return LatentPrior.from_distribution(self.model.forward(self.train_inputs), self.num_latents)
 
     def _starting_state(self, prior: LatentPrior) -> LaplaceState:
@@ -225,8 +197,7 @@ class IterNCGPStrategy(gpytorch.Module):
             precision_root=empty,
             kernel_precision_root=empty,
             log_posterior=float("-inf"),
-            forcing=1.0,  # a new system: IterGP's tolerances start afresh
-            same_system=False,
+            control=NewtonControl(),  # a new system: IterGP's tolerances start afresh
         )
 
     def _commit(self, state: LaplaceState) -> None:
@@ -286,11 +257,11 @@ class IterNCGPStrategy(gpytorch.Module):
         if callback is not None and not callable(callback):
             raise TypeError(f"callback must be callable (step, state) -> bool | None, got {type(callback).__name__}.")
         if show_progress is not None:
-            _check_flag(show_progress, "show_progress")
+            check_flag(show_progress, "show_progress")
         show = self.show_progress if show_progress is None else show_progress
         self._check_model_device()
         with torch.no_grad():
-            prior = self._train_prior()
+            prior = self.train_prior()
             if prior.dtype != self.train_inputs.dtype:
                 raise TypeError(
                     f"The model computes in {prior.dtype} but train_inputs are {self.train_inputs.dtype}: "
@@ -308,33 +279,56 @@ class IterNCGPStrategy(gpytorch.Module):
                 )
             state = self._starting_state(prior)
             self.policy.prepare(self.num_data, self.num_latents, self.adapter.zero_sum_actions)
+            loop = DampedNewton(prior, self.adapter, self.train_targets, options, self.policy)
             try:
-                report = run_newton(
-                    prior,
-                    self.adapter,
-                    self.train_targets,
+                report = run_outer_loop(
+                    loop,
                     state,
-                    options,
-                    self.policy,
                     commit=self._commit,
+                    counter=prior,
+                    max_steps=options.max_newton_steps,
                     callback=callback,
                     show_progress=show,
+                    stacklevel=2,
                 )
             except BaseException:
                 # Interrupted (KeyboardInterrupt, an error in the callback, ...): the state is that of the last
                 # completed step; put the policy back to where it was then.
                 self.policy.load_state(self._policy_state)
                 raise
-        report.kernel_products = prior.products
-        report.kernel_columns = prior.columns
-        report.kernel_product_seconds = prior.product_seconds
         self.last_report = report
         return report
 
-    def _ensure_fitted(self) -> LaplaceState:
+    def ensure_fitted(self) -> LaplaceState:
+        """The state for the current hyperparameters: :meth:`fit` (without progress bar) if it is missing or stale.
+
+        Every prediction calls it, so predictions before ``fit()``, or after a change of a hyperparameter, fit first.
+        """
         if not self._is_current():
             self.fit(show_progress=False)
         return self._state
+
+    def joint_prior(self, inputs: Tensor) -> tuple[Tensor, LinearOperator, LinearOperator]:
+        r"""The prior at ``inputs`` ``(..., q, D)`` jointly with the training inputs, for :math:`C = 1`, lazily.
+
+        :return: the prior mean ``(..., q)``, the cross-covariance :math:`\mathbf K_{*X}` ``(..., q, N)`` and the
+            covariance :math:`\mathbf K_{**}` ``(..., q, q)``. With the state's :math:`[\mathbf a, \mathbf Q]`
+            the posterior is :math:`\mathbf m_* + \mathbf K_{*X}\mathbf a`,
+            :math:`\mathbf K_{**} - (\mathbf K_{*X}\mathbf Q)(\mathbf K_{*X}\mathbf Q)^\top`; only the blocks used are
+            evaluated.
+        """
+        if self.num_latents != 1:
+            raise ValueError("joint_prior is for one latent function (C = 1); use the strategy's forward for C > 1.")
+        num_train = self.num_data
+        batch_shape = inputs.shape[:-2]
+        joint = torch.cat([self.train_inputs.expand(*batch_shape, *self.train_inputs.shape), inputs], dim=-2)
+        prior = self.model.forward(joint)
+        covariance = prior.lazy_covariance_matrix
+        return (
+            prior.mean[..., num_train:],
+            covariance[..., num_train:, :num_train],
+            covariance[..., num_train:, num_train:],
+        )
 
     # -- the posterior ---------------------------------------------------------------------------
     @property
@@ -345,18 +339,18 @@ class IterNCGPStrategy(gpytorch.Module):
     @property
     def approximate_precision(self) -> LowRankPrecision:
         r""":math:`\mathbf C = \mathbf Q \mathbf Q^\top \approx (\mathbf K + \mathbf W^{-1})^{-1}`, ``(N C, N C)``."""
-        return LowRankPrecision(self._ensure_fitted().precision_root)
+        return LowRankPrecision(self.ensure_fitted().precision_root)
 
     @property
     def mode(self) -> Tensor:
         r"""The (approximate) posterior mode :math:`\hat{\mathbf f} = \mathbf m + \mathbf K \mathbf a`, ``(N, C)``."""
-        state = self._ensure_fitted()
+        state = self.ensure_fitted()
         with torch.no_grad():
-            mean = self._train_prior().mean
+            mean = self.train_prior().mean
         return mean + state.kernel_representer_weights.reshape(-1, self.num_latents)
 
     def _check_test_inputs(self, inputs: Tensor) -> Tensor:
-        inputs = _check_inputs(inputs, "inputs", device=self.train_inputs.device)
+        inputs = check_inputs(inputs, "inputs", device=self.train_inputs.device)
         if inputs.shape[-1] != self.train_inputs.shape[-1]:
             raise ValueError(
                 f"inputs have {inputs.shape[-1]} features but the training inputs have {self.train_inputs.shape[-1]}."
@@ -368,10 +362,10 @@ class IterNCGPStrategy(gpytorch.Module):
 
     def _posterior_parts(self, inputs: Tensor) -> tuple[Tensor, Tensor, LatentPrior]:
         """Posterior mean ``(N* C,)``, :math:`\\mathbf K_{*X} \\mathbf Q` ``(N* C, r)`` and the prior at ``inputs``."""
-        state = self._ensure_fitted()
+        state = self.ensure_fitted()
         num_train = self.num_data
         if self.training and inputs.shape == self.train_inputs.shape and bool(torch.equal(inputs, self.train_inputs)):
-            prior = self._train_prior()
+            prior = self.train_prior()
             mean = prior.mean.reshape(-1) + state.kernel_representer_weights
             return mean, state.kernel_precision_root, prior
         full = LatentPrior.from_distribution(
@@ -454,8 +448,8 @@ class IterNCGPStrategy(gpytorch.Module):
             state.update(
                 log_posterior=self._state.log_posterior,
                 newton_steps=self._state.newton_steps,
-                forcing=self._state.forcing,
-                same_system=self._state.same_system,
+                forcing=self._state.control.forcing,
+                same_system=self._state.control.same_system,
             )
         return {
             "version": 2,
@@ -522,8 +516,7 @@ class IterNCGPStrategy(gpytorch.Module):
             **tensors,
             log_posterior=float(saved["log_posterior"]),
             newton_steps=int(saved["newton_steps"]),
-            forcing=float(saved.get("forcing", 1.0)),
-            same_system=bool(saved.get("same_system", False)),
+            control=NewtonControl(float(saved.get("forcing", 1.0)), bool(saved.get("same_system", False))),
         )
         fingerprint = extra.get("fingerprint")
         self._fingerprint = None if fingerprint is None else fingerprint.to(reference)

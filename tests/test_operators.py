@@ -21,9 +21,8 @@ from linear_operator.test.linear_operator_test_case import (
     RectangularLinearOperatorTestCase,
 )
 
-from gpytorch_iterncgp import BlockNoiseInverse, DiagonalNoiseInverse, LowRankPrecision, SoftmaxPseudoInverse
-from gpytorch_iterncgp.noise import project_to_zero_sum
-from gpytorch_iterncgp.precision import ColumnStore
+from gpytorch_iterncgp.noise import BlockNoiseInverse, DiagonalNoiseInverse, SoftmaxPseudoInverse, project_to_zero_sum
+from gpytorch_iterncgp.precision import ColumnStore, LowRankPrecision
 
 
 def _block_diag(blocks: torch.Tensor) -> torch.Tensor:

@@ -15,16 +15,10 @@ import gpytorch
 import pytest
 import torch
 
-from gpytorch_iterncgp import (
-    ActionBuffer,
-    ConjugateGradientPolicy,
-    DiagonalNoiseInverse,
-    ExpPoissonLikelihood,
-    SoftmaxPseudoInverse,
-    UnitVectorPolicy,
-    itergp_solve,
-    virtual_solver_run,
-)
+from gpytorch_iterncgp import ConjugateGradientPolicy, ExpPoissonLikelihood, UnitVectorPolicy
+from gpytorch_iterncgp.noise import DiagonalNoiseInverse, SoftmaxPseudoInverse
+from gpytorch_iterncgp.recycling import ActionBuffer, virtual_solver_run
+from gpytorch_iterncgp.solver import itergp_solve
 from tests import reference
 from tests.models import IterNCGPModel, binary_data, count_data, multiclass_data
 

@@ -4,7 +4,8 @@ import gpytorch
 import pytest
 import torch
 
-from gpytorch_iterncgp.prior import LatentPrior, _chunk_rows, dense_kernel_limit
+from gpytorch_iterncgp.prior import LatentPrior, _chunk_rows
+from gpytorch_iterncgp.settings import dense_kernel_limit, kernel_chunk_bytes
 from tests.models import IterNCGPModel, binary_data
 
 DTYPE = torch.float64
@@ -22,10 +23,9 @@ def _dense_data_major(kernel_matrix: torch.Tensor, num_latents: int) -> torch.Te
 
 
 @pytest.fixture
-def small_chunks(monkeypatch):
+def small_chunks():
     """Chunks of 37 rows for a 120-point kernel."""
-    monkeypatch.setattr(dense_kernel_limit, "chunk_bytes", 37 * 120 * 3 * 8)
-    with dense_kernel_limit(1000):
+    with dense_kernel_limit(1000), kernel_chunk_bytes(37 * 120 * 3 * 8):
         yield
 
 

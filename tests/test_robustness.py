@@ -573,7 +573,7 @@ def test_converged_means_at_the_exact_mode(problem, policy, rank):
 # IterGP: an action already in the span of the earlier ones
 # ---------------------------------------------------------------------------------------------------
 def _spd_problem(size: int = 6, seed: int = 0):
-    from gpytorch_iterncgp import DiagonalNoiseInverse
+    from gpytorch_iterncgp.noise import DiagonalNoiseInverse
 
     generator = torch.Generator().manual_seed(seed)
     factor = torch.randn(size, size, generator=generator, dtype=torch.float64)
@@ -586,7 +586,8 @@ def _spd_problem(size: int = 6, seed: int = 0):
 def test_action_in_the_span_of_recycled_ones_is_skipped():
     """A unit vector that a recycled action already covers carries no new direction: IterGP skips it (its
     product with K counts as an iteration) and goes on; the result is the exact solve."""
-    from gpytorch_iterncgp import ActionBuffer, itergp_solve
+    from gpytorch_iterncgp.recycling import ActionBuffer
+    from gpytorch_iterncgp.solver import itergp_solve
 
     kernel, noise, rhs = _spd_problem()
     recycled = torch.zeros(6, 1, dtype=torch.float64)
@@ -603,7 +604,9 @@ def test_action_in_the_span_of_recycled_ones_is_skipped():
 
 
 def test_policy_repeating_a_dependent_action_stops_with_a_warning():
-    from gpytorch_iterncgp import ActionBuffer, NumericalBreakdownWarning, Policy, itergp_solve
+    from gpytorch_iterncgp import NumericalBreakdownWarning, Policy
+    from gpytorch_iterncgp.recycling import ActionBuffer
+    from gpytorch_iterncgp.solver import itergp_solve
 
     class Always(Policy):
         def __call__(self, residual):
@@ -687,7 +690,7 @@ def test_rejected_step_continues_the_same_system_without_compression():
     records, saved = [], {}
 
     def callback(step, state):
-        records.append((step.step_size, state.actions.shape[-1], state.same_system))
+        records.append((step.step_size, state.actions.shape[-1], state.control.same_system))
         if step.step_size == 0.0 and not saved:
             saved.update(model.state_dict())
 
@@ -701,4 +704,4 @@ def test_rejected_step_continues_the_same_system_without_compression():
     assert later and max(later) <= rank + iterations  # compressed again once W changed
     fresh = IterNCGPModel(x, y, likelihood, kernel="matern", lengthscale=0.3, outputscale=20.0)
     fresh.load_state_dict(saved)
-    assert fresh.variational_strategy.state.same_system
+    assert fresh.variational_strategy.state.control.same_system

@@ -1,0 +1,32 @@
+r"""Warnings and errors of the package, in linear_operator's and GPyTorch's idiom.
+
+Every warning derives from :class:`linear_operator.utils.warnings.NumericalWarning` (a ``RuntimeWarning``), so
+``warnings.filterwarnings("ignore", category=NumericalWarning)`` silences GPyTorch's and ours alike, and
+each can be filtered on its own:
+
+* :class:`NumericalBreakdownWarning`: IterGP or the outer loop stopped early on a numerical breakdown; the
+  result is the posterior of the last completed step (usable, finite).
+* :class:`NotConvergedWarning`: the outer loop stopped before its convergence criterion held, for a reason
+  other than its step budget (no step along the search direction improves the objective).
+
+Errors: :class:`NonFiniteEvidenceError` (a ``FloatingPointError``) when the marginal likelihood cannot be
+computed finitely, so an optimizer never sees a NaN loss or gradient.
+"""
+
+from __future__ import annotations
+
+from linear_operator.utils.warnings import NumericalWarning
+
+__all__ = ["NonFiniteEvidenceError", "NotConvergedWarning", "NumericalBreakdownWarning", "NumericalWarning"]
+
+
+class NumericalBreakdownWarning(NumericalWarning):
+    """The solver stopped early because of a numerical breakdown; its result is still usable."""
+
+
+class NotConvergedWarning(NumericalWarning):
+    """The outer loop (Newton) stopped before it converged, for a reason other than its step budget."""
+
+
+class NonFiniteEvidenceError(FloatingPointError):
+    """The marginal likelihood (or its gradient) is not finite at the current hyperparameters."""

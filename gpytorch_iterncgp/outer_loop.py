@@ -1,0 +1,189 @@
+r"""The driver of an outer loop: one GP regression per step, observed from outside.
+
+A fit is an iterator over steps (damped Newton here; expectation propagation is another such loop). Each
+step solves one GP regression with IterGP and yields an :class:`OuterStep`: its record, the new state, and
+whether the loop converged or cannot go on. :func:`run_outer_loop` drains it and is the only place that
+
+* hands each state to ``commit`` (the strategy, the one owner of the committed state),
+* counts products with :math:`\mathbf K` per step and in total (from :class:`~gpytorch_iterncgp.prior.LatentPrior`'s
+  counters, which only ever increase),
+* shows progress (tqdm), calls the user's callback, and
+* turns the loop's outcome and the solver's warnings into warnings at the caller's line.
+
+The loop itself (probnum's ``solve_iterator`` pattern) knows nothing of these.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from tqdm.auto import tqdm
+
+from .exceptions import NotConvergedWarning, NumericalBreakdownWarning
+
+CONTINUE, CONVERGED, STALLED, BREAKDOWN = "continue", "converged", "stalled", "breakdown"
+
+
+@dataclass
+class NewtonStep:
+    """One step of the outer loop as recorded in the :class:`FitReport`."""
+
+    step: int
+    log_posterior: float
+    step_size: float  # 1 (full step), 1/2, 1/4, ... (damped) or 0 (rejected)
+    solver_iterations: int
+    residual_norm: float
+    relative_change: float
+    kernel_products: int = 0  # filled in by the driver
+    kernel_product_seconds: float = 0.0  # wall time of this step's products with K (filled in by the driver)
+
+
+@dataclass
+class OuterStep:
+    """What an outer loop yields after each completed step.
+
+    :param record: the step's record (the driver adds its products with K).
+    :param state: the state after the step (complete: a fit can resume from it).
+    :param status: ``"continue"``, ``"converged"``, ``"stalled"`` (no progress possible; ``message`` says why)
+        or ``"breakdown"`` (the step could not be computed; ``state`` is the last good one).
+    """
+
+    record: NewtonStep | None
+    state: Any
+    status: str = CONTINUE
+    message: str = ""
+    breakdown: bool = False  # IterGP stopped on a numerical breakdown inside this step (the step is still valid)
+
+
+class OuterLoop(Protocol):
+    """An outer loop over GP regressions solved by IterGP (damped Newton; EP)."""
+
+    def steps(self, state: Any) -> Iterator[OuterStep]:
+        """Steps from ``state``, until converged, stalled or broken down (never on its own otherwise)."""
+        ...
+
+    def finalize(self, state: Any) -> Any:
+        """The state to predict with after the last step (no product with K)."""
+        ...
+
+
+class ProductCounter(Protocol):
+    products: int
+    columns: int
+    product_seconds: float
+
+
+@dataclass
+class FitReport:
+    """What a call of :meth:`~gpytorch_iterncgp.IterNCGPStrategy.fit` did."""
+
+    newton_steps: int = 0
+    solver_iterations: int = 0
+    kernel_products: int = 0  # calls of the kernel matmul (including the renewal of stale products)
+    kernel_columns: int = 0  # vectors multiplied by K in those calls
+    kernel_product_seconds: float = 0.0  # wall time spent in those calls (the rest of wall_time is everything else)
+    converged: bool = False
+    breakdown: bool = False
+    stopped_by_callback: bool = False
+    wall_time: float = 0.0
+    steps: list[NewtonStep] = field(default_factory=list)
+    budget: str = ""  # how the solver budget was chosen (set by callers that choose it, e.g. the estimators)
+
+    @property
+    def log_posteriors(self) -> list[float]:
+        return [step.log_posterior for step in self.steps]
+
+    @property
+    def residual_norms(self) -> list[float]:
+        return [step.residual_norm for step in self.steps]
+
+    @property
+    def step_sizes(self) -> list[float]:
+        return [step.step_size for step in self.steps]
+
+    def __str__(self) -> str:
+        last = self.steps[-1] if self.steps else None
+        return (
+            f"IterNCGP fit: {self.newton_steps} Newton steps, {self.solver_iterations} solver iterations, "
+            f"{self.kernel_products} products with K ({self.kernel_product_seconds:.2f}s), "
+            f"converged={self.converged}, breakdown={self.breakdown}, "
+            f"log posterior={last.log_posterior if last else float('nan'):.6g}, "
+            f"residual={last.residual_norm if last else float('nan'):.3g}, {self.wall_time:.2f}s"
+            + (f"; {self.budget}" if self.budget else "")
+        )
+
+
+def _reemit(caught: list[warnings.WarningMessage], stacklevel: int) -> None:
+    for warning in caught:
+        warnings.warn(warning.message, warning.category, stacklevel=stacklevel + 1)
+
+
+def run_outer_loop(
+    loop: OuterLoop,
+    state: Any,
+    commit: Callable[[Any], None],
+    counter: ProductCounter,
+    max_steps: int,
+    callback: Callable[[NewtonStep, Any], bool | None] | None = None,
+    show_progress: bool = True,
+    stacklevel: int = 2,
+) -> FitReport:
+    """Run at most ``max_steps`` steps of ``loop`` from ``state``; commit every completed step and the final state.
+
+    :param counter: the prior whose products with K are counted (totals since it was built).
+    :param callback: called after every step with its record and the state; returning ``True`` stops.
+    :param stacklevel: of the warnings, counted from the caller of this function.
+    """
+    start_time = time.perf_counter()
+    report = FitReport()
+    progress = tqdm(total=max_steps, desc="IterNCGP", disable=not show_progress, leave=False)
+    iterator = loop.steps(state)
+    try:
+        for _ in range(max_steps):
+            products, seconds = counter.products, counter.product_seconds
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", NumericalBreakdownWarning)
+                outcome = next(iterator, None)
+            _reemit(caught, stacklevel + 1)
+            if outcome is None:
+                break
+            report.breakdown |= outcome.breakdown or outcome.status == BREAKDOWN
+            if outcome.record is None:  # the step could not be taken: nothing new to commit
+                warnings.warn(outcome.message, NumericalBreakdownWarning, stacklevel=stacklevel + 1)
+                break
+            record = dataclasses.replace(
+                outcome.record,
+                kernel_products=counter.products - products,
+                kernel_product_seconds=counter.product_seconds - seconds,
+            )
+            state = outcome.state
+            commit(state)
+            report.steps.append(record)
+            report.newton_steps += 1
+            report.solver_iterations += record.solver_iterations
+            progress.update(1)
+            progress.set_postfix(log_posterior=f"{record.log_posterior:.5g}", residual=f"{record.residual_norm:.2g}")
+            if callback is not None and callback(record, state):
+                report.stopped_by_callback = True
+                break
+            if outcome.status == CONVERGED:
+                report.converged = True
+                break
+            if outcome.status == STALLED:
+                warnings.warn(outcome.message, NotConvergedWarning, stacklevel=stacklevel + 1)
+                break
+    finally:
+        iterator.close()
+        progress.close()
+    if report.newton_steps > 0:
+        commit(loop.finalize(state))
+    report.kernel_products = counter.products
+    report.kernel_columns = counter.columns
+    report.kernel_product_seconds = counter.product_seconds
+    report.wall_time = time.perf_counter() - start_time
+    return report

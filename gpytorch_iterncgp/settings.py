@@ -1,0 +1,47 @@
+r"""Global settings, as context managers in GPyTorch's idiom (``gpytorch.settings``).
+
+.. code-block:: python
+
+    with gpytorch_iterncgp.settings.exact_evidence_size(5000):
+        loss = -mll(model(train_x), train_y)     # dense evidence up to N C = 5000
+
+Each is a class with a ``value()`` classmethod and a context manager that sets it for the ``with`` block.
+Options that belong to one model (tolerances, budgets, the policy) are constructor arguments of
+:class:`~gpytorch_iterncgp.IterNCGPStrategy`, not settings.
+"""
+
+from __future__ import annotations
+
+from linear_operator.settings import _value_context
+
+__all__ = ["dense_kernel_limit", "exact_evidence_size", "kernel_chunk_bytes"]
+
+
+class exact_evidence_size(_value_context):
+    r"""Largest :math:`N C` for which :class:`~gpytorch_iterncgp.LaplaceMarginalLogLikelihood` is dense (default 1000).
+
+    Up to it the log-determinant and the Newton step of the evidence use the dense kernel matrix (exact,
+    :math:`O((N C)^3)`); above it, products with :math:`\mathbf K` only (CG and stochastic Lanczos quadrature).
+    Independent of ``gpytorch.settings.max_cholesky_size``, which other libraries (BoTorch) change globally.
+    """
+
+    _global_value = 1000
+
+
+class dense_kernel_limit(_value_context):
+    r"""Largest dense kernel matrix, in bytes, that a product with :math:`\mathbf K` may evaluate and cache (4 GiB).
+
+    A GPyTorch ``LazyEvaluatedKernelTensor`` evaluates and caches the whole :math:`N \times M` kernel on its
+    first product: fast (one BLAS call per product) while it fits in memory. Above this limit, products run
+    over row chunks of ``kernel_chunk_bytes`` each, so the dense matrix is never formed (and each product
+    re-evaluates the kernel). KeOps kernels never form the matrix and are never chunked. Chunking applies
+    where no gradient is recorded (fits, predictions).
+    """
+
+    _global_value = 4 * 2**30
+
+
+class kernel_chunk_bytes(_value_context):
+    """Bytes of kernel matrix evaluated at once in a chunked product (256 MiB); see :class:`dense_kernel_limit`."""
+
+    _global_value = 2**28
