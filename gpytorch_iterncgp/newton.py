@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass, field
 
 import torch
@@ -256,7 +256,7 @@ class DampedNewton:
         return float((gradient - point.weights).norm()) <= tolerance * float(point.weights.norm())
 
     # -- the loop ------------------------------------------------------------------------------------------
-    def steps(self, state: LaplaceState) -> Iterator[OuterStep]:
+    def steps(self, state: LaplaceState) -> Generator[OuterStep, None, None]:
         """Damped Newton steps from ``state``, until converged or stalled (the driver limits their number)."""
         options, adapter = self.options, self.adapter
         current = self.point(state.representer_weights, state.kernel_representer_weights)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -63,7 +63,7 @@ class OuterStep:
 class OuterLoop(Protocol):
     """An outer loop over GP regressions solved by IterGP (damped Newton; EP)."""
 
-    def steps(self, state: Any) -> Iterator[OuterStep]:
+    def steps(self, state: Any) -> Generator[OuterStep, None, None]:
         """Steps from ``state``, until converged, stalled or broken down (never on its own otherwise)."""
         ...
 
@@ -180,8 +180,7 @@ def run_outer_loop(
     finally:
         iterator.close()
         progress.close()
-    if report.newton_steps > 0:
-        commit(loop.finalize(state))
+    commit(loop.finalize(state))  # also after no step: the starting state (e.g. renewed after a change of K)
     report.kernel_products = counter.products
     report.kernel_columns = counter.columns
     report.kernel_product_seconds = counter.product_seconds

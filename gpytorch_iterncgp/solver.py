@@ -136,7 +136,7 @@ def itergp_solve(
     iterations = 0
     recycled_rank = precision.rank
     skipped, last_skipped = 0, None
-    remainder = None  # the new part of a nearly dependent action, taken as the next action
+    remainder: Tensor | None = None  # the new part of a nearly dependent action, taken as the next action
     while True:
         residual = project((rhs - kernel_weights - noise_inverse.matmul(weights[:, None])[:, 0])[:, None])[:, 0]
         residual_norm = float(residual.norm())
@@ -147,7 +147,8 @@ def itergp_solve(
         if residual_norm <= tolerance or iterations >= limit or precision.rank >= full_rank:
             break
         from_remainder = remainder is not None
-        action = project((remainder if from_remainder else policy(residual))[:, None])[:, 0]
+        proposed: Tensor = remainder if remainder is not None else policy(residual)
+        action = project(proposed[:, None])[:, 0]
         remainder = None
         action_norm = action.norm()
         if not action_norm > 0:

@@ -34,6 +34,7 @@ import dataclasses
 import hashlib
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import gpytorch
 import torch
@@ -244,7 +245,7 @@ class IterNCGPStrategy(gpytorch.Module):
         :raises ValueError: for an option out of range, or model parameters on another device than the data.
         :raises TypeError: for a callback that is not callable, or a model computing in another dtype.
         """
-        overrides = {
+        overrides: dict[str, Any] = {
             "max_newton_steps": max_newton_steps,
             "outer_tol": outer_tol,
             "abs_tol": abs_tol,
@@ -306,6 +307,7 @@ class IterNCGPStrategy(gpytorch.Module):
         """
         if not self._is_current():
             self.fit(show_progress=False)
+        assert self._state is not None  # fit() always commits (the starting state, if no step was taken)
         return self._state
 
     def joint_prior(self, inputs: Tensor) -> tuple[Tensor, LinearOperator, LinearOperator]:
@@ -442,7 +444,7 @@ class IterNCGPStrategy(gpytorch.Module):
         Holds the state of the last completed Newton step (also when saved inside a ``fit`` callback), the
         unit-vector policy's position there, and a hash of the training data it belongs to.
         """
-        state = None
+        state: dict[str, Any] | None = None
         if self._state is not None:
             state = {name: tensor.clone() for name, tensor in self._state.tensors().items()}
             state.update(

@@ -58,6 +58,8 @@ def _random_pd_blocks(*batch, num_data=4, size=3, dtype=torch.float32) -> torch.
 # ---------------------------------------------------------------------------------------------------
 # DiagonalNoiseInverse
 # ---------------------------------------------------------------------------------------------------
+# linear_operator's test_getitem builds a sparse tensor and torch warns that its invariant checks are off.
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks are implicitly disabled:UserWarning")
 class TestDiagonalNoiseInverse(LinearOperatorTestCase, unittest.TestCase):
     seed = 0
     should_test_sample = True
@@ -230,6 +232,9 @@ def test_project_to_zero_sum(num_classes):
 # ---------------------------------------------------------------------------------------------------
 # LowRankPrecision
 # ---------------------------------------------------------------------------------------------------
+# The mixin's test_add adds a matrix to Q Q^T, which is singular (rank j < n): linear_operator's Cholesky then adds
+# jitter and says so.
+@pytest.mark.filterwarnings("ignore:A not p.d., added jitter:linear_operator.utils.warnings.NumericalWarning")
 class TestLowRankPrecision(RectangularLinearOperatorTestCase, unittest.TestCase):
     """Q Q^T with Q (n, j), j < n: singular, hence the rectangular mixin (as upstream tests
     LowRankRootLinearOperator)."""

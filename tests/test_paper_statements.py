@@ -9,13 +9,14 @@ and the cost model (one product with K per solver iteration).
 from __future__ import annotations
 
 import math
+import warnings
 from itertools import pairwise
 
 import gpytorch
 import pytest
 import torch
 
-from gpytorch_iterncgp import ConjugateGradientPolicy, ExpPoissonLikelihood, UnitVectorPolicy
+from gpytorch_iterncgp import ConjugateGradientPolicy, ExpPoissonLikelihood, NumericalBreakdownWarning, UnitVectorPolicy
 from gpytorch_iterncgp.noise import DiagonalNoiseInverse, SoftmaxPseudoInverse
 from gpytorch_iterncgp.recycling import ActionBuffer, virtual_solver_run
 from gpytorch_iterncgp.solver import itergp_solve
@@ -154,9 +155,12 @@ def test_gaussian_likelihood_is_gp_regression(policy):
     if policy == "unit":  # the actions span everything: C = (K + s^2 I)^{-1}
         assert_relative(posterior.covariance_matrix, covariance, 1e-8)
 
-    # a second fit continues from the solution: nothing changes
+    # a second fit continues from the solution: nothing changes. (CG's residual there is at rounding level, so
+    # its next action may lie in the span of the earlier ones: a NumericalBreakdownWarning, whose stop is right.)
     weights = strategy.state.representer_weights.clone()
-    strategy.fit()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NumericalBreakdownWarning)
+        strategy.fit()
     change = float((strategy.state.representer_weights - weights).norm()) / float(weights.norm())
     assert change < 1e-10
 

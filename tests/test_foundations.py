@@ -1,0 +1,222 @@
+"""The shared core: the outer-loop driver, the settings, the evidence's cost and its gradients at extremes, and the
+one-way import graph."""
+
+from __future__ import annotations
+
+import ast
+import math
+import pathlib
+import warnings
+
+import gpytorch
+import pytest
+import torch
+
+import gpytorch_iterncgp
+from gpytorch_iterncgp import LaplaceMarginalLogLikelihood, LogitBernoulliLikelihood, NotConvergedWarning, settings
+from gpytorch_iterncgp.exceptions import NumericalBreakdownWarning
+from gpytorch_iterncgp.outer_loop import BREAKDOWN, CONTINUE, CONVERGED, STALLED, NewtonStep, OuterStep, run_outer_loop
+from gpytorch_iterncgp.prior import LatentPrior
+from tests import reference
+from tests.models import IterNCGPModel, binary_data
+
+PACKAGE = pathlib.Path(gpytorch_iterncgp.__file__).parent
+
+
+# ---------------------------------------------------------------------------------------------------
+# The driver observes any outer loop: commits, counts, progress, callback, warnings.
+# ---------------------------------------------------------------------------------------------------
+class _Counter:
+    products, columns, product_seconds = 0, 0, 0.0
+
+
+class _ScriptedLoop:
+    """Yields the given statuses; each step 'multiplies by K' ``step`` times."""
+
+    def __init__(self, statuses, counter):
+        self.statuses, self.counter, self.finalized = statuses, counter, []
+
+    def steps(self, state):
+        for index, status in enumerate(self.statuses, start=1):
+            state = state + index
+            self.counter.products += index
+            if status == BREAKDOWN:
+                yield OuterStep(None, state - index, BREAKDOWN, "scripted breakdown")
+                return
+            warnings.warn("inner solver trouble", NumericalBreakdownWarning, stacklevel=2)
+            record = NewtonStep(index, -1.0 / index, 1.0, index, 0.0, 0.0)
+            yield OuterStep(record, state, status, "scripted stall" if status == STALLED else "")
+            if status != CONTINUE:
+                return
+
+    def finalize(self, state):
+        self.finalized.append(state)
+        return -state
+
+
+def _drive(statuses, max_steps=10, callback=None):
+    counter, committed = _Counter(), []
+    loop = _ScriptedLoop(statuses, counter)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = run_outer_loop(loop, 0, committed.append, counter, max_steps, callback, show_progress=False)
+    return report, committed, loop, caught
+
+
+def test_driver_commits_every_step_then_the_final_state_and_counts_products_per_step():
+    report, committed, loop, caught = _drive([CONTINUE, CONTINUE, CONVERGED])
+    assert committed == [1, 3, 6, -6] and loop.finalized == [6]
+    assert report.converged and report.newton_steps == 3 and report.solver_iterations == 6
+    assert [step.kernel_products for step in report.steps] == [1, 2, 3] and report.kernel_products == 6
+    # the loop's own warnings reach the caller's line (this file), once per step
+    inner = [w for w in caught if issubclass(w.category, NumericalBreakdownWarning)]
+    assert len(inner) == 3 and all(w.filename == __file__ for w in inner)
+
+
+def test_driver_stops_at_the_budget_on_a_stall_on_a_breakdown_and_on_the_callback():
+    report, committed, _, _ = _drive([CONTINUE] * 5, max_steps=2)
+    assert report.newton_steps == 2 and not report.converged and committed == [1, 3, -3]
+    report, _, _, caught = _drive([CONTINUE, STALLED])
+    assert not report.converged and any(issubclass(w.category, NotConvergedWarning) for w in caught)
+    report, committed, _, caught = _drive([CONTINUE, BREAKDOWN])
+    assert report.breakdown and committed == [1, -1]
+    assert any("scripted breakdown" in str(w.message) for w in caught)
+    report, committed, _, _ = _drive([CONTINUE] * 5, callback=lambda record, state: record.step == 2)
+    assert report.stopped_by_callback and committed == [1, 3, -3]
+
+
+# ---------------------------------------------------------------------------------------------------
+# The evidence: its own regime setting, its cost, finite gradients at extreme outputscales.
+# ---------------------------------------------------------------------------------------------------
+def _count_products(monkeypatch) -> list[int]:
+    calls = []
+    original = LatentPrior.matmul
+
+    def counting(self, rhs):
+        calls.append(rhs.shape[-1])
+        return original(self, rhs)
+
+    monkeypatch.setattr(LatentPrior, "matmul", counting)
+    return calls
+
+
+def test_exact_evidence_costs_no_products_beyond_the_strategys_fit(monkeypatch):
+    x, y = binary_data(100, seed=3)
+    likelihood = LogitBernoulliLikelihood()
+    model = IterNCGPModel(x, y, likelihood)
+    mll = LaplaceMarginalLogLikelihood(likelihood, model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    model.train()
+    calls = _count_products(monkeypatch)
+    for _ in range(3):
+        optimizer.zero_grad()
+        function_dist = model(x)  # the fit: renews K S, K a after the optimizer step, then Newton steps
+        fitted = len(calls)
+        assert fitted == model.variational_strategy.last_report.kernel_products > 0
+        loss = -mll(function_dist, y)
+        loss.backward()
+        assert len(calls) == fitted  # the exact regime multiplies by no K of the strategy's
+        calls.clear()
+        optimizer.step()
+
+
+def test_evidence_regime_is_its_own_setting_not_max_cholesky_size(monkeypatch):
+    x, y = binary_data(60, seed=4)
+    likelihood = LogitBernoulliLikelihood()
+    model = IterNCGPModel(x, y, likelihood, max_solver_iterations=None, outer_tol=1e-10, abs_tol=1e-10, rel_tol=1e-12)
+    mll = LaplaceMarginalLogLikelihood(likelihood, model)
+    model.train()
+    kernel = model.covar_module(x).to_dense().detach()
+    expected, _ = reference.laplace_evidence(kernel, torch.zeros(60, dtype=x.dtype), y, "logit", 1)
+    with torch.no_grad(), gpytorch.settings.max_cholesky_size(0):  # what `import botorch` and others change
+        value = float(mll(model(x), y)) * 60
+    assert abs(value - expected) <= 1e-10 * abs(expected)  # dense: exact (SLQ would be off by ~1e-4)
+    model(x)  # fitted: the products below are the evidence's own
+    calls = _count_products(monkeypatch)
+    with torch.no_grad(), gpytorch.settings.max_cholesky_size(10**6):
+        mll(model(x), y)
+    assert not calls  # dense
+    with torch.no_grad(), settings.exact_evidence_size(10):
+        mll(model(x), y)
+    assert calls  # matrix-free: products with K
+
+
+@pytest.mark.parametrize("exact", [True, False])
+@pytest.mark.parametrize(("dtype", "outputscale"), [(torch.float32, 1e3), (torch.float32, 1e4), (torch.float64, 1e4)])
+@pytest.mark.parametrize("likelihood_type", [gpytorch.likelihoods.BernoulliLikelihood, LogitBernoulliLikelihood])
+def test_evidence_gradients_are_finite_on_separable_data_at_extreme_outputscales(
+    likelihood_type, dtype, outputscale, exact
+):
+    """W = p(1 - p) rounded to 0 for |f| > 17 (float32) / 37 (float64), and sqrt at 0 has an infinite slope: the
+    matrix-free regime gave a finite loss with NaN gradients here."""
+    x = torch.linspace(0, 1, 100, dtype=dtype)[:, None]
+    y = (x[:, 0] > 0.5).to(dtype)
+    likelihood = likelihood_type()
+    model = IterNCGPModel(x, y, likelihood, outputscale=outputscale)
+    mll = LaplaceMarginalLogLikelihood(likelihood, model, exact=exact)
+    model.train()
+    torch.manual_seed(0)
+    loss = -mll(model(x), y)
+    loss.backward()
+    assert math.isfinite(float(loss.detach()))
+    gradients = [parameter.grad for parameter in model.parameters()]
+    assert all(gradient is not None and bool(torch.isfinite(gradient).all()) for gradient in gradients)
+    # the confident points have a curvature of e^-|f| and less: the regime the fix is about
+    assert float(model.variational_strategy.mode.detach().abs().max()) > 15
+
+
+# ---------------------------------------------------------------------------------------------------
+# Chunked products use no deprecated GPyTorch feature.
+# ---------------------------------------------------------------------------------------------------
+def test_chunked_products_emit_no_deprecation_warning():
+    x = torch.rand(50, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).to(torch.float64)
+    rhs = torch.randn(50, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    distribution = gpytorch.distributions.MultivariateNormal(torch.zeros(50, dtype=torch.float64), kernel(x))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with settings.dense_kernel_limit(0), settings.kernel_chunk_bytes(7 * 50 * 8):
+            product = LatentPrior.from_distribution(distribution, 1).matmul(rhs)
+    torch.testing.assert_close(product, kernel(x).to_dense() @ rhs, rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Imports run one way: from the GPyTorch-facing layer down to the linear algebra.
+# ---------------------------------------------------------------------------------------------------
+LAYERS = [
+    {"validation", "exceptions", "settings"},
+    {"noise", "precision", "policies", "datasets"},
+    {"recycling", "likelihoods", "prior"},
+    {"solver", "outer_loop"},
+    {"newton"},
+    {"strategy"},
+    {"evidence"},
+    {"sklearn", "botorch"},
+]
+
+
+def _package_imports(path: pathlib.Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            names.update([node.module] if node.module else [alias.name for alias in node.names])
+    return names
+
+
+def test_modules_import_only_lower_layers():
+    layer_of = {name: index for index, layer in enumerate(LAYERS) for name in layer}
+    modules = {path.stem for path in PACKAGE.glob("*.py")} - {"__init__"}
+    assert modules == set(layer_of), "every module belongs to a layer"
+    for module in modules:
+        for imported in _package_imports(PACKAGE / f"{module}.py"):
+            assert layer_of[imported] < layer_of[module], f"{module} imports {imported} (same or higher layer)"
+
+
+def test_public_api_is_what_users_call():
+    """The top level lists what a user calls; building blocks stay in their modules."""
+    for name in gpytorch_iterncgp.__all__:
+        assert getattr(gpytorch_iterncgp, name).__doc__, name
+    for internal in ("itergp_solve", "ActionBuffer", "virtual_solver_run", "DiagonalNoiseInverse", "LatentPrior"):
+        assert internal not in gpytorch_iterncgp.__all__
+    assert {"IterNCGPStrategy", "LaplaceMarginalLogLikelihood", "settings"} <= set(gpytorch_iterncgp.__all__)
+    assert (PACKAGE / "py.typed").exists()
