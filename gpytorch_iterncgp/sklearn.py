@@ -22,8 +22,8 @@ Importing this module imports scikit-learn; ``import gpytorch_iterncgp`` does no
 from __future__ import annotations
 
 import copy
+import inspect
 import math
-import numbers
 import warnings
 
 import gpytorch
@@ -42,11 +42,20 @@ from .evidence import LaplaceMarginalLogLikelihood
 from .likelihoods import ExpPoissonLikelihood, LogitBernoulliLikelihood, likelihood_adapter
 from .policies import Policy
 from .strategy import IterNCGPStrategy
+from .validation import check_count, check_flag, check_nonnegative
 
 __all__ = ["IterNCGPClassifier", "IterNCGPPoissonRegressor"]
 
 _DTYPE = torch.float64
 _PREDICT_CHUNK = 4096  # test points per kernel evaluation: bounds the (chunk, N) cross-covariance in memory
+
+#: ``max_solver_iterations="auto"``: problems with at most this many latent values :math:`N C` get the exact
+#: Laplace posterior (every IterGP solve runs until :math:`\mathbf C` has full rank: at most :math:`N C` products
+#: with :math:`\mathbf K` in the first Newton step, then none, as the actions are recycled). 1000 keeps a fit with
+#: 25 evidence steps at about 10 s with one thread (:math:`O((N C)^3)` per step).
+EXACT_SOLVE_SIZE = 1000
+#: ``max_solver_iterations="auto"`` above :data:`EXACT_SOLVE_SIZE`: the strategy's own default budget per Newton step.
+DEFAULT_SOLVER_ITERATIONS = inspect.signature(IterNCGPStrategy).parameters["max_solver_iterations"].default
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -88,7 +97,7 @@ def default_kernel(num_features: int) -> gpytorch.kernels.Kernel:
 class _NonNegativePoisson(Poisson):
     """``Poisson`` whose ``log_prob`` accepts any ``y >= 0`` (the quasi-likelihood ``y log λ − λ − log Γ(y+1)``)."""
 
-    support = constraints.nonnegative
+    support = constraints.nonnegative  # type: ignore[assignment]  # wider than Poisson's integer support
 
 
 class _QuasiExpPoissonLikelihood(ExpPoissonLikelihood):
@@ -124,9 +133,9 @@ class _IterNCGPEstimator(BaseEstimator):
         kernel=None,
         *,
         link=None,
-        policy="cg",
+        policy="auto",
         max_newton_steps=20,
-        max_solver_iterations=10,
+        max_solver_iterations="auto",
         compression_rank=None,
         recycle=True,
         outer_tol=1e-2,
@@ -153,44 +162,76 @@ class _IterNCGPEstimator(BaseEstimator):
         self.verbose = verbose
 
     # -- parameters ------------------------------------------------------------------------------
-    def _validate_params(self) -> None:
-        def positive_int(name, allow_none=False, allow_zero=False):
-            value = getattr(self, name)
-            if value is None and allow_none:
-                return
-            ok = isinstance(value, numbers.Integral) and not isinstance(value, bool)
-            if not ok or value < (0 if allow_zero else 1):
-                bound = "a non-negative int" if allow_zero else "a positive int"
-                raise _param_error(self, name, bound + (" or None" if allow_none else ""), value)
+    def _check(self, check, name: str, *args, **kwargs) -> None:
+        """Run a check of :mod:`gpytorch_iterncgp.validation` on a parameter; its error in scikit-learn's words."""
+        try:
+            check(getattr(self, name), name, *args, **kwargs)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"The {name!r} parameter of {type(self).__name__} is invalid: {error}") from error
 
+    def _validate_params(self) -> None:
         if self.kernel is not None and not isinstance(self.kernel, gpytorch.kernels.Kernel):
             raise _param_error(self, "kernel", "a gpytorch.kernels.Kernel or None", self.kernel)
         if self.link not in self._links:
             raise _param_error(self, "link", f"a str among {set(self._links)}", self.link)
-        if not (self.policy in ("cg", "unit") or isinstance(self.policy, Policy)):
-            raise _param_error(self, "policy", "'cg', 'unit' or a gpytorch_iterncgp.Policy", self.policy)
-        positive_int("max_newton_steps")
-        positive_int("max_solver_iterations", allow_none=True)
-        positive_int("compression_rank", allow_none=True)
-        positive_int("optimizer_steps", allow_zero=True)
+        if not (
+            isinstance(self.policy, Policy) or (isinstance(self.policy, str) and self.policy in ("auto", "cg", "unit"))
+        ):
+            raise _param_error(self, "policy", "'auto', 'cg', 'unit' or a gpytorch_iterncgp.Policy", self.policy)
+        self._check(check_count, "max_newton_steps", minimum=1)
+        if self.max_solver_iterations != "auto":
+            self._check(check_count, "max_solver_iterations", minimum=1, allow_none=True)
+        self._check(check_count, "compression_rank", minimum=1, allow_none=True)
+        self._check(check_count, "optimizer_steps")
         for name in ("outer_tol", "solver_tol", "learning_rate"):
-            value = getattr(self, name)
-            if not isinstance(value, numbers.Real) or isinstance(value, bool) or not value > 0:
-                raise _param_error(self, name, "a positive float", value)
+            self._check(check_nonnegative, name, positive=True)
         for name in ("recycle", "optimize_hyperparameters", "verbose"):
-            if not isinstance(getattr(self, name), (bool, np.bool_)):
-                raise _param_error(self, name, "a bool", getattr(self, name))
+            self._check(check_flag, name)
 
-    def _strategy_options(self, seed: int) -> dict:
+    def _solver_budget(self, num_latent_values: int) -> dict:
+        r"""Resolve ``policy`` and ``max_solver_iterations`` (``"auto"``) for ``num_latent_values`` :math:`= N C`.
+
+        :return: ``policy``, ``max_solver_iterations`` and ``solver_tol`` as passed to the strategy, ``exact``
+            (whether every solve runs until :math:`\mathbf C` has full rank) and ``rule`` (a sentence).
+        """
+        auto_policy = isinstance(self.policy, str) and self.policy == "auto"
+        auto_iterations = isinstance(self.max_solver_iterations, str) and self.max_solver_iterations == "auto"
+        small = num_latent_values <= EXACT_SOLVE_SIZE
+        policy = ("unit" if small and auto_iterations else "cg") if auto_policy else self.policy
+        iterations, tolerance, exact = self.max_solver_iterations, float(self.solver_tol), False
+        if auto_iterations and small and policy == "unit":
+            # Unit vectors up to full rank: C = (K + W^-1)^-1 on the action space, the exact Laplace posterior.
+            iterations, tolerance, exact = None, 0.0, True
+            rule = (
+                f"N C = {num_latent_values} <= {EXACT_SOLVE_SIZE}: unit-vector actions until C has full rank "
+                "(exact Laplace posterior)"
+            )
+        elif auto_iterations and small:
+            iterations = None
+            rule = (
+                f"N C = {num_latent_values} <= {EXACT_SOLVE_SIZE}, policy {policy!r}: each solve until the residual is "
+                f"below solver_tol = {tolerance:g}"
+            )
+        elif auto_iterations:
+            iterations = DEFAULT_SOLVER_ITERATIONS
+            rule = (
+                f"N C = {num_latent_values} > {EXACT_SOLVE_SIZE}: at most {iterations} solver iterations per Newton "
+                "step (computational uncertainty in the posterior)"
+            )
+        else:
+            rule = "max_solver_iterations set by the user"
+        return dict(policy=policy, max_solver_iterations=iterations, solver_tol=tolerance, exact=exact, rule=rule)
+
+    def _strategy_options(self, seed: int, budget: dict) -> dict:
         return dict(
-            policy=copy.deepcopy(self.policy),
+            policy=copy.deepcopy(budget["policy"]),
             max_newton_steps=self.max_newton_steps,
-            max_solver_iterations=self.max_solver_iterations,
+            max_solver_iterations=budget["max_solver_iterations"],
             compression_rank=self.compression_rank,
             recycle=bool(self.recycle),
             outer_tol=float(self.outer_tol),
-            abs_tol=float(self.solver_tol),
-            rel_tol=float(self.solver_tol),
+            abs_tol=budget["solver_tol"],
+            rel_tol=budget["solver_tol"],
             seed=seed,
             show_progress=bool(self.verbose),
         )
@@ -201,9 +242,11 @@ class _IterNCGPEstimator(BaseEstimator):
         seed = int(check_random_state(self.random_state).randint(np.iinfo(np.int32).max))
         train_x = torch.tensor(X, dtype=_DTYPE)
         kernel = default_kernel(X.shape[1]) if self.kernel is None else copy.deepcopy(self.kernel).to(_DTYPE)
+        self.solver_budget_ = self._solver_budget(len(X) * likelihood_adapter(likelihood).num_latents)
+        options = self._strategy_options(seed, self.solver_budget_)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)  # probe vectors of the matrix-free evidence, random actions
-            model = _LatentGP(train_x, targets, likelihood, kernel, mean, self._strategy_options(seed)).to(_DTYPE)
+            model = _LatentGP(train_x, targets, likelihood, kernel, mean, options).to(_DTYPE)
             self.loss_curve_ = []
             if self.optimize_hyperparameters and self.optimizer_steps > 0:
                 self.loss_curve_ = self._learn_hyperparameters(model, likelihood, train_x, targets)
@@ -221,7 +264,7 @@ class _IterNCGPEstimator(BaseEstimator):
         mll = LaplaceMarginalLogLikelihood(likelihood, model)
         optimizer = torch.optim.Adam(parameters, lr=float(self.learning_rate))
         best_loss, best_state = math.inf, None
-        losses = []
+        losses: list[float] = []
         model.train()
         for _ in range(self.optimizer_steps):
             optimizer.zero_grad()
@@ -293,9 +336,14 @@ class _IterNCGPEstimator(BaseEstimator):
         check_is_fitted(self)
         strategy = self.model_.variational_strategy
         mll = LaplaceMarginalLogLikelihood(self.likelihood_, self.model_)
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            torch.manual_seed(0)  # the matrix-free regime's probe vectors: the same value on every call
-            value = mll(self.model_(strategy.train_inputs), strategy.train_targets)
+        training = self.model_.training
+        self.model_.train()  # the posterior at the training inputs, all N C latents (the prior has N if shared)
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)  # the matrix-free regime's probe vectors: the same value on every call
+                value = mll(self.model_(strategy.train_inputs), strategy.train_targets)
+        finally:
+            self.model_.train(training)
         return float(value) * strategy.num_data
 
 
@@ -316,10 +364,26 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
         ``batch_shape=[n_classes]`` gives one independent GP per class.
     :param link: ``"logit"`` (default) or ``"probit"`` (binary only).
     :param policy: IterGP's actions: ``"cg"`` (conjugate gradients), ``"unit"`` (a random subset of the data
-        per iteration, seeded by ``random_state``) or a :class:`~gpytorch_iterncgp.Policy`.
+        per iteration, seeded by ``random_state``), a :class:`~gpytorch_iterncgp.Policy`, or ``"auto"`` (default):
+        ``"unit"`` where ``max_solver_iterations="auto"`` solves exactly (below), ``"cg"`` otherwise.
     :param max_newton_steps: damped Newton steps per fit.
     :param max_solver_iterations: IterGP iterations (products with the kernel matrix) per Newton step;
-        ``None``: until the residual is below the tolerance.
+        ``None``: until the residual is below ``solver_tol``. ``"auto"`` (default): no budget where the exact
+        posterior is affordable, the strategy's budget elsewhere. With :math:`N C` latent values (:math:`C = 1`
+        for binary data, the number of classes otherwise):
+
+        * :math:`N C \le` :data:`EXACT_SOLVE_SIZE` (1000): the **exact Laplace posterior**. With
+          ``policy="auto"`` (or ``"unit"``) every solve takes unit-vector actions until the approximate
+          precision :math:`\mathbf C` has full rank (``solver_tol`` is not used): the posterior mean *and*
+          covariance are those of the exact Laplace approximation, without computational uncertainty. (A
+          solve stopped by the residual tolerance converges the mean long before the covariance.) The first
+          Newton step costs :math:`N C` products with the kernel matrix; later steps and refits at new
+          hyperparameters reuse the recycled actions. With another policy: no budget, until ``solver_tol``.
+        * :math:`N C >` :data:`EXACT_SOLVE_SIZE`: CG, at most :data:`DEFAULT_SOLVER_ITERATIONS` iterations per
+          Newton step (:class:`~gpytorch_iterncgp.IterNCGPStrategy`'s default); the predictive variance then
+          includes the computational uncertainty of the stopped solver.
+
+        What was used is recorded in ``solver_budget_``.
     :param compression_rank: number of recycled solver actions kept between Newton steps (``None``: all).
     :param recycle: recycle solver actions across Newton steps.
     :param outer_tol: stop the Newton loop when the representer weights change by less than this (relative).
@@ -336,7 +400,8 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
     ``model_`` (the GPyTorch ``ApproximateGP``; ``model_.variational_strategy`` is the
     :class:`~gpytorch_iterncgp.IterNCGPStrategy`), ``likelihood_``, ``kernel_`` (the fitted kernel),
     ``fit_report_`` (the final :class:`~gpytorch_iterncgp.FitReport`), ``loss_curve_`` (``-evidence / n``
-    per Adam step).
+    per Adam step), ``solver_budget_`` (a dict: the ``policy``, ``max_solver_iterations`` and ``solver_tol``
+    the strategy was given, ``exact``: whether every solve ran to full rank, and the ``rule`` that chose them).
     """
 
     _links = ("logit", "probit")
@@ -346,9 +411,9 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
         kernel=None,
         *,
         link="logit",
-        policy="cg",
+        policy="auto",
         max_newton_steps=20,
-        max_solver_iterations=10,
+        max_solver_iterations="auto",
         compression_rank=None,
         recycle=True,
         outer_tol=1e-2,
@@ -474,9 +539,9 @@ class IterNCGPPoissonRegressor(RegressorMixin, _IterNCGPEstimator):
         kernel=None,
         *,
         link="exp",
-        policy="cg",
+        policy="auto",
         max_newton_steps=20,
-        max_solver_iterations=10,
+        max_solver_iterations="auto",
         compression_rank=None,
         recycle=True,
         outer_tol=1e-2,

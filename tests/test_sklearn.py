@@ -412,3 +412,98 @@ def test_importing_the_package_does_not_import_sklearn_or_botorch():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split()[-2:] == ["False", "False"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Defaults: the solver budget, and scikit-learn's GaussianProcessClassifier on bundled data sets
+# ---------------------------------------------------------------------------------------------------
+def test_default_solver_budget_gives_the_exact_laplace_posterior_on_small_problems():
+    """``max_solver_iterations="auto"`` with N C <= EXACT_SOLVE_SIZE: unit vectors to full rank, so the default
+    classifier's latent mean *and variance* equal scikit-learn's exact Laplace posterior (fixed kernel)."""
+    from gpytorch_iterncgp.sklearn import EXACT_SOLVE_SIZE
+
+    x, y, x_test = _binary()
+    ours = IterNCGPClassifier(optimize_hyperparameters=False, random_state=0).fit(x, y)
+    budget = ours.solver_budget_
+    assert len(x) <= EXACT_SOLVE_SIZE and budget["exact"] and budget["policy"] == "unit"
+    assert budget["max_solver_iterations"] is None and "exact Laplace posterior" in budget["rule"]
+    assert ours.model_.variational_strategy.state.precision_root.shape == (len(x), len(x))  # C has full rank
+    kernel = ConstantKernel(1.0, "fixed") * Matern(math.sqrt(2), "fixed", nu=2.5)
+    theirs = GaussianProcessClassifier(kernel, optimizer=None).fit(x, y)
+    mean, std = ours.predict_latent(x_test)
+    ref_mean, ref_variance = theirs.latent_mean_and_variance(x_test)
+    np.testing.assert_allclose(mean, ref_mean, atol=1e-6)
+    np.testing.assert_allclose(std**2, ref_variance, atol=1e-6)
+
+
+def test_default_solver_budget_above_the_exact_size_is_the_strategys_default():
+    """N C > EXACT_SOLVE_SIZE: CG with the strategy's default budget; explicit settings are kept as given."""
+    import inspect
+
+    from gpytorch_iterncgp import IterNCGPStrategy
+    from gpytorch_iterncgp.sklearn import DEFAULT_SOLVER_ITERATIONS, EXACT_SOLVE_SIZE
+
+    assert DEFAULT_SOLVER_ITERATIONS == inspect.signature(IterNCGPStrategy).parameters["max_solver_iterations"].default
+    x, y, _ = _multiclass(num=EXACT_SOLVE_SIZE // 3 + 1)  # N C = 3 (EXACT_SOLVE_SIZE // 3 + 1) > EXACT_SOLVE_SIZE
+    fast = dict(optimize_hyperparameters=False, max_newton_steps=2, random_state=0)
+    budget = IterNCGPClassifier(**fast).fit(x, y).solver_budget_
+    assert budget["policy"] == "cg" and budget["max_solver_iterations"] == DEFAULT_SOLVER_ITERATIONS
+    assert not budget["exact"] and budget["solver_tol"] == 1e-5
+    classifier = IterNCGPClassifier(policy="cg", max_solver_iterations=None, **fast).fit(x[:90], y[:90])
+    assert classifier.solver_budget_["max_solver_iterations"] is None and not classifier.solver_budget_["exact"]
+    classifier = IterNCGPClassifier(policy="cg", **fast).fit(x[:90], y[:90])  # small, CG asked for: to solver_tol
+    assert (
+        classifier.solver_budget_["max_solver_iterations"] is None and classifier.solver_budget_["solver_tol"] == 1e-5
+    )
+
+
+def test_multiclass_log_marginal_likelihood_matches_exact_laplace_evidence():
+    """Softmax with a kernel shared by the classes (its prior has N, not N C, values)."""
+    x, y, _ = _multiclass()
+    classifier = IterNCGPClassifier(optimize_hyperparameters=False).fit(x, y)
+    kernel = reference.data_major(_matern(x, x, math.sqrt(2)), 3)
+    targets, mean = torch.as_tensor(y, dtype=torch.float64), torch.zeros(3 * len(x), dtype=torch.float64)
+    expected, _ = reference.laplace_evidence(kernel, mean, targets, "softmax", 3)
+    np.testing.assert_allclose(classifier.log_marginal_likelihood(), expected, rtol=1e-8)
+
+
+def _protocol_split(name):
+    """The protocol of benchmarks/sklearn_defaults.py: 70/30 stratified split, features standardised."""
+    from sklearn.datasets import load_breast_cancer, load_digits, load_iris, load_wine
+    from sklearn.model_selection import train_test_split
+    from sklearn.preprocessing import StandardScaler
+
+    loaders = {"iris": load_iris, "breast_cancer": load_breast_cancer, "wine": load_wine, "digits1000": load_digits}
+    x, y = loaders[name](return_X_y=True)
+    if name == "digits1000":
+        x, y = x[:1000], y[:1000]
+    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.3, stratify=y, random_state=0)
+    scaler = StandardScaler().fit(x_train)
+    return scaler.transform(x_train), scaler.transform(x_test), y_train, y_test
+
+
+_PREDICTIVE_RULE = (
+    "not reached by the defaults: the posterior is already exact here (N C <= EXACT_SOLVE_SIZE); the gap is the "
+    "predictive rule (probit approximation on the latent marginals; multi-class: marginals include the softmax's "
+    "common-mode variance); benchmarks/sklearn_defaults.py measures it"
+)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param("iris", marks=pytest.mark.xfail(reason=_PREDICTIVE_RULE, strict=True)),
+        pytest.param("breast_cancer", marks=pytest.mark.xfail(reason=_PREDICTIVE_RULE, strict=True)),
+        "wine",
+        pytest.param("digits1000", marks=pytest.mark.slow),
+    ],
+)
+def test_defaults_match_or_beat_sklearn_gaussian_process_classifier(name):
+    """Test log-loss of ``IterNCGPClassifier()`` <= that of ``GaussianProcessClassifier(1.0 * RBF(1.0))``."""
+    from sklearn.gaussian_process.kernels import RBF
+    from sklearn.metrics import log_loss
+
+    x_train, x_test, y_train, y_test = _protocol_split(name)
+    ours = IterNCGPClassifier().fit(x_train, y_train)
+    theirs = GaussianProcessClassifier(1.0 * RBF(1.0), random_state=0).fit(x_train, y_train)
+    assert log_loss(y_test, ours.predict_proba(x_test)) <= log_loss(y_test, theirs.predict_proba(x_test))
