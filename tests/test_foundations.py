@@ -220,3 +220,24 @@ def test_public_api_is_what_users_call():
         assert internal not in gpytorch_iterncgp.__all__
     assert {"IterNCGPStrategy", "LaplaceMarginalLogLikelihood", "settings"} <= set(gpytorch_iterncgp.__all__)
     assert (PACKAGE / "py.typed").exists()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Devices: a fit on the GPU is the fit on the CPU (skipped without CUDA).
+# ---------------------------------------------------------------------------------------------------
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cuda_fit_equals_cpu_fit(dtype):
+    x, y = binary_data(80, dtype=dtype, seed=5)
+    options = dict(max_solver_iterations=None, outer_tol=1e-6, abs_tol=1e-8, rel_tol=1e-8)
+    cpu = IterNCGPModel(x, y, LogitBernoulliLikelihood(), **options)
+    cuda = IterNCGPModel(x.cuda(), y.cuda(), LogitBernoulliLikelihood().cuda(), **options).cuda()
+    cpu.variational_strategy.fit()
+    cuda.variational_strategy.fit()
+    test_x = torch.rand(7, 2, dtype=dtype, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        mean, variance = cpu.variational_strategy.marginal_latent(test_x)
+        cuda_mean, cuda_variance = cuda.variational_strategy.marginal_latent(test_x.cuda())
+    tolerance = 1e-3 if dtype == torch.float32 else 1e-8
+    torch.testing.assert_close(cuda_mean.cpu(), mean, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(cuda_variance.cpu(), variance, rtol=tolerance, atol=tolerance)
