@@ -3,7 +3,7 @@ r"""Likelihoods and their derivatives: :math:`\ell(\mathbf f)`, :math:`\mathbf g
 Two GPyTorch likelihoods that GPyTorch lacks (:class:`LogitBernoulliLikelihood`,
 :class:`ExpPoissonLikelihood`), and *adapters* that give the Newton loop what it needs from any
 likelihood: target validation, :math:`\ell(\mathbf f) = \sum_n \log p(y_n \mid \mathbf f_n)`, the
-gradient ``(N, C)`` and the noise :math:`\mathbf W^{-1}` as a linear operator. Closed forms (SPEC.md):
+gradient ``(N, C)`` and the noise :math:`\mathbf W^{-1}` as a linear operator. Closed forms (R&W sec. 3.4, eq. 3.15-3.16; seed 001 for the softplus link):
 
 ==========================  ==========================================  ===========================================
 likelihood                  :math:`g`                                   :math:`W`
@@ -287,7 +287,7 @@ class SoftmaxAdapter(LikelihoodAdapter):
     r"""Softmax over :math:`C` classes: :math:`\mathbf W^{-1}` is the pseudo-inverse of Lemma A.7.
 
     Actions are projected to zero sum over classes, so that IterGP's covariance converges to the
-    Laplace covariance :math:`(\mathbf K^{-1} + \mathbf W)^{-1}` (SPEC.md). Probabilities are bounded
+    Laplace covariance :math:`(\mathbf K^{-1} + \mathbf W)^{-1}` (paper, Lemma A.7 and App. B.1). Probabilities are bounded
     below by ``min_curvature`` (default ``max(1e-6, sqrt(eps))``) inside :math:`\mathbf W^+` (saturated
     softmax outputs). Any such bound changes the Newton direction, not the mode (its fixed point is
     :math:`\mathbf a = \mathbf g`), and the covariance only where a probability is below it.

@@ -14,7 +14,7 @@ and latent ``c``; ``C = 1`` for binary and count data):
 * predictions (Alg. 3.2 / 3.4): mean :math:`\mathbf m_* + \mathbf K_{*X} \nabla \log p(\mathbf y \mid \hat{\mathbf f})`,
   covariance :math:`\mathbf K_{**} - \mathbf V^\top \mathbf V`, :math:`\mathbf V = \mathbf L^{-1} \mathbf W^{1/2} \mathbf K_{X*}`.
 
-Closed forms of :math:`\ell`, :math:`\mathbf g` and :math:`\mathbf W` per likelihood (SPEC.md); the tests
+Closed forms of :math:`\ell`, :math:`\mathbf g` and :math:`\mathbf W` per likelihood (R&W sec. 3.4); the tests
 check them against autograd.
 """
 

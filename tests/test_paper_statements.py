@@ -1,6 +1,6 @@
-"""Statements of the paper (and of SPEC.md) checked on small problems against dense references.
+"""Statements of the paper checked on small problems against dense references.
 
-Damping (SPEC.md), Theorem A.2 (Gaussian likelihood: one Newton step is GP regression), Proposition A.3
+Damping (seed 001's step halving), Theorem A.2 (Gaussian likelihood: one Newton step is GP regression), Proposition A.3
 (the marginal variance does not increase over solver iterations), Proposition A.4 (after the virtual
 solver run the residual is orthogonal to the recycled actions), recycling and compression (Algorithm 3)
 and the cost model (one product with K per solver iteration).
