@@ -10,13 +10,15 @@ is accepted if it increases the log posterior
 .. math::
     \Psi(\mathbf f) = \ell(\mathbf f) - \tfrac12 (\mathbf f - \mathbf m)^\top \mathbf a ,
 
-otherwise the step is halved, :math:`\mathbf a \leftarrow \mathbf a_i + \alpha (\mathbf v_i - \mathbf a_i)`,
+or if :math:`\Psi` still rises at it along the step (:math:`\Psi` is concave in :math:`\mathbf a`; this decides
+where the change is below the rounding of :math:`\Psi`), otherwise the step is halved, :math:`\mathbf a \leftarrow \mathbf a_i + \alpha (\mathbf v_i - \mathbf a_i)`,
 :math:`\alpha = \tfrac12, \tfrac14, \dots` (damping; the undamped iteration diverges outside benign
 settings; seed 001's step halving). :math:`\mathbf K \mathbf v_i` comes from the solver's buffers, so :math:`\Psi` costs no
 product with :math:`\mathbf K`. The loop stops when
 :math:`\|\mathbf a_{i+1} - \mathbf a_i\| \le \text{outer\_tol} \, \|\mathbf a_i\|` for the full step, provided
 that step was a real Newton step (IterGP solved its system, or :math:`\mathbf a = \nabla \log p(\mathbf y \mid
-\mathbf f)`, the first-order condition of the mode, holds to ``outer_tol``).
+\mathbf f)`, the first-order condition of the mode, holds to ``outer_tol``), or when a solved step promises
+a gain in :math:`\Psi` (half the Newton decrement) below its resolution.
 
 :class:`DampedNewton` is an *outer loop*: :meth:`DampedNewton.steps` is a generator that yields one
 :class:`OuterStep` per completed Newton step (its record, the new :class:`LaplaceState`, and whether the loop

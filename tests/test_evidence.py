@@ -15,7 +15,12 @@ import gpytorch
 import pytest
 import torch
 
-from gpytorch_iterncgp import ExpPoissonLikelihood, LaplaceMarginalLogLikelihood, LogitBernoulliLikelihood
+from gpytorch_iterncgp import (
+    ExpPoissonLikelihood,
+    LaplaceMarginalLogLikelihood,
+    LogitBernoulliLikelihood,
+    NumericalBreakdownWarning,
+)
 from tests import reference
 from tests.models import IterNCGPModel, binary_data, count_data, multiclass_data, set_distinct_class_hyperparameters
 from tests.models import softmax_likelihood as _softmax
@@ -391,13 +396,20 @@ def test_large_counts_damping_and_warm_start(make_likelihood, name):
     x, y = _large_counts()
     likelihood = make_likelihood()
     model = IterNCGPModel(x, y, likelihood, lengthscale=0.2, outputscale=50.0, **STRATEGY_7)
-    report = model.variational_strategy.fit()
+    # Counts ~1e4 make K + W^-1 ill-conditioned: where IterGP's last actions lie numerically in the span of the
+    # earlier ones depends on the BLAS's rounding (seen with MKL's compatible code path), and it then stops with a
+    # NumericalBreakdownWarning. The result is what is checked.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NumericalBreakdownWarning)
+        report = model.variational_strategy.fit()
     assert report.converged
     _assert_exact_mode(model, x, y, name)
 
     model.covar_module.base_kernel.lengthscale = 0.05
     model.covar_module.outputscale = 200.0
-    warm = model.variational_strategy.fit()  # warm start from the previous mode and actions
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NumericalBreakdownWarning)
+        warm = model.variational_strategy.fit()  # warm start from the previous mode and actions
     assert warm.converged
     _assert_exact_mode(model, x, y, name)
 
