@@ -472,9 +472,11 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
     def predict_proba(self, X, return_std=False):
         """Predictive class probabilities ``(n, n_classes)``, columns in the order of ``classes_``.
 
-        Binary probit: exact :math:`\\Phi(\\mu / \\sqrt{1 + \\sigma^2})`; logit and softmax: the probit
-        approximation :math:`\\sigma(\\mu / \\sqrt{1 + \\pi \\sigma^2 / 8})` per latent (softmax-normalised),
-        with the latent marginals :math:`\\mu, \\sigma^2` (computational uncertainty included).
+        Binary probit: exact :math:`\\Phi(\\mu / \\sqrt{1 + \\sigma^2})`; binary logit:
+        :math:`\\mathbb E[\\sigma(f)]` by quadrature (to about 1e-13); multi-class: the pairwise mean-field
+        approximation of :math:`\\mathbb E[\\operatorname{softmax}(\\mathbf f)]` with each point's full
+        :math:`C \\times C` latent covariance (see :meth:`~gpytorch_iterncgp.IterNCGPStrategy.predictive_mean`).
+        The latent posterior includes the computational uncertainty of a stopped solver.
 
         :param return_std: also return the standard deviation of the latent function(s): ``(n,)`` for
             binary, ``(n, n_classes)`` for multi-class data (see :meth:`predict_latent` for the mean too).
@@ -485,9 +487,12 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
         if return_std:
 
             def function(x):
-                mean, variance = strategy.marginal_latent(x)
-                squeeze = (lambda t: t[:, 0]) if self.n_classes_ == 2 else (lambda t: t)
-                return strategy.adapter.predictive_mean(squeeze(mean), squeeze(variance)), squeeze(variance).sqrt()
+                if self.n_classes_ == 2:
+                    mean, variance = (t[:, 0] for t in strategy.marginal_latent(x))
+                    return strategy.adapter.predictive_mean(mean, variance), variance.sqrt()
+                mean, covariance = strategy.marginal_latent_blocks(x)
+                std = covariance.diagonal(dim1=-2, dim2=-1).sqrt()
+                return strategy.adapter.predictive_mean(mean, covariance), std
 
             probabilities, std = self._chunked(function, inputs)
         else:
