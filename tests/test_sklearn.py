@@ -316,19 +316,21 @@ def test_user_kernel_is_copied_and_matches_sklearn():
     clone(ours)  # deep-copies the kernel parameter
 
 
-def test_hyperparameter_learning_raises_the_evidence_towards_sklearn_optimum():
-    """Adam on the Laplace evidence (exact regime): the evidence rises from the initial kernel's and ends
-    within 0.5 nats of scikit-learn's L-BFGS optimum for the same kernel family (Constant * Matérn-5/2),
-    whose value we re-evaluate with our own evidence at scikit-learn's hyperparameters."""
+def test_hyperparameter_learning_reaches_sklearn_optimum():
+    """L-BFGS on the exact Laplace evidence reaches scikit-learn's L-BFGS-B optimum for the same kernel family
+    (Constant * Matérn-5/2, an interior optimum): the same evidence to 1e-4 nats and the same hyperparameters
+    to 1%. Our evidence at scikit-learn's hyperparameters is scikit-learn's value (the same Laplace evidence)."""
     x, y, _ = _binary(num=80, seed=5)
     fixed = IterNCGPClassifier(**TIGHT).fit(x, y).log_marginal_likelihood()
     learnt = IterNCGPClassifier(**{**TIGHT, "optimize_hyperparameters": True}, optimizer_steps=60).fit(x, y)
     assert learnt.log_marginal_likelihood() > fixed + 1.0
-    assert len(learnt.loss_curve_) == 60 and min(learnt.loss_curve_) < learnt.loss_curve_[0]
+    assert 1 < len(learnt.loss_curve_) <= 1.25 * 60 + 1
     kernel = ConstantKernel(1.0, (1e-3, 1e4)) * Matern(math.sqrt(2), (1e-2, 1e3), nu=2.5)
     theirs = GaussianProcessClassifier(kernel, random_state=0).fit(x, y)
-    assert learnt.log_marginal_likelihood() > theirs.log_marginal_likelihood_value_ - 0.5
-    # Our evidence at scikit-learn's optimum is scikit-learn's value (the same Laplace evidence).
+    assert abs(learnt.log_marginal_likelihood() - theirs.log_marginal_likelihood_value_) < 1e-4
+    np.testing.assert_allclose(float(learnt.kernel_.outputscale.detach()), theirs.kernel_.k1.constant_value, rtol=1e-2)
+    lengthscale = float(learnt.kernel_.base_kernel.lengthscale.detach())
+    np.testing.assert_allclose(lengthscale, theirs.kernel_.k2.length_scale, rtol=1e-2)
     optimum = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=2.5)).double()
     optimum.outputscale = theirs.kernel_.k1.constant_value
     optimum.base_kernel.lengthscale = theirs.kernel_.k2.length_scale
@@ -336,44 +338,58 @@ def test_hyperparameter_learning_raises_the_evidence_towards_sklearn_optimum():
     np.testing.assert_allclose(at_optimum, theirs.log_marginal_likelihood_value_, atol=1e-5)
 
 
-def test_failing_evidence_keeps_the_best_hyperparameters(monkeypatch):
-    """If the evidence fails after some Adam steps (here: forced on the 4th call), learning stops with a
-    ConvergenceWarning and the model keeps the hyperparameters of the best evidence seen; a failure at
-    the initial hyperparameters is raised."""
+def test_hyperparameter_learning_above_the_exact_evidence_size_is_adam():
+    """Matrix-free (estimated) evidence: ``optimizer_steps`` Adam steps, and the evidence rises."""
+    from gpytorch_iterncgp import settings
+
+    x, y, _ = _binary(num=80, seed=5)
+    with settings.exact_evidence_size(10):
+        learnt = IterNCGPClassifier(optimizer_steps=30, random_state=0).fit(x, y)
+    assert len(learnt.loss_curve_) == 30
+    assert min(learnt.loss_curve_[-5:]) < learnt.loss_curve_[0] - 0.05
+
+
+@pytest.mark.parametrize("regime", ["exact (L-BFGS)", "matrix-free (Adam)"])
+def test_failing_evidence_keeps_the_best_hyperparameters(monkeypatch, regime):
+    """If the evidence fails after some evaluations (here: forced on the 4th call), learning stops with a
+    ConvergenceWarning and the model keeps the hyperparameters of the best evidence seen (recorded at every
+    call); a failure at the initial hyperparameters is raised."""
     from sklearn.exceptions import ConvergenceWarning
 
     import gpytorch_iterncgp.sklearn as module
+    from gpytorch_iterncgp import settings
 
-    calls = []
+    seen = []
 
     class FailingEvidence(module.LaplaceMarginalLogLikelihood):
         def forward(self, function_dist, target, **kwargs):
-            calls.append(None)
-            if len(calls) == fail_at:
+            seen.append([p.detach().clone() for p in self.model.covar_module.parameters()])
+            if len(seen) == fail_at:
                 raise FloatingPointError("forced")
             return super().forward(function_dist, target, **kwargs)
 
     monkeypatch.setattr(module, "LaplaceMarginalLogLikelihood", FailingEvidence)
     x, y, _ = _binary()
     fail_at = 4
-    with pytest.warns(ConvergenceWarning, match="stopped after 3 Adam steps"):
+    size = 1000 if regime.startswith("exact") else 10
+    with settings.exact_evidence_size(size), pytest.warns(ConvergenceWarning, match="stopped after 3 evidence"):
         classifier = IterNCGPClassifier(optimizer_steps=10, random_state=0).fit(x, y)
     assert len(classifier.loss_curve_) == 3
     best = int(np.argmin(classifier.loss_curve_))
-    reference = IterNCGPClassifier(optimizer_steps=best + 1, random_state=0)
-    fail_at, calls[:] = 0, []
-    reference.fit(x, y)
-    for ours, theirs in zip(classifier.kernel_.parameters(), reference.kernel_.parameters(), strict=True):
-        torch.testing.assert_close(ours, theirs)  # best of the first best+1 steps = the same parameters
-    fail_at, calls[:] = 1, []
-    with pytest.raises(FloatingPointError, match="forced"):
+    for ours, theirs in zip(classifier.kernel_.parameters(), seen[best], strict=True):
+        torch.testing.assert_close(ours.detach(), theirs, rtol=0, atol=0)
+    assert any(not torch.equal(a, b) for a, b in zip(seen[0], seen[2], strict=True))  # it did move
+    fail_at, seen[:] = 1, []
+    with settings.exact_evidence_size(size), pytest.raises(FloatingPointError, match="forced"):
         IterNCGPClassifier(optimizer_steps=10).fit(x, y)
 
 
 def test_random_state_reproducible_and_global_rng_untouched():
+    from gpytorch_iterncgp import settings
+
     x, y, x_test = _multiclass(num=90)  # N C = 270; forced matrix-free evidence is stochastic
     state = torch.random.get_rng_state()
-    with gpytorch.settings.max_cholesky_size(10):
+    with settings.exact_evidence_size(10):
         first = IterNCGPClassifier(policy="unit", optimizer_steps=3, random_state=3).fit(x, y)
         second = IterNCGPClassifier(policy="unit", optimizer_steps=3, random_state=3).fit(x, y)
     assert torch.equal(state, torch.random.get_rng_state())
@@ -505,23 +521,10 @@ def _protocol_split(name):
     return scaler.transform(x_train), scaler.transform(x_test), y_train, y_test
 
 
-_HYPERPARAMETERS = (
-    "not reached by the defaults: the posterior is exact here (N C <= EXACT_SOLVE_SIZE) and the predictive integrates "
-    "the logistic by quadrature; 25 Adam steps do not reach the evidence optimum (0.114 vs 0.100)"
-)
-
-
-@pytest.mark.parametrize(
-    "name",
-    [
-        "iris",
-        pytest.param("breast_cancer", marks=pytest.mark.xfail(reason=_HYPERPARAMETERS, strict=True)),
-        "wine",
-        pytest.param("digits1000", marks=pytest.mark.slow),
-    ],
-)
+@pytest.mark.parametrize("name", ["iris", "breast_cancer", "wine", pytest.param("digits1000", marks=pytest.mark.slow)])
 def test_defaults_match_or_beat_sklearn_gaussian_process_classifier(name):
-    """Test log-loss of ``IterNCGPClassifier()`` <= that of ``GaussianProcessClassifier(1.0 * RBF(1.0))``."""
+    """Test log-loss of ``IterNCGPClassifier()`` <= that of ``GaussianProcessClassifier(1.0 * RBF(1.0))`` (the
+    protocol and the measured numbers: ``benchmarks/sklearn_defaults.py`` and its results)."""
     from sklearn.gaussian_process.kernels import RBF
     from sklearn.metrics import log_loss
 
