@@ -136,11 +136,15 @@ def main() -> None:
                 row["solver"] = {k: (v if k != "policy" else str(v)) for k, v in estimator.solver_budget_.items()}
                 row["fit_report"] = str(estimator.fit_report_)
                 row["kernel"] = {
-                    "outputscale": float(estimator.kernel_.outputscale),
-                    "lengthscale": float(estimator.kernel_.base_kernel.lengthscale),
+                    "outputscale": float(estimator.kernel_.outputscale.detach()),
+                    "lengthscale": float(estimator.kernel_.base_kernel.lengthscale.detach()),
                 }
+                row["evidence_evaluations"] = len(estimator.loss_curve_)
+                row["log_marginal_likelihood"] = estimator.log_marginal_likelihood()
             else:
                 row["kernel"] = str(estimator.kernel_)
+                if hasattr(estimator, "log_marginal_likelihood_value_"):
+                    row["log_marginal_likelihood"] = float(estimator.log_marginal_likelihood_value_)
             results[name][label] = row
             print(
                 f"{name:14s} {label:42s} log-loss {row['log_loss']:.4f}  accuracy {row['accuracy']:.3f}  "

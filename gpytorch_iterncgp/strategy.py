@@ -395,6 +395,17 @@ class IterNCGPStrategy(gpytorch.Module):
             return MultivariateNormal(mean, covariance)
         return MultitaskMultivariateNormal(mean.reshape(-1, self.num_latents), covariance, interleaved=True)
 
+    def _warn_lost_variance(self, variance: Tensor, prior_variance: Tensor) -> None:
+        lost = variance < 100 * torch.finfo(variance.dtype).eps * prior_variance
+        if bool(lost.any()):
+            warnings.warn(
+                f"IterNCGP: the posterior variance of {int(lost.sum())} latent value(s) is below 100 eps of the prior "
+                f"variance (up to {float(prior_variance[lost].max()):.3g}) and dominated by rounding in K - K C K "
+                f"({variance.dtype}); use float64 or a smaller outputscale for accurate variances there.",
+                NumericalWarning,
+                stacklevel=3,
+            )
+
     def marginal_latent(self, inputs: Tensor) -> tuple[Tensor, Tensor]:
         r"""Posterior mean and variance of the latents at ``inputs``, each ``(N*, C)``, without forming covariances.
 
@@ -406,26 +417,52 @@ class IterNCGPStrategy(gpytorch.Module):
         mean, root, test_prior = self._posterior_parts(inputs)
         prior_variance = test_prior.diagonal()
         variance = prior_variance - root.square().sum(-1)
-        lost = variance < 100 * torch.finfo(variance.dtype).eps * prior_variance
-        if bool(lost.any()):
-            warnings.warn(
-                f"IterNCGP: the posterior variance of {int(lost.sum())} latent value(s) is below 100 eps of the prior "
-                f"variance (up to {float(prior_variance[lost].max()):.3g}) and dominated by rounding in K - K C K "
-                f"({variance.dtype}); use float64 or a smaller outputscale for accurate variances there.",
-                NumericalWarning,
-                stacklevel=2,
-            )
+        self._warn_lost_variance(variance, prior_variance)
         variance = variance.clamp_min(0)
         return mean.reshape(-1, self.num_latents), variance.reshape(-1, self.num_latents)
 
+    def marginal_latent_blocks(self, inputs: Tensor) -> tuple[Tensor, Tensor]:
+        r"""Posterior mean ``(N*, C)`` and each test point's :math:`C \times C` latent covariance ``(N*, C, C)``.
+
+        Block :math:`n` of the posterior covariance :math:`\mathbf K_{**} - (\mathbf K_{*X}\mathbf Q)
+        (\mathbf K_{*X}\mathbf Q)^\top` (data-major): the prior block of point :math:`n` minus
+        :math:`\mathbf r_n \mathbf r_n^\top`, where :math:`\mathbf r_n` ``(C, r)`` are the rows
+        :math:`nC, \dots, nC + C - 1` of :math:`\mathbf K_{*X}\mathbf Q`. Memory :math:`O(N_* C r)`; no
+        :math:`N_* \times N_*` matrix is formed. The diagonals are :meth:`marginal_latent`'s variances (clamped at 0,
+        with its ``NumericalWarning``); the blocks are symmetrised, not clamped (see :func:`softmax_gaussian`).
+        With a kernel shared by the classes the latents of one point are strongly correlated a posteriori,
+        which the softmax's predictive (:meth:`predictive_mean`) needs.
+        """
+        inputs = self._check_test_inputs(inputs)
+        mean, root, test_prior = self._posterior_parts(inputs)
+        num = self.num_latents
+        rows = root.reshape(-1, num, root.shape[-1])
+        covariance = test_prior.point_blocks() - rows @ rows.mT
+        covariance = (covariance + covariance.mT) / 2
+        prior_variance = test_prior.diagonal()
+        variance = covariance.diagonal(dim1=-2, dim2=-1)
+        self._warn_lost_variance(variance.reshape(-1), prior_variance)
+        covariance.diagonal(dim1=-2, dim2=-1).clamp_(min=0)
+        return mean.reshape(-1, num), covariance
+
     def predictive_mean(self, inputs: Tensor) -> Tensor:
         r""":math:`\mathbb E[y_*]`: class probabilities (``(N*,)`` for :math:`p(y=1)`, ``(N*, C)`` for softmax) or
-        expected counts ``(N*,)``, from the marginal posterior of the latents.
+        expected counts ``(N*,)``, from the posterior of the latents at each test point.
 
-        Probit link: exact :math:`\Phi(\mu / \sqrt{1 + \sigma^2})`; logit link and softmax: the probit
-        approximation :math:`\sigma(\mu / \sqrt{1 + \pi \sigma^2 / 8})`; Poisson: :math:`e^{\mu + \sigma^2/2}`
-        (exp link) or Gauss–Hermite quadrature (softplus link).
+        * Probit link: exact, :math:`\Phi(\mu / \sqrt{1 + \sigma^2})`.
+        * Logit link: :math:`\mathbb E[\sigma(f)]` by quadrature to about 1e-13
+          (:func:`~gpytorch_iterncgp.likelihoods.logistic_gaussian`).
+        * Softmax: the pairwise mean-field approximation of :math:`\mathbb E[\operatorname{softmax}(\mathbf f)]`
+          (Lu, Ie and Sha, 2020; :func:`~gpytorch_iterncgp.likelihoods.softmax_gaussian`) with each point's
+          full :math:`C \times C` covariance (:meth:`marginal_latent_blocks`), not the per-class marginals:
+          with a kernel shared by the classes most of the posterior variance is common to all classes and
+          leaves the softmax unchanged.
+        * Poisson: :math:`e^{\mu + \sigma^2/2}` (exp link) or Gauss–Hermite quadrature (softplus link).
+
+        The latent posterior includes IterNCGP's computational uncertainty.
         """
+        if isinstance(self.adapter, SoftmaxAdapter):
+            return self.adapter.predictive_mean(*self.marginal_latent_blocks(inputs))
         mean, variance = self.marginal_latent(inputs)
         if self.num_latents == 1:
             return self.adapter.predictive_mean(mean[:, 0], variance[:, 0])
