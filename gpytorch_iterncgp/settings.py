@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from linear_operator.settings import _value_context
 
-__all__ = ["dense_kernel_limit", "exact_evidence_size", "kernel_chunk_bytes"]
+__all__ = ["dense_kernel_limit", "exact_evidence_size", "kernel_chunk_bytes", "softmax_samples"]
 
 
 class exact_evidence_size(_value_context):
@@ -45,3 +45,11 @@ class kernel_chunk_bytes(_value_context):
     """Bytes of kernel matrix evaluated at once in a chunked product (256 MiB); see :class:`dense_kernel_limit`."""
 
     _global_value = 2**28
+
+
+class softmax_samples(_value_context):
+    r"""Monte Carlo samples (antithetic pairs count two) of the softmax predictive
+    :math:`\mathbb E[\operatorname{softmax}(\mathbf f)]` per test point (1024): standard error below
+    :math:`0.5/\sqrt{S}` per probability. The base samples are fixed, so predictions are deterministic."""
+
+    _global_value = 1024

@@ -264,6 +264,7 @@ class _IterNCGPEstimator(BaseEstimator):
                 self.loss_curve_ = self._learn_hyperparameters(model, likelihood, train_x, targets)
             model.eval()
             self.fit_report_ = model.variational_strategy.fit()
+            self.fit_report_.budget = self.solver_budget_["rule"]  # str(fit_report_) says what was done, and why
         self.model_ = model
         self.likelihood_ = likelihood
         self.kernel_ = model.covar_module
@@ -522,9 +523,9 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
         """Predictive class probabilities ``(n, n_classes)``, columns in the order of ``classes_``.
 
         Binary probit: exact :math:`\\Phi(\\mu / \\sqrt{1 + \\sigma^2})`; binary logit:
-        :math:`\\mathbb E[\\sigma(f)]` by quadrature (to about 1e-13); multi-class: the pairwise mean-field
-        approximation of :math:`\\mathbb E[\\operatorname{softmax}(\\mathbf f)]` with each point's full
-        :math:`C \\times C` latent covariance (see :meth:`~gpytorch_iterncgp.IterNCGPStrategy.predictive_mean`).
+        :math:`\\mathbb E[\\sigma(f)]` by quadrature (to about 1e-13); multi-class:
+        :math:`\\mathbb E[\\operatorname{softmax}(\\mathbf f)]` by Monte Carlo with fixed base samples under each
+        point's full :math:`C \\times C` latent covariance (see :meth:`~gpytorch_iterncgp.IterNCGPStrategy.predictive_mean`).
         The latent posterior includes the computational uncertainty of a stopped solver.
 
         :param return_std: also return the standard deviation of the latent function(s): ``(n,)`` for

@@ -452,11 +452,11 @@ class IterNCGPStrategy(gpytorch.Module):
         * Probit link: exact, :math:`\Phi(\mu / \sqrt{1 + \sigma^2})`.
         * Logit link: :math:`\mathbb E[\sigma(f)]` by quadrature to about 1e-13
           (:func:`~gpytorch_iterncgp.likelihoods.logistic_gaussian`).
-        * Softmax: the pairwise mean-field approximation of :math:`\mathbb E[\operatorname{softmax}(\mathbf f)]`
-          (Lu, Ie and Sha, 2020; :func:`~gpytorch_iterncgp.likelihoods.softmax_gaussian`) with each point's
-          full :math:`C \times C` covariance (:meth:`marginal_latent_blocks`), not the per-class marginals:
-          with a kernel shared by the classes most of the posterior variance is common to all classes and
-          leaves the softmax unchanged.
+        * Softmax: :math:`\mathbb E[\operatorname{softmax}(\mathbf f)]` by Monte Carlo with fixed base samples
+          (deterministic; :func:`~gpytorch_iterncgp.likelihoods.softmax_gaussian`, ``settings.softmax_samples``)
+          under each point's full :math:`C \times C` covariance (:meth:`marginal_latent_blocks`), not the
+          per-class marginals: with a kernel shared by the classes most of the posterior variance is common to
+          all classes and leaves the softmax unchanged.
         * Poisson: :math:`e^{\mu + \sigma^2/2}` (exp link) or Gauss–Hermite quadrature (softplus link).
 
         The latent posterior includes IterNCGP's computational uncertainty.
