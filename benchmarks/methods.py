@@ -3,9 +3,10 @@ r"""The methods the benchmark suite compares, each on a :class:`Problem` with a 
 Every method reports a *history*: after each of its natural units of work (a Newton step, a number of Adam
 steps, a subset size) the test accuracy, NLL and ECE, stamped with the method's own wall time so far (the
 evaluations themselves are not counted). All methods turn latent marginals (mean, variance) into class
-probabilities with one rule, the pairwise mean-field approximation of the softmax on the marginals (a diagonal
-covariance; ``SoftmaxAdapter.predictive_mean``), so the comparison is between posteriors, not between predictive
-rules.
+probabilities with one rule, :math:`\mathbb E[\operatorname{softmax}(\mathbf f)]` under independent marginals (a
+diagonal covariance; ``SoftmaxAdapter.predictive_mean``), so the comparison is between posteriors, not between
+predictive rules. (``results/suite.json`` was measured with the earlier rule, the probit approximation
+:math:`\operatorname{softmax}(\mu / \sqrt{1 + \pi \sigma^2 / 8})`.)
 
 * :func:`run_iterncgp`: IterNCGP (CG or unit-vector actions, recycling, compression rank R), its time in
   products with K and everything else, and the size of its buffers.
@@ -65,7 +66,7 @@ def softmax_likelihood(num_classes: int) -> gpytorch.likelihoods.SoftmaxLikeliho
 
 
 def class_probabilities(mean: Tensor, variance: Tensor, num_classes: int) -> Tensor:
-    r"""Mean-field approximation of :math:`\mathbb E[\operatorname{softmax}(\mathbf f)]` on the marginals, ``(N*, C)``."""
+    r""":math:`\mathbb E[\operatorname{softmax}(\mathbf f)]` under independent marginals, ``(N*, C)``."""
     return likelihood_adapter(softmax_likelihood(num_classes)).predictive_mean(mean, variance)
 
 
