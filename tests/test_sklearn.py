@@ -122,6 +122,18 @@ def _reference_latent(x, y, x_test, likelihood, num_classes=1, prior_mean=0.0, b
 # ---------------------------------------------------------------------------------------------------
 # Numbers against independent references
 # ---------------------------------------------------------------------------------------------------
+def _assert_latent_matches_sklearn(ours, x, y, x_test):
+    """Latent mean and variance of ``ours`` against ``GaussianProcessClassifier`` with the default kernel fixed (1e-6);
+    returns scikit-learn's classifier and its moments."""
+    kernel = ConstantKernel(1.0, "fixed") * Matern(math.sqrt(2), "fixed", nu=2.5)
+    theirs = GaussianProcessClassifier(kernel, optimizer=None).fit(x, y)
+    mean, std = ours.predict_latent(x_test)
+    ref_mean, ref_variance = theirs.latent_mean_and_variance(x_test)
+    np.testing.assert_allclose(mean, ref_mean, atol=1e-6)
+    np.testing.assert_allclose(std**2, ref_variance, atol=1e-6)
+    return theirs, ref_mean, ref_variance
+
+
 def test_binary_logit_matches_sklearn_gaussian_process_classifier():
     """Logit link, default kernel fixed: latent mean/variance and log evidence equal scikit-learn's GPC
     (R&W Algorithms 3.1, 3.2, 5.1) to 1e-6. Probabilities: ours are E[σ(f)] by quadrature, checked against
@@ -132,12 +144,7 @@ def test_binary_logit_matches_sklearn_gaussian_process_classifier():
 
     x, y, x_test = _binary()
     ours = IterNCGPClassifier(**TIGHT).fit(x, y)
-    kernel = ConstantKernel(1.0, "fixed") * Matern(math.sqrt(2), "fixed", nu=2.5)
-    theirs = GaussianProcessClassifier(kernel, optimizer=None).fit(x, y)
-    mean, std = ours.predict_latent(x_test)
-    ref_mean, ref_variance = theirs.latent_mean_and_variance(x_test)
-    np.testing.assert_allclose(mean, ref_mean, atol=1e-6)
-    np.testing.assert_allclose(std**2, ref_variance, atol=1e-6)
+    theirs, ref_mean, ref_variance = _assert_latent_matches_sklearn(ours, x, y, x_test)
     np.testing.assert_allclose(ours.log_marginal_likelihood(), theirs.log_marginal_likelihood_value_, atol=1e-6)
 
     def integral(m, s):
@@ -459,12 +466,7 @@ def test_default_solver_budget_gives_the_exact_laplace_posterior_on_small_proble
     assert len(x) <= EXACT_SOLVE_SIZE and budget["exact"] and budget["policy"] == "unit"
     assert budget["max_solver_iterations"] is None and "exact Laplace posterior" in budget["rule"]
     assert ours.model_.variational_strategy.state.precision_root.shape == (len(x), len(x))  # C has full rank
-    kernel = ConstantKernel(1.0, "fixed") * Matern(math.sqrt(2), "fixed", nu=2.5)
-    theirs = GaussianProcessClassifier(kernel, optimizer=None).fit(x, y)
-    mean, std = ours.predict_latent(x_test)
-    ref_mean, ref_variance = theirs.latent_mean_and_variance(x_test)
-    np.testing.assert_allclose(mean, ref_mean, atol=1e-6)
-    np.testing.assert_allclose(std**2, ref_variance, atol=1e-6)
+    theirs, ref_mean, ref_variance = _assert_latent_matches_sklearn(ours, x, y, x_test)
 
 
 def test_default_solver_budget_above_the_exact_size_is_the_strategys_default():
