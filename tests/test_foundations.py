@@ -187,7 +187,7 @@ LAYERS = [
     {"validation", "exceptions", "settings"},
     {"noise", "precision", "policies", "datasets"},
     {"recycling", "likelihoods", "prior"},
-    {"solver", "outer_loop"},
+    {"solver", "outer_loop", "tilted"},
     {"newton"},
     {"strategy"},
     {"evidence"},
