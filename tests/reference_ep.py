@@ -139,11 +139,14 @@ def quad_moments(y: float, mean: float, variance: float, likelihood: str) -> tup
 
 
 def tilted_moments(y: Tensor, mean: Tensor, variance: Tensor, likelihood: str) -> tuple[Tensor, Tensor, Tensor]:
-    """Tilted moments for vectors: probit in closed form (eq. 3.58), the rest by :func:`quad_moments`."""
+    """Tilted moments for vectors: probit in closed form (eq. 3.58), the rest (and ``"probit_quad"``) by
+    :func:`quad_moments`."""
     if likelihood == "probit":
         return probit_moments(y, mean, variance)
-    rows = [quad_moments(float(a), float(b), float(c), likelihood) for a, b, c in zip(y, mean, variance, strict=True)]
-    return tuple(torch.tensor(column, dtype=torch.float64) for column in zip(*rows, strict=True))  # type: ignore[return-value]
+    name = "probit" if likelihood == "probit_quad" else likelihood
+    rows = [quad_moments(float(a), float(b), float(c), name) for a, b, c in zip(y, mean, variance, strict=True)]
+    log_z, tilted_mean, tilted_var = (torch.tensor(column, dtype=torch.float64) for column in zip(*rows, strict=True))
+    return log_z, tilted_mean, tilted_var
 
 
 # ---------------------------------------------------------------------------------------------------
