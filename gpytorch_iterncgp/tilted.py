@@ -94,9 +94,9 @@ def tilted_moments(
             f"got {type(adapter).__name__}."
         )
     dtype, device = cavity_mean.dtype, cavity_mean.device
-    _check_cavity(cavity_mean, cavity_variance, len(targets) if torch.is_tensor(targets) else -1)
     work = _working_dtype(device)
     y = adapter.check_targets(targets, work).to(device)
+    _check_cavity(cavity_mean, cavity_variance, len(y))
     mean, variance = cavity_mean.to(work), cavity_variance.to(work)
     if isinstance(adapter, ProbitBernoulliAdapter):
         moments = probit_moments(y, mean, variance)
