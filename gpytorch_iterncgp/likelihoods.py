@@ -359,10 +359,15 @@ class ExpPoissonAdapter(_DiagonalAdapter):
         return torch.exp(mean + variance / 2)
 
 
+def _softplus(latent: Tensor) -> Tensor:
+    r""":math:`\log(1 + e^f)`; torch's default returns :math:`f` itself above 20, off by :math:`e^{-20}` = 2e-9 there."""
+    return torch.nn.functional.softplus(latent, threshold=40)
+
+
 def _log_softplus(latent: Tensor) -> Tensor:
     r""":math:`\log \log(1 + e^f)`, accurate where :math:`f \ll 0` (there :math:`\approx f - e^f / 2`)."""
     safe = torch.where(latent < -20, torch.zeros_like(latent), latent)
-    return torch.where(latent < -20, latent - latent.exp() / 2, torch.log(torch.nn.functional.softplus(safe)))
+    return torch.where(latent < -20, latent - latent.exp() / 2, torch.log(_softplus(safe)))
 
 
 class SoftplusPoissonAdapter(_DiagonalAdapter):
@@ -372,11 +377,11 @@ class SoftplusPoissonAdapter(_DiagonalAdapter):
         _check_counts(targets)
 
     def _log_terms(self, latent: Tensor, targets: Tensor) -> Tensor:
-        rate = torch.nn.functional.softplus(latent)
+        rate = _softplus(latent)
         return targets * _log_softplus(latent) - rate - torch.lgamma(targets + 1)
 
     def _terms(self, latent, targets):
-        rate = torch.nn.functional.softplus(latent)
+        rate = _softplus(latent)
         log_rate = _log_softplus(latent)
         slope = torch.sigmoid(latent)  # lambda'
         bend = slope * torch.sigmoid(-latent)  # lambda''

@@ -93,6 +93,11 @@ def tilted_moments(
             f"tilted moments are implemented for the probit, logit, Poisson (exp) and Poisson (softplus) likelihoods; "
             f"got {type(adapter).__name__}."
         )
+    if not (torch.is_tensor(cavity_mean) and torch.is_tensor(cavity_variance)):
+        raise TypeError(
+            f"cavity_mean and cavity_variance must be tensors (N,), got {type(cavity_mean).__name__} and "
+            f"{type(cavity_variance).__name__}."
+        )
     dtype, device = cavity_mean.dtype, cavity_mean.device
     work = _working_dtype(device)
     y = adapter.check_targets(targets, work).to(device)
