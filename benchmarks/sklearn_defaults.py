@@ -1,6 +1,6 @@
 """``IterNCGPClassifier()`` with its defaults against scikit-learn's ``GaussianProcessClassifier`` with its own.
 
-    python benchmarks/sklearn_defaults.py             # four data sets, about a minute here (one thread)
+    python -m benchmarks.sklearn_defaults             # four data sets, about a minute here (one thread)
 
 Protocol, for each of scikit-learn's bundled iris, breast cancer, wine and digits (its first 1000 rows):
 a 70/30 stratified split (``train_test_split(..., test_size=0.3, stratify=y, random_state=0)``), features
@@ -17,31 +17,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
+import numpy as np
+import sklearn
 import torch
+from sklearn.datasets import load_breast_cancer, load_digits, load_iris, load_wine
+from sklearn.gaussian_process import GaussianProcessClassifier
+from sklearn.gaussian_process.kernels import RBF
+from sklearn.metrics import accuracy_score, log_loss
+from sklearn.model_selection import train_test_split
+from sklearn.preprocessing import StandardScaler
 
-BENCHMARKS = Path(__file__).resolve().parent
-RESULTS = BENCHMARKS / "results"
-sys.path.insert(0, str(BENCHMARKS))
-try:  # run from a checkout without installing the package
-    import gpytorch_iterncgp  # noqa: F401
-except ImportError:
-    sys.path.insert(0, str(BENCHMARKS.parent))
+from benchmarks.common import machine
+from gpytorch_iterncgp.sklearn import IterNCGPClassifier
 
-import numpy as np  # noqa: E402
-import sklearn  # noqa: E402
-from common import machine  # noqa: E402
-from sklearn.datasets import load_breast_cancer, load_digits, load_iris, load_wine  # noqa: E402
-from sklearn.gaussian_process import GaussianProcessClassifier  # noqa: E402
-from sklearn.gaussian_process.kernels import RBF  # noqa: E402
-from sklearn.metrics import accuracy_score, log_loss  # noqa: E402
-from sklearn.model_selection import train_test_split  # noqa: E402
-from sklearn.preprocessing import StandardScaler  # noqa: E402
-
-from gpytorch_iterncgp.sklearn import IterNCGPClassifier  # noqa: E402
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def _digits():
