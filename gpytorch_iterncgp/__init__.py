@@ -1,4 +1,5 @@
-"""IterNCGP for GPyTorch: Laplace inference for non-conjugate GPs by Newton steps solved with IterGP.
+"""IterNCGP for GPyTorch: Laplace (Newton steps) and expectation propagation (EP sweeps) for non-conjugate GPs,
+every step a GP regression solved by IterGP.
 
 Tatzel, Wenger, Schneider, Hennig: "Accelerating Non-Conjugate Gaussian Processes By Trading Off
 Computation For Uncertainty" (Algorithms 1-3). What users call is listed in ``__all__``; the building
@@ -7,18 +8,23 @@ blocks (IterGP, the noise operators, recycling, the outer-loop driver) live in t
 """
 
 from . import settings
-from .evidence import LaplaceMarginalLogLikelihood
+from .ep import EPState
+from .evidence import EPMarginalLogLikelihood, LaplaceMarginalLogLikelihood
 from .exceptions import NonFiniteEvidenceError, NotConvergedWarning, NumericalBreakdownWarning
 from .likelihoods import ExpPoissonLikelihood, LogitBernoulliLikelihood
 from .newton import LaplaceState, SolverOptions
-from .outer_loop import FitReport, NewtonStep
+from .outer_loop import EPSweep, FitReport, NewtonStep
 from .policies import ConjugateGradientPolicy, Policy, UnitVectorPolicy
-from .strategy import IterNCGPStrategy
+from .strategy import EPStrategy, IterNCGPStrategy
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ConjugateGradientPolicy",
+    "EPMarginalLogLikelihood",
+    "EPState",
+    "EPStrategy",
+    "EPSweep",
     "ExpPoissonLikelihood",
     "FitReport",
     "IterNCGPStrategy",

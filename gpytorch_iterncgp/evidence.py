@@ -32,6 +32,7 @@ softmax curvature needs no eigendecomposition). Two regimes behind :class:`Lapla
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from gpytorch.mlls import MarginalLogLikelihood
@@ -39,10 +40,13 @@ from linear_operator.operators import LinearOperator
 from torch import Tensor
 
 from . import settings
+from .ep import ExpectationPropagation
 from .exceptions import NonFiniteEvidenceError
 from .likelihoods import LikelihoodAdapter
 from .prior import LatentPrior
-from .strategy import IterNCGPStrategy
+from .sites import cavities
+from .strategy import EPStrategy, IterNCGPStrategy
+from .tilted import tilted_moments
 
 
 def curvature_root(curvature: Tensor, probabilities: Tensor | None = None) -> Tensor:
@@ -175,7 +179,63 @@ def matrix_free_laplace_evidence(prior: LatentPrior, adapter: LikelihoodAdapter,
     return log_posterior - 0.5 * new_system.logdet() + (mode_log_posterior - log_posterior).detach()
 
 
-class LaplaceMarginalLogLikelihood(MarginalLogLikelihood):
+class _StrategyEvidence(MarginalLogLikelihood):
+    """An evidence at a strategy's fitted state: checks the model, the likelihood and the training call."""
+
+    _strategy_type: Any = IterNCGPStrategy
+
+    def __init__(self, likelihood, model, exact: bool | None = None):
+        super().__init__(likelihood, model)
+        name, strategy_name = type(self).__name__, self._strategy_type.__name__
+        strategy = getattr(model, "variational_strategy", None)
+        if not isinstance(strategy, self._strategy_type):
+            raise TypeError(f"{name} needs a model whose variational_strategy is an {strategy_name}.")
+        if strategy.likelihood is not likelihood:
+            raise ValueError(f"{name}: likelihood must be the one the model's {strategy_name} uses.")
+        self.exact = exact
+
+    def _checked_call(self, function_dist, target: Tensor):
+        r"""The strategy, validated targets, its state and the prior (with gradients) for ``mll(model(train_x), train_y)``.
+
+        :raises ValueError: if ``function_dist`` was not computed at the training inputs (another number of points,
+            or a mean that is not the strategy's posterior mean there) or ``target`` is not the training targets.
+        """
+        name = type(self).__name__
+        strategy = self.model.variational_strategy
+        mean = getattr(function_dist, "mean", None)
+        size = strategy.num_data * strategy.num_latents
+        if mean is None or mean.numel() != size:
+            raise ValueError(
+                f"{name}: function_dist holds {None if mean is None else mean.numel()} latent "
+                f"values, but the training data has {strategy.num_data} points x {strategy.num_latents} latent(s); "
+                "call mll(model(train_x), train_y) with the strategy's training inputs."
+            )
+        targets = strategy.adapter.check_targets(target, strategy.train_inputs.dtype)
+        if targets.shape != strategy.train_targets.shape or not bool(torch.equal(targets, strategy.train_targets)):
+            raise ValueError(f"{name}: target must equal the strategy's training targets.")
+        state = strategy.ensure_fitted()  # model(train_x) has fitted it: no work here
+        prior = strategy.train_prior()
+        fitted = prior.mean.detach().reshape(-1) + state.kernel_representer_weights
+        given = mean.detach().reshape(-1)
+        if not bool(torch.allclose(given, fitted, rtol=1e-4, atol=1e-4 * (1 + float(fitted.abs().max())))):
+            raise ValueError(
+                f"{name}: the mean of function_dist is not the strategy's posterior mean at the current "
+                "hyperparameters; call mll(model(train_x), train_y) right after computing model(train_x)."
+            )
+        exact = size <= settings.exact_evidence_size.value() if self.exact is None else self.exact
+        return strategy, targets, state, prior, exact
+
+    def _per_point(self, evidence: Tensor, num_data: int) -> Tensor:
+        if not math.isfinite(float(evidence.detach())):
+            raise NonFiniteEvidenceError(
+                f"{type(self).__name__}: the evidence is {float(evidence.detach())} at the current "
+                "hyperparameters (overflow of the likelihood, or EP sites that did not converge); lower the learning "
+                "rate, bound the hyperparameters with constraints, or fit the strategy further."
+            )
+        return evidence / num_data
+
+
+class LaplaceMarginalLogLikelihood(_StrategyEvidence):
     r"""The Laplace approximation of :math:`\log p(\mathbf y \mid \mathbf X, \theta)`, divided by :math:`N`.
 
     For a model whose ``variational_strategy`` is an :class:`~gpytorch_iterncgp.IterNCGPStrategy`:
@@ -200,18 +260,7 @@ class LaplaceMarginalLogLikelihood(MarginalLogLikelihood):
         :math:`N C \le` :class:`gpytorch_iterncgp.settings.exact_evidence_size` (1000).
     """
 
-    def __init__(self, likelihood, model, exact: bool | None = None):
-        super().__init__(likelihood, model)
-        strategy = getattr(model, "variational_strategy", None)
-        if not isinstance(strategy, IterNCGPStrategy):
-            raise TypeError(
-                "LaplaceMarginalLogLikelihood needs a model whose variational_strategy is an IterNCGPStrategy."
-            )
-        if strategy.likelihood is not likelihood:
-            raise ValueError(
-                "LaplaceMarginalLogLikelihood: likelihood must be the one the model's IterNCGPStrategy uses."
-            )
-        self.exact = exact
+    _strategy_type = IterNCGPStrategy
 
     def forward(self, function_dist, target: Tensor, **kwargs) -> Tensor:
         """The Laplace evidence per data point of the training data.
@@ -222,28 +271,7 @@ class LaplaceMarginalLogLikelihood(MarginalLogLikelihood):
             points, or a mean that is not the strategy's mode) or ``target`` is not the training targets.
         :raises NonFiniteEvidenceError: if the evidence is not finite.
         """
-        strategy: IterNCGPStrategy = self.model.variational_strategy
-        mean = getattr(function_dist, "mean", None)
-        size = strategy.num_data * strategy.num_latents
-        if mean is None or mean.numel() != size:
-            raise ValueError(
-                f"LaplaceMarginalLogLikelihood: function_dist holds {None if mean is None else mean.numel()} latent "
-                f"values, but the training data has {strategy.num_data} points x {strategy.num_latents} latent(s); "
-                "call mll(model(train_x), train_y) with the strategy's training inputs."
-            )
-        targets = strategy.adapter.check_targets(target, strategy.train_inputs.dtype)
-        if targets.shape != strategy.train_targets.shape or not bool(torch.equal(targets, strategy.train_targets)):
-            raise ValueError("LaplaceMarginalLogLikelihood: target must equal the strategy's training targets.")
-        state = strategy.ensure_fitted()  # model(train_x) has fitted it: no work here
-        prior = strategy.train_prior()
-        mode = prior.mean.detach().reshape(-1) + state.kernel_representer_weights
-        given = mean.detach().reshape(-1)
-        if not bool(torch.allclose(given, mode, rtol=1e-4, atol=1e-4 * (1 + float(mode.abs().max())))):
-            raise ValueError(
-                "LaplaceMarginalLogLikelihood: the mean of function_dist is not the strategy's mode at the current "
-                "hyperparameters; call mll(model(train_x), train_y) right after computing model(train_x)."
-            )
-        exact = size <= settings.exact_evidence_size.value() if self.exact is None else self.exact
+        strategy, targets, state, prior, exact = self._checked_call(function_dist, target)
         if exact:
             kernel_matrix = prior.data_major_covariance().to_dense()
             prior_mean = prior.mean.reshape(-1)
@@ -252,10 +280,112 @@ class LaplaceMarginalLogLikelihood(MarginalLogLikelihood):
             )
         else:
             evidence = matrix_free_laplace_evidence(prior, strategy.adapter, targets, state)
-        if not math.isfinite(float(evidence.detach())):
-            raise NonFiniteEvidenceError(
-                f"LaplaceMarginalLogLikelihood: the evidence is {float(evidence.detach())} at the current "
-                "hyperparameters (overflow of the likelihood at the mode?); lower the learning rate or bound the "
-                "hyperparameters with constraints."
-            )
-        return evidence / strategy.num_data
+        return self._per_point(evidence, strategy.num_data)
+
+
+class EPMarginalLogLikelihood(_StrategyEvidence):
+    r"""The EP approximation :math:`\log Z_{EP}` of :math:`\log p(\mathbf y \mid \mathbf X, \theta)`, divided by :math:`N`.
+
+    For a model whose ``variational_strategy`` is an :class:`~gpytorch_iterncgp.EPStrategy`, in the usual GPyTorch
+    loop (``loss = -mll(model(train_x), train_y)``); every call re-converges the sites for the current
+    hyperparameters, warm-started from the previous sites. The value is R&W eq. 3.65 (:func:`ep_evidence`); at
+    the EP fixed point its derivative with respect to the sites vanishes, so the gradient with respect to the
+    kernel and mean hyperparameters is that of :math:`\log \mathcal N(\tilde{\boldsymbol\mu} \mid \mathbf m,
+    \mathbf K + \tilde{\mathbf T}^{-1})` with the sites held fixed (R&W sec. 5.5.2, eq. 5.27; Seeger 2005). The
+    gradient is exact at the fixed point: as exact as the strategy's convergence (``site_tol``, a complete solve).
+
+    * **exact** (:math:`N \le` ``settings.exact_evidence_size``): dense Cholesky of
+      :math:`\mathbf B = \mathbf I + \tilde{\mathbf T}^{1/2} \mathbf K \tilde{\mathbf T}^{1/2}`; the cavities from the
+      exact marginals of the sites.
+    * **matrix-free**: :math:`\log\lvert\mathbf B\rvert` by stochastic Lanczos quadrature and
+      :math:`\mathbf b^\top \mathbf B^{-1} \mathbf b` by CG (linear_operator), products with :math:`\mathbf K` only; the
+      cavities from the strategy's marginals (exact for a complete solve).
+
+    The package's EP likelihoods (probit, logit, Poisson) have no parameters of their own.
+
+    :param likelihood: the strategy's likelihood.
+    :param model: the ``ApproximateGP`` with an ``EPStrategy``.
+    :param exact: force the exact (``True``) or matrix-free (``False``) regime.
+    """
+
+    _strategy_type = EPStrategy
+
+    def forward(self, function_dist, target: Tensor, **kwargs) -> Tensor:
+        """The EP evidence per data point of the training data.
+
+        :raises ValueError: as :class:`LaplaceMarginalLogLikelihood`.
+        :raises NonFiniteEvidenceError: if the evidence is not finite (e.g. a cavity precision that is not positive:
+            the sites did not converge).
+        """
+        strategy, targets, state, prior, exact = self._checked_call(function_dist, target)
+        marginals = None if exact else ExpectationPropagation.marginals_of(prior, state)
+        evidence = ep_evidence(
+            prior, strategy.adapter, targets, state.site_precision, state.site_natural_mean, exact, marginals
+        )
+        return self._per_point(evidence, strategy.num_data)
+
+
+def ep_evidence(
+    prior: LatentPrior,
+    adapter: LikelihoodAdapter,
+    targets: Tensor,
+    site_precision: Tensor,
+    site_natural_mean: Tensor,
+    exact: bool = True,
+    marginals: tuple[Tensor, Tensor] | None = None,
+) -> Tensor:
+    r"""The EP log marginal likelihood at fixed sites, differentiable in the prior's hyperparameters.
+
+    R&W eq. 3.65 with :math:`|\mathbf K + \tilde{\mathbf T}^{-1}| = |\tilde{\mathbf T}|^{-1} |\mathbf B|` and
+    :math:`\mathbf b = \tilde{\mathbf T}^{1/2}(\tilde{\boldsymbol\mu} - \mathbf m) = (\tilde{\boldsymbol\nu} - \tilde{\boldsymbol\tau} \mathbf m) /
+    \sqrt{\tilde{\boldsymbol\tau}}`, so that a flat site (:math:`\tilde\tau_i = \tilde\nu_i = 0`) contributes nothing:
+
+    .. math::
+        \log Z_{EP} = -\tfrac12 \log|\mathbf B| - \tfrac12 \mathbf b^\top \mathbf B^{-1} \mathbf b
+        + \sum_i \Big[\log \hat Z_i + \tfrac12 \log\big(1 + \tfrac{\tilde\tau_i}{\tau_{-i}}\big)
+        + \frac{(\tilde\tau_i \mu_{-i} - \tilde\nu_i)^2 \, \tau_{-i}}{2 \tilde\tau_i (\tilde\tau_i + \tau_{-i})}\Big],
+
+    :math:`\mathbf B = \mathbf I + \tilde{\mathbf T}^{1/2} \mathbf K \tilde{\mathbf T}^{1/2}`, with the cavities
+    :math:`(\tau_{-i}, \mu_{-i})` of the posterior marginals and :math:`\log \hat Z_i` at them. The value is that
+    sum; the gradient is that of the first two terms (:math:`\log \mathcal N(\tilde{\boldsymbol\mu} \mid \mathbf m,
+    \mathbf K + \tilde{\mathbf T}^{-1})` up to site constants), the total derivative at the EP fixed point.
+
+    :param prior: the prior at the training inputs, built *with* gradients.
+    :param site_precision: :math:`\tilde{\boldsymbol\tau}` ``(N,)``; ``site_natural_mean``: :math:`\tilde{\boldsymbol\nu}` ``(N,)``.
+    :param exact: dense Cholesky (and exact marginals) or linear_operator's CG and stochastic Lanczos quadrature.
+    :param marginals: the posterior means and variances ``(N,)`` for the cavities; required unless ``exact``.
+    """
+    tau, nu = site_precision.detach(), site_natural_mean.detach()
+    prior_mean = prior.mean.reshape(-1)
+    root = tau.sqrt()
+    positive = tau > 0
+    rhs = torch.where(positive, (nu - tau * prior_mean) / torch.where(positive, root, 1), 0.0)
+    if exact:
+        kernel = prior.data_major_covariance().to_dense()
+        system = torch.eye(len(tau), dtype=kernel.dtype, device=kernel.device) + root[:, None] * kernel * root
+        cholesky = torch.linalg.cholesky(system)
+        whitened = torch.linalg.solve_triangular(cholesky, rhs[:, None], upper=False)[:, 0]
+        fixed_site_part = -cholesky.diagonal().log().sum() - 0.5 * whitened.square().sum()
+        with torch.no_grad():
+            rooted_kernel = torch.linalg.solve_triangular(cholesky, root[:, None] * kernel, upper=False)
+            variance = kernel.diagonal() - rooted_kernel.square().sum(0)
+            mean = prior_mean + rooted_kernel.mT @ whitened
+    else:
+        if marginals is None:
+            raise ValueError("ep_evidence: the matrix-free regime needs the posterior marginals (mean, variance).")
+        system = WhitenedKernel(root[:, None, None], prior.data_major_covariance(), prior.point_blocks())
+        inv_quad, logdet = system.inv_quad_logdet(inv_quad_rhs=rhs[:, None], logdet=True)
+        fixed_site_part = -0.5 * logdet - 0.5 * inv_quad
+        mean, variance = (marginal.detach() for marginal in marginals)
+    with torch.no_grad():
+        cavity_precision, cavity_natural_mean = cavities(mean.detach(), variance, tau, nu)
+        if not bool((cavity_precision > 0).all()):
+            return fixed_site_part + math.nan  # a non-positive cavity: the sites are not at a fixed point
+        cavity_variance = cavity_precision.reciprocal()
+        cavity_mean = cavity_natural_mean * cavity_variance
+        log_normalizer, _, _ = tilted_moments(adapter, targets, cavity_mean, cavity_variance)
+        ratio = tau / cavity_precision
+        safe_tau = torch.where(positive, tau, 1)
+        mismatch = torch.where(positive, (tau * cavity_mean - nu).square() / (safe_tau * (1 + ratio)), 0.0)
+        site_terms = (log_normalizer + 0.5 * torch.log1p(ratio) + 0.5 * mismatch).sum()
+    return fixed_site_part + site_terms

@@ -47,31 +47,23 @@ from .outer_loop import BREAKDOWN, CONTINUE, CONVERGED, STALLED, NewtonStep, Out
 from .policies import Policy
 from .prior import LatentPrior
 from .recycling import ActionBuffer, virtual_solver_run
-from .solver import itergp_solve
-from .validation import check_count, check_flag, check_nonnegative
+from .solver import IterGPOptions, RegressionState, itergp_solve
+from .validation import check_count, check_nonnegative
 
 
 @dataclass
-class SolverOptions:
+class SolverOptions(IterGPOptions):
     """Settings of the Newton loop and of IterGP (see :class:`~gpytorch_iterncgp.IterNCGPStrategy`)."""
 
     max_newton_steps: int = 20
-    max_solver_iterations: int | None = 5
     outer_tol: float = 1e-2
-    abs_tol: float = 1e-5
-    rel_tol: float = 1e-5
-    compression_rank: int | None = None
-    recycle: bool = True
     min_step_size: float = 2.0**-10
 
     def validate(self) -> None:
         """:raises ValueError: naming the option that is out of range (or not a number; ``True`` is not a count)."""
+        super().validate()
         check_count(self.max_newton_steps, "max_newton_steps")
-        check_count(self.max_solver_iterations, "max_solver_iterations", minimum=1, allow_none=True)
-        check_count(self.compression_rank, "compression_rank", minimum=1, allow_none=True)
-        for name in ("outer_tol", "abs_tol", "rel_tol"):
-            check_nonnegative(getattr(self, name), name)
-        check_flag(self.recycle, "recycle")
+        check_nonnegative(self.outer_tol, "outer_tol")
         if not 0 < self.min_step_size <= 1:
             raise ValueError(f"min_step_size must lie in (0, 1], got {self.min_step_size!r}.")
 
@@ -90,41 +82,53 @@ class NewtonControl:
 
 
 @dataclass
-class LaplaceState:
+class LaplaceState(RegressionState):
     r"""Where the Newton loop stands; all a fitted model needs to predict and to continue.
 
-    ``n = N C`` (data-major), ``r`` the rank of :math:`\mathbf C`, ``B`` the number of buffered actions.
+    The regression's tensors (:class:`~gpytorch_iterncgp.solver.RegressionState`: :math:`\mathbf a`,
+    :math:`\mathbf K \mathbf a`, :math:`\mathbf Q`, :math:`\mathbf K \mathbf Q`, :math:`\mathbf S`,
+    :math:`\mathbf K \mathbf S`) at the current mode, and the loop's own bookkeeping.
     """
 
-    representer_weights: Tensor  # a, (n,): f = m + K a
-    kernel_representer_weights: Tensor  # K a, (n,)
-    precision_root: Tensor  # Q, (n, r): C = Q Q^T
-    kernel_precision_root: Tensor  # K Q, (n, r)
-    actions: Tensor  # S, (n, B)
-    kernel_actions: Tensor  # K S, (n, B)
     log_posterior: float = -math.inf
     newton_steps: int = 0
     control: NewtonControl = field(default_factory=NewtonControl)  # the outer loop's bookkeeping
 
     @classmethod
     def initial(cls, size: int, dtype: torch.dtype, device: torch.device) -> LaplaceState:
-        """The prior: :math:`\\mathbf a = \\mathbf 0`, no actions."""
-        zeros = torch.zeros(size, dtype=dtype, device=device)
-        empty = torch.zeros(size, 0, dtype=dtype, device=device)
-        return cls(zeros, zeros.clone(), empty, empty.clone(), empty.clone(), empty.clone())
+        r"""The prior: :math:`\mathbf a = \mathbf 0`, no actions."""
+        return cls(*cls.prior_tensors(size, dtype, device))
 
-    def tensors(self) -> dict[str, Tensor]:
-        return {name: getattr(self, name) for name in TENSOR_FIELDS}
+    def to_extra(self) -> dict:
+        """Tensors (cloned), numbers and flags, for a ``state_dict`` (``weights_only`` loadable)."""
+        return {
+            **{name: tensor.clone() for name, tensor in self.tensors().items()},
+            "log_posterior": self.log_posterior,
+            "newton_steps": self.newton_steps,
+            "forcing": self.control.forcing,
+            "same_system": self.control.same_system,
+        }
+
+    @classmethod
+    def from_extra(cls, saved: dict, reference: Tensor) -> LaplaceState:
+        """Inverse of :meth:`to_extra`, tensors moved to the dtype and device of ``reference``.
+
+        :raises ValueError: for missing entries or shapes that disagree.
+        """
+        cls.check_shapes(saved, "IterNCGPStrategy")
+        missing = [name for name in ("log_posterior", "newton_steps") if name not in saved]
+        if missing:
+            raise ValueError(f"IterNCGPStrategy extra state is malformed: missing or non-tensor entries {missing}.")
+        tensors = {name: saved[name].to(reference) for name in TENSOR_FIELDS}
+        return cls(
+            **tensors,
+            log_posterior=float(saved["log_posterior"]),
+            newton_steps=int(saved["newton_steps"]),
+            control=NewtonControl(float(saved.get("forcing", 1.0)), bool(saved.get("same_system", False))),
+        )
 
 
-TENSOR_FIELDS = (
-    "representer_weights",
-    "kernel_representer_weights",
-    "precision_root",
-    "kernel_precision_root",
-    "actions",
-    "kernel_actions",
-)
+TENSOR_FIELDS = tuple(field.name for field in dataclasses.fields(RegressionState))
 
 
 def _relative_change(new: Tensor, old: Tensor) -> float:
@@ -174,6 +178,19 @@ class DampedNewton:
         latents = adapter.num_latents - 1 if adapter.zero_sum_actions else adapter.num_latents
         self.action_space_dimension = num_data * latents
         self._cached: tuple[Tensor, LikelihoodDerivatives] | None = None
+
+    name = "IterNCGP"
+
+    # -- states ------------------------------------------------------------------------------------------------
+    def initial_state(self) -> LaplaceState:
+        r"""The prior: :math:`\mathbf a = \mathbf 0`, no actions."""
+        return LaplaceState.initial(len(self.prior_mean), self.prior_mean.dtype, self.prior_mean.device)
+
+    def renew(self, state: LaplaceState) -> LaplaceState:
+        r"""``state`` after a change of :math:`\mathbf K`: its products renewed (one product), :math:`\mathbf a` kept as
+        the warm start, and IterGP's tolerances start afresh (a new system)."""
+        renewed = state.with_kernel(self.prior.matmul)
+        return dataclasses.replace(renewed, log_posterior=-math.inf, control=NewtonControl())
 
     # -- the objective -----------------------------------------------------------------------------------------
     def latent_of(self, kernel_weights: Tensor) -> Tensor:

@@ -42,6 +42,37 @@ class NewtonStep:
     kernel_products: int = 0  # filled in by the driver
     kernel_product_seconds: float = 0.0  # wall time of this step's products with K (filled in by the driver)
 
+    def progress(self) -> dict[str, str]:
+        """What the progress bar shows after this step."""
+        return {"log_posterior": f"{self.log_posterior:.5g}", "residual": f"{self.residual_norm:.2g}"}
+
+
+@dataclass
+class EPSweep:
+    """One parallel sweep of expectation propagation as recorded in the :class:`FitReport`."""
+
+    step: int
+    site_change: float  # max relative change the undamped update proposed for the site parameters
+    damping: float
+    skipped_sites: int  # sites whose cavity was not finite (kept as they were)
+    bounded_cavities: int  # cavity precisions raised to the prior precision (computation-aware marginals too wide)
+    clipped_sites: int  # sites whose new precision was negative (set to 0)
+    solver_iterations: int
+    residual_norm: float
+    kernel_products: int = 0  # filled in by the driver
+    kernel_product_seconds: float = 0.0  # filled in by the driver
+
+    def progress(self) -> dict[str, str]:
+        """What the progress bar shows after this sweep."""
+        return {
+            "site_change": f"{self.site_change:.2g}",
+            "bounded": str(self.bounded_cavities),
+            "residual": f"{self.residual_norm:.2g}",
+        }
+
+
+StepRecord = NewtonStep | EPSweep
+
 
 @dataclass
 class OuterStep:
@@ -53,7 +84,7 @@ class OuterStep:
         or ``"breakdown"`` (the step could not be computed; ``state`` is the last good one).
     """
 
-    record: NewtonStep | None
+    record: StepRecord | None
     state: Any
     status: str = CONTINUE
     message: str = ""
@@ -62,6 +93,16 @@ class OuterStep:
 
 class OuterLoop(Protocol):
     """An outer loop over GP regressions solved by IterGP (damped Newton; EP)."""
+
+    name: str  # "IterNCGP", "EP": shown on the progress bar and in the report
+
+    def initial_state(self) -> Any:
+        """The state to start from without a previous fit (the prior)."""
+        ...
+
+    def renew(self, state: Any) -> Any:
+        """``state`` made valid for a changed kernel (its kernel products renewed)."""
+        ...
 
     def steps(self, state: Any) -> Generator[OuterStep, None, None]:
         """Steps from ``state``, until converged, stalled or broken down (never on its own otherwise)."""
@@ -80,7 +121,10 @@ class ProductCounter(Protocol):
 
 @dataclass
 class FitReport:
-    """What a call of :meth:`~gpytorch_iterncgp.IterNCGPStrategy.fit` did."""
+    """What a call of :meth:`~gpytorch_iterncgp.IterNCGPStrategy.fit` or :meth:`~gpytorch_iterncgp.EPStrategy.fit` did.
+
+    ``newton_steps`` counts the outer steps: Newton steps, or EP sweeps (also :attr:`sweeps`).
+    """
 
     newton_steps: int = 0
     solver_iterations: int = 0
@@ -91,8 +135,24 @@ class FitReport:
     breakdown: bool = False
     stopped_by_callback: bool = False
     wall_time: float = 0.0
-    steps: list[NewtonStep] = field(default_factory=list)
+    steps: list[Any] = field(default_factory=list)  # NewtonStep or EPSweep records
     budget: str = ""  # how the solver budget was chosen (set by callers that choose it, e.g. the estimators)
+    method: str = "IterNCGP"  # the outer loop: "IterNCGP" (Laplace by damped Newton) or "EP"
+
+    @property
+    def sweeps(self) -> int:
+        """The number of outer steps (EP's name for them)."""
+        return self.newton_steps
+
+    @property
+    def skipped_sites(self) -> int:
+        """EP: site updates skipped for a cavity that was not finite, summed over the sweeps."""
+        return sum(getattr(step, "skipped_sites", 0) for step in self.steps)
+
+    @property
+    def bounded_cavities(self) -> int:
+        """EP: cavity precisions raised to the prior precision, summed over the sweeps."""
+        return sum(getattr(step, "bounded_cavities", 0) for step in self.steps)
 
     @property
     def log_posteriors(self) -> list[float]:
@@ -108,6 +168,16 @@ class FitReport:
 
     def __str__(self) -> str:
         last = self.steps[-1] if self.steps else None
+        if self.method == "EP":
+            return (
+                f"EP fit: {self.newton_steps} sweeps, {self.solver_iterations} solver iterations, "
+                f"{self.kernel_products} products with K ({self.kernel_product_seconds:.2f}s), "
+                f"converged={self.converged}, breakdown={self.breakdown}, bounded cavities={self.bounded_cavities}, "
+                f"skipped site updates={self.skipped_sites}, "
+                f"site change={last.site_change if last else float('nan'):.3g}, "
+                f"residual={last.residual_norm if last else float('nan'):.3g}, {self.wall_time:.2f}s"
+                + (f"; {self.budget}" if self.budget else "")
+            )
         return (
             f"IterNCGP fit: {self.newton_steps} Newton steps, {self.solver_iterations} solver iterations, "
             f"{self.kernel_products} products with K ({self.kernel_product_seconds:.2f}s), "
@@ -129,7 +199,7 @@ def run_outer_loop(
     commit: Callable[[Any], None],
     counter: ProductCounter,
     max_steps: int,
-    callback: Callable[[NewtonStep, Any], bool | None] | None = None,
+    callback: Callable[[Any, Any], bool | None] | None = None,
     show_progress: bool = True,
     stacklevel: int = 2,
 ) -> FitReport:
@@ -140,8 +210,8 @@ def run_outer_loop(
     :param stacklevel: of the warnings, counted from the caller of this function.
     """
     start_time = time.perf_counter()
-    report = FitReport()
-    progress = tqdm(total=max_steps, desc="IterNCGP", disable=not show_progress, leave=False)
+    report = FitReport(method=loop.name)
+    progress = tqdm(total=max_steps, desc=loop.name, disable=not show_progress, leave=False)
     iterator = loop.steps(state)
     try:
         for _ in range(max_steps):
@@ -167,7 +237,7 @@ def run_outer_loop(
             report.newton_steps += 1
             report.solver_iterations += record.solver_iterations
             progress.update(1)
-            progress.set_postfix(log_posterior=f"{record.log_posterior:.5g}", residual=f"{record.residual_norm:.2g}")
+            progress.set_postfix(record.progress())
             if callback is not None and callback(record, state):
                 report.stopped_by_callback = True
                 break

@@ -26,10 +26,12 @@ in the span is skipped; each product with :math:`\mathbf K` counts as an iterati
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Self
 
 import torch
 from linear_operator.operators import LinearOperator
@@ -39,7 +41,7 @@ from .exceptions import NumericalBreakdownWarning
 from .policies import Policy
 from .precision import ColumnStore, LowRankPrecision
 from .recycling import ActionBuffer, virtual_solver_run
-from .validation import check_count, check_nonnegative
+from .validation import check_count, check_flag, check_nonnegative
 
 # An action with less than this fraction of its energy s^T K̂ s outside the span of the earlier actions is
 # replaced by that new part (see itergp_solve); with less than 1000 eps, it counts as linearly dependent.
@@ -60,6 +62,89 @@ class IterGPResult:
     breakdown: bool
     # The system was solved: the residual met the tolerance, or C has full rank (exact in exact arithmetic).
     converged: bool = False
+
+
+@dataclass
+class IterGPOptions:
+    """IterGP's budget and tolerances in each outer step (Newton step, EP sweep), and what it keeps between steps."""
+
+    max_solver_iterations: int | None = 5  # products with K per step; None: until abs_tol/rel_tol
+    abs_tol: float = 1e-5
+    rel_tol: float = 1e-5
+    compression_rank: int | None = None  # R, recycled actions kept between steps (None: all)
+    recycle: bool = True  # recycle actions across steps (paper, Algorithm 3)
+
+    def validate(self) -> None:
+        """:raises ValueError: naming the option that is out of range (or not a number; ``True`` is not a count)."""
+        check_count(self.max_solver_iterations, "max_solver_iterations", minimum=1, allow_none=True)
+        check_count(self.compression_rank, "compression_rank", minimum=1, allow_none=True)
+        for name in ("abs_tol", "rel_tol"):
+            check_nonnegative(getattr(self, name), name)
+        check_flag(self.recycle, "recycle")
+
+
+@dataclass
+class RegressionState:
+    r"""IterGP's solution of an outer step's GP regression and the actions it keeps for the next one.
+
+    ``n = N C`` (data-major), ``r`` the rank of :math:`\mathbf C`, ``B`` the number of buffered actions. The
+    posterior of the latents is :math:`\mathbf m + \mathbf K \mathbf a` and :math:`\mathbf K - \mathbf K \mathbf Q
+    \mathbf Q^\top \mathbf K` whatever the outer loop (Newton, EP) that set the regression.
+    """
+
+    representer_weights: Tensor  # a, (n,): f = m + K a
+    kernel_representer_weights: Tensor  # K a, (n,)
+    precision_root: Tensor  # Q, (n, r): C = Q Q^T
+    kernel_precision_root: Tensor  # K Q, (n, r)
+    actions: Tensor  # S, (n, B)
+    kernel_actions: Tensor  # K S, (n, B)
+
+    @staticmethod
+    def prior_tensors(
+        size: int, dtype: torch.dtype, device: torch.device
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        r"""The six tensors of the prior, in field order: :math:`\mathbf a = \mathbf 0`, no actions."""
+        zeros = torch.zeros(size, dtype=dtype, device=device)
+        empty = torch.zeros(size, 0, dtype=dtype, device=device)
+        return zeros, zeros.clone(), empty, empty.clone(), empty.clone(), empty.clone()
+
+    def tensors(self) -> dict[str, Tensor]:
+        """Every tensor of the state (also a subclass's), by field name."""
+        values = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        return {name: value for name, value in values.items() if torch.is_tensor(value)}
+
+    def with_kernel(self, kernel_matmul: Callable[[Tensor], Tensor]) -> Self:
+        r"""This state after a change of :math:`\mathbf K`: one product renews :math:`\mathbf K \mathbf a` and
+        :math:`\mathbf K \mathbf S`; :math:`\mathbf Q` (valid for the old kernel only) is dropped."""
+        stacked = torch.cat([self.representer_weights[:, None], self.actions], dim=-1)
+        product = kernel_matmul(stacked)
+        empty = stacked[:, :0]
+        return dataclasses.replace(
+            self,
+            kernel_representer_weights=product[:, 0],
+            kernel_actions=product[:, 1:],
+            precision_root=empty,
+            kernel_precision_root=empty.clone(),
+        )
+
+    @classmethod
+    def check_shapes(cls, saved: dict, owner: str) -> None:
+        """Check the six tensors of a saved state against each other (``owner`` names the state in errors).
+
+        :raises ValueError: naming the missing, non-tensor or inconsistent entries.
+        """
+        names = [field.name for field in dataclasses.fields(RegressionState)]
+        missing = [name for name in names if not torch.is_tensor(saved.get(name))]
+        if missing:
+            raise ValueError(f"{owner} extra state is malformed: missing or non-tensor entries {missing}.")
+        shape = saved["representer_weights"].shape
+        rank, buffered = saved["precision_root"].shape[-1:], saved["actions"].shape[-1:]
+        expected = dict(
+            zip(names, (shape, shape, shape + rank, shape + rank, shape + buffered, shape + buffered), strict=True)
+        )
+        wrong = {name: tuple(saved[name].shape) for name in names if saved[name].shape != expected[name]}
+        if len(shape) != 1 or wrong:
+            raise ValueError(f"{owner} extra state is malformed: inconsistent shapes {wrong or dict(size=shape)}.")
 
 
 def _check_solver_arguments(noise_inverse, rhs, buffer, max_iterations, abs_tol, rel_tol, compression_rank):

@@ -43,12 +43,15 @@ from gpytorch.utils.warnings import NumericalWarning
 from linear_operator.operators import LinearOperator, MatmulLinearOperator
 from torch import Tensor
 
+from .ep import EPOptions, EPState, ExpectationPropagation
 from .likelihoods import LogitBernoulliAdapter, ProbitBernoulliAdapter, SoftmaxAdapter, likelihood_adapter
-from .newton import TENSOR_FIELDS, DampedNewton, LaplaceState, NewtonControl, SolverOptions
-from .outer_loop import FitReport, NewtonStep, run_outer_loop
+from .newton import DampedNewton, LaplaceState, SolverOptions
+from .outer_loop import EPSweep, FitReport, NewtonStep, OuterLoop, run_outer_loop
 from .policies import Policy, make_policy
 from .precision import LowRankPrecision
 from .prior import LatentPrior
+from .solver import IterGPOptions, RegressionState
+from .tilted import TILTED_ADAPTERS
 from .validation import check_flag, check_inputs
 
 _UNSET = object()
@@ -64,33 +67,17 @@ def _data_fingerprint(inputs: Tensor, targets: Tensor) -> str:
     return digest.hexdigest()
 
 
-class IterNCGPStrategy(gpytorch.Module):
-    r"""Laplace inference by damped Newton steps solved with IterGP (IterNCGP), for an ``ApproximateGP``.
+class _SolverStrategy(gpytorch.Module):
+    r"""What IterNCGP (Laplace) and EP share: the model's prior, an outer loop of GP regressions solved by IterGP,
+    the committed solver state, predictions from it, ``state_dict`` and devices.
 
-    :param model: the ``ApproximateGP`` that owns this strategy (pass ``self`` in its ``__init__``); its
-        ``forward`` defines the prior. ``batch_shape=[C]`` means one GP per class, no batch shape with
-        :math:`C > 1` classes means one kernel shared by all classes.
-    :param train_inputs: :math:`\mathbf X`, shape ``(N, D)`` (or ``(N,)``).
-    :param train_targets: :math:`\mathbf y`, shape ``(N,)``: labels in {0, 1} (Bernoulli), class indices in
-        :math:`[0, C)` (softmax), non-negative integer counts (Poisson).
-    :param likelihood: a GPyTorch likelihood: ``BernoulliLikelihood`` (probit), :class:`LogitBernoulliLikelihood`,
-        ``PoissonLikelihood`` (softplus), :class:`ExpPoissonLikelihood`,
-        ``SoftmaxLikelihood(num_classes=C, mixing_weights=False)``, or any log-concave likelihood (autograd).
-    :param policy: ``"cg"`` (conjugate gradients), ``"unit"`` (subset of data) or a :class:`Policy`.
-    :param max_newton_steps: the default limit of Newton steps per :meth:`fit`.
-    :param max_solver_iterations: IterGP iterations (products with :math:`\mathbf K`) per Newton step;
-        ``None``: until ``abs_tol``/``rel_tol``.
-    :param compression_rank: :math:`R`, the number of recycled actions kept between Newton steps
-        (``None``: all).
-    :param recycle: recycle actions across Newton steps (Algorithm 3); otherwise every step starts afresh.
-    :param outer_tol: stop when the relative change of the representer weights is below it.
-    :param abs_tol: IterGP stops when the residual norm is below ``max(abs_tol, rel_tol * ||b||)``.
-    :param rel_tol: see ``abs_tol``.
-    :param min_curvature: lower bound on :math:`\mathbf W` (and on softmax probabilities), bounding the noise
-        :math:`\mathbf W^{-1}`; default ``sqrt(eps)`` of the dtype.
-    :param seed: seed of the unit-vector policy's random order.
-    :param show_progress: show a tqdm progress bar in :meth:`fit`.
+    A subclass sets :attr:`_state_type` and builds its outer loop in :meth:`_make_loop`; the posterior at inputs
+    :math:`\mathbf X_*` is :math:`\mathbf m(\mathbf X_*) + \mathbf K_{*X} \mathbf a` and
+    :math:`\mathbf K_{**} - \mathbf K_{*X} \mathbf Q \mathbf Q^\top \mathbf K_{X*}` for either.
     """
+
+    _state_type: Any = RegressionState  # with to_extra() and the classmethod from_extra(saved, reference)
+    options: Any
 
     def __init__(
         self,
@@ -98,17 +85,11 @@ class IterNCGPStrategy(gpytorch.Module):
         train_inputs: Tensor,
         train_targets: Tensor,
         likelihood: gpytorch.likelihoods.Likelihood,
-        policy: str | Policy = "cg",
-        max_newton_steps: int = 20,
-        max_solver_iterations: int | None = 5,
-        compression_rank: int | None = None,
-        recycle: bool = True,
-        outer_tol: float = 1e-2,
-        abs_tol: float = 1e-5,
-        rel_tol: float = 1e-5,
-        min_curvature: float | None = None,
-        seed: int = 0,
-        show_progress: bool = True,
+        policy: str | Policy,
+        options: IterGPOptions,
+        min_curvature: float | None,
+        seed: int,
+        show_progress: bool,
     ):
         super().__init__()
         if not isinstance(model, torch.nn.Module):
@@ -130,23 +111,15 @@ class IterNCGPStrategy(gpytorch.Module):
             raise ValueError(
                 f"train_inputs has {len(train_inputs)} points but train_targets has {len(targets)}: they must match."
             )
-        check_flag(recycle, "recycle")
+        check_flag(options.recycle, "recycle")
         check_flag(show_progress, "show_progress")
         self.register_buffer("train_inputs", train_inputs, persistent=False)
         self.register_buffer("train_targets", targets, persistent=False)
-        self.options = SolverOptions(
-            max_newton_steps=max_newton_steps,
-            max_solver_iterations=max_solver_iterations,
-            outer_tol=outer_tol,
-            abs_tol=abs_tol,
-            rel_tol=rel_tol,
-            compression_rank=compression_rank,
-            recycle=recycle,
-        )
-        self.options.validate()
+        options.validate()
+        self.options = options
         self.policy = make_policy(policy, seed)
         self.show_progress = show_progress
-        self._state: LaplaceState | None = None
+        self._state: Any = None  # the committed state (of _state_type)
         self._fingerprint: Tensor | None = None
         self._policy_state: dict = self.policy.state()  # the policy's position at the committed state
         self.last_report: FitReport | None = None
@@ -180,28 +153,16 @@ class IterNCGPStrategy(gpytorch.Module):
         """The model's prior at the training inputs (with gradients where autograd records them)."""
         return LatentPrior.from_distribution(self.model.forward(self.train_inputs), self.num_latents)
 
-    def _starting_state(self, prior: LatentPrior) -> LaplaceState:
-        """The state to continue from; if the hyperparameters changed, its products with K are renewed."""
+    def _starting_state(self, loop: OuterLoop) -> RegressionState:
+        """The state to continue from: the loop's initial state, the committed one, or (if the hyperparameters
+        changed) the committed one renewed for the new kernel by the loop (one product with K)."""
         if self._state is None:
-            return LaplaceState.initial(self.num_data * self.num_latents, prior.dtype, prior.device)
+            return loop.initial_state()
         if self._is_current():
             return self._state
-        # K changed: K a and K S are stale. One product with K renews both; a is kept (warm start).
-        state = self._state
-        stacked = torch.cat([state.representer_weights[:, None], state.actions], dim=-1)
-        product = prior.matmul(stacked)
-        empty = stacked[:, :0]
-        return dataclasses.replace(
-            state,
-            kernel_representer_weights=product[:, 0],
-            kernel_actions=product[:, 1:],
-            precision_root=empty,
-            kernel_precision_root=empty,
-            log_posterior=float("-inf"),
-            control=NewtonControl(),  # a new system: IterGP's tolerances start afresh
-        )
+        return loop.renew(self._state)
 
-    def _commit(self, state: LaplaceState) -> None:
+    def _commit(self, state: RegressionState) -> None:
         self._state = state
         self._fingerprint = self._hyperparameter_fingerprint()
         self._policy_state = self.policy.state()
@@ -215,92 +176,51 @@ class IterNCGPStrategy(gpytorch.Module):
                     "model (model.to(device)) and the likelihood to the device of the data."
                 )
 
-    def fit(
-        self,
-        max_newton_steps: int | None = None,
-        max_solver_iterations=_UNSET,
-        outer_tol: float | None = None,
-        abs_tol: float | None = None,
-        rel_tol: float | None = None,
-        callback: Callable[[NewtonStep, LaplaceState], bool | None] | None = None,
-        show_progress: bool | None = None,
-    ) -> FitReport:
-        r"""Run Newton steps from the current state until the stopping criteria (or a limit) are met.
+    def _make_loop(self, prior: LatentPrior, options: Any) -> OuterLoop:
+        raise NotImplementedError
 
-        Calling it again continues where the last call stopped, reusing the recycled actions. Arguments
-        override the strategy's settings for this call only.
-
-        :param callback: called after every Newton step with its :class:`NewtonStep` record and the
-            :class:`LaplaceState`; return ``True`` to stop.
-        :return: a :class:`FitReport` (Newton steps, solver iterations, products with K, residuals, time).
-
-        Interruption: the strategy's state is replaced only after each completed Newton step. If the fit is
-        stopped by the callback, or by an exception such as ``KeyboardInterrupt`` (also one raised inside the
-        callback), the strategy keeps the state of the last completed step (and the unit-vector policy its
-        position there), so that ``fit()`` resumes from it, and a ``state_dict()`` saved then (or inside the
-        callback) resumes in a fresh model exactly as the uninterrupted fit continues. After an exception the
-        precision :math:`\mathbf Q` is that of the last completed solve, not yet updated to :math:`\mathbf W`
-        at its mode (the next ``fit()`` does that).
-
-        :raises ValueError: for an option out of range, or model parameters on another device than the data.
-        :raises TypeError: for a callback that is not callable, or a model computing in another dtype.
-        """
-        overrides: dict[str, Any] = {
-            "max_newton_steps": max_newton_steps,
-            "outer_tol": outer_tol,
-            "abs_tol": abs_tol,
-            "rel_tol": rel_tol,
-        }
-        options = dataclasses.replace(self.options, **{k: v for k, v in overrides.items() if v is not None})
-        if max_solver_iterations is not _UNSET:
-            options.max_solver_iterations = max_solver_iterations
-        options.validate()
+    def _check_callback(self, callback, show_progress) -> bool:
         if callback is not None and not callable(callback):
             raise TypeError(f"callback must be callable (step, state) -> bool | None, got {type(callback).__name__}.")
         if show_progress is not None:
             check_flag(show_progress, "show_progress")
-        show = self.show_progress if show_progress is None else show_progress
+        return self.show_progress if show_progress is None else show_progress
+
+    def _prior_for_fit(self) -> LatentPrior:
         self._check_model_device()
-        with torch.no_grad():
-            prior = self.train_prior()
-            if prior.dtype != self.train_inputs.dtype:
-                raise TypeError(
-                    f"The model computes in {prior.dtype} but train_inputs are {self.train_inputs.dtype}: "
-                    "convert the model and the data to one dtype."
-                )
-            resolution = 10 * torch.finfo(prior.dtype).eps
-            if 0 < options.outer_tol < resolution:
-                warnings.warn(
-                    f"outer_tol={options.outer_tol:g} is below what {prior.dtype} resolves (10 eps = {resolution:.2g}): "
-                    "the relative change of the representer weights stays at rounding level above it, so the fit "
-                    "will likely run to max_newton_steps without reporting convergence. Use float64 or a larger "
-                    "outer_tol.",
-                    UserWarning,
-                    stacklevel=2,
-                )
-            state = self._starting_state(prior)
-            self.policy.prepare(self.num_data, self.num_latents, self.adapter.zero_sum_actions)
-            loop = DampedNewton(prior, self.adapter, self.train_targets, options, self.policy)
-            try:
-                report = run_outer_loop(
-                    loop,
-                    state,
-                    commit=self._commit,
-                    counter=prior,
-                    max_steps=options.max_newton_steps,
-                    callback=callback,
-                    show_progress=show,
-                    stacklevel=2,
-                )
-            except BaseException:
-                # Interrupted (KeyboardInterrupt, an error in the callback, ...): the state is that of the last
-                # completed step; put the policy back to where it was then.
-                self.policy.load_state(self._policy_state)
-                raise
+        prior = self.train_prior()
+        if prior.dtype != self.train_inputs.dtype:
+            raise TypeError(
+                f"The model computes in {prior.dtype} but train_inputs are {self.train_inputs.dtype}: "
+                "convert the model and the data to one dtype."
+            )
+        return prior
+
+    def _run(self, prior: LatentPrior, options: Any, max_steps: int, callback, show: bool) -> FitReport:
+        """Drive the subclass's outer loop from the starting state; the committed state follows every step."""
+        self.policy.prepare(self.num_data, self.num_latents, self.adapter.zero_sum_actions)
+        loop = self._make_loop(prior, options)
+        state = self._starting_state(loop)
+        try:
+            report = run_outer_loop(
+                loop,
+                state,
+                commit=self._commit,
+                counter=prior,
+                max_steps=max_steps,
+                callback=callback,
+                show_progress=show,
+                stacklevel=3,
+            )
+        except BaseException:
+            # Interrupted (KeyboardInterrupt, an error in the callback, ...): the state is that of the last
+            # completed step; put the policy back to where it was then.
+            self.policy.load_state(self._policy_state)
+            raise
         self.last_report = report
         return report
 
-    def ensure_fitted(self) -> LaplaceState:
+    def ensure_fitted(self) -> Any:
         """The state for the current hyperparameters: :meth:`fit` (without progress bar) if it is missing or stale.
 
         Every prediction calls it, so predictions before ``fit()``, or after a change of a hyperparameter, fit first.
@@ -334,22 +254,15 @@ class IterNCGPStrategy(gpytorch.Module):
 
     # -- the posterior ---------------------------------------------------------------------------
     @property
-    def state(self) -> LaplaceState | None:
-        """The solver state (representer weights, precision root, action buffers), or ``None`` before fitting."""
+    def state(self) -> Any:
+        """The solver state (representer weights, precision root, action buffers, and the loop's own), or ``None``
+        before fitting."""
         return self._state
 
     @property
     def approximate_precision(self) -> LowRankPrecision:
-        r""":math:`\mathbf C = \mathbf Q \mathbf Q^\top \approx (\mathbf K + \mathbf W^{-1})^{-1}`, ``(N C, N C)``."""
+        r""":math:`\mathbf C = \mathbf Q \mathbf Q^\top \approx (\mathbf K + \mathbf W^{-1})^{-1}` (EP: :math:`\tilde{\mathbf T}^{-1}`), ``(N C, N C)``."""
         return LowRankPrecision(self.ensure_fitted().precision_root)
-
-    @property
-    def mode(self) -> Tensor:
-        r"""The (approximate) posterior mode :math:`\hat{\mathbf f} = \mathbf m + \mathbf K \mathbf a`, ``(N, C)``."""
-        state = self.ensure_fitted()
-        with torch.no_grad():
-            mean = self.train_prior().mean
-        return mean + state.kernel_representer_weights.reshape(-1, self.num_latents)
 
     def _check_test_inputs(self, inputs: Tensor) -> Tensor:
         inputs = check_inputs(inputs, "inputs", device=self.train_inputs.device)
@@ -478,21 +391,12 @@ class IterNCGPStrategy(gpytorch.Module):
     def get_extra_state(self) -> dict:
         """The solver state for ``state_dict()``: tensors, numbers and strings only (``weights_only`` loadable).
 
-        Holds the state of the last completed Newton step (also when saved inside a ``fit`` callback), the
+        Holds the state of the last completed step (also when saved inside a ``fit`` callback), the
         unit-vector policy's position there, and a hash of the training data it belongs to.
         """
-        state: dict[str, Any] | None = None
-        if self._state is not None:
-            state = {name: tensor.clone() for name, tensor in self._state.tensors().items()}
-            state.update(
-                log_posterior=self._state.log_posterior,
-                newton_steps=self._state.newton_steps,
-                forcing=self._state.control.forcing,
-                same_system=self._state.control.same_system,
-            )
         return {
             "version": 2,
-            "state": state,
+            "state": None if self._state is None else self._state.to_extra(),
             "fingerprint": self._fingerprint,
             "policy": dict(self._policy_state),
             "data": _data_fingerprint(self.train_inputs, self.train_targets),
@@ -506,60 +410,40 @@ class IterNCGPStrategy(gpytorch.Module):
         ``UserWarning``: the hyperparameters still load, and the next ``fit()`` or prediction starts from the
         prior instead of predicting with weights fitted to other data.
         """
+        name = type(self).__name__
         if not isinstance(extra, dict):
-            raise ValueError(f"IterNCGPStrategy extra state must be a dict, got {type(extra).__name__}.")
+            raise ValueError(f"{name} extra state must be a dict, got {type(extra).__name__}.")
         saved = extra.get("state")
         if saved is None:
-            self._state, self._fingerprint = None, None
-            self.policy.load_state(extra.get("policy", {}))
-            self._policy_state = self.policy.state()
+            self._reset_state(extra.get("policy", {}))
             return
-        missing = [name for name in (*TENSOR_FIELDS, "log_posterior", "newton_steps") if name not in saved]
-        missing += [name for name in TENSOR_FIELDS if name in saved and not torch.is_tensor(saved[name])]
-        if missing:
-            raise ValueError(f"IterNCGPStrategy extra state is malformed: missing or non-tensor entries {missing}.")
-        size = saved["representer_weights"].shape
-        rank, buffered = saved["precision_root"].shape[-1:], saved["actions"].shape[-1:]
-        expected = {
-            "representer_weights": size,
-            "kernel_representer_weights": size,
-            "precision_root": size + rank,
-            "kernel_precision_root": size + rank,
-            "actions": size + buffered,
-            "kernel_actions": size + buffered,
-        }
-        wrong = {name: tuple(saved[name].shape) for name in TENSOR_FIELDS if saved[name].shape != expected[name]}
-        if len(size) != 1 or wrong:
-            raise ValueError(
-                f"IterNCGPStrategy extra state is malformed: inconsistent shapes {wrong or dict(size=size)}."
-            )
+        if not isinstance(saved, dict):
+            raise ValueError(f"{name} extra state is malformed: its state must be a dict, got {type(saved).__name__}.")
+        state = self._state_type.from_extra(saved, self.train_inputs)
+        size = state.representer_weights.shape[0]
         expected_size = self.num_data * self.num_latents
         data = extra.get("data")
-        if size[0] != expected_size or (
+        if size != expected_size or (
             data is not None and data != _data_fingerprint(self.train_inputs, self.train_targets)
         ):
             warnings.warn(
-                f"The saved IterNCGP solver state belongs to other training data ({size[0]} latent values, this model "
+                f"The saved {name} solver state belongs to other training data ({size} latent values, this model "
                 f"has {expected_size}, or different values): it is discarded, and the next fit() or prediction "
                 "starts from the prior.",
                 UserWarning,
                 stacklevel=2,
             )
-            self._state, self._fingerprint = None, None
-            self.policy.load_state({})
-            self._policy_state = self.policy.state()
+            self._reset_state({})
             return
-        reference = self.train_inputs
-        tensors = {name: saved[name].to(reference) for name in TENSOR_FIELDS}
-        self._state = LaplaceState(
-            **tensors,
-            log_posterior=float(saved["log_posterior"]),
-            newton_steps=int(saved["newton_steps"]),
-            control=NewtonControl(float(saved.get("forcing", 1.0)), bool(saved.get("same_system", False))),
-        )
+        self._state = state
         fingerprint = extra.get("fingerprint")
-        self._fingerprint = None if fingerprint is None else fingerprint.to(reference)
+        self._fingerprint = None if fingerprint is None else fingerprint.to(self.train_inputs)
         self.policy.load_state(extra.get("policy", {}))
+        self._policy_state = self.policy.state()
+
+    def _reset_state(self, policy_state: dict) -> None:
+        self._state, self._fingerprint = None, None
+        self.policy.load_state(policy_state)
         self._policy_state = self.policy.state()
 
     def _apply(self, fn, recurse=True):
@@ -570,3 +454,261 @@ class IterNCGPStrategy(gpytorch.Module):
         if self._fingerprint is not None:
             self._fingerprint = fn(self._fingerprint)
         return self
+
+
+class IterNCGPStrategy(_SolverStrategy):
+    r"""Laplace inference by damped Newton steps solved with IterGP (IterNCGP), for an ``ApproximateGP``.
+
+    :param model: the ``ApproximateGP`` that owns this strategy (pass ``self`` in its ``__init__``); its
+        ``forward`` defines the prior. ``batch_shape=[C]`` means one GP per class, no batch shape with
+        :math:`C > 1` classes means one kernel shared by all classes.
+    :param train_inputs: :math:`\mathbf X`, shape ``(N, D)`` (or ``(N,)``).
+    :param train_targets: :math:`\mathbf y`, shape ``(N,)``: labels in {0, 1} (Bernoulli), class indices in
+        :math:`[0, C)` (softmax), non-negative integer counts (Poisson).
+    :param likelihood: a GPyTorch likelihood: ``BernoulliLikelihood`` (probit), :class:`LogitBernoulliLikelihood`,
+        ``PoissonLikelihood`` (softplus), :class:`ExpPoissonLikelihood`,
+        ``SoftmaxLikelihood(num_classes=C, mixing_weights=False)``, or any log-concave likelihood (autograd).
+    :param policy: ``"cg"`` (conjugate gradients), ``"unit"`` (subset of data) or a :class:`Policy`.
+    :param max_newton_steps: the default limit of Newton steps per :meth:`fit`.
+    :param max_solver_iterations: IterGP iterations (products with :math:`\mathbf K`) per Newton step;
+        ``None``: until ``abs_tol``/``rel_tol``.
+    :param compression_rank: :math:`R`, the number of recycled actions kept between Newton steps
+        (``None``: all).
+    :param recycle: recycle actions across Newton steps (Algorithm 3); otherwise every step starts afresh.
+    :param outer_tol: stop when the relative change of the representer weights is below it.
+    :param abs_tol: IterGP stops when the residual norm is below ``max(abs_tol, rel_tol * ||b||)``.
+    :param rel_tol: see ``abs_tol``.
+    :param min_curvature: lower bound on :math:`\mathbf W` (and on softmax probabilities), bounding the noise
+        :math:`\mathbf W^{-1}`; default ``sqrt(eps)`` of the dtype.
+    :param seed: seed of the unit-vector policy's random order.
+    :param show_progress: show a tqdm progress bar in :meth:`fit`.
+    """
+
+    _state_type = LaplaceState
+    options: SolverOptions
+
+    def __init__(
+        self,
+        model: gpytorch.models.ApproximateGP,
+        train_inputs: Tensor,
+        train_targets: Tensor,
+        likelihood: gpytorch.likelihoods.Likelihood,
+        policy: str | Policy = "cg",
+        max_newton_steps: int = 20,
+        max_solver_iterations: int | None = 5,
+        compression_rank: int | None = None,
+        recycle: bool = True,
+        outer_tol: float = 1e-2,
+        abs_tol: float = 1e-5,
+        rel_tol: float = 1e-5,
+        min_curvature: float | None = None,
+        seed: int = 0,
+        show_progress: bool = True,
+    ):
+        options = SolverOptions(
+            max_newton_steps=max_newton_steps,
+            max_solver_iterations=max_solver_iterations,
+            outer_tol=outer_tol,
+            abs_tol=abs_tol,
+            rel_tol=rel_tol,
+            compression_rank=compression_rank,
+            recycle=recycle,
+        )
+        super().__init__(
+            model, train_inputs, train_targets, likelihood, policy, options, min_curvature, seed, show_progress
+        )
+
+    def fit(
+        self,
+        max_newton_steps: int | None = None,
+        max_solver_iterations=_UNSET,
+        outer_tol: float | None = None,
+        abs_tol: float | None = None,
+        rel_tol: float | None = None,
+        callback: Callable[[NewtonStep, LaplaceState], bool | None] | None = None,
+        show_progress: bool | None = None,
+    ) -> FitReport:
+        r"""Run Newton steps from the current state until the stopping criteria (or a limit) are met.
+
+        Calling it again continues where the last call stopped, reusing the recycled actions. Arguments
+        override the strategy's settings for this call only.
+
+        :param callback: called after every Newton step with its :class:`NewtonStep` record and the
+            :class:`LaplaceState`; return ``True`` to stop.
+        :return: a :class:`FitReport` (Newton steps, solver iterations, products with K, residuals, time).
+
+        Interruption: the strategy's state is replaced only after each completed Newton step. If the fit is
+        stopped by the callback, or by an exception such as ``KeyboardInterrupt`` (also one raised inside the
+        callback), the strategy keeps the state of the last completed step (and the unit-vector policy its
+        position there), so that ``fit()`` resumes from it, and a ``state_dict()`` saved then (or inside the
+        callback) resumes in a fresh model exactly as the uninterrupted fit continues. After an exception the
+        precision :math:`\mathbf Q` is that of the last completed solve, not yet updated to :math:`\mathbf W`
+        at its mode (the next ``fit()`` does that).
+
+        :raises ValueError: for an option out of range, or model parameters on another device than the data.
+        :raises TypeError: for a callback that is not callable, or a model computing in another dtype.
+        """
+        overrides: dict[str, Any] = {
+            "max_newton_steps": max_newton_steps,
+            "outer_tol": outer_tol,
+            "abs_tol": abs_tol,
+            "rel_tol": rel_tol,
+        }
+        options = dataclasses.replace(self.options, **{k: v for k, v in overrides.items() if v is not None})
+        if max_solver_iterations is not _UNSET:
+            options.max_solver_iterations = max_solver_iterations
+        options.validate()
+        show = self._check_callback(callback, show_progress)
+        with torch.no_grad():
+            prior = self._prior_for_fit()
+            resolution = 10 * torch.finfo(prior.dtype).eps
+            if 0 < options.outer_tol < resolution:
+                warnings.warn(
+                    f"outer_tol={options.outer_tol:g} is below what {prior.dtype} resolves (10 eps = {resolution:.2g}): "
+                    "the relative change of the representer weights stays at rounding level above it, so the fit "
+                    "will likely run to max_newton_steps without reporting convergence. Use float64 or a larger "
+                    "outer_tol.",
+                    UserWarning,
+                    stacklevel=2,
+                )
+            return self._run(prior, options, options.max_newton_steps, callback, show)
+
+    def _make_loop(self, prior: LatentPrior, options: SolverOptions) -> DampedNewton:
+        return DampedNewton(prior, self.adapter, self.train_targets, options, self.policy)
+
+    @property
+    def mode(self) -> Tensor:
+        r"""The (approximate) posterior mode :math:`\hat{\mathbf f} = \mathbf m + \mathbf K \mathbf a`, ``(N, C)``."""
+        state = self.ensure_fitted()
+        with torch.no_grad():
+            mean = self.train_prior().mean
+        return mean + state.kernel_representer_weights.reshape(-1, self.num_latents)
+
+
+class EPStrategy(_SolverStrategy):
+    r"""Expectation propagation (EP) with every sweep's GP regression solved by IterGP, for an ``ApproximateGP``.
+
+    A drop-in for ``VariationalStrategy`` and :class:`IterNCGPStrategy`, with the same ``fit()``, predictions
+    (``model(x)``, :meth:`marginal_latent`, :meth:`predictive_mean`), report, callback, interruption and
+    ``state_dict``. EP matches the moments of each likelihood factor's tilted distribution instead of the curvature
+    at the mode: for classification its predictive variances are much better calibrated than Laplace's
+    (Kuss & Rasmussen 2005; Nickisch & Rasmussen 2008). Parallel sweeps with damping (see :mod:`.ep`); the
+    posterior is :math:`\mathbf m + \mathbf K \mathbf a`, :math:`\mathbf K - \mathbf K \mathbf Q \mathbf Q^\top
+    \mathbf K` with :math:`\mathbf Q \mathbf Q^\top \approx (\mathbf K + \tilde{\mathbf T}^{-1})^{-1}`.
+
+    With a complete solve (``policy="unit", max_solver_iterations=None``, or CG run to ``abs_tol``/``rel_tol``)
+    this is exact EP. With an incomplete solve the marginal variances include the computational uncertainty,
+    sites whose cavity precision comes out non-positive are skipped for that sweep (counted in the report), and
+    the recycled actions make later sweeps more complete; convergence is reported only for a complete solve.
+
+    :param model: the ``ApproximateGP`` that owns this strategy (pass ``self`` in its ``__init__``).
+    :param train_inputs: :math:`\mathbf X`, ``(N, D)`` (or ``(N,)``).
+    :param train_targets: :math:`\mathbf y`, ``(N,)``: labels in {0, 1} or non-negative integer counts.
+    :param likelihood: ``BernoulliLikelihood`` (probit, closed-form moments), :class:`LogitBernoulliLikelihood`,
+        ``PoissonLikelihood`` (softplus) or :class:`ExpPoissonLikelihood` (moments by quadrature).
+    :param policy: ``"cg"``, ``"unit"`` or a :class:`Policy`.
+    :param max_sweeps: the default limit of EP sweeps per :meth:`fit`.
+    :param max_solver_iterations: IterGP iterations (products with :math:`\mathbf K`) per sweep; ``None``: until
+        ``abs_tol``/``rel_tol``.
+    :param compression_rank: :math:`R`, recycled actions kept between sweeps (``None``: all).
+    :param recycle: recycle actions across sweeps; otherwise every sweep starts afresh.
+    :param damping: :math:`\delta \in (0, 1]`, the fraction of the way each sweep moves the sites (1: undamped).
+    :param site_tol: converged when the largest relative change of the site parameters a sweep proposes is below it
+        (and the solve was complete, with no site skipped).
+    :param abs_tol: IterGP stops when the residual norm is below ``max(abs_tol, rel_tol * ||b||)``.
+    :param rel_tol: see ``abs_tol``.
+    :param min_curvature: lower bound on the site precisions in the regression's noise (default ``sqrt(eps)``).
+    :param seed: seed of the unit-vector policy's random order.
+    :param show_progress: show a tqdm progress bar in :meth:`fit`.
+    """
+
+    _state_type = EPState
+    options: EPOptions
+
+    def __init__(
+        self,
+        model: gpytorch.models.ApproximateGP,
+        train_inputs: Tensor,
+        train_targets: Tensor,
+        likelihood: gpytorch.likelihoods.Likelihood,
+        policy: str | Policy = "cg",
+        max_sweeps: int = 50,
+        max_solver_iterations: int | None = 5,
+        compression_rank: int | None = None,
+        recycle: bool = True,
+        damping: float = 0.5,
+        site_tol: float = 1e-4,
+        abs_tol: float = 1e-5,
+        rel_tol: float = 1e-5,
+        min_curvature: float | None = None,
+        seed: int = 0,
+        show_progress: bool = True,
+    ):
+        options = EPOptions(
+            max_sweeps=max_sweeps,
+            max_solver_iterations=max_solver_iterations,
+            damping=damping,
+            site_tol=site_tol,
+            abs_tol=abs_tol,
+            rel_tol=rel_tol,
+            compression_rank=compression_rank,
+            recycle=recycle,
+        )
+        super().__init__(
+            model, train_inputs, train_targets, likelihood, policy, options, min_curvature, seed, show_progress
+        )
+        if not isinstance(self.adapter, TILTED_ADAPTERS):
+            raise TypeError(
+                f"EPStrategy needs a likelihood with tilted moments: BernoulliLikelihood (probit), "
+                f"LogitBernoulliLikelihood, PoissonLikelihood or ExpPoissonLikelihood; got {type(likelihood).__name__}. "
+                "Use IterNCGPStrategy (Laplace) for other likelihoods."
+            )
+
+    def fit(
+        self,
+        max_sweeps: int | None = None,
+        max_solver_iterations=_UNSET,
+        damping: float | None = None,
+        site_tol: float | None = None,
+        abs_tol: float | None = None,
+        rel_tol: float | None = None,
+        callback: Callable[[EPSweep, EPState], bool | None] | None = None,
+        show_progress: bool | None = None,
+    ) -> FitReport:
+        """Run EP sweeps from the current sites until converged (or a limit); arguments override the strategy's
+        settings for this call only. Calling it again continues from the committed sites and recycled actions.
+
+        :param callback: called after every sweep with its :class:`EPSweep` record and the :class:`EPState`;
+            return ``True`` to stop.
+        :return: a :class:`FitReport` (sweeps, solver iterations, products with K, skipped sites, time).
+
+        Interruption and resumption behave as for :meth:`IterNCGPStrategy.fit`: the committed state is that of the
+        last completed sweep, and a ``state_dict()`` saved then resumes exactly.
+
+        :raises ValueError: for an option out of range, or model parameters on another device than the data.
+        :raises TypeError: for a callback that is not callable, or a model computing in another dtype.
+        """
+        overrides: dict[str, Any] = {
+            "max_sweeps": max_sweeps,
+            "damping": damping,
+            "site_tol": site_tol,
+            "abs_tol": abs_tol,
+            "rel_tol": rel_tol,
+        }
+        options = dataclasses.replace(self.options, **{k: v for k, v in overrides.items() if v is not None})
+        if max_solver_iterations is not _UNSET:
+            options.max_solver_iterations = max_solver_iterations
+        options.validate()
+        show = self._check_callback(callback, show_progress)
+        with torch.no_grad():
+            prior = self._prior_for_fit()
+            return self._run(prior, options, options.max_sweeps, callback, show)
+
+    def _make_loop(self, prior: LatentPrior, options: EPOptions) -> ExpectationPropagation:
+        return ExpectationPropagation(prior, self.adapter, self.train_targets, options, self.policy)
+
+    @property
+    def sites(self) -> tuple[Tensor, Tensor]:
+        r"""The site parameters :math:`(\tilde{\boldsymbol\tau}, \tilde{\boldsymbol\nu})`, ``(N,)`` each (fits first if needed)."""
+        state = self.ensure_fitted()
+        return state.site_precision, state.site_natural_mean

@@ -47,6 +47,10 @@ _NEWTON_STEPS = 200
 _LIKELIHOOD_STEP: dict[type, float] = {LogitBernoulliAdapter: 0.6, SoftplusPoissonAdapter: 0.6, ExpPoissonAdapter: 0.3}
 
 
+# The likelihoods with tilted moments here (EP's C = 1 likelihoods).
+TILTED_ADAPTERS = (ProbitBernoulliAdapter, LogitBernoulliAdapter, ExpPoissonAdapter, SoftplusPoissonAdapter)
+
+
 def _working_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64
 
@@ -86,9 +90,7 @@ def tilted_moments(
         sweep must skip that site), a non-finite cavity mean, mismatched shapes or targets outside the support.
     :raises TypeError: for a likelihood without tilted moments here (softmax, autograd likelihoods).
     """
-    if not isinstance(
-        adapter, (ProbitBernoulliAdapter, LogitBernoulliAdapter, ExpPoissonAdapter, SoftplusPoissonAdapter)
-    ):
+    if not isinstance(adapter, TILTED_ADAPTERS):
         raise TypeError(
             f"tilted moments are implemented for the probit, logit, Poisson (exp) and Poisson (softplus) likelihoods; "
             f"got {type(adapter).__name__}."

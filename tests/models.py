@@ -1,4 +1,4 @@
-"""A GPyTorch model using IterNCGPStrategy, and small data sets, shared by the tests."""
+"""A GPyTorch model using IterNCGPStrategy (or EPStrategy), and small data sets, shared by the tests."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from gpytorch_iterncgp import IterNCGPStrategy
 
 
 class IterNCGPModel(gpytorch.models.ApproximateGP):
-    """An ``ApproximateGP`` with a scaled RBF or Matérn kernel and IterNCGP inference.
+    """An ``ApproximateGP`` with a scaled RBF or Matérn kernel and IterNCGP inference (or ``strategy_class``'s).
 
     :param batch_classes: ``C`` for one independent GP per class (``batch_shape=[C]``); ``None`` for one
         kernel (shared by all classes when the likelihood has several).
@@ -25,10 +25,11 @@ class IterNCGPModel(gpytorch.models.ApproximateGP):
         outputscale: float = 2.0,
         batch_classes: int | None = None,
         constant_mean: float | None = None,
+        strategy_class=IterNCGPStrategy,
         **strategy_options,
     ):
         strategy_options.setdefault("show_progress", False)
-        strategy = IterNCGPStrategy(self, train_x, train_y, likelihood, **strategy_options)
+        strategy = strategy_class(self, train_x, train_y, likelihood, **strategy_options)
         super().__init__(strategy)
         batch_shape = torch.Size([batch_classes]) if batch_classes else torch.Size([])
         if constant_mean is None:

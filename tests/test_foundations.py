@@ -33,6 +33,8 @@ class _Counter:
 class _ScriptedLoop:
     """Yields the given statuses; each step 'multiplies by K' ``step`` times."""
 
+    name = "scripted"
+
     def __init__(self, statuses, counter):
         self.statuses, self.counter, self.finalized = statuses, counter, []
 
@@ -188,7 +190,8 @@ LAYERS = [
     {"noise", "precision", "policies", "datasets"},
     {"recycling", "likelihoods", "prior"},
     {"solver", "outer_loop", "tilted"},
-    {"newton"},
+    {"newton", "sites"},
+    {"ep"},
     {"strategy"},
     {"evidence"},
     {"sklearn", "botorch"},

@@ -1,0 +1,264 @@
+r"""The outer loop of expectation propagation: parallel EP sweeps, each a GP regression solved by IterGP.
+
+With Gaussian sites :math:`t_i(f_i) \propto \exp(\tilde\nu_i f_i - \tfrac12\tilde\tau_i f_i^2)` the posterior is that
+of GP regression with pseudo-targets :math:`\tilde\mu_i = \tilde\nu_i / \tilde\tau_i` and noise
+:math:`\tilde{\mathbf T}^{-1} = \operatorname{diag}(1/\tilde\tau_i)`:
+
+.. math::
+    \mathbf m + \mathbf K (\mathbf K + \tilde{\mathbf T}^{-1})^{-1} (\tilde{\boldsymbol\mu} - \mathbf m), \qquad
+    \mathbf K - \mathbf K (\mathbf K + \tilde{\mathbf T}^{-1})^{-1} \mathbf K
+
+(R&W eq. 3.53; the Newton step's problem with :math:`(\hat{\mathbf y}, \mathbf W^{-1})` replaced by
+:math:`(\tilde{\boldsymbol\mu}, \tilde{\mathbf T}^{-1})`). IterGP solves it with the same policies, recycled actions
+and compression; its precision :math:`\mathbf C = \mathbf Q\mathbf Q^\top \approx (\mathbf K + \tilde{\mathbf T}^{-1})^{-1}`
+gives the marginal variances :math:`\sigma_i^2 = k_{ii} - \|(\mathbf K\mathbf Q)_{i,:}\|^2` from the
+:math:`\mathbf K \mathbf Q` buffer, with no further product with :math:`\mathbf K`. One sweep
+(:class:`ExpectationPropagation`): marginals of the current solve :math:`\to` cavities, tilted moments and damped
+site updates (:func:`~gpytorch_iterncgp.sites.update_sites`) :math:`\to` one IterGP solve for the new sites.
+
+**Complete and incomplete solves.** When IterGP solves the regression completely (the unit-vector policy over
+all actions, or CG to its tolerance), :math:`\mathbf C = (\mathbf K + \tilde{\mathbf T}^{-1})^{-1}` and this is
+exact parallel EP. When it stops early, :math:`\sigma_i^2` includes the computational uncertainty: it is larger
+than the exact marginal variance where the actions have not yet looked, so the cavity precision
+:math:`\sigma_i^{-2} - \tilde\tau_i` is smaller and can turn negative. Such a site keeps its value for the
+sweep (skipped and counted, as GPstuff does for negative cavities); the recycled actions accumulate across
+sweeps (all of them unless ``compression_rank`` is set), so later sweeps resolve more sites, and once the
+actions span the space the sweeps are exact EP. The loop reports convergence only for a complete solve with no
+skipped site and a site change below ``site_tol``.
+
+The noise is bounded where :math:`\tilde\tau_i \to 0` (first sweep, flat sites) by the likelihood's
+``min_curvature``: :math:`\tilde{\mathbf T}^{-1} = \operatorname{diag}(1/\max(\tilde\tau_i, \tau_{\min}))` with the
+right-hand side :math:`(\tilde\nu_i - \tilde\tau_i m_i)/\max(\tilde\tau_i, \tau_{\min})`, which equals
+:math:`\tilde\mu_i - m_i` wherever :math:`\tilde\tau_i \ge \tau_{\min}` and keeps a site with
+:math:`\tilde\tau_i = 0` as the linear term :math:`\exp(\tilde\nu_i f_i)` (to :math:`O(\tau_{\min})`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Generator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .likelihoods import LikelihoodAdapter
+from .noise import DiagonalNoiseInverse
+from .outer_loop import CONTINUE, CONVERGED, STALLED, EPSweep, OuterStep
+from .policies import Policy
+from .prior import LatentPrior
+from .recycling import ActionBuffer
+from .sites import update_sites
+from .solver import IterGPOptions, IterGPResult, RegressionState, itergp_solve
+from .validation import check_count, check_nonnegative
+
+
+def posterior_marginals(prior_mean: Tensor, prior_variance: Tensor, state: RegressionState) -> tuple[Tensor, Tensor]:
+    r"""Posterior means :math:`m_i + (\mathbf K\mathbf a)_i` and variances :math:`k_{ii} - \|(\mathbf K\mathbf Q)_{i,:}\|^2`
+    (including the computational uncertainty of an incomplete solve), ``(n,)`` each, from the state's buffers."""
+    mean = prior_mean + state.kernel_representer_weights
+    variance = prior_variance - state.kernel_precision_root.square().sum(-1)
+    return mean, variance
+
+
+@dataclass
+class EPOptions(IterGPOptions):
+    """Settings of the EP loop and of IterGP (see :class:`~gpytorch_iterncgp.EPStrategy`)."""
+
+    max_sweeps: int = 50
+    damping: float = 0.5
+    site_tol: float = 1e-4
+
+    def validate(self) -> None:
+        """:raises ValueError: naming the option that is out of range."""
+        super().validate()
+        check_count(self.max_sweeps, "max_sweeps")
+        check_nonnegative(self.site_tol, "site_tol")
+        if isinstance(self.damping, bool) or not isinstance(self.damping, (int, float)) or not 0 < self.damping <= 1:
+            raise ValueError(
+                f"damping must be a number in (0, 1] (the fraction of the way each sweep moves the sites; 1 is "
+                f"undamped), got {self.damping!r}."
+            )
+
+
+@dataclass
+class EPState(RegressionState):
+    r"""Where the EP loop stands: the sites and IterGP's solution of the regression they define.
+
+    ``site_precision`` :math:`\tilde\tau` and ``site_natural_mean`` :math:`\tilde\nu` are ``(N,)`` (:math:`C = 1`).
+    """
+
+    site_precision: Tensor
+    site_natural_mean: Tensor
+    sweeps: int = 0
+    solved: bool = True  # the regression tensors belong to these sites and the current kernel
+
+    @classmethod
+    def initial(cls, size: int, dtype: torch.dtype, device: torch.device) -> EPState:
+        """The prior: every site flat (:math:`\\tilde\\tau = \\tilde\\nu = 0`), :math:`\\mathbf a = \\mathbf 0`."""
+        zeros = torch.zeros(size, dtype=dtype, device=device)
+        return cls(*cls.prior_tensors(size, dtype, device), site_precision=zeros, site_natural_mean=zeros.clone())
+
+    def to_extra(self) -> dict:
+        """Tensors (cloned), numbers and flags, for a ``state_dict`` (``weights_only`` loadable)."""
+        return {
+            **{name: tensor.clone() for name, tensor in self.tensors().items()},
+            "sweeps": self.sweeps,
+            "solved": self.solved,
+        }
+
+    @classmethod
+    def from_extra(cls, saved: dict, reference: Tensor) -> EPState:
+        """Inverse of :meth:`to_extra`, tensors moved to the dtype and device of ``reference``.
+
+        :raises ValueError: for missing entries or shapes that disagree.
+        """
+        cls.check_shapes(saved, "EPStrategy")
+        size = saved["representer_weights"].shape
+        sites = ("site_precision", "site_natural_mean")
+        wrong = [name for name in sites if not torch.is_tensor(saved.get(name)) or saved[name].shape != size]
+        if wrong or "sweeps" not in saved:
+            raise ValueError(
+                f"EPStrategy extra state is malformed: missing, non-tensor or mis-shaped entries {wrong or ['sweeps']}."
+            )
+        names = [field.name for field in dataclasses.fields(cls) if field.name not in ("sweeps", "solved")]
+        tensors = {name: saved[name].to(reference) for name in names}
+        return cls(**tensors, sweeps=int(saved["sweeps"]), solved=bool(saved.get("solved", True)))
+
+
+class ExpectationPropagation:
+    r"""Parallel EP with damping, each sweep a GP regression solved by IterGP (see the module docstring).
+
+    An outer loop for :func:`~gpytorch_iterncgp.outer_loop.run_outer_loop`.
+
+    :param prior: the GP prior at the training inputs (its matmul is the one product with K).
+    :param adapter: a :math:`C = 1` likelihood with tilted moments (probit, logit, Poisson exp/softplus).
+    :param targets: validated targets ``(N,)``.
+    :param options: damping, tolerances and IterGP's budget (``max_sweeps`` is the driver's business).
+    :param policy: IterGP's policy (already prepared for the problem size).
+    """
+
+    name = "EP"
+
+    def __init__(
+        self, prior: LatentPrior, adapter: LikelihoodAdapter, targets: Tensor, options: EPOptions, policy: Policy
+    ):
+        if adapter.num_latents != 1:
+            raise ValueError(
+                f"EP here is for one latent function (C = 1); {adapter.name} has C = {adapter.num_latents}."
+            )
+        self.prior, self.adapter, self.targets, self.options, self.policy = prior, adapter, targets, options, policy
+        self.prior_mean = prior.mean.reshape(-1)
+        self.prior_variance = prior.diagonal().reshape(-1)
+        self.min_precision = adapter._min_curvature(self.prior_mean.dtype)
+
+    # -- states ------------------------------------------------------------------------------------------------
+    def initial_state(self) -> EPState:
+        return EPState.initial(len(self.prior_mean), self.prior_mean.dtype, self.prior_mean.device)
+
+    def renew(self, state: EPState) -> EPState:
+        """``state`` after a change of :math:`\\mathbf K`: products renewed (one product); the sites are kept (a warm
+        start), and the next sweep first solves the regression they define for the new kernel."""
+        return dataclasses.replace(state.with_kernel(self.prior.matmul), solved=False)
+
+    def finalize(self, state: EPState) -> EPState:
+        """Nothing to do: every yielded state's precision belongs to its own sites."""
+        return state
+
+    # -- one regression ------------------------------------------------------------------------------------------
+    def marginals(self, state: RegressionState) -> tuple[Tensor, Tensor]:
+        """:func:`posterior_marginals` at the training inputs."""
+        return posterior_marginals(self.prior_mean, self.prior_variance, state)
+
+    @staticmethod
+    def marginals_of(prior: LatentPrior, state: RegressionState) -> tuple[Tensor, Tensor]:
+        """:func:`posterior_marginals` for ``prior`` at the training inputs."""
+        return posterior_marginals(prior.mean.reshape(-1), prior.diagonal().reshape(-1), state)
+
+    def solve(self, state: EPState, buffer: ActionBuffer, precision: Tensor, natural_mean: Tensor) -> IterGPResult:
+        r"""IterGP on :math:`(\mathbf K + \tilde{\mathbf T}^{-1}) \mathbf v = \tilde{\boldsymbol\mu} - \mathbf m` for the
+        sites ``(precision, natural_mean)``, from ``buffer`` (noise bounded as in the module docstring)."""
+        options = self.options
+        bounded = precision.clamp_min(self.min_precision)
+        rhs = (natural_mean - precision * self.prior_mean) / bounded
+        return itergp_solve(
+            self.prior.matmul,
+            DiagonalNoiseInverse(bounded.reciprocal()),
+            rhs,
+            buffer,
+            self.policy,
+            max_iterations=options.max_solver_iterations,
+            abs_tol=options.abs_tol,
+            rel_tol=options.rel_tol,
+            compression_rank=options.compression_rank,
+            keep=(state.representer_weights, state.kernel_representer_weights),
+        )
+
+    @staticmethod
+    def _solved(state: EPState, result: IterGPResult, precision: Tensor, natural_mean: Tensor, sweeps: int) -> EPState:
+        return EPState(
+            result.representer_weights,
+            result.kernel_representer_weights,
+            result.precision.root_tensor,
+            result.kernel_precision_root,
+            result.buffer.actions.value,
+            result.buffer.kernel_actions.value,
+            precision,
+            natural_mean,
+            sweeps,
+            True,
+        )
+
+    # -- the loop ------------------------------------------------------------------------------------------------
+    def steps(self, state: EPState) -> Generator[OuterStep, None, None]:
+        """Parallel EP sweeps from ``state`` until converged or stalled (the driver limits their number)."""
+        options = self.options
+        buffer = ActionBuffer.from_tensors(state.actions, state.kernel_actions)
+        extra_iterations = 0
+        if not state.solved:  # the kernel changed: the marginals need the kept sites' regression first
+            result = self.solve(state, buffer, state.site_precision, state.site_natural_mean)
+            buffer, extra_iterations = result.buffer, result.iterations
+            state = self._solved(state, result, state.site_precision, state.site_natural_mean, state.sweeps)
+        while True:
+            mean, variance = self.marginals(state)
+            update = update_sites(
+                self.adapter,
+                self.targets,
+                mean,
+                variance,
+                state.site_precision,
+                state.site_natural_mean,
+                options.damping,
+                self.prior_variance,
+            )
+            if not options.recycle:
+                buffer = ActionBuffer.empty(len(self.prior_mean), self.prior_mean.dtype, self.prior_mean.device)
+                self.policy.reset()
+            result = self.solve(state, buffer, update.site_precision, update.site_natural_mean)
+            buffer = result.buffer
+            skipped, bounded = int(update.skipped.sum()), int(update.bounded.sum())
+            state = self._solved(state, result, update.site_precision, update.site_natural_mean, state.sweeps + 1)
+            record = EPSweep(
+                step=state.sweeps,
+                site_change=update.change,
+                damping=options.damping,
+                skipped_sites=skipped,
+                bounded_cavities=bounded,
+                clipped_sites=int(update.clipped.sum()),
+                solver_iterations=result.iterations + extra_iterations,
+                residual_norm=result.residual_norm,
+            )
+            extra_iterations = 0
+            status, message = CONTINUE, ""
+            if result.converged and skipped == 0 and bounded == 0 and update.change <= options.site_tol:
+                status = CONVERGED
+            elif skipped == len(self.prior_mean) and result.iterations == 0:
+                status = STALLED
+                message = (
+                    "EP: every cavity precision is non-positive and the solver adds no action, so no site can be "
+                    "updated; stopping. Give IterGP more iterations per sweep (max_solver_iterations) or a complete "
+                    "solve (policy='unit', max_solver_iterations=None)."
+                )
+            yield OuterStep(record, state, status, message, breakdown=result.breakdown)
+            if status != CONTINUE:
+                return
