@@ -1,4 +1,7 @@
-r"""The Laplace evidence :math:`\log q(\mathbf y \mid \mathbf X, \theta)` for learning hyperparameters.
+r"""The evidences for learning hyperparameters: Laplace's (below) and EP's (:class:`EPMarginalLogLikelihood`,
+:func:`ep_evidence`: R&W eq. 3.65 at the EP fixed point).
+
+The Laplace evidence :math:`\log q(\mathbf y \mid \mathbf X, \theta)`:
 
 .. math::
     \log q(\mathbf y \mid \mathbf X, \theta) = \ell(\hat{\mathbf f}) - \tfrac12 \hat{\mathbf a}^\top \mathbf K \hat{\mathbf a}

@@ -1,4 +1,5 @@
-r"""The GPyTorch-facing layer: :class:`IterNCGPStrategy` replaces a ``VariationalStrategy``.
+r"""The GPyTorch-facing layer: :class:`IterNCGPStrategy` (Laplace) and :class:`EPStrategy` (expectation
+propagation) replace a ``VariationalStrategy``; both are a :class:`_SolverStrategy` with their own outer loop.
 
 .. code-block:: python
 
@@ -178,6 +179,15 @@ class _SolverStrategy(gpytorch.Module):
 
     def _make_loop(self, prior: LatentPrior, options: Any) -> OuterLoop:
         raise NotImplementedError
+
+    def _call_options(self, max_solver_iterations: Any, **overrides: Any) -> Any:
+        """The strategy's options with this call's overrides (``None``: keep; ``max_solver_iterations`` may be
+        ``None`` itself, so its "keep" is ``_UNSET``), validated."""
+        options = dataclasses.replace(self.options, **{k: v for k, v in overrides.items() if v is not None})
+        if max_solver_iterations is not _UNSET:
+            options.max_solver_iterations = max_solver_iterations
+        options.validate()
+        return options
 
     def _check_callback(self, callback, show_progress) -> bool:
         if callback is not None and not callable(callback):
@@ -548,16 +558,13 @@ class IterNCGPStrategy(_SolverStrategy):
         :raises ValueError: for an option out of range, or model parameters on another device than the data.
         :raises TypeError: for a callback that is not callable, or a model computing in another dtype.
         """
-        overrides: dict[str, Any] = {
-            "max_newton_steps": max_newton_steps,
-            "outer_tol": outer_tol,
-            "abs_tol": abs_tol,
-            "rel_tol": rel_tol,
-        }
-        options = dataclasses.replace(self.options, **{k: v for k, v in overrides.items() if v is not None})
-        if max_solver_iterations is not _UNSET:
-            options.max_solver_iterations = max_solver_iterations
-        options.validate()
+        options = self._call_options(
+            max_solver_iterations,
+            max_newton_steps=max_newton_steps,
+            outer_tol=outer_tol,
+            abs_tol=abs_tol,
+            rel_tol=rel_tol,
+        )
         show = self._check_callback(callback, show_progress)
         with torch.no_grad():
             prior = self._prior_for_fit()
@@ -597,9 +604,10 @@ class EPStrategy(_SolverStrategy):
     \mathbf K` with :math:`\mathbf Q \mathbf Q^\top \approx (\mathbf K + \tilde{\mathbf T}^{-1})^{-1}`.
 
     With a complete solve (``policy="unit", max_solver_iterations=None``, or CG run to ``abs_tol``/``rel_tol``)
-    this is exact EP. With an incomplete solve the marginal variances include the computational uncertainty,
-    sites whose cavity precision comes out non-positive are skipped for that sweep (counted in the report), and
-    the recycled actions make later sweeps more complete; convergence is reported only for a complete solve.
+    this is exact EP. With an incomplete solve the marginal variances include the computational uncertainty (too
+    wide, never too narrow); cavity precisions are bounded below by the prior precision :math:`1/k_{ii}`, which the
+    exact cavity always satisfies (counted in the report, see :mod:`.sites`), and the recycled actions make later
+    sweeps more complete; convergence is reported only when no cavity was bounded.
 
     :param model: the ``ApproximateGP`` that owns this strategy (pass ``self`` in its ``__init__``).
     :param train_inputs: :math:`\mathbf X`, ``(N, D)`` (or ``(N,)``).
@@ -614,7 +622,7 @@ class EPStrategy(_SolverStrategy):
     :param recycle: recycle actions across sweeps; otherwise every sweep starts afresh.
     :param damping: :math:`\delta \in (0, 1]`, the fraction of the way each sweep moves the sites (1: undamped).
     :param site_tol: converged when the largest relative change of the site parameters a sweep proposes is below it
-        (and the solve was complete, with no site skipped).
+        (and the solve met its tolerance, with no cavity bounded and no site skipped).
     :param abs_tol: IterGP stops when the residual norm is below ``max(abs_tol, rel_tol * ||b||)``.
     :param rel_tol: see ``abs_tol``.
     :param min_curvature: lower bound on the site precisions in the regression's noise (default ``sqrt(eps)``).
@@ -688,17 +696,14 @@ class EPStrategy(_SolverStrategy):
         :raises ValueError: for an option out of range, or model parameters on another device than the data.
         :raises TypeError: for a callback that is not callable, or a model computing in another dtype.
         """
-        overrides: dict[str, Any] = {
-            "max_sweeps": max_sweeps,
-            "damping": damping,
-            "site_tol": site_tol,
-            "abs_tol": abs_tol,
-            "rel_tol": rel_tol,
-        }
-        options = dataclasses.replace(self.options, **{k: v for k, v in overrides.items() if v is not None})
-        if max_solver_iterations is not _UNSET:
-            options.max_solver_iterations = max_solver_iterations
-        options.validate()
+        options = self._call_options(
+            max_solver_iterations,
+            max_sweeps=max_sweeps,
+            damping=damping,
+            site_tol=site_tol,
+            abs_tol=abs_tol,
+            rel_tol=rel_tol,
+        )
         show = self._check_callback(callback, show_progress)
         with torch.no_grad():
             prior = self._prior_for_fit()
