@@ -15,6 +15,9 @@ from .likelihoods import ExpPoissonLikelihood, LogitBernoulliLikelihood
 from .newton import LaplaceState, SolverOptions
 from .outer_loop import EPSweep, FitReport, NewtonStep
 from .policies import ConjugateGradientPolicy, Policy, UnitVectorPolicy
+from .sparse_ep import SparseEPState
+from .sparse_evidence import SparseEPMarginalLogLikelihood
+from .sparse_strategy import SparseEPStrategy
 from .strategy import EPStrategy, IterNCGPStrategy
 
 __version__ = "0.1.0"
@@ -37,6 +40,9 @@ __all__ = [
     "NumericalBreakdownWarning",
     "Policy",
     "SolverOptions",
+    "SparseEPMarginalLogLikelihood",
+    "SparseEPState",
+    "SparseEPStrategy",
     "UnitVectorPolicy",
     "settings",
 ]

@@ -218,7 +218,7 @@ class _StrategyEvidence(MarginalLogLikelihood):
             raise ValueError(f"{name}: target must equal the strategy's training targets.")
         state = strategy.ensure_fitted()  # model(train_x) has fitted it: no work here
         prior = strategy.train_prior()
-        fitted = prior.mean.detach().reshape(-1) + state.kernel_representer_weights
+        fitted = self._fitted_mean(state, prior)
         given = mean.detach().reshape(-1)
         if not bool(torch.allclose(given, fitted, rtol=1e-4, atol=1e-4 * (1 + float(fitted.abs().max())))):
             raise ValueError(
@@ -227,6 +227,10 @@ class _StrategyEvidence(MarginalLogLikelihood):
             )
         exact = size <= settings.exact_evidence_size.value() if self.exact is None else self.exact
         return strategy, targets, state, prior, exact
+
+    def _fitted_mean(self, state: Any, prior: LatentPrior) -> Tensor:
+        """The strategy's posterior mean at the training inputs, ``(N C,)`` (what ``model(train_x)`` returned)."""
+        return prior.mean.detach().reshape(-1) + state.kernel_representer_weights
 
     def _per_point(self, evidence: Tensor, num_data: int) -> Tensor:
         if not math.isfinite(float(evidence.detach())):
@@ -380,15 +384,26 @@ def ep_evidence(
         inv_quad, logdet = system.inv_quad_logdet(inv_quad_rhs=rhs[:, None], logdet=True)
         fixed_site_part = -0.5 * logdet - 0.5 * inv_quad
         mean, variance = (marginal.detach() for marginal in marginals)
+    return fixed_site_part + ep_site_terms(adapter, targets, mean.detach(), variance.detach(), tau, nu)
+
+
+def ep_site_terms(
+    adapter: LikelihoodAdapter, targets: Tensor, mean: Tensor, variance: Tensor, tau: Tensor, nu: Tensor
+) -> Tensor:
+    r"""The sites' part of :math:`\log Z_{EP}` (:func:`ep_evidence`), no gradient:
+    :math:`\sum_i \log \hat Z_i + \tfrac12 \log(1 + \tilde\tau_i/\tau_{-i}) + (\tilde\tau_i \mu_{-i} -
+    \tilde\nu_i)^2 \tau_{-i} / (2 \tilde\tau_i (\tilde\tau_i + \tau_{-i}))` with the cavities of the posterior marginals
+    ``(mean, variance)``; NaN if a cavity precision is not positive (the sites are not at a fixed point).
+    """
     with torch.no_grad():
-        cavity_precision, cavity_natural_mean = cavities(mean.detach(), variance, tau, nu)
+        positive = tau > 0
+        cavity_precision, cavity_natural_mean = cavities(mean, variance, tau, nu)
         if not bool((cavity_precision > 0).all()):
-            return fixed_site_part + math.nan  # a non-positive cavity: the sites are not at a fixed point
+            return torch.tensor(math.nan, dtype=mean.dtype, device=mean.device)
         cavity_variance = cavity_precision.reciprocal()
         cavity_mean = cavity_natural_mean * cavity_variance
         log_normalizer, _, _ = tilted_moments(adapter, targets, cavity_mean, cavity_variance)
         ratio = tau / cavity_precision
         safe_tau = torch.where(positive, tau, 1)
         mismatch = torch.where(positive, (tau * cavity_mean - nu).square() / (safe_tau * (1 + ratio)), 0.0)
-        site_terms = (log_normalizer + 0.5 * torch.log1p(ratio) + 0.5 * mismatch).sum()
-    return fixed_site_part + site_terms
+        return (log_normalizer + 0.5 * torch.log1p(ratio) + 0.5 * mismatch).sum()

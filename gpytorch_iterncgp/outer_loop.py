@@ -137,7 +137,7 @@ class FitReport:
     wall_time: float = 0.0
     steps: list[Any] = field(default_factory=list)  # NewtonStep or EPSweep records
     budget: str = ""  # how the solver budget was chosen (set by callers that choose it, e.g. the estimators)
-    method: str = "IterNCGP"  # the outer loop: "IterNCGP" (Laplace by damped Newton) or "EP"
+    method: str = "IterNCGP"  # the outer loop: "IterNCGP" (Laplace by damped Newton), "EP" or "EP-DTC" (sparse EP)
 
     @property
     def sweeps(self) -> int:
@@ -168,9 +168,9 @@ class FitReport:
 
     def __str__(self) -> str:
         last = self.steps[-1] if self.steps else None
-        if self.method == "EP":
+        if self.method.startswith("EP"):
             return (
-                f"EP fit: {self.newton_steps} sweeps, {self.solver_iterations} solver iterations, "
+                f"{self.method} fit: {self.newton_steps} sweeps, {self.solver_iterations} solver iterations, "
                 f"{self.kernel_products} products with K ({self.kernel_product_seconds:.2f}s), "
                 f"converged={self.converged}, breakdown={self.breakdown}, bounded cavities={self.bounded_cavities}, "
                 f"skipped site updates={self.skipped_sites}, "

@@ -177,7 +177,7 @@ class _SolverStrategy(gpytorch.Module):
                     "model (model.to(device)) and the likelihood to the device of the data."
                 )
 
-    def _make_loop(self, prior: LatentPrior, options: Any) -> OuterLoop:
+    def _make_loop(self, prior: Any, options: Any) -> OuterLoop:
         raise NotImplementedError
 
     def _call_options(self, max_solver_iterations: Any, **overrides: Any) -> Any:
@@ -206,7 +206,7 @@ class _SolverStrategy(gpytorch.Module):
             )
         return prior
 
-    def _run(self, prior: LatentPrior, options: Any, max_steps: int, callback, show: bool) -> FitReport:
+    def _run(self, prior: Any, options: Any, max_steps: int, callback, show: bool) -> FitReport:
         """Drive the subclass's outer loop from the starting state; the committed state follows every step."""
         self.policy.prepare(self.num_data, self.num_latents, self.adapter.zero_sum_actions)
         loop = self._make_loop(prior, options)
@@ -430,7 +430,7 @@ class _SolverStrategy(gpytorch.Module):
         if not isinstance(saved, dict):
             raise ValueError(f"{name} extra state is malformed: its state must be a dict, got {type(saved).__name__}.")
         state = self._state_type.from_extra(saved, self.train_inputs)
-        size = state.representer_weights.shape[0]
+        size = self._saved_size(state)
         expected_size = self.num_data * self.num_latents
         data = extra.get("data")
         if size != expected_size or (
@@ -450,6 +450,10 @@ class _SolverStrategy(gpytorch.Module):
         self._fingerprint = None if fingerprint is None else fingerprint.to(self.train_inputs)
         self.policy.load_state(extra.get("policy", {}))
         self._policy_state = self.policy.state()
+
+    def _saved_size(self, state: Any) -> int:
+        """The number of latent values a (loaded) state belongs to."""
+        return state.representer_weights.shape[0]
 
     def _reset_state(self, policy_state: dict) -> None:
         self._state, self._fingerprint = None, None

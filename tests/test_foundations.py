@@ -191,10 +191,11 @@ LAYERS = [
     {"recycling", "likelihoods", "prior"},
     {"solver", "outer_loop", "tilted"},
     {"newton", "sites"},
-    {"ep"},
+    {"ep", "sparse_ep"},
     {"strategy"},
+    {"sparse_strategy"},
     {"evidence"},
-    {"sklearn", "botorch"},
+    {"sklearn", "botorch", "sparse_evidence"},
 ]
 
 

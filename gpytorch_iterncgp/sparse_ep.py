@@ -1,0 +1,247 @@
+r"""Sparse EP-DTC: expectation propagation under the DTC prior of :math:`M` inducing inputs (Sparse EP-DTC, sec. S3).
+
+The inducing inputs :math:`\mathbf Z` define the deterministic training conditional (Sparse EP-DTC, eq. S.7-S.8)
+with prior :math:`\mathbf f \sim \mathcal N(\mathbf m, \mathbf Q_{ff})`, :math:`\mathbf Q_{ff} = \mathbf K_{fu}
+\mathbf K_{uu}^{-1} \mathbf K_{uf}`. With the sites :math:`\tilde{\mathbf T} = \operatorname{diag}(\tilde\tau_i)`,
+:math:`\tilde{\boldsymbol\nu}` the posterior (eq. S.10-S.12, with a prior mean) is
+
+.. math::
+    \boldsymbol\Sigma = \mathbf K_{fu} (\mathbf K_{uu} + \mathbf K_{uf} \tilde{\mathbf T} \mathbf K_{fu})^{-1}
+    \mathbf K_{uf}, \qquad
+    \boldsymbol\mu = \mathbf m + \boldsymbol\Sigma (\tilde{\boldsymbol\nu} - \tilde{\mathbf T} \mathbf m)
+
+(:math:`\boldsymbol\mu = \boldsymbol\Sigma(\mathbf Q_{ff}^{-1}\mathbf m + \tilde{\boldsymbol\nu})` and
+:math:`\boldsymbol\Sigma \mathbf Q_{ff}^{-1} = \mathbf I - \boldsymbol\Sigma \tilde{\mathbf T}`). It is computed in
+the whitened form: :math:`\mathbf L \mathbf L^\top = \mathbf K_{uu} + \epsilon \bar k \mathbf I`,
+:math:`\mathbf V = \mathbf L^{-1} \mathbf K_{uf}` (:math:`M \times N`, so :math:`\mathbf Q_{ff} = \mathbf V^\top
+\mathbf V`), :math:`\mathbf B = \mathbf I_M + \mathbf V \tilde{\mathbf T} \mathbf V^\top = \mathbf L_B
+\mathbf L_B^\top`; then :math:`\boldsymbol\Sigma = \mathbf V^\top \mathbf B^{-1} \mathbf V`, the marginal
+variances are the squared column norms of :math:`\mathbf L_B^{-1}\mathbf V` and :math:`\boldsymbol\mu = \mathbf m +
+\mathbf V^\top \bar{\mathbf z}` with :math:`\bar{\mathbf z} = \mathbf B^{-1}\mathbf V(\tilde{\boldsymbol\nu} -
+\tilde{\mathbf T}\mathbf m)`, the posterior mean of the whitened inducing values :math:`\mathbf z = \mathbf L^{-1}
+(\mathbf u - \mathbf m_u)` (posterior covariance :math:`\mathbf B^{-1}`). One sweep costs one :math:`M \times M`
+Cholesky and :math:`O(M^2 N)`; :math:`\mathbf V` is computed once per fit (per kernel).
+
+**Jitter.** :math:`\epsilon` is ``linear_operator.settings.cholesky_jitter`` of the dtype (1e-8 in float64, 1e-6
+in float32), taken *relative* to :math:`\bar k`, the mean of :math:`\operatorname{diag}\mathbf K_{uu}`, so that it
+does not depend on the outputscale. It perturbs :math:`\mathbf Q_{ff}` by :math:`O(\epsilon \bar k)`: with
+:math:`M = N` inducing inputs at the data, EP-DTC is dense EP to about that relative accuracy.
+
+**Sweeps.** Parallel damped sweeps (GPstuff's parallel EP): every site from the same posterior marginals by
+:func:`~gpytorch_iterncgp.sites.update_sites`, with the cavity precisions bounded below by the DTC prior
+precisions :math:`1/q_{ii}` (the exact cavity is never wider than the prior; inactive up to rounding here, since
+the DTC marginals are exact for the DTC prior). A point with :math:`q_{ii} \le \epsilon_{mach} k_{ii}` (far from
+every inducing input) has :math:`f_i = m_i` under the DTC prior: its site cannot change the posterior, it is
+kept flat and not updated (counted in neither ``skipped`` nor ``bounded``). The fixed point does not depend on the
+damping; it is the fixed point of the sequential updates of eq. S.13-S.16 (not implemented here: a sequential
+sweep of rank-one Cholesky updates costs the same :math:`O(M^2 N)` but cannot be batched).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Generator
+from dataclasses import dataclass
+
+import torch
+from linear_operator import settings as linop_settings
+from torch import Tensor
+
+from .likelihoods import LikelihoodAdapter
+from .outer_loop import CONTINUE, CONVERGED, EPSweep, OuterStep
+from .sites import update_sites
+
+
+def inducing_cholesky(inducing_covariance: Tensor) -> Tensor:
+    r""":math:`\mathbf L` with :math:`\mathbf L \mathbf L^\top = \mathbf K_{uu} + \epsilon \bar k \mathbf I` (see the module docstring).
+
+    :raises ValueError: if even the jittered :math:`\mathbf K_{uu}` is not positive definite (duplicate inducing
+        inputs with a very long lengthscale, or non-finite kernel values).
+    """
+    dtype = inducing_covariance.dtype
+    scale = inducing_covariance.diagonal(dim1=-2, dim2=-1).mean()
+    jitter = linop_settings.cholesky_jitter.value(dtype) * scale
+    eye = torch.eye(inducing_covariance.shape[-1], dtype=dtype, device=inducing_covariance.device)
+    cholesky, info = torch.linalg.cholesky_ex(inducing_covariance + jitter * eye)
+    if bool(info.any()):
+        raise ValueError(
+            "EP-DTC: K_uu (the kernel at the inducing points) is not positive definite even with a relative jitter "
+            f"of {linop_settings.cholesky_jitter.value(dtype):g}; remove duplicate inducing points or raise "
+            "linear_operator.settings.cholesky_jitter."
+        )
+    return cholesky
+
+
+@dataclass
+class DTCPrior:
+    r"""The DTC prior at the training inputs: :math:`\mathbf m` ``(N,)``, :math:`\operatorname{diag}\mathbf K_{ff}`
+    ``(N,)``, :math:`\mathbf L` ``(M, M)`` and :math:`\mathbf V = \mathbf L^{-1}\mathbf K_{uf}` ``(M, N)``.
+
+    Also the product counter of :func:`~gpytorch_iterncgp.outer_loop.run_outer_loop` (EP-DTC makes no products with
+    the :math:`N \times N` kernel: the counts stay 0).
+    """
+
+    mean: Tensor
+    diagonal: Tensor
+    cholesky: Tensor
+    whitened_cross: Tensor
+    products: int = 0
+    columns: int = 0
+    product_seconds: float = 0.0
+
+    @classmethod
+    def from_blocks(cls, mean: Tensor, diagonal: Tensor, inducing_covariance: Tensor, cross: Tensor) -> DTCPrior:
+        """From :math:`\\mathbf m`, :math:`\\operatorname{diag}\\mathbf K_{ff}`, :math:`\\mathbf K_{uu}` and :math:`\\mathbf K_{uf}`."""
+        cholesky = inducing_cholesky(inducing_covariance)
+        return cls(mean, diagonal, cholesky, torch.linalg.solve_triangular(cholesky, cross, upper=False))
+
+    @property
+    def dtc_variance(self) -> Tensor:
+        r""":math:`q_{ii} = \|\mathbf V_{:, i}\|^2`, ``(N,)``."""
+        return self.whitened_cross.square().sum(0)
+
+
+def dtc_posterior(
+    prior: DTCPrior, site_precision: Tensor, site_natural_mean: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    r"""The posterior of the sites under the DTC prior (module docstring), differentiable in ``prior``.
+
+    :return: :math:`\mathbf L_B` ``(M, M)``, :math:`\bar{\mathbf z}` ``(M,)``, the marginal means and variances ``(N,)``.
+    """
+    cross = prior.whitened_cross
+    rooted = cross * site_precision.sqrt()
+    system = rooted @ rooted.mT + torch.eye(len(cross), dtype=cross.dtype, device=cross.device)
+    cholesky = torch.linalg.cholesky(system)
+    projected = torch.linalg.solve_triangular(cholesky, cross, upper=False)  # L_B^{-1} V
+    inner = projected @ (site_natural_mean - site_precision * prior.mean)
+    whitened_mean = torch.linalg.solve_triangular(cholesky.mT, inner[:, None], upper=True)[:, 0]
+    return cholesky, whitened_mean, prior.mean + cross.mT @ whitened_mean, projected.square().sum(0)
+
+
+@dataclass
+class SparseEPState:
+    r"""Where the EP-DTC loop stands: the sites ``(N,)``, their posterior in the whitened inducing space
+    (:math:`\mathbf L_B` ``(M, M)``, :math:`\bar{\mathbf z}` ``(M,)``; module docstring) and its marginals at the
+    training inputs ``(N,)``."""
+
+    site_precision: Tensor
+    site_natural_mean: Tensor
+    posterior_cholesky: Tensor  # L_B, B = I + V T V^T
+    whitened_mean: Tensor  # z bar = B^{-1} V (nu - tau m)
+    marginal_mean: Tensor
+    marginal_variance: Tensor
+    sweeps: int = 0
+    solved: bool = True  # the posterior tensors belong to these sites and the current kernel / inducing inputs
+
+    def tensors(self) -> dict[str, Tensor]:
+        """Every tensor of the state, by field name."""
+        values = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        return {name: value for name, value in values.items() if torch.is_tensor(value)}
+
+    def to_extra(self) -> dict:
+        """Tensors (cloned), numbers and flags, for a ``state_dict`` (``weights_only`` loadable)."""
+        return {
+            **{name: tensor.clone() for name, tensor in self.tensors().items()},
+            "sweeps": self.sweeps,
+            "solved": self.solved,
+        }
+
+    @classmethod
+    def from_extra(cls, saved: dict, reference: Tensor) -> SparseEPState:
+        """Inverse of :meth:`to_extra`, tensors moved to the dtype and device of ``reference``.
+
+        :raises ValueError: for missing entries or shapes that disagree.
+        """
+        names = [field.name for field in dataclasses.fields(cls) if field.name not in ("sweeps", "solved")]
+        missing = [name for name in names if not torch.is_tensor(saved.get(name))]
+        if missing or "sweeps" not in saved:
+            raise ValueError(
+                f"SparseEPStrategy extra state is malformed: missing or non-tensor entries {missing or ['sweeps']}."
+            )
+        size, rank = saved["site_precision"].shape, saved["whitened_mean"].shape
+        expected = dict(zip(names, (size, size, rank + rank, rank, size, size), strict=True))
+        wrong = {name: tuple(saved[name].shape) for name in names if saved[name].shape != expected[name]}
+        if len(size) != 1 or len(rank) != 1 or wrong:
+            raise ValueError(
+                f"SparseEPStrategy extra state is malformed: inconsistent shapes {wrong or dict(size=size)}."
+            )
+        tensors = {name: saved[name].to(reference) for name in names}
+        return cls(**tensors, sweeps=int(saved["sweeps"]), solved=bool(saved.get("solved", True)))
+
+
+class SparseEP:
+    r"""Parallel damped EP under the DTC prior (see the module docstring); an outer loop for
+    :func:`~gpytorch_iterncgp.outer_loop.run_outer_loop`.
+
+    :param prior: the DTC prior at the training inputs (for the current kernel and inducing inputs).
+    :param adapter: a :math:`C = 1` likelihood with tilted moments.
+    :param targets: validated targets ``(N,)``.
+    :param damping: :math:`\delta \in (0, 1]`, the fraction of the way each sweep moves the sites.
+    :param site_tol: converged when the largest relative site change a sweep proposes is below it (and no site was
+        skipped).
+    """
+
+    name = "EP-DTC"
+
+    def __init__(self, prior: DTCPrior, adapter: LikelihoodAdapter, targets: Tensor, damping: float, site_tol: float):
+        if adapter.num_latents != 1:
+            raise ValueError("EP-DTC is for one latent function (C = 1).")
+        self.prior, self.adapter, self.targets = prior, adapter, targets
+        self.damping, self.site_tol = damping, site_tol
+        dtc_variance = prior.dtc_variance
+        self.active = dtc_variance > torch.finfo(dtc_variance.dtype).eps * prior.diagonal
+        self.prior_variance = dtc_variance[self.active]
+
+    def posterior(self, site_precision: Tensor, site_natural_mean: Tensor, sweeps: int) -> SparseEPState:
+        """The state of these sites (their DTC posterior)."""
+        parts = dtc_posterior(self.prior, site_precision, site_natural_mean)
+        return SparseEPState(site_precision, site_natural_mean, *parts, sweeps=sweeps, solved=True)
+
+    def initial_state(self) -> SparseEPState:
+        """The prior: every site flat."""
+        zeros = torch.zeros_like(self.prior.mean)
+        return self.posterior(zeros, zeros.clone(), 0)
+
+    def renew(self, state: SparseEPState) -> SparseEPState:
+        """``state`` after a change of the kernel or the inducing inputs: the sites are kept (a warm start), the
+        posterior is recomputed by the next :meth:`steps`."""
+        return dataclasses.replace(state, solved=False)
+
+    def finalize(self, state: SparseEPState) -> SparseEPState:
+        """The posterior of the committed sites (recomputed if :meth:`renew` left it stale and no sweep ran)."""
+        return state if state.solved else self.posterior(state.site_precision, state.site_natural_mean, state.sweeps)
+
+    def steps(self, state: SparseEPState) -> Generator[OuterStep, None, None]:
+        """Parallel EP-DTC sweeps from ``state`` until converged (the driver limits their number)."""
+        active = self.active
+        if not state.solved:
+            state = self.finalize(state)
+        while True:
+            update = update_sites(
+                self.adapter,
+                self.targets[active],
+                state.marginal_mean[active],
+                state.marginal_variance[active],
+                state.site_precision[active],
+                state.site_natural_mean[active],
+                self.damping,
+                self.prior_variance,
+            )
+            precision, natural_mean = state.site_precision.clone(), state.site_natural_mean.clone()
+            precision[active], natural_mean[active] = update.site_precision, update.site_natural_mean
+            state = self.posterior(precision, natural_mean, state.sweeps + 1)
+            skipped = int(update.skipped.sum())
+            record = EPSweep(
+                step=state.sweeps,
+                site_change=update.change,
+                damping=self.damping,
+                skipped_sites=skipped,
+                bounded_cavities=int(update.bounded.sum()),
+                clipped_sites=int(update.clipped.sum()),
+                solver_iterations=0,
+                residual_norm=0.0,
+            )
+            status = CONVERGED if skipped == 0 and update.change <= self.site_tol else CONTINUE
+            yield OuterStep(record, state, status)
+            if status != CONTINUE:
+                return
