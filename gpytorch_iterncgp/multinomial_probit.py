@@ -176,8 +176,8 @@ class MultinomialProbitLikelihood(gpytorch.likelihoods.Likelihood):
 class InnerSites(NamedTuple):
     r"""The inner EP's Gaussian sites :math:`\exp(-\tfrac12 \tilde\tau_{ik} s_{ik}^2 + \tilde\nu_{ik} s_{ik})` in
     :math:`s_{ik} = u_i + f_{ic} - f_{ij_k}` (:math:`c = y_i`; :math:`j_0 < j_1 < \dots` the other classes in
-    increasing order), each ``(N, C - 1)``; Riihimäki et al. (2013)'s :math:`\tilde\alpha, \tilde\beta`
-    (appendix A). Pass them back to :func:`multinomial_probit_moments` to warm-start the next outer sweep."""
+    increasing order), each ``(N, C - 1)``: the inner sites of Riihimäki et al. (2013), appendix A, in their natural
+    parameters. Pass them back to :func:`multinomial_probit_moments` to warm-start the next outer sweep."""
 
     precision: Tensor
     natural_mean: Tensor
