@@ -14,6 +14,10 @@ plain float64 (torch for the linear algebra, scipy for the 1-D integrals). Label
   marginal likelihood (R&W eq. 3.65 in the numerically stable form of GPML's ``infEP``).
 * Predictions for probit (R&W Algorithm 3.6) and the hyperparameter gradient of the EP evidence with the
   sites held fixed (R&W sec. 5.5.2, eq. 5.27).
+* Multi-class EP for the multinomial probit likelihood (:func:`multiclass_parallel_ep`, :math:`C \times C` site
+  blocks, data-major :math:`NC \times NC` prior); unlike the rest, its tilted moments are the package's nested EP
+  (:func:`gpytorch_iterncgp.multinomial_probit.multinomial_probit_moments`). And an independent check of it: Gibbs
+  sampling of the augmented model (:func:`multiclass_gibbs`).
 """
 
 from __future__ import annotations
@@ -305,3 +309,162 @@ def evidence_gradient(kernel: Tensor, kernel_derivative: Tensor, result: EPResul
     r = root[:, None] * torch.cholesky_inverse(chol) * root[None, :]  # S^1/2 B^-1 S^1/2 = (K + S^-1)^-1
     b = result.site_natural_mean - r @ (kernel @ result.site_natural_mean)
     return 0.5 * ((torch.outer(b, b) - r) * kernel_derivative).sum()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Multi-class EP (multinomial probit), dense, with the package's nested-EP tilted moments
+# ---------------------------------------------------------------------------------------------------
+@dataclass
+class MulticlassEPResult:
+    site_precision: Tensor  # T_i, (N, C, C) blocks, positive semi-definite (the 1-vector in their null space)
+    site_natural_mean: Tensor  # nu_i, (N, C)
+    mean: Tensor  # posterior mean (N, C)
+    covariance: Tensor  # posterior covariance (NC, NC), data-major
+    log_marginal_likelihood: Tensor  # log Z_EP
+    sweeps: int
+    converged: bool
+
+
+def _log_normaliser(mean: Tensor, covariance: Tensor) -> Tensor:
+    r""":math:`A(\mathbf m, \mathbf V) = \tfrac12\mathbf m^\top\mathbf V^{-1}\mathbf m + \tfrac12\log|\mathbf V|`, batched."""
+    chol = torch.linalg.cholesky(covariance)
+    whitened = torch.linalg.solve_triangular(chol, mean.unsqueeze(-1), upper=False).squeeze(-1)
+    return 0.5 * whitened.square().sum(-1) + chol.diagonal(dim1=-2, dim2=-1).log().sum(-1)
+
+
+def multiclass_posterior(kernel: Tensor, site_precision: Tensor, site_natural_mean: Tensor) -> tuple[Tensor, Tensor]:
+    r""":math:`\boldsymbol\Sigma = (\mathbf K^{-1} + \mathbf T)^{-1} = \mathbf K(\mathbf I + \mathbf T\mathbf K)^{-1}`
+    (:math:`\mathbf T` block diagonal, singular) and :math:`\boldsymbol\mu = \boldsymbol\Sigma\boldsymbol\nu`;
+    ``kernel`` ``(NC, NC)`` data-major. Returns the mean ``(N, C)`` and the covariance ``(NC, NC)``."""
+    n, c = site_natural_mean.shape
+    blocks = torch.block_diag(*site_precision)
+    eye = torch.eye(n * c, dtype=kernel.dtype)
+    covariance = torch.linalg.solve((eye + blocks @ kernel).mT, kernel.mT).mT
+    covariance = (covariance + covariance.mT) / 2
+    return (covariance @ site_natural_mean.reshape(-1)).reshape(n, c), covariance
+
+
+def _multiclass_cavities(mean, covariance, site_precision, site_natural_mean):
+    n, c = mean.shape
+    index = torch.arange(n)
+    marginal = covariance.reshape(n, c, n, c)[index, :, index, :]  # (N, C, C) blocks
+    marginal_precision = torch.linalg.inv(marginal)
+    cavity_precision = marginal_precision - site_precision
+    cavity_covariance = torch.linalg.inv(cavity_precision)
+    cavity_covariance = (cavity_covariance + cavity_covariance.mT) / 2
+    natural = (marginal_precision @ mean.unsqueeze(-1)).squeeze(-1) - site_natural_mean
+    return marginal, (cavity_covariance @ natural.unsqueeze(-1)).squeeze(-1), cavity_covariance
+
+
+def multiclass_log_marginal_likelihood(kernel, y, site_precision, site_natural_mean) -> Tensor:
+    r"""The EP normaliser (R&W eq. 3.65 for :math:`C \times C` site blocks):
+    :math:`\log Z_{EP} = A(\boldsymbol\mu, \boldsymbol\Sigma) - A(\mathbf 0, \mathbf K) + \sum_i [\log\hat Z_i
+    + A(\mathbf m_{-i}, \mathbf S_{-i}) - A(\boldsymbol\mu_i, \boldsymbol\Sigma_{ii})]`, with :math:`\log\hat Z_i` the
+    nested-EP tilted normaliser at the cavities."""
+    from gpytorch_iterncgp.multinomial_probit import multinomial_probit_moments
+
+    mean, covariance = multiclass_posterior(kernel, site_precision, site_natural_mean)
+    marginal, cavity_mean, cavity_covariance = _multiclass_cavities(mean, covariance, site_precision, site_natural_mean)
+    log_z, _, _ = multinomial_probit_moments(y, cavity_mean, cavity_covariance)
+    zero = torch.zeros(len(kernel), dtype=kernel.dtype)
+    return (
+        _log_normaliser(mean.reshape(-1), covariance)
+        - _log_normaliser(zero, kernel)
+        + (log_z + _log_normaliser(cavity_mean, cavity_covariance) - _log_normaliser(mean, marginal)).sum()
+    )
+
+
+def multiclass_parallel_ep(
+    kernel: Tensor, y: Tensor, num_classes: int, damping: float = 0.5, tol: float = 1e-10, max_sweeps: int = 500
+) -> MulticlassEPResult:
+    r"""Parallel damped EP for the multinomial probit likelihood with :math:`C \times C` site blocks (Riihimäki et al.
+    2013's outer EP, here parallel): from the posterior :math:`\mathcal N(\boldsymbol\mu, \boldsymbol\Sigma)` every
+    point's cavity :math:`\mathbf S_{-i} = (\boldsymbol\Sigma_{ii}^{-1} - \mathbf T_i)^{-1}`, :math:`\mathbf m_{-i} =
+    \mathbf S_{-i}(\boldsymbol\Sigma_{ii}^{-1}\boldsymbol\mu_i - \boldsymbol\nu_i)`; the tilted moments by
+    :func:`~gpytorch_iterncgp.multinomial_probit.multinomial_probit_moments` (inner sites warm-started from the previous
+    sweep); the sites :math:`\mathbf T_i^* = \hat{\boldsymbol\Sigma}_i^{-1} - \mathbf S_{-i}^{-1}`,
+    :math:`\boldsymbol\nu_i^* = \hat{\boldsymbol\Sigma}_i^{-1}\hat{\boldsymbol\mu}_i - \mathbf S_{-i}^{-1}\mathbf m_{-i}`
+    damped, :math:`\mathbf T \leftarrow (1 - \delta)\mathbf T + \delta\mathbf T^*` (likewise :math:`\boldsymbol\nu`),
+    then the posterior recomputed. Prior :math:`\mathcal N(\mathbf 0, \mathbf K)`, ``kernel`` ``(NC, NC)``
+    data-major (index :math:`nC + c`); ``y`` ``(N,)`` class indices. Stops when the sites change by less than ``tol``.
+    """
+    from gpytorch_iterncgp.multinomial_probit import multinomial_probit_moments
+
+    n, c = len(y), num_classes
+    precision = torch.zeros(n, c, c, dtype=kernel.dtype)
+    natural = torch.zeros(n, c, dtype=kernel.dtype)
+    mean, covariance = multiclass_posterior(kernel, precision, natural)
+    inner = None
+    for sweep in range(1, max_sweeps + 1):
+        _, cavity_mean, cavity_covariance = _multiclass_cavities(mean, covariance, precision, natural)
+        _, tilted_mean, tilted_cov, inner = multinomial_probit_moments(
+            y, cavity_mean, cavity_covariance, sites=inner, return_sites=True
+        )
+        tilted_precision = torch.linalg.inv(tilted_cov)
+        cavity_precision = torch.linalg.inv(cavity_covariance)
+        new_precision = tilted_precision - cavity_precision
+        new_precision = (new_precision + new_precision.mT) / 2
+        new_natural = (tilted_precision @ tilted_mean.unsqueeze(-1) - cavity_precision @ cavity_mean.unsqueeze(-1))[
+            ..., 0
+        ]
+        step_precision, step_natural = damping * (new_precision - precision), damping * (new_natural - natural)
+        precision, natural = precision + step_precision, natural + step_natural
+        mean, covariance = multiclass_posterior(kernel, precision, natural)
+        if max(float(step_precision.abs().max()), float(step_natural.abs().max())) < tol:
+            lml = multiclass_log_marginal_likelihood(kernel, y, precision, natural)
+            return MulticlassEPResult(precision, natural, mean, covariance, lml, sweep, True)
+    lml = multiclass_log_marginal_likelihood(kernel, y, precision, natural)
+    return MulticlassEPResult(precision, natural, mean, covariance, lml, max_sweeps, False)
+
+
+def multiclass_gibbs(
+    kernel: Tensor, y: Tensor, num_classes: int, chains: int = 2000, burn_in: int = 200, draws: int = 300, seed: int = 0
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    r"""Posterior moments of the multinomial probit GP by Gibbs sampling in the augmented model (Albert & Chib 1993;
+    Girolami & Rogers 2006): :math:`\mathbf z_i = \mathbf f_i + \boldsymbol\epsilon_i`, :math:`\boldsymbol\epsilon_i
+    \sim \mathcal N(\mathbf 0, \mathbf I)`, :math:`y_i = \arg\max_j z_{ij}`. Alternates
+    :math:`\mathbf f \mid \mathbf z \sim \mathcal N(\mathbf K(\mathbf K + \mathbf I)^{-1}\mathbf z, \mathbf K -
+    \mathbf K(\mathbf K + \mathbf I)^{-1}\mathbf K)` and, coordinate by coordinate, truncated normals
+    :math:`z_{iy_i} > \max_{j \ne y_i} z_{ij}` and :math:`z_{ij} < z_{iy_i}` (inverse-CDF sampling from the tail side).
+    Many short independent chains, vectorised. Returns the posterior mean ``(N, C)`` and covariance ``(NC, NC)`` and
+    their Monte Carlo standard errors (from the spread of the chains' own averages), same shapes."""
+    generator = torch.Generator().manual_seed(seed)
+    n, c = len(y), num_classes
+    dtype = kernel.dtype
+    eye = torch.eye(n * c, dtype=dtype)
+    gain = torch.linalg.solve(kernel + eye, kernel).mT  # K (K + I)^-1
+    conditional = kernel - gain @ kernel
+    root = torch.linalg.cholesky((conditional + conditional.mT) / 2 + 1e-12 * eye)
+    observed = torch.nn.functional.one_hot(y, c).bool()  # (N, C)
+
+    def uniform(shape):
+        return torch.rand(shape, generator=generator, dtype=dtype).clamp(1e-300, 1 - 1e-16)
+
+    f = torch.zeros(chains, n, c, dtype=dtype)
+    z = torch.where(observed, 1.0, -1.0).to(dtype).expand(chains, n, c).clone()
+    total = torch.zeros(chains, n * c, dtype=dtype)
+    outer = torch.zeros(chains, n * c, n * c, dtype=dtype)
+    for step in range(burn_in + draws):
+        # z | f: the observed class above the others' maximum, then each other class below it
+        others_max = torch.where(observed, -math.inf, z).amax(-1)  # (chains, N)
+        f_obs = f[observed.expand(chains, n, c)].reshape(chains, n)
+        lower = others_max - f_obs  # z_obs - f_obs > lower: -Phi^-1(U Phi(-lower)) from the upper tail
+        z_obs = f_obs - torch.special.ndtri(uniform((chains, n)) * torch.special.ndtr(-lower))
+        z = torch.where(observed, z_obs.unsqueeze(-1), z)
+        upper = z_obs.unsqueeze(-1) - f  # z_j - f_j < upper
+        z_other = f + torch.special.ndtri(uniform((chains, n, c)) * torch.special.ndtr(upper))
+        z = torch.where(observed, z, z_other)
+        # f | z
+        noise = torch.randn(chains, n * c, generator=generator, dtype=dtype)
+        f = (z.reshape(chains, -1) @ gain.mT + noise @ root.mT).reshape(chains, n, c)
+        if step >= burn_in:
+            flat = f.reshape(chains, -1)
+            total += flat
+            outer += flat.unsqueeze(-1) * flat.unsqueeze(-2)
+    chain_mean, chain_second = total / draws, outer / draws
+    mean = chain_mean.mean(0)
+    covariance = chain_second.mean(0) - torch.outer(mean, mean)
+    chain_cov = chain_second - chain_mean.unsqueeze(-1) * chain_mean.unsqueeze(-2)
+    mean_error = chain_mean.std(0) / math.sqrt(chains)
+    covariance_error = chain_cov.std(0) / math.sqrt(chains)
+    return mean.reshape(n, c), covariance, mean_error.reshape(n, c), covariance_error
