@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = ["binary_classification", "poisson_regression", "multiclass", "hyperparameters", "sklearn_quickstart"]
+EXAMPLES = [
+    "binary_classification",
+    "poisson_regression",
+    "multiclass",
+    "hyperparameters",
+    "sklearn_quickstart",
+    "ep_vs_laplace",
+]
 
 
 @pytest.mark.parametrize("name", EXAMPLES)
