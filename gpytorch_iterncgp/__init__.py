@@ -12,6 +12,7 @@ from .ep import EPState
 from .evidence import EPMarginalLogLikelihood, LaplaceMarginalLogLikelihood
 from .exceptions import NonFiniteEvidenceError, NotConvergedWarning, NumericalBreakdownWarning
 from .likelihoods import ExpPoissonLikelihood, LogitBernoulliLikelihood
+from .multinomial_probit import MultinomialProbitLikelihood
 from .newton import LaplaceState, SolverOptions
 from .outer_loop import EPSweep, FitReport, NewtonStep
 from .policies import ConjugateGradientPolicy, Policy, UnitVectorPolicy
@@ -34,6 +35,7 @@ __all__ = [
     "LaplaceMarginalLogLikelihood",
     "LaplaceState",
     "LogitBernoulliLikelihood",
+    "MultinomialProbitLikelihood",
     "NewtonStep",
     "NonFiniteEvidenceError",
     "NotConvergedWarning",

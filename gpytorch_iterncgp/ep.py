@@ -40,15 +40,17 @@ from collections.abc import Generator
 from dataclasses import dataclass
 
 import torch
+from linear_operator.operators import BlockDiagLinearOperator, DenseLinearOperator, LinearOperator
 from torch import Tensor
 
 from .likelihoods import LikelihoodAdapter
+from .multinomial_probit import InnerSites
 from .noise import DiagonalNoiseInverse
 from .outer_loop import CONTINUE, CONVERGED, STALLED, EPSweep, OuterStep
 from .policies import Policy
 from .prior import LatentPrior
 from .recycling import ActionBuffer
-from .sites import update_sites
+from .sites import SiteUpdate, site_block_noise, update_site_blocks, update_sites, zero_sum_basis
 from .solver import IterGPOptions, IterGPResult, RegressionState, itergp_solve
 from .validation import check_count, check_nonnegative
 
@@ -59,6 +61,19 @@ def posterior_marginals(prior_mean: Tensor, prior_variance: Tensor, state: Regre
     mean = prior_mean + state.kernel_representer_weights
     variance = prior_variance - state.kernel_precision_root.square().sum(-1)
     return mean, variance
+
+
+def posterior_marginal_blocks(
+    prior_mean: Tensor, prior_blocks: Tensor, state: RegressionState
+) -> tuple[Tensor, Tensor]:
+    r"""Each point's posterior mean ``(N, C)`` and :math:`C \times C` covariance
+    :math:`\mathbf K_{ii} - \mathbf R_i \mathbf R_i^\top` ``(N, C, C)``, :math:`\mathbf R_i` the point's :math:`C` rows
+    of :math:`\mathbf K\mathbf Q` (data-major); ``prior_mean`` ``(N, C)``, ``prior_blocks`` :math:`\mathbf K_{ii}`
+    ``(N, C, C)``."""
+    num_points, num_latents = prior_mean.shape
+    rows = state.kernel_precision_root.reshape(num_points, num_latents, state.kernel_precision_root.shape[-1])
+    covariance = prior_blocks - rows @ rows.mT
+    return prior_mean + state.kernel_representer_weights.reshape(-1, num_latents), (covariance + covariance.mT) / 2
 
 
 @dataclass
@@ -85,7 +100,9 @@ class EPOptions(IterGPOptions):
 class EPState(RegressionState):
     r"""Where the EP loop stands: the sites and IterGP's solution of the regression they define.
 
-    ``site_precision`` :math:`\tilde\tau` and ``site_natural_mean`` :math:`\tilde\nu` are ``(N,)`` (:math:`C = 1`).
+    ``site_precision`` :math:`\tilde\tau` and ``site_natural_mean`` :math:`\tilde\nu` are ``(N,)`` for :math:`C = 1`;
+    for :math:`C` latent values per point they are the site blocks :math:`\tilde{\mathbf T}_i` ``(N, C, C)`` and
+    :math:`\tilde{\boldsymbol\nu}_i` ``(N, C)``.
     """
 
     site_precision: Tensor
@@ -94,10 +111,19 @@ class EPState(RegressionState):
     solved: bool = True  # the regression tensors belong to these sites and the current kernel
 
     @classmethod
-    def initial(cls, size: int, dtype: torch.dtype, device: torch.device) -> EPState:
-        """The prior: every site flat (:math:`\\tilde\\tau = \\tilde\\nu = 0`), :math:`\\mathbf a = \\mathbf 0`."""
-        zeros = torch.zeros(size, dtype=dtype, device=device)
-        return cls(*cls.prior_tensors(size, dtype, device), site_precision=zeros, site_natural_mean=zeros.clone())
+    def initial(cls, size: int, dtype: torch.dtype, device: torch.device, num_latents: int = 1) -> EPState:
+        """The prior: every site flat (:math:`\\tilde\\tau = \\tilde\\nu = 0`), :math:`\\mathbf a = \\mathbf 0`; ``size``
+        is :math:`N C`."""
+        points = size // num_latents
+        precision: tuple[int, ...] = (size,)
+        natural_mean: tuple[int, ...] = (size,)
+        if num_latents > 1:
+            precision, natural_mean = (points, num_latents, num_latents), (points, num_latents)
+        return cls(
+            *cls.prior_tensors(size, dtype, device),
+            site_precision=torch.zeros(precision, dtype=dtype, device=device),
+            site_natural_mean=torch.zeros(natural_mean, dtype=dtype, device=device),
+        )
 
     def to_extra(self) -> dict:
         """Tensors (cloned), numbers and flags, for a ``state_dict`` (``weights_only`` loadable)."""
@@ -114,9 +140,16 @@ class EPState(RegressionState):
         :raises ValueError: for missing entries or shapes that disagree.
         """
         cls.check_shapes(saved, "EPStrategy")
-        size = saved["representer_weights"].shape
-        sites = ("site_precision", "site_natural_mean")
-        wrong = [name for name in sites if not torch.is_tensor(saved.get(name)) or saved[name].shape != size]
+        size = saved["representer_weights"].numel()
+        natural_mean = saved.get("site_natural_mean")
+        num_latents = natural_mean.shape[-1] if torch.is_tensor(natural_mean) and natural_mean.dim() == 2 else 1
+        shapes = {
+            "site_precision": (size,) if num_latents == 1 else (size // num_latents, num_latents, num_latents),
+            "site_natural_mean": (size,) if num_latents == 1 else (size // num_latents, num_latents),
+        }
+        wrong = [
+            name for name, shape in shapes.items() if not torch.is_tensor(saved.get(name)) or saved[name].shape != shape
+        ]
         if wrong or "sweeps" not in saved:
             raise ValueError(
                 f"EPStrategy extra state is malformed: missing, non-tensor or mis-shaped entries {wrong or ['sweeps']}."
@@ -131,8 +164,15 @@ class ExpectationPropagation:
 
     An outer loop for :func:`~gpytorch_iterncgp.outer_loop.run_outer_loop`.
 
+    **Multi-class** (:math:`C` latent values per point, the multinomial probit): the sites are :math:`C \times C`
+    blocks of rank :math:`\le C - 1` (null space :math:`\mathbf 1`), the noise their bounded pseudo-inverses
+    (:func:`~gpytorch_iterncgp.sites.site_block_noise`), IterGP's actions have zero sum per point, the marginals are
+    each point's :math:`C \times C` covariance, and the sweep is :func:`~gpytorch_iterncgp.sites.update_site_blocks`
+    (nested EP, its inner sites kept by the loop for warm starts).
+
     :param prior: the GP prior at the training inputs (its matmul is the one product with K).
-    :param adapter: a :math:`C = 1` likelihood with tilted moments (probit, logit, Poisson exp/softplus).
+    :param adapter: a likelihood with tilted moments: :math:`C = 1` (probit, logit, Poisson exp/softplus) or the
+        multinomial probit.
     :param targets: validated targets ``(N,)``.
     :param options: damping, tolerances and IterGP's budget (``max_sweeps`` is the driver's business).
     :param policy: IterGP's policy (already prepared for the problem size).
@@ -143,18 +183,27 @@ class ExpectationPropagation:
     def __init__(
         self, prior: LatentPrior, adapter: LikelihoodAdapter, targets: Tensor, options: EPOptions, policy: Policy
     ):
-        if adapter.num_latents != 1:
+        if adapter.num_latents > 1 and not adapter.zero_sum_actions:
             raise ValueError(
-                f"EP here is for one latent function (C = 1); {adapter.name} has C = {adapter.num_latents}."
+                f"EP with C x C site blocks needs a likelihood that is flat along (1, ..., 1) with nested-EP tilted "
+                f"moments (MultinomialProbitLikelihood); {adapter.name} has C = {adapter.num_latents}."
             )
         self.prior, self.adapter, self.targets, self.options, self.policy = prior, adapter, targets, options, policy
+        self.num_latents = adapter.num_latents
         self.prior_mean = prior.mean.reshape(-1)
         self.prior_variance = prior.diagonal().reshape(-1)
         self.min_precision = adapter._min_curvature(self.prior_mean.dtype)
+        self.prior_blocks: Tensor | None = None
+        self.action_space_dimension: int | None = None
+        self.inner_sites: InnerSites | None = None  # multi-class: the nested EP's sites of the last sweep
+        if self.num_latents > 1:
+            self.prior_blocks = prior.point_blocks()
+            self.action_space_dimension = len(self.prior_mean) // self.num_latents * (self.num_latents - 1)
+            self.basis = zero_sum_basis(self.num_latents, self.prior_mean.dtype, self.prior_mean.device)
 
     # -- states ------------------------------------------------------------------------------------------------
     def initial_state(self) -> EPState:
-        return EPState.initial(len(self.prior_mean), self.prior_mean.dtype, self.prior_mean.device)
+        return EPState.initial(len(self.prior_mean), self.prior_mean.dtype, self.prior_mean.device, self.num_latents)
 
     def renew(self, state: EPState) -> EPState:
         """``state`` after a change of :math:`\\mathbf K`: products renewed (one product); the sites are kept (a warm
@@ -167,26 +216,60 @@ class ExpectationPropagation:
 
     # -- one regression ------------------------------------------------------------------------------------------
     def marginals(self, state: RegressionState) -> tuple[Tensor, Tensor]:
-        """:func:`posterior_marginals` at the training inputs."""
-        return posterior_marginals(self.prior_mean, self.prior_variance, state)
+        """The posterior marginals at the training inputs (:meth:`marginals_of`)."""
+        return self.marginals_of(self.prior, state)
 
     @staticmethod
     def marginals_of(prior: LatentPrior, state: RegressionState) -> tuple[Tensor, Tensor]:
-        """:func:`posterior_marginals` for ``prior`` at the training inputs."""
-        return posterior_marginals(prior.mean.reshape(-1), prior.diagonal().reshape(-1), state)
+        """:func:`posterior_marginals` (``(N,)`` each) for ``prior`` at the training inputs, or for :math:`C > 1`
+        :func:`posterior_marginal_blocks` (``(N, C)`` and ``(N, C, C)``)."""
+        if prior.num_latents == 1:
+            return posterior_marginals(prior.mean.reshape(-1), prior.diagonal().reshape(-1), state)
+        return posterior_marginal_blocks(prior.mean.reshape(-1, prior.num_latents), prior.point_blocks(), state)
+
+    def update(self, state: EPState) -> SiteUpdate:
+        """One parallel sweep's site update from the marginals of ``state``'s regression."""
+        mean, variance = self.marginals(state)
+        damping = self.options.damping
+        if self.num_latents == 1:
+            sites = (state.site_precision, state.site_natural_mean)
+            return update_sites(self.adapter, self.targets, mean, variance, *sites, damping, self.prior_variance)
+        update = update_site_blocks(
+            self.targets,
+            mean,
+            variance,
+            state.site_precision,
+            state.site_natural_mean,
+            damping,
+            self.prior_blocks,
+            self.inner_sites,
+        )
+        self.inner_sites = update.inner_sites
+        return update
+
+    def noise(self, precision: Tensor, natural_mean: Tensor) -> tuple[LinearOperator, Tensor]:
+        r"""The noise :math:`\tilde{\mathbf T}^{-1}` (bounded; pseudo-inverse blocks for :math:`C > 1`) and the
+        right-hand side :math:`\tilde{\boldsymbol\mu} - \mathbf m` of the sites' regression (see the module docstring)."""
+        if self.num_latents == 1:
+            bounded = precision.clamp_min(self.min_precision)
+            return DiagonalNoiseInverse(bounded.reciprocal()), (natural_mean - precision * self.prior_mean) / bounded
+        prior_mean = self.prior_mean.reshape(-1, self.num_latents)
+        blocks, rhs = site_block_noise(precision, natural_mean, prior_mean, self.min_precision, self.basis)
+        return BlockDiagLinearOperator(DenseLinearOperator(blocks)), rhs.reshape(-1)
 
     def solve(self, state: EPState, buffer: ActionBuffer, precision: Tensor, natural_mean: Tensor) -> IterGPResult:
         r"""IterGP on :math:`(\mathbf K + \tilde{\mathbf T}^{-1}) \mathbf v = \tilde{\boldsymbol\mu} - \mathbf m` for the
         sites ``(precision, natural_mean)``, from ``buffer`` (noise bounded as in the module docstring)."""
-        options = self.options
-        bounded = precision.clamp_min(self.min_precision)
-        rhs = (natural_mean - precision * self.prior_mean) / bounded
+        options, adapter = self.options, self.adapter
+        noise, rhs = self.noise(precision, natural_mean)
         return itergp_solve(
             self.prior.matmul,
-            DiagonalNoiseInverse(bounded.reciprocal()),
+            noise,
             rhs,
             buffer,
             self.policy,
+            project=adapter.project if adapter.zero_sum_actions else None,
+            action_space_dimension=self.action_space_dimension,
             max_iterations=options.max_solver_iterations,
             abs_tol=options.abs_tol,
             rel_tol=options.rel_tol,
@@ -220,17 +303,7 @@ class ExpectationPropagation:
             buffer, extra_iterations = result.buffer, result.iterations
             state = self._solved(state, result, state.site_precision, state.site_natural_mean, state.sweeps)
         while True:
-            mean, variance = self.marginals(state)
-            update = update_sites(
-                self.adapter,
-                self.targets,
-                mean,
-                variance,
-                state.site_precision,
-                state.site_natural_mean,
-                options.damping,
-                self.prior_variance,
-            )
+            update = self.update(state)
             if not options.recycle:
                 buffer = ActionBuffer.empty(len(self.prior_mean), self.prior_mean.dtype, self.prior_mean.device)
                 self.policy.reset()
@@ -252,7 +325,7 @@ class ExpectationPropagation:
             status, message = CONTINUE, ""
             if result.converged and skipped == 0 and bounded == 0 and update.change <= options.site_tol:
                 status = CONVERGED
-            elif skipped == len(self.prior_mean) and result.iterations == 0:
+            elif skipped == len(update.skipped) and result.iterations == 0:
                 status = STALLED
                 message = (
                     "EP: every cavity precision is non-positive and the solver adds no action, so no site can be "

@@ -46,8 +46,9 @@ from . import settings
 from .ep import ExpectationPropagation
 from .exceptions import NonFiniteEvidenceError
 from .likelihoods import LikelihoodAdapter
+from .multinomial_probit import multinomial_probit_moments
 from .prior import LatentPrior
-from .sites import cavities
+from .sites import block_cavities, cavities, site_block_pseudo_inverse, site_block_spectrum, site_roots, zero_sum_basis
 from .strategy import EPStrategy, IterNCGPStrategy
 from .tilted import tilted_moments
 
@@ -357,34 +358,49 @@ def ep_evidence(
     sum; the gradient is that of the first two terms (:math:`\log \mathcal N(\tilde{\boldsymbol\mu} \mid \mathbf m,
     \mathbf K + \tilde{\mathbf T}^{-1})` up to site constants), the total derivative at the EP fixed point.
 
+    :math:`C \times C` site blocks (multinomial probit): :math:`\tilde{\mathbf T}^{1/2}` becomes the block roots
+    :math:`\mathbf R` of :func:`~gpytorch_iterncgp.sites.site_roots` and :math:`\mathbf b = \mathbf R^+(\tilde{\boldsymbol\nu}
+    - \tilde{\mathbf T}\mathbf m)`; the sites' part is :func:`ep_site_block_terms`.
+
     :param prior: the prior at the training inputs, built *with* gradients.
-    :param site_precision: :math:`\tilde{\boldsymbol\tau}` ``(N,)``; ``site_natural_mean``: :math:`\tilde{\boldsymbol\nu}` ``(N,)``.
+    :param site_precision: :math:`\tilde{\boldsymbol\tau}` ``(N,)`` or blocks ``(N, C, C)``; ``site_natural_mean``:
+        :math:`\tilde{\boldsymbol\nu}` ``(N,)`` or ``(N, C)``.
     :param exact: dense Cholesky (and exact marginals) or linear_operator's CG and stochastic Lanczos quadrature.
-    :param marginals: the posterior means and variances ``(N,)`` for the cavities; required unless ``exact``.
+    :param marginals: the posterior marginals for the cavities (means and variances ``(N,)``, or ``(N, C)`` and
+        ``(N, C, C)``); required unless ``exact``.
     """
     tau, nu = site_precision.detach(), site_natural_mean.detach()
+    num_latents = prior.num_latents
     prior_mean = prior.mean.reshape(-1)
-    root = tau.sqrt()
-    positive = tau > 0
-    rhs = torch.where(positive, (nu - tau * prior_mean) / torch.where(positive, root, 1), 0.0)
+    roots, rhs = site_roots(tau, nu, prior_mean if num_latents == 1 else prior_mean.reshape(-1, num_latents))
+    num_points = len(roots)
     if exact:
         kernel = prior.data_major_covariance().to_dense()
-        system = torch.eye(len(tau), dtype=kernel.dtype, device=kernel.device) + root[:, None] * kernel * root
+        size = len(kernel)
+        rooted = (roots.mT @ kernel.reshape(num_points, num_latents, size)).reshape(size, size)  # R^T K
+        quadratic = torch.einsum("imb,mbd->imd", rooted.reshape(size, num_points, num_latents), roots)
+        system = torch.eye(size, dtype=kernel.dtype, device=kernel.device) + quadratic.reshape(size, size)
         cholesky = torch.linalg.cholesky(system)
         whitened = torch.linalg.solve_triangular(cholesky, rhs[:, None], upper=False)[:, 0]
         fixed_site_part = -cholesky.diagonal().log().sum() - 0.5 * whitened.square().sum()
         with torch.no_grad():
-            rooted_kernel = torch.linalg.solve_triangular(cholesky, root[:, None] * kernel, upper=False)
-            variance = kernel.diagonal() - rooted_kernel.square().sum(0)
+            rooted_kernel = torch.linalg.solve_triangular(cholesky, rooted, upper=False)
             mean = prior_mean + rooted_kernel.mT @ whitened
+            columns = rooted_kernel.reshape(size, num_points, num_latents)
+            covariance = prior.point_blocks() - torch.einsum("knc,knd->ncd", columns, columns)
+            marginals = (
+                (mean, covariance.reshape(-1)) if num_latents == 1 else (mean.reshape(num_points, -1), covariance)
+            )
     else:
         if marginals is None:
             raise ValueError("ep_evidence: the matrix-free regime needs the posterior marginals (mean, variance).")
-        system = WhitenedKernel(root[:, None, None], prior.data_major_covariance(), prior.point_blocks())
+        system = WhitenedKernel(roots, prior.data_major_covariance(), prior.point_blocks())
         inv_quad, logdet = system.inv_quad_logdet(inv_quad_rhs=rhs[:, None], logdet=True)
         fixed_site_part = -0.5 * logdet - 0.5 * inv_quad
-        mean, variance = (marginal.detach() for marginal in marginals)
-    return fixed_site_part + ep_site_terms(adapter, targets, mean.detach(), variance.detach(), tau, nu)
+    mean, variance = (marginal.detach() for marginal in marginals)
+    if num_latents == 1:
+        return fixed_site_part + ep_site_terms(adapter, targets, mean, variance, tau, nu)
+    return fixed_site_part + ep_site_block_terms(targets, mean, variance, tau, nu)
 
 
 def ep_site_terms(
@@ -407,3 +423,44 @@ def ep_site_terms(
         safe_tau = torch.where(positive, tau, 1)
         mismatch = torch.where(positive, (tau * cavity_mean - nu).square() / (safe_tau * (1 + ratio)), 0.0)
         return (log_normalizer + 0.5 * torch.log1p(ratio) + 0.5 * mismatch).sum()
+
+
+def ep_site_block_terms(
+    targets: Tensor, mean: Tensor, covariance: Tensor, precision: Tensor, natural_mean: Tensor
+) -> Tensor:
+    r"""The sites' part of :math:`\log Z_{EP}` for :math:`C \times C` multinomial probit sites, no gradient:
+
+    .. math::
+        \sum_i \Big[\log\hat Z_i + A(\boldsymbol\nu_{-i}, \boldsymbol\Lambda_{-i})
+        - A(\boldsymbol\Sigma_{ii}^{-1}\boldsymbol\mu_i, \boldsymbol\Sigma_{ii}^{-1})
+        + \tfrac12 \tilde{\boldsymbol\nu}_i^\top \tilde{\mathbf T}_i^+ \tilde{\boldsymbol\nu}_i\Big],
+        \qquad A(\boldsymbol\eta, \boldsymbol\Lambda) = \tfrac12 \boldsymbol\eta^\top\boldsymbol\Lambda^{-1}
+        \boldsymbol\eta - \tfrac12 \log|\boldsymbol\Lambda|
+
+    (R&W eq. 3.65 for blocks; with the first two terms of :func:`ep_evidence` it is :math:`\log Z_{EP} = A(\text{post})
+    - A(\text{prior}) + \sum_i [\log\hat Z_i + A(\text{cavity}_i) - A(\text{marginal}_i)]`), cavities of the marginals
+    ``(mean (N, C), covariance (N, C, C))`` (:func:`~gpytorch_iterncgp.sites.block_cavities`, unbounded) and
+    :math:`\log\hat Z_i` by nested EP. NaN if a cavity precision is not positive definite.
+    """
+    with torch.no_grad():
+        cavity_precision, cavity_natural_mean, _ = block_cavities(mean, covariance, precision, natural_mean)
+        cavity_root, cavity_info = torch.linalg.cholesky_ex(cavity_precision)
+        marginal_root, marginal_info = torch.linalg.cholesky_ex(covariance)
+        if bool((cavity_info > 0).any() or (marginal_info > 0).any()):
+            return torch.tensor(math.nan, dtype=mean.dtype, device=mean.device)
+        cavity_covariance = torch.cholesky_inverse(cavity_root)
+        cavity_mean = (cavity_covariance @ cavity_natural_mean.unsqueeze(-1)).squeeze(-1)
+        log_normalizer = multinomial_probit_moments(targets, cavity_mean, cavity_covariance)[0]
+        whitened_mean = torch.linalg.solve_triangular(marginal_root, mean.unsqueeze(-1), upper=False).squeeze(-1)
+        basis = zero_sum_basis(mean.shape[-1], mean.dtype, mean.device)
+        values, vectors = site_block_spectrum(precision, basis)
+        projected = (vectors.mT @ natural_mean.unsqueeze(-1)).squeeze(-1)
+        terms = (
+            log_normalizer
+            + 0.5 * (cavity_natural_mean * cavity_mean).sum(-1)
+            - cavity_root.diagonal(dim1=-2, dim2=-1).log().sum(-1)
+            - 0.5 * whitened_mean.square().sum(-1)
+            - marginal_root.diagonal(dim1=-2, dim2=-1).log().sum(-1)
+            + 0.5 * (site_block_pseudo_inverse(values) * projected.square()).sum(-1)
+        )
+        return terms.sum()

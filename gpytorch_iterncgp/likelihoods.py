@@ -13,6 +13,7 @@ Bernoulli, probit           :math:`s \phi(f) / \Phi(s f)`, s = 2y - 1    :math:`
 Poisson, exp                :math:`y - e^f`                              :math:`e^f`
 Poisson, softplus           :math:`(y/\lambda - 1)\lambda'`             :math:`y \lambda'^2/\lambda^2 - (y/\lambda - 1)\lambda''`
 Softmax                     :math:`\mathbf e_y - \boldsymbol\pi`         :math:`\operatorname{diag}(\boldsymbol\pi) - \boldsymbol\pi\boldsymbol\pi^\top`
+multinomial probit          autograd                                     autograd; EP: nested-EP tilted moments
 other                       autograd                                     autograd (:math:`C \times C` blocks)
 ==========================  ==========================================  ===========================================
 
@@ -41,6 +42,7 @@ from torch import Tensor
 from torch.distributions import Bernoulli, Poisson
 
 from . import settings
+from .multinomial_probit import MultinomialProbitLikelihood, multinomial_probit_moments
 from .noise import BlockNoiseInverse, DiagonalNoiseInverse, SoftmaxPseudoInverse, project_to_zero_sum
 from .validation import check_nonnegative
 
@@ -262,6 +264,16 @@ class LikelihoodAdapter:
         raise NotImplementedError(f"{type(self.likelihood).__name__} has no closed-form predictive mean here.")
 
 
+def _check_class_labels(targets: Tensor, num_classes: int, name: str) -> None:
+    if targets.is_floating_point() and bool((targets != targets.round()).any()):
+        raise ValueError(f"{name} likelihood: labels must be integers (class indices).")
+    bad = (targets < 0) | (targets >= num_classes)
+    if bool(bad.any()):
+        raise ValueError(
+            f"{name} likelihood: labels must lie in [0, {num_classes}); found {targets[bad].unique()[:5].tolist()}."
+        )
+
+
 def _check_binary(targets: Tensor) -> None:
     bad = ~((targets == 0) | (targets == 1))
     if bool(bad.any()):
@@ -425,14 +437,7 @@ class SoftmaxAdapter(LikelihoodAdapter):
         self.num_latents = likelihood.num_classes
 
     def _check_support(self, targets: Tensor) -> None:
-        if targets.is_floating_point() and bool((targets != targets.round()).any()):
-            raise ValueError("Softmax likelihood: labels must be integers (class indices).")
-        bad = (targets < 0) | (targets >= self.num_latents)
-        if bool(bad.any()):
-            raise ValueError(
-                f"Softmax likelihood: labels must lie in [0, {self.num_latents}); found "
-                f"{targets[bad].unique()[:5].tolist()}."
-            )
+        _check_class_labels(targets, self.num_latents, "Softmax")
 
     def log_likelihood(self, latent: Tensor, targets: Tensor) -> Tensor:
         log_probs = torch.log_softmax(latent, dim=-1)
@@ -534,6 +539,47 @@ class AutogradAdapter(LikelihoodAdapter):
         return LikelihoodDerivatives(log_likelihood, gradient, noise_inverse)
 
 
+class MultinomialProbitAdapter(AutogradAdapter):
+    r"""The multinomial probit likelihood over :math:`C` classes (:class:`~.multinomial_probit.MultinomialProbitLikelihood`).
+
+    :math:`p(y \mid \mathbf f)` depends on :math:`\mathbf f` only through its differences, so the likelihood is flat
+    along :math:`\mathbf 1` at every point: IterGP's actions are projected to zero sum over the classes (as for the
+    softmax), and EP's :math:`C \times C` sites have the null space :math:`\mathbf 1` (rank :math:`C - 1`). EP's tilted
+    moments are nested EP (:func:`~.multinomial_probit.multinomial_probit_moments`); Laplace's derivatives come from
+    autograd through the quadrature (the likelihood is log-concave).
+    """
+
+    zero_sum_actions = True
+
+    def __init__(self, likelihood: MultinomialProbitLikelihood, min_curvature: float | None = None):
+        super().__init__(likelihood, min_curvature)
+        self.num_latents = likelihood.num_classes
+        self.name = "MultinomialProbit"
+
+    def _check_support(self, targets: Tensor) -> None:
+        _check_class_labels(targets, self.num_latents, self.name)
+
+    def project(self, vectors: Tensor) -> Tensor:
+        return project_to_zero_sum(vectors, self.num_latents)
+
+    def predictive_mean(self, mean, variance):
+        r"""Class probabilities :math:`\int p(y_* = c \mid \mathbf f)\, \mathcal N(\mathbf f \mid \boldsymbol\mu,
+        \boldsymbol\Sigma)\, d\mathbf f` ``(N*, C)``: for each class, the normaliser :math:`\hat Z` of nested EP with the
+        predictive as its "cavity" (Riihimäki et al. 2013, sec. 5), normalised over the classes (the nested-EP
+        values sum to 1 up to its approximation error, exact for :math:`C = 2`).
+
+        :param mean: latent means ``(N*, C)``.
+        :param variance: each point's latent covariance ``(N*, C, C)``, or marginal variances ``(N*, C)`` taken as a
+            diagonal covariance.
+        """
+        covariance = variance if variance.dim() == mean.dim() + 1 else torch.diag_embed(variance)
+        labels = torch.arange(self.num_latents, device=mean.device).repeat_interleave(len(mean))
+        log_z = multinomial_probit_moments(
+            labels, mean.repeat(self.num_latents, 1), covariance.repeat(self.num_latents, 1, 1)
+        )[0]
+        return torch.softmax(log_z.reshape(self.num_latents, -1).mT, dim=-1)
+
+
 def likelihood_adapter(likelihood: Likelihood, min_curvature: float | None = None) -> LikelihoodAdapter:
     """The adapter for a GPyTorch likelihood: closed forms where known, autograd otherwise.
 
@@ -553,6 +599,7 @@ def likelihood_adapter(likelihood: Likelihood, min_curvature: float | None = Non
         (ExpPoissonLikelihood, ExpPoissonAdapter),
         (PoissonLikelihood, SoftplusPoissonAdapter),
         (SoftmaxLikelihood, SoftmaxAdapter),
+        (MultinomialProbitLikelihood, MultinomialProbitAdapter),
     ]
     for likelihood_type, adapter_type in closed_forms:
         if type(likelihood) is likelihood_type:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
+from typing import Literal, NamedTuple, overload
 
 import gpytorch
 import numpy as np
@@ -293,6 +293,32 @@ def _cavity(variance: Tensor, mean: Tensor, precision: Tensor, natural_mean: Ten
     (R&W eq. 3.56; positive, as the probit sites' precisions are non-negative)."""
     cavity_variance = variance / (1 - precision * variance).clamp_min(torch.finfo(variance.dtype).tiny)
     return cavity_variance * (mean / variance - natural_mean), cavity_variance
+
+
+@overload
+def multinomial_probit_moments(
+    targets: Tensor,
+    cavity_mean: Tensor,
+    cavity_covariance: Tensor,
+    *,
+    max_iterations: int = ...,
+    tol: float = ...,
+    sites: InnerSites | None = ...,
+    return_sites: Literal[False] = ...,
+) -> tuple[Tensor, Tensor, Tensor]: ...
+
+
+@overload
+def multinomial_probit_moments(
+    targets: Tensor,
+    cavity_mean: Tensor,
+    cavity_covariance: Tensor,
+    *,
+    max_iterations: int = ...,
+    tol: float = ...,
+    sites: InnerSites | None = ...,
+    return_sites: Literal[True],
+) -> tuple[Tensor, Tensor, Tensor, InnerSites]: ...
 
 
 def multinomial_probit_moments(

@@ -34,18 +34,22 @@ Three cases are handled, and counted:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from .likelihoods import LikelihoodAdapter
+from .multinomial_probit import InnerSites, multinomial_probit_moments
 from .tilted import tilted_moments
 
 
 @dataclass
 class SiteUpdate:
-    r"""One parallel sweep's new sites and what it saw, all ``(N,)`` (``N`` sites)."""
+    r"""One parallel sweep's new sites and what it saw: ``(N,)`` each for scalar sites (``N`` sites); for
+    :math:`C \times C` site blocks (:func:`update_site_blocks`) the precisions are ``(N, C, C)`` and the natural
+    means ``(N, C)``."""
 
     site_precision: Tensor  # tau tilde after damping
     site_natural_mean: Tensor  # nu tilde after damping
@@ -56,6 +60,7 @@ class SiteUpdate:
     skipped: Tensor  # bool: cavity not finite (or not positive without a bound), site kept
     clipped: Tensor  # bool: undamped site precision below 0, set to 0
     change: float  # max_i of |tau* - tau| / max|tau*| and |nu* - nu| / max|nu*| (undamped; over updated sites)
+    inner_sites: InnerSites | None = None  # site blocks: the nested EP's sites, for the next sweep's warm start
 
 
 def cavities(
@@ -143,3 +148,207 @@ def _relative_change(new: Tensor, old: Tensor) -> float:
     scale = float(new.abs().max())
     difference = float((new - old).abs().max())
     return difference / scale if scale > 0 else (0.0 if difference == 0 else float("inf"))
+
+
+# ---------------------------------------------------------------------------------------------------
+# C x C site blocks for likelihoods of C latent values that are flat along 1 (multinomial probit)
+# ---------------------------------------------------------------------------------------------------
+def zero_sum_basis(num_classes: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    r"""An orthonormal basis :math:`\mathbf B` ``(C, C - 1)`` of :math:`\mathbf 1^\perp`, the zero-sum vectors."""
+    centred = torch.eye(num_classes, dtype=dtype, device=device) - 1.0 / num_classes
+    basis, _ = torch.linalg.qr(centred[:, :-1])
+    return basis
+
+
+def site_block_spectrum(site_precision: Tensor, basis: Tensor) -> tuple[Tensor, Tensor]:
+    r"""Eigenvalues ``(N, C - 1)`` and eigenvectors ``(N, C, C - 1)`` of the site blocks :math:`\tilde{\mathbf T}_i`
+    ``(N, C, C)`` on :math:`\mathbf 1^\perp` (``basis`` from :func:`zero_sum_basis`); :math:`\mathbf 1` is their null
+    space."""
+    values, rotations = torch.linalg.eigh(basis.mT @ site_precision @ basis)
+    return values, basis @ rotations
+
+
+def site_block_noise(
+    site_precision: Tensor, site_natural_mean: Tensor, prior_mean: Tensor, min_precision: float, basis: Tensor
+) -> tuple[Tensor, Tensor]:
+    r"""The regression that :math:`C \times C` sites define: noise blocks :math:`\tilde{\mathbf T}_i^+` ``(N, C, C)``
+    and right-hand sides :math:`\tilde{\mathbf T}_i^+ (\tilde{\boldsymbol\nu}_i - \tilde{\mathbf T}_i \mathbf m_i)`
+    ``(N, C)``.
+
+    The pseudo-inverse on :math:`\mathbf 1^\perp` with the site's eigenvalues bounded below by ``min_precision``
+    (as the :math:`C = 1` loop bounds :math:`\tilde\tau_i`): exact wherever every eigenvalue is above it, and a flat
+    site contributes nothing. With IterGP's actions restricted to zero sum per point, the solve gives the posterior
+    :math:`(\mathbf K^{-1} + \tilde{\mathbf T})^{-1}` of singular sites (the argument of the paper's Lemma A.7 for
+    the softmax).
+    """
+    values, vectors = site_block_spectrum(site_precision, basis)
+    noise = (vectors / values.clamp_min(min_precision).unsqueeze(-2)) @ vectors.mT
+    offset = site_natural_mean - (site_precision @ prior_mean.unsqueeze(-1)).squeeze(-1)
+    return noise, (noise @ offset.unsqueeze(-1)).squeeze(-1)
+
+
+def _symmetric(matrices: Tensor) -> Tensor:
+    return (matrices + matrices.mT) / 2
+
+
+def _inverse(matrices: Tensor) -> tuple[Tensor, Tensor]:
+    """Inverses of symmetric positive definite ``(..., C, C)`` and whether each was (NaN where not)."""
+    cholesky, info = torch.linalg.cholesky_ex(_symmetric(matrices))
+    ok = (info == 0) & torch.isfinite(matrices).flatten(-2).all(-1)
+    eye = torch.eye(matrices.shape[-1], dtype=matrices.dtype, device=matrices.device)
+    inverse = torch.cholesky_inverse(torch.where(ok[..., None, None], cholesky, eye))
+    return torch.where(ok[..., None, None], inverse, torch.nan), ok
+
+
+def block_cavities(
+    marginal_mean: Tensor,
+    marginal_covariance: Tensor,
+    site_precision: Tensor,
+    site_natural_mean: Tensor,
+    prior_covariance: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    r"""Cavities of :math:`C \times C` sites: precisions :math:`\boldsymbol\Lambda_{-i} = \boldsymbol\Sigma_{ii}^{-1} -
+    \tilde{\mathbf T}_i` ``(N, C, C)``, natural means :math:`\boldsymbol\nu_{-i} = (\boldsymbol\Lambda_{-i} +
+    \tilde{\mathbf T}_i)\boldsymbol\mu_i - \tilde{\boldsymbol\nu}_i` ``(N, C)``, and which were bounded ``(N,)``.
+
+    The bound generalises the scalar one (:func:`cavities`): the exact cavity precision is at least the prior's,
+    :math:`\boldsymbol\Lambda_{-i} \succeq \mathbf K_{ii}^{-1}`. With :math:`\mathbf K_{ii} = \mathbf L\mathbf L^\top`,
+    the eigenvalues of :math:`\mathbf L^\top\boldsymbol\Lambda_{-i}\mathbf L` below 1 are raised to 1, keeping the
+    marginal mean. A point counts as bounded when an eigenvalue was below :math:`1 - \sqrt{\epsilon}` (along
+    :math:`\mathbf 1` the sites carry no information, so equality holds there up to rounding).
+    """
+    marginal_precision, _ = _inverse(marginal_covariance)
+    cavity_precision = marginal_precision - site_precision
+    bounded = torch.zeros(marginal_mean.shape[:-1], dtype=torch.bool, device=marginal_mean.device)
+    if prior_covariance is not None:
+        root = torch.linalg.cholesky(_symmetric(prior_covariance))
+        values, vectors = torch.linalg.eigh(_symmetric(root.mT @ cavity_precision @ root))
+        bounded = values.amin(-1) < 1 - math.sqrt(torch.finfo(values.dtype).eps)
+        raised = (vectors * values.clamp_min(1).unsqueeze(-2)) @ vectors.mT
+        eye = torch.eye(root.shape[-1], dtype=root.dtype, device=root.device)
+        inverse_root = torch.linalg.solve_triangular(root, eye, upper=False)
+        cavity_precision = torch.where(
+            bounded[..., None, None], inverse_root.mT @ raised @ inverse_root, cavity_precision
+        )
+    natural_mean = ((cavity_precision + site_precision) @ marginal_mean.unsqueeze(-1)).squeeze(-1) - site_natural_mean
+    return _symmetric(cavity_precision), natural_mean, bounded
+
+
+def update_site_blocks(
+    targets: Tensor,
+    marginal_mean: Tensor,
+    marginal_covariance: Tensor,
+    site_precision: Tensor,
+    site_natural_mean: Tensor,
+    damping: float,
+    prior_covariance: Tensor | None = None,
+    inner_sites: InnerSites | None = None,
+) -> SiteUpdate:
+    r"""One parallel EP sweep over :math:`C \times C` multinomial probit sites (Riihimäki et al. 2013, outer EP).
+
+    From each point's marginal :math:`\mathcal N(\boldsymbol\mu_i, \boldsymbol\Sigma_{ii})`: the cavity
+    (:func:`block_cavities`), the tilted moments :math:`(\hat Z_i, \hat{\boldsymbol\mu}_i, \hat{\boldsymbol\Sigma}_i)`
+    by nested EP (:func:`~.multinomial_probit.multinomial_probit_moments`, its inner sites warm-started from
+    ``inner_sites``), and the undamped sites :math:`\tilde{\mathbf T}_i^* = \mathbf P(\hat{\boldsymbol\Sigma}_i^{-1} -
+    \boldsymbol\Lambda_{-i})\mathbf P`, :math:`\tilde{\boldsymbol\nu}_i^* = \mathbf P(\hat{\boldsymbol\Sigma}_i^{-1}
+    \hat{\boldsymbol\mu}_i - \boldsymbol\nu_{-i})`, with :math:`\mathbf P = \mathbf I - \mathbf 1\mathbf 1^\top / C`
+    (the likelihood is flat along :math:`\mathbf 1`, so the exact sites lie in :math:`\mathbf 1^\perp`; the projection
+    removes rounding). Eigenvalues of :math:`\tilde{\mathbf T}_i^*` below 0 are set to 0 (clipped; counted when below
+    :math:`-\sqrt{\epsilon}` times the tilted precision's largest eigenvalue). Damping, skipping and the change as
+    in :func:`update_sites`; shapes ``(N, C, C)`` and ``(N, C)`` for the sites and cavities, ``(N,)`` for the rest.
+    The update's ``inner_sites`` are the nested EP's sites for the next sweep's warm start.
+    """
+    num_classes = marginal_mean.shape[-1]
+    basis = zero_sum_basis(num_classes, marginal_mean.dtype, marginal_mean.device)
+    projector = basis @ basis.mT
+    cavity_precision, cavity_natural_mean, bounded = block_cavities(
+        marginal_mean, marginal_covariance, site_precision, site_natural_mean, prior_covariance
+    )
+    cavity_covariance, positive = _inverse(cavity_precision)
+    valid = positive & torch.isfinite(cavity_natural_mean).all(-1)
+    log_normalizer = torch.zeros(marginal_mean.shape[:-1], dtype=marginal_mean.dtype, device=marginal_mean.device)
+    new_precision, new_natural_mean = site_precision.clone(), site_natural_mean.clone()
+    clipped = torch.zeros_like(valid)
+    change = 0.0
+    if bool(valid.any()):
+        covariance = cavity_covariance[valid]
+        mean = (covariance @ cavity_natural_mean[valid].unsqueeze(-1)).squeeze(-1)
+        warm = (
+            None if inner_sites is None else InnerSites(inner_sites.precision[valid], inner_sites.natural_mean[valid])
+        )
+        log_z, tilted_mean, tilted_covariance, found = multinomial_probit_moments(
+            targets[valid], mean, covariance, sites=warm, return_sites=True
+        )
+        tilted_precision, _ = _inverse(tilted_covariance)
+        target_precision = projector @ _symmetric(tilted_precision - cavity_precision[valid]) @ projector
+        target_natural_mean = (
+            projector
+            @ ((tilted_precision @ tilted_mean.unsqueeze(-1)).squeeze(-1) - cavity_natural_mean[valid]).unsqueeze(-1)
+        ).squeeze(-1)
+        values, vectors = site_block_spectrum(target_precision, basis)
+        scale = torch.linalg.eigvalsh(tilted_precision).abs().amax(-1)
+        clipped[valid] = values.amin(-1) < -math.sqrt(torch.finfo(values.dtype).eps) * scale
+        target_precision = (vectors * values.clamp_min(0).unsqueeze(-2)) @ vectors.mT
+        old_precision, old_natural_mean = site_precision[valid], site_natural_mean[valid]
+        change = max(
+            _relative_change(target_precision, old_precision), _relative_change(target_natural_mean, old_natural_mean)
+        )
+        new_precision[valid] = old_precision + damping * (target_precision - old_precision)
+        new_natural_mean[valid] = old_natural_mean + damping * (target_natural_mean - old_natural_mean)
+        log_normalizer[valid] = log_z
+        inner_sites = (
+            InnerSites(*(found.precision.new_zeros(len(valid), num_classes - 1) for _ in range(2)))
+            if inner_sites is None
+            else InnerSites(inner_sites.precision.clone(), inner_sites.natural_mean.clone())
+        )
+        inner_sites.precision[valid], inner_sites.natural_mean[valid] = found.precision, found.natural_mean
+    return SiteUpdate(
+        new_precision,
+        new_natural_mean,
+        cavity_precision,
+        cavity_natural_mean,
+        log_normalizer,
+        bounded & valid,
+        ~valid,
+        clipped,
+        change,
+        inner_sites,
+    )
+
+
+def site_roots(site_precision: Tensor, site_natural_mean: Tensor, prior_mean: Tensor) -> tuple[Tensor, Tensor]:
+    r"""Square roots of the sites and the whitened offsets of the regression they define, for the evidence.
+
+    Blocks :math:`\mathbf R_i` ``(N, C, C)`` with :math:`\mathbf R_i\mathbf R_i^\top = \tilde{\mathbf T}_i`, the
+    offsets :math:`\mathbf c = \mathbf R^+(\tilde{\boldsymbol\nu} - \tilde{\mathbf T}\mathbf m)` ``(N C,)`` (data-major)
+    . Scalar sites (``site_precision`` ``(N,)``):
+    :math:`R_i = \sqrt{\tilde\tau_i}`. Blocks: :math:`\mathbf R_i = \mathbf U_i \operatorname{diag}(\boldsymbol
+    \lambda_i)^{1/2}` from the spectrum on :math:`\mathbf 1^\perp` (:func:`site_block_spectrum`), padded with a zero
+    column. Directions with :math:`\lambda \le \epsilon\max\lambda` (flat sites) get :math:`R = 0` and :math:`c = 0`:
+    a flat site contributes nothing.
+    """
+    if site_precision.dim() == 1:
+        positive = site_precision > 0
+        root = site_precision.clamp_min(0).sqrt()
+        safe = torch.where(positive, root, 1)
+        offsets = torch.where(positive, (site_natural_mean - site_precision * prior_mean) / safe, 0.0)
+        return root[:, None, None], offsets
+    num_classes = site_precision.shape[-1]
+    basis = zero_sum_basis(num_classes, site_precision.dtype, site_precision.device)
+    values, vectors = site_block_spectrum(site_precision, basis)
+    inverse = site_block_pseudo_inverse(values)
+    root_values = torch.where(inverse > 0, values, 0).sqrt()
+    inverse_root = inverse.sqrt()
+    padding = vectors.new_zeros(*vectors.shape[:-1], 1)
+    roots = torch.cat([vectors * root_values.unsqueeze(-2), padding], dim=-1)
+    offset = site_natural_mean - (site_precision @ prior_mean.unsqueeze(-1)).squeeze(-1)
+    offsets = torch.cat([inverse_root * (vectors.mT @ offset.unsqueeze(-1)).squeeze(-1), padding[..., 0, :]], dim=-1)
+    return roots, offsets.reshape(-1)
+
+
+def site_block_pseudo_inverse(values: Tensor) -> Tensor:
+    r""":math:`1/\lambda` for the site eigenvalues ``values`` above :math:`\epsilon \max|\lambda|`, else 0 (flat
+    directions)."""
+    finfo = torch.finfo(values.dtype)
+    kept = values > finfo.eps * values.abs().amax().clamp_min(finfo.tiny)
+    return torch.where(kept, torch.where(kept, values, 1).reciprocal(), 0)

@@ -45,7 +45,13 @@ from linear_operator.operators import LinearOperator, MatmulLinearOperator
 from torch import Tensor
 
 from .ep import EPOptions, EPState, ExpectationPropagation
-from .likelihoods import LogitBernoulliAdapter, ProbitBernoulliAdapter, SoftmaxAdapter, likelihood_adapter
+from .likelihoods import (
+    LogitBernoulliAdapter,
+    MultinomialProbitAdapter,
+    ProbitBernoulliAdapter,
+    SoftmaxAdapter,
+    likelihood_adapter,
+)
 from .newton import DampedNewton, LaplaceState, SolverOptions
 from .outer_loop import EPSweep, FitReport, NewtonStep, OuterLoop, run_outer_loop
 from .policies import Policy, make_policy
@@ -384,7 +390,7 @@ class _SolverStrategy(gpytorch.Module):
 
         The latent posterior includes IterNCGP's computational uncertainty.
         """
-        if isinstance(self.adapter, SoftmaxAdapter):
+        if isinstance(self.adapter, (SoftmaxAdapter, MultinomialProbitAdapter)):
             return self.adapter.predictive_mean(*self.marginal_latent_blocks(inputs))
         mean, variance = self.marginal_latent(inputs)
         if self.num_latents == 1:
@@ -393,7 +399,8 @@ class _SolverStrategy(gpytorch.Module):
 
     def predictive_probabilities(self, inputs: Tensor) -> Tensor:
         """Class probabilities at ``inputs`` (see :meth:`predictive_mean`); classification likelihoods only."""
-        if not isinstance(self.adapter, (LogitBernoulliAdapter, ProbitBernoulliAdapter, SoftmaxAdapter)):
+        classifiers = (LogitBernoulliAdapter, ProbitBernoulliAdapter, SoftmaxAdapter, MultinomialProbitAdapter)
+        if not isinstance(self.adapter, classifiers):
             raise TypeError(f"predictive_probabilities needs a classification likelihood, not {self.adapter.name}.")
         return self.predictive_mean(inputs)
 
@@ -615,9 +622,12 @@ class EPStrategy(_SolverStrategy):
 
     :param model: the ``ApproximateGP`` that owns this strategy (pass ``self`` in its ``__init__``).
     :param train_inputs: :math:`\mathbf X`, ``(N, D)`` (or ``(N,)``).
-    :param train_targets: :math:`\mathbf y`, ``(N,)``: labels in {0, 1} or non-negative integer counts.
+    :param train_targets: :math:`\mathbf y`, ``(N,)``: labels in {0, 1}, class indices, or non-negative integer
+        counts.
     :param likelihood: ``BernoulliLikelihood`` (probit, closed-form moments), :class:`LogitBernoulliLikelihood`,
-        ``PoissonLikelihood`` (softplus) or :class:`ExpPoissonLikelihood` (moments by quadrature).
+        ``PoissonLikelihood`` (softplus) or :class:`ExpPoissonLikelihood` (moments by quadrature), or
+        :class:`MultinomialProbitLikelihood` for :math:`C` classes (one latent GP per class, a multitask model like
+        the softmax's; :math:`C \times C` site blocks, tilted moments by nested EP, Riihimäki et al. 2013).
     :param policy: ``"cg"``, ``"unit"`` or a :class:`Policy`.
     :param max_sweeps: the default limit of EP sweeps per :meth:`fit`.
     :param max_solver_iterations: IterGP iterations (products with :math:`\mathbf K`) per sweep; ``None``: until
@@ -669,11 +679,11 @@ class EPStrategy(_SolverStrategy):
         super().__init__(
             model, train_inputs, train_targets, likelihood, policy, options, min_curvature, seed, show_progress
         )
-        if not isinstance(self.adapter, TILTED_ADAPTERS):
+        if not isinstance(self.adapter, (*TILTED_ADAPTERS, MultinomialProbitAdapter)):
             raise TypeError(
                 f"EPStrategy needs a likelihood with tilted moments: BernoulliLikelihood (probit), "
-                f"LogitBernoulliLikelihood, PoissonLikelihood or ExpPoissonLikelihood; got {type(likelihood).__name__}. "
-                "Use IterNCGPStrategy (Laplace) for other likelihoods."
+                f"LogitBernoulliLikelihood, PoissonLikelihood, ExpPoissonLikelihood or MultinomialProbitLikelihood "
+                f"(multi-class); got {type(likelihood).__name__}. Use IterNCGPStrategy (Laplace) for other likelihoods."
             )
 
     def fit(
@@ -718,6 +728,8 @@ class EPStrategy(_SolverStrategy):
 
     @property
     def sites(self) -> tuple[Tensor, Tensor]:
-        r"""The site parameters :math:`(\tilde{\boldsymbol\tau}, \tilde{\boldsymbol\nu})`, ``(N,)`` each (fits first if needed)."""
+        r"""The site parameters :math:`(\tilde{\boldsymbol\tau}, \tilde{\boldsymbol\nu})`, ``(N,)`` each, or for the
+        multinomial probit the blocks :math:`\tilde{\mathbf T}_i` ``(N, C, C)`` and :math:`\tilde{\boldsymbol\nu}_i`
+        ``(N, C)`` (fits first if needed)."""
         state = self.ensure_fitted()
         return state.site_precision, state.site_natural_mean

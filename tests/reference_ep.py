@@ -332,16 +332,22 @@ def _log_normaliser(mean: Tensor, covariance: Tensor) -> Tensor:
     return 0.5 * whitened.square().sum(-1) + chol.diagonal(dim1=-2, dim2=-1).log().sum(-1)
 
 
-def multiclass_posterior(kernel: Tensor, site_precision: Tensor, site_natural_mean: Tensor) -> tuple[Tensor, Tensor]:
+def multiclass_posterior(
+    kernel: Tensor, site_precision: Tensor, site_natural_mean: Tensor, prior_mean: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     r""":math:`\boldsymbol\Sigma = (\mathbf K^{-1} + \mathbf T)^{-1} = \mathbf K(\mathbf I + \mathbf T\mathbf K)^{-1}`
-    (:math:`\mathbf T` block diagonal, singular) and :math:`\boldsymbol\mu = \boldsymbol\Sigma\boldsymbol\nu`;
-    ``kernel`` ``(NC, NC)`` data-major. Returns the mean ``(N, C)`` and the covariance ``(NC, NC)``."""
+    (:math:`\mathbf T` block diagonal, singular) and :math:`\boldsymbol\mu = \boldsymbol\Sigma(\mathbf K^{-1}\mathbf m
+    + \boldsymbol\nu)`; ``kernel`` ``(NC, NC)`` and ``prior_mean`` :math:`\mathbf m` ``(NC,)`` (default 0)
+    data-major. Returns the mean ``(N, C)`` and the covariance ``(NC, NC)``."""
     n, c = site_natural_mean.shape
     blocks = torch.block_diag(*site_precision)
     eye = torch.eye(n * c, dtype=kernel.dtype)
     covariance = torch.linalg.solve((eye + blocks @ kernel).mT, kernel.mT).mT
     covariance = (covariance + covariance.mT) / 2
-    return (covariance @ site_natural_mean.reshape(-1)).reshape(n, c), covariance
+    natural = site_natural_mean.reshape(-1)
+    if prior_mean is not None:
+        natural = natural + torch.linalg.solve(kernel, prior_mean)
+    return (covariance @ natural).reshape(n, c), covariance
 
 
 def _multiclass_cavities(mean, covariance, site_precision, site_natural_mean):
@@ -356,17 +362,17 @@ def _multiclass_cavities(mean, covariance, site_precision, site_natural_mean):
     return marginal, (cavity_covariance @ natural.unsqueeze(-1)).squeeze(-1), cavity_covariance
 
 
-def multiclass_log_marginal_likelihood(kernel, y, site_precision, site_natural_mean) -> Tensor:
+def multiclass_log_marginal_likelihood(kernel, y, site_precision, site_natural_mean, prior_mean=None) -> Tensor:
     r"""The EP normaliser (R&W eq. 3.65 for :math:`C \times C` site blocks):
     :math:`\log Z_{EP} = A(\boldsymbol\mu, \boldsymbol\Sigma) - A(\mathbf 0, \mathbf K) + \sum_i [\log\hat Z_i
     + A(\mathbf m_{-i}, \mathbf S_{-i}) - A(\boldsymbol\mu_i, \boldsymbol\Sigma_{ii})]`, with :math:`\log\hat Z_i` the
     nested-EP tilted normaliser at the cavities."""
     from gpytorch_iterncgp.multinomial_probit import multinomial_probit_moments
 
-    mean, covariance = multiclass_posterior(kernel, site_precision, site_natural_mean)
+    mean, covariance = multiclass_posterior(kernel, site_precision, site_natural_mean, prior_mean)
     marginal, cavity_mean, cavity_covariance = _multiclass_cavities(mean, covariance, site_precision, site_natural_mean)
     log_z, _, _ = multinomial_probit_moments(y, cavity_mean, cavity_covariance)
-    zero = torch.zeros(len(kernel), dtype=kernel.dtype)
+    zero = torch.zeros(len(kernel), dtype=kernel.dtype) if prior_mean is None else prior_mean
     return (
         _log_normaliser(mean.reshape(-1), covariance)
         - _log_normaliser(zero, kernel)
@@ -375,7 +381,13 @@ def multiclass_log_marginal_likelihood(kernel, y, site_precision, site_natural_m
 
 
 def multiclass_parallel_ep(
-    kernel: Tensor, y: Tensor, num_classes: int, damping: float = 0.5, tol: float = 1e-10, max_sweeps: int = 500
+    kernel: Tensor,
+    y: Tensor,
+    num_classes: int,
+    damping: float = 0.5,
+    tol: float = 1e-10,
+    max_sweeps: int = 500,
+    prior_mean: Tensor | None = None,
 ) -> MulticlassEPResult:
     r"""Parallel damped EP for the multinomial probit likelihood with :math:`C \times C` site blocks (Riihimäki et al.
     2013's outer EP, here parallel): from the posterior :math:`\mathcal N(\boldsymbol\mu, \boldsymbol\Sigma)` every
@@ -385,7 +397,8 @@ def multiclass_parallel_ep(
     sweep); the sites :math:`\mathbf T_i^* = \hat{\boldsymbol\Sigma}_i^{-1} - \mathbf S_{-i}^{-1}`,
     :math:`\boldsymbol\nu_i^* = \hat{\boldsymbol\Sigma}_i^{-1}\hat{\boldsymbol\mu}_i - \mathbf S_{-i}^{-1}\mathbf m_{-i}`
     damped, :math:`\mathbf T \leftarrow (1 - \delta)\mathbf T + \delta\mathbf T^*` (likewise :math:`\boldsymbol\nu`),
-    then the posterior recomputed. Prior :math:`\mathcal N(\mathbf 0, \mathbf K)`, ``kernel`` ``(NC, NC)``
+    then the posterior recomputed. Prior :math:`\mathcal N(\mathbf m, \mathbf K)` (``prior_mean`` ``(NC,)``, default
+    0), ``kernel`` ``(NC, NC)``
     data-major (index :math:`nC + c`); ``y`` ``(N,)`` class indices. Stops when the sites change by less than ``tol``.
     """
     from gpytorch_iterncgp.multinomial_probit import multinomial_probit_moments
@@ -393,7 +406,7 @@ def multiclass_parallel_ep(
     n, c = len(y), num_classes
     precision = torch.zeros(n, c, c, dtype=kernel.dtype)
     natural = torch.zeros(n, c, dtype=kernel.dtype)
-    mean, covariance = multiclass_posterior(kernel, precision, natural)
+    mean, covariance = multiclass_posterior(kernel, precision, natural, prior_mean)
     inner = None
     for sweep in range(1, max_sweeps + 1):
         _, cavity_mean, cavity_covariance = _multiclass_cavities(mean, covariance, precision, natural)
@@ -409,11 +422,11 @@ def multiclass_parallel_ep(
         ]
         step_precision, step_natural = damping * (new_precision - precision), damping * (new_natural - natural)
         precision, natural = precision + step_precision, natural + step_natural
-        mean, covariance = multiclass_posterior(kernel, precision, natural)
+        mean, covariance = multiclass_posterior(kernel, precision, natural, prior_mean)
         if max(float(step_precision.abs().max()), float(step_natural.abs().max())) < tol:
-            lml = multiclass_log_marginal_likelihood(kernel, y, precision, natural)
+            lml = multiclass_log_marginal_likelihood(kernel, y, precision, natural, prior_mean)
             return MulticlassEPResult(precision, natural, mean, covariance, lml, sweep, True)
-    lml = multiclass_log_marginal_likelihood(kernel, y, precision, natural)
+    lml = multiclass_log_marginal_likelihood(kernel, y, precision, natural, prior_mean)
     return MulticlassEPResult(precision, natural, mean, covariance, lml, max_sweeps, False)
 
 

@@ -187,8 +187,8 @@ def test_chunked_products_emit_no_deprecation_warning():
 # ---------------------------------------------------------------------------------------------------
 LAYERS = [
     {"validation", "exceptions", "settings"},
-    {"noise", "precision", "policies", "datasets"},
-    {"recycling", "likelihoods", "prior", "multinomial_probit"},
+    {"noise", "precision", "policies", "datasets", "multinomial_probit"},
+    {"recycling", "likelihoods", "prior"},
     {"solver", "outer_loop", "tilted"},
     {"newton", "sites"},
     {"ep", "sparse_ep"},
