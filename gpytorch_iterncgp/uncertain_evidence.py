@@ -134,9 +134,10 @@ class UncertainSparseEPMarginalLogLikelihood(MarginalLogLikelihood):
     optionally a ``mean_module`` (``ZeroMean`` or ``ConstantMean``: their expectation under :math:`q(\mathbf X)` is
     the constant). Every call computes the Ψ statistics (closed form for RBF and linear kernels; see
     :func:`~gpytorch_iterncgp.psi_statistics.psi_statistics`), re-converges the EP sites for the current parameters
-    (warm-started from the previous call's sites, which this module keeps: :attr:`sites`, :attr:`last_report`),
+    (warm-started from the previous call's sites, which this module keeps: :attr:`sites`, :attr:`last_reports`),
     then evaluates :math:`\mathcal L_H` at those sites with gradients for the kernel, the inducing inputs, the mean
-    and the input means and variances (sites fixed).
+    and the input means and variances (sites fixed). Targets ``(N, P)`` are :math:`P` outputs sharing
+    :math:`q(\mathbf X)` and the prior (the sum over columns of eq. S.33): one EP per column.
 
     Example:
         >>> mll = UncertainSparseEPMarginalLogLikelihood(likelihood, model, latent_prior=True)
@@ -190,8 +191,8 @@ class UncertainSparseEPMarginalLogLikelihood(MarginalLogLikelihood):
             raise ValueError(f"schedule must be 'parallel' or 'sequential', got {schedule!r}.")
         self.latent_prior, self.damping, self.site_tol, self.max_sweeps = latent_prior, damping, site_tol, max_sweeps
         self.schedule, self.psi_method, self.num_samples = schedule, psi_method, num_samples
-        self.sites: tuple[Tensor, Tensor] | None = None
-        self.last_report: FitReport | None = None
+        self.sites: tuple[Tensor, Tensor] | None = None  # (N,) each, or (P, N) for P output columns
+        self.last_reports: list[FitReport] = []
 
     def prior(self, input_means: Tensor, input_variances: Tensor) -> UncertainDTCPrior:
         """The expected DTC prior at the current parameters, with gradients."""
@@ -212,45 +213,78 @@ class UncertainSparseEPMarginalLogLikelihood(MarginalLogLikelihood):
             )
         return UncertainDTCPrior.from_statistics(mean, statistics, model.covar_module(inducing).to_dense())
 
-    def fit(self, prior: UncertainDTCPrior, targets: Tensor) -> SparseEPState:
-        """Converge the sites under ``prior`` (warm-started from :attr:`sites`); sets :attr:`sites` and
-        :attr:`last_report`."""
+    def fit(self, prior: UncertainDTCPrior, targets: Tensor) -> list[SparseEPState]:
+        """Converge the sites of every output column under ``prior`` (one EP per column, the prior shared),
+        warm-started from :attr:`sites`; sets :attr:`sites` and :attr:`last_reports`.
+
+        Args:
+            prior: the expected DTC prior (its autograd history is not used).
+            targets: validated targets ``(N,)`` or ``(N, P)``.
+
+        Returns:
+            The fitted state of each column.
+        """
         fixed = prior.detached()
-        loop = UncertainSparseEP(fixed, self.adapter, targets, self.damping, self.site_tol, self.schedule)
-        if self.sites is not None and self.sites[0].shape == targets.shape:
-            precision, natural_mean = (site.to(targets) for site in self.sites)
-            start = loop.posterior(precision, natural_mean, 0)
-        else:
-            start = loop.initial_state()
-        committed: list[SparseEPState] = [start]
-        with torch.no_grad():
-            self.last_report = run_outer_loop(
-                loop, start, committed.append, fixed, self.max_sweeps, show_progress=False, stacklevel=3
+        columns = targets.unsqueeze(-1) if targets.dim() == 1 else targets
+        warm = None
+        if self.sites is not None and self.sites[0].reshape(-1, len(targets)).shape == columns.mT.shape:
+            warm = tuple(site.reshape(columns.mT.shape).to(targets) for site in self.sites)
+        states, reports = [], []
+        for column in range(columns.shape[-1]):
+            loop = UncertainSparseEP(
+                fixed, self.adapter, columns[:, column], self.damping, self.site_tol, self.schedule
             )
-        state = committed[-1]
-        self.sites = (state.site_precision, state.site_natural_mean)
-        return state
+            start = loop.initial_state() if warm is None else loop.posterior(warm[0][column], warm[1][column], 0)
+            committed: list[SparseEPState] = [start]
+            with torch.no_grad():
+                reports.append(
+                    run_outer_loop(
+                        loop, start, committed.append, fixed, self.max_sweeps, show_progress=False, stacklevel=3
+                    )
+                )
+            states.append(committed[-1])
+        precision = torch.stack([state.site_precision for state in states])
+        natural_mean = torch.stack([state.site_natural_mean for state in states])
+        self.sites = (precision[0], natural_mean[0]) if targets.dim() == 1 else (precision, natural_mean)
+        self.last_reports = reports
+        return states
 
     def forward(self, input_means: Tensor, input_variances: Tensor, target: Tensor, **kwargs) -> Tensor:
-        """:math:`\\mathcal L_H / N` at the current parameters (after re-converging the sites).
+        """:math:`\\mathcal L_H / N` at the current parameters (after re-converging the sites), summed over the
+        output columns of ``target``.
 
         Args:
             input_means: :math:`\\boldsymbol\\mu` ``(N, D)``.
             input_variances: :math:`\\mathbf s \\ge 0` ``(N, D)`` (0: a known input).
-            target: ``(N,)``.
+            target: ``(N,)``, or ``(N, P)`` for :math:`P` outputs sharing :math:`q(\\mathbf X)` (eq. S.33's sum over
+                columns; the GP-LVM).
 
         Raises:
+            ValueError: for targets whose first dimension is not ``N`` (or outside the likelihood's support).
             NonFiniteEvidenceError: if the bound is not finite (e.g. sites that did not converge).
         """
-        targets = self.adapter.check_targets(target, input_means.dtype)
-        if targets.shape != input_means.shape[:1] or input_means.dim() != 2:
+        if not torch.is_tensor(target) or target.dim() not in (1, 2) or input_means.dim() != 2:
             raise ValueError(
-                f"target must have shape (N,) for input_means (N, D); got {tuple(targets.shape)=} and "
-                f"{tuple(input_means.shape)=}."
+                f"target must have shape (N,) or (N, P) for input_means (N, D); got "
+                f"{tuple(getattr(target, 'shape', ()))} and {tuple(input_means.shape)=}."
             )
+        columns = target.unsqueeze(-1) if target.dim() == 1 else target
+        targets = torch.stack(
+            [self.adapter.check_targets(columns[:, j], input_means.dtype) for j in range(columns.shape[-1])], -1
+        )
+        if len(targets) != len(input_means):
+            raise ValueError(f"target has {len(targets)} rows but input_means {len(input_means)}: one per point.")
+        targets = targets[:, 0] if target.dim() == 1 else targets
         prior = self.prior(input_means, input_variances)
-        state = self.fit(prior, targets)
-        bound = uncertain_ep_bound(prior, self.adapter, targets, state.site_precision, state.site_natural_mean)
+        states = self.fit(prior, targets)
+        columns = targets.unsqueeze(-1) if targets.dim() == 1 else targets
+        bound = sum(
+            (
+                uncertain_ep_bound(prior, self.adapter, columns[:, j], state.site_precision, state.site_natural_mean)
+                for j, state in enumerate(states)
+            ),
+            torch.zeros((), dtype=input_means.dtype, device=input_means.device),
+        )
         if self.latent_prior:
             bound = bound - gaussian_kl(input_means, input_variances)
         for _, module, prior_distribution, closure, _ in self.named_priors():

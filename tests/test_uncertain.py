@@ -396,7 +396,7 @@ def test_mll_is_the_bound_per_point_and_differentiates_every_parameter():
     raw_variances = torch.nn.Parameter(variances.log())
     mll = UncertainSparseEPMarginalLogLikelihood(likelihood, model, latent_prior=True, site_tol=1e-10)
     value = mll(means, raw_variances.exp(), y)
-    assert mll.last_report is not None and mll.last_report.converged
+    assert len(mll.last_reports) == 1 and mll.last_reports[0].converged
     value.backward()
     for parameter in [*model.parameters(), means, raw_variances]:
         assert parameter.grad is not None and bool(torch.isfinite(parameter.grad).all())
@@ -408,7 +408,7 @@ def test_mll_is_the_bound_per_point_and_differentiates_every_parameter():
     assert math.isclose(float(value.detach()) * len(y), float(expected), rel_tol=1e-12)
     # warm start: a second call at the same parameters needs one sweep
     mll(means, raw_variances.exp(), y)
-    assert mll.last_report.sweeps == 1
+    assert mll.last_reports[0].sweeps == 1
     with pytest.raises(ValueError, match="KL"):
         mll(means, torch.zeros_like(x), y)
 
@@ -420,3 +420,23 @@ def test_gaussian_kl_against_torch_distributions():
         torch.distributions.Normal(means, variances.sqrt()), torch.distributions.Normal(0.0, 1.0)
     ).sum()
     torch.testing.assert_close(gaussian_kl(means, variances), expected, rtol=1e-12, atol=0)
+
+
+def test_mll_of_several_outputs_is_the_sum_over_columns():
+    """(N, 2) targets sharing q(X): the bound is the sum of the one-column bounds (the KL counted once)."""
+    x, y, _, inducing, variances = _problem(variance=0.02)
+    other = binary_data(40, seed=7)[1]
+    likelihood = gpytorch.likelihoods.BernoulliLikelihood()
+    model = _NoisyInputGP(inducing)
+
+    def value(target, latent_prior=False):
+        mll = UncertainSparseEPMarginalLogLikelihood(likelihood, model, latent_prior=latent_prior, site_tol=1e-10)
+        with torch.no_grad():
+            return float(mll(x, variances, target)) * len(x), mll
+
+    both, mll = value(torch.stack([y, other], -1), latent_prior=True)
+    assert mll.sites[0].shape == (2, 40) and all(report.converged for report in mll.last_reports)
+    expected = value(y)[0] + value(other)[0] - float(gaussian_kl(x, variances))
+    assert math.isclose(both, expected, rel_tol=1e-10)
+    with pytest.raises(ValueError, match="40 rows"):
+        mll(x[:30], variances[:30], torch.stack([y, other], -1))
