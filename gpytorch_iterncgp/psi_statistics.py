@@ -33,7 +33,8 @@ and ``LinearKernel`` (ARD or not; optionally scaled) with :math:`k(\mathbf x, \m
     (\boldsymbol\Psi_2)_{imm'} = (\boldsymbol\Psi_1)_{im} (\boldsymbol\Psi_1)_{im'}
         + \sigma^4 \sum_d s_{id} v_d^2 z_{md} z_{m'd}.
 
-The RBF forms are evaluated in log space; :math:`\boldsymbol\Psi_2` costs :math:`O(N M^2 D)` time and memory.
+The RBF forms are evaluated in log space; :math:`\boldsymbol\Psi_2` costs :math:`O(N M^2 D)` time and
+:math:`O(N M^2 + N M D)` memory (the quadratic form is expanded into matrix products).
 
 **Monte Carlo** for any other GPyTorch kernel: :math:`\mathbf x_i^{(s)} = \boldsymbol\mu_i + \sqrt{\mathbf s_i}
 \odot \boldsymbol\epsilon^{(s)}`, :math:`S` = ``num_samples`` draws from ``generator``, and sample averages of
@@ -146,15 +147,26 @@ def _rbf(scale: Tensor | None, kernel: RBFKernel, means: Tensor, variances: Tens
         -1, keepdim=True
     )
     psi1 = variance[..., None] * log_psi1.exp()
-    # psi2: (..., N, M, M)
+    # psi2: (..., N, M, M). With a = 1 / (l^2 + 2 s_i) and the square of mu - (z_m + z_m') / 2 expanded, every term is
+    # a product of (N, D) and (M, D) factors: O(N M^2) memory instead of O(N M^2 D). Inputs are centred first (the
+    # statistics are shift invariant), so the expansion cancels no large terms.
+    centre = inducing.detach().mean(-2, keepdim=True)
+    means, inducing = means - centre, inducing - centre
     inducing_difference = inducing.unsqueeze(-2) - inducing.unsqueeze(-3)  # (..., M, M, D)
     inducing_term = -(inducing_difference.square() / (4 * squared_lengthscale.unsqueeze(-2))).sum(-1)
-    midpoint = 0.5 * (inducing.unsqueeze(-2) + inducing.unsqueeze(-3))  # (..., M, M, D)
-    length2 = squared_lengthscale.unsqueeze(-2).unsqueeze(-2) + 2 * variances[..., None, None, :]  # (..., N, 1, 1, D)
-    centred = means[..., None, None, :] - midpoint.unsqueeze(-4)  # (..., N, M, M, D)
+    weights = (squared_lengthscale + 2 * variances).reciprocal()  # (..., N, D)
+    linear = (weights * means) @ inducing.mT  # (..., N, M): sum_d a mu z_m
+    square = weights @ inducing.square().mT  # (..., N, M): sum_d a z_m^2
+    cross = (inducing.unsqueeze(-3) * weights.unsqueeze(-2)) @ inducing.unsqueeze(-3).mT  # (..., N, M, M)
+    quadratic = (
+        (weights * means.square()).sum(-1)[..., None, None]
+        - linear.unsqueeze(-1)
+        - linear.unsqueeze(-2)
+        + 0.25 * (square.unsqueeze(-1) + square.unsqueeze(-2) + 2 * cross)
+    )
     log_psi2 = (
         inducing_term.unsqueeze(-3)
-        - (centred.square() / length2).sum(-1)
+        - quadratic
         - 0.5 * torch.log1p(2 * variances / squared_lengthscale).sum(-1)[..., None, None]
     )
     psi2 = variance.square()[..., None, None] * log_psi2.exp()
