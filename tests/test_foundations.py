@@ -187,15 +187,15 @@ def test_chunked_products_emit_no_deprecation_warning():
 # ---------------------------------------------------------------------------------------------------
 LAYERS = [
     {"validation", "exceptions", "settings"},
-    {"noise", "precision", "policies", "datasets", "multinomial_probit"},
+    {"noise", "precision", "policies", "datasets", "multinomial_probit", "psi_statistics"},
     {"recycling", "likelihoods", "prior"},
     {"solver", "outer_loop", "tilted"},
     {"newton", "sites"},
     {"ep", "sparse_ep"},
-    {"strategy"},
+    {"strategy", "uncertain"},
     {"sparse_strategy"},
     {"evidence"},
-    {"sklearn", "botorch", "sparse_evidence"},
+    {"sklearn", "botorch", "sparse_evidence", "uncertain_evidence"},
 ]
 
 
