@@ -248,3 +248,22 @@ def test_bad_labels_and_unsupported_combinations_are_refused_with_the_fix():
     with pytest.raises(TypeError, match="MultinomialProbitLikelihood"):
         IterNCGPModel(x, y, MultinomialProbitLikelihood(3), strategy_class=SparseEPStrategy, inducing_points=x[:4])
     assert IterNCGPStrategy  # Laplace accepts it (test above)
+
+
+def test_evidence_increases_along_the_sweeps_on_the_ten_class_mixture():
+    """The paper's 10-class mixture (N = 60, C = 10, Matérn-3/2 ℓ 0.3, s² 5), complete solves, damping 0.5: log Z_EP
+    after every sweep rises monotonically to the fixed point (measured: -97.06 after one sweep, -96.618 after ten,
+    every step up)."""
+    from gpytorch_iterncgp.datasets import gaussian_mixture
+
+    x, y, _, _ = gaussian_mixture(60, 10, num_classes=10, dim=3, mixture_seed=0, sample_seed=0, dtype=F64)
+    likelihood = MultinomialProbitLikelihood(10)
+    model = IterNCGPModel(
+        x, y, likelihood, kernel="matern", lengthscale=0.3, outputscale=5.0, strategy_class=EPStrategy, **COMPLETE
+    )
+    mll = EPMarginalLogLikelihood(likelihood, model)
+    values = []
+    for _ in range(10):
+        model.variational_strategy.fit(max_sweeps=1)
+        values.append(float(mll(model(x), y).detach()) * len(y))
+    assert all(later > earlier for earlier, later in zip(values, values[1:], strict=False))
