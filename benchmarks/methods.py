@@ -10,6 +10,8 @@ predictive rules. (``results/suite.json`` was measured with the earlier rule, th
 
 * :func:`run_iterncgp`: IterNCGP (CG or unit-vector actions, recycling, compression rank R), its time in
   products with K and everything else, and the size of its buffers.
+* :func:`run_ep`: multi-class EP (multinomial probit, :math:`C \times C` sites, nested EP), with the package's
+  predictive for that likelihood (nested EP's normaliser under each point's :math:`C \times C` covariance).
 * :func:`run_svgp`: GPyTorch's SVGP (``VariationalStrategy`` with learnt inducing locations, one set of
   U / C per class, Adam, mini-batches) for a wall-clock budget.
 * :func:`run_sod_laplace`: exact Laplace (Rasmussen & Williams, Algorithms 3.3 and 3.4, damped) on a random
@@ -101,16 +103,25 @@ class Recorder:
     def elapsed(self) -> float:
         return time.perf_counter() - self.start - self.evaluation_seconds
 
-    def record(self, marginals, **extra) -> dict:
-        """Evaluate ``marginals()`` (a callable giving the test latent mean and variance) and log the metrics."""
+    def record(self, marginals, likelihood=None, **extra) -> dict:
+        """Evaluate ``marginals()`` (a callable giving the test latent mean and variance) and log the metrics.
+
+        ``likelihood``: the adapter whose ``predictive_mean`` maps the marginals to class probabilities (and whose
+        probabilities at the mean are the plug-in); default the softmax, under independent marginals.
+        """
         now = self.elapsed()
         self.peak_rss = max(self.peak_rss, peak_rss_bytes())
         tic = time.perf_counter()
         num_classes, labels = self.problem.num_classes, self.problem.test_y
         with torch.no_grad():
             mean, variance = marginals()
-            probabilities = class_probabilities(mean, variance, num_classes)
-            plug_in = classification_metrics(torch.softmax(mean, dim=-1), labels, num_classes)
+            if likelihood is None:
+                probabilities = class_probabilities(mean, variance, num_classes)
+                plug_in = classification_metrics(torch.softmax(mean, dim=-1), labels, num_classes)
+            else:
+                probabilities = likelihood.predictive_mean(mean, variance)
+                at_mean = likelihood.likelihood(mean).probs
+                plug_in = classification_metrics(at_mean, labels, num_classes)
         entry = {"time": now, **classification_metrics(probabilities, labels, num_classes)}
         # softmax of the latent mean alone (the variance ignored): separates the quality of the posterior mean
         # from the calibration its variance brings.
@@ -135,11 +146,12 @@ EVALUATION_STEPS = _evaluation_steps()
 
 
 class IterNCGPModel(gpytorch.models.ApproximateGP):
-    """C latent GPs sharing one fixed Matérn-3/2 kernel (one N × C product per solver iteration)."""
+    """C latent GPs sharing one fixed Matérn-3/2 kernel (one N × C product per solver iteration); softmax and
+    IterNCGP (Laplace) unless told otherwise."""
 
-    def __init__(self, problem: Problem, keops: bool, **options):
-        likelihood = softmax_likelihood(problem.num_classes)
-        strategy = IterNCGPStrategy(self, problem.train_x, problem.train_y, likelihood, **options)
+    def __init__(self, problem: Problem, keops: bool, strategy_class=IterNCGPStrategy, likelihood=None, **options):
+        likelihood = likelihood or softmax_likelihood(problem.num_classes)
+        strategy = strategy_class(self, problem.train_x, problem.train_y, likelihood, **options)
         super().__init__(strategy)
         self.mean_module = gpytorch.means.ZeroMean()
         self.covar_module = fixed_kernel(problem, keops)
@@ -148,18 +160,32 @@ class IterNCGPModel(gpytorch.models.ApproximateGP):
         return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
 
 
+def _test_products(state, cross_kernel: Tensor, num_classes: int) -> Tensor:
+    r""":math:`\mathbf K_{*X}[\mathbf a, \mathbf Q]` per class for a shared kernel (:math:`\mathbf K = \mathbf K_x \otimes
+    \mathbf I_C`, data-major columns): ``(N*, C, 1 + r)``."""
+    num_train = cross_kernel.shape[-1]
+    columns = torch.cat([state.representer_weights[:, None], state.precision_root], dim=-1)  # (N C, 1 + r)
+    return (cross_kernel @ columns.reshape(num_train, -1)).reshape(len(cross_kernel), num_classes, -1)
+
+
 def shared_kernel_marginals(state, cross_kernel: Tensor, prior_variance: float, num_classes: int):
     r"""Latent marginals at test points from IterNCGP's state and a dense cross kernel ``(N*, N)``.
 
     Mean :math:`\mathbf K_{*X} \mathbf a`, variance :math:`k_{**} - \|\mathbf Q^\top \mathbf K_{X*}\|^2` per
-    class, for a shared kernel (:math:`\mathbf K = \mathbf K_x \otimes \mathbf I_C`, data-major columns),
-    as ``IterNCGPStrategy.marginal_latent`` computes them.
+    class, for a shared kernel, as ``IterNCGPStrategy.marginal_latent`` computes them.
     """
-    num_train = cross_kernel.shape[-1]
-    columns = torch.cat([state.representer_weights[:, None], state.precision_root], dim=-1)  # (N C, 1 + r)
-    product = (cross_kernel @ columns.reshape(num_train, -1)).reshape(len(cross_kernel), num_classes, -1)
+    product = _test_products(state, cross_kernel, num_classes)
     variance = (prior_variance - product[..., 1:].square().sum(-1)).clamp_min(0)
     return product[..., 0], variance
+
+
+def shared_kernel_blocks(state, cross_kernel: Tensor, prior_variance: float, num_classes: int):
+    r"""Each test point's latent mean ``(N*, C)`` and :math:`C \times C` covariance :math:`k_{**}\mathbf I -
+    \mathbf R\mathbf R^\top` ``(N*, C, C)`` (:math:`\mathbf R` its rows of :math:`\mathbf K_{*X}\mathbf Q`) for a
+    shared kernel, as ``EPStrategy.marginal_latent_blocks`` computes them."""
+    product = _test_products(state, cross_kernel, num_classes)
+    rows = product[..., 1:]
+    return product[..., 0], prior_variance * torch.eye(num_classes, dtype=product.dtype) - rows @ rows.mT
 
 
 def buffer_bytes(state) -> dict[str, int]:
@@ -170,6 +196,63 @@ def buffer_bytes(state) -> dict[str, int]:
         "precision_rank": int(state.precision_root.shape[-1]),
         "buffer_bytes": sizes.get("actions", 0) + sizes.get("kernel_actions", 0),
         "state_bytes": sum(sizes.values()),
+    }
+
+
+def _fit_and_record(problem: Problem, model, test_posterior, describe, kernel_path: str, evaluate=True, adapter=None):
+    """Fit ``model``'s strategy, evaluating after the outer steps in ``EVALUATION_STEPS`` and at the end.
+
+    ``test_posterior(state, cross_kernel)`` gives the test marginals from the dense cross kernel (in chunks of test
+    points, evaluated anew each time: no memory kept); ``describe(record)`` the entries to log per outer step;
+    ``adapter`` the predictive rule (:meth:`Recorder.record`). Without ``evaluate`` only the final state is
+    evaluated, through the strategy's own products (KeOps or chunks; for sizes where the dense cross kernel does
+    not fit).
+    """
+    strategy = model.variational_strategy
+    dense_kernel = fixed_kernel(problem)
+
+    def marginals_of(state):
+        parts = [
+            test_posterior(state, dense_kernel(test_x, problem.train_x).to_dense())
+            for test_x in problem.test_x.split(2048)
+        ]
+        return tuple(torch.cat(part) for part in zip(*parts, strict=True))
+
+    recorder = Recorder(problem)
+    totals = {"products": 0, "product_seconds": 0.0}
+    last: dict = {}
+
+    def callback(record, state):
+        totals["products"] += record.kernel_products
+        totals["product_seconds"] += record.kernel_product_seconds
+        last.update(step=record.step, **describe(record), **totals)
+        if evaluate and record.step in EVALUATION_STEPS:
+            recorder.record(lambda: marginals_of(state), adapter, **last)
+        else:
+            recorder.peak_rss = max(recorder.peak_rss, peak_rss_bytes())
+
+    reset_peak_rss()
+    recorder.start, recorder.baseline_rss = time.perf_counter(), rss_bytes()
+    limit = dense_kernel_limit(0 if kernel_path == "chunked" else dense_kernel_limit.value())
+    with torch.no_grad(), warnings.catch_warnings(), limit:
+        warnings.simplefilter("ignore", gpytorch.utils.warnings.NumericalWarning)
+        report = strategy.fit(callback=callback)
+        fit_seconds = recorder.elapsed()
+        final = (
+            (lambda: marginals_of(strategy.state)) if evaluate else (lambda: strategy.marginal_latent(problem.test_x))
+        )
+        recorder.record(final, adapter, final=True, **last)
+    return report, {
+        "history": recorder.history,
+        "fit_seconds": fit_seconds,
+        "product_seconds": report.kernel_product_seconds,
+        "other_seconds": fit_seconds - report.kernel_product_seconds,
+        "products": report.kernel_products,
+        "solver_iterations": report.solver_iterations,
+        "converged": report.converged,
+        "peak_rss_bytes": recorder.peak_rss,
+        "baseline_rss_bytes": recorder.baseline_rss,
+        **buffer_bytes(strategy.state),
     }
 
 
@@ -189,9 +272,7 @@ def run_iterncgp(
         chunks, K never formed) or ``"dense"`` (K evaluated once and cached: the package's default below
         ``dense_kernel_limit``).
     :param evaluate: evaluate after the Newton steps in ``EVALUATION_STEPS`` and at the end; otherwise only at
-        the end, through
-        ``IterNCGPStrategy.marginal_latent`` (products by ``kernel_path``, for sizes where the dense cross
-        kernel does not fit).
+        the end, through ``IterNCGPStrategy.marginal_latent``.
     :return: ``history`` (per Newton step: time, metrics, products, time in products), the fit report's
         totals, buffer sizes and the peak resident memory of the fit.
     """
@@ -206,58 +287,55 @@ def run_iterncgp(
         min_curvature=1e-6,
         show_progress=show_progress,
     )
-    strategy = model.variational_strategy
-    dense_kernel = fixed_kernel(problem)
 
-    def marginals_of(state):
-        """Dense cross kernel in chunks of test points, evaluated anew each time (no memory kept)."""
-        parts = [
-            shared_kernel_marginals(
-                state, dense_kernel(test_x, problem.train_x).to_dense(), problem.outputscale, problem.num_classes
-            )
-            for test_x in problem.test_x.split(2048)
-        ]
-        return torch.cat([mean for mean, _ in parts]), torch.cat([variance for _, variance in parts])
+    def test_posterior(state, cross_kernel):
+        return shared_kernel_marginals(state, cross_kernel, problem.outputscale, problem.num_classes)
 
-    recorder = Recorder(problem)
-    totals = {"products": 0, "product_seconds": 0.0}
-    last = {}
+    report, result = _fit_and_record(
+        problem, model, test_posterior, lambda step: {"log_posterior": step.log_posterior}, kernel_path, evaluate
+    )
+    return {**result, "newton_steps": report.newton_steps}
 
-    def callback(step, state):
-        totals["products"] += step.kernel_products
-        totals["product_seconds"] += step.kernel_product_seconds
-        last.update(step=step.step, log_posterior=step.log_posterior, **totals)
-        if evaluate and step.step in EVALUATION_STEPS:
-            recorder.record(lambda: marginals_of(state), **last)
-        else:
-            recorder.peak_rss = max(recorder.peak_rss, peak_rss_bytes())
 
-    reset_peak_rss()
-    recorder.start, recorder.baseline_rss = time.perf_counter(), rss_bytes()
-    limit = dense_kernel_limit(0 if kernel_path == "chunked" else dense_kernel_limit.value())
-    with torch.no_grad(), warnings.catch_warnings(), limit:
-        warnings.simplefilter("ignore", gpytorch.utils.warnings.NumericalWarning)
-        report = strategy.fit(callback=callback)
-        fit_seconds = recorder.elapsed()
-        # The final posterior (precision updated at W of the final mode); at sizes where the dense cross kernel
-        # does not fit, through the strategy's own products (KeOps or chunks).
-        final = (
-            (lambda: marginals_of(strategy.state)) if evaluate else (lambda: strategy.marginal_latent(problem.test_x))
-        )
-        recorder.record(final, final=True, **last)
-    return {
-        "history": recorder.history,
-        "fit_seconds": fit_seconds,
-        "product_seconds": report.kernel_product_seconds,
-        "other_seconds": fit_seconds - report.kernel_product_seconds,
-        "products": report.kernel_products,
-        "newton_steps": report.newton_steps,
-        "solver_iterations": report.solver_iterations,
-        "converged": report.converged,
-        "peak_rss_bytes": recorder.peak_rss,
-        "baseline_rss_bytes": recorder.baseline_rss,
-        **buffer_bytes(strategy.state),
-    }
+# -- EP (multinomial probit) ---------------------------------------------------------------------------------
+def run_ep(
+    problem: Problem,
+    max_sweeps: int = 60,
+    max_solver_iterations: int = 5,
+    compression_rank: int | None = None,
+    damping: float = 0.5,
+    kernel_path: str = "dense",
+    show_progress: bool = False,
+) -> dict:
+    """Multi-class EP (``EPStrategy`` with the multinomial probit: :math:`C \times C` sites, nested EP, CG with
+    recycling), evaluated like :func:`run_iterncgp` with the likelihood's own predictive (nested EP's normaliser
+    under each test point's :math:`C \times C` covariance)."""
+    from gpytorch_iterncgp import EPStrategy, MultinomialProbitLikelihood
+
+    likelihood = MultinomialProbitLikelihood(problem.num_classes)
+    model = IterNCGPModel(
+        problem,
+        kernel_path == "keops",
+        strategy_class=EPStrategy,
+        likelihood=likelihood,
+        policy="cg",
+        max_solver_iterations=max_solver_iterations,
+        compression_rank=compression_rank,
+        max_sweeps=max_sweeps,
+        damping=damping,
+        site_tol=1e-3,
+        show_progress=show_progress,
+    )
+
+    def test_posterior(state, cross_kernel):
+        return shared_kernel_blocks(state, cross_kernel, problem.outputscale, problem.num_classes)
+
+    def describe(sweep):
+        return {"site_change": sweep.site_change, "bounded_cavities": sweep.bounded_cavities}
+
+    adapter = likelihood_adapter(likelihood)
+    report, result = _fit_and_record(problem, model, test_posterior, describe, kernel_path, adapter=adapter)
+    return {**result, "sweeps": report.sweeps}
 
 
 # -- SVGP ----------------------------------------------------------------------------------------------------

@@ -1,12 +1,15 @@
-"""IterNCGP against SVGP, subset-of-data Laplace and exact Laplace: test accuracy, NLL and ECE against wall time.
+"""IterNCGP and multi-class EP against SVGP, subset-of-data Laplace and exact Laplace: test accuracy, NLL and ECE
+against wall time.
 
     python benchmarks/suite.py                 # mixture (N = 10^4, both kernel settings) + digits, ~1 h here
     python benchmarks/suite.py --large         # also IterNCGP (R = 10) at N = 10^5: memory and time split
     python benchmarks/suite.py --quick         # tiny sizes, a minute: checks that everything runs
+    python benchmarks/suite.py --methods ep svgp --svgp-inducing 1000 --svgp-lr 0.01   # a subset of the methods
 
 Every run happens in a fresh process (one at a time), so its peak resident memory is its own. All methods use
-the same fixed Matérn-3/2 kernel per setting and one predictive rule (probit approximation of the softmax over
-the latent marginals). The SVGP runs get the wall-clock budget of the slowest IterNCGP-CG run of their setting.
+the same fixed Matérn-3/2 kernel per setting; the softmax models share one predictive rule (E[softmax] under
+independent latent marginals), EP (multinomial probit) uses its likelihood's own predictive. The SVGP runs get
+the wall-clock budget of the slowest IterNCGP-CG or EP run of their setting.
 
 Writes ``results/suite.json`` (and ``results/suite_large.json`` with ``--large``) with the machine they ran
 on, one ``results/suite_<dataset>_<setting>.png`` per problem, and prints a table per problem.
@@ -76,6 +79,8 @@ def run_job(job: dict) -> dict:
     kind, options = job["method"], dict(job["options"])
     if kind == "iterncgp":
         result = methods.run_iterncgp(problem, **options)
+    elif kind == "ep":
+        result = methods.run_ep(problem, **options)
     elif kind == "svgp":
         result = methods.run_svgp(problem, budget_seconds=job["budget"], **options)
     else:
@@ -127,15 +132,22 @@ def run_problem(args, executor, dataset: str, setting: str) -> list[dict]:
         "seed": args.seed,
         "threads": args.threads,
     }
-    jobs = [
-        {**base, "label": label, "method": "iterncgp", "options": options}
-        for label, options in iterncgp_jobs(args, _kernel_path(args))
-    ]
+    jobs = []
+    if "iterncgp" in args.methods:
+        jobs += [
+            {**base, "label": label, "method": "iterncgp", "options": options}
+            for label, options in iterncgp_jobs(args, _kernel_path(args))
+        ]
+    if "ep" in args.methods:
+        options = {"max_sweeps": args.ep_sweeps, "max_solver_iterations": args.solver_iterations}
+        label = f"EP, multinomial probit, CG R=∞ (cached dense K, ≤{args.ep_sweeps} sweeps)"
+        jobs.append({**base, "label": label, "method": "ep", "options": options})
     runs = []
     for job in jobs:
         runs.append(_submit(executor, job, args))
-    budget = args.svgp_budget or max(run["fit_seconds"] for run in runs if run["options"]["policy"] == "cg")
-    for num_inducing in args.svgp_inducing:
+    timed = [run["fit_seconds"] for run in runs if run["method"] == "ep" or run["options"].get("policy") == "cg"]
+    budget = args.svgp_budget or max(timed)
+    for num_inducing in args.svgp_inducing if "svgp" in args.methods else []:
         for learning_rate in args.svgp_lr:
             job = {
                 **base,
@@ -146,8 +158,8 @@ def run_problem(args, executor, dataset: str, setting: str) -> list[dict]:
             }
             runs.append(_submit(executor, job, args))
     num_train = runs[0]["num_train"]
-    sizes = sorted({size for size in args.sod_sizes if size < num_train})
-    if num_train <= args.exact_max:
+    sizes = sorted({size for size in args.sod_sizes if size < num_train}) if "sod" in args.methods else []
+    if num_train <= args.exact_max and "sod" in args.methods:
         sizes.append(num_train)
     for size in sizes:
         label = "exact Laplace (Cholesky)" if size == num_train else f"SoD Laplace n={size}"
@@ -185,7 +197,7 @@ def summary_rows(runs: list[dict]) -> list[dict]:
             "fit_memory_MiB": (run["peak_rss_bytes"] - run["baseline_rss_bytes"]) / 2**20,
             "state_MiB": run.get("state_bytes", 0) / 2**20,
         }
-        if run["method"] == "iterncgp":
+        if run["method"] in ("iterncgp", "ep"):
             row.update(
                 products=run["products"],
                 product_seconds=run["product_seconds"],
@@ -332,6 +344,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--solver-iterations", type=int, default=5, help="j: IterGP iterations per Newton step")
     parser.add_argument("--unit-iterations", type=int, default=10, help="iterations per step for unit vectors")
+    parser.add_argument(
+        "--methods", nargs="+", default=["iterncgp", "ep", "svgp", "sod"], choices=["iterncgp", "ep", "svgp", "sod"]
+    )
+    parser.add_argument("--ep-sweeps", type=int, default=40, help="sweeps of the multi-class EP run")
     parser.add_argument("--svgp-inducing", type=int, nargs="+", default=[100, 500, 1000])
     parser.add_argument("--svgp-lr", type=float, nargs="+", default=[0.001, 0.01, 0.05])
     parser.add_argument("--svgp-budget", type=float, default=None, help="seconds (default: IterNCGP-CG's time)")
@@ -351,7 +367,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         args.n_train, args.n_test, args.newton_steps, args.unit_iterations = 300, 300, 3, 10
-        args.dense_newton_steps = 4
+        args.dense_newton_steps, args.ep_sweeps = 4, 3
         args.svgp_inducing, args.svgp_lr, args.sod_sizes, args.exact_max = [20], [0.01], [100], 300
         args.large_n, args.large_steps = 1000, 1
     return args

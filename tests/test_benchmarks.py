@@ -97,6 +97,32 @@ def test_iterncgp_marginals_from_cached_cross_kernel_match_strategy():
     torch.testing.assert_close(variance, expected_variance, rtol=1e-9, atol=1e-9)
 
 
+def test_ep_blocks_from_cached_cross_kernel_match_strategy_and_run_ep_scores_its_predictive():
+    """The benchmark's test blocks for multi-class EP equal ``EPStrategy.marginal_latent_blocks``, and ``run_ep``'s
+    final metrics are those of the strategy's own predictive probabilities."""
+    from gpytorch_iterncgp import EPStrategy, MultinomialProbitLikelihood
+
+    problem = _problem()
+    likelihood = MultinomialProbitLikelihood(NUM_CLASSES)
+    options = dict(max_solver_iterations=3, max_sweeps=4, site_tol=1e-3, show_progress=False)  # run_ep's settings
+    model = methods.IterNCGPModel(problem, keops=False, strategy_class=EPStrategy, likelihood=likelihood, **options)
+    strategy = model.variational_strategy
+    with torch.no_grad():
+        sweeps = strategy.fit().sweeps
+        expected_mean, expected_covariance = strategy.marginal_latent_blocks(problem.test_x)
+        cross = methods.fixed_kernel(problem)(problem.test_x, problem.train_x).to_dense()
+        expected = methods.classification_metrics(
+            strategy.predictive_probabilities(problem.test_x), problem.test_y, NUM_CLASSES
+        )
+    mean, covariance = methods.shared_kernel_blocks(strategy.state, cross, problem.outputscale, NUM_CLASSES)
+    torch.testing.assert_close(mean, expected_mean, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(covariance, expected_covariance, rtol=1e-9, atol=1e-9)
+    result = methods.run_ep(problem, max_sweeps=4, max_solver_iterations=3)
+    assert result["sweeps"] == sweeps and result["history"][-1]["products"] == result["products"]
+    for name, value in expected.items():
+        assert result["history"][-1][name] == pytest.approx(value, rel=1e-6, abs=1e-9)
+
+
 def test_run_iterncgp_reports_time_split_and_buffers():
     problem = _problem(dtype=torch.float32)
     result = methods.run_iterncgp(problem, compression_rank=3, max_newton_steps=3, kernel_path="chunked")
@@ -160,6 +186,7 @@ def test_suite_quick_run_writes_results(tmp_path):
         assert (tmp_path / f"suite_{name}.png").stat().st_size > 10_000
         methods_run = {row["method"] for row in problem["summary"]}
         assert any(m.startswith("IterNCGP-CG R=10") for m in methods_run)
+        assert any(m.startswith("EP, multinomial probit") for m in methods_run)
         assert any(m.startswith("SVGP") for m in methods_run) and "exact Laplace (Cholesky)" in methods_run
         for row in problem["summary"]:
             assert math.isfinite(row["nll"]) and row["peak_rss_MiB"] > 0
