@@ -17,7 +17,7 @@ Expected (GP-ALPS Figure 1): harmonics 1, 3, 5, 7 on (probability > 0.5), 2, 4, 
 figure ``alps_square_wave.png`` shows the reconstructions and both methods' activation probabilities; the numbers
 go to the terminal and to ``alps_square_wave.json``.
 
-    python examples/alps_square_wave.py            # about 2 minutes on one (shared) CPU core
+    python examples/alps_square_wave.py            # about 1 minute on one (shared) CPU core
     python examples/alps_square_wave.py --smoke    # fewer points and steps: seconds
 """
 
@@ -39,7 +39,7 @@ NAME = "alps_square_wave"
 FREQUENCY = 0.05
 NUM_LATENTS = 8
 NOISE_STD = 0.1
-LEARNING_RATE = 0.05
+LEARNING_RATE = 0.1
 
 
 def square_wave(t: torch.Tensor) -> torch.Tensor:
