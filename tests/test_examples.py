@@ -16,6 +16,7 @@ EXAMPLES = [
     "hyperparameters",
     "sklearn_quickstart",
     "ep_vs_laplace",
+    "alps_square_wave",
 ]
 
 

@@ -196,6 +196,8 @@ LAYERS = [
     {"sparse_strategy"},
     {"evidence"},
     {"sklearn", "botorch", "sparse_evidence", "uncertain_evidence"},
+    {"alps"},
+    {"alps_gibbs"},
 ]
 
 

@@ -1,0 +1,490 @@
+r"""GP-ALPS: multi-output GPs that select their own latent processes, trained by variational inference.
+
+Berkovich, Perim & Bruinsma, "GP-ALPS: Automatic Latent Process Selection for Multi-Output Gaussian Process
+Models" (GP-ALPS eq. 2): :math:`m` latent GPs, each switched on or off by a Bernoulli gate, mixed linearly into
+:math:`p` outputs,
+
+.. math::
+    x_j \sim \mathcal{GP}(0, k_j), \quad b_j \sim \operatorname{Bern}(\theta_j), \quad
+    H_{ij} \sim \mathcal N(0, s_{ij}), \quad
+    \mathbf f(t) = \mathbf H(\mathbf x(t) \circ \mathbf b), \quad y_i(t) \sim \mathcal N(f_i(t), \sigma_i^2).
+
+Each of the :math:`2^m` gate patterns is a model class; the posterior over :math:`\mathbf b` selects the latent
+processes the data need.
+
+* :class:`GPALPS`: the model and its variational posterior (GP-ALPS App. C.1)
+  :math:`q(\mathbf X, \mathbf X^z, \mathbf H, \mathbf b) = p(\mathbf X \mid \mathbf X^z) q(\mathbf X^z) q(\mathbf H)
+  q(\mathbf b)`: one GPyTorch :class:`~gpytorch.variational.VariationalStrategy` per latent (whitened, full
+  Cholesky :math:`q(\mathbf X^z_j)`), a fully factorised Gaussian :math:`q(\mathbf H)`, and a Concrete (relaxed
+  Bernoulli, Maddison et al. 2017) :math:`q(b_j)` per gate. ``model(t)`` returns the marginals
+  :math:`q(x_j(t_k))` as a :class:`torch.distributions.Normal` of batch shape ``(n, m)`` (data-major): all that the
+  expected log-likelihood needs, since the latents are independent under :math:`q`.
+* :class:`GPALPSELBO`: the evidence lower bound of GP-ALPS App. C, divided by ``num_data`` like GPyTorch's
+  :class:`~gpytorch.mlls.VariationalELBO`, so that it trains on mini-batches.
+
+The noise variances :math:`\sigma_i^2` live in a :class:`~gpytorch.likelihoods.MultitaskGaussianLikelihood` with
+``rank=0`` (one variance per output). Missing outputs are ``NaN`` in the targets and are left out of the likelihood.
+
+Example:
+    >>> model = GPALPS([gpytorch.kernels.RBFKernel() for _ in range(3)], inducing_points=torch.rand(20, 1),
+    ...                num_outputs=2)
+    >>> likelihood = gpytorch.likelihoods.MultitaskGaussianLikelihood(num_tasks=2, rank=0)
+    >>> elbo = GPALPSELBO(likelihood, model, num_data=len(t))
+    >>> loss = -elbo(model(t), Y)  # t: (n, D); Y: (n, 2), NaN where an output is missing
+    >>> model.activation_probabilities()  # (3,)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple, cast
+
+import gpytorch
+import torch
+from gpytorch.distributions import MultivariateNormal
+from gpytorch.kernels import Kernel
+from gpytorch.variational import CholeskyVariationalDistribution, VariationalStrategy
+from torch import Tensor
+from torch.distributions import Normal, RelaxedBernoulli
+
+from .validation import check_count, check_nonnegative
+
+__all__ = ["ELBOTerms", "GPALPS", "GPALPSELBO", "noise_variances"]
+
+_LOG_2PI = math.log(2 * math.pi)
+# Floor on the marginal variances q(x_j(t)) before the square root of the Normal's scale (its gradient is infinite
+# at 0); GPyTorch's jitter keeps them far above it.
+_MIN_VARIANCE = 1e-12
+
+
+class _LatentProcess(gpytorch.models.ApproximateGP):
+    """One latent GP :math:`x_j \\sim \\mathcal{GP}(0, k_j)` with its whitened SVGP posterior."""
+
+    def __init__(self, kernel: Kernel, inducing_points: Tensor):
+        distribution = CholeskyVariationalDistribution(inducing_points.shape[-2])
+        strategy = VariationalStrategy(self, inducing_points, distribution, learn_inducing_locations=True)
+        super().__init__(strategy)
+        self.covar_module = kernel
+
+    def forward(self, x: Tensor) -> MultivariateNormal:
+        covariance = self.covar_module(x)
+        return MultivariateNormal(torch.zeros(x.shape[:-1], dtype=x.dtype, device=x.device), covariance)
+
+
+def _as_prior_tensor(value, shape: tuple[int, ...], name: str, open_unit: bool) -> Tensor:
+    """A scalar or a tensor broadcastable to ``shape``, every entry in (0, 1) (``open_unit``) or positive."""
+    tensor = torch.as_tensor(value, dtype=torch.float64)
+    try:
+        tensor = torch.broadcast_to(tensor, shape).clone()
+    except RuntimeError:
+        raise ValueError(
+            f"{name} must be a scalar or broadcastable to shape {shape}, got shape {tuple(tensor.shape)}."
+        ) from None
+    if open_unit and not bool(((tensor > 0) & (tensor < 1)).all()):
+        raise ValueError(f"{name} must lie strictly between 0 and 1, got {value!r}.")
+    if not open_unit and not bool(((tensor > 0) & torch.isfinite(tensor)).all()):
+        raise ValueError(f"{name} must be positive and finite, got {value!r}.")
+    return tensor
+
+
+def noise_variances(likelihood: gpytorch.likelihoods.MultitaskGaussianLikelihood) -> Tensor:
+    r"""The per-output noise variances :math:`\sigma_i^2`, ``(p,)``, of a rank-0 multitask Gaussian likelihood:
+    ``task_noises`` plus the global ``noise`` (each where the likelihood has it).
+
+    :raises TypeError: not a :class:`~gpytorch.likelihoods.MultitaskGaussianLikelihood`.
+    :raises ValueError: ``rank != 0`` (correlated noise across outputs is not part of GP-ALPS eq. 2).
+    """
+    if not isinstance(likelihood, gpytorch.likelihoods.MultitaskGaussianLikelihood):
+        raise TypeError(
+            "GP-ALPS needs one noise variance per output: pass "
+            "gpytorch.likelihoods.MultitaskGaussianLikelihood(num_tasks=p, rank=0), "
+            f"got {type(likelihood).__name__}."
+        )
+    if likelihood.rank != 0:
+        raise ValueError(
+            f"GP-ALPS has independent output noises: the likelihood needs rank=0, got rank={likelihood.rank}."
+        )
+    parts = [likelihood.task_noises] if likelihood.has_task_noise else []
+    parts += [likelihood.noise] if likelihood.has_global_noise else []
+    shape = (likelihood.num_tasks,)
+    return torch.stack([torch.broadcast_to(part.reshape(-1), shape) for part in parts]).sum(0)
+
+
+class GPALPS(gpytorch.models.GP):
+    r"""GP-ALPS (GP-ALPS eq. 2) with its variational posterior (GP-ALPS App. C.1).
+
+    Use it when several outputs share a handful of latent processes and you want the data to choose which of the
+    candidate latents (each a kernel, e.g. one periodicity or one input feature) are needed: the posterior gate
+    probabilities (:meth:`activation_probabilities`) select them. With all gates fixed on and :math:`\mathbf H`
+    fixed it is GPyTorch's linear model of coregionalisation (:class:`~gpytorch.variational.LMCVariationalStrategy`).
+
+    Variational posterior, all learnable parameters:
+
+    * :math:`q(\mathbf X^z_j) = \mathcal N(\mathbf m_j, \mathbf S_j)` at the inducing inputs :math:`\mathbf Z_j`
+      (learnable too), one :class:`~gpytorch.variational.CholeskyVariationalDistribution` per latent in GPyTorch's
+      *whitened* :class:`~gpytorch.variational.VariationalStrategy` (``latent_processes[j]``);
+    * :math:`q(H_{ij}) = \mathcal N(\mu_{ij}, \exp \lambda_{ij})`: ``mixing_mean`` and ``mixing_log_variance``,
+      ``(p, m)``;
+    * :math:`q(b_j) = \operatorname{Concrete}(\rho_j, \tau)`: the relaxed Bernoulli with logits ``gate_logits``
+      ``(m,)`` and the fixed temperature :math:`\tau` (buffer ``temperature``). The posterior probability of gate
+      :math:`j` is :math:`\sigma(\rho_j)`.
+
+    Prior: :math:`\theta_j` (buffer ``prior_activation``, ``(m,)``) and :math:`s_{ij}` (buffer
+    ``mixing_prior_variance``, ``(p, m)``). The kernels keep their own hyperparameters (learnt unless frozen).
+
+    :param latent_kernels: :math:`m` GPyTorch kernels, one per latent process (non-batched).
+    :param inducing_points: ``(M, D)`` shared by all latents (one tied parameter), or ``(m, M, D)``, one set per
+        latent. Its dtype is the model's dtype.
+    :param num_outputs: :math:`p`.
+    :param prior_activation: :math:`\theta_j`, a scalar or ``(m,)``, in (0, 1).
+    :param mixing_prior_variance: :math:`s_{ij}`, a scalar, ``(m,)`` (per latent) or ``(p, m)``, positive.
+    :param temperature: :math:`\tau` of the Concrete prior and posterior of the gates (Maddison et al. 2017 use
+        :math:`\tau \le 1`; lower is closer to Bernoulli and noisier in its gradients).
+    :param initial_activation: :math:`\sigma(\rho_j)` at initialisation; starting with the gates on lets every
+        latent see the data before the ELBO switches the unneeded ones off.
+    :param initial_mixing_std: standard deviation of the random initial ``mixing_mean`` (drawn with
+        ``torch.randn``, seed it with ``torch.manual_seed``), relative to :math:`\sqrt{s_{ij}}`; a zero mean would
+        start at the saddle point :math:`\mathbf H = 0`, :math:`\mathbf m_j = 0`.
+    """
+
+    def __init__(
+        self,
+        latent_kernels: Sequence[Kernel],
+        inducing_points: Tensor,
+        num_outputs: int,
+        prior_activation: float | Tensor = 0.5,
+        mixing_prior_variance: float | Tensor = 1.0,
+        temperature: float = 0.5,
+        initial_activation: float = 0.9,
+        initial_mixing_std: float = 1.0,
+    ):
+        super().__init__()
+        kernels = list(latent_kernels)
+        if not kernels or not all(isinstance(kernel, Kernel) for kernel in kernels):
+            raise ValueError(
+                "latent_kernels must be a non-empty sequence of gpytorch.kernels.Kernel, one per latent process, "
+                f"got {[type(kernel).__name__ for kernel in kernels]}."
+            )
+        num_latents = len(kernels)
+        check_count(num_outputs, "num_outputs", minimum=1)
+        check_nonnegative(temperature, "temperature", positive=True)
+        check_nonnegative(initial_mixing_std, "initial_mixing_std")
+        if not 0 < initial_activation < 1:
+            raise ValueError(f"initial_activation must lie strictly between 0 and 1, got {initial_activation!r}.")
+        if not torch.is_tensor(inducing_points) or not inducing_points.is_floating_point():
+            raise ValueError("inducing_points must be a floating-point tensor of shape (M, D) or (m, M, D).")
+        shared = inducing_points.dim() == 2
+        if not (shared or (inducing_points.dim() == 3 and inducing_points.shape[0] == num_latents)):
+            raise ValueError(
+                f"inducing_points must have shape (M, D), shared by the latents, or (m, M, D) with m = "
+                f"{num_latents} (the number of latent_kernels), got {tuple(inducing_points.shape)}."
+            )
+        if inducing_points.shape[-2] == 0 or not bool(torch.isfinite(inducing_points).all()):
+            raise ValueError("inducing_points must hold at least one point and no NaN or inf.")
+        dtype, device = inducing_points.dtype, inducing_points.device
+        per_latent = inducing_points.expand(num_latents, *inducing_points.shape[-2:])
+        self.latent_processes = torch.nn.ModuleList(
+            [_LatentProcess(kernel, per_latent[j].clone()) for j, kernel in enumerate(kernels)]
+        ).to(dtype=dtype, device=device)  # the kernels too: the inducing points set the model's dtype
+        if shared:  # one parameter, registered in every strategy: the latents keep sharing it while it is learnt
+            tied = torch.nn.Parameter(inducing_points.detach().clone())
+            for strategy in self.strategies():
+                strategy.inducing_points = tied
+        self.num_latents, self.num_outputs = num_latents, num_outputs
+
+        shape = (num_outputs, num_latents)
+        theta = _as_prior_tensor(prior_activation, (num_latents,), "prior_activation", open_unit=True)
+        variance = _as_prior_tensor(mixing_prior_variance, shape, "mixing_prior_variance", open_unit=False)
+        options: dict[str, Any] = dict(dtype=dtype, device=device)
+        self.register_buffer("prior_activation", theta.to(**options))
+        self.register_buffer("mixing_prior_variance", variance.to(**options))
+        self.register_buffer("temperature", torch.tensor(float(temperature), **options))
+        std = initial_mixing_std * self.mixing_prior_variance.sqrt()
+        self.mixing_mean = torch.nn.Parameter(std * torch.randn(shape, **options))
+        self.mixing_log_variance = torch.nn.Parameter(self.mixing_prior_variance.log().clone())
+        logit = math.log(initial_activation / (1 - initial_activation))
+        self.gate_logits = torch.nn.Parameter(torch.full((num_latents,), logit, **options))
+
+    # ------------------------------------------------------------------------------------------------
+    # The variational posterior
+    # ------------------------------------------------------------------------------------------------
+    def strategies(self) -> list[VariationalStrategy]:
+        r"""Each latent's GPyTorch variational strategy: its inducing inputs and :math:`q(\mathbf X^z_j)`."""
+        return [cast(VariationalStrategy, process.variational_strategy) for process in self.latent_processes]
+
+    def kernels(self) -> list[Kernel]:
+        """The latents' kernels :math:`k_j`."""
+        return [cast(Kernel, process.covar_module) for process in self.latent_processes]
+
+    def forward(self, inputs: Tensor) -> Normal:
+        r"""The marginals of :math:`q(\mathbf X) = \int p(\mathbf X \mid \mathbf X^z) q(\mathbf X^z)\,
+        d\mathbf X^z` at ``inputs`` (GP-ALPS App. C.2): :math:`q(x_j(t_k)) = \mathcal N(d_{kj}, v_{kj})`, each
+        latent's SVGP predictive marginal.
+
+        :param inputs: :math:`\mathbf t`, ``(n, D)`` (or ``(n,)`` for :math:`D = 1`), the model's dtype.
+        :returns: a :class:`torch.distributions.Normal` of batch shape ``(n, m)``: ``mean`` :math:`d` and
+            ``variance`` :math:`v`.
+        """
+        inputs = self._check_inputs(inputs)
+        means, variances = [], []
+        for process in self.latent_processes:
+            marginal = process(inputs)
+            means.append(marginal.mean)
+            variances.append(marginal.variance)
+        mean, variance = torch.stack(means, -1), torch.stack(variances, -1)  # shape: (n, m)
+        return Normal(mean, variance.clamp_min(_MIN_VARIANCE).sqrt(), validate_args=False)
+
+    def _check_inputs(self, inputs: Tensor) -> Tensor:
+        reference = self.mixing_mean
+        if not torch.is_tensor(inputs) or not inputs.is_floating_point():
+            raise ValueError("inputs must be a floating-point tensor of shape (n, D).")
+        if inputs.dim() == 1:
+            inputs = inputs.unsqueeze(-1)
+        num_features = self.strategies()[0].inducing_points.shape[-1]
+        if inputs.dim() != 2 or inputs.shape[-1] != num_features:
+            raise ValueError(
+                f"inputs must have shape (n, D) with D = {num_features} (the inducing points' dimension), "
+                f"got {tuple(inputs.shape)}."
+            )
+        if inputs.dtype != reference.dtype or inputs.device != reference.device:
+            raise ValueError(
+                f"inputs are {inputs.dtype} on {inputs.device} but the model is {reference.dtype} on "
+                f"{reference.device}: call model.to(inputs) (and the likelihood too) or convert the inputs."
+            )
+        if not bool(torch.isfinite(inputs).all()):
+            raise ValueError("inputs contain NaN or inf.")
+        return inputs
+
+    def kl_latents(self) -> Tensor:
+        r""":math:`\sum_j \mathrm{KL}[q(\mathbf X^z_j) \,\|\, p(\mathbf X^z_j)]` (GP-ALPS App. C.4), each term
+        GPyTorch's :meth:`~gpytorch.variational.VariationalStrategy.kl_divergence` (whitened: against
+        :math:`\mathcal N(\mathbf 0, \mathbf I)`, the same value)."""
+        return torch.stack([strategy.kl_divergence() for strategy in self.strategies()]).sum()
+
+    def mixing_distribution(self) -> Normal:
+        r""":math:`q(\mathbf H)`, a :class:`~torch.distributions.Normal` of batch shape ``(p, m)``."""
+        return Normal(self.mixing_mean, (0.5 * self.mixing_log_variance).exp())
+
+    def kl_mixing(self) -> Tensor:
+        r""":math:`\mathrm{KL}[q(\mathbf H) \,\|\, p(\mathbf H)] = \sum_{ij} \tfrac12 \bigl(\log(s_{ij} /
+        s^H_{ij}) + (s^H_{ij} + (m^H_{ij})^2) / s_{ij} - 1\bigr)` (GP-ALPS App. C.5)."""
+        prior = Normal(torch.zeros_like(self.mixing_mean), self.mixing_prior_variance.sqrt())
+        return torch.distributions.kl_divergence(self.mixing_distribution(), prior).sum()
+
+    def gate_distribution(self) -> RelaxedBernoulli:
+        r""":math:`q(\mathbf b) = \prod_j \operatorname{Concrete}(b_j; \rho_j, \tau)`, batch shape ``(m,)``."""
+        return RelaxedBernoulli(self.temperature, logits=self.gate_logits)
+
+    def gate_prior(self) -> RelaxedBernoulli:
+        r"""The relaxed prior :math:`\prod_j \operatorname{Concrete}(b_j; \operatorname{logit}\theta_j, \tau)`
+        (GP-ALPS App. C.1), the same temperature as :math:`q(\mathbf b)`."""
+        return RelaxedBernoulli(self.temperature, probs=self.prior_activation)
+
+    # ------------------------------------------------------------------------------------------------
+    # What a user reads
+    # ------------------------------------------------------------------------------------------------
+    def activation_probabilities(self) -> Tensor:
+        r"""The posterior probability of each gate, :math:`q(b_j = 1) = \sigma(\rho_j)`, ``(m,)``."""
+        return torch.sigmoid(self.gate_logits)
+
+    def selected_latents(self) -> Tensor:
+        """The selected model: the latents whose activation probability exceeds 1/2, ``bool (m,)``."""
+        return self.activation_probabilities() > 0.5
+
+    def mixing_posterior(self) -> tuple[Tensor, Tensor]:
+        r"""Means and variances of :math:`q(\mathbf H)`, ``(p, m)`` each."""
+        return self.mixing_mean, self.mixing_log_variance.exp()
+
+    def predict(
+        self,
+        inputs: Tensor,
+        num_samples: int = 256,
+        likelihood: gpytorch.likelihoods.MultitaskGaussianLikelihood | None = None,
+        generator: torch.Generator | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        r"""Predictive mean and variance of the outputs at ``inputs``.
+
+        Monte Carlo over :math:`S` draws of :math:`\mathbf H \sim q(\mathbf H)` and of *hard* gates
+        :math:`b_j \sim \operatorname{Bern}(\sigma(\rho_j))` (the model's gates are binary; the Concrete relaxation
+        is a training device), the Gaussian over :math:`\mathbf x(t)` in closed form: given
+        :math:`(\mathbf H, \mathbf b)`, :math:`f_i(t)` has mean :math:`\sum_j H_{ij} b_j d_j(t)` and variance
+        :math:`\sum_j H_{ij}^2 b_j v_j(t)`; the mixture's moments follow by the laws of total expectation and
+        variance.
+
+        :param inputs: ``(n, D)``.
+        :param num_samples: :math:`S`.
+        :param likelihood: if given, its noise variances :math:`\sigma_i^2` are added (predicting :math:`y`, not
+            :math:`f`).
+        :param generator: for reproducible draws.
+        :returns: ``mean`` and ``variance``, ``(n, p)`` each.
+        """
+        check_count(num_samples, "num_samples", minimum=1)
+        with torch.no_grad():
+            latent = self(inputs)
+            mixing = self.mixing_distribution()
+            noise = torch.randn((num_samples, *mixing.batch_shape), generator=generator, **_like(inputs))
+            weights = mixing.mean + mixing.stddev * noise  # shape: (S, p, m)
+            uniform = torch.rand((num_samples, self.num_latents), generator=generator, **_like(inputs))
+            weights = weights * (uniform < self.activation_probabilities()).to(inputs.dtype).unsqueeze(-2)
+            mean = torch.einsum("spm,nm->snp", weights, latent.mean)
+            variance = torch.einsum("spm,nm->snp", weights.square(), latent.variance)
+            total_mean = mean.mean(0)
+            total_variance = (variance + mean.square()).mean(0) - total_mean.square()
+            total_variance = total_variance.clamp_min(0)
+            if likelihood is not None:
+                total_variance = total_variance + noise_variances(likelihood)
+        return total_mean, total_variance
+
+
+def _like(tensor: Tensor) -> dict[str, Any]:
+    return dict(dtype=tensor.dtype, device=tensor.device)
+
+
+def expected_log_likelihood(
+    latent: Normal, weights: Tensor, targets: Tensor, noise: Tensor, observed: Tensor | None = None
+) -> Tensor:
+    r"""The Gaussian expectation over :math:`\mathbf x_t \sim q(\mathbf x_t)` of the log-likelihood, in closed form
+    given the gated mixing weights :math:`\mathbf W = \mathbf H \operatorname{diag}(\mathbf b)` (GP-ALPS App. C.2):
+
+    .. math::
+        \mathbb E_{q(\mathbf x_t)} \log \mathcal N(\mathbf y_t \mid \mathbf W \mathbf x_t, \operatorname{diag}
+        \boldsymbol\sigma^2) = \sum_{i \text{ observed}} \Bigl[\log \mathcal N(y_{ti} \mid (\mathbf W \mathbf
+        d_t)_i, \sigma_i^2) - \frac{\sum_j W_{ij}^2 v_{tj}}{2 \sigma_i^2}\Bigr].
+
+    :param latent: :math:`q(\mathbf x_t)`, batch shape ``(n, m)`` (``mean`` :math:`d`, ``variance`` :math:`v`).
+    :param weights: :math:`\mathbf W`, ``(S, p, m)`` (one per sample of :math:`(\mathbf H, \mathbf b)`).
+    :param targets: ``(n, p)``; entries where ``observed`` is False are ignored (may be NaN).
+    :param noise: :math:`\boldsymbol\sigma^2`, ``(p,)``.
+    :param observed: ``bool (n, p)``; default: the non-NaN entries of ``targets``.
+    :returns: ``(S, n)``, the expectation per sample and data point.
+    """
+    if observed is None:
+        observed = ~torch.isnan(targets)
+    filled = torch.where(observed, targets, torch.zeros_like(targets))  # NaN * 0 would poison the gradients
+    mean = torch.einsum("spm,nm->snp", weights, latent.mean)
+    variance = torch.einsum("spm,nm->snp", weights.square(), latent.variance)
+    terms = ((filled - mean).square() + variance) / noise + noise.log() + _LOG_2PI
+    return -0.5 * (terms * observed.to(terms.dtype)).sum(-1)
+
+
+class ELBOTerms(NamedTuple):
+    """The parts of the ELBO (GP-ALPS App. C.1), unscaled: the expected log-likelihood is summed over the batch."""
+
+    expected_log_likelihood: Tensor
+    kl_latents: Tensor
+    kl_mixing: Tensor
+    kl_gates: Tensor
+
+
+class GPALPSELBO(gpytorch.mlls.MarginalLogLikelihood):
+    r"""The evidence lower bound of GP-ALPS (GP-ALPS App. C), per data point:
+
+    .. math::
+        \frac{1}{n} \mathcal L = \frac{1}{|B|} \sum_{t \in B} \mathbb E_{q(\mathbf H) q(\mathbf b)}
+        \mathbb E_{q(\mathbf x_t)} \log p(\mathbf y_t \mid \mathbf x_t, \mathbf H, \mathbf b)
+        - \frac{1}{n}\Bigl(\mathrm{KL}[q(\mathbf X^z) \| p(\mathbf X^z)] + \mathrm{KL}[q(\mathbf H) \| p(\mathbf H)]
+        + \mathrm{KL}[q(\mathbf b) \| p(\mathbf b)]\Bigr),
+
+    divided by ``num_data`` :math:`n` like GPyTorch's :class:`~gpytorch.mlls.VariationalELBO` (and, like it, plus
+    the log-priors registered on the model's and likelihood's hyperparameters, divided by :math:`n`), so that a
+    mini-batch :math:`B` gives an unbiased estimate.
+
+    * Expected log-likelihood: :math:`S` reparametrised draws of :math:`\mathbf H \sim q(\mathbf H)` and of the
+      Concrete gates :math:`\mathbf b \sim q(\mathbf b)`; the expectation over :math:`\mathbf x_t` in closed form
+      (:func:`expected_log_likelihood`). Missing outputs (``NaN``) are left out.
+    * :math:`\mathrm{KL}[q(\mathbf X^z) \| p(\mathbf X^z)]` and :math:`\mathrm{KL}[q(\mathbf H) \| p(\mathbf H)]`
+      analytic (:meth:`GPALPS.kl_latents`, :meth:`GPALPS.kl_mixing`).
+    * :math:`\mathrm{KL}[q(\mathbf b) \| p(\mathbf b)] = \mathbb E_q[\log q(\mathbf b) - \log p(\mathbf b)]` with
+      :math:`p(\mathbf b)` the relaxed prior of the same temperature, by the same :math:`S` draws, evaluated in the
+      logit space of the Concrete (:class:`~torch.distributions.LogitRelaxedBernoulli`, Maddison et al. 2017,
+      App. C): the sigmoid is a bijection, so the KL is the same and the Jacobians cancel, and densities near
+      :math:`b = 0, 1` do not round off.
+
+    :param likelihood: :class:`~gpytorch.likelihoods.MultitaskGaussianLikelihood` with ``num_tasks=p``, ``rank=0``.
+    :param model: the :class:`GPALPS`.
+    :param num_data: :math:`n`, the number of training points.
+    :param num_samples: :math:`S`, the draws of :math:`(\mathbf H, \mathbf b)` per evaluation.
+    """
+
+    def __init__(
+        self,
+        likelihood: gpytorch.likelihoods.MultitaskGaussianLikelihood,
+        model: GPALPS,
+        num_data: int,
+        num_samples: int = 8,
+    ):
+        if not isinstance(model, GPALPS):
+            raise TypeError(f"GPALPSELBO needs a GPALPS model, got {type(model).__name__}.")
+        noise_variances(likelihood)  # checks the type and the rank
+        if likelihood.num_tasks != model.num_outputs:
+            raise ValueError(
+                f"The likelihood has num_tasks={likelihood.num_tasks} but the model num_outputs="
+                f"{model.num_outputs}: build MultitaskGaussianLikelihood(num_tasks={model.num_outputs}, rank=0)."
+            )
+        check_count(num_data, "num_data", minimum=1)
+        check_count(num_samples, "num_samples", minimum=1)
+        super().__init__(likelihood, model)
+        self.num_data, self.num_samples = num_data, num_samples
+
+    def _check_targets(self, latent: Normal, targets: Tensor) -> Tensor:
+        if not isinstance(latent, Normal) or latent.batch_shape[-1:] != (self.model.num_latents,):
+            raise ValueError(
+                "GPALPSELBO expects model(t), the latent marginals (a Normal of batch shape (n, m)), as its first "
+                f"argument, got {type(latent).__name__}."
+            )
+        num_points, num_outputs = latent.batch_shape[0], self.model.num_outputs
+        if not torch.is_tensor(targets) or targets.shape != (num_points, num_outputs):
+            shape = tuple(targets.shape) if torch.is_tensor(targets) else type(targets).__name__
+            raise ValueError(
+                f"targets must have shape (n, p) = ({num_points}, {num_outputs}): one row per input of model(t) "
+                f"and one column per output (NaN where missing), got {shape}."
+            )
+        if targets.dtype != latent.mean.dtype:
+            raise ValueError(f"targets are {targets.dtype} but the model is {latent.mean.dtype}: convert them.")
+        if bool(torch.isinf(targets).any()):
+            raise ValueError("targets contain inf: mark missing outputs with NaN.")
+        return targets
+
+    def terms(self, latent: Normal, targets: Tensor, generator: torch.Generator | None = None) -> ELBOTerms:
+        r"""The ELBO's parts (GP-ALPS App. C.2–C.5), each unscaled; the expected log-likelihood summed over the
+        batch and averaged over the :math:`S` draws.
+
+        :param latent: ``model(t)``, batch shape ``(n, m)``.
+        :param targets: ``(n, p)``, ``NaN`` where missing.
+        :param generator: for reproducible draws (default: torch's global generator).
+        """
+        targets = self._check_targets(latent, targets)
+        model: GPALPS = self.model
+        options = _like(latent.mean)
+        # reparametrised draws: H = mu + s * eps, and the Concrete's logit z = (rho + log u - log(1 - u)) / tau,
+        # LogitRelaxedBernoulli.rsample's formula with its clamping of u, here with an optional generator
+        mixing = model.mixing_distribution()
+        eps = torch.randn((self.num_samples, *mixing.batch_shape), generator=generator, **options)
+        mixing_sample = mixing.mean + mixing.stddev * eps  # shape: (S, p, m)
+        posterior, prior = model.gate_distribution().base_dist, model.gate_prior().base_dist
+        uniform = torch.rand((self.num_samples, model.num_latents), generator=generator, **options)
+        tiny = torch.finfo(uniform.dtype).tiny
+        uniform = uniform.clamp(tiny, 1 - torch.finfo(uniform.dtype).eps)
+        logits = (posterior.logits + uniform.log() - (-uniform).log1p()) / posterior.temperature  # shape: (S, m)
+        gates = torch.sigmoid(logits)
+        ell = expected_log_likelihood(
+            latent, mixing_sample * gates.unsqueeze(-2), targets, noise_variances(self.likelihood).to(**options)
+        )
+        kl_gates = (posterior.log_prob(logits) - prior.log_prob(logits)).sum(-1).mean(0)
+        return ELBOTerms(ell.sum(-1).mean(0), model.kl_latents(), model.kl_mixing(), kl_gates)
+
+    def forward(self, latent: Normal, targets: Tensor, generator: torch.Generator | None = None, **kwargs) -> Tensor:
+        """The ELBO divided by ``num_data`` (a scalar); ``-elbo(model(t), Y)`` is the loss.
+
+        :param latent: ``model(t)``, batch shape ``(n, m)``.
+        :param targets: ``(n, p)``, ``NaN`` where an output is missing.
+        :param generator: for reproducible draws (default: torch's global generator).
+        """
+        terms = self.terms(latent, targets, generator=generator)
+        batch_size = latent.batch_shape[0]
+        value = terms.expected_log_likelihood / batch_size
+        value = value - (terms.kl_latents + terms.kl_mixing + terms.kl_gates) / self.num_data
+        for _, module, prior, closure, _ in self.named_priors():
+            value = value + prior.log_prob(closure(module)).sum() / self.num_data
+        return value
