@@ -16,6 +16,8 @@ EXAMPLES = [
     "hyperparameters",
     "sklearn_quickstart",
     "ep_vs_laplace",
+    "binary_gplvm_digits",
+    "noisy_inputs",
 ]
 
 
