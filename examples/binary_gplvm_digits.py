@@ -20,7 +20,7 @@ The number reported is the 5-nearest-neighbour accuracy of the digit labels in e
 digits apart. The table goes to the terminal and to ``binary_gplvm_digits.json``, the scatter plots to
 ``binary_gplvm_digits.png``.
 
-    python examples/binary_gplvm_digits.py            # a few minutes on one core
+    python examples/binary_gplvm_digits.py            # about 5 minutes on one (shared) core
     python examples/binary_gplvm_digits.py --smoke    # seconds
 """
 
@@ -140,7 +140,7 @@ def main() -> None:
     )
     print(
         f"EP GP-LVM: -L_H / N from {losses[0]:.4f} to {losses[-1]:.4f} in {ep_steps} steps; reconstruction NLL per "
-        f"pixel at the embedding {train_nll / 1:.4f}"
+        f"pixel at the embedding {train_nll:.4f}"
     )
 
     figure, axes = plt.subplots(1, 3, figsize=(15, 4.6))
