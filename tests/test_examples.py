@@ -17,6 +17,8 @@ EXAMPLES = [
     "sklearn_quickstart",
     "ep_vs_laplace",
     "alps_square_wave",
+    "binary_gplvm_digits",
+    "noisy_inputs",
 ]
 
 

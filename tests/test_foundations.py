@@ -193,10 +193,10 @@ LAYERS = [
     {"newton", "sites"},
     {"ep", "sparse_ep"},
     {"strategy", "uncertain"},
-    {"sparse_strategy"},
+    {"sparse_strategy", "uncertain_prediction"},
     {"evidence"},
     {"sklearn", "botorch", "sparse_evidence", "uncertain_evidence"},
-    {"alps"},
+    {"alps", "gplvm"},
     {"alps_gibbs"},
 ]
 
