@@ -124,12 +124,9 @@ def update_sites(
         target_natural_mean = tilted_mean * tilted_precision - cavity_natural_mean[valid]
         clipped[valid] = target_precision < 0
         target_precision = target_precision.clamp_min(0)
-        old_precision, old_natural_mean = site_precision[valid], site_natural_mean[valid]
-        change = max(
-            _relative_change(target_precision, old_precision), _relative_change(target_natural_mean, old_natural_mean)
+        change = _damped_step(
+            (new_precision, new_natural_mean), valid, (target_precision, target_natural_mean), damping
         )
-        new_precision[valid] = old_precision + damping * (target_precision - old_precision)
-        new_natural_mean[valid] = old_natural_mean + damping * (target_natural_mean - old_natural_mean)
         log_normalizer[valid] = log_z
     return SiteUpdate(
         new_precision,
@@ -142,6 +139,17 @@ def update_sites(
         clipped,
         change,
     )
+
+
+def _damped_step(sites: tuple[Tensor, Tensor], valid: Tensor, targets: tuple[Tensor, Tensor], damping: float) -> float:
+    r"""Move the ``valid`` rows of ``sites`` (precision, natural mean; updated in place) a fraction ``damping`` of the
+    way to ``targets`` (given for those rows only); returns the largest relative undamped change."""
+    change = 0.0
+    for site, target in zip(sites, targets, strict=True):
+        old = site[valid]
+        change = max(change, _relative_change(target, old))
+        site[valid] = old + damping * (target - old)
+    return change
 
 
 def _relative_change(new: Tensor, old: Tensor) -> float:
@@ -289,12 +297,9 @@ def update_site_blocks(
         scale = torch.linalg.eigvalsh(tilted_precision).abs().amax(-1)
         clipped[valid] = values.amin(-1) < -math.sqrt(torch.finfo(values.dtype).eps) * scale
         target_precision = (vectors * values.clamp_min(0).unsqueeze(-2)) @ vectors.mT
-        old_precision, old_natural_mean = site_precision[valid], site_natural_mean[valid]
-        change = max(
-            _relative_change(target_precision, old_precision), _relative_change(target_natural_mean, old_natural_mean)
+        change = _damped_step(
+            (new_precision, new_natural_mean), valid, (target_precision, target_natural_mean), damping
         )
-        new_precision[valid] = old_precision + damping * (target_precision - old_precision)
-        new_natural_mean[valid] = old_natural_mean + damping * (target_natural_mean - old_natural_mean)
         log_normalizer[valid] = log_z
         inner_sites = (
             InnerSites(*(found.precision.new_zeros(len(valid), num_classes - 1) for _ in range(2)))
