@@ -50,7 +50,7 @@ from .outer_loop import CONTINUE, CONVERGED, STALLED, EPSweep, OuterStep
 from .policies import Policy
 from .prior import LatentPrior
 from .recycling import ActionBuffer
-from .sites import SiteUpdate, site_block_noise, update_site_blocks, update_sites, zero_sum_basis
+from .sites import SiteUpdate, SweepRecord, site_block_noise, update_site_blocks, update_sites, zero_sum_basis
 from .solver import IterGPOptions, IterGPResult, RegressionState, itergp_solve
 from .validation import check_count, check_nonnegative
 
@@ -97,7 +97,7 @@ class EPOptions(IterGPOptions):
 
 
 @dataclass
-class EPState(RegressionState):
+class EPState(SweepRecord, RegressionState):
     r"""Where the EP loop stands: the sites and IterGP's solution of the regression they define.
 
     ``site_precision`` :math:`\tilde\tau` and ``site_natural_mean`` :math:`\tilde\nu` are ``(N,)`` for :math:`C = 1`;
@@ -125,14 +125,6 @@ class EPState(RegressionState):
             site_natural_mean=torch.zeros(natural_mean, dtype=dtype, device=device),
         )
 
-    def to_extra(self) -> dict:
-        """Tensors (cloned), numbers and flags, for a ``state_dict`` (``weights_only`` loadable)."""
-        return {
-            **{name: tensor.clone() for name, tensor in self.tensors().items()},
-            "sweeps": self.sweeps,
-            "solved": self.solved,
-        }
-
     @classmethod
     def from_extra(cls, saved: dict, reference: Tensor) -> EPState:
         """Inverse of :meth:`to_extra`, tensors moved to the dtype and device of ``reference``.
@@ -154,9 +146,7 @@ class EPState(RegressionState):
             raise ValueError(
                 f"EPStrategy extra state is malformed: missing, non-tensor or mis-shaped entries {wrong or ['sweeps']}."
             )
-        names = [field.name for field in dataclasses.fields(cls) if field.name not in ("sweeps", "solved")]
-        tensors = {name: saved[name].to(reference) for name in names}
-        return cls(**tensors, sweeps=int(saved["sweeps"]), solved=bool(saved.get("solved", True)))
+        return cls.restore(saved, reference)
 
 
 class ExpectationPropagation:

@@ -49,7 +49,7 @@ from torch import Tensor
 
 from .likelihoods import LikelihoodAdapter
 from .outer_loop import CONTINUE, CONVERGED, EPSweep, OuterStep
-from .sites import update_sites
+from .sites import SweepRecord, update_sites
 
 
 def inducing_cholesky(inducing_covariance: Tensor) -> Tensor:
@@ -119,7 +119,7 @@ def dtc_posterior(
 
 
 @dataclass
-class SparseEPState:
+class SparseEPState(SweepRecord):
     r"""Where the EP-DTC loop stands: the sites ``(N,)``, their posterior in the whitened inducing space
     (:math:`\mathbf L_B` ``(M, M)``, :math:`\bar{\mathbf z}` ``(M,)``; module docstring) and its marginals at the
     training inputs ``(N,)``."""
@@ -132,19 +132,6 @@ class SparseEPState:
     marginal_variance: Tensor
     sweeps: int = 0
     solved: bool = True  # the posterior tensors belong to these sites and the current kernel / inducing inputs
-
-    def tensors(self) -> dict[str, Tensor]:
-        """Every tensor of the state, by field name."""
-        values = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
-        return {name: value for name, value in values.items() if torch.is_tensor(value)}
-
-    def to_extra(self) -> dict:
-        """Tensors (cloned), numbers and flags, for a ``state_dict`` (``weights_only`` loadable)."""
-        return {
-            **{name: tensor.clone() for name, tensor in self.tensors().items()},
-            "sweeps": self.sweeps,
-            "solved": self.solved,
-        }
 
     @classmethod
     def from_extra(cls, saved: dict, reference: Tensor) -> SparseEPState:
@@ -165,8 +152,7 @@ class SparseEPState:
             raise ValueError(
                 f"SparseEPStrategy extra state is malformed: inconsistent shapes {wrong or dict(size=size)}."
             )
-        tensors = {name: saved[name].to(reference) for name in names}
-        return cls(**tensors, sweeps=int(saved["sweeps"]), solved=bool(saved.get("solved", True)))
+        return cls.restore(saved, reference)
 
 
 class SparseEP:
