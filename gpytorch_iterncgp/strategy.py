@@ -214,7 +214,9 @@ class _SolverStrategy(gpytorch.Module):
 
     def _run(self, prior: Any, options: Any, max_steps: int, callback, show: bool) -> FitReport:
         """Drive the subclass's outer loop from the starting state; the committed state follows every step."""
-        self.policy.prepare(self.num_data, self.num_latents, self.adapter.zero_sum_actions)
+        observed = self.adapter.observed_coordinates(self.train_targets)
+        missing = {} if observed is None else {"observed": observed}  # (a custom Policy need not know the keyword)
+        self.policy.prepare(self.num_data, self.num_latents, self.adapter.zero_sum_actions, **missing)
         loop = self._make_loop(prior, options)
         state = self._starting_state(loop)
         try:
