@@ -391,6 +391,17 @@ class ProbitBernoulliAdapter(_DiagonalAdapter):
         return torch.special.ndtr(mean / torch.sqrt(1 + variance))
 
 
+def _exp_poisson_log_terms(latent: Tensor, targets: Tensor) -> Tensor:
+    r""":math:`\log p(y \mid f) = y f - e^f - \log y!` elementwise (exp-link Poisson)."""
+    return targets * latent - latent.exp() - torch.lgamma(targets + 1)
+
+
+def _exp_poisson_terms(latent: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    r"""Elementwise log-likelihood, gradient :math:`y - e^f` and curvature :math:`e^f` (exp-link Poisson)."""
+    rate = latent.exp()
+    return _exp_poisson_log_terms(latent, targets), targets - rate, rate
+
+
 class ExpPoissonAdapter(_DiagonalAdapter):
     name = "Poisson (exp link)"
 
@@ -398,20 +409,19 @@ class ExpPoissonAdapter(_DiagonalAdapter):
         _check_counts(targets)
 
     def _log_terms(self, latent: Tensor, targets: Tensor) -> Tensor:
-        return targets * latent - latent.exp() - torch.lgamma(targets + 1)
+        return _exp_poisson_log_terms(latent, targets)
 
     def _terms(self, latent, targets):
-        rate = latent.exp()
-        return self._log_terms(latent, targets), targets - rate, rate
+        return _exp_poisson_terms(latent, targets)
 
     def predictive_mean(self, mean, variance):
         return torch.exp(mean + variance / 2)
 
 
-class MultitaskPoissonAdapter(ExpPoissonAdapter):
+class MultitaskPoissonAdapter(LikelihoodAdapter):
     r""":math:`C` exp-link Poisson outputs per point (:class:`MultitaskPoissonLikelihood`), targets ``(N, C)``.
 
-    The outputs are independent given the latents, so :math:`\mathbf W` is diagonal: the terms of
+    The outputs are independent given the latents, so :math:`\mathbf W` is diagonal: the exp-Poisson terms of
     :class:`ExpPoissonAdapter` elementwise on ``(N, C)``, :math:`g_{nc} = y_{nc} - e^{f_{nc}}`, :math:`w_{nc} = e^{f_{nc}}`.
     The prior couples the outputs (a ``MultitaskKernel`` or ``LCMKernel``), not the likelihood.
 
@@ -457,13 +467,13 @@ class MultitaskPoissonAdapter(ExpPoissonAdapter):
     def _observed_terms(self, latent: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Per output ``(N, C)``: log-likelihood, gradient and curvature, zero where the target is missing."""
         observed = ~torch.isnan(targets)
-        terms = self._terms(latent, torch.where(observed, targets, 0))
+        terms = _exp_poisson_terms(latent, torch.where(observed, targets, 0))
         zero = latent.new_zeros(())
         return tuple(torch.where(observed, term, zero) for term in terms)  # type: ignore[return-value]
 
     def log_likelihood(self, latent: Tensor, targets: Tensor) -> Tensor:
         observed = ~torch.isnan(targets)
-        log_terms = self._log_terms(latent, torch.where(observed, targets, 0))
+        log_terms = _exp_poisson_log_terms(latent, torch.where(observed, targets, 0))
         return torch.where(observed, log_terms, latent.new_zeros(())).sum()
 
     def derivatives(self, latent: Tensor, targets: Tensor) -> LikelihoodDerivatives:
@@ -474,6 +484,10 @@ class MultitaskPoissonAdapter(ExpPoissonAdapter):
     def local_terms(self, latent: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         log_terms, gradient, curvature = self._observed_terms(latent, targets)
         return log_terms.sum(), gradient, torch.diag_embed(curvature)
+
+    def predictive_mean(self, mean, variance):
+        r"""Expected counts :math:`e^{\mu_c + \sigma_c^2 / 2}` ``(N*, C)`` from the latent marginals ``(N*, C)``."""
+        return torch.exp(mean + variance / 2)
 
 
 def _softplus(latent: Tensor) -> Tensor:
