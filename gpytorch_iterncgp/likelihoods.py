@@ -1,7 +1,7 @@
 r"""Likelihoods and their derivatives: :math:`\ell(\mathbf f)`, :math:`\mathbf g = \nabla \ell` and :math:`\mathbf W = -\nabla^2 \ell`.
 
-Two GPyTorch likelihoods that GPyTorch lacks (:class:`LogitBernoulliLikelihood`,
-:class:`ExpPoissonLikelihood`), and *adapters* that give the Newton loop what it needs from any
+Three GPyTorch likelihoods that GPyTorch lacks (:class:`LogitBernoulliLikelihood`,
+:class:`ExpPoissonLikelihood`, :class:`MultitaskPoissonLikelihood`), and *adapters* that give the Newton loop what it needs from any
 likelihood: target validation, :math:`\ell(\mathbf f) = \sum_n \log p(y_n \mid \mathbf f_n)`, the
 gradient ``(N, C)`` and the noise :math:`\mathbf W^{-1}` as a linear operator. Closed forms (R&W sec. 3.4, eq. 3.15-3.16; seed 001 for the softplus link):
 
@@ -11,13 +11,15 @@ likelihood                  :math:`g`                                   :math:`W
 Bernoulli, logit            :math:`y - \sigma(f)`                        :math:`\sigma(f)(1 - \sigma(f))`
 Bernoulli, probit           :math:`s \phi(f) / \Phi(s f)`, s = 2y - 1    :math:`r (r + s f)`, :math:`r = \phi(f)/\Phi(sf)`
 Poisson, exp                :math:`y - e^f`                              :math:`e^f`
+Poisson, exp, C outputs     :math:`y_c - e^{f_c}` (0 where missing)      :math:`\operatorname{diag}(e^{f_c})` (0 where missing)
 Poisson, softplus           :math:`(y/\lambda - 1)\lambda'`             :math:`y \lambda'^2/\lambda^2 - (y/\lambda - 1)\lambda''`
 Softmax                     :math:`\mathbf e_y - \boldsymbol\pi`         :math:`\operatorname{diag}(\boldsymbol\pi) - \boldsymbol\pi\boldsymbol\pi^\top`
 multinomial probit          autograd                                     autograd; EP: nested-EP tilted moments
 other                       autograd                                     autograd (:math:`C \times C` blocks)
 ==========================  ==========================================  ===========================================
 
-Latent values are ``(N, C)`` tensors (data-major); :math:`C = 1` for binary and count data.
+Latent values are ``(N, C)`` tensors (data-major); :math:`C = 1` for binary and count data, :math:`C` outputs for
+multi-output counts (whose prior, not likelihood, correlates them).
 """
 
 from __future__ import annotations
