@@ -215,7 +215,10 @@ class _StrategyEvidence(MarginalLogLikelihood):
                 "call mll(model(train_x), train_y) with the strategy's training inputs."
             )
         targets = strategy.adapter.check_targets(target, strategy.train_inputs.dtype)
-        if targets.shape != strategy.train_targets.shape or not bool(torch.equal(targets, strategy.train_targets)):
+        same = targets.shape == strategy.train_targets.shape and bool(
+            torch.allclose(targets, strategy.train_targets, rtol=0, atol=0, equal_nan=True)  # NaN: a missing output
+        )
+        if not same:
             raise ValueError(f"{name}: target must equal the strategy's training targets.")
         state = strategy.ensure_fitted()  # model(train_x) has fitted it: no work here
         prior = strategy.train_prior()

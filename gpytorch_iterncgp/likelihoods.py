@@ -1,7 +1,7 @@
 r"""Likelihoods and their derivatives: :math:`\ell(\mathbf f)`, :math:`\mathbf g = \nabla \ell` and :math:`\mathbf W = -\nabla^2 \ell`.
 
-Two GPyTorch likelihoods that GPyTorch lacks (:class:`LogitBernoulliLikelihood`,
-:class:`ExpPoissonLikelihood`), and *adapters* that give the Newton loop what it needs from any
+Three GPyTorch likelihoods that GPyTorch lacks (:class:`LogitBernoulliLikelihood`,
+:class:`ExpPoissonLikelihood`, :class:`MultitaskPoissonLikelihood`), and *adapters* that give the Newton loop what it needs from any
 likelihood: target validation, :math:`\ell(\mathbf f) = \sum_n \log p(y_n \mid \mathbf f_n)`, the
 gradient ``(N, C)`` and the noise :math:`\mathbf W^{-1}` as a linear operator. Closed forms (R&W sec. 3.4, eq. 3.15-3.16; seed 001 for the softplus link):
 
@@ -11,13 +11,15 @@ likelihood                  :math:`g`                                   :math:`W
 Bernoulli, logit            :math:`y - \sigma(f)`                        :math:`\sigma(f)(1 - \sigma(f))`
 Bernoulli, probit           :math:`s \phi(f) / \Phi(s f)`, s = 2y - 1    :math:`r (r + s f)`, :math:`r = \phi(f)/\Phi(sf)`
 Poisson, exp                :math:`y - e^f`                              :math:`e^f`
+Poisson, exp, C outputs     :math:`y_c - e^{f_c}` (0 where missing)      :math:`\operatorname{diag}(e^{f_c})` (0 where missing)
 Poisson, softplus           :math:`(y/\lambda - 1)\lambda'`             :math:`y \lambda'^2/\lambda^2 - (y/\lambda - 1)\lambda''`
 Softmax                     :math:`\mathbf e_y - \boldsymbol\pi`         :math:`\operatorname{diag}(\boldsymbol\pi) - \boldsymbol\pi\boldsymbol\pi^\top`
 multinomial probit          autograd                                     autograd; EP: nested-EP tilted moments
 other                       autograd                                     autograd (:math:`C \times C` blocks)
 ==========================  ==========================================  ===========================================
 
-Latent values are ``(N, C)`` tensors (data-major); :math:`C = 1` for binary and count data.
+Latent values are ``(N, C)`` tensors (data-major); :math:`C = 1` for binary and count data, :math:`C` outputs for
+multi-output counts (whose prior, not likelihood, correlates them).
 """
 
 from __future__ import annotations
@@ -39,12 +41,12 @@ from gpytorch.likelihoods import (
 from gpytorch.likelihoods.likelihood import _OneDimensionalLikelihood
 from linear_operator.operators import LinearOperator
 from torch import Tensor
-from torch.distributions import Bernoulli, Poisson
+from torch.distributions import Bernoulli, Independent, Poisson
 
 from . import settings
 from .multinomial_probit import MultinomialProbitLikelihood, multinomial_probit_moments
 from .noise import BlockNoiseInverse, DiagonalNoiseInverse, SoftmaxPseudoInverse, project_to_zero_sum
-from .validation import check_nonnegative
+from .validation import check_count, check_nonnegative
 
 _PROBIT_TO_LOGIT = math.pi / 8  # sigma(x) ~ Phi(sqrt(pi / 8) x)
 _GAUSS_HERMITE_NODES = 32  # E[sigma(f)] to ~1e-13 for sd(f) <= 1
@@ -180,6 +182,33 @@ class ExpPoissonLikelihood(_OneDimensionalLikelihood):
         return Poisson(rate=function_samples.exp())
 
 
+class MultitaskPoissonLikelihood(Likelihood):
+    r""":math:`C` count outputs per input with the exponential link, :math:`y_{nc} \sim \operatorname{Poisson}(e^{f_{nc}})`,
+    independent given the latents :math:`\mathbf f_n \in \mathbb R^C` (which a multitask prior may correlate).
+
+    Targets are ``(N, C)``, data-major like the latents of a ``MultitaskMultivariateNormal(interleaved=True)``.
+    :meth:`forward` takes function samples ``(..., N, C)`` and returns independent Poisson distributions with
+    event shape ``(C,)``, so that ``log_prob`` of ``(N, C)`` targets is ``(..., N)`` (one factor per input, like
+    GPyTorch's ``SoftmaxLikelihood``). For inference by :class:`~gpytorch_iterncgp.IterNCGPStrategy`, missing
+    outputs may be ``NaN`` in the training targets (they contribute no likelihood factor); ``log_prob`` itself
+    needs complete targets.
+
+    :param num_tasks: :math:`C`, the number of count outputs.
+
+    Example:
+        >>> likelihood = MultitaskPoissonLikelihood(num_tasks=3)
+        >>> covar_module = gpytorch.kernels.MultitaskKernel(gpytorch.kernels.RBFKernel(), num_tasks=3, rank=1)
+    """
+
+    def __init__(self, num_tasks: int):
+        super().__init__()
+        check_count(num_tasks, "num_tasks", minimum=1)
+        self.num_tasks = int(num_tasks)
+
+    def forward(self, function_samples: Tensor, *args, **kwargs) -> Independent:
+        return Independent(Poisson(rate=function_samples.exp()), 1)
+
+
 @dataclass
 class LikelihoodDerivatives:
     r""":math:`\ell(\mathbf f)` (scalar), :math:`\mathbf g` ``(N, C)`` and :math:`\mathbf W^{-1}` ``(N C, N C)``."""
@@ -253,6 +282,16 @@ class LikelihoodAdapter:
     def project(self, vectors: Tensor) -> Tensor:
         """Projection of data-major actions ``(N C, k)`` (identity unless actions have zero class sum)."""
         return vectors
+
+    def observed_coordinates(self, targets: Tensor) -> Tensor | None:
+        r"""Data-major ``(N C,)`` mask of the latents with a likelihood factor, or ``None`` if all have one.
+
+        Where there is none (a missing output), :math:`\mathbf g` and :math:`\mathbf W` are zero and the Newton
+        step's regression has no pseudo-observation: IterGP's actions are restricted to the observed coordinates
+        (the Laplace covariance is then :math:`\mathbf K - \mathbf K \mathbf P (\mathbf P \hat{\mathbf K}
+        \mathbf P)^{+} \mathbf P \mathbf K` with the coordinate projection :math:`\mathbf P`, exactly).
+        """
+        return None
 
     # -- predictions -----------------------------------------------------------------------------
     def predictive_mean(self, mean: Tensor, variance: Tensor) -> Tensor:
@@ -354,6 +393,17 @@ class ProbitBernoulliAdapter(_DiagonalAdapter):
         return torch.special.ndtr(mean / torch.sqrt(1 + variance))
 
 
+def _exp_poisson_log_terms(latent: Tensor, targets: Tensor) -> Tensor:
+    r""":math:`\log p(y \mid f) = y f - e^f - \log y!` elementwise (exp-link Poisson)."""
+    return targets * latent - latent.exp() - torch.lgamma(targets + 1)
+
+
+def _exp_poisson_terms(latent: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    r"""Elementwise log-likelihood, gradient :math:`y - e^f` and curvature :math:`e^f` (exp-link Poisson)."""
+    rate = latent.exp()
+    return _exp_poisson_log_terms(latent, targets), targets - rate, rate
+
+
 class ExpPoissonAdapter(_DiagonalAdapter):
     name = "Poisson (exp link)"
 
@@ -361,13 +411,84 @@ class ExpPoissonAdapter(_DiagonalAdapter):
         _check_counts(targets)
 
     def _log_terms(self, latent: Tensor, targets: Tensor) -> Tensor:
-        return targets * latent - latent.exp() - torch.lgamma(targets + 1)
+        return _exp_poisson_log_terms(latent, targets)
 
     def _terms(self, latent, targets):
-        rate = latent.exp()
-        return self._log_terms(latent, targets), targets - rate, rate
+        return _exp_poisson_terms(latent, targets)
 
     def predictive_mean(self, mean, variance):
+        return torch.exp(mean + variance / 2)
+
+
+class MultitaskPoissonAdapter(LikelihoodAdapter):
+    r""":math:`C` exp-link Poisson outputs per point (:class:`MultitaskPoissonLikelihood`), targets ``(N, C)``.
+
+    The outputs are independent given the latents, so :math:`\mathbf W` is diagonal: the exp-Poisson terms of
+    :class:`ExpPoissonAdapter` elementwise on ``(N, C)``, :math:`g_{nc} = y_{nc} - e^{f_{nc}}`, :math:`w_{nc} = e^{f_{nc}}`.
+    The prior couples the outputs (a ``MultitaskKernel`` or ``LCMKernel``), not the likelihood.
+
+    A missing output (``NaN`` target) has no likelihood factor: :math:`\ell` omits it and :math:`g_{nc} = w_{nc} = 0`
+    there, so the exact Laplace posterior of that latent is the prior's, conditioned on the other outputs through the
+    prior's correlations. The Newton loop's regression has no pseudo-observation there: IterGP's actions and
+    residuals are restricted to the observed coordinates (:meth:`observed_coordinates`), so the bounded noise
+    :math:`1 / \text{min\_curvature}` that :class:`DiagonalNoiseInverse` puts at those entries is never used.
+    """
+
+    name = "multitask Poisson (exp link)"
+
+    def __init__(self, likelihood: MultitaskPoissonLikelihood, min_curvature: float | None = None):
+        super().__init__(likelihood, min_curvature)
+        self.num_latents = likelihood.num_tasks
+
+    def check_targets(self, targets: Tensor, dtype: torch.dtype) -> Tensor:
+        """Validate counts ``(N, C)`` (``NaN``: a missing output) and return them as a floating tensor of ``dtype``.
+
+        :raises ValueError: for another shape, no targets, inf, or observed counts that are negative or fractional.
+        :raises TypeError: for a non-tensor or complex targets.
+        """
+        if not torch.is_tensor(targets):
+            raise TypeError(f"train_targets must be a torch.Tensor, got {type(targets).__name__}.")
+        if targets.is_complex():
+            raise TypeError(f"train_targets must be real (integer or floating point), got dtype {targets.dtype}.")
+        if targets.dim() != 2 or targets.shape[-1] != self.num_latents:
+            raise ValueError(
+                f"{type(self.likelihood).__name__}(num_tasks={self.num_latents}) needs train_targets of shape "
+                f"(N, {self.num_latents}) (NaN for a missing output), got shape {tuple(targets.shape)}."
+            )
+        if len(targets) == 0:
+            raise ValueError("train_targets is empty: at least one target is needed.")
+        if targets.is_floating_point() and bool(torch.isinf(targets).any()):
+            raise ValueError("train_targets contain inf (use NaN for a missing output).")
+        _check_counts(targets[~torch.isnan(targets)] if targets.is_floating_point() else targets)
+        return targets.to(dtype)
+
+    def observed_coordinates(self, targets: Tensor) -> Tensor | None:
+        observed = ~torch.isnan(targets)
+        return None if bool(observed.all()) else observed.reshape(-1)
+
+    def _observed_terms(self, latent: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Per output ``(N, C)``: log-likelihood, gradient and curvature, zero where the target is missing."""
+        observed = ~torch.isnan(targets)
+        terms = _exp_poisson_terms(latent, torch.where(observed, targets, 0))
+        zero = latent.new_zeros(())
+        return tuple(torch.where(observed, term, zero) for term in terms)  # type: ignore[return-value]
+
+    def log_likelihood(self, latent: Tensor, targets: Tensor) -> Tensor:
+        observed = ~torch.isnan(targets)
+        log_terms = _exp_poisson_log_terms(latent, torch.where(observed, targets, 0))
+        return torch.where(observed, log_terms, latent.new_zeros(())).sum()
+
+    def derivatives(self, latent: Tensor, targets: Tensor) -> LikelihoodDerivatives:
+        log_terms, gradient, curvature = self._observed_terms(latent, targets)
+        noise_inverse = DiagonalNoiseInverse.from_curvature(curvature.reshape(-1), self._min_curvature(latent.dtype))
+        return LikelihoodDerivatives(log_terms.sum(), gradient, noise_inverse)
+
+    def local_terms(self, latent: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        log_terms, gradient, curvature = self._observed_terms(latent, targets)
+        return log_terms.sum(), gradient, torch.diag_embed(curvature)
+
+    def predictive_mean(self, mean, variance):
+        r"""Expected counts :math:`e^{\mu_c + \sigma_c^2 / 2}` ``(N*, C)`` from the latent marginals ``(N*, C)``."""
         return torch.exp(mean + variance / 2)
 
 
@@ -597,6 +718,7 @@ def likelihood_adapter(likelihood: Likelihood, min_curvature: float | None = Non
         (LogitBernoulliLikelihood, LogitBernoulliAdapter),
         (BernoulliLikelihood, ProbitBernoulliAdapter),
         (ExpPoissonLikelihood, ExpPoissonAdapter),
+        (MultitaskPoissonLikelihood, MultitaskPoissonAdapter),
         (PoissonLikelihood, SoftplusPoissonAdapter),
         (SoftmaxLikelihood, SoftmaxAdapter),
         (MultinomialProbitLikelihood, MultinomialProbitAdapter),

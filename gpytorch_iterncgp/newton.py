@@ -177,6 +177,12 @@ class DampedNewton:
         num_data = len(self.prior_mean) // adapter.num_latents
         latents = adapter.num_latents - 1 if adapter.zero_sum_actions else adapter.num_latents
         self.action_space_dimension = num_data * latents
+        self.project = adapter.project if adapter.zero_sum_actions else None
+        observed = adapter.observed_coordinates(targets)
+        if observed is not None:  # missing outputs: W = 0 there, so actions (and residuals) live on the others
+            mask = observed.to(self.prior_mean)[:, None]
+            self.action_space_dimension = int(observed.sum())
+            self.project = lambda vectors: vectors * mask
         self._cached: tuple[Tensor, LikelihoodDerivatives] | None = None
 
     name = "IterNCGP"
@@ -277,7 +283,7 @@ class DampedNewton:
     # -- the loop ------------------------------------------------------------------------------------------
     def steps(self, state: LaplaceState) -> Generator[OuterStep, None, None]:
         """Damped Newton steps from ``state``, until converged or stalled (the driver limits their number)."""
-        options, adapter = self.options, self.adapter
+        options = self.options
         current = self.point(state.representer_weights, state.kernel_representer_weights)
         if state.newton_steps > 0 and state.log_posterior == -math.inf:  # K changed since these weights
             current = self.warm_start(state.representer_weights, state.kernel_representer_weights)
@@ -303,7 +309,7 @@ class DampedNewton:
                 current.kernel_weights + gradient_step,  # pseudo-targets minus prior mean
                 buffer,
                 self.policy,
-                project=adapter.project if adapter.zero_sum_actions else None,
+                project=self.project,
                 max_iterations=options.max_solver_iterations,
                 abs_tol=options.abs_tol * control.forcing,
                 rel_tol=options.rel_tol * control.forcing,

@@ -17,13 +17,15 @@ from .validation import check_seed
 class Policy:
     """Base class. Subclasses implement :meth:`__call__`; stateful ones also :meth:`reset`."""
 
-    def prepare(self, num_data: int, num_latents: int, zero_sum_actions: bool) -> None:
+    def prepare(self, num_data: int, num_latents: int, zero_sum_actions: bool, observed: Tensor | None = None) -> None:
         """Called by the solver before use with the problem's size.
 
         :param num_data: :math:`N`.
         :param num_latents: :math:`C`.
         :param zero_sum_actions: whether actions are projected to zero sum over the classes of each
             point (softmax), so that only :math:`C - 1` independent directions exist per point.
+        :param observed: data-major ``(N C,)`` mask of the latent coordinates with a likelihood factor (actions
+            are zero elsewhere: missing outputs); ``None``: all.
         """
 
     def reset(self) -> None:
@@ -56,8 +58,8 @@ class UnitVectorPolicy(Policy):
 
     Visits data points in a fixed order (a seeded random permutation, or ``order``), and for each
     point its latent coordinates ``n * C + c`` one after the other (all but the last when the actions
-    have zero sum over classes, whose last coordinate is then redundant). After all coordinates it
-    starts over; with recycling and compression the dropped directions are thereby revisited.
+    have zero sum over classes, whose last coordinate is then redundant; none of a missing output). After all
+    coordinates it starts over; with recycling and compression the dropped directions are thereby revisited.
 
     The random order depends only on ``seed`` and :math:`N` (a CPU ``torch.Generator``, independent of the
     global random state and of the device), so it is reproducible.
@@ -90,7 +92,7 @@ class UnitVectorPolicy(Policy):
         self.position = 0
         self._coordinates: Tensor | None = None
 
-    def prepare(self, num_data: int, num_latents: int, zero_sum_actions: bool) -> None:
+    def prepare(self, num_data: int, num_latents: int, zero_sum_actions: bool, observed: Tensor | None = None) -> None:
         if self.order is None:
             generator = torch.Generator().manual_seed(self.seed)
             order = torch.randperm(num_data, generator=generator)
@@ -102,7 +104,8 @@ class UnitVectorPolicy(Policy):
                     f"{order[(order < 0) | (order >= num_data)][:5].tolist()}."
                 )
         latents_used = num_latents - 1 if (zero_sum_actions and num_latents > 1) else num_latents
-        self._coordinates = (order[:, None] * num_latents + torch.arange(latents_used)).flatten()
+        coordinates = (order[:, None] * num_latents + torch.arange(latents_used)).flatten()
+        self._coordinates = coordinates if observed is None else coordinates[observed.cpu()[coordinates]]
 
     def reset(self) -> None:
         self.position = 0

@@ -26,6 +26,7 @@ from linear_operator.operators import (
     IdentityLinearOperator,
     KroneckerProductLinearOperator,
     LinearOperator,
+    SumLinearOperator,
 )
 from torch import Tensor
 
@@ -51,7 +52,62 @@ def _chunk_rows(covariance: LinearOperator) -> int:
     row_bytes = cols * covariance.batch_shape.numel() * covariance.dtype.itemsize
     if rows * row_bytes <= settings.dense_kernel_limit.value():
         return 0
-    return max(1, settings.kernel_chunk_bytes.value() // row_bytes)
+    # whole points (C rows each) of a multitask kernel: a slice across a point evaluates the whole kernel
+    outputs = covariance.kernel.num_outputs_per_input(covariance.x1, covariance.x2)
+    outputs = outputs[0] if isinstance(outputs, tuple) else outputs
+    return max(1, settings.kernel_chunk_bytes.value() // row_bytes // outputs) * outputs
+
+
+def _point_block(covariance: LinearOperator, rows: slice, cols: slice, num: int) -> LinearOperator:
+    r"""The rows of points ``rows`` and the columns of points ``cols`` of a data-major ``(N C, M C)`` covariance, lazily.
+
+    :math:`\mathbf K_x \otimes \mathbf B` (a ``KroneckerProductLinearOperator`` whose last factor is ``C × C``, as a
+    linear model of coregionalisation builds it) and sums of such (:math:`\sum_q \mathbf K_q \otimes \mathbf B_q`)
+    are sliced in their data factors: linear_operator would otherwise index the interleaved entries through a
+    sparse interpolation on every product. Anything else (a multitask ``LazyEvaluatedKernelTensor`` re-evaluates its
+    kernel on the points) is sliced by its entries.
+    """
+    if isinstance(covariance, SumLinearOperator):
+        return SumLinearOperator(*(_point_block(term, rows, cols, num) for term in covariance.linear_ops))
+    if isinstance(covariance, KroneckerProductLinearOperator) and len(covariance.linear_ops) == 2:
+        data, task = covariance.linear_ops
+        if task.shape[-2:] == (num, num):
+            return KroneckerProductLinearOperator(data[..., rows, cols], task)
+
+    def scaled(points: slice) -> slice:
+        return slice(
+            None if points.start is None else points.start * num, None if points.stop is None else points.stop * num
+        )
+
+    return covariance[..., scaled(rows), scaled(cols)]
+
+
+def _same_points(first: Tensor, second: Tensor) -> bool:
+    return first is second or (first.shape == second.shape and bool(torch.equal(first, second)))
+
+
+def _point_blocks(covariance: LinearOperator, num: int) -> Tensor:
+    r"""The ``C × C`` diagonal blocks ``(N, C, C)`` of a square data-major covariance, without forming it.
+
+    A multitask kernel is evaluated at each point alone (a batch of ``N`` one-point inputs, :math:`O(N C^2)`);
+    :math:`\mathbf K_x \otimes \mathbf B` gives :math:`k_x(x_n, x_n) \mathbf B`, and sums are summed. Anything else
+    is indexed entry by entry.
+    """
+    if isinstance(covariance, LazyEvaluatedKernelTensor) and _same_points(covariance.x1, covariance.x2):
+        points = covariance.x1.unsqueeze(-2)  # (N, 1, D)
+        return covariance.kernel(points, points, **covariance.params).to_dense()
+    if isinstance(covariance, SumLinearOperator):
+        return sum(
+            (_point_blocks(term, num) for term in covariance.linear_ops[1:]),
+            _point_blocks(covariance.linear_ops[0], num),
+        )
+    if isinstance(covariance, KroneckerProductLinearOperator) and len(covariance.linear_ops) == 2:
+        data, task = covariance.linear_ops
+        if task.shape[-2:] == (num, num):
+            return data.diagonal(dim1=-2, dim2=-1)[..., :, None, None] * task.to_dense()[..., None, :, :]
+    size = covariance.shape[-1] // num
+    index = torch.arange(size, device=covariance.device)[:, None] * num + torch.arange(num, device=covariance.device)
+    return covariance[..., index[:, :, None], index[:, None, :]]
 
 
 def _chunked_matmul(covariance: LinearOperator, rhs: Tensor, chunk_rows: int) -> Tensor:
@@ -141,9 +197,7 @@ class LatentPrior:
         """The prior restricted to row points ``rows`` and column points ``cols`` (lazy; nothing is evaluated)."""
         if self.layout == MULTITASK:
             num = self.num_latents
-            scaled_rows = slice(rows.start * num if rows.start else None, rows.stop * num if rows.stop else None)
-            scaled_cols = slice(cols.start * num if cols.start else None, cols.stop * num if cols.stop else None)
-            return LatentPrior(self._mean[rows], self.covariance[scaled_rows, scaled_cols], self.layout, num)
+            return LatentPrior(self._mean[rows], _point_block(self.covariance, rows, cols, num), self.layout, num)
         return LatentPrior(self._mean[..., rows], self.covariance[..., rows, cols], self.layout, self.num_latents)
 
     def matmul(self, rhs: Tensor) -> Tensor:
@@ -192,8 +246,7 @@ class LatentPrior:
         num = self.num_latents
         if self.layout != MULTITASK:
             return torch.diag_embed(self.diagonal().reshape(-1, num))
-        index = torch.arange(self.shape[0], device=self.device)[:, None] * num + torch.arange(num, device=self.device)
-        return self.covariance[..., index[:, :, None], index[:, None, :]]
+        return _point_blocks(self.covariance, num)
 
     def data_major_covariance(self) -> LinearOperator:
         r"""The square covariance as one data-major ``(N C, N C)`` LinearOperator (lazy)."""

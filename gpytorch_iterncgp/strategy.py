@@ -214,7 +214,9 @@ class _SolverStrategy(gpytorch.Module):
 
     def _run(self, prior: Any, options: Any, max_steps: int, callback, show: bool) -> FitReport:
         """Drive the subclass's outer loop from the starting state; the committed state follows every step."""
-        self.policy.prepare(self.num_data, self.num_latents, self.adapter.zero_sum_actions)
+        observed = self.adapter.observed_coordinates(self.train_targets)
+        missing = {} if observed is None else {"observed": observed}  # (a custom Policy need not know the keyword)
+        self.policy.prepare(self.num_data, self.num_latents, self.adapter.zero_sum_actions, **missing)
         loop = self._make_loop(prior, options)
         state = self._starting_state(loop)
         try:
@@ -482,13 +484,17 @@ class IterNCGPStrategy(_SolverStrategy):
 
     :param model: the ``ApproximateGP`` that owns this strategy (pass ``self`` in its ``__init__``); its
         ``forward`` defines the prior. ``batch_shape=[C]`` means one GP per class, no batch shape with
-        :math:`C > 1` classes means one kernel shared by all classes.
+        :math:`C > 1` classes means one kernel shared by all classes, and an interleaved
+        ``MultitaskMultivariateNormal`` (``MultitaskKernel``, ``LCMKernel``: :math:`\sum_q \mathbf K_q \otimes
+        \mathbf B_q`, a linear model of coregionalisation) correlated latents.
     :param train_inputs: :math:`\mathbf X`, shape ``(N, D)`` (or ``(N,)``).
     :param train_targets: :math:`\mathbf y`, shape ``(N,)``: labels in {0, 1} (Bernoulli), class indices in
-        :math:`[0, C)` (softmax), non-negative integer counts (Poisson).
+        :math:`[0, C)` (softmax), non-negative integer counts (Poisson); ``(N, C)`` counts for
+        :class:`~gpytorch_iterncgp.likelihoods.MultitaskPoissonLikelihood` (``NaN``: a missing output).
     :param likelihood: a GPyTorch likelihood: ``BernoulliLikelihood`` (probit), :class:`LogitBernoulliLikelihood`,
         ``PoissonLikelihood`` (softplus), :class:`ExpPoissonLikelihood`,
-        ``SoftmaxLikelihood(num_classes=C, mixing_weights=False)``, or any log-concave likelihood (autograd).
+        ``SoftmaxLikelihood(num_classes=C, mixing_weights=False)``,
+        :class:`~gpytorch_iterncgp.likelihoods.MultitaskPoissonLikelihood`, or any log-concave likelihood (autograd).
     :param policy: ``"cg"`` (conjugate gradients), ``"unit"`` (subset of data) or a :class:`Policy`.
     :param max_newton_steps: the default limit of Newton steps per :meth:`fit`.
     :param max_solver_iterations: IterGP iterations (products with :math:`\mathbf K`) per Newton step;

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gpytorch
 import torch
+from linear_operator.operators import KroneckerProductLinearOperator, RootLinearOperator, SumLinearOperator
 
 from gpytorch_iterncgp import IterNCGPStrategy
 
@@ -93,3 +94,106 @@ def set_distinct_class_hyperparameters(model) -> None:
     model.covar_module.base_kernel.lengthscale = torch.tensor([0.2, 0.35, 0.5], dtype=dtype).view(3, 1, 1)
     model.covar_module.outputscale = torch.tensor([1.0, 2.5, 4.0], dtype=dtype)
     model.mean_module.constant = torch.tensor([0.5, -0.3, 0.1], dtype=dtype)
+
+
+class MultitaskIterNCGPModel(gpytorch.models.ApproximateGP):
+    r"""Correlated latents :math:`\mathbf f(x) \in \mathbb R^C` (a ``MultitaskMultivariateNormal``, data-major) with
+    IterNCGP inference (or ``strategy_class``'s).
+
+    ``kernel="multitask"``: GPyTorch's ``MultitaskKernel``, :math:`\mathbf K = \mathbf K_x \otimes \mathbf B`,
+    :math:`\mathbf B = \mathbf V \mathbf V^\top + \operatorname{diag}(\mathbf v)` (``rank`` columns of
+    :math:`\mathbf V`); ``kernel="lcm"``: ``LCMKernel``, :math:`\mathbf K = \sum_q \mathbf K_q \otimes \mathbf B_q`
+    with ``num_components`` RBF kernels of different lengthscales. The coregionalisation parameters are set from a
+    seeded generator, so that the outputs are correlated (positively and negatively) from the start.
+    """
+
+    def __init__(
+        self,
+        train_x,
+        train_y,
+        likelihood,
+        num_tasks: int = 3,
+        kernel: str = "multitask",
+        rank: int = 1,
+        num_components: int = 2,
+        lengthscale: float = 0.3,
+        constant_mean: float = 0.0,
+        seed: int = 0,
+        strategy_class=IterNCGPStrategy,
+        **strategy_options,
+    ):
+        strategy_options.setdefault("show_progress", False)
+        strategy = strategy_class(self, train_x, train_y, likelihood, **strategy_options)
+        super().__init__(strategy)
+        self.mean_module = gpytorch.means.MultitaskMean(gpytorch.means.ConstantMean(), num_tasks=num_tasks)
+        if kernel == "multitask":
+            self.covar_module = gpytorch.kernels.MultitaskKernel(
+                gpytorch.kernels.RBFKernel(), num_tasks=num_tasks, rank=rank
+            )
+            components = [self.covar_module]
+        elif kernel == "lcm":
+            bases = [gpytorch.kernels.RBFKernel() for _ in range(num_components)]
+            self.covar_module = gpytorch.kernels.LCMKernel(bases, num_tasks=num_tasks, rank=rank)
+            components = list(self.covar_module.covar_module_list)
+        else:
+            raise ValueError(kernel)
+        self.to(train_x.dtype)
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for index, component in enumerate(components):
+                component.data_covar_module.lengthscale = lengthscale * (1 + index)
+                task = component.task_covar_module
+                task.covar_factor.copy_(torch.randn(task.covar_factor.shape, generator=generator, dtype=train_x.dtype))
+                task.var = 0.1 + 0.2 * torch.rand(num_tasks, generator=generator, dtype=train_x.dtype)
+            for task, base in enumerate(self.mean_module.base_means):
+                base.constant.fill_(constant_mean + 0.2 * (task - 1))
+
+    def forward(self, x):
+        return gpytorch.distributions.MultitaskMultivariateNormal(self.mean_module(x), self.covar_module(x))
+
+
+class LMCIterNCGPModel(gpytorch.models.ApproximateGP):
+    r"""A linear model of coregionalisation written as mixing, :math:`\mathbf f(x) = \mathbf H \mathbf x(x)`, of
+    :math:`Q` independent latent GPs :math:`x_q \sim \mathcal{GP}(0, k_q)` (RBF, batch ``[Q]``) by
+    :math:`\mathbf H \in \mathbb R^{C \times Q}`.
+
+    Its prior is :math:`\operatorname{Cov}(\mathbf f(x), \mathbf f(x')) = \sum_q \mathbf h_q \mathbf h_q^\top
+    k_q(x, x')`, i.e. data-major :math:`\mathbf K = \sum_q \mathbf K_q \otimes \mathbf h_q \mathbf h_q^\top`:
+    GPyTorch's ``LCMKernel`` with rank-1 task covariances and zero task variances (``IndexKernel``'s ``var``).
+    With :math:`Q < C` the prior covariance has rank :math:`Q N < C N` (singular); Laplace needs no
+    :math:`\mathbf K^{-1}`.
+    """
+
+    def __init__(self, train_x, train_y, likelihood, mixing, lengthscales, **strategy_options):
+        strategy_options.setdefault("show_progress", False)
+        strategy = IterNCGPStrategy(self, train_x, train_y, likelihood, **strategy_options)
+        super().__init__(strategy)
+        num_components = mixing.shape[-1]
+        self.mixing = torch.nn.Parameter(mixing.to(train_x.dtype).clone())  # H, (C, Q)
+        self.latent_covar_module = gpytorch.kernels.RBFKernel(batch_shape=torch.Size([num_components]))
+        self.to(train_x.dtype)
+        self.latent_covar_module.lengthscale = torch.as_tensor(lengthscales, dtype=train_x.dtype).view(-1, 1, 1)
+
+    def forward(self, x):
+        latent_covariances = self.latent_covar_module(x)  # (Q, N, N)
+        covariance = SumLinearOperator(
+            *(
+                KroneckerProductLinearOperator(latent_covariances[q], RootLinearOperator(self.mixing[:, q : q + 1]))
+                for q in range(self.mixing.shape[-1])
+            )
+        )
+        mean = torch.zeros(len(x), self.mixing.shape[0], dtype=x.dtype, device=x.device)
+        return gpytorch.distributions.MultitaskMultivariateNormal(mean, covariance)
+
+
+def multioutput_count_data(num_data=40, num_tasks=3, dtype=torch.float64, seed=0, missing=0.0):
+    """Inputs on [0, 1] and ``(N, C)`` Poisson counts with correlated rates ``exp(0.5 + x(t) H)`` from two latent
+    curves; a fraction ``missing`` of the counts is NaN."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.rand(num_data, 1, generator=generator, dtype=dtype)
+    curves = torch.stack([1.5 * torch.sin(6 * x[:, 0]), torch.cos(4 * x[:, 0])], dim=-1)
+    mixing = 0.8 * torch.randn(2, num_tasks, generator=generator, dtype=dtype)
+    y = torch.poisson(torch.exp(0.5 + curves @ mixing), generator=generator)
+    if missing:
+        y[torch.rand(y.shape, generator=generator, dtype=dtype) < missing] = torch.nan
+    return x, y

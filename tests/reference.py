@@ -29,6 +29,14 @@ from torch import Tensor
 LIKELIHOODS = ("probit", "logit", "poisson_exp", "poisson_softplus", "softmax")
 
 
+def _observed(targets: Tensor, latent: Tensor) -> tuple[Tensor, Tensor]:
+    """Targets flattened to the data-major latents (``(N, C)`` counts give ``(N C,)``): the mask of observed
+    entries and the targets with 0 where missing (NaN)."""
+    targets = targets.reshape(latent.shape)
+    observed = ~torch.isnan(targets)
+    return observed, torch.where(observed, targets, 0)
+
+
 def log_likelihood(latent: Tensor, targets: Tensor, likelihood: str, num_classes: int = 1) -> Tensor:
     r""":math:`\ell(\mathbf f) = \sum_n \log p(y_n \mid \mathbf f_n)` for data-major latents ``(N C,)``."""
     if likelihood == "softmax":
@@ -38,8 +46,9 @@ def log_likelihood(latent: Tensor, targets: Tensor, likelihood: str, num_classes
         return torch.special.log_ndtr((2 * targets - 1) * latent).sum()
     if likelihood == "logit":
         return (targets * latent - torch.nn.functional.softplus(latent)).sum()
-    if likelihood == "poisson_exp":
-        return (targets * latent - latent.exp() - torch.lgamma(targets + 1)).sum()
+    if likelihood == "poisson_exp":  # NaN targets: missing outputs, no factor
+        observed, counts = _observed(targets, latent)
+        return torch.where(observed, counts * latent - latent.exp() - torch.lgamma(counts + 1), 0).sum()
     if likelihood == "poisson_softplus":
         rate = torch.nn.functional.softplus(latent)
         return (targets * rate.log() - rate - torch.lgamma(targets + 1)).sum()
@@ -68,8 +77,9 @@ def gradient_and_curvature(
         gradient = targets - probability
         curvature = probability * (1 - probability)
     elif likelihood == "poisson_exp":
-        gradient = targets - latent.exp()
-        curvature = latent.exp()
+        observed, counts = _observed(targets, latent)
+        gradient = torch.where(observed, counts - latent.exp(), 0)
+        curvature = torch.where(observed, latent.exp(), 0)
     elif likelihood == "poisson_softplus":
         rate = torch.nn.functional.softplus(latent)
         slope, bend = torch.sigmoid(latent), torch.sigmoid(latent) * (1 - torch.sigmoid(latent))
@@ -133,7 +143,7 @@ def laplace_mode(
 
     :param kernel: dense prior covariance :math:`\mathbf K`, ``(N C, N C)`` data-major.
     :param prior_mean: :math:`\mathbf m`, ``(N C,)``.
-    :param targets: ``(N,)``.
+    :param targets: ``(N,)``, or ``(N, C)`` counts for ``poisson_exp`` with ``C`` outputs (NaN: missing).
     :param likelihood: one of :data:`LIKELIHOODS`.
     :param damping: halve the step until :math:`\Psi` does not decrease (otherwise: plain Newton).
     :param tol: stop when the change of :math:`\Psi` is below ``tol * max(1, |Psi|)``.
