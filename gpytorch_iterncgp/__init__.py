@@ -11,7 +11,7 @@ from . import settings
 from .ep import EPState
 from .evidence import EPMarginalLogLikelihood, LaplaceMarginalLogLikelihood
 from .exceptions import NonFiniteEvidenceError, NotConvergedWarning, NumericalBreakdownWarning
-from .likelihoods import ExpPoissonLikelihood, LogitBernoulliLikelihood
+from .likelihoods import ExpPoissonLikelihood, LogitBernoulliLikelihood, MultitaskPoissonLikelihood
 from .multinomial_probit import MultinomialProbitLikelihood
 from .newton import LaplaceState, SolverOptions
 from .outer_loop import EPSweep, FitReport, NewtonStep
@@ -36,6 +36,7 @@ __all__ = [
     "LaplaceState",
     "LogitBernoulliLikelihood",
     "MultinomialProbitLikelihood",
+    "MultitaskPoissonLikelihood",
     "NewtonStep",
     "NonFiniteEvidenceError",
     "NotConvergedWarning",
