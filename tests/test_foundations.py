@@ -186,8 +186,8 @@ def test_chunked_products_emit_no_deprecation_warning():
 # Imports run one way: from the GPyTorch-facing layer down to the linear algebra.
 # ---------------------------------------------------------------------------------------------------
 LAYERS = [
-    {"validation", "exceptions", "settings"},
-    {"noise", "precision", "policies", "datasets", "multinomial_probit", "psi_statistics"},
+    {"validation", "exceptions", "settings", "triton_kernels"},
+    {"noise", "precision", "kernel_products", "policies", "datasets", "multinomial_probit", "psi_statistics"},
     {"recycling", "likelihoods", "prior"},
     {"solver", "outer_loop", "tilted"},
     {"newton", "sites"},
