@@ -19,7 +19,9 @@ evaluated, multiplied and dropped while it is in cache (on CUDA: in registers):
 * CUDA: a Triton kernel (:mod:`gpytorch_iterncgp.triton_kernels`);
 * CPU: a blocked loop over ``1024 × 256`` tiles (1 MiB in float32, within a core's L2 cache), each tile's
   distances, kernel and product with :math:`\mathbf R` one ``torch.compile``\ d function. If it cannot
-  compile, the same loop runs uncompiled (with a ``PerformanceWarning``).
+  compile, the same loop runs uncompiled (with a ``PerformanceWarning``). Each tile is one OpenMP parallel
+  region of about a millisecond: on a machine shared with other jobs, set ``OMP_WAIT_POLICY=PASSIVE`` (GNU
+  OpenMP's spinning threads otherwise wait for descheduled ones; measured 30× slower on 2 loaded cores).
 
 Distances come from direct coordinate differences, not :math:`\|a\|^2 + \|b\|^2 - 2 a^\top b`, so the kernel is
 accurate to rounding at :math:`r = 0` too. :func:`stationary_kernel` recognises a supported covariance (``None``
@@ -236,9 +238,8 @@ def stationary_matmul(kernel: StationaryKernel, rhs: Tensor) -> Tensor:
                 raise
             backend = "eager" if rhs.device.type == "cuda" else "compile"
         else:
-            product = triton_kernels.stationary_matmul(
-                kernel.kind, kernel.x1.contiguous(), kernel.x2.contiguous(), kernel.outputscale, flat_rhs
-            )
+            x1, x2 = (inputs.mT.contiguous().mT for inputs in (kernel.x1, kernel.x2))  # coalesced loads per d
+            product = triton_kernels.stationary_matmul(kernel.kind, x1, x2, kernel.outputscale, flat_rhs)
     if backend != "triton":
         product = blocked_matmul(kernel, flat_rhs, compiled=backend == "compile")
     return product.reshape(*batch_shape, -1, width)
