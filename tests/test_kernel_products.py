@@ -256,8 +256,9 @@ def test_triton_kernel_in_the_interpreter_equals_dense_product():
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
 
 
-def test_package_imports_without_triton_and_keops():
-    code = "import sys, gpytorch_iterncgp; print(sorted({'triton', 'pykeops'} & set(sys.modules)))"
+def test_package_imports_without_triton():
+    """Triton is imported only when a fused product runs on its path (GPyTorch itself imports pykeops if present)."""
+    code = "import sys, gpytorch_iterncgp; print(sorted({'triton'} & set(sys.modules)))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "triton" not in result.stdout, result.stdout
