@@ -31,6 +31,7 @@ from linear_operator.operators import (
 from torch import Tensor
 
 from . import settings
+from .kernel_products import fused_kernel_matmul
 
 SINGLE, SHARED, INDEPENDENT, MULTITASK = "single", "shared", "independent", "multitask"
 
@@ -203,8 +204,10 @@ class LatentPrior:
     def matmul(self, rhs: Tensor) -> Tensor:
         r""":math:`\mathbf K \mathbf X` for data-major ``X`` of shape ``(M C, k)``; returns ``(N C, k)``.
 
-        One call of the underlying kernel matmul, whatever :math:`C` and :math:`k`; in row chunks if the
-        dense kernel would exceed :class:`~gpytorch_iterncgp.settings.dense_kernel_limit` (and no gradient is recorded).
+        One call of the underlying kernel matmul, whatever :math:`C` and :math:`k`. Where the dense kernel would
+        exceed :class:`~gpytorch_iterncgp.settings.dense_kernel_limit` (and no gradient is recorded), fused for
+        RBF and Matérn kernels (:mod:`~gpytorch_iterncgp.kernel_products`, unless
+        :class:`~gpytorch_iterncgp.settings.fused_kernel_products` is off), in row chunks otherwise.
         """
         self.products += 1
         self.columns += rhs.shape[-1]
@@ -219,9 +222,10 @@ class LatentPrior:
         num, width = self.num_latents, rhs.shape[-1]
 
         def multiply(matrix: Tensor) -> Tensor:
-            return (
-                _chunked_matmul(self.covariance, matrix, chunk_rows) if chunk_rows else self.covariance.matmul(matrix)
-            )
+            if not chunk_rows:
+                return self.covariance.matmul(matrix)
+            fused = fused_kernel_matmul(self.covariance, matrix)  # RBF / Matérn: never forms K
+            return _chunked_matmul(self.covariance, matrix, chunk_rows) if fused is None else fused
 
         if self.layout in (SINGLE, MULTITASK):
             return multiply(rhs)

@@ -12,9 +12,16 @@ Options that belong to one model (tolerances, budgets, the policy) are construct
 
 from __future__ import annotations
 
-from linear_operator.settings import _value_context
+from linear_operator.settings import _feature_flag, _value_context
 
-__all__ = ["dense_kernel_limit", "exact_evidence_size", "kernel_chunk_bytes", "softmax_samples"]
+__all__ = [
+    "dense_kernel_limit",
+    "exact_evidence_size",
+    "fused_kernel_backend",
+    "fused_kernel_products",
+    "kernel_chunk_bytes",
+    "softmax_samples",
+]
 
 
 class exact_evidence_size(_value_context):
@@ -45,6 +52,27 @@ class kernel_chunk_bytes(_value_context):
     """Bytes of kernel matrix evaluated at once in a chunked product (256 MiB); see :class:`dense_kernel_limit`."""
 
     _global_value = 2**28
+
+
+class fused_kernel_products(_feature_flag):
+    r"""Multiply by stationary kernels without forming them, where products would otherwise be chunked (on).
+
+    Above :class:`dense_kernel_limit`, and where no gradient is recorded, a product with the kernel matrix of
+    an RBF or Matérn (:math:`\nu \in \{\tfrac12, \tfrac32, \tfrac52\}`) kernel, ARD or not, optionally inside
+    a ``ScaleKernel``, runs fused: a Triton kernel on CUDA, a ``torch.compile``\ d blocked loop on CPU (see
+    :class:`fused_kernel_backend`). Any other kernel keeps the chunked GPyTorch product.
+    """
+
+    _default = True
+
+
+class fused_kernel_backend(_value_context):
+    """How a fused product runs: ``"auto"`` (default: ``"triton"`` on CUDA, ``"compile"`` on CPU),
+    ``"triton"`` (on CPU tensors only in Triton's interpreter, ``TRITON_INTERPRET=1``), ``"compile"``
+    (``torch.compile`` of the blocked loop; falls back to ``"eager"`` with a ``PerformanceWarning`` if it
+    cannot compile) or ``"eager"`` (the same blocked loop, uncompiled)."""
+
+    _global_value = "auto"
 
 
 class softmax_samples(_value_context):

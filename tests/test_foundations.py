@@ -177,7 +177,11 @@ def test_chunked_products_emit_no_deprecation_warning():
     distribution = gpytorch.distributions.MultivariateNormal(torch.zeros(50, dtype=torch.float64), kernel(x))
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("error")
-        with settings.dense_kernel_limit(0), settings.kernel_chunk_bytes(7 * 50 * 8):
+        with (
+            settings.dense_kernel_limit(0),
+            settings.kernel_chunk_bytes(7 * 50 * 8),
+            settings.fused_kernel_products(False),
+        ):
             product = LatentPrior.from_distribution(distribution, 1).matmul(rhs)
     torch.testing.assert_close(product, kernel(x).to_dense() @ rhs, rtol=1e-12, atol=1e-12)
 
@@ -186,8 +190,8 @@ def test_chunked_products_emit_no_deprecation_warning():
 # Imports run one way: from the GPyTorch-facing layer down to the linear algebra.
 # ---------------------------------------------------------------------------------------------------
 LAYERS = [
-    {"validation", "exceptions", "settings"},
-    {"noise", "precision", "policies", "datasets", "multinomial_probit", "psi_statistics"},
+    {"validation", "exceptions", "settings", "triton_kernels"},
+    {"noise", "precision", "kernel_products", "policies", "datasets", "multinomial_probit", "psi_statistics"},
     {"recycling", "likelihoods", "prior"},
     {"solver", "outer_loop", "tilted"},
     {"newton", "sites"},

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from gpytorch_iterncgp.prior import LatentPrior, _chunk_rows
-from gpytorch_iterncgp.settings import dense_kernel_limit, kernel_chunk_bytes
+from gpytorch_iterncgp.settings import dense_kernel_limit, fused_kernel_products, kernel_chunk_bytes
 from tests.models import IterNCGPModel, binary_data
 
 DTYPE = torch.float64
@@ -24,8 +24,8 @@ def _dense_data_major(kernel_matrix: torch.Tensor, num_latents: int) -> torch.Te
 
 @pytest.fixture
 def small_chunks():
-    """Chunks of 37 rows for a 120-point kernel."""
-    with dense_kernel_limit(1000), kernel_chunk_bytes(37 * 120 * 3 * 8):
+    """Chunks of 37 rows for a 120-point kernel (GPyTorch's chunked product, not the fused one)."""
+    with dense_kernel_limit(1000), kernel_chunk_bytes(37 * 120 * 3 * 8), fused_kernel_products(False):
         yield
 
 
