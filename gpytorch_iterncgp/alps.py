@@ -159,8 +159,10 @@ class GPALPS(gpytorch.models.GP):
       ``"spike_and_slab"`` ``mixing_mean`` and ``mixing_log_variance`` are those of :math:`q(H_{ij} \mid b_j = 1)`
       (:math:`q(H_{ij} \mid b_j = 0)` is the prior).
 
-    Which family: ``"spike_and_slab"`` is the closest to the exact posterior (see
-    ``examples/alps_square_wave.py``) and, being a closed form, has noise-free gradients. ``"concrete"`` is the
+    Which family: the optimum of ``"spike_and_slab"`` is the closest to the exact posterior, and its ELBO, a
+    closed form, has noise-free gradients and compares restarts exactly; but from some initialisations Adam ends
+    in a local optimum that drops a weakly supported latent (the bilinear :math:`H_{ij} x_j` has a saddle at 0),
+    so compare a few restarts by their ELBO. ``"concrete"`` is the
     seed's scheme: its KL between relaxed gates is that of two logistic densities of the gate's logit,
     :math:`\approx |\rho_j - \operatorname{logit}\theta_j| - 2` for confident gates, whatever :math:`\tau` (prior
     and posterior share it), not the Bernoulli KL it relaxes (which it bounds from above, and which is at most
@@ -531,8 +533,7 @@ class GPALPSELBO(gpytorch.mlls.MarginalLogLikelihood):
         (:math:`q(\mathbf H_{:j} \mid b_j = 0)` does not depend on them): this is the natural-gradient correction
         for that factor. It changes no stationary point (a positive diagonal rescaling), but without it a gate that
         drops early freezes its slab (its gradients vanish with :math:`\sigma(\rho_j)`, and Adam's running
-        second moments still remember the large early ones), and the gate cannot come back; on the square wave of
-        GP-ALPS §4.1 this lost the 7th harmonic.
+        second moments still remember the large early ones), and the gate cannot come back.
     """
 
     def __init__(
