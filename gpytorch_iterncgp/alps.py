@@ -592,7 +592,8 @@ class GPALPSELBO(gpytorch.mlls.MarginalLogLikelihood):
         noise = noise_variances(self.likelihood).to(**options)
         if model.variational_family != "concrete":
             probability = model.activation_probabilities()
-            mixing_mean, mixing_log_variance = model.mixing_mean, model.mixing_log_variance
+            mixing_mean: Tensor = model.mixing_mean
+            mixing_log_variance: Tensor = model.mixing_log_variance
             if model.variational_family == "spike_and_slab" and self.natural_slab_gradients:
                 mixing_mean = _scale_gradient(mixing_mean, 1 / probability.detach())
                 mixing_log_variance = _scale_gradient(mixing_log_variance, 1 / probability.detach())
