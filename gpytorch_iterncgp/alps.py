@@ -13,14 +13,29 @@ Each of the :math:`2^m` gate patterns is a model class; the posterior over :math
 processes the data need.
 
 * :class:`GPALPS`: the model and its variational posterior (GP-ALPS App. C.1)
-  :math:`q(\mathbf X, \mathbf X^z, \mathbf H, \mathbf b) = p(\mathbf X \mid \mathbf X^z) q(\mathbf X^z) q(\mathbf H)
-  q(\mathbf b)`: one GPyTorch :class:`~gpytorch.variational.VariationalStrategy` per latent (whitened, full
-  Cholesky :math:`q(\mathbf X^z_j)`), a fully factorised Gaussian :math:`q(\mathbf H)`, and a Concrete (relaxed
-  Bernoulli, Maddison et al. 2017) :math:`q(b_j)` per gate. ``model(t)`` returns the marginals
-  :math:`q(x_j(t_k))` as a :class:`torch.distributions.Normal` of batch shape ``(n, m)`` (data-major): all that the
-  expected log-likelihood needs, since the latents are independent under :math:`q`.
+  :math:`q(\mathbf X, \mathbf X^z, \mathbf H, \mathbf b) = p(\mathbf X \mid \mathbf X^z) q(\mathbf X^z)
+  q(\mathbf H, \mathbf b)`: one GPyTorch :class:`~gpytorch.variational.VariationalStrategy` per latent (whitened,
+  full Cholesky :math:`q(\mathbf X^z_j)`), a Gaussian :math:`q(\mathbf H)` factorised over entries and one gate
+  probability :math:`\sigma(\rho_j)` per latent. ``model(t)`` returns the marginals :math:`q(x_j(t_k))` as a
+  :class:`torch.distributions.Normal` of batch shape ``(n, m)`` (data-major): all that the expected
+  log-likelihood needs, since the latents are independent under :math:`q`.
 * :class:`GPALPSELBO`: the evidence lower bound of GP-ALPS App. C, divided by ``num_data`` like GPyTorch's
   :class:`~gpytorch.mlls.VariationalELBO`, so that it trains on mini-batches.
+
+Three variational families for :math:`q(\mathbf H, \mathbf b)` (``variational_family``):
+
+* ``"concrete"`` (GP-ALPS App. C, the seed's scheme): :math:`q(\mathbf H) q(\mathbf b)` with Concrete (relaxed
+  Bernoulli, Maddison et al. 2017) gates in prior and posterior; the ELBO by reparametrised Monte Carlo.
+* ``"bernoulli"``: :math:`q(\mathbf H) q(\mathbf b)` with Bernoulli gates, the model's own. Because
+  :math:`f_i(t)` is a sum over latents of products of independent factors, the expected log-likelihood is a closed
+  form in the first two moments of :math:`W_{ij} = H_{ij} b_j` (:func:`expected_log_likelihood_moments`): the
+  ELBO of the unrelaxed model, without sampling.
+* ``"spike_and_slab"``: :math:`q(\mathbf b) \prod_j q(\mathbf H_{:j} \mid b_j)` with :math:`q(\mathbf H_{:j} \mid
+  b_j = 0) = p(\mathbf H_{:j})` (the paired mean field of Titsias & Lázaro-Gredilla 2011, "Spike and slab
+  variational inference for multi-task and multiple kernel learning", inside the seed's structured mean field
+  :math:`q(\mathbf H, \mathbf b)` of App. C.1). Same closed form; the KL of :math:`\mathbf H_{:j}` counts only
+  when the gate is on. It can represent what the true posterior does with an unneeded latent (keep some mass on
+  :math:`b_j = 1` with :math:`\mathbf H_{:j}` near 0), which the fully factorised families cannot.
 
 The noise variances :math:`\sigma_i^2` live in a :class:`~gpytorch.likelihoods.MultitaskGaussianLikelihood` with
 ``rank=0`` (one variance per output). Missing outputs are ``NaN`` in the targets and are left out of the likelihood.
@@ -47,10 +62,21 @@ from gpytorch.kernels import Kernel
 from gpytorch.variational import CholeskyVariationalDistribution, VariationalStrategy
 from torch import Tensor
 from torch.distributions import Normal, RelaxedBernoulli
+from torch.nn import functional as F
 
-from .validation import check_count, check_nonnegative
+from .validation import check_count, check_flag, check_nonnegative
 
-__all__ = ["ELBOTerms", "GPALPS", "GPALPSELBO", "noise_variances"]
+__all__ = [
+    "VARIATIONAL_FAMILIES",
+    "ELBOTerms",
+    "GPALPS",
+    "GPALPSELBO",
+    "expected_log_likelihood",
+    "expected_log_likelihood_moments",
+    "noise_variances",
+]
+
+VARIATIONAL_FAMILIES = ("concrete", "bernoulli", "spike_and_slab")
 
 _LOG_2PI = math.log(2 * math.pi)
 # Floor on the marginal variances q(x_j(t)) before the square root of the Normal's scale (its gradient is infinite
@@ -126,9 +152,21 @@ class GPALPS(gpytorch.models.GP):
       *whitened* :class:`~gpytorch.variational.VariationalStrategy` (``latent_processes[j]``);
     * :math:`q(H_{ij}) = \mathcal N(\mu_{ij}, \exp \lambda_{ij})`: ``mixing_mean`` and ``mixing_log_variance``,
       ``(p, m)``;
-    * :math:`q(b_j) = \operatorname{Concrete}(\rho_j, \tau)`: the relaxed Bernoulli with logits ``gate_logits``
-      ``(m,)`` and the fixed temperature :math:`\tau` (buffer ``temperature``). The posterior probability of gate
-      :math:`j` is :math:`\sigma(\rho_j)`.
+    * the gates, logits ``gate_logits`` :math:`\rho_j`, ``(m,)``: the posterior probability of gate :math:`j` is
+      :math:`\sigma(\rho_j)`. With ``variational_family="concrete"``, :math:`q(b_j) = \operatorname{Concrete}
+      (\rho_j, \tau)`, the relaxed Bernoulli at the fixed temperature :math:`\tau` (buffer ``temperature``); with
+      ``"bernoulli"`` and ``"spike_and_slab"``, :math:`q(b_j) = \operatorname{Bern}(\sigma(\rho_j))`, and under
+      ``"spike_and_slab"`` ``mixing_mean`` and ``mixing_log_variance`` are those of :math:`q(H_{ij} \mid b_j = 1)`
+      (:math:`q(H_{ij} \mid b_j = 0)` is the prior).
+
+    Which family: the optimum of ``"spike_and_slab"`` is the closest to the exact posterior, and its ELBO, a
+    closed form, has noise-free gradients and compares restarts exactly; but from some initialisations Adam ends
+    in a local optimum that drops a weakly supported latent (the bilinear :math:`H_{ij} x_j` has a saddle at 0),
+    so compare a few restarts by their ELBO. ``"concrete"`` is the
+    seed's scheme: its KL between relaxed gates is that of two logistic densities of the gate's logit,
+    :math:`\approx |\rho_j - \operatorname{logit}\theta_j| - 2` for confident gates, whatever :math:`\tau` (prior
+    and posterior share it), not the Bernoulli KL it relaxes (which it bounds from above, and which is at most
+    :math:`-\log\min(\theta_j, 1 - \theta_j)`); that linear cost holds gates that the data need visibly below 1.
 
     Prior: :math:`\theta_j` (buffer ``prior_activation``, ``(m,)``) and :math:`s_{ij}` (buffer
     ``mixing_prior_variance``, ``(p, m)``). The kernels keep their own hyperparameters (learnt unless frozen).
@@ -140,12 +178,15 @@ class GPALPS(gpytorch.models.GP):
     :param prior_activation: :math:`\theta_j`, a scalar or ``(m,)``, in (0, 1).
     :param mixing_prior_variance: :math:`s_{ij}`, a scalar, ``(m,)`` (per latent) or ``(p, m)``, positive.
     :param temperature: :math:`\tau` of the Concrete prior and posterior of the gates (Maddison et al. 2017 use
-        :math:`\tau \le 1`; lower is closer to Bernoulli and noisier in its gradients).
+        :math:`\tau \le 1`; lower is closer to Bernoulli and noisier in its gradients). Used by ``"concrete"``
+        only.
     :param initial_activation: :math:`\sigma(\rho_j)` at initialisation; starting with the gates on lets every
         latent see the data before the ELBO switches the unneeded ones off.
     :param initial_mixing_std: standard deviation of the random initial ``mixing_mean`` (drawn with
         ``torch.randn``, seed it with ``torch.manual_seed``), relative to :math:`\sqrt{s_{ij}}`; a zero mean would
         start at the saddle point :math:`\mathbf H = 0`, :math:`\mathbf m_j = 0`.
+    :param variational_family: ``"concrete"`` (GP-ALPS App. C, the default), ``"bernoulli"`` or
+        ``"spike_and_slab"`` (above and in the module docstring).
     """
 
     def __init__(
@@ -158,8 +199,12 @@ class GPALPS(gpytorch.models.GP):
         temperature: float = 0.5,
         initial_activation: float = 0.9,
         initial_mixing_std: float = 1.0,
+        variational_family: str = "concrete",
     ):
         super().__init__()
+        if variational_family not in VARIATIONAL_FAMILIES:
+            raise ValueError(f"variational_family must be one of {VARIATIONAL_FAMILIES}, got {variational_family!r}.")
+        self.variational_family = variational_family
         kernels = list(latent_kernels)
         if not kernels or not all(isinstance(kernel, Kernel) for kernel in kernels):
             raise ValueError(
@@ -267,10 +312,30 @@ class GPALPS(gpytorch.models.GP):
         return Normal(self.mixing_mean, (0.5 * self.mixing_log_variance).exp())
 
     def kl_mixing(self) -> Tensor:
-        r""":math:`\mathrm{KL}[q(\mathbf H) \,\|\, p(\mathbf H)] = \sum_{ij} \tfrac12 \bigl(\log(s_{ij} /
-        s^H_{ij}) + (s^H_{ij} + (m^H_{ij})^2) / s_{ij} - 1\bigr)` (GP-ALPS App. C.5)."""
-        prior = Normal(torch.zeros_like(self.mixing_mean), self.mixing_prior_variance.sqrt())
-        return torch.distributions.kl_divergence(self.mixing_distribution(), prior).sum()
+        r"""The mixing weights' part of :math:`\mathrm{KL}[q(\mathbf H, \mathbf b) \,\|\, p(\mathbf H, \mathbf b)]`.
+        With :math:`\mathrm{KL}_{ij} = \tfrac12 \bigl(\log(s_{ij} / s^H_{ij}) + (s^H_{ij} + (m^H_{ij})^2) / s_{ij}
+        - 1\bigr)` (GP-ALPS App. C.5): :math:`\sum_{ij} \mathrm{KL}_{ij}`, or, under ``"spike_and_slab"``,
+        :math:`\sum_j \sigma(\rho_j) \sum_i \mathrm{KL}_{ij}` (the chain rule of the KL, since
+        :math:`q(\mathbf H_{:j} \mid b_j = 0) = p(\mathbf H_{:j})`)."""
+        return self._kl_mixing(self.mixing_mean, self.mixing_log_variance)
+
+    def _kl_mixing(self, mean: Tensor, log_variance: Tensor) -> Tensor:
+        prior = Normal(torch.zeros_like(mean), self.mixing_prior_variance.sqrt())
+        divergence = torch.distributions.kl_divergence(Normal(mean, (0.5 * log_variance).exp()), prior)
+        if self.variational_family == "spike_and_slab":
+            divergence = divergence * self.activation_probabilities()
+        return divergence.sum()
+
+    def kl_gates(self) -> Tensor:
+        r""":math:`\sum_j \mathrm{KL}[\operatorname{Bern}(q_j) \,\|\, \operatorname{Bern}(\theta_j)] = \sum_j
+        \bigl(q_j \log(q_j / \theta_j) + (1 - q_j) \log((1 - q_j) / (1 - \theta_j))\bigr)`, :math:`q_j =
+        \sigma(\rho_j)`: the gates' KL of ``"bernoulli"`` and ``"spike_and_slab"``, in closed form
+        (:math:`\log q_j = -\operatorname{softplus}(-\rho_j)` keeps confident gates exact)."""
+        probability = self.activation_probabilities()
+        log_on, log_off = -F.softplus(-self.gate_logits), -F.softplus(self.gate_logits)
+        theta = self.prior_activation
+        on = probability * (log_on - theta.log())
+        return (on + (1 - probability) * (log_off - torch.log1p(-theta))).sum()
 
     def gate_distribution(self) -> RelaxedBernoulli:
         r""":math:`q(\mathbf b) = \prod_j \operatorname{Concrete}(b_j; \rho_j, \tau)`, batch shape ``(m,)``."""
@@ -368,6 +433,57 @@ def expected_log_likelihood(
     return -0.5 * (terms * observed.to(terms.dtype)).sum(-1)
 
 
+def expected_log_likelihood_moments(
+    latent: Normal,
+    weight_mean: Tensor,
+    weight_variance: Tensor,
+    targets: Tensor,
+    noise: Tensor,
+    observed: Tensor | None = None,
+) -> Tensor:
+    r"""The expected log-likelihood over :math:`q(\mathbf x_t) q(\mathbf W)` in closed form, for gated weights
+    :math:`W_{ij} = H_{ij} b_j` independent across :math:`j` within each output :math:`i` (and independent of
+    :math:`\mathbf x_t`), from their means :math:`\omega_{ij} = \mathbb E W_{ij}` and variances
+    :math:`\gamma_{ij} = \operatorname{Var} W_{ij}`. With :math:`\bar f_{ti} = \sum_j \omega_{ij} d_{tj}` and
+
+    .. math::
+        \operatorname{Var} f_{ti} = \sum_j \operatorname{Var}(W_{ij} x_{tj}) = \sum_j \bigl((\gamma_{ij} +
+        \omega_{ij}^2) v_{tj} + \gamma_{ij} d_{tj}^2\bigr), \qquad
+        \mathbb E \log p(\mathbf y_t \mid \cdot) = -\frac12 \sum_{i \text{ observed}} \Bigl[\log(2\pi\sigma_i^2)
+        + \frac{(y_{ti} - \bar f_{ti})^2 + \operatorname{Var} f_{ti}}{\sigma_i^2}\Bigr]
+
+    (GP-ALPS App. C.2 with the expectation over :math:`(\mathbf H, \mathbf b)` taken exactly: the Gaussian
+    log-likelihood is quadratic in :math:`f_{ti}`). For Bernoulli gates with :math:`q_j = \sigma(\rho_j)` and
+    :math:`H_{ij} \sim \mathcal N(\mu_{ij}, s^H_{ij})` given :math:`b_j = 1`: :math:`\omega_{ij} = q_j \mu_{ij}`,
+    :math:`\gamma_{ij} = q_j s^H_{ij} + q_j (1 - q_j) \mu_{ij}^2`.
+
+    :param latent: :math:`q(\mathbf x_t)`, batch shape ``(n, m)`` (``mean`` :math:`d`, ``variance`` :math:`v`).
+    :param weight_mean: :math:`\boldsymbol\omega`, ``(p, m)``.
+    :param weight_variance: :math:`\boldsymbol\gamma`, ``(p, m)``, non-negative.
+    :param targets: ``(n, p)``; entries where ``observed`` is False are ignored (may be NaN).
+    :param noise: :math:`\boldsymbol\sigma^2`, ``(p,)``.
+    :param observed: ``bool (n, p)``; default: the non-NaN entries of ``targets``.
+    :returns: ``(n,)``, the expectation per data point.
+    """
+    if observed is None:
+        observed = ~torch.isnan(targets)
+    filled = torch.where(observed, targets, torch.zeros_like(targets))
+    mean, variance = latent.mean, latent.variance  # shape: (n, m)
+    output_mean = mean @ weight_mean.mT  # shape: (n, p)
+    output_variance = variance @ (weight_variance + weight_mean.square()).mT + mean.square() @ weight_variance.mT
+    terms = ((filled - output_mean).square() + output_variance) / noise + noise.log() + _LOG_2PI
+    return -0.5 * (terms * observed.to(terms.dtype)).sum(-1)
+
+
+def _scale_gradient(tensor: Tensor, scale: Tensor) -> Tensor:
+    """``tensor`` itself, whose gradient is multiplied by ``scale`` (broadcast) on the way back."""
+    if not tensor.requires_grad:
+        return tensor
+    copy = tensor.clone()
+    copy.register_hook(lambda gradient: gradient * scale)
+    return copy
+
+
 class ELBOTerms(NamedTuple):
     """The parts of the ELBO (GP-ALPS App. C.1), unscaled: the expected log-likelihood is summed over the batch."""
 
@@ -381,30 +497,43 @@ class GPALPSELBO(gpytorch.mlls.MarginalLogLikelihood):
     r"""The evidence lower bound of GP-ALPS (GP-ALPS App. C), per data point:
 
     .. math::
-        \frac{1}{n} \mathcal L = \frac{1}{|B|} \sum_{t \in B} \mathbb E_{q(\mathbf H) q(\mathbf b)}
+        \frac{1}{n} \mathcal L = \frac{1}{|B|} \sum_{t \in B} \mathbb E_{q(\mathbf H, \mathbf b)}
         \mathbb E_{q(\mathbf x_t)} \log p(\mathbf y_t \mid \mathbf x_t, \mathbf H, \mathbf b)
-        - \frac{1}{n}\Bigl(\mathrm{KL}[q(\mathbf X^z) \| p(\mathbf X^z)] + \mathrm{KL}[q(\mathbf H) \| p(\mathbf H)]
-        + \mathrm{KL}[q(\mathbf b) \| p(\mathbf b)]\Bigr),
+        - \frac{1}{n}\Bigl(\mathrm{KL}[q(\mathbf X^z) \| p(\mathbf X^z)] + \mathrm{KL}[q(\mathbf H, \mathbf b) \|
+        p(\mathbf H, \mathbf b)]\Bigr),
 
     divided by ``num_data`` :math:`n` like GPyTorch's :class:`~gpytorch.mlls.VariationalELBO` (and, like it, plus
     the log-priors registered on the model's and likelihood's hyperparameters, divided by :math:`n`), so that a
     mini-batch :math:`B` gives an unbiased estimate.
 
-    * Expected log-likelihood: :math:`S` reparametrised draws of :math:`\mathbf H \sim q(\mathbf H)` and of the
-      Concrete gates :math:`\mathbf b \sim q(\mathbf b)`; the expectation over :math:`\mathbf x_t` in closed form
-      (:func:`expected_log_likelihood`). Missing outputs (``NaN``) are left out.
-    * :math:`\mathrm{KL}[q(\mathbf X^z) \| p(\mathbf X^z)]` and :math:`\mathrm{KL}[q(\mathbf H) \| p(\mathbf H)]`
-      analytic (:meth:`GPALPS.kl_latents`, :meth:`GPALPS.kl_mixing`).
-    * :math:`\mathrm{KL}[q(\mathbf b) \| p(\mathbf b)] = \mathbb E_q[\log q(\mathbf b) - \log p(\mathbf b)]` with
+    Missing outputs (``NaN``) are left out. :math:`\mathrm{KL}[q(\mathbf X^z) \| p(\mathbf X^z)]` and the mixing
+    weights' KL are analytic (:meth:`GPALPS.kl_latents`, :meth:`GPALPS.kl_mixing`). The rest depends on the model's
+    ``variational_family``:
+
+    * ``"concrete"`` (GP-ALPS App. C.2–C.3): the expected log-likelihood by :math:`S` reparametrised draws of
+      :math:`\mathbf H \sim q(\mathbf H)` and of the Concrete gates :math:`\mathbf b \sim q(\mathbf b)`, the
+      expectation over :math:`\mathbf x_t` in closed form (:func:`expected_log_likelihood`);
+      :math:`\mathrm{KL}[q(\mathbf b) \| p(\mathbf b)] = \mathbb E_q[\log q(\mathbf b) - \log p(\mathbf b)]` with
       :math:`p(\mathbf b)` the relaxed prior of the same temperature, by the same :math:`S` draws, evaluated in the
       logit space of the Concrete (:class:`~torch.distributions.LogitRelaxedBernoulli`, Maddison et al. 2017,
       App. C): the sigmoid is a bijection, so the KL is the same and the Jacobians cancel, and densities near
       :math:`b = 0, 1` do not round off.
+    * ``"bernoulli"`` and ``"spike_and_slab"``: no sampling. The expected log-likelihood in closed form over
+      :math:`\mathbf x_t`, :math:`\mathbf H` and the Bernoulli gates (:func:`expected_log_likelihood_moments`),
+      the gates' KL analytic (:meth:`GPALPS.kl_gates`); ``num_samples`` and ``generator`` are not used.
 
     :param likelihood: :class:`~gpytorch.likelihoods.MultitaskGaussianLikelihood` with ``num_tasks=p``, ``rank=0``.
     :param model: the :class:`GPALPS`.
     :param num_data: :math:`n`, the number of training points.
-    :param num_samples: :math:`S`, the draws of :math:`(\mathbf H, \mathbf b)` per evaluation.
+    :param num_samples: :math:`S`, the draws of :math:`(\mathbf H, \mathbf b)` per evaluation (``"concrete"``).
+    :param natural_slab_gradients: under ``"spike_and_slab"``, divide the gradients of the slab's parameters
+        (``mixing_mean``, ``mixing_log_variance`` of latent :math:`j`) by :math:`\sigma(\rho_j)` on the way back;
+        the ELBO's value is unchanged. Every term that depends on the slab carries the factor :math:`\sigma(\rho_j)`,
+        and so does the Fisher information of :math:`q(b_j) q(\mathbf H_{:j} \mid b_j)` in the slab's parameters
+        (:math:`q(\mathbf H_{:j} \mid b_j = 0)` does not depend on them): this is the natural-gradient correction
+        for that factor. It changes no stationary point (a positive diagonal rescaling), but without it a gate that
+        drops early freezes its slab (its gradients vanish with :math:`\sigma(\rho_j)`, and Adam's running
+        second moments still remember the large early ones), and the gate cannot come back.
     """
 
     def __init__(
@@ -413,6 +542,7 @@ class GPALPSELBO(gpytorch.mlls.MarginalLogLikelihood):
         model: GPALPS,
         num_data: int,
         num_samples: int = 8,
+        natural_slab_gradients: bool = True,
     ):
         if not isinstance(model, GPALPS):
             raise TypeError(f"GPALPSELBO needs a GPALPS model, got {type(model).__name__}.")
@@ -425,7 +555,9 @@ class GPALPSELBO(gpytorch.mlls.MarginalLogLikelihood):
         check_count(num_data, "num_data", minimum=1)
         check_count(num_samples, "num_samples", minimum=1)
         super().__init__(likelihood, model)
+        check_flag(natural_slab_gradients, "natural_slab_gradients")
         self.num_data, self.num_samples = num_data, num_samples
+        self.natural_slab_gradients = natural_slab_gradients
 
     def _check_targets(self, latent: Normal, targets: Tensor) -> Tensor:
         if not isinstance(latent, Normal) or latent.batch_shape[-1:] != (self.model.num_latents,):
@@ -448,7 +580,7 @@ class GPALPSELBO(gpytorch.mlls.MarginalLogLikelihood):
 
     def terms(self, latent: Normal, targets: Tensor, generator: torch.Generator | None = None) -> ELBOTerms:
         r"""The ELBO's parts (GP-ALPS App. C.2–C.5), each unscaled; the expected log-likelihood summed over the
-        batch and averaged over the :math:`S` draws.
+        batch (and, under ``"concrete"``, averaged over the :math:`S` draws).
 
         :param latent: ``model(t)``, batch shape ``(n, m)``.
         :param targets: ``(n, p)``, ``NaN`` where missing.
@@ -457,6 +589,20 @@ class GPALPSELBO(gpytorch.mlls.MarginalLogLikelihood):
         targets = self._check_targets(latent, targets)
         model: GPALPS = self.model
         options = _like(latent.mean)
+        noise = noise_variances(self.likelihood).to(**options)
+        if model.variational_family != "concrete":
+            probability = model.activation_probabilities()
+            mixing_mean: Tensor = model.mixing_mean
+            mixing_log_variance: Tensor = model.mixing_log_variance
+            if model.variational_family == "spike_and_slab" and self.natural_slab_gradients:
+                mixing_mean = _scale_gradient(mixing_mean, 1 / probability.detach())
+                mixing_log_variance = _scale_gradient(mixing_log_variance, 1 / probability.detach())
+            mixing_variance = mixing_log_variance.exp()
+            weight_mean = probability * mixing_mean  # E[H_ij b_j], shape: (p, m)
+            weight_variance = probability * (mixing_variance + (1 - probability) * mixing_mean.square())
+            ell = expected_log_likelihood_moments(latent, weight_mean, weight_variance, targets, noise)
+            kl_mixing = model._kl_mixing(mixing_mean, mixing_log_variance)
+            return ELBOTerms(ell.sum(), model.kl_latents(), kl_mixing, model.kl_gates())
         # reparametrised draws: H = mu + s * eps, and the Concrete's logit z = (rho + log u - log(1 - u)) / tau,
         # LogitRelaxedBernoulli.rsample's formula with its clamping of u, here with an optional generator
         mixing = model.mixing_distribution()
@@ -468,9 +614,7 @@ class GPALPSELBO(gpytorch.mlls.MarginalLogLikelihood):
         uniform = uniform.clamp(tiny, 1 - torch.finfo(uniform.dtype).eps)
         logits = (posterior.logits + uniform.log() - (-uniform).log1p()) / posterior.temperature  # shape: (S, m)
         gates = torch.sigmoid(logits)
-        ell = expected_log_likelihood(
-            latent, mixing_sample * gates.unsqueeze(-2), targets, noise_variances(self.likelihood).to(**options)
-        )
+        ell = expected_log_likelihood(latent, mixing_sample * gates.unsqueeze(-2), targets, noise)
         kl_gates = (posterior.log_prob(logits) - prior.log_prob(logits)).sum(-1).mean(0)
         return ELBOTerms(ell.sum(-1).mean(0), model.kl_latents(), model.kl_mixing(), kl_gates)
 

@@ -53,7 +53,9 @@ def _likelihood(num_tasks: int, noise, dtype=F64):
     return likelihood
 
 
-def _model(num_latents=3, num_outputs=2, num_inducing=5, shared=False, dtype=F64, seed=0, grid=False):
+def _model(
+    num_latents=3, num_outputs=2, num_inducing=5, shared=False, dtype=F64, seed=0, grid=False, family="concrete"
+):
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
     shape = (num_inducing, 1) if shared else (num_latents, num_inducing, 1)
@@ -61,7 +63,14 @@ def _model(num_latents=3, num_outputs=2, num_inducing=5, shared=False, dtype=F64
     if grid:  # well-conditioned K_zz (for float32)
         inducing = torch.linspace(0, 1, num_inducing, dtype=dtype)[:, None].expand(shape).clone()
     kernels = [_rbf(0.2 + 0.1 * j, 1.0 + 0.5 * j, dtype) for j in range(num_latents)]
-    model = GPALPS(kernels, inducing, num_outputs=num_outputs, prior_activation=0.3, mixing_prior_variance=0.7)
+    model = GPALPS(
+        kernels,
+        inducing,
+        num_outputs=num_outputs,
+        prior_activation=0.3,
+        mixing_prior_variance=0.7,
+        variational_family=family,
+    )
     with torch.no_grad():  # a posterior away from the prior: every term of the ELBO is non-trivial
         model.mixing_log_variance.copy_(0.3 * torch.randn(num_outputs, num_latents, generator=generator) - 1)
         model.gate_logits.copy_(torch.randn(num_latents, generator=generator))
@@ -199,6 +208,89 @@ def test_concrete_kl_by_sampling_against_quadrature():
     assert reference > 0.1
 
 
+@pytest.mark.parametrize("family", ["bernoulli", "spike_and_slab"])
+def test_closed_form_expected_log_likelihood_of_bernoulli_gates_against_monte_carlo_over_h_and_b(family):
+    """The closed form over (H, b, x) against 200k draws of hard gates b ~ Bern(sigmoid(rho)) and H ~ q(H | b = 1)
+    (only W = H b enters the likelihood, so q(H | b = 0) does not matter), each draw's expectation over x in
+    closed form (tested above against Monte Carlo over x); missing outputs left out, gradients finite."""
+    model = _model(family=family)
+    inputs, targets = _data(missing=0.2)
+    assert bool(torch.isnan(targets).any())
+    noise = torch.tensor([0.2, 0.3], dtype=F64)
+    elbo = GPALPSELBO(_likelihood(2, noise), model, num_data=len(inputs))
+    terms = elbo.terms(model(inputs), targets)
+    with torch.no_grad():
+        generator = torch.Generator().manual_seed(4)
+        draws = 200_000
+        mean, variance = model.mixing_posterior()
+        mixing = mean + variance.sqrt() * torch.randn(draws, 2, 3, generator=generator, dtype=F64)
+        gates = (torch.rand(draws, 3, generator=generator, dtype=F64) < model.activation_probabilities()).to(F64)
+        per_draw = expected_log_likelihood(model(inputs), mixing * gates[:, None], targets, noise).sum(-1)
+    standard_error = float(per_draw.std()) / math.sqrt(draws)
+    assert abs(float(terms.expected_log_likelihood.detach()) - float(per_draw.mean())) <= 5 * standard_error
+    assert standard_error > 1e-3  # the gates and H do vary
+    loss = -elbo(model(inputs), targets)
+    loss.backward()
+    assert all(bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None)
+    assert float(model.gate_logits.grad.abs().min()) > 0
+
+
+def test_natural_slab_gradients_rescale_only_the_slabs_gradients():
+    """Same ELBO value; the slab's gradients divided by sigma(rho_j), all other gradients unchanged."""
+    inputs, targets = _data()
+    gradients, values = [], []
+    for natural in (False, True):
+        model = _model(family="spike_and_slab")
+        elbo = GPALPSELBO(_likelihood(2, 0.1), model, num_data=len(inputs), natural_slab_gradients=natural)
+        value = elbo(model(inputs), targets)
+        value.backward()
+        values.append(value.detach())
+        gradients.append({name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None})
+    torch.testing.assert_close(values[0], values[1], rtol=0, atol=0)
+    probability = model.activation_probabilities().detach()
+    for name, gradient in gradients[0].items():
+        expected = gradient / probability if name.startswith("mixing_") else gradient
+        torch.testing.assert_close(gradients[1][name], expected, rtol=1e-12, atol=0)
+    assert float(probability.min()) < 0.5  # the rescaling is not trivial
+
+
+@pytest.mark.parametrize("family", ["bernoulli", "spike_and_slab"])
+def test_gate_and_mixing_kls_are_the_kl_of_the_joint_q_h_b_by_monte_carlo(family):
+    r"""kl_mixing + kl_gates against E_q[log q(H, b) - log p(H, b)] over 400k draws of (b, H): under
+    ``"bernoulli"`` H ~ q(H) whatever b; under ``"spike_and_slab"`` H_{:j} ~ q(H_{:j} | b_j = 1) or the prior
+    (tolerance: 5 standard errors); the gates' KL also against torch's Bernoulli KL."""
+    model = _model(family=family)
+    with torch.no_grad():
+        value = model.kl_mixing() + model.kl_gates()
+        probability = model.activation_probabilities()
+        theta = model.prior_activation
+        reference = torch.distributions.kl_divergence(
+            torch.distributions.Bernoulli(probs=probability), torch.distributions.Bernoulli(probs=theta)
+        ).sum()
+        torch.testing.assert_close(model.kl_gates(), reference, rtol=1e-12, atol=0)
+
+        generator = torch.Generator().manual_seed(5)
+        draws = 400_000
+        gates = torch.rand(draws, 3, generator=generator, dtype=F64) < probability
+        mean, variance = model.mixing_posterior()
+        prior = Normal(torch.zeros_like(mean), model.mixing_prior_variance.sqrt())
+        slab = Normal(mean, variance.sqrt())
+        noise = torch.randn(draws, 2, 3, generator=generator, dtype=F64)
+        if family == "spike_and_slab":
+            on = gates[:, None].expand(draws, 2, 3)
+            mixing = torch.where(on, slab.mean + slab.stddev * noise, prior.stddev * noise)
+            log_q_mixing = torch.where(on, slab.log_prob(mixing), prior.log_prob(mixing))
+        else:
+            mixing = slab.mean + slab.stddev * noise
+            log_q_mixing = slab.log_prob(mixing)
+        log_q = torch.distributions.Bernoulli(probs=probability).log_prob(gates.to(F64)).sum(-1)
+        log_p = torch.distributions.Bernoulli(probs=theta).log_prob(gates.to(F64)).sum(-1)
+        per_draw = log_q + log_q_mixing.sum((-2, -1)) - log_p - prior.log_prob(mixing).sum((-2, -1))
+    standard_error = float(per_draw.std()) / math.sqrt(draws)
+    assert abs(float(value) - float(per_draw.mean())) <= 5 * standard_error
+    assert float(value) > 0.5
+
+
 # ---------------------------------------------------------------------------------------------------
 # The reduction to GPyTorch's LMC
 # ---------------------------------------------------------------------------------------------------
@@ -221,9 +313,10 @@ class _LMCModel(gpytorch.models.ApproximateGP):
         return gpytorch.distributions.MultivariateNormal(torch.zeros(x.shape[:-1], dtype=x.dtype), self.covar_module(x))
 
 
-def test_gates_on_and_fixed_mixing_reduce_to_gpytorchs_lmc_elbo():
+@pytest.mark.parametrize("family", ["concrete", "bernoulli", "spike_and_slab"])
+def test_gates_on_and_fixed_mixing_reduce_to_gpytorchs_lmc_elbo(family):
     num_latents, num_outputs = 3, 2
-    model = _model(num_latents, num_outputs)
+    model = _model(num_latents, num_outputs, family=family)
     inputs, targets = _data(num_points=15, num_outputs=num_outputs)
     with torch.no_grad():
         model.gate_logits.fill_(60.0)  # b = sigmoid((60 + logistic) / tau) == 1 in float64
@@ -375,7 +468,8 @@ def test_mixing_conditional_is_dense_bayesian_linear_regression():
 # ---------------------------------------------------------------------------------------------------
 # VI against Gibbs on a toy with one pure-noise latent
 # ---------------------------------------------------------------------------------------------------
-def test_vi_and_gibbs_activation_probabilities_agree_on_a_toy_with_a_noise_latent():
+@pytest.mark.parametrize("family", ["concrete", "spike_and_slab"])
+def test_vi_and_gibbs_activation_probabilities_agree_on_a_toy_with_a_noise_latent(family):
     """Two outputs of one smooth latent; the second candidate latent (lengthscale 0.01 on a grid of spacing 0.026:
     white noise) explains nothing. Fixed kernels and noise; VI's sigma(rho) against Gibbs' Rao-Blackwellised
     frequencies."""
@@ -385,7 +479,7 @@ def test_vi_and_gibbs_activation_probabilities_agree_on_a_toy_with_a_noise_laten
     smooth = torch.sin(4 * math.pi * inputs[:, 0])
     targets = torch.stack([smooth, -0.7 * smooth], -1) + 0.1 * torch.randn(num_points, 2, dtype=F64)
     kernels = [_rbf(0.15), _rbf(0.01)]
-    model = GPALPS(kernels, inputs.clone(), num_outputs=2, prior_activation=0.5)
+    model = GPALPS(kernels, inputs.clone(), num_outputs=2, prior_activation=0.5, variational_family=family)
     likelihood = _likelihood(2, 0.01)
     for module in (*kernels, likelihood):
         module.requires_grad_(False)
@@ -458,6 +552,7 @@ def test_missing_outputs_are_the_elbo_without_those_entries():
         (lambda m, l, t, y: GPALPS([_rbf(0.1)], torch.rand(4, 1), 2, prior_activation=1.0), "prior_activation"),
         (lambda m, l, t, y: GPALPS([_rbf(0.1)], torch.rand(4, 1), 2, mixing_prior_variance=-1.0), "mixing_prior"),
         (lambda m, l, t, y: GPALPS([], torch.rand(4, 1), 2), "latent_kernels"),
+        (lambda m, l, t, y: GPALPS([_rbf(0.1)], torch.rand(4, 1), 2, variational_family="mcmc"), "variational_fam"),
         (lambda m, l, t, y: GPALPSELBO(l, m, 10)(m(t), y.masked_fill(y > 0, math.inf)), "inf"),
     ],
 )

@@ -24,6 +24,7 @@ from gpytorch_iterncgp.datasets import gaussian_mixture
 from .reference import data_major, laplace_mode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import alps_scale  # noqa: E402
 import methods  # noqa: E402
 import suite  # noqa: E402
 
@@ -190,6 +191,19 @@ def test_suite_quick_run_writes_results(tmp_path):
         assert any(m.startswith("SVGP") for m in methods_run) and "exact Laplace (Cholesky)" in methods_run
         for row in problem["summary"]:
             assert math.isfinite(row["nll"]) and row["peak_rss_MiB"] > 0
+
+
+def test_alps_scale_quick_run_writes_results(tmp_path):
+    output = alps_scale.main(["--quick", "--quiet", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "alps_scale_quick.json").read_text())
+    assert saved["machine"]["cpu_count"] >= 1 and "torch" in saved["machine"]
+    result = output["result"]
+    assert len(result["history"]) == result["epochs"] == 3 and len(result["activation_probabilities"]) == 9
+    assert all(math.isfinite(h["elbo_per_point"]) for h in result["history"])
+    assert result["history"][-1]["elbo_per_point"] > result["history"][0]["elbo_per_point"]
+    assert 0.05 < result["missing_fraction_observed"] < 0.15
+    assert math.isfinite(result["test_rmse_to_noisy_targets"]) and result["peak_memory_above_start_bytes"] >= 0
+    assert (tmp_path / "alps_scale_quick.png").stat().st_size > 10_000
 
 
 def test_fixed_kernel_is_not_trained():
