@@ -157,8 +157,22 @@ def noise_gram(actions: ColumnStore, noise_inverse: LinearOperator) -> Tensor:
     if size == 0:
         return rows.new_zeros(0, 0, dtype=torch.float64)
     width = max(1, NOISE_BLOCK_BYTES // max(1, num_rows * rows.element_size()))
-    blocks = [rows @ noise_inverse.matmul(rows[start : start + width].mT) for start in range(0, size, width)]
+    support = row_support(rows)
+    blocks = []
+    for start in range(0, size, width):
+        noisy = noise_inverse.matmul(rows[start : start + width].mT)
+        blocks.append(rows @ noisy if support is None else rows[:, support] @ noisy[support])
     return _symmetric(torch.cat(blocks, dim=-1).double())
+
+
+def row_support(rows: Tensor) -> Tensor | None:
+    r"""The indices of the entries where some action of ``rows`` (:math:`\mathbf S^\top`, ``(B, n)``) is not zero, if
+    they are at most a quarter of ``n`` (e.g. unit-vector actions not yet re-weighted); else ``None``.
+
+    Products :math:`\mathbf S^\top \mathbf X` and :math:`\mathbf S \mathbf E` then run over these entries only.
+    """
+    support = rows.ne(0).any(0).nonzero()[:, 0]
+    return support if 4 * len(support) <= rows.shape[-1] else None
 
 
 def _top_eigenpairs(gram: Tensor, tolerance: float, limit: int | None) -> tuple[Tensor, Tensor]:
@@ -182,7 +196,12 @@ def _combination(rows: Tensor, extra: Tensor | None, coefficients: Tensor, capac
     store = ColumnStore.with_capacity(rows.shape[-1], count + capacity, rows.dtype, rows.device)
     target = store.extend(count)
     weights = coefficients.to(rows.dtype)
-    torch.matmul(weights[: rows.shape[0]].mT, rows, out=target)
+    support = row_support(rows) if extra is None else None
+    if support is None:
+        torch.matmul(weights[: rows.shape[0]].mT, rows, out=target)
+    else:  # sparse actions (unit vectors): the other rows of the combination are zero
+        target.zero_()
+        target[:, support] = weights.mT @ rows[:, support]
     if extra is not None:
         target.addr_(weights[-1], extra)
     return store
