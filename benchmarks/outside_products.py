@@ -161,19 +161,22 @@ def plot(runs: list[dict], path: Path) -> None:
 
     labels = sorted({run["label"] for run in runs})
     configs = sorted({label_of(run) for run in runs})
-    fig, ax = plt.subplots(figsize=(8, 0.5 + 0.5 * len(configs)))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 0.5 + 0.5 * len(configs)), sharey=True)
     height = 0.8 / max(len(labels), 1)
-    for offset, label in enumerate(labels):
-        by_config = {label_of(run): run for run in runs if run["label"] == label}
-        ys = [index + offset * height for index, config in enumerate(configs) if config in by_config]
-        values = [100 * by_config[config]["outside_cpu_fraction"] for config in configs if config in by_config]
-        ax.barh(ys, values, height=height, label=label)
-    ax.axvline(10, color="black", linestyle="--", linewidth=1, label="10% target")
-    ax.set_yticks([index + height * (len(labels) - 1) / 2 for index in range(len(configs))], configs)
-    ax.set_xlabel("CPU time outside products with K [% of IterNCGP's fit]")
-    ax.set_xlim(0, 100)
-    ax.legend(loc="lower right")
-    ax.set_title(f"IterNCGP, mixture N = {runs[0]['n_train']}, C = 10 (CPU)")
+    for ax, key, scale in ((axes[0], "outside_cpu_fraction", 100), (axes[1], "fit_cpu_seconds", 1)):
+        for offset, label in enumerate(labels):
+            by_config = {label_of(run): run for run in runs if run["label"] == label}
+            ys = [index + offset * height for index, config in enumerate(configs) if config in by_config]
+            values = [scale * by_config[config][key] for config in configs if config in by_config]
+            ax.barh(ys, values, height=height, label=label)
+    axes[0].axvline(10, color="black", linestyle="--", linewidth=1, label="10% target")
+    axes[0].set_yticks([index + height * (len(labels) - 1) / 2 for index in range(len(configs))], configs)
+    axes[0].set_xlabel("CPU time outside products with K [% of the fit]")
+    axes[0].set_xlim(0, 100)
+    axes[0].legend(loc="lower right")
+    axes[1].set_xscale("log")
+    axes[1].set_xlabel("CPU time of the fit [s] (log)")
+    fig.suptitle(f"IterNCGP, mixture N = {runs[0]['n_train']}, C = 10 (CPU, one thread)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
