@@ -265,6 +265,7 @@ class ExpectationPropagation:
             rel_tol=options.rel_tol,
             compression_rank=options.compression_rank,
             keep=(state.representer_weights, state.kernel_representer_weights),
+            kernel_columns=self.prior.kernel_columns,
         )
 
     @staticmethod

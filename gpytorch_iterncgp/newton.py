@@ -316,6 +316,7 @@ class DampedNewton:
                 compression_rank=None if control.same_system else options.compression_rank,
                 action_space_dimension=self.action_space_dimension,
                 keep=(current.weights, current.kernel_weights),
+                kernel_columns=self.prior.kernel_columns,
             )
             buffer = result.buffer
             proposal = self.point(result.representer_weights, result.kernel_representer_weights)

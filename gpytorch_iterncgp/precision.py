@@ -30,10 +30,33 @@ class ColumnStore:
         self._storage = columns.new_empty(max(8, 2 * self.size), columns.shape[0])
         self._storage[: self.size] = columns.mT
 
+    @classmethod
+    def with_capacity(cls, num_rows: int, capacity: int, dtype: torch.dtype, device: torch.device) -> ColumnStore:
+        """An empty store of ``num_rows`` rows with room for ``capacity`` columns (at least 8) before it grows."""
+        store = cls.__new__(cls)
+        store.size = 0
+        store._storage = torch.empty(max(8, capacity), num_rows, dtype=dtype, device=device)
+        return store
+
     @property
     def value(self) -> Tensor:
         """The filled columns, shape ``(n, size)`` (a transposed view of the row storage)."""
         return self._storage[: self.size].mT
+
+    @property
+    def rows(self) -> Tensor:
+        """The filled columns as rows, shape ``(size, n)``: :attr:`value` transposed, contiguous."""
+        return self._storage[: self.size]
+
+    def extend(self, count: int) -> Tensor:
+        """Append ``count`` columns for the caller to fill: returns them as rows ``(count, n)`` (a view to write into,
+        e.g. with ``torch.matmul(..., out=...)``)."""
+        if self.size + count > self._storage.shape[0]:
+            storage = self._storage.new_empty(max(8, 2 * (self.size + count)), self._storage.shape[-1])
+            storage[: self.size] = self._storage[: self.size]
+            self._storage = storage
+        self.size += count
+        return self._storage[self.size - count : self.size]
 
     def append(self, column: Tensor) -> None:
         """Append ``column`` (shape ``(n,)``) as the last column."""
@@ -83,6 +106,14 @@ class LowRankPrecision(LowRankRootLinearOperator):
         grown = LowRankPrecision(store.value)
         grown._store = store
         return grown
+
+    @classmethod
+    def from_store(cls, store: ColumnStore) -> LowRankPrecision:
+        r"""The precision whose root :math:`\mathbf Q` is the columns of ``store``; :meth:`append` grows it in place of
+        a copy (the store is owned by the result from now on)."""
+        precision = cls(store.value)
+        precision._store = store
+        return precision
 
     @classmethod
     def empty(cls, size: int, dtype: torch.dtype, device: torch.device) -> LowRankPrecision:

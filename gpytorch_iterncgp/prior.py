@@ -236,6 +236,40 @@ class LatentPrior:
         product = multiply(per_class)  # (C, N, k)
         return product.permute(1, 0, 2).reshape(num_rows * num, width)
 
+    def kernel_columns(self, indices: Tensor) -> Tensor:
+        r"""The columns :math:`\mathbf K_{:, \text{indices}}` for data-major indices ``(k,)`` (latent ``c`` of point ``p`` is
+        ``p C + c``); returns ``(N C, k)``.
+
+        The kernel is evaluated at the rows and the indexed points only, :math:`O(N D)` per point (or read from the
+        kernel matrix if a product has already evaluated and cached it); correlated outputs (``"multitask"``) take a
+        product with the one-hot columns instead. :math:`\mathbf K \mathbf s` for an action ``s`` with few non-zero
+        entries is then a combination of columns, not a product with :math:`\mathbf K`; a call counts as one
+        product with ``k`` columns, and its time as time in products.
+        """
+        self.products += 1
+        self.columns += len(indices)
+        start = time.perf_counter()
+        num = self.num_latents
+        if self.layout == MULTITASK:
+            one_hot = torch.zeros(self.covariance.shape[-1], len(indices), dtype=self.dtype, device=self.device)
+            one_hot[indices, torch.arange(len(indices), device=self.device)] = 1
+            chunk_rows = 0 if torch.is_grad_enabled() else _chunk_rows(self.covariance)
+            block = self._matmul(one_hot, chunk_rows)
+        else:
+            points, latents = indices // num, indices % num
+            unique, inverse = points.unique(return_inverse=True)
+            covariance = self.covariance
+            cache = getattr(covariance, "_memoize_cache", {})
+            if isinstance(covariance, LazyEvaluatedKernelTensor) and any(key[0] == "kernel_eval" for key in cache):
+                covariance = covariance.evaluate_kernel()  # already evaluated by a product: read its columns
+            kernel = covariance[..., :, unique].to_dense()  # (N, u), or (C, N, u) for independent GPs
+            picked = kernel[:, inverse] if self.layout != INDEPENDENT else kernel[latents, :, inverse].mT
+            block = picked.new_zeros(picked.shape[0], num, len(indices))
+            block[:, latents, torch.arange(len(indices), device=self.device)] = picked
+            block = block.reshape(-1, len(indices))
+        self.product_seconds += time.perf_counter() - start
+        return block
+
     def diagonal(self) -> Tensor:
         """The prior variances, data-major ``(N C,)`` (square blocks only)."""
         diagonal = self.covariance.diagonal(dim1=-2, dim2=-1)

@@ -15,11 +15,22 @@ keeping the top :math:`R` eigenpairs (compression). Then :math:`\mathbf C_0 = \m
 = \mathbf S (\mathbf S^\top \hat{\mathbf K} \mathbf S)^{-1} \mathbf S^\top` (for :math:`R = B`), and the
 residual of :math:`\mathbf v_0 = \mathbf C_0 \mathbf b` is orthogonal to :math:`\operatorname{span}(\mathbf S)`
 (Proposition A.4).
+
+What a Newton step pays outside the products with :math:`\mathbf K`. The part of :math:`\mathbf M` that does not
+depend on :math:`\mathbf W`, :math:`\mathbf S^\top \mathbf T = \mathbf S^\top \mathbf K \mathbf S` (and
+:math:`\mathbf S^\top \mathbf S`, for the norms of re-weighted actions), is kept by the :class:`ActionBuffer` and
+bordered by one row and column per appended action (:math:`O(N C B)`), so a virtual run computes only
+:math:`\mathbf S^\top \mathbf W^{-1} \mathbf S`. Where nothing is compressed (:math:`R = \infty`, or
+:math:`B \le R` without a kept direction) the buffer is not re-weighted at all: :math:`\mathbf S` stays as it was,
+grows in place, and :math:`\mathbf Q = \mathbf S (\mathbf U \boldsymbol\Lambda^{-1/2})` is written straight into
+its storage. So a step costs one :math:`(N C \times B) \cdot (B \times B)` Gram product and the two products
+forming :math:`\mathbf Q` and :math:`\mathbf K \mathbf Q`, and holds :math:`\mathbf S`, :math:`\mathbf T`,
+:math:`\mathbf Q`, :math:`\mathbf K \mathbf Q` and one block of :math:`\mathbf W^{-1} \mathbf S` at a time.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from linear_operator.operators import LinearOperator
@@ -27,16 +38,36 @@ from torch import Tensor
 
 from .precision import ColumnStore
 
+# Bytes of W^{-1} S formed at once when a virtual run computes S^T W^{-1} S (column blocks of S).
+NOISE_BLOCK_BYTES = 2**28
+
+
+def _symmetric(matrix: Tensor) -> Tensor:
+    return (matrix + matrix.mT) / 2
+
+
+def _bordered(gram: Tensor, column: Tensor) -> Tensor:
+    """``gram`` ``(B, B)`` with ``column`` ``(B + 1,)`` appended as last row and column."""
+    size = gram.shape[-1]
+    grown = gram.new_empty(size + 1, size + 1)
+    grown[:size, :size] = gram
+    grown[size, :] = column
+    grown[:, size] = column
+    return grown
+
 
 @dataclass
 class ActionBuffer:
     r"""Actions :math:`\mathbf S` and kernel products :math:`\mathbf T = \mathbf K \mathbf S`, each ``(N C, B)``.
 
-    Actions are stored with unit norm; both grow by one column per solver iteration.
+    Actions are stored with unit norm; both grow by one column per solver iteration. The buffer also keeps
+    :math:`\mathbf S^\top \mathbf K \mathbf S` and :math:`\mathbf S^\top \mathbf S` (float64, :meth:`grams`): computed
+    once when first needed, then bordered by :meth:`append` in :math:`O(N C B)`.
     """
 
     actions: ColumnStore
     kernel_actions: ColumnStore
+    _grams: tuple[Tensor, Tensor] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_tensors(cls, actions: Tensor, kernel_actions: Tensor) -> ActionBuffer:
@@ -52,18 +83,136 @@ class ActionBuffer:
         """The number of actions :math:`B`."""
         return self.actions.size
 
+    def _gram_columns(self, index: int) -> tuple[Tensor, Tensor]:
+        """Column ``index`` of the two Gram matrices, up to the diagonal, from actions ``0 .. index`` (float64)."""
+        rows, kernel_rows = self.actions.rows[: index + 1], self.kernel_actions.rows[: index + 1]
+        action, kernel_action = rows[index], kernel_rows[index]
+        kernel_column = (rows @ kernel_action + kernel_rows @ action) / 2
+        return kernel_column.double(), (rows @ action).double()
+
+    def grams(self) -> tuple[Tensor, Tensor]:
+        r""":math:`\mathbf S^\top \mathbf K \mathbf S` and :math:`\mathbf S^\top \mathbf S`, float64 ``(B, B)``, symmetric.
+
+        Entry :math:`(i, j)`, :math:`i \le j`, is :math:`(\mathbf s_i^\top \mathbf t_j + \mathbf t_i^\top \mathbf s_j) / 2`
+        (and :math:`\mathbf s_i^\top \mathbf s_j`), computed when action :math:`j` is appended, by :meth:`append`.
+        A buffer built from tensors computes them here, column by column in the same way (:math:`O(N C B^2)`), so
+        that they do not depend on whether the buffer grew in this process or was restored (a resumed fit repeats
+        an uninterrupted one bit for bit).
+        """
+        if self._grams is None or self._grams[0].shape[-1] != self.size:
+            size = self.size
+            device = self.actions.rows.device
+            kernel_gram = torch.zeros(size, size, dtype=torch.float64, device=device)
+            action_gram = torch.zeros(size, size, dtype=torch.float64, device=device)
+            for index in range(size):
+                kernel_column, action_column = self._gram_columns(index)
+                kernel_gram[index, : index + 1] = kernel_gram[: index + 1, index] = kernel_column
+                action_gram[index, : index + 1] = action_gram[: index + 1, index] = action_column
+            self._grams = (kernel_gram, action_gram)
+        return self._grams
+
     def append(self, action: Tensor, kernel_action: Tensor) -> None:
+        """Append an action and its kernel product (shape ``(N C,)``); the Gram matrices, if kept, are bordered
+        (:math:`O(N C B)`)."""
+        kept = self._grams is not None and self._grams[0].shape[-1] == self.size
         self.actions.append(action)
         self.kernel_actions.append(kernel_action)
+        if kept and self._grams is not None:
+            kernel_column, action_column = self._gram_columns(self.size - 1)
+            self._grams = (_bordered(self._grams[0], kernel_column), _bordered(self._grams[1], action_column))
 
 
 @dataclass
 class VirtualRun:
-    r"""The result of a virtual solver run: re-weighted buffer and the root of :math:`\mathbf C_0`."""
+    r"""The result of a virtual solver run: re-weighted buffer and the root of :math:`\mathbf C_0`.
+
+    ``precision_store`` and ``kernel_precision_store`` hold :math:`\mathbf Q` and :math:`\mathbf K \mathbf Q` with room
+    for the columns the solver appends.
+    """
 
     buffer: ActionBuffer
-    precision_root: Tensor  # Q, (N C, r)
-    kernel_precision_root: Tensor  # K Q, (N C, r)
+    precision_store: ColumnStore
+    kernel_precision_store: ColumnStore
+
+    @property
+    def precision_root(self) -> Tensor:
+        r""":math:`\mathbf Q`, ``(N C, r)``."""
+        return self.precision_store.value
+
+    @property
+    def kernel_precision_root(self) -> Tensor:
+        r""":math:`\mathbf K \mathbf Q`, ``(N C, r)``."""
+        return self.kernel_precision_store.value
+
+
+def noise_gram(actions: ColumnStore, noise_inverse: LinearOperator) -> Tensor:
+    r""":math:`\mathbf S^\top \mathbf W^{-1} \mathbf S`, float64 ``(B, B)``, symmetrised: the part of the virtual run's
+    Gram matrix that changes with :math:`\mathbf W`.
+
+    :math:`\mathbf W^{-1} \mathbf S` is formed in blocks of columns of at most ``NOISE_BLOCK_BYTES`` (never all at
+    once); the product is in the working dtype, accumulated by BLAS, and its float64 copy is what is decomposed.
+    """
+    rows = actions.rows
+    size, num_rows = rows.shape
+    if size == 0:
+        return rows.new_zeros(0, 0, dtype=torch.float64)
+    width = max(1, NOISE_BLOCK_BYTES // max(1, num_rows * rows.element_size()))
+    support = row_support(rows)
+    blocks = []
+    for start in range(0, size, width):
+        noisy = noise_inverse.matmul(rows[start : start + width].mT)
+        blocks.append(rows @ noisy if support is None else rows[:, support] @ noisy[support])
+    return _symmetric(torch.cat(blocks, dim=-1).double())
+
+
+def row_support(rows: Tensor) -> Tensor | None:
+    r"""The indices of the entries where some action of ``rows`` (:math:`\mathbf S^\top`, ``(B, n)``) is not zero, if
+    they are at most a quarter of ``n`` (e.g. unit-vector actions not yet re-weighted); else ``None``.
+
+    Products :math:`\mathbf S^\top \mathbf X` and :math:`\mathbf S \mathbf E` then run over these entries only.
+    """
+    support = rows.ne(0).any(0).nonzero()[:, 0]
+    return support if 4 * len(support) <= rows.shape[-1] else None
+
+
+def _top_eigenpairs(gram: Tensor, tolerance: float, limit: int | None) -> tuple[Tensor, Tensor]:
+    """The eigenpairs of ``gram`` above ``tolerance`` times the largest, at most ``limit``, largest first."""
+    if gram.shape[-1] == 0:
+        return gram.new_zeros(0, 0), gram.new_zeros(0)
+    eigenvalues, eigenvectors = torch.linalg.eigh(gram)
+    eigenvalues, eigenvectors = eigenvalues.flip(-1), eigenvectors.flip(-1)
+    rank = int((eigenvalues > tolerance * eigenvalues[0].clamp_min(0)).sum())
+    if eigenvalues[0] <= 0:
+        rank = 0
+    if limit is not None:
+        rank = min(rank, limit)
+    return eigenvectors[:, :rank], eigenvalues[:rank]
+
+
+def _combination(rows: Tensor, extra: Tensor | None, coefficients: Tensor, capacity: int) -> ColumnStore:
+    r"""A new store with the columns :math:`[\mathbf S, \mathbf x] \mathbf E` (``rows`` is :math:`\mathbf S^\top`,
+    ``extra`` the optional :math:`\mathbf x`, ``coefficients`` :math:`\mathbf E` ``(B (+1), r)``)."""
+    count = coefficients.shape[-1]
+    store = ColumnStore.with_capacity(rows.shape[-1], count + capacity, rows.dtype, rows.device)
+    target = store.extend(count)
+    weights = coefficients.to(rows.dtype)
+    support = row_support(rows) if extra is None else None
+    if support is None:
+        torch.matmul(weights[: rows.shape[0]].mT, rows, out=target)
+    else:  # sparse actions (unit vectors): the other rows of the combination are zero
+        target.zero_()
+        target[:, support] = weights.mT @ rows[:, support]
+    if extra is not None:
+        target.addr_(weights[-1], extra)
+    return store
+
+
+def _scaled(store: ColumnStore, scale: Tensor, capacity: int) -> ColumnStore:
+    """A new store with the columns of ``store`` times ``scale`` ``(r,)``."""
+    rows = store.rows
+    scaled = ColumnStore.with_capacity(rows.shape[-1], rows.shape[0] + capacity, rows.dtype, rows.device)
+    torch.mul(rows, scale.to(rows.dtype)[:, None], out=scaled.extend(rows.shape[0]))
+    return scaled
 
 
 def virtual_solver_run(
@@ -72,53 +221,78 @@ def virtual_solver_run(
     compression_rank: int | None = None,
     relative_eigenvalue_tolerance: float | None = None,
     keep: tuple[Tensor, Tensor] | None = None,
+    spare: int = 0,
 ) -> VirtualRun:
     r"""Algorithm 3: the initial precision for a new noise :math:`\mathbf W^{-1}`, with no product with :math:`\mathbf K`.
 
-    :param buffer: actions and kernel products ``(N C, B)`` from earlier solves with the *same* kernel.
+    :param buffer: actions and kernel products ``(N C, B)`` from earlier solves with the *same* kernel. Where nothing
+        is compressed, the result's buffer *is* ``buffer`` (not re-weighted, not copied), so a solver appending to it
+        extends ``buffer`` in place.
     :param noise_inverse: the new :math:`\mathbf W^{-1}`, ``(N C, N C)``.
     :param compression_rank: :math:`R`, the number of eigenpairs kept (``None``: all).
     :param relative_eigenvalue_tolerance: eigenvalues :math:`\lambda \le \epsilon \lambda_1` are dropped
-        (numerically dependent actions); default ``1000 * finfo(dtype).eps``.
+        (numerically dependent actions); default ``1000 * finfo(dtype).eps``. Without compression the dependent
+        actions stay in the buffer (each run drops them again from :math:`\mathbf Q`).
     :param keep: a direction and its kernel product, ``((N C,), (N C,))``, that compression must not
         drop: the top :math:`R - 1` eigen-directions are kept, plus this one. The Newton loop passes the
         current representer weights :math:`\mathbf a`, so that the initial solution
         :math:`\mathbf C_0 \mathbf b` is never worse than (a multiple of) :math:`\mathbf a`.
-    :return: the re-weighted buffer (at most :math:`R` columns, unit-norm actions), :math:`\mathbf Q`
-        and :math:`\mathbf K \mathbf Q`.
+    :param spare: room for this many more columns in :math:`\mathbf Q`, :math:`\mathbf K \mathbf Q` (and a
+        re-weighted buffer) before their storage grows.
+    :return: the buffer (at most :math:`R` columns, unit-norm actions, if compressed), :math:`\mathbf Q` and
+        :math:`\mathbf K \mathbf Q`.
     """
-    if keep is not None and compression_rank is not None and float(keep[0].norm()) > 0:
-        compressed = virtual_solver_run(
-            buffer, noise_inverse, max(compression_rank - 1, 0), relative_eigenvalue_tolerance
-        )
-        norm = keep[0].norm()
-        compressed.buffer.append(keep[0] / norm, keep[1] / norm)
-        return virtual_solver_run(compressed.buffer, noise_inverse, None, relative_eigenvalue_tolerance)
-    actions, kernel_actions = buffer.actions.value, buffer.kernel_actions.value
-    if buffer.size == 0:
-        return VirtualRun(buffer, actions, kernel_actions)
-    dtype = actions.dtype
+    rows = buffer.actions.rows
+    num_rows, dtype, device = rows.shape[-1], rows.dtype, rows.device
     if relative_eigenvalue_tolerance is None:
         relative_eigenvalue_tolerance = 1000 * torch.finfo(dtype).eps
-    # The Gram matrix S^T K̂ S and its eigendecomposition in float64 (float32 eigh fails on it).
-    noisy_actions = kernel_actions + noise_inverse.matmul(actions)
-    gram = actions.double().mT @ noisy_actions.double()
-    gram = (gram + gram.mT) / 2
-    eigenvalues, eigenvectors = torch.linalg.eigh(gram)
-    eigenvalues, eigenvectors = eigenvalues.flip(-1), eigenvectors.flip(-1)
-    rank = int((eigenvalues > relative_eigenvalue_tolerance * eigenvalues[0].clamp_min(0)).sum())
-    if eigenvalues[0] <= 0:
-        rank = 0
-    if compression_rank is not None:
-        rank = min(rank, compression_rank)
-    eigenvalues, eigenvectors = eigenvalues[:rank], eigenvectors[:, :rank]
-    # The re-weighting itself in the working dtype: O(N C B r), the bulk of this function's cost.
-    eigenvectors = eigenvectors.to(dtype)
-    new_actions = actions @ eigenvectors
-    new_kernel_actions = kernel_actions @ eigenvectors
-    inverse_sqrt = eigenvalues.rsqrt().to(dtype)
-    precision_root = new_actions * inverse_sqrt
-    kernel_precision_root = new_kernel_actions * inverse_sqrt
-    norms = new_actions.norm(dim=0).clamp_min(torch.finfo(dtype).tiny)
-    new_buffer = ActionBuffer.from_tensors(new_actions / norms, new_kernel_actions / norms)
-    return VirtualRun(new_buffer, precision_root, kernel_precision_root)
+    extra: tuple[Tensor, Tensor] | None = None
+    if keep is not None and compression_rank is not None and float(keep[0].norm()) > 0:
+        norm = keep[0].norm()
+        extra = (keep[0] / norm, keep[1] / norm)
+    if buffer.size == 0 and extra is None:
+        return VirtualRun(
+            buffer,
+            ColumnStore.with_capacity(num_rows, spare, dtype, device),
+            ColumnStore.with_capacity(num_rows, spare, dtype, device),
+        )
+    kernel_gram, action_gram = buffer.grams()
+    # M = S^T K S (kept by the buffer) + S^T W^{-1} S (this W), decomposed in float64 (float32 eigh fails on it).
+    gram = kernel_gram + noise_gram(buffer.actions, noise_inverse)
+    if extra is None:
+        coefficients, eigenvalues = _top_eigenpairs(gram, relative_eigenvalue_tolerance, compression_rank)
+        if compression_rank is None or coefficients.shape[-1] == buffer.size:
+            # Nothing compressed: the buffer stays as it is, Q = S U Λ^{-1/2} and K Q = T U Λ^{-1/2}.
+            weights = coefficients * eigenvalues.rsqrt()
+            return VirtualRun(
+                buffer,
+                _combination(rows, None, weights, spare),
+                _combination(buffer.kernel_actions.rows, None, weights, spare),
+            )
+        extended_action_gram = action_gram
+    else:
+        # Compress to the top R - 1 directions (normalised), add the kept one, and decompose again over these R.
+        first, _ = _top_eigenpairs(gram, relative_eigenvalue_tolerance, max(compression_rank - 1, 0))  # type: ignore[operator]
+        first = first / (first * (action_gram @ first)).sum(0).sqrt().clamp_min(torch.finfo(torch.float64).tiny)
+        direction, kernel_direction = extra
+        noisy_direction = kernel_direction + noise_inverse.matmul(direction[:, None])[:, 0]
+        noisy_column = torch.cat([rows @ noisy_direction, (direction @ noisy_direction)[None]]).double()
+        action_column = torch.cat([rows @ direction, (direction @ direction)[None]]).double()
+        extended_gram = _bordered(gram, noisy_column)
+        extended_action_gram = _bordered(action_gram, action_column)
+        basis = torch.block_diag(first, torch.ones(1, 1, dtype=torch.float64, device=first.device))
+        second, eigenvalues = _top_eigenpairs(
+            _symmetric(basis.mT @ extended_gram @ basis), relative_eigenvalue_tolerance, None
+        )
+        coefficients = basis @ second
+    # Re-weight: the new buffer [S, x] E / ν with unit-norm columns (ν from S^T S, no pass over S), and
+    # Q = [S, x] E Λ^{-1/2} = (new S) ν Λ^{-1/2}. The new buffer's Gram matrices are computed when next needed.
+    norms = (coefficients * (extended_action_gram @ coefficients)).sum(0).sqrt()
+    norms = norms.clamp_min(torch.finfo(dtype).tiny)
+    coefficients = coefficients / norms
+    actions = _combination(rows, None if extra is None else extra[0], coefficients, spare)
+    kernel_actions = _combination(buffer.kernel_actions.rows, None if extra is None else extra[1], coefficients, spare)
+    scale = norms * eigenvalues.rsqrt()
+    return VirtualRun(
+        ActionBuffer(actions, kernel_actions), _scaled(actions, scale, spare), _scaled(kernel_actions, scale, spare)
+    )

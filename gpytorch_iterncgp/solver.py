@@ -22,6 +22,11 @@ Tracking :math:`\mathbf K \mathbf d` this way divides its rounding errors by :ma
 (e.g. a unit vector that a recycled direction already covers) is therefore replaced by its new part
 :math:`\mathbf d`, whose product with :math:`\mathbf K` the next iteration computes afresh, and an action entirely
 in the span is skipped; each product with :math:`\mathbf K` counts as an iteration.
+
+An action with few non-zero entries (a unit vector, or one projected to zero sum over a point's classes) needs no
+product: :math:`\mathbf K \mathbf s` is a combination of the kernel columns at its support, :math:`O(N D)` each
+(``kernel_columns``, e.g. :meth:`~gpytorch_iterncgp.prior.LatentPrior.kernel_columns`). It still counts as the iteration's
+product with :math:`\mathbf K`.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from torch import Tensor
 
 from .exceptions import NumericalBreakdownWarning
 from .policies import Policy
-from .precision import ColumnStore, LowRankPrecision
+from .precision import LowRankPrecision
 from .recycling import ActionBuffer, virtual_solver_run
 from .validation import check_count, check_flag, check_nonnegative
 
@@ -179,13 +184,16 @@ def itergp_solve(
     compression_rank: int | None = None,
     action_space_dimension: int | None = None,
     keep: tuple[Tensor, Tensor] | None = None,
+    kernel_columns: Callable[[Tensor], Tensor] | None = None,
 ) -> IterGPResult:
     r"""Solve :math:`(\mathbf K + \mathbf W^{-1}) \mathbf v = \mathbf b` approximately, recycling ``buffer``.
 
     :param kernel_matmul: :math:`\mathbf X \mapsto \mathbf K \mathbf X` for ``(n, k)`` inputs.
     :param noise_inverse: :math:`\mathbf W^{-1}`, ``(n, n)``.
     :param rhs: :math:`\mathbf b`, ``(n,)``.
-    :param buffer: recycled actions and their kernel products (computed with the same kernel).
+    :param buffer: recycled actions and their kernel products (computed with the same kernel). The solver owns it:
+        where the virtual run compresses nothing, the new actions are appended to ``buffer`` itself (its earlier
+        columns never change); use ``result.buffer`` afterwards.
     :param policy: chooses the actions.
     :param project: projection applied to actions and residuals (softmax: zero sum per point);
         convergence is measured on the projected residual.
@@ -199,6 +207,9 @@ def itergp_solve(
         solver stops.
     :param keep: a direction and its kernel product that compression keeps (see
         :func:`~gpytorch_iterncgp.virtual_solver_run`).
+    :param kernel_columns: data-major indices ``(k,)`` :math:`\mapsto \mathbf K_{:, \text{indices}}` ``(n, k)``; if
+        given, an action with at most ``max(16, n // 64)`` non-zero entries is multiplied by these columns instead of
+        ``kernel_matmul``.
     :raises ValueError: for shapes that do not fit together, a non-finite right-hand side, or options out
         of range.
     """
@@ -207,10 +218,17 @@ def itergp_solve(
     num_rows = rhs.shape[0]
     limit = num_rows if max_iterations is None else max_iterations
     full_rank = num_rows if action_space_dimension is None else action_space_dimension
-    virtual = virtual_solver_run(buffer, noise_inverse, compression_rank, keep=keep)
+    virtual = virtual_solver_run(buffer, noise_inverse, compression_rank, keep=keep, spare=min(limit, 64))
     buffer = virtual.buffer
-    precision = LowRankPrecision(virtual.precision_root)
-    kernel_precision_root = ColumnStore(virtual.kernel_precision_root)
+    precision = LowRankPrecision.from_store(virtual.precision_store)
+    kernel_precision_root = virtual.kernel_precision_store
+    sparse_limit = max(16, num_rows // 64)
+
+    def kernel_product(action: Tensor) -> Tensor:
+        if kernel_columns is not None and int(torch.count_nonzero(action)) <= sparse_limit:
+            support = action.nonzero()[:, 0]
+            return kernel_columns(support) @ action[support]
+        return kernel_matmul(action[:, None])[:, 0]
 
     coefficients = virtual.precision_root.mT @ rhs
     weights = virtual.precision_root @ coefficients
@@ -243,7 +261,7 @@ def itergp_solve(
             )
             break
         action = action / action_norm
-        kernel_action = kernel_matmul(action[:, None])[:, 0]
+        kernel_action = kernel_product(action)
         root, kernel_root = precision.root_tensor, kernel_precision_root.value
         noisy_action_norm = float(action @ (kernel_action + noise_inverse.matmul(action[:, None])[:, 0]))
         direction, kernel_direction = action, kernel_action

@@ -363,17 +363,21 @@ def test_state_dict_saved_inside_callback_resumes_bit_identical(problem, policy,
 
 
 def _interrupt_kernel_product(monkeypatch, at_call: int) -> None:
-    """Raise KeyboardInterrupt in the ``at_call``-th product with K (in the middle of a Newton step)."""
-    original = LatentPrior.matmul
+    """Raise KeyboardInterrupt in the ``at_call``-th product with K (in the middle of a Newton step); the kernel
+    columns that unit-vector actions take instead of a product count as products."""
     calls = [0]
 
-    def interrupted(self, rhs):
-        calls[0] += 1
-        if calls[0] == at_call:
-            raise KeyboardInterrupt
-        return original(self, rhs)
+    def interrupting(original):
+        def interrupted(self, argument):
+            calls[0] += 1
+            if calls[0] == at_call:
+                raise KeyboardInterrupt
+            return original(self, argument)
 
-    monkeypatch.setattr(LatentPrior, "matmul", interrupted)
+        return interrupted
+
+    monkeypatch.setattr(LatentPrior, "matmul", interrupting(LatentPrior.matmul))
+    monkeypatch.setattr(LatentPrior, "kernel_columns", interrupting(LatentPrior.kernel_columns))
 
 
 @pytest.mark.parametrize(("problem", "policy", "rank"), INTERRUPT_CASES)

@@ -1,0 +1,161 @@
+"""The work outside the products with K: kernel columns for sparse actions, the buffer's incremental Gram matrices,
+and virtual solver runs that do not re-weight (or copy) an uncompressed buffer."""
+
+import gpytorch
+import pytest
+import torch
+
+from gpytorch_iterncgp import ConjugateGradientPolicy, UnitVectorPolicy
+from gpytorch_iterncgp.noise import DiagonalNoiseInverse
+from gpytorch_iterncgp.prior import LatentPrior
+from gpytorch_iterncgp.recycling import ActionBuffer, virtual_solver_run
+from gpytorch_iterncgp.settings import dense_kernel_limit
+from gpytorch_iterncgp.solver import itergp_solve
+from tests.models import IterNCGPModel
+
+DTYPE = torch.float64
+CPU = torch.device("cpu")
+
+
+def _prior(layout: str, num_data: int = 40, num_latents: int = 3) -> LatentPrior:
+    x = torch.rand(num_data, 2, dtype=DTYPE, generator=torch.Generator().manual_seed(0))
+    if layout == "multitask":
+        kernel = gpytorch.kernels.MultitaskKernel(gpytorch.kernels.RBFKernel(), num_tasks=num_latents, rank=1).to(DTYPE)
+        mean = torch.zeros(num_data, num_latents, dtype=DTYPE)
+        distribution = gpytorch.distributions.MultitaskMultivariateNormal(mean, kernel(x), interleaved=True)
+        return LatentPrior.from_distribution(distribution, num_latents)
+    batch_shape = torch.Size([num_latents]) if layout == "independent" else torch.Size([])
+    num_latents = 1 if layout == "single" else num_latents
+    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=1.5, batch_shape=batch_shape)).to(DTYPE)
+    if layout == "independent":
+        kernel.base_kernel.lengthscale = torch.tensor([0.2, 0.5, 1.0], dtype=DTYPE).view(3, 1, 1)
+    mean = torch.zeros(*batch_shape, num_data, dtype=DTYPE)
+    return LatentPrior.from_distribution(gpytorch.distributions.MultivariateNormal(mean, kernel(x)), num_latents)
+
+
+@pytest.mark.filterwarnings("ignore:Sparse invariant checks are implicitly disabled:UserWarning")  # MultitaskKernel
+@pytest.mark.parametrize("cached", [False, True], ids=["kernel-evaluated", "cached-matrix"])
+@pytest.mark.parametrize("layout", ["single", "shared", "independent", "multitask"])
+def test_kernel_columns_equal_products_with_one_hot_vectors(layout, cached):
+    prior = _prior(layout)
+    size = prior.shape[0] * prior.num_latents
+    indices = torch.tensor([5, 0, size - 1, 7, 5, 8])  # repeated and neighbouring indices (same point)
+    one_hot = torch.zeros(size, len(indices), dtype=DTYPE)
+    one_hot[indices, torch.arange(len(indices))] = 1.0
+    with torch.no_grad(), dense_kernel_limit(dense_kernel_limit.value() if cached else 0):
+        if cached:
+            prior.matmul(one_hot[:, :1])  # evaluates (and caches) the dense kernel
+        columns = prior.kernel_columns(indices)
+        reference = prior.matmul(one_hot)
+    torch.testing.assert_close(columns, reference, rtol=1e-12, atol=1e-12)
+    assert prior.products == 2 + cached and prior.columns == 2 * len(indices) + cached  # a call counts as a product
+
+
+def _spd_problem(size: int, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    factor = torch.randn(size, size, dtype=DTYPE, generator=generator)
+    kernel = factor @ factor.mT / size + 0.1 * torch.eye(size, dtype=DTYPE)
+    rhs = torch.randn(size, dtype=DTYPE, generator=generator)
+    return kernel, rhs, generator
+
+
+@pytest.mark.parametrize(("policy_name", "rank"), [("cg", None), ("cg", 4), ("unit", None), ("unit", 4)])
+def test_incremental_gram_matrices_equal_recomputed_ones_over_newton_like_steps(policy_name, rank):
+    """Solves with a changing noise (as in Newton steps), recycling one buffer: the Gram matrices it keeps equal
+    S^T K S and S^T S recomputed from the buffer, and each virtual run's C_0 = S (S^T K̂ S)^{-1} S^T."""
+    size = 30
+    kernel, rhs, generator = _spd_problem(size, seed=3)
+    policy = ConjugateGradientPolicy() if policy_name == "cg" else UnitVectorPolicy(seed=1)
+    policy.prepare(size, 1, False)
+    buffer = ActionBuffer.empty(size, DTYPE, CPU)
+    for _ in range(6):
+        noise = DiagonalNoiseInverse(0.05 + torch.rand(size, dtype=DTYPE, generator=generator))
+        if buffer.size:
+            virtual = virtual_solver_run(buffer, noise, compression_rank=rank)
+            actions = virtual.buffer.actions.value
+            noisy = kernel + noise.to_dense()
+            expected = actions @ torch.linalg.solve(actions.mT @ noisy @ actions, actions.mT)
+            root = virtual.precision_root
+            torch.testing.assert_close(root @ root.mT, expected, rtol=1e-8, atol=1e-10)
+            torch.testing.assert_close(virtual.kernel_precision_root, kernel @ root, rtol=1e-10, atol=1e-12)
+        result = itergp_solve(kernel.matmul, noise, rhs, buffer, policy, max_iterations=3, compression_rank=rank)
+        buffer = result.buffer
+        kernel_gram, action_gram = buffer.grams()
+        actions, kernel_actions = buffer.actions.value, buffer.kernel_actions.value
+        torch.testing.assert_close(kernel_gram, actions.mT @ kernel_actions, rtol=1e-12, atol=1e-13)
+        torch.testing.assert_close(action_gram, actions.mT @ actions, rtol=1e-12, atol=1e-13)
+        torch.testing.assert_close(kernel_actions, kernel @ actions, rtol=1e-12, atol=1e-13)
+    assert buffer.size == (18 if rank is None else rank + 3)
+
+
+def test_uncompressed_virtual_run_neither_reweights_nor_copies_the_buffer():
+    size = 20
+    kernel, rhs, generator = _spd_problem(size, seed=4)
+    noise = DiagonalNoiseInverse(torch.full((size,), 0.3, dtype=DTYPE))
+    first = itergp_solve(
+        kernel.matmul, noise, rhs, ActionBuffer.empty(size, DTYPE, CPU), ConjugateGradientPolicy(), max_iterations=4
+    )
+    actions = first.buffer.actions.value.clone()
+    second = itergp_solve(kernel.matmul, noise, rhs, first.buffer, ConjugateGradientPolicy(), max_iterations=3)
+    assert second.buffer is first.buffer and second.buffer.size == 7  # appended in place
+    assert torch.equal(second.buffer.actions.value[:, :4], actions)
+    compressed = virtual_solver_run(second.buffer, noise, compression_rank=5)
+    assert compressed.buffer is not second.buffer and compressed.buffer.size == 5
+    torch.testing.assert_close(compressed.buffer.actions.value.norm(dim=0), torch.ones(5, dtype=DTYPE))
+
+
+@pytest.mark.parametrize("projected", [False, True], ids=["one-hot", "zero-sum"])
+def test_unit_vector_actions_take_kernel_columns_not_products(projected):
+    """The solve is the same with kernel columns; the columns replace the products one for one."""
+    num_data, num_latents = 25, 3
+    size = num_data * num_latents
+    kernel, rhs, _ = _spd_problem(size, seed=5)
+    noise = DiagonalNoiseInverse(torch.full((size,), 0.2, dtype=DTYPE))
+
+    def project(vectors):
+        if not projected:
+            return vectors
+        blocks = vectors.reshape(num_data, num_latents, -1)
+        return (blocks - blocks.mean(1, keepdim=True)).reshape(size, -1)
+
+    calls = {"matmul": 0, "columns": 0}
+
+    def kernel_matmul(vectors):
+        calls["matmul"] += 1
+        return kernel @ vectors
+
+    def kernel_columns(indices):
+        calls["columns"] += 1
+        return kernel[:, indices]
+
+    results = []
+    for columns in (None, kernel_columns):
+        policy = UnitVectorPolicy(seed=2)
+        policy.prepare(num_data, num_latents, projected)
+        results.append(
+            itergp_solve(
+                kernel_matmul,
+                noise,
+                rhs,
+                ActionBuffer.empty(size, DTYPE, CPU),
+                policy,
+                project=project,
+                max_iterations=12,
+                kernel_columns=columns,
+            )
+        )
+    assert calls == {"matmul": 12, "columns": 12}
+    torch.testing.assert_close(results[1].representer_weights, results[0].representer_weights)
+    torch.testing.assert_close(results[1].kernel_precision_root, results[0].kernel_precision_root)
+
+
+def test_unit_vector_fit_counts_kernel_columns_as_products():
+    generator = torch.Generator().manual_seed(0)
+    train_x = torch.rand(60, 2, dtype=DTYPE, generator=generator)
+    train_y = (train_x.sum(-1) > 1).to(DTYPE)
+    model = IterNCGPModel(
+        train_x, train_y, gpytorch.likelihoods.BernoulliLikelihood(), policy="unit", max_solver_iterations=7
+    )
+    report = model.variational_strategy.fit(max_newton_steps=4)
+    assert report.kernel_products == report.solver_iterations > 0
+    assert report.kernel_columns == report.solver_iterations  # one column per one-hot action
