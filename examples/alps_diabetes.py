@@ -29,6 +29,7 @@ subset marked; the numbers go to the terminal and to ``alps_diabetes.json``.
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import _common
@@ -107,9 +108,13 @@ def subset_names(subset: int, names: list[str]) -> str:
     return "{" + ", ".join(name for j, name in enumerate(names) if subset >> j & 1) + "}"
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--seed", type=int, default=0, help="torch seed of GP-ALPS's initialisation and draws")
+
+
 def main():
-    args = _common.parse_args(__doc__.splitlines()[0])
-    _common.setup(seed=0)
+    args = _common.parse_args(__doc__.splitlines()[0], add_arguments)
+    _common.setup(seed=args.seed)
     steps = 60 if args.smoke else 1000
     data = load_diabetes()
     names = list(data.feature_names)
@@ -182,6 +187,7 @@ def main():
     summary = {
         "description": __doc__.splitlines()[0],
         "smoke": args.smoke,
+        "seed": args.seed,
         "num_train": num_points,
         "num_test": len(y_test),
         "features": names,
@@ -218,7 +224,9 @@ def main():
     right.hist(result["rmses"], bins=40, color="0.7")
     right.axvline(result["selected_rmse"], color="C3", label=f"GP-ALPS selection: rank {result['rank']}")
     right.axvline(result["best_rmse"], color="C2", ls="--", label="best subset")
-    right.axvline(result["all_features_rmse"], color="C0", ls=":", label=f"all features: rank {result['all_features_rank']}")
+    right.axvline(
+        result["all_features_rmse"], color="C0", ls=":", label=f"all features: rank {result['all_features_rank']}"
+    )
     right.set_xlabel("test RMSE (standardised target)")
     right.set_ylabel("number of subsets")
     right.set_title(f"(b) kernel ridge (RBF on the subset) for all {num_subsets} feature subsets")
