@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import matplotlib
@@ -23,9 +24,11 @@ except ImportError:
     sys.path.insert(0, str(ROOT))
 
 
-def parse_args(description: str) -> argparse.Namespace:
+def parse_args(
+    description: str, add_arguments: Callable[[argparse.ArgumentParser], None] | None = None
+) -> argparse.Namespace:
     """``--smoke`` (tiny, seconds), ``--quiet`` (no progress bars), ``--out DIR`` (where to save the PNG),
-    ``--threads N`` (torch and numpy BLAS threads, set here)."""
+    ``--threads N`` (torch and numpy BLAS threads, set here); ``add_arguments(parser)`` adds a script's own."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--smoke", action="store_true", help="run a much smaller version (a few seconds)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -37,6 +40,8 @@ def parse_args(description: str) -> argparse.Namespace:
         help="torch threads (default 1: the matrices are small, and on a busy 2-core machine two threads "
         "can be several times slower than one)",
     )
+    if add_arguments is not None:
+        add_arguments(parser)
     args = parser.parse_args()
     threads = max(1, min(args.threads, os.cpu_count() or 1))
     torch.set_num_threads(threads)
