@@ -18,7 +18,7 @@ evaluated, multiplied and dropped while it is in cache (on CUDA: in registers):
 
 * CUDA: a Triton kernel (:mod:`gpytorch_iterncgp.triton_kernels`);
 * CPU: a blocked loop over ``1024 × 256`` tiles (1 MiB in float32, within a core's L2 cache), each tile's
-  distances, kernel and product with :math:`\mathbf R` one ``torch.compile``\ d function. If it cannot
+  distances and kernel one ``torch.compile``\ d function, its product with :math:`\mathbf R` BLAS. If it cannot
   compile, the same loop runs uncompiled (with a ``PerformanceWarning``). Each tile is one OpenMP parallel
   region of about a millisecond: on a machine shared with other jobs, set ``OMP_WAIT_POLICY=PASSIVE`` (GNU
   OpenMP's spinning threads otherwise wait for descheduled ones; measured 30× slower on 2 loaded cores).
@@ -128,30 +128,39 @@ def _profile(kind: str, sq_dist: Tensor) -> Tensor:
     return (1.0 + scaled + scaled * scaled / 3.0) * torch.exp(-scaled)
 
 
-def _make_step(kind: str) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
-    def step(
-        accumulated: Tensor,  # shape: (W, TN)
-        rhs_t: Tensor,  # shape: (W, TM)
+def _make_tile(kind: str) -> Callable[[Tensor, Tensor], Tensor]:
+    def tile(
         x2_t: Tensor,  # shape: (D, TM)
         x1_t: Tensor,  # shape: (D, TN)
-    ) -> Tensor:  # shape: (W, TN)
-        """One tile: ``accumulated + rhs_tᵀ-block @ k(x2, x1)``, the ``TM × TN`` tile transposed for a wide GEMM."""
+    ) -> Tensor:  # shape: (TM, TN)
+        r"""One tile of :math:`k(\mathbf X_2, \mathbf X_1)`, transposed so that its product is one wide GEMM."""
         sq_dist = (x2_t[0][:, None] - x1_t[0][None, :]) ** 2
         for d in range(1, x2_t.shape[0]):
             sq_dist = sq_dist + (x2_t[d][:, None] - x1_t[d][None, :]) ** 2
-        return torch.addmm(accumulated, rhs_t, _profile(kind, sq_dist))
+        return _profile(kind, sq_dist)
+
+    return tile
+
+
+def _make_step(kind: str, tile: Callable[[Tensor, Tensor], Tensor] | None = None) -> Callable[..., Tensor]:
+    """``step(accumulated (W, TN), rhs_t (W, TM), x2_t, x1_t)``: ``accumulated + rhs_t @ tile``, the GEMM in eager
+    torch (BLAS): inductor's own code for a product this narrow was 6× slower than its tile plus BLAS here."""
+    tile = _make_tile(kind) if tile is None else tile
+
+    def step(accumulated: Tensor, rhs_t: Tensor, x2_t: Tensor, x1_t: Tensor) -> Tensor:
+        return torch.addmm(accumulated, rhs_t, tile(x2_t, x1_t))
 
     return step
 
 
 @functools.cache
-def _compiled_step(kind: str, dtype: torch.dtype, dim: int) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
-    """``torch.compile`` of the tile step, one code object per key (Dynamo caches per code object, so keys
-    never share its recompile limit); only the width ``W`` may vary (one recompile to a dynamic width)."""
-    step = _make_step(kind)
-    code = step.__code__.replace(co_name=f"fused_{kind}_step")
-    fresh = types.FunctionType(code, step.__globals__, code.co_name, step.__defaults__, step.__closure__)
-    return torch.compile(fresh, dynamic=None)
+def _compiled_step(kind: str, dtype: torch.dtype, dim: int) -> Callable[..., Tensor]:
+    r"""The step with its tile ``torch.compile``\ d: one code object per key (Dynamo caches per code object, so
+    keys never share its recompile limit); tiles have one shape (inputs are padded), so one graph per key."""
+    tile = _make_tile(kind)
+    code = tile.__code__.replace(co_name=f"fused_{kind}_tile")
+    fresh = types.FunctionType(code, tile.__globals__, code.co_name, tile.__defaults__, tile.__closure__)
+    return _make_step(kind, torch.compile(fresh, dynamic=False))
 
 
 _COMPILE_FAILED: set[tuple[str, torch.dtype, int]] = set()
