@@ -9,7 +9,9 @@ linear-periodic latents (``CosineKernel`` times an outputscale of 1, fixed) with
 17, 19, 23, 23, 16 shared inducing inputs on a grid (learnt), per-output noise variances learnt.
 
 Training: Adam on mini-batches (``--batch-size``, reshuffled every epoch) of the ELBO of
-:class:`~gpytorch_iterncgp.alps.GPALPSELBO` (``--family``, default ``"spike_and_slab"``). Records per epoch the
+:class:`~gpytorch_iterncgp.alps.GPALPSELBO` (``--family``, default ``"spike_and_slab"``); with Bernoulli gates the
+gate logits by :meth:`~gpytorch_iterncgp.alps.GPALPSELBO.update_gates` after each step (damped by the batch's share
+of the data; ``--adam-gates``: by Adam instead). Records per epoch the
 mean mini-batch ELBO (per data point) and the wall time; at the end the activation probabilities, the RMSE of the
 predictive mean on 2000 held-out inputs (against the noisy targets and against the noiseless mixture
 :math:`\\mathbf H^* \\mathbf s(t)`), total wall time, and the peak resident memory of the process above the memory
@@ -104,7 +106,16 @@ def run(args: argparse.Namespace) -> dict:
     ).double()
     likelihood.task_noises = torch.full((num_outputs,), 0.1, dtype=torch.float64)
     elbo = GPALPSELBO(likelihood, model, num_data=args.num_train)
-    parameters = [p for p in (*model.parameters(), *likelihood.parameters()) if p.requires_grad]
+    # Bernoulli gates: held on for --gate-warmup epochs (random initial slabs make every latent look harmful: a gate
+    # closed at once freezes its q(X^z_j)), then coordinate ascent (GPALPSELBO.update_gates) after each Adam step,
+    # damped by the batch's share of the data (the estimate averaged over about one epoch); Adam for the rest
+    gate_updates = args.family != "concrete" and not args.adam_gates
+    gate_step = min(1.0, args.batch_size / args.num_train)
+    parameters = [
+        p
+        for p in (*model.parameters(), *likelihood.parameters())
+        if p.requires_grad and not (gate_updates and p is model.gate_logits)
+    ]
     optimizer = torch.optim.Adam(parameters, lr=args.lr)
     generator = torch.Generator().manual_seed(args.seed + 3)
 
@@ -121,6 +132,8 @@ def run(args: argparse.Namespace) -> dict:
             value = elbo(model(train_t[batch]), train_y[batch])
             (-value).backward()
             optimizer.step()
+            if gate_updates and epoch >= args.gate_warmup:
+                elbo.update_gates(model(train_t[batch]), train_y[batch], step_size=gate_step)
             total += float(value.detach())
             steps += 1
         history.append(
@@ -157,6 +170,9 @@ def run(args: argparse.Namespace) -> dict:
         "adam_steps": args.epochs * math.ceil(args.num_train / args.batch_size),
         "learning_rate": args.lr,
         "family": args.family,
+        "gates": f"held {args.gate_warmup} epochs, then coordinate ascent, step {gate_step:g}"
+        if gate_updates
+        else "Adam",
         "history": history,
         "train_seconds": train_seconds,
         "seconds_per_epoch": train_seconds / args.epochs,
@@ -217,12 +233,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=1000)
     parser.add_argument("--epochs", type=int, default=40)
     parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument(
+        "--adam-gates", action="store_true", help="train the gate logits with Adam, not GPALPSELBO.update_gates"
+    )
+    parser.add_argument(
+        "--gate-warmup", type=int, default=5, help="epochs with the gates held at their initial value (0.9)"
+    )
     parser.add_argument("--missing", type=float, default=0.1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     if args.quick:
         args.num_train, args.num_test, args.batch_size, args.epochs = 400, 100, 100, 3
+        args.gate_warmup = min(args.gate_warmup, 1)
     return args
 
 

@@ -33,8 +33,12 @@ Three variational families for :math:`q(\mathbf H, \mathbf b)` (``variational_fa
 * ``"spike_and_slab"``: :math:`q(\mathbf b) \prod_j q(\mathbf H_{:j} \mid b_j)` with :math:`q(\mathbf H_{:j} \mid
   b_j = 0) = p(\mathbf H_{:j})` (the paired mean field of Titsias & Lázaro-Gredilla 2011, "Spike and slab
   variational inference for multi-task and multiple kernel learning", inside the seed's structured mean field
-  :math:`q(\mathbf H, \mathbf b)` of App. C.1). Same closed form; the KL of :math:`\mathbf H_{:j}` counts only
-  when the gate is on. It can represent what the true posterior does with an unneeded latent (keep some mass on
+  :math:`q(\mathbf H, \mathbf b)` of App. C.1), and likewise :math:`q(\mathbf X^z_j \mid b_j = 0) =
+  p(\mathbf X^z_j)`. Same closed form (:math:`\mathbf x_j` enters the likelihood only when :math:`b_j = 1`); the
+  KLs of :math:`\mathbf H_{:j}` and :math:`\mathbf X^z_j` count only when the gate is on, so closing a gate
+  refunds both (otherwise an unneeded latent shrinks :math:`q(\mathbf x_j)` to 0, pays its KL whatever the gate,
+  and the gate loses most of its Occam penalty). The ELBO is then linear in each gate probability apart from the
+  gate's own KL: :meth:`GPALPSELBO.update_gates` maximises it in closed form. It can represent what the true posterior does with an unneeded latent (keep some mass on
   :math:`b_j = 1` with :math:`\mathbf H_{:j}` near 0), which the fully factorised families cannot.
 
 The noise variances :math:`\sigma_i^2` live in a :class:`~gpytorch.likelihoods.MultitaskGaussianLikelihood` with
@@ -82,6 +86,8 @@ _LOG_2PI = math.log(2 * math.pi)
 # Floor on the marginal variances q(x_j(t)) before the square root of the Normal's scale (its gradient is infinite
 # at 0); GPyTorch's jitter keeps them far above it.
 _MIN_VARIANCE = 1e-12
+# Clip of the gate logits set by GPALPSELBO.update_gates: probabilities 1e-13 from 0 and 1.
+_MAX_GATE_LOGIT = 30.0
 
 
 class _LatentProcess(gpytorch.models.ApproximateGP):
@@ -162,7 +168,8 @@ class GPALPS(gpytorch.models.GP):
     Which family: the optimum of ``"spike_and_slab"`` is the closest to the exact posterior, and its ELBO, a
     closed form, has noise-free gradients and compares restarts exactly; but from some initialisations Adam ends
     in a local optimum that drops a weakly supported latent (the bilinear :math:`H_{ij} x_j` has a saddle at 0),
-    so compare a few restarts by their ELBO. ``"concrete"`` is the
+    so compare a few restarts by their ELBO (with :math:`q(\mathbf X^z_j)` gated as well, which closing a gate
+    refunds, the square wave of GP-ALPS §4.1 keeps all its harmonics from each of 3 initialisations tried). ``"concrete"`` is the
     seed's scheme: its KL between relaxed gates is that of two logistic densities of the gate's logit,
     :math:`\approx |\rho_j - \operatorname{logit}\theta_j| - 2` for confident gates, whatever :math:`\tau` (prior
     and posterior share it), not the Bernoulli KL it relaxes (which it bounds from above, and which is at most
@@ -304,8 +311,14 @@ class GPALPS(gpytorch.models.GP):
     def kl_latents(self) -> Tensor:
         r""":math:`\sum_j \mathrm{KL}[q(\mathbf X^z_j) \,\|\, p(\mathbf X^z_j)]` (GP-ALPS App. C.4), each term
         GPyTorch's :meth:`~gpytorch.variational.VariationalStrategy.kl_divergence` (whitened: against
-        :math:`\mathcal N(\mathbf 0, \mathbf I)`, the same value)."""
-        return torch.stack([strategy.kl_divergence() for strategy in self.strategies()]).sum()
+        :math:`\mathcal N(\mathbf 0, \mathbf I)`, the same value). Under ``"spike_and_slab"``
+        :math:`\sum_j \sigma(\rho_j) \mathrm{KL}_j`: there :math:`q(\mathbf X^z_j)` is
+        :math:`q(\mathbf X^z_j \mid b_j = 1)` and :math:`q(\mathbf X^z_j \mid b_j = 0) = p(\mathbf X^z_j)` (the
+        chain rule of the KL, as for :math:`\mathbf H_{:j}` in :meth:`kl_mixing`)."""
+        divergence = torch.stack([strategy.kl_divergence() for strategy in self.strategies()])
+        if self.variational_family == "spike_and_slab":
+            divergence = divergence * self.activation_probabilities()
+        return divergence.sum()
 
     def mixing_distribution(self) -> Normal:
         r""":math:`q(\mathbf H)`, a :class:`~torch.distributions.Normal` of batch shape ``(p, m)``."""
@@ -477,7 +490,7 @@ def expected_log_likelihood_moments(
 
 def _scale_gradient(tensor: Tensor, scale: Tensor) -> Tensor:
     """``tensor`` itself, whose gradient is multiplied by ``scale`` (broadcast) on the way back."""
-    if not tensor.requires_grad:
+    if not (tensor.requires_grad and torch.is_grad_enabled()):  # e.g. under torch.no_grad()
         return tensor
     copy = tensor.clone()
     copy.register_hook(lambda gradient: gradient * scale)
@@ -617,6 +630,83 @@ class GPALPSELBO(gpytorch.mlls.MarginalLogLikelihood):
         ell = expected_log_likelihood(latent, mixing_sample * gates.unsqueeze(-2), targets, noise)
         kl_gates = (posterior.log_prob(logits) - prior.log_prob(logits)).sum(-1).mean(0)
         return ELBOTerms(ell.sum(-1).mean(0), model.kl_latents(), model.kl_mixing(), kl_gates)
+
+    @torch.no_grad()
+    def update_gates(self, latent: Normal, targets: Tensor, step_size: float = 1.0) -> Tensor:
+        r"""Coordinate ascent on the gate logits :math:`\rho_j` (``"bernoulli"`` and ``"spike_and_slab"``), one
+        latent after the other, everything else held fixed; an alternative to taking them in the gradient optimiser.
+
+        With Bernoulli gates the ELBO is *linear* in :math:`q_j = \sigma(\rho_j)` apart from the gate's own KL: in
+        :func:`expected_log_likelihood_moments`, :math:`(y - \bar f)^2 + \operatorname{Var} f` contains
+        :math:`q_j^2 \mu_{ij}^2 d_{tj}^2` twice with opposite signs, and under ``"spike_and_slab"`` the KLs of
+        :math:`\mathbf H_{:j}` and :math:`\mathbf X^z_j` carry the factor :math:`q_j`. So
+        :math:`\mathcal L(q_j) = \text{const} + q_j C_j - \mathrm{KL}[\operatorname{Bern}(q_j) \|
+        \operatorname{Bern}(\theta_j)]`, maximised at :math:`\rho_j^* = \operatorname{logit}\theta_j + C_j`,
+        with (Titsias & Lázaro-Gredilla 2011, the update of :math:`q(b_j)` of their spike and slab mean field)
+
+        .. math::
+            C_j = \sum_{t, i \text{ observed}} \frac{r_{tij} \mu_{ij} d_{tj} - \tfrac12 (s^H_{ij} + \mu_{ij}^2)
+            (v_{tj} + d_{tj}^2)}{\sigma_i^2} - \bigl[\textstyle\sum_i \mathrm{KL}_{ij}^H +
+            \mathrm{KL}[q(\mathbf X^z_j) \| p(\mathbf X^z_j)]\bigr]_{\text{spike and slab}},
+
+        :math:`r_{tij} = y_{ti} - \sum_{k \ne j} q_k \mu_{ik} d_{tk}` the residual without latent :math:`j`. On a
+        mini-batch :math:`B` the sum over :math:`t` is scaled by :math:`n / |B|` and the step damped,
+        :math:`\rho_j \leftarrow (1 - \eta) \rho_j + \eta \rho_j^*`: the stochastic natural-gradient step of
+        Hoffman et al. 2013 (stochastic variational inference) for the Bernoulli's natural parameter
+        :math:`\rho_j`; :math:`\eta = 1` on the full data is exact coordinate ascent, which never lowers the ELBO.
+
+        Why: a gradient optimiser moves a gate by :math:`\partial \mathcal L / \partial \rho_j \propto q_j(1 - q_j)
+        C_j / n`, and Adam divides that by the root of its running second moment, which remembers the large
+        gradients of the first steps: the gates of unneeded latents stall where the early transient left them
+        although :math:`C_j` is large and negative. Take ``gate_logits`` out of the optimiser and call this after
+        each step. The logits are clipped to :math:`\pm 30` (probabilities :math:`10^{-13}` from 0 or 1), which
+        keeps the slab's natural gradients (:math:`1 / q_j`) finite.
+
+        :param latent: ``model(t)`` on the (mini-)batch, batch shape ``(|B|, m)``.
+        :param targets: ``(|B|, p)``, ``NaN`` where missing.
+        :param step_size: :math:`\eta \in (0, 1]`.
+        :returns: the new activation probabilities, ``(m,)``.
+        :raises ValueError: under ``"concrete"`` (its gate KL is not that of a Bernoulli), or a bad ``step_size``.
+        """
+        model: GPALPS = self.model
+        if model.variational_family == "concrete":
+            raise ValueError(
+                'update_gates needs Bernoulli gates: variational_family="bernoulli" or "spike_and_slab", got '
+                '"concrete" (train its gate logits with the gradient optimiser).'
+            )
+        if not 0 < step_size <= 1:
+            raise ValueError(f"step_size must lie in (0, 1], got {step_size!r}.")
+        targets = self._check_targets(latent, targets)
+        observed = ~torch.isnan(targets)
+        precision = observed.to(targets.dtype) / noise_variances(self.likelihood).to(targets.dtype)  # shape: (n, p)
+        filled = torch.where(observed, targets, torch.zeros_like(targets))
+        mean, variance = latent.mean.detach(), latent.variance.detach()  # shape: (n, m)
+        slab_mean, slab_variance = model.mixing_posterior()
+        scale = self.num_data / latent.batch_shape[0]
+        penalty = torch.zeros(model.num_latents, **_like(mean))
+        if model.variational_family == "spike_and_slab":
+            prior = Normal(torch.zeros_like(slab_mean), model.mixing_prior_variance.sqrt())
+            kl_mixing = torch.distributions.kl_divergence(Normal(slab_mean, slab_variance.sqrt()), prior).sum(0)
+            kl_latents = torch.stack([strategy.kl_divergence() for strategy in model.strategies()])
+            penalty = kl_mixing + kl_latents
+        prior_logit = model.prior_activation.log() - torch.log1p(-model.prior_activation)
+        logits = model.gate_logits.detach().clone()
+        prediction = mean @ (torch.sigmoid(logits) * slab_mean).mT  # shape: (n, p)
+        for j in range(model.num_latents):
+            contribution = mean[:, j : j + 1] * (torch.sigmoid(logits[j]) * slab_mean[:, j])  # shape: (n, p)
+            residual = filled - prediction + contribution
+            fit = residual * mean[:, j : j + 1] * slab_mean[:, j]
+            spread = (
+                0.5
+                * (variance[:, j : j + 1] + mean[:, j : j + 1].square())
+                * (slab_variance[:, j] + slab_mean[:, j].square())
+            )
+            gain = scale * ((fit - spread) * precision).sum() - penalty[j]
+            target = (prior_logit[j] + gain).clamp(-_MAX_GATE_LOGIT, _MAX_GATE_LOGIT)
+            logits[j] = ((1 - step_size) * logits[j] + step_size * target).clamp(-_MAX_GATE_LOGIT, _MAX_GATE_LOGIT)
+            prediction = prediction - contribution + mean[:, j : j + 1] * (torch.sigmoid(logits[j]) * slab_mean[:, j])
+        model.gate_logits.copy_(logits)
+        return torch.sigmoid(logits)
 
     def forward(self, latent: Normal, targets: Tensor, generator: torch.Generator | None = None, **kwargs) -> Tensor:
         """The ELBO divided by ``num_data`` (a scalar); ``-elbo(model(t), Y)`` is the loss.

@@ -647,3 +647,68 @@ def test_predictive_moments_against_monte_carlo_over_gates_weights_and_latents()
     torch.testing.assert_close(mean, y.mean(0), rtol=0, atol=5 * float(y.std(0).max()) / math.sqrt(draws))
     torch.testing.assert_close(variance, y.var(0), rtol=0.03, atol=0.0)
     assert model.activation_probabilities().shape == (3,) and model.selected_latents().dtype == torch.bool
+
+
+# ---------------------------------------------------------------------------------------------------
+# Spike and slab over (H, X^z); coordinate ascent on the gates
+# ---------------------------------------------------------------------------------------------------
+def test_spike_and_slab_latent_kl_counts_only_when_the_gate_is_on():
+    """Under "spike_and_slab" q(X^z_j | b_j = 0) = p(X^z_j): the latents' KL is sum_j sigma(rho_j) KL_j."""
+    per_latent = None
+    for family in ("bernoulli", "spike_and_slab"):
+        model = _model(family=family)
+        with torch.no_grad():
+            kls = torch.stack([s.kl_divergence() for s in model.strategies()])
+            assert float(kls.min()) > 0
+            expected = kls.sum() if family == "bernoulli" else (model.activation_probabilities() * kls).sum()
+            torch.testing.assert_close(model.kl_latents(), expected, rtol=1e-12, atol=0)
+            per_latent = kls
+    assert per_latent is not None
+
+
+@pytest.mark.parametrize("family", ["bernoulli", "spike_and_slab"])
+def test_update_gates_is_exact_coordinate_ascent(family):
+    """Full data, step 1: the ELBO does not drop, and the last gate updated sits at the ELBO's maximum in its logit
+    (zero gradient); the ELBO plus the gate's Bernoulli KL is linear in q_j."""
+    model = _model(family=family)
+    inputs, targets = _data(missing=0.2)
+    elbo = GPALPSELBO(_likelihood(2, [0.2, 0.3]), model, num_data=len(inputs))
+    with torch.no_grad():
+        before = float(elbo(model(inputs), targets))
+        values = []
+        for q in (0.2, 0.5, 0.8):
+            model.gate_logits[0] = math.log(q / (1 - q))
+            bernoulli = torch.distributions.Bernoulli(probs=torch.tensor(q, dtype=F64))
+            prior = torch.distributions.Bernoulli(probs=model.prior_activation[0])
+            kl = torch.distributions.kl_divergence(bernoulli, prior)
+            values.append(float(elbo(model(inputs), targets)) * len(inputs) + float(kl))
+        assert abs((values[1] - values[0]) - (values[2] - values[1])) < 1e-8 * max(1.0, abs(values[1]))
+        model.gate_logits[0] = 0.3
+        before = float(elbo(model(inputs), targets))
+        probabilities = elbo.update_gates(model(inputs), targets)
+        after = float(elbo(model(inputs), targets))
+    assert after >= before - 1e-12
+    torch.testing.assert_close(probabilities, model.activation_probabilities())
+    model.zero_grad()
+    elbo(model(inputs), targets).backward()
+    assert abs(float(model.gate_logits.grad[-1])) < 1e-9
+
+
+def test_update_gates_rejects_concrete_and_bad_steps():
+    inputs, targets = _data()
+    model = _model(family="concrete")
+    elbo = GPALPSELBO(_likelihood(2, 0.1), model, num_data=len(inputs))
+    with pytest.raises(ValueError, match="Bernoulli gates"):
+        elbo.update_gates(model(inputs), targets)
+    model = _model(family="spike_and_slab")
+    elbo = GPALPSELBO(_likelihood(2, 0.1), model, num_data=len(inputs))
+    with pytest.raises(ValueError, match="step_size"):
+        elbo.update_gates(model(inputs), targets, step_size=0.0)
+
+
+def test_elbo_evaluates_under_no_grad_with_natural_slab_gradients():
+    model = _model(family="spike_and_slab")
+    inputs, targets = _data()
+    elbo = GPALPSELBO(_likelihood(2, 0.1), model, num_data=len(inputs), natural_slab_gradients=True)
+    with torch.no_grad():
+        assert bool(torch.isfinite(elbo(model(inputs), targets)))
