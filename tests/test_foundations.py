@@ -188,7 +188,7 @@ def test_chunked_products_emit_no_deprecation_warning():
 LAYERS = [
     {"validation", "exceptions", "settings"},
     {"noise", "precision", "policies", "datasets", "multinomial_probit", "psi_statistics"},
-    {"recycling", "likelihoods", "prior"},
+    {"recycling", "likelihoods", "prior", "covariance"},
     {"solver", "outer_loop", "tilted"},
     {"newton", "sites"},
     {"ep", "sparse_ep"},
