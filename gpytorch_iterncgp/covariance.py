@@ -57,6 +57,7 @@ from linear_operator.operators import BlockDiagLinearOperator, DiagLinearOperato
 from torch import Tensor
 
 from .noise import BlockNoiseInverse, SoftmaxPseudoInverse
+from .precision import ColumnStore
 from .validation import check_count, check_seed
 
 # A unit-norm action is kept if at least this fraction of its norm lies outside span(Q) after conjugation: the
@@ -175,7 +176,7 @@ def covariance_phase(
     full_rank = size if action_space_dimension is None else action_space_dimension
     tolerance = _RELATIVE_EIGENVALUE_TOLERANCE.get(dtype, 1e-5)
     new_fraction = _NEW_FRACTION.get(dtype, 1e-2)
-    roots, kernel_roots = [precision_root], [kernel_precision_root]
+    roots, kernel_roots = ColumnStore(precision_root), ColumnStore(kernel_precision_root)  # grow without copies
     rank, products = precision_root.shape[-1], 0
     if iterations == 0 or rank >= full_rank:
         return CovariancePhase(precision_root, kernel_precision_root, 0, 0)
@@ -188,7 +189,7 @@ def covariance_phase(
     start[coordinates, torch.arange(len(coordinates), device=start.device)] = 1.0
     block = curvature(start)
     while products < iterations and rank < full_rank:
-        root, kernel_root = torch.cat(roots, dim=-1), torch.cat(kernel_roots, dim=-1)
+        root, kernel_root = roots.value, kernel_roots.value
         directions = project(block)
         directions = directions / directions.norm(dim=0).clamp_min(torch.finfo(dtype).tiny)
         for _ in range(2):  # classical Gram–Schmidt in the K̂ inner product, twice; no product with K
@@ -211,9 +212,10 @@ def covariance_phase(
             break
         scale = (eigenvectors[:, keep] * eigenvalues[keep].rsqrt()).to(dtype)
         new_root, new_kernel_root = directions @ scale, kernel_directions @ scale
-        roots.append(new_root)
-        kernel_roots.append(new_kernel_root)
+        for column, kernel_column in zip(new_root.mT, new_kernel_root.mT, strict=True):
+            roots.append(column)
+            kernel_roots.append(kernel_column)
         rank += new_root.shape[-1]
         block = curvature(new_kernel_root + noise_inverse.matmul(new_root))  # W K̂ D: the next Lanczos block
-    root, kernel_root = torch.cat(roots, dim=-1), torch.cat(kernel_roots, dim=-1)
+    root, kernel_root = roots.value, kernel_roots.value
     return CovariancePhase(root, kernel_root, products, root.shape[-1] - precision_root.shape[-1])
