@@ -84,13 +84,22 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--end-to-end", type=int, nargs="*", default=[16])
     parser.add_argument("--exact", action="store_true", help="also exact Laplace by Cholesky on all training points")
     parser.add_argument("--exact-nll", type=float, default=0.440, help="exact Laplace's test NLL (issue 13, N = 5000)")
+    parser.add_argument("--newton-steps", type=int, default=60, help="max_newton_steps of the fit (suite: 60)")
+    parser.add_argument("--solver-iterations", type=int, default=5, help="j, IterGP iterations per Newton step")
+    parser.add_argument("--compression-rank", type=int, default=None, help="R of the fit (default: all actions)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="N = 500, 1000 test points, few blocks")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--tag", default="", help="suffix of the result files' names")
     args = parser.parse_args(argv)
     if args.quick:
         args.n_train, args.n_test, args.blocks, args.end_to_end = 500, 1000, [0, 2, 4], [2]
     torch.set_num_threads(args.threads)
+    FIT.update(
+        max_newton_steps=args.newton_steps,
+        compression_rank=args.compression_rank,
+        max_solver_iterations=args.solver_iterations,
+    )
     problem = load_problem("mixture", "sensible", args.n_train, args.n_test, 0)
     results: dict = {
         "machine": machine(),
@@ -162,6 +171,7 @@ def main(argv: list[str] | None = None) -> dict:
     results["load_end"] = load_average()
     args.out.mkdir(parents=True, exist_ok=True)
     name = "covariance_quick" if args.quick else "covariance"
+    name += args.tag
     (args.out / f"{name}.json").write_text(json.dumps(results, indent=1))
     plot(results, args.out / f"{name}.png")
     return results
