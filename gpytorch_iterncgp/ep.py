@@ -43,6 +43,7 @@ import torch
 from linear_operator.operators import BlockDiagLinearOperator, DenseLinearOperator, LinearOperator
 from torch import Tensor
 
+from .covariance import CovarianceOptions, covariance_phase
 from .likelihoods import LikelihoodAdapter
 from .multinomial_probit import InnerSites
 from .noise import DiagonalNoiseInverse
@@ -77,8 +78,8 @@ def posterior_marginal_blocks(
 
 
 @dataclass
-class EPOptions(IterGPOptions):
-    """Settings of the EP loop and of IterGP (see :class:`~gpytorch_iterncgp.EPStrategy`)."""
+class EPOptions(IterGPOptions, CovarianceOptions):
+    """Settings of the EP loop, of IterGP and of the covariance phase (see :class:`~gpytorch_iterncgp.EPStrategy`)."""
 
     max_sweeps: int = 50
     damping: float = 0.5
@@ -87,6 +88,7 @@ class EPOptions(IterGPOptions):
     def validate(self) -> None:
         """:raises ValueError: naming the option that is out of range."""
         super().validate()
+        CovarianceOptions.validate(self)
         check_count(self.max_sweeps, "max_sweeps")
         check_nonnegative(self.site_tol, "site_tol")
         if isinstance(self.damping, bool) or not isinstance(self.damping, (int, float)) or not 0 < self.damping <= 1:
@@ -201,8 +203,27 @@ class ExpectationPropagation:
         return dataclasses.replace(state.with_kernel(self.prior.matmul), solved=False)
 
     def finalize(self, state: EPState) -> EPState:
-        """Nothing to do: every yielded state's precision belongs to its own sites."""
-        return state
+        r"""Every yielded state's precision belongs to its own sites; with ``covariance_iterations > 0`` the covariance
+        phase (:func:`~gpytorch_iterncgp.covariance.covariance_phase`, one product with :math:`\mathbf K` per block)
+        enlarges it for the final sites' regression. The recycled actions are kept as they are; a later fit's first
+        sweep takes its cavities from the enlarged precision."""
+        if self.options.covariance_iterations == 0 or not state.solved:
+            return state
+        noise, _ = self.noise(state.site_precision, state.site_natural_mean)
+        phase = covariance_phase(
+            self.prior.matmul,
+            noise,
+            state.precision_root,
+            state.kernel_precision_root,
+            self.num_latents,
+            self.options.covariance_iterations,
+            self.options.covariance_block_size,
+            project=self.adapter.project if self.adapter.zero_sum_actions else None,
+            action_space_dimension=self.action_space_dimension,
+        )
+        return dataclasses.replace(
+            state, precision_root=phase.precision_root, kernel_precision_root=phase.kernel_precision_root
+        )
 
     # -- one regression ------------------------------------------------------------------------------------------
     def marginals(self, state: RegressionState) -> tuple[Tensor, Tensor]:

@@ -29,7 +29,9 @@ fit interrupted after a step, and resumed, repeats an uninterrupted fit exactly.
 
 After the loop, a virtual solver run at :math:`\mathbf W(\hat{\mathbf f})` over all buffered actions makes the
 approximate precision :math:`\mathbf C = \mathbf Q \mathbf Q^\top` that of the final mode (no product with
-:math:`\mathbf K`), so that the posterior covariance is :math:`\mathbf K - \mathbf K \mathbf C \mathbf K`.
+:math:`\mathbf K`), so that the posterior covariance is :math:`\mathbf K - \mathbf K \mathbf C \mathbf K`; with
+``covariance_iterations > 0`` the covariance phase (:mod:`~gpytorch_iterncgp.covariance`) then enlarges
+:math:`\mathbf C` by that many blocks of actions chosen for the covariance, one product with :math:`\mathbf K` each.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from .covariance import CovarianceOptions, covariance_phase
 from .likelihoods import LikelihoodAdapter, LikelihoodDerivatives
 from .outer_loop import BREAKDOWN, CONTINUE, CONVERGED, STALLED, NewtonStep, OuterStep
 from .policies import Policy
@@ -52,8 +55,9 @@ from .validation import check_count, check_nonnegative
 
 
 @dataclass
-class SolverOptions(IterGPOptions):
-    """Settings of the Newton loop and of IterGP (see :class:`~gpytorch_iterncgp.IterNCGPStrategy`)."""
+class SolverOptions(IterGPOptions, CovarianceOptions):
+    """Settings of the Newton loop, of IterGP and of the covariance phase (see
+    :class:`~gpytorch_iterncgp.IterNCGPStrategy`)."""
 
     max_newton_steps: int = 20
     outer_tol: float = 1e-2
@@ -62,6 +66,7 @@ class SolverOptions(IterGPOptions):
     def validate(self) -> None:
         """:raises ValueError: naming the option that is out of range (or not a number; ``True`` is not a count)."""
         super().validate()
+        CovarianceOptions.validate(self)
         check_count(self.max_newton_steps, "max_newton_steps")
         check_nonnegative(self.outer_tol, "outer_tol")
         if not 0 < self.min_step_size <= 1:
@@ -397,16 +402,29 @@ class DampedNewton:
 
     def finalize(self, state: LaplaceState) -> LaplaceState:
         r"""The precision of the final mode: a virtual solver run at :math:`\mathbf W(\hat{\mathbf f})` over every
-        buffered action (no product with :math:`\mathbf K`).
+        buffered action (no product with :math:`\mathbf K`), then the covariance phase's
+        ``covariance_iterations`` blocks (:func:`~gpytorch_iterncgp.covariance.covariance_phase`, one product each).
 
-        The buffer itself is kept as the loop left it (not the re-weighted one of this run), so that a later fit
-        continues exactly as if this one had not stopped here.
+        The buffer itself is kept as the loop left it (not the re-weighted one of this run, and without the covariance
+        phase's actions, which only enlarge :math:`\mathbf Q`), so that a later fit continues exactly as if this one had
+        not stopped here, and repeated fits do not grow the state.
         """
         final = self.derivatives(state.kernel_representer_weights)
         if not bool(torch.isfinite(final.noise_inverse.diagonal()).all()):
             return state
         buffer = ActionBuffer.from_tensors(state.actions, state.kernel_actions)
         virtual = virtual_solver_run(buffer, final.noise_inverse)
+        phase = covariance_phase(
+            self.prior.matmul,
+            final.noise_inverse,
+            virtual.precision_root,
+            virtual.kernel_precision_root,
+            self.adapter.num_latents,
+            self.options.covariance_iterations,
+            self.options.covariance_block_size,
+            project=self.adapter.project if self.adapter.zero_sum_actions else None,
+            action_space_dimension=self.action_space_dimension,
+        )
         return dataclasses.replace(
-            state, precision_root=virtual.precision_root, kernel_precision_root=virtual.kernel_precision_root
+            state, precision_root=phase.precision_root, kernel_precision_root=phase.kernel_precision_root
         )

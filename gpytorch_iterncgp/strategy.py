@@ -509,6 +509,17 @@ class IterNCGPStrategy(_SolverStrategy):
         :math:`\mathbf W^{-1}`; default ``sqrt(eps)`` of the dtype.
     :param seed: seed of the unit-vector policy's random order.
     :param show_progress: show a tqdm progress bar in :meth:`fit`.
+    :param covariance_iterations: products with :math:`\mathbf K` that every :meth:`fit` spends on the posterior
+        covariance after its Newton steps (the covariance phase, :mod:`~gpytorch_iterncgp.covariance`: block Lanczos
+        on :math:`\mathbf K + \mathbf W^{-1}` preconditioned by :math:`\mathbf W`, from the curvature's columns at
+        random data points). Once the mode has converged the predictive variance still carries most of the
+        computational uncertainty; these actions remove it where the predictions need it. They enlarge
+        :math:`\mathbf C` only (not the recycled actions): the covariance stays at least the exact Laplace
+        covariance, shrinks with every block, and is exact once the actions span the space. ``0``: no phase.
+    :param covariance_block_size: actions per product in the covariance phase (the start block takes the
+        :math:`C` latents of ``covariance_block_size // C`` data points). Memory: :math:`\mathbf Q` and
+        :math:`\mathbf K \mathbf Q` grow by up to ``covariance_iterations * covariance_block_size`` columns of
+        :math:`N C` values each.
     """
 
     _state_type = LaplaceState
@@ -531,8 +542,12 @@ class IterNCGPStrategy(_SolverStrategy):
         min_curvature: float | None = None,
         seed: int = 0,
         show_progress: bool = True,
+        covariance_iterations: int = 0,
+        covariance_block_size: int = 100,
     ):
         options = SolverOptions(
+            covariance_iterations=covariance_iterations,
+            covariance_block_size=covariance_block_size,
             max_newton_steps=max_newton_steps,
             max_solver_iterations=max_solver_iterations,
             outer_tol=outer_tol,
@@ -648,6 +663,10 @@ class EPStrategy(_SolverStrategy):
     :param min_curvature: lower bound on the site precisions in the regression's noise (default ``sqrt(eps)``).
     :param seed: seed of the unit-vector policy's random order.
     :param show_progress: show a tqdm progress bar in :meth:`fit`.
+    :param covariance_iterations: products with :math:`\mathbf K` that every :meth:`fit` spends on the posterior
+        covariance of the final sites' regression (the covariance phase, as for :class:`IterNCGPStrategy`); they
+        narrow the predictive marginals towards those of exact EP for these sites, never below them. ``0``: none.
+    :param covariance_block_size: actions per product in the covariance phase.
     """
 
     _state_type = EPState
@@ -671,8 +690,12 @@ class EPStrategy(_SolverStrategy):
         min_curvature: float | None = None,
         seed: int = 0,
         show_progress: bool = True,
+        covariance_iterations: int = 0,
+        covariance_block_size: int = 100,
     ):
         options = EPOptions(
+            covariance_iterations=covariance_iterations,
+            covariance_block_size=covariance_block_size,
             max_sweeps=max_sweeps,
             max_solver_iterations=max_solver_iterations,
             damping=damping,

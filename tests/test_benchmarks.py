@@ -212,3 +212,13 @@ def test_fixed_kernel_is_not_trained():
     assert not any(parameter.requires_grad for parameter in kernel.parameters())
     assert float(kernel.outputscale) == pytest.approx(problem.outputscale)
     assert isinstance(kernel.base_kernel, gpytorch.kernels.MaternKernel) and kernel.base_kernel.nu == 1.5
+
+
+def test_covariance_benchmark_quick_run_writes_results(tmp_path):
+    import covariance
+
+    results = covariance.main(["--quick", "--threads", "1", "--out", str(tmp_path)])
+    assert (tmp_path / "covariance_quick.json").exists() and (tmp_path / "covariance_quick.png").exists()
+    nll = [entry["nll"] for entry in results["phase"]]
+    assert nll[-1] < nll[0]  # the phase lowers the test NLL of the converged mode
+    assert [entry["phase_products"] for entry in results["phase"]] == [0, 2, 4]

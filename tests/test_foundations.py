@@ -192,7 +192,7 @@ def test_chunked_products_emit_no_deprecation_warning():
 LAYERS = [
     {"validation", "exceptions", "settings", "triton_kernels"},
     {"noise", "precision", "kernel_products", "policies", "datasets", "multinomial_probit", "psi_statistics"},
-    {"recycling", "likelihoods", "prior"},
+    {"recycling", "likelihoods", "prior", "covariance"},
     {"solver", "outer_loop", "tilted"},
     {"newton", "sites"},
     {"ep", "sparse_ep"},
