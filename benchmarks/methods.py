@@ -356,6 +356,7 @@ class SVGPModel(gpytorch.models.ApproximateGP):
         super().__init__(strategy)
         self.mean_module = gpytorch.means.ZeroMean(batch_shape=torch.Size([problem.num_classes]))
         self.covar_module = fixed_kernel(problem)
+        self.to(problem.train_x)  # the variational parameters are created on the CPU
 
     def forward(self, x):
         return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))

@@ -41,8 +41,8 @@ SETTINGS = {
 }
 
 
-def load_problem(dataset: str, setting: str, num_train: int, num_test: int, seed: int):
-    """The problem of a job, built inside its worker process (float32)."""
+def load_problem(dataset: str, setting: str, num_train: int, num_test: int, seed: int, device: str = "cpu"):
+    """The problem of a job, built inside its worker process (float32), its tensors on ``device``."""
     from methods import Problem
 
     from gpytorch_iterncgp.datasets import gaussian_mixture
@@ -64,6 +64,7 @@ def load_problem(dataset: str, setting: str, num_train: int, num_test: int, seed
         center, scale = inputs[train].mean(0), inputs[train].std(0).clamp_min(1e-3)
         inputs = (inputs - center) / scale
         train_x, train_y, test_x, test_y = inputs[train], labels[train], inputs[test], labels[test]
+    train_x, train_y, test_x, test_y = (tensor.to(device) for tensor in (train_x, train_y, test_x, test_y))
     return Problem(f"{dataset}/{setting}", train_x, train_y, test_x, test_y, 10, lengthscale, outputscale)
 
 
@@ -75,7 +76,9 @@ def run_job(job: dict) -> dict:
 
     torch.set_num_threads(job["threads"])
     warnings.filterwarnings("ignore", message=".*CUDA.*")
-    problem = load_problem(job["dataset"], job["setting"], job["num_train"], job["num_test"], job["seed"])
+    problem = load_problem(
+        job["dataset"], job["setting"], job["num_train"], job["num_test"], job["seed"], job.get("device", "cpu")
+    )
     kind, options = job["method"], dict(job["options"])
     if kind == "iterncgp":
         result = methods.run_iterncgp(problem, **options)
@@ -131,6 +134,7 @@ def run_problem(args, executor, dataset: str, setting: str) -> list[dict]:
         "num_test": args.n_test,
         "seed": args.seed,
         "threads": args.threads,
+        "device": args.device,
     }
     jobs = []
     if "iterncgp" in args.methods:
@@ -360,6 +364,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-keops", action="store_true", help="chunked torch products instead of KeOps")
     parser.add_argument("--threads", type=int, default=os_threads(), help="torch threads per run")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu", help="torch device of every method's tensors (e.g. cuda)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a functional check in about a minute")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--quiet", action="store_true")

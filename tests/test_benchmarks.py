@@ -178,6 +178,18 @@ def test_svgp_learns_within_its_budget():
     assert history[-1]["time"] >= 2.0
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_suite_quick_run_on_cuda(tmp_path):
+    """Every method of the suite runs with its tensors on the GPU (SVGP's variational parameters included)."""
+    output = suite.main(
+        ["--quick", "--quiet", "--datasets", "mixture", "--out", str(tmp_path), "--threads", "1", "--device", "cuda"]
+    )
+    for problem in output["problems"].values():
+        assert {row["method"] for row in problem["summary"]} and all(
+            math.isfinite(row["nll"]) for row in problem["summary"]
+        )
+
+
 def test_suite_quick_run_writes_results(tmp_path):
     output = suite.main(["--quick", "--quiet", "--datasets", "mixture", "--out", str(tmp_path), "--threads", "1"])
     saved = json.loads((tmp_path / "suite.json").read_text())
