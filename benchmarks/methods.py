@@ -305,11 +305,13 @@ def run_ep(
     compression_rank: int | None = None,
     damping: float = 0.5,
     kernel_path: str = "dense",
+    covariance_iterations: int = 0,
     show_progress: bool = False,
 ) -> dict:
     """Multi-class EP (``EPStrategy`` with the multinomial probit: :math:`C \times C` sites, nested EP, CG with
     recycling), evaluated like :func:`run_iterncgp` with the likelihood's own predictive (nested EP's normaliser
-    under each test point's :math:`C \times C` covariance)."""
+    under each test point's :math:`C \times C` covariance); ``covariance_iterations`` blocks of the covariance phase
+    after the sweeps (``gpytorch_iterncgp.covariance``)."""
     from gpytorch_iterncgp import EPStrategy, MultinomialProbitLikelihood
 
     likelihood = MultinomialProbitLikelihood(problem.num_classes)
@@ -324,6 +326,7 @@ def run_ep(
         max_sweeps=max_sweeps,
         damping=damping,
         site_tol=1e-3,
+        covariance_iterations=covariance_iterations,
         show_progress=show_progress,
     )
 
