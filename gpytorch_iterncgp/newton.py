@@ -349,8 +349,7 @@ class DampedNewton:
             state = LaplaceState(
                 current.weights,
                 current.kernel_weights,
-                result.precision.root_tensor,
-                result.kernel_precision_root,
+                *result.deferred_roots(),  # Q, K Q: formed if read (a callback); finalize forms its own
                 buffer.actions.value,
                 buffer.kernel_actions.value,
                 current.log_posterior,

@@ -127,6 +127,11 @@ class SoftmaxPseudoInverse(LinearOperator):
 
     def _matmul(self, rhs: Tensor) -> Tensor:
         num_data, num_classes = self.probabilities.shape[-2:]
+        if rhs.mT.is_contiguous():  # columns stored as rows (a vector, or S from the buffer): work in that layout
+            blocks = rhs.mT.reshape(*rhs.shape[:-2], rhs.shape[-1], num_data, num_classes)
+            blocks = (blocks - blocks.mean(dim=-1, keepdim=True)) / self.probabilities.unsqueeze(-3)
+            blocks.sub_(blocks.mean(dim=-1, keepdim=True))
+            return blocks.reshape(*blocks.shape[:-2], num_data * num_classes).mT
         blocks = rhs.reshape(*rhs.shape[:-2], num_data, num_classes, rhs.shape[-1])
         blocks = blocks - blocks.mean(dim=-2, keepdim=True)
         blocks = blocks / self.probabilities.unsqueeze(-1)

@@ -23,6 +23,7 @@ from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNorm
 from gpytorch.lazy import LazyEvaluatedKernelTensor
 from linear_operator.operators import (
     BlockInterleavedLinearOperator,
+    DenseLinearOperator,
     IdentityLinearOperator,
     KroneckerProductLinearOperator,
     LinearOperator,
@@ -109,6 +110,32 @@ def _point_blocks(covariance: LinearOperator, num: int) -> Tensor:
     size = covariance.shape[-1] // num
     index = torch.arange(size, device=covariance.device)[:, None] * num + torch.arange(num, device=covariance.device)
     return covariance[..., index[:, :, None], index[:, None, :]]
+
+
+# Products with at most this many columns by a cached, symmetric kernel matrix on the CPU run as (X^T K)^T.
+NARROW_PRODUCT_COLUMNS = 32
+
+
+def _narrow_symmetric_matmul(covariance: LinearOperator, rhs: Tensor) -> Tensor | None:
+    r""":math:`\mathbf K \mathbf X = (\mathbf X^\top \mathbf K)^\top` for the dense kernel matrix of the training points with
+    themselves (evaluated and cached on the first product; ``None`` for other kernels, or wide or non-CPU ``rhs``).
+
+    For the few columns of a solver iteration (``(N, k)``, :math:`k \le` ``NARROW_PRODUCT_COLUMNS``) the CPU BLAS
+    libraries we measured stream a row-major :math:`\mathbf K` faster from the left: MKL on a 2-core AMD EPYC took
+    80 ms for :math:`\mathbf X^\top \mathbf K` against 190 ms for :math:`\mathbf K \mathbf X` at N = 10⁴, k = 10,
+    one thread (``benchmarks/outside_products.py``). The kernel is symmetric because its two inputs are the same
+    tensor; the results agree to rounding.
+    """
+    if rhs.device.type != "cpu" or rhs.shape[-1] > NARROW_PRODUCT_COLUMNS or torch.is_grad_enabled():
+        return None
+    if not isinstance(covariance, LazyEvaluatedKernelTensor) or covariance.x1 is not covariance.x2:
+        return None
+    if _uses_keops(covariance.kernel):
+        return None
+    evaluated = covariance.evaluate_kernel()  # cached by GPyTorch, as its own product would do
+    if not isinstance(evaluated, DenseLinearOperator):
+        return None
+    return (rhs.mT.contiguous() @ evaluated.tensor).mT
 
 
 def _chunked_matmul(covariance: LinearOperator, rhs: Tensor, chunk_rows: int) -> Tensor:
@@ -223,7 +250,8 @@ class LatentPrior:
 
         def multiply(matrix: Tensor) -> Tensor:
             if not chunk_rows:
-                return self.covariance.matmul(matrix)
+                narrow = _narrow_symmetric_matmul(self.covariance, matrix)
+                return self.covariance.matmul(matrix) if narrow is None else narrow
             fused = fused_kernel_matmul(self.covariance, matrix)  # RBF / Matérn: never forms K
             return _chunked_matmul(self.covariance, matrix, chunk_rows) if fused is None else fused
 

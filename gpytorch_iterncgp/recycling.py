@@ -21,11 +21,11 @@ depend on :math:`\mathbf W`, :math:`\mathbf S^\top \mathbf T = \mathbf S^\top \m
 :math:`\mathbf S^\top \mathbf S`, for the norms of re-weighted actions), is kept by the :class:`ActionBuffer` and
 bordered by one row and column per appended action (:math:`O(N C B)`), so a virtual run computes only
 :math:`\mathbf S^\top \mathbf W^{-1} \mathbf S`. Where nothing is compressed (:math:`R = \infty`, or
-:math:`B \le R` without a kept direction) the buffer is not re-weighted at all: :math:`\mathbf S` stays as it was,
-grows in place, and :math:`\mathbf Q = \mathbf S (\mathbf U \boldsymbol\Lambda^{-1/2})` is written straight into
-its storage. So a step costs one :math:`(N C \times B) \cdot (B \times B)` Gram product and the two products
-forming :math:`\mathbf Q` and :math:`\mathbf K \mathbf Q`, and holds :math:`\mathbf S`, :math:`\mathbf T`,
-:math:`\mathbf Q`, :math:`\mathbf K \mathbf Q` and one block of :math:`\mathbf W^{-1} \mathbf S` at a time.
+:math:`B \le R` without a kept direction) the buffer is not re-weighted at all: :math:`\mathbf S` stays as it was
+and grows in place. :math:`\mathbf Q = \mathbf S \mathbf E` and :math:`\mathbf K \mathbf Q = \mathbf T \mathbf E` stay
+implicit (:class:`ImplicitRoot`, with :math:`\mathbf E = \mathbf U \boldsymbol\Lambda^{-1/2}` here): IterGP only needs
+their products with vectors. So a step costs one :math:`(N C \times B) \cdot (B \times B)` Gram product, and holds
+:math:`\mathbf S`, :math:`\mathbf T` and one block of :math:`\mathbf W^{-1} \mathbf S` at a time.
 """
 
 from __future__ import annotations
@@ -122,27 +122,42 @@ class ActionBuffer:
             self._grams = (_bordered(self._grams[0], kernel_column), _bordered(self._grams[1], action_column))
 
 
-@dataclass
-class VirtualRun:
-    r"""The result of a virtual solver run: re-weighted buffer and the root of :math:`\mathbf C_0`.
+def combined_columns(store: ColumnStore, coefficients: Tensor) -> Tensor:
+    r""":math:`\mathbf S \mathbf E` ``(n, r)`` for the first ``E.shape[0]`` columns :math:`\mathbf S` of ``store`` and
+    coefficients :math:`\mathbf E` ``(B, r)``: one :math:`O(n B r)` product (over the non-zero rows only for sparse
+    actions)."""
+    return _combination(store.rows[: coefficients.shape[0]], None, coefficients, 0).value
 
-    ``precision_store`` and ``kernel_precision_store`` hold :math:`\mathbf Q` and :math:`\mathbf K \mathbf Q` with room
-    for the columns the solver appends.
+
+@dataclass
+class ImplicitRoot:
+    r""":math:`\mathbf Q = \mathbf S \mathbf E` and :math:`\mathbf K \mathbf Q = \mathbf T \mathbf E`, kept as the buffer and
+    the coefficients :math:`\mathbf E` ``(B, r)`` (working dtype): what a virtual solver run (and IterGP) return.
+
+    The solver only ever needs :math:`\mathbf Q^\top \mathbf x = \mathbf E^\top (\mathbf S^\top \mathbf x)` and
+    :math:`\mathbf Q \mathbf c = \mathbf S (\mathbf E \mathbf c)`, :math:`O(n B)` each; forming :math:`\mathbf Q` and
+    :math:`\mathbf K \mathbf Q` costs :math:`O(n B r)` and is left to whoever reads :attr:`precision_root` and
+    :attr:`kernel_precision_root`. The buffer's first ``B`` columns never change, so these stay valid while a later
+    solve appends to the same buffer.
     """
 
     buffer: ActionBuffer
-    precision_store: ColumnStore
-    kernel_precision_store: ColumnStore
+    root_coefficients: Tensor  # E, (B, r)
+
+    @property
+    def rank(self) -> int:
+        r"""The number of columns :math:`r` of :math:`\mathbf Q`."""
+        return self.root_coefficients.shape[-1]
 
     @property
     def precision_root(self) -> Tensor:
-        r""":math:`\mathbf Q`, ``(N C, r)``."""
-        return self.precision_store.value
+        r""":math:`\mathbf Q = \mathbf S \mathbf E`, ``(n, r)``: formed on each call."""
+        return combined_columns(self.buffer.actions, self.root_coefficients)
 
     @property
     def kernel_precision_root(self) -> Tensor:
-        r""":math:`\mathbf K \mathbf Q`, ``(N C, r)``."""
-        return self.kernel_precision_store.value
+        r""":math:`\mathbf K \mathbf Q = \mathbf T \mathbf E`, ``(n, r)``: formed on each call."""
+        return combined_columns(self.buffer.kernel_actions, self.root_coefficients)
 
 
 def noise_gram(actions: ColumnStore, noise_inverse: LinearOperator) -> Tensor:
@@ -171,6 +186,8 @@ def row_support(rows: Tensor) -> Tensor | None:
 
     Products :math:`\mathbf S^\top \mathbf X` and :math:`\mathbf S \mathbf E` then run over these entries only.
     """
+    if len(rows) and 4 * int(torch.count_nonzero(rows[-1])) > rows.shape[-1]:
+        return None  # one dense action decides it (O(n), not O(n B)): CG's actions, re-weighted buffers
     support = rows.ne(0).any(0).nonzero()[:, 0]
     return support if 4 * len(support) <= rows.shape[-1] else None
 
@@ -207,14 +224,6 @@ def _combination(rows: Tensor, extra: Tensor | None, coefficients: Tensor, capac
     return store
 
 
-def _scaled(store: ColumnStore, scale: Tensor, capacity: int) -> ColumnStore:
-    """A new store with the columns of ``store`` times ``scale`` ``(r,)``."""
-    rows = store.rows
-    scaled = ColumnStore.with_capacity(rows.shape[-1], rows.shape[0] + capacity, rows.dtype, rows.device)
-    torch.mul(rows, scale.to(rows.dtype)[:, None], out=scaled.extend(rows.shape[0]))
-    return scaled
-
-
 def virtual_solver_run(
     buffer: ActionBuffer,
     noise_inverse: LinearOperator,
@@ -222,7 +231,7 @@ def virtual_solver_run(
     relative_eigenvalue_tolerance: float | None = None,
     keep: tuple[Tensor, Tensor] | None = None,
     spare: int = 0,
-) -> VirtualRun:
+) -> ImplicitRoot:
     r"""Algorithm 3: the initial precision for a new noise :math:`\mathbf W^{-1}`, with no product with :math:`\mathbf K`.
 
     :param buffer: actions and kernel products ``(N C, B)`` from earlier solves with the *same* kernel. Where nothing
@@ -237,13 +246,13 @@ def virtual_solver_run(
         drop: the top :math:`R - 1` eigen-directions are kept, plus this one. The Newton loop passes the
         current representer weights :math:`\mathbf a`, so that the initial solution
         :math:`\mathbf C_0 \mathbf b` is never worse than (a multiple of) :math:`\mathbf a`.
-    :param spare: room for this many more columns in :math:`\mathbf Q`, :math:`\mathbf K \mathbf Q` (and a
-        re-weighted buffer) before their storage grows.
-    :return: the buffer (at most :math:`R` columns, unit-norm actions, if compressed), :math:`\mathbf Q` and
-        :math:`\mathbf K \mathbf Q`.
+    :param spare: room for this many more columns in a re-weighted buffer before its storage grows.
+    :return: the buffer (at most :math:`R` columns, unit-norm actions, if compressed) and the coefficients of
+        :math:`\mathbf Q` in it (:class:`ImplicitRoot`; without compression :math:`\mathbf U \boldsymbol\Lambda^{-1/2}`,
+        with compression the diagonal :math:`\nu \boldsymbol\Lambda^{-1/2}` of the re-weighted actions).
     """
     rows = buffer.actions.rows
-    num_rows, dtype, device = rows.shape[-1], rows.dtype, rows.device
+    dtype = rows.dtype
     if relative_eigenvalue_tolerance is None:
         relative_eigenvalue_tolerance = 1000 * torch.finfo(dtype).eps
     extra: tuple[Tensor, Tensor] | None = None
@@ -251,24 +260,15 @@ def virtual_solver_run(
         norm = keep[0].norm()
         extra = (keep[0] / norm, keep[1] / norm)
     if buffer.size == 0 and extra is None:
-        return VirtualRun(
-            buffer,
-            ColumnStore.with_capacity(num_rows, spare, dtype, device),
-            ColumnStore.with_capacity(num_rows, spare, dtype, device),
-        )
+        return ImplicitRoot(buffer, rows.new_zeros(0, 0))
     kernel_gram, action_gram = buffer.grams()
     # M = S^T K S (kept by the buffer) + S^T W^{-1} S (this W), decomposed in float64 (float32 eigh fails on it).
     gram = kernel_gram + noise_gram(buffer.actions, noise_inverse)
     if extra is None:
         coefficients, eigenvalues = _top_eigenpairs(gram, relative_eigenvalue_tolerance, compression_rank)
         if compression_rank is None or coefficients.shape[-1] == buffer.size:
-            # Nothing compressed: the buffer stays as it is, Q = S U Λ^{-1/2} and K Q = T U Λ^{-1/2}.
-            weights = coefficients * eigenvalues.rsqrt()
-            return VirtualRun(
-                buffer,
-                _combination(rows, None, weights, spare),
-                _combination(buffer.kernel_actions.rows, None, weights, spare),
-            )
+            # Nothing compressed: the buffer stays as it is, Q = S U Λ^{-1/2} and K Q = T U Λ^{-1/2} (left implicit).
+            return ImplicitRoot(buffer, (coefficients * eigenvalues.rsqrt()).to(dtype))
         extended_action_gram = action_gram
     else:
         # Compress to the top R - 1 directions (normalised), add the kept one, and decompose again over these R.
@@ -292,7 +292,4 @@ def virtual_solver_run(
     coefficients = coefficients / norms
     actions = _combination(rows, None if extra is None else extra[0], coefficients, spare)
     kernel_actions = _combination(buffer.kernel_actions.rows, None if extra is None else extra[1], coefficients, spare)
-    scale = norms * eigenvalues.rsqrt()
-    return VirtualRun(
-        ActionBuffer(actions, kernel_actions), _scaled(actions, scale, spare), _scaled(kernel_actions, scale, spare)
-    )
+    return ImplicitRoot(ActionBuffer(actions, kernel_actions), torch.diag(norms * eigenvalues.rsqrt()).to(dtype))

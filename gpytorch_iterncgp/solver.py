@@ -36,7 +36,7 @@ import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Self
+from typing import Self, cast
 
 import torch
 from linear_operator.operators import LinearOperator
@@ -45,7 +45,7 @@ from torch import Tensor
 from .exceptions import NumericalBreakdownWarning
 from .policies import Policy
 from .precision import LowRankPrecision
-from .recycling import ActionBuffer, virtual_solver_run
+from .recycling import ActionBuffer, ImplicitRoot, virtual_solver_run
 from .validation import check_count, check_flag, check_nonnegative
 
 # An action with less than this fraction of its energy s^T K̂ s outside the span of the earlier actions is
@@ -54,19 +54,30 @@ NEARLY_DEPENDENT = 1e-2
 
 
 @dataclass
-class IterGPResult:
-    r"""What one IterGP solve returns. Shapes use :math:`n = N C` and :math:`r` = rank of :math:`\mathbf C`."""
+class IterGPResult(ImplicitRoot):
+    r"""What one IterGP solve returns. Shapes use :math:`n = N C` and :math:`r` = rank of :math:`\mathbf C`.
+
+    The buffer :math:`\mathbf S`, :math:`\mathbf K \mathbf S` ``(n, B)`` and the coefficients :math:`\mathbf E` ``(B, r)`` of
+    :math:`\mathbf Q = \mathbf S \mathbf E` (:class:`~gpytorch_iterncgp.recycling.ImplicitRoot`: :attr:`precision_root` and
+    :attr:`kernel_precision_root` form :math:`\mathbf Q` and :math:`\mathbf K \mathbf Q` when read).
+    """
 
     representer_weights: Tensor  # v, (n,)
     kernel_representer_weights: Tensor  # K v, (n,)
-    precision: LowRankPrecision  # C = Q Q^T, (n, n)
-    kernel_precision_root: Tensor  # K Q, (n, r)
-    buffer: ActionBuffer  # S, K S, (n, B)
     iterations: int  # products with K, including those of skipped or replaced (nearly dependent) actions
     residual_norm: float
     breakdown: bool
     # The system was solved: the residual met the tolerance, or C has full rank (exact in exact arithmetic).
     converged: bool = False
+
+    @property
+    def precision(self) -> LowRankPrecision:
+        r""":math:`\mathbf C = \mathbf Q \mathbf Q^\top`, ``(n, n)`` (forms :math:`\mathbf Q`)."""
+        return LowRankPrecision(self.precision_root)
+
+    def deferred_roots(self) -> tuple[Tensor, Tensor]:
+        r""":math:`\mathbf Q` and :math:`\mathbf K \mathbf Q` for a :class:`RegressionState`, formed when first read."""
+        return deferred(lambda: self.precision_root), deferred(lambda: self.kernel_precision_root)
 
 
 @dataclass
@@ -88,6 +99,37 @@ class IterGPOptions:
         check_flag(self.recycle, "recycle")
 
 
+class DeferredTensor:
+    r"""A data descriptor for a tensor field that may be given as a function computing it: the function runs on first
+    read, and its result replaces it. Installed on :class:`RegressionState` for :math:`\mathbf Q` and
+    :math:`\mathbf K \mathbf Q`; pass a function with :func:`deferred`.
+
+    The Newton loop leaves :math:`\mathbf Q` and :math:`\mathbf K \mathbf Q` of each step's state unformed
+    (:math:`O(N C B r)` each, more than the step's products with :math:`\mathbf K` on a cached kernel once the buffer
+    holds a few hundred actions): only a callback or a prediction during the fit reads them, and the final state gets
+    its own from :meth:`~gpytorch_iterncgp.newton.DampedNewton.finalize`.
+    """
+
+    def __init__(self, name: str):
+        self.name, self.slot = name, f"_deferred_{name}"
+
+    def __get__(self, instance: object | None, owner: type) -> Tensor:
+        if instance is None:
+            raise AttributeError(self.name)  # a required field: no class-level default
+        value = instance.__dict__[self.slot]
+        if not torch.is_tensor(value):
+            value = instance.__dict__[self.slot] = value()
+        return value
+
+    def __set__(self, instance: object, value: Tensor | Callable[[], Tensor]) -> None:
+        instance.__dict__[self.slot] = value
+
+
+def deferred(compute: Callable[[], Tensor]) -> Tensor:
+    """``compute`` as the value of a :class:`DeferredTensor` field (typed as the tensor it will give when read)."""
+    return cast(Tensor, compute)
+
+
 @dataclass
 class RegressionState:
     r"""IterGP's solution of an outer step's GP regression and the actions it keeps for the next one.
@@ -99,8 +141,8 @@ class RegressionState:
 
     representer_weights: Tensor  # a, (n,): f = m + K a
     kernel_representer_weights: Tensor  # K a, (n,)
-    precision_root: Tensor  # Q, (n, r): C = Q Q^T
-    kernel_precision_root: Tensor  # K Q, (n, r)
+    precision_root: Tensor  # Q, (n, r): C = Q Q^T (may be passed as deferred(function): DeferredTensor)
+    kernel_precision_root: Tensor  # K Q, (n, r) (may be deferred)
     actions: Tensor  # S, (n, B)
     kernel_actions: Tensor  # K S, (n, B)
 
@@ -150,6 +192,21 @@ class RegressionState:
         wrong = {name: tuple(saved[name].shape) for name in names if saved[name].shape != expected[name]}
         if len(shape) != 1 or wrong:
             raise ValueError(f"{owner} extra state is malformed: inconsistent shapes {wrong or dict(size=shape)}.")
+
+
+for _name in ("precision_root", "kernel_precision_root"):
+    setattr(RegressionState, _name, DeferredTensor(_name))
+
+
+def _bordered_coefficients(coefficients: Tensor, column: Tensor, corner: float) -> Tensor:
+    """``coefficients`` ``(B, r)`` grown to ``(B + 1, r + 1)``: ``column`` ``(B,)`` above ``corner`` as the last column,
+    zeros in the last row otherwise (:math:`O(B r)`)."""
+    size, rank = coefficients.shape
+    grown = coefficients.new_zeros(size + 1, rank + 1)
+    grown[:size, :rank] = coefficients
+    grown[:size, rank] = column
+    grown[size, rank] = corner
+    return grown
 
 
 def _check_solver_arguments(noise_inverse, rhs, buffer, max_iterations, abs_tol, rel_tol, compression_rank):
@@ -219,9 +276,7 @@ def itergp_solve(
     limit = num_rows if max_iterations is None else max_iterations
     full_rank = num_rows if action_space_dimension is None else action_space_dimension
     virtual = virtual_solver_run(buffer, noise_inverse, compression_rank, keep=keep, spare=min(limit, 64))
-    buffer = virtual.buffer
-    precision = LowRankPrecision.from_store(virtual.precision_store)
-    kernel_precision_root = virtual.kernel_precision_store
+    buffer, root_coefficients = virtual.buffer, virtual.root_coefficients  # Q = S E, K Q = T E (rows of E: B)
     sparse_limit = max(16, num_rows // 64)
 
     def kernel_product(action: Tensor) -> Tensor:
@@ -230,14 +285,14 @@ def itergp_solve(
             return kernel_columns(support) @ action[support]
         return kernel_matmul(action[:, None])[:, 0]
 
-    coefficients = virtual.precision_root.mT @ rhs
-    weights = virtual.precision_root @ coefficients
-    kernel_weights = virtual.kernel_precision_root @ coefficients
+    coefficients = root_coefficients @ (root_coefficients.mT @ (buffer.actions.rows @ rhs))  # E E^T S^T b
+    weights = buffer.actions.rows.mT @ coefficients
+    kernel_weights = buffer.kernel_actions.rows.mT @ coefficients
     tolerance = max(abs_tol, rel_tol * float(project(rhs[:, None]).norm()))
     eps = torch.finfo(rhs.dtype).eps
     breakdown = False
     iterations = 0
-    recycled_rank = precision.rank
+    recycled_rank = root_coefficients.shape[-1]
     skipped, last_skipped = 0, None
     remainder: Tensor | None = None  # the new part of a nearly dependent action, taken as the next action
     while True:
@@ -247,7 +302,7 @@ def itergp_solve(
             warnings.warn("IterGP: the residual is not finite; stopping.", NumericalBreakdownWarning, stacklevel=3)
             breakdown = True
             break
-        if residual_norm <= tolerance or iterations >= limit or precision.rank >= full_rank:
+        if residual_norm <= tolerance or iterations >= limit or root_coefficients.shape[-1] >= full_rank:
             break
         from_remainder = remainder is not None
         proposed: Tensor = remainder if remainder is not None else policy(residual)
@@ -262,14 +317,16 @@ def itergp_solve(
             break
         action = action / action_norm
         kernel_action = kernel_product(action)
-        root, kernel_root = precision.root_tensor, kernel_precision_root.value
+        rows, kernel_rows = buffer.actions.rows, buffer.kernel_actions.rows
         noisy_action_norm = float(action @ (kernel_action + noise_inverse.matmul(action[:, None])[:, 0]))
         direction, kernel_direction = action, kernel_action
+        subtracted = root_coefficients.new_zeros(root_coefficients.shape[0])  # d = s - S (subtracted)
         for _ in range(2):
             noisy_direction = kernel_direction + noise_inverse.matmul(direction[:, None])[:, 0]
-            conjugation = root.mT @ noisy_direction
-            direction = direction - root @ conjugation
-            kernel_direction = kernel_direction - kernel_root @ conjugation
+            conjugation = root_coefficients @ (root_coefficients.mT @ (rows @ noisy_direction))  # E Q^T K̂ d
+            direction = direction - rows.mT @ conjugation
+            kernel_direction = kernel_direction - kernel_rows.mT @ conjugation
+            subtracted = subtracted + conjugation
         eta = float(direction @ (kernel_direction + noise_inverse.matmul(direction[:, None])[:, 0]))
         # How much of the action is new: the fraction of its energy s^T K̂ s outside span(S).
         new_fraction = eta / abs(noisy_action_norm) if noisy_action_norm else 0.0
@@ -304,21 +361,21 @@ def itergp_solve(
             continue
         buffer.append(action, kernel_action)
         scale = eta**-0.5
-        column, kernel_column = direction * scale, kernel_direction * scale
-        step = column @ residual
-        weights = weights + step * column
-        kernel_weights = kernel_weights + step * kernel_column
-        precision = precision.append(column)
-        kernel_precision_root.append(kernel_column)
+        step = scale * float(direction @ residual)
+        weights = weights + (step * scale) * direction
+        kernel_weights = kernel_weights + (step * scale) * kernel_direction
+        # the new column of Q, q = d / sqrt(eta) = [S, s] [-subtracted; 1] / sqrt(eta), as a new row and column of E
+        root_coefficients = _bordered_coefficients(root_coefficients, -subtracted * scale, scale)
         iterations += 1
 
-    converged = math.isfinite(residual_norm) and (residual_norm <= tolerance or precision.rank >= full_rank)
+    converged = math.isfinite(residual_norm) and (
+        residual_norm <= tolerance or root_coefficients.shape[-1] >= full_rank
+    )
     return IterGPResult(
+        buffer=buffer,
+        root_coefficients=root_coefficients,
         representer_weights=weights,
         kernel_representer_weights=kernel_weights,
-        precision=precision,
-        kernel_precision_root=kernel_precision_root.value,
-        buffer=buffer,
         iterations=iterations,
         residual_norm=residual_norm,
         breakdown=breakdown,

@@ -1,13 +1,15 @@
 """The work outside the products with K: kernel columns for sparse actions, the buffer's incremental Gram matrices,
-and virtual solver runs that do not re-weight (or copy) an uncompressed buffer."""
+virtual solver runs that do not re-weight (or copy) an uncompressed buffer, Q kept implicit (S E) by the solver and
+left unformed in the Newton loop's states, and narrow products with a cached kernel as (X^T K)^T."""
 
 import gpytorch
 import pytest
 import torch
 
 from gpytorch_iterncgp import ConjugateGradientPolicy, UnitVectorPolicy
+from gpytorch_iterncgp import prior as prior_module
 from gpytorch_iterncgp.noise import DiagonalNoiseInverse
-from gpytorch_iterncgp.prior import LatentPrior
+from gpytorch_iterncgp.prior import NARROW_PRODUCT_COLUMNS, LatentPrior
 from gpytorch_iterncgp.recycling import ActionBuffer, virtual_solver_run
 from gpytorch_iterncgp.settings import dense_kernel_limit
 from gpytorch_iterncgp.solver import itergp_solve
@@ -17,8 +19,8 @@ DTYPE = torch.float64
 CPU = torch.device("cpu")
 
 
-def _prior(layout: str, num_data: int = 40, num_latents: int = 3) -> LatentPrior:
-    x = torch.rand(num_data, 2, dtype=DTYPE, generator=torch.Generator().manual_seed(0))
+def _prior(layout: str, num_data: int = 40, num_latents: int = 3, dtype: torch.dtype = DTYPE) -> LatentPrior:
+    x = torch.rand(num_data, 2, dtype=dtype, generator=torch.Generator().manual_seed(0))
     if layout == "multitask":
         kernel = gpytorch.kernels.MultitaskKernel(gpytorch.kernels.RBFKernel(), num_tasks=num_latents, rank=1).to(DTYPE)
         mean = torch.zeros(num_data, num_latents, dtype=DTYPE)
@@ -26,10 +28,10 @@ def _prior(layout: str, num_data: int = 40, num_latents: int = 3) -> LatentPrior
         return LatentPrior.from_distribution(distribution, num_latents)
     batch_shape = torch.Size([num_latents]) if layout == "independent" else torch.Size([])
     num_latents = 1 if layout == "single" else num_latents
-    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=1.5, batch_shape=batch_shape)).to(DTYPE)
+    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=1.5, batch_shape=batch_shape)).to(dtype)
     if layout == "independent":
-        kernel.base_kernel.lengthscale = torch.tensor([0.2, 0.5, 1.0], dtype=DTYPE).view(3, 1, 1)
-    mean = torch.zeros(*batch_shape, num_data, dtype=DTYPE)
+        kernel.base_kernel.lengthscale = torch.tensor([0.2, 0.5, 1.0], dtype=dtype).view(3, 1, 1)
+    mean = torch.zeros(*batch_shape, num_data, dtype=dtype)
     return LatentPrior.from_distribution(gpytorch.distributions.MultivariateNormal(mean, kernel(x)), num_latents)
 
 
@@ -159,3 +161,87 @@ def test_unit_vector_fit_counts_kernel_columns_as_products():
     report = model.variational_strategy.fit(max_newton_steps=4)
     assert report.kernel_products == report.solver_iterations > 0
     assert report.kernel_columns == report.solver_iterations  # one column per one-hot action
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("layout", ["single", "shared", "independent"])
+def test_narrow_products_with_the_cached_kernel_equal_the_dense_product(layout, dtype, monkeypatch):
+    """Few columns on the CPU go through (X^T K)^T (the cached K is symmetric); wide ones through K X. Both equal the
+    dense product to rounding, and the kernel is evaluated once."""
+    narrow = []
+    original = prior_module._narrow_symmetric_matmul
+
+    def spy(covariance, rhs):
+        product = original(covariance, rhs)
+        narrow.append(product is not None)
+        return product
+
+    monkeypatch.setattr(prior_module, "_narrow_symmetric_matmul", spy)
+    prior = _prior(layout, dtype=dtype)
+    size = prior.shape[0] * prior.num_latents
+    dense = _dense(prior)
+    generator = torch.Generator().manual_seed(1)
+    tolerance = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        for width in (1, 2, NARROW_PRODUCT_COLUMNS + 1):
+            vectors = torch.randn(size, width, dtype=dtype, generator=generator)
+            torch.testing.assert_close(prior.matmul(vectors), dense @ vectors, **tolerance)
+    assert narrow == [True, True, False]
+    assert sum(key[0] == "kernel_eval" for key in prior.covariance._memoize_cache) == 1
+
+
+def _dense(prior: LatentPrior) -> torch.Tensor:
+    """The data-major (N C, N C) prior covariance, from the kernel matrix."""
+    matrix = prior.covariance.to_dense()
+    num = prior.num_latents
+    if prior.layout == "single":
+        return matrix
+    if prior.layout == "shared":
+        return torch.kron(matrix, torch.eye(num, dtype=matrix.dtype))
+    blocks = torch.zeros(matrix.shape[-1], num, matrix.shape[-1], num, dtype=matrix.dtype)
+    for latent in range(num):
+        blocks[:, latent, :, latent] = matrix[latent]
+    return blocks.reshape(matrix.shape[-1] * num, -1)
+
+
+def test_solver_keeps_the_root_implicit_and_its_columns_conjugate():
+    """Q = S E (the buffer times coefficients): K̂-orthonormal columns, K Q = T E, C b = v for the solved v."""
+    size = 30
+    kernel, rhs, generator = _spd_problem(size, seed=6)
+    noise = DiagonalNoiseInverse(0.05 + torch.rand(size, dtype=DTYPE, generator=generator))
+    buffer = ActionBuffer.empty(size, DTYPE, CPU)
+    for _ in range(3):  # the second and third solves start from a virtual run over the recycled actions
+        result = itergp_solve(kernel.matmul, noise, rhs, buffer, ConjugateGradientPolicy(), max_iterations=4)
+        buffer = result.buffer
+        assert result.root_coefficients.shape == (buffer.size, result.rank)
+        root = result.precision_root
+        noisy = kernel + noise.to_dense()
+        torch.testing.assert_close(root.mT @ noisy @ root, torch.eye(result.rank, dtype=DTYPE), rtol=0, atol=1e-10)
+        torch.testing.assert_close(result.kernel_precision_root, kernel @ root, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(root @ (root.mT @ rhs), result.representer_weights, rtol=1e-10, atol=1e-12)
+    assert result.rank == 12
+
+
+def test_newton_states_form_their_root_only_when_read():
+    """The states the Newton loop yields hold Q and K Q as functions until read; what a callback reads is the
+    step's IterGP root (K Q equals K times Q); the final state has its own (finalize)."""
+    generator = torch.Generator().manual_seed(0)
+    train_x = torch.rand(50, 2, dtype=DTYPE, generator=generator)
+    train_y = (train_x.sum(-1) > 1).to(DTYPE)
+    model = IterNCGPModel(train_x, train_y, gpytorch.likelihoods.BernoulliLikelihood(), max_solver_iterations=3)
+    kernel = model.covar_module(train_x).to_dense().detach()
+    unformed, read = [], []
+
+    def callback(record, state):
+        unformed.append(not torch.is_tensor(state.__dict__["_deferred_precision_root"]))
+        if record.step == 2:
+            read.append((state.precision_root.clone(), state.kernel_precision_root.clone()))
+
+    report = model.variational_strategy.fit(max_newton_steps=4, callback=callback)
+    assert report.newton_steps == 4 and all(unformed)
+    root, kernel_root = read[0]
+    assert root.shape[-1] > 0
+    torch.testing.assert_close(kernel_root, kernel @ root, rtol=1e-10, atol=1e-12)
+    final = model.variational_strategy.state
+    assert torch.is_tensor(final.__dict__["_deferred_precision_root"])  # formed by finalize
+    torch.testing.assert_close(final.kernel_precision_root, kernel @ final.precision_root, rtol=1e-10, atol=1e-12)
