@@ -342,6 +342,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--n-train", type=int, default=10_000, help="mixture training points (default 10^4)")
     parser.add_argument("--n-test", type=int, default=10_000)
     parser.add_argument("--datasets", nargs="+", default=["mixture", "digits"], choices=sorted(SETTINGS))
+    parser.add_argument(
+        "--settings",
+        nargs="+",
+        default=None,
+        choices=sorted({setting for settings in SETTINGS.values() for setting in settings}),
+        help="kernel settings to run (default: every setting of each dataset)",
+    )
     parser.add_argument("--newton-steps", type=int, default=20, help="Newton steps of the matrix-free runs")
     parser.add_argument(
         "--dense-newton-steps", type=int, default=60, help="Newton steps of the runs with K cached (much cheaper)"
@@ -415,6 +422,8 @@ def main(argv=None) -> dict:
         if not args.large_only:
             for dataset in args.datasets:
                 for setting in SETTINGS[dataset]:
+                    if args.settings is not None and setting not in args.settings:
+                        continue
                     name = f"{dataset}_{setting}"
                     print(f"\n== {name} ==", flush=True)
                     runs = run_problem(args, executor, dataset, setting)
