@@ -149,6 +149,7 @@ class _IterNCGPEstimator(BaseEstimator):
         max_newton_steps=20,
         max_solver_iterations="auto",
         compression_rank=None,
+        covariance_iterations=0,
         recycle=True,
         outer_tol=1e-2,
         solver_tol=1e-5,
@@ -164,6 +165,7 @@ class _IterNCGPEstimator(BaseEstimator):
         self.max_newton_steps = max_newton_steps
         self.max_solver_iterations = max_solver_iterations
         self.compression_rank = compression_rank
+        self.covariance_iterations = covariance_iterations
         self.recycle = recycle
         self.outer_tol = outer_tol
         self.solver_tol = solver_tol
@@ -194,6 +196,7 @@ class _IterNCGPEstimator(BaseEstimator):
         if self.max_solver_iterations != "auto":
             self._check(check_count, "max_solver_iterations", minimum=1, allow_none=True)
         self._check(check_count, "compression_rank", minimum=1, allow_none=True)
+        self._check(check_count, "covariance_iterations")
         self._check(check_count, "optimizer_steps")
         for name in ("outer_tol", "solver_tol", "learning_rate"):
             self._check(check_nonnegative, name, positive=True)
@@ -263,6 +266,8 @@ class _IterNCGPEstimator(BaseEstimator):
             if self.optimize_hyperparameters and self.optimizer_steps > 0:
                 self.loss_curve_ = self._learn_hyperparameters(model, likelihood, train_x, targets)
             model.eval()
+            # the covariance phase only for the final posterior, not at every evaluation of the evidence
+            model.variational_strategy.options.covariance_iterations = int(self.covariance_iterations)
             self.fit_report_ = model.variational_strategy.fit()
             self.fit_report_.budget = self.solver_budget_["rule"]  # str(fit_report_) says what was done, and why
         self.model_ = model
@@ -428,6 +433,10 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
 
         What was used is recorded in ``solver_budget_``.
     :param compression_rank: number of recycled solver actions kept between Newton steps (``None``: all).
+    :param covariance_iterations: blocks of the covariance phase after the final fit (one product with the kernel
+        matrix each; :mod:`gpytorch_iterncgp.covariance`): they shrink the predictive variance towards the Laplace
+        posterior's where the solver budget left computational uncertainty (:math:`N C >` 1000). Not run while the
+        hyperparameters are learnt.
     :param recycle: recycle solver actions across Newton steps.
     :param outer_tol: stop the Newton loop when the representer weights change by less than this (relative).
     :param solver_tol: IterGP stops a Newton step early when the residual norm is below
@@ -465,6 +474,7 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
         max_newton_steps=20,
         max_solver_iterations="auto",
         compression_rank=None,
+        covariance_iterations=0,
         recycle=True,
         outer_tol=1e-2,
         solver_tol=1e-5,
@@ -481,6 +491,7 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
             max_newton_steps=max_newton_steps,
             max_solver_iterations=max_solver_iterations,
             compression_rank=compression_rank,
+            covariance_iterations=covariance_iterations,
             recycle=recycle,
             outer_tol=outer_tol,
             solver_tol=solver_tol,
@@ -598,6 +609,7 @@ class IterNCGPPoissonRegressor(RegressorMixin, _IterNCGPEstimator):
         max_newton_steps=20,
         max_solver_iterations="auto",
         compression_rank=None,
+        covariance_iterations=0,
         recycle=True,
         outer_tol=1e-2,
         solver_tol=1e-5,
@@ -614,6 +626,7 @@ class IterNCGPPoissonRegressor(RegressorMixin, _IterNCGPEstimator):
             max_newton_steps=max_newton_steps,
             max_solver_iterations=max_solver_iterations,
             compression_rank=compression_rank,
+            covariance_iterations=covariance_iterations,
             recycle=recycle,
             outer_tol=outer_tol,
             solver_tol=solver_tol,

@@ -534,3 +534,29 @@ def test_defaults_match_or_beat_sklearn_gaussian_process_classifier(name):
     ours = IterNCGPClassifier(random_state=0).fit(x_train, y_train)  # the seed of the matrix-free evidence's probes
     theirs = GaussianProcessClassifier(1.0 * RBF(1.0), random_state=0).fit(x_train, y_train)
     assert log_loss(y_test, ours.predict_proba(x_test)) <= log_loss(y_test, theirs.predict_proba(x_test))
+
+
+def test_covariance_iterations_shrink_the_predictive_variance_of_the_final_fit_only():
+    """With N C > 1000 (CG, 5 iterations per Newton step) the covariance phase adds one product with K per block to
+    the final fit and shrinks every predictive variance (it only ever enlarges the action space: Loewner-monotone,
+    ``tests/test_covariance.py``); the hyperparameters are learnt exactly as without it."""
+    from sklearn.datasets import make_classification
+
+    x, y = make_classification(n_samples=400, n_features=4, n_informative=3, n_redundant=0, n_classes=3, random_state=0)
+    options = dict(random_state=0, optimizer_steps=3)
+    without = IterNCGPClassifier(**options).fit(x, y)
+    with_phase = IterNCGPClassifier(covariance_iterations=2, **options).fit(x, y)
+    assert with_phase.get_params()["covariance_iterations"] == 2
+    np.testing.assert_array_equal(with_phase.loss_curve_, without.loss_curve_)
+    assert with_phase.fit_report_.kernel_products == without.fit_report_.kernel_products + 2
+    test_x = torch.as_tensor(x[:100])
+    with torch.no_grad():
+        _, variance = with_phase.model_.variational_strategy.marginal_latent(test_x)
+        _, reference_variance = without.model_.variational_strategy.marginal_latent(test_x)
+    assert bool((variance <= reference_variance + 1e-10).all())
+    assert float((reference_variance - variance).mean()) > 1e-3 * float(reference_variance.mean())
+
+
+def test_covariance_iterations_must_be_a_count():
+    with pytest.raises(ValueError, match="covariance_iterations"):
+        IterNCGPClassifier(covariance_iterations=-1).fit(np.zeros((4, 1)), np.array([0, 1, 0, 1]))
