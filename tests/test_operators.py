@@ -58,8 +58,6 @@ def _random_pd_blocks(*batch, num_data=4, size=3, dtype=torch.float32) -> torch.
 # ---------------------------------------------------------------------------------------------------
 # DiagonalNoiseInverse
 # ---------------------------------------------------------------------------------------------------
-# linear_operator's test_getitem builds a sparse tensor and torch warns that its invariant checks are off.
-@pytest.mark.filterwarnings("ignore:Sparse invariant checks are implicitly disabled:UserWarning")
 class TestDiagonalNoiseInverse(LinearOperatorTestCase, unittest.TestCase):
     seed = 0
     should_test_sample = True

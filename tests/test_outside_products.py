@@ -35,7 +35,6 @@ def _prior(layout: str, num_data: int = 40, num_latents: int = 3, dtype: torch.d
     return LatentPrior.from_distribution(gpytorch.distributions.MultivariateNormal(mean, kernel(x)), num_latents)
 
 
-@pytest.mark.filterwarnings("ignore:Sparse invariant checks are implicitly disabled:UserWarning")  # MultitaskKernel
 @pytest.mark.parametrize("cached", [False, True], ids=["kernel-evaluated", "cached-matrix"])
 @pytest.mark.parametrize("layout", ["single", "shared", "independent", "multitask"])
 def test_kernel_columns_equal_products_with_one_hot_vectors(layout, cached):
