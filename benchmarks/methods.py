@@ -232,6 +232,9 @@ def _fit_and_record(problem: Problem, model, test_posterior, describe, kernel_pa
             recorder.peak_rss = max(recorder.peak_rss, peak_rss_bytes())
 
     reset_peak_rss()
+    cuda = problem.train_x.is_cuda
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(problem.train_x.device)
     recorder.start, recorder.baseline_rss = time.perf_counter(), rss_bytes()
     limit = dense_kernel_limit(0 if kernel_path == "chunked" else dense_kernel_limit.value())
     with torch.no_grad(), warnings.catch_warnings(), limit:
@@ -252,6 +255,8 @@ def _fit_and_record(problem: Problem, model, test_posterior, describe, kernel_pa
         "converged": report.converged,
         "peak_rss_bytes": recorder.peak_rss,
         "baseline_rss_bytes": recorder.baseline_rss,
+        # the device's peak (tensors only) during the fit and evaluations
+        "cuda_peak_bytes": torch.cuda.max_memory_allocated(problem.train_x.device) if cuda else None,
         **buffer_bytes(strategy.state),
     }
 

@@ -64,7 +64,7 @@ def run_one(config: dict) -> dict:
     from gpytorch_iterncgp.settings import dense_kernel_limit, fused_kernel_products
 
     torch.set_num_threads(config["threads"])
-    problem = load_problem("mixture", "sensible", config["n_train"], 1000, seed=0)
+    problem = load_problem("mixture", "sensible", config["n_train"], 1000, seed=0, device=config.get("device", "cpu"))
     model = IterNCGPModel(
         problem,
         keops=False,
@@ -82,12 +82,16 @@ def run_one(config: dict) -> dict:
 
         with torch.no_grad():
             points = problem.train_x[:2048]
-            fused_kernel_matmul(model.covar_module(points), torch.ones(len(points), 10, dtype=points.dtype))
+            ones = torch.ones(len(points), 10, dtype=points.dtype, device=points.device)
+            fused_kernel_matmul(model.covar_module(points), ones)
     cpu = _count_product_cpu_time()
     limit = dense_kernel_limit(0 if config["path"] in ("chunked", "fused") else dense_kernel_limit.value())
     fused = fused_kernel_products(config["path"] != "chunked")
     profiler = cProfile.Profile() if config["profile"] else None
     reset_peak_rss()
+    cuda = problem.train_x.is_cuda
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(problem.train_x.device)
     baseline = rss_bytes()
     with torch.no_grad(), warnings.catch_warnings(), limit, fused:
         warnings.simplefilter("ignore", gpytorch.utils.warnings.NumericalWarning)
@@ -116,6 +120,7 @@ def run_one(config: dict) -> dict:
         "log_posterior": report.log_posteriors[-1] if report.steps else None,
         "peak_rss_bytes": peak,
         "fit_added_rss_bytes": peak - baseline,
+        "cuda_peak_bytes": torch.cuda.max_memory_allocated(problem.train_x.device) if cuda else None,
         **buffer_bytes(strategy.state),
     }
     if profiler is not None:
@@ -214,6 +219,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=20, help="Newton steps (dense path)")
     parser.add_argument("--chunked-steps", type=int, default=6, help="Newton steps on the chunked path")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="torch device (cuda: compare the wall times, not CPU times)")
     parser.add_argument("--profile", action="store_true", help="cProfile each fit (adds a little overhead)")
     parser.add_argument("--label", default="after", help="name of this set of runs in the JSON (e.g. before)")
     parser.add_argument("--note", default="", help="recorded with the runs (e.g. the load of the machine)")
@@ -252,6 +258,7 @@ def main(argv=None) -> None:
                     "path": path,
                     "steps": args.steps if path == "dense" else args.chunked_steps,
                     "threads": args.threads,
+                    "device": args.device,
                     "profile": args.profile,
                 }
                 load_before = _load()

@@ -312,6 +312,7 @@ def run_large(args, executor) -> dict:
         "num_test": args.n_test,
         "seed": args.seed,
         "threads": args.threads,
+        "device": args.device,
         "label": f"IterNCGP-CG R=10 ({path}), N={args.large_n}",
         "method": "iterncgp",
         "options": {

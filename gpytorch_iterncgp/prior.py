@@ -239,10 +239,17 @@ class LatentPrior:
         self.products += 1
         self.columns += rhs.shape[-1]
         chunk_rows = 0 if torch.is_grad_enabled() else _chunk_rows(self.covariance)
-        start = time.perf_counter()
+        start = self._clock()
         product = self._matmul(rhs, chunk_rows)
-        self.product_seconds += time.perf_counter() - start
+        self.product_seconds += self._clock() - start
         return product
+
+    def _clock(self) -> float:
+        """Wall time, after the device's queued work (CUDA runs asynchronously: without this, a product's time would
+        be counted wherever the host next waits for the device)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def _matmul(self, rhs: Tensor, chunk_rows: int = 0) -> Tensor:
         num_rows, num_cols = self.shape
@@ -276,7 +283,7 @@ class LatentPrior:
         """
         self.products += 1
         self.columns += len(indices)
-        start = time.perf_counter()
+        start = self._clock()
         num = self.num_latents
         if self.layout == MULTITASK:
             one_hot = torch.zeros(self.covariance.shape[-1], len(indices), dtype=self.dtype, device=self.device)
@@ -295,7 +302,7 @@ class LatentPrior:
             block = picked.new_zeros(picked.shape[0], num, len(indices))
             block[:, latents, torch.arange(len(indices), device=self.device)] = picked
             block = block.reshape(-1, len(indices))
-        self.product_seconds += time.perf_counter() - start
+        self.product_seconds += self._clock() - start
         return block
 
     def diagonal(self) -> Tensor:
