@@ -3,7 +3,8 @@ r"""The low-rank approximate precision :math:`\mathbf C_j = \mathbf Q \mathbf Q^
 IterGP's belief about :math:`\hat{\mathbf K}^{-1} = (\mathbf K + \mathbf W^{-1})^{-1}` after :math:`j`
 actions is the rank-:math:`j` matrix :math:`\mathbf C_j = \mathbf S (\mathbf S^\top \hat{\mathbf K}
 \mathbf S)^{-1} \mathbf S^\top = \mathbf Q \mathbf Q^\top`, with :math:`\hat{\mathbf K}`-conjugate
-columns :math:`\mathbf q_i`. Each solver iteration appends one column; old columns never change.
+columns :math:`\mathbf q_i`; IterGP keeps them as :math:`\mathbf Q = \mathbf S \mathbf E` (``recycling.ImplicitRoot``).
+:class:`ColumnStore` holds matrices that grow by columns (the recycled actions).
 """
 
 from __future__ import annotations
@@ -80,10 +81,6 @@ class LowRankPrecision(LowRankRootLinearOperator):
     :param root: :math:`\mathbf Q`, shape ``(N C, j)``.
     """
 
-    def __init__(self, root: Tensor):
-        super().__init__(root)
-        self._store: ColumnStore | None = None
-
     @property
     def root_tensor(self) -> Tensor:
         r""":math:`\mathbf Q` as a dense tensor ``(N C, j)``."""
@@ -92,30 +89,3 @@ class LowRankPrecision(LowRankRootLinearOperator):
     @property
     def rank(self) -> int:
         return self.root.shape[-1]
-
-    def append(self, column: Tensor) -> LowRankPrecision:
-        r"""Return :math:`\mathbf C + \mathbf q \mathbf q^\top` for a new column ``q`` (shape ``(N C,)``).
-
-        The old columns are neither recomputed nor copied (amortised :math:`O(N C)`); ``self`` is
-        left unchanged.
-        """
-        store = self._store
-        if store is None or store.size != self.rank:
-            store = ColumnStore(self.root_tensor)
-        store.append(column)
-        grown = LowRankPrecision(store.value)
-        grown._store = store
-        return grown
-
-    @classmethod
-    def from_store(cls, store: ColumnStore) -> LowRankPrecision:
-        r"""The precision whose root :math:`\mathbf Q` is the columns of ``store``; :meth:`append` grows it in place of
-        a copy (the store is owned by the result from now on)."""
-        precision = cls(store.value)
-        precision._store = store
-        return precision
-
-    @classmethod
-    def empty(cls, size: int, dtype: torch.dtype, device: torch.device) -> LowRankPrecision:
-        """The zero precision (no action taken yet) of size ``(size, size)``."""
-        return cls(torch.zeros(size, 0, dtype=dtype, device=device))

@@ -266,58 +266,9 @@ class TestLowRankPrecisionBatch(TestLowRankPrecision):
         self.assertEqual(op.root_tensor, root)
 
 
-def test_low_rank_precision_append_leaves_old_operator_unchanged():
-    generator = torch.Generator().manual_seed(0)
-    root = torch.randn(7, 2, dtype=torch.float64, generator=generator)
-    original = LowRankPrecision(root.clone())
-    dense_before = original.to_dense().clone()
-    columns = torch.randn(7, 20, dtype=torch.float64, generator=generator)
-    grown = original.append(columns[:, 0])
-    assert original.rank == 2 and grown.rank == 3
-    torch.testing.assert_close(original.to_dense(), dense_before, rtol=0, atol=0)
-    torch.testing.assert_close(original.root_tensor, root, rtol=0, atol=0)
-    # Many appends beyond the initial capacity (the store starts at max(8, 2 j) and doubles).
-    current = grown
-    chain = [original, grown]
-    for k in range(1, 20):
-        current = current.append(columns[:, k])
-        chain.append(current)
-    for k, op in enumerate(chain):
-        expected_root = torch.cat([root, columns[:, :k]], dim=-1)
-        assert op.rank == 2 + k
-        torch.testing.assert_close(op.root_tensor, expected_root, rtol=0, atol=0)
-        torch.testing.assert_close(op.to_dense(), expected_root @ expected_root.mT, rtol=1e-14, atol=1e-14)
-
-
-def test_low_rank_precision_append_branching():
-    """Appending twice to the same operator gives two independent operators (no shared storage clash)."""
-    generator = torch.Generator().manual_seed(1)
-    root = torch.randn(5, 1, dtype=torch.float64, generator=generator)
-    a, b, c = torch.randn(3, 5, dtype=torch.float64, generator=generator)
-    base = LowRankPrecision(root).append(a)
-    first = base.append(b)
-    second = base.append(c)
-    torch.testing.assert_close(first.root_tensor, torch.stack([root[:, 0], a, b], -1), rtol=0, atol=0)
-    torch.testing.assert_close(second.root_tensor, torch.stack([root[:, 0], a, c], -1), rtol=0, atol=0)
-    torch.testing.assert_close(base.root_tensor, torch.stack([root[:, 0], a], -1), rtol=0, atol=0)
-    # And continuing on the first branch does not disturb the second.
-    third = first.append(c)
-    torch.testing.assert_close(second.root_tensor, torch.stack([root[:, 0], a, c], -1), rtol=0, atol=0)
-    torch.testing.assert_close(third.root_tensor, torch.stack([root[:, 0], a, b, c], -1), rtol=0, atol=0)
-
-
-def test_low_rank_precision_empty():
-    op = LowRankPrecision.empty(4, torch.float64, torch.device("cpu"))
-    assert op.rank == 0 and op.shape == (4, 4)
-    torch.testing.assert_close(op.to_dense(), torch.zeros(4, 4, dtype=torch.float64), rtol=0, atol=0)
-    column = torch.arange(4.0, dtype=torch.float64)
-    grown = op.append(column)
-    torch.testing.assert_close(grown.to_dense(), torch.outer(column, column), rtol=0, atol=0)
-
-
-def test_low_rank_precision_pickle_after_append():
+def test_low_rank_precision_pickles():
     root = torch.randn(4, 2, dtype=torch.float64)
-    op = LowRankPrecision(root).append(torch.ones(4, dtype=torch.float64))
+    op = LowRankPrecision(root)
     restored = pickle.loads(pickle.dumps(op))
     torch.testing.assert_close(restored.to_dense(), op.to_dense(), rtol=0, atol=0)
 
