@@ -312,6 +312,7 @@ def run_ep(
     kernel_path: str = "dense",
     covariance_iterations: int = 0,
     show_progress: bool = False,
+    **ep_options,
 ) -> dict:
     """Multi-class EP (``EPStrategy`` with the multinomial probit: :math:`C \times C` sites, nested EP, CG with
     recycling), evaluated like :func:`run_iterncgp` with the likelihood's own predictive (nested EP's normaliser
@@ -333,6 +334,7 @@ def run_ep(
         site_tol=1e-3,
         covariance_iterations=covariance_iterations,
         show_progress=show_progress,
+        **ep_options,
     )
 
     def test_posterior(state, cross_kernel):

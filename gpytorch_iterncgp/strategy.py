@@ -667,6 +667,11 @@ class EPStrategy(_SolverStrategy):
         covariance of the final sites' regression (the covariance phase, as for :class:`IterNCGPStrategy`); they
         narrow the predictive marginals towards those of exact EP for these sites, never below them. ``0``: none.
     :param covariance_block_size: actions per product in the covariance phase.
+    :param marginal_iterations: products with :math:`\mathbf K` (covariance-phase blocks) spent on the marginals
+        *during* the sweeps, after every ``marginal_every``-th sweep; their actions join the recycled ones
+        (:meth:`.ExpectationPropagation.refine_marginals`). They move the sites towards exact EP's at the cost of a
+        larger buffer; ``0``: none.
+    :param marginal_every: sweeps between those refreshes.
     """
 
     _state_type = EPState
@@ -692,10 +697,14 @@ class EPStrategy(_SolverStrategy):
         show_progress: bool = True,
         covariance_iterations: int = 0,
         covariance_block_size: int = 100,
+        marginal_iterations: int = 0,
+        marginal_every: int = 1,
     ):
         options = EPOptions(
             covariance_iterations=covariance_iterations,
             covariance_block_size=covariance_block_size,
+            marginal_iterations=marginal_iterations,
+            marginal_every=marginal_every,
             max_sweeps=max_sweeps,
             max_solver_iterations=max_solver_iterations,
             damping=damping,

@@ -162,6 +162,70 @@ def test_incomplete_solves_bound_cavities_stay_finite_and_converge_to_exact_ep()
     assert float(torch.linalg.eigvalsh(strategy.marginal_latent_blocks(x)[1].detach()).min()) > 0
 
 
+def test_marginal_refreshes_keep_the_exact_fixed_point_of_complete_solves():
+    """``marginal_iterations`` with a complete solve: Q already spans the action space, the refresh adds nothing and
+    takes no product, and the fixed point is the dense reference's (asserted 1e-7, as without the option)."""
+    x, y = multiclass_data(15, 3, seed=1)
+    model = _model(x, y, marginal_iterations=2, covariance_block_size=6)
+    strategy = model.variational_strategy
+    report = strategy.fit()
+    assert report.converged and report.bounded_cavities == 0
+    kernel, prior_mean = _prior(model)
+    reference = reference_ep.multiclass_parallel_ep(kernel, y, 3, tol=1e-12, prior_mean=prior_mean)
+    precision, natural_mean = strategy.sites
+    torch.testing.assert_close(precision, reference.site_precision, rtol=0, atol=1e-7)
+    torch.testing.assert_close(natural_mean, reference.site_natural_mean, rtol=0, atol=1e-7)
+    mean, covariance = strategy.marginal_latent_blocks(x)
+    torch.testing.assert_close(covariance, _point_blocks(reference.covariance, 15, 3), rtol=0, atol=1e-7)
+    assert strategy.state.actions.shape[-1] == 30  # the unit vectors of the zero-sum action space, nothing more
+
+
+def _site_errors(x, y, reference, checkpoints=6, **options):
+    model = _model(x, y, policy="cg", max_solver_iterations=3, abs_tol=1e-10, rel_tol=1e-10, **options)
+    strategy = model.variational_strategy
+    errors, bounded = [], []
+    for _ in range(checkpoints):
+        report = strategy.fit(max_sweeps=5)
+        precision, natural_mean = strategy.sites
+        assert torch.isfinite(precision).all() and torch.isfinite(natural_mean).all()
+        errors.append(float((natural_mean - reference.site_natural_mean).abs().max()))
+        bounded.append(report.bounded_cavities)
+    return errors, bounded, strategy
+
+
+def test_marginal_refreshes_bring_incomplete_solves_closer_to_exact_ep():
+    """CG with 3 iterations per sweep (N = 60, C = 3, as above) with and without one covariance-phase block of 30
+    actions after every second sweep, its actions recycled. Measured site errors (max |ν̃ - ν̃_EP|) after 5, 10, ...,
+    30 sweeps: without 3.9e-2, 3.9e-2, 3.1e-2, 1.9e-2, 1.1e-2, 5.2e-3 (bounded cavities 195, 98, 37, 17, 4, 0 per 5
+    sweeps); with 4.2e-2, 1.1e-2, 1.7e-3, 1.7e-4, 1.6e-5, 1.5e-6 (108, 8, 0, ...). Asserted: within 25% of the
+    error without after 5 sweeps (both are far from the fixed point then), at most a third of it from 10 sweeps
+    on, below 1e-4 after 30, and fewer bounded cavities in every stretch."""
+    x, y = multiclass_data(60, 3, seed=4)
+    kernel, prior_mean = _prior(_model(x, y))
+    reference = reference_ep.multiclass_parallel_ep(kernel, y, 3, tol=1e-11, prior_mean=prior_mean)
+    plain, plain_bounded, _ = _site_errors(x, y, reference)
+    refreshed, refreshed_bounded, strategy = _site_errors(
+        x, y, reference, marginal_iterations=1, covariance_block_size=30, marginal_every=2
+    )
+    assert refreshed[0] <= 1.25 * plain[0]
+    assert all(r <= p / 3 for r, p in zip(refreshed[1:], plain[1:], strict=True))
+    assert refreshed[-1] < 1e-4
+    assert (
+        all(r <= p for r, p in zip(refreshed_bounded, plain_bounded, strict=True))
+        and refreshed_bounded[0] < plain_bounded[0]
+    )
+    # the refreshes' actions are recycled: the buffer holds the whole zero-sum action space by now
+    assert strategy.state.actions.shape[-1] == 120
+
+
+def test_marginal_refresh_options_are_checked():
+    x, y = multiclass_data(10, 3)
+    with pytest.raises(ValueError, match="marginal_every"):
+        _model(x, y, marginal_every=0).variational_strategy.fit()
+    with pytest.raises(ValueError, match="marginal_iterations"):
+        _model(x, y, marginal_iterations=-1).variational_strategy.fit()
+
+
 def test_predictive_probabilities_match_monte_carlo_over_the_latent_posterior():
     """Nested EP's normaliser with the predictive as its cavity (normalised over the classes) against
     E[p(y | f)] under each test point's posterior block, by 8000 samples (standard error < 0.006). Measured

@@ -1,0 +1,69 @@
+"""Multi-class EP on the 10-class mixture with and without covariance-phase refreshes of the marginals during the
+sweeps (``EPStrategy(marginal_iterations=..., marginal_every=...)``), or SVGP for a wall-clock budget.
+
+Prints the fit's totals as JSON and then one line per evaluated sweep (or SVGP evaluation): wall time of the fit so far
+(evaluations excluded), test NLL and accuracy of the predictive, NLL of the plug-in (the latent mean alone), and for
+EP the bounded cavities of that sweep and the products with K so far. Run from the repository root:
+
+    OMP_NUM_THREADS=1 python benchmarks/ep_marginals.py ep --num-train 10000 --sweeps 20 --marginal-iterations 3 \\
+        --marginal-every 10 --eval 10 11 20
+    OMP_NUM_THREADS=1 python benchmarks/ep_marginals.py svgp --num-train 10000 --inducing 1000 --lr 0.01 --budget 120
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import methods  # noqa: E402
+import suite  # noqa: E402
+
+KEYS = ("time", "step", "nll", "accuracy", "plug_in_nll", "bounded_cavities", "products", "adam_steps", "final")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("method", choices=("ep", "svgp"))
+    parser.add_argument("--num-train", type=int, default=10_000)
+    parser.add_argument("--num-test", type=int, default=10_000)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--sweeps", type=int, default=30)
+    parser.add_argument("--solver-iterations", type=int, default=5)
+    parser.add_argument("--marginal-iterations", type=int, default=0)
+    parser.add_argument("--marginal-every", type=int, default=1)
+    parser.add_argument("--eval", type=int, nargs="*", default=[5, 10, 15, 20, 25, 30], help="EP sweeps to evaluate")
+    parser.add_argument("--inducing", type=int, default=1000)
+    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--budget", type=float, default=70.0)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")
+    problem = suite.load_problem("mixture", "sensible", args.num_train, args.num_test, 0)
+    if args.method == "ep":
+        methods.EVALUATION_STEPS = frozenset(args.eval)
+        result = methods.run_ep(
+            problem,
+            max_sweeps=args.sweeps,
+            max_solver_iterations=args.solver_iterations,
+            marginal_iterations=args.marginal_iterations,
+            marginal_every=args.marginal_every,
+        )
+        totals = {key: result[key] for key in ("fit_seconds", "product_seconds", "products", "buffer_columns")}
+    else:
+        result = methods.run_svgp(problem, args.inducing, args.lr, args.budget, evaluations=10)
+        totals = {key: result[key] for key in ("fit_seconds", "adam_steps", "epochs")}
+    print(json.dumps({**vars(args), **totals}))
+    for entry in result["history"]:
+        print(
+            {key: round(value, 4) if isinstance(value, float) else value for key, value in entry.items() if key in KEYS}
+        )
+
+
+if __name__ == "__main__":
+    main()
