@@ -51,7 +51,7 @@ import torch
 from linear_operator.operators import BlockDiagLinearOperator, DenseLinearOperator, LinearOperator
 from torch import Tensor
 
-from .covariance import CovarianceOptions, covariance_phase
+from .covariance import CovarianceOptions, CovariancePhase, covariance_phase
 from .likelihoods import LikelihoodAdapter
 from .multinomial_probit import InnerSites
 from .noise import DiagonalNoiseInverse
@@ -222,19 +222,24 @@ class ExpectationPropagation:
         if self.options.covariance_iterations == 0 or not state.solved:
             return state
         noise, _ = self.noise(state.site_precision, state.site_natural_mean)
-        phase = covariance_phase(
+        phase = self._covariance_blocks(state, noise, self.options.covariance_iterations)
+        return dataclasses.replace(
+            state, precision_root=phase.precision_root, kernel_precision_root=phase.kernel_precision_root
+        )
+
+    def _covariance_blocks(self, state: EPState, noise: LinearOperator, blocks: int, seed: int = 0) -> CovariancePhase:
+        """``blocks`` blocks of the covariance phase for ``state``'s regression with the noise of its sites."""
+        return covariance_phase(
             self.prior.matmul,
             noise,
             state.precision_root,
             state.kernel_precision_root,
             self.num_latents,
-            self.options.covariance_iterations,
+            blocks,
             self.options.covariance_block_size,
             project=self.adapter.project if self.adapter.zero_sum_actions else None,
             action_space_dimension=self.action_space_dimension,
-        )
-        return dataclasses.replace(
-            state, precision_root=phase.precision_root, kernel_precision_root=phase.kernel_precision_root
+            seed=seed,
         )
 
     def refine_marginals(self, state: EPState, buffer: ActionBuffer) -> tuple[EPState, ActionBuffer]:
@@ -261,18 +266,7 @@ class ExpectationPropagation:
         """
         options = self.options
         noise, _ = self.noise(state.site_precision, state.site_natural_mean)
-        phase = covariance_phase(
-            self.prior.matmul,
-            noise,
-            state.precision_root,
-            state.kernel_precision_root,
-            self.num_latents,
-            options.marginal_iterations,
-            options.covariance_block_size,
-            project=self.adapter.project if self.adapter.zero_sum_actions else None,
-            action_space_dimension=self.action_space_dimension,
-            seed=state.sweeps,
-        )
+        phase = self._covariance_blocks(state, noise, options.marginal_iterations, seed=state.sweeps)
         if options.recycle and phase.added > 0:
             start = state.precision_root.shape[-1]
             for column, kernel_column in zip(
@@ -370,7 +364,7 @@ class ExpectationPropagation:
         return EPState(
             result.representer_weights,
             result.kernel_representer_weights,
-            result.precision.root_tensor,
+            result.precision_root,
             result.kernel_precision_root,
             result.buffer.actions.value,
             result.buffer.kernel_actions.value,
