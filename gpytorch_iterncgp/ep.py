@@ -364,8 +364,7 @@ class ExpectationPropagation:
         return EPState(
             result.representer_weights,
             result.kernel_representer_weights,
-            result.precision_root,
-            result.kernel_precision_root,
+            *result.deferred_roots(),  # K Q for the next cavities; Q only if read (refreshes, finalize, callbacks)
             result.buffer.actions.value,
             result.buffer.kernel_actions.value,
             precision,
