@@ -183,6 +183,7 @@ class DampedNewton:
         latents = adapter.num_latents - 1 if adapter.zero_sum_actions else adapter.num_latents
         self.action_space_dimension = num_data * latents
         self.project = adapter.project if adapter.zero_sum_actions else None
+        self.buffer: ActionBuffer | None = None  # the loop's recycled actions after its last solve
         observed = adapter.observed_coordinates(targets)
         if observed is not None:  # missing outputs: W = 0 there, so actions (and residuals) live on the others
             mask = observed.to(self.prior_mean)[:, None]
@@ -323,7 +324,7 @@ class DampedNewton:
                 keep=(current.weights, current.kernel_weights),
                 kernel_columns=self.prior.kernel_columns,
             )
-            buffer = result.buffer
+            buffer = self.buffer = result.buffer
             proposal = self.point(result.representer_weights, result.kernel_representer_weights)
             # Half the Newton decrement: what the full step promises to gain in Psi (exact for a quadratic).
             predicted_gain = 0.5 * self.slope(current, proposal.kernel_weights - current.kernel_weights)
@@ -411,7 +412,9 @@ class DampedNewton:
         final = self.derivatives(state.kernel_representer_weights)
         if not bool(torch.isfinite(final.noise_inverse.diagonal()).all()):
             return state
-        buffer = ActionBuffer.from_tensors(state.actions, state.kernel_actions)
+        buffer = self.buffer  # no copy where the state holds the loop's own buffer (the run appends nothing to it)
+        if buffer is None or not buffer.holds(state.actions, state.kernel_actions):
+            buffer = ActionBuffer.from_tensors(state.actions, state.kernel_actions)
         virtual = virtual_solver_run(buffer, final.noise_inverse)
         phase = covariance_phase(
             self.prior.matmul,

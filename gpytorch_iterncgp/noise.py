@@ -21,7 +21,21 @@ from linear_operator.operators import DiagLinearOperator, LinearOperator
 from torch import Tensor
 
 
-class DiagonalNoiseInverse(DiagLinearOperator):
+class FactoredNoise:
+    r"""A block-diagonal noise :math:`\mathbf W^{-1} = \mathbf F \mathbf F^\top` whose factor is applied to the rows of
+    a few data points at a time (:meth:`whiten_rows`), so that :math:`\mathbf X \mathbf W^{-1} \mathbf X^\top =
+    \sum_\text{chunks} (\mathbf X \mathbf F)(\mathbf X \mathbf F)^\top` needs only a chunk of :math:`\mathbf X
+    \mathbf F` at a time and is positive semi-definite by construction."""
+
+    entries_per_point: int  # the size of a diagonal block of W^{-1}; chunks hold whole blocks
+
+    def whiten_rows(self, rows: Tensor, start: int) -> Tensor:
+        r""":math:`\mathbf X \mathbf F` ``(k, m)`` for rows :math:`\mathbf X` ``(k, m)`` holding the entries
+        ``start .. start + m`` (whole blocks) of ``k`` vectors; non-batched operators only."""
+        raise NotImplementedError
+
+
+class DiagonalNoiseInverse(FactoredNoise, DiagLinearOperator):
     r"""Diagonal noise :math:`\mathbf W^{-1} = \operatorname{diag}(1 / w_n)` (size ``(..., N, N)``).
 
     :param noise_diagonal: :math:`1 / w_n`, shape ``(..., N)``.
@@ -37,8 +51,14 @@ class DiagonalNoiseInverse(DiagLinearOperator):
         """
         return cls(curvature.clamp_min(min_curvature).reciprocal())
 
+    entries_per_point = 1
 
-class BlockNoiseInverse(LinearOperator):
+    def whiten_rows(self, rows: Tensor, start: int) -> Tensor:
+        r""":math:`\mathbf X \operatorname{diag}(w^{-1/2})` (the noise is non-negative: :math:`1 / w_n`, :math:`w_n \ge 0`)."""
+        return rows * self._diag[start : start + rows.shape[-1]].sqrt()
+
+
+class BlockNoiseInverse(FactoredNoise, LinearOperator):
     r"""Block-diagonal noise :math:`\mathbf W^{-1}` with positive definite :math:`C \times C` blocks.
 
     Stores the Cholesky factors :math:`\mathbf L_n` of the curvature blocks
@@ -83,6 +103,19 @@ class BlockNoiseInverse(LinearOperator):
     def _transpose_nonbatch(self) -> LinearOperator:
         return self
 
+    @property
+    def entries_per_point(self) -> int:  # type: ignore[override]
+        return self.curvature_cholesky.shape[-1]
+
+    def whiten_rows(self, rows: Tensor, start: int) -> Tensor:
+        r""":math:`\mathbf X \mathbf L^{-\top}` (:math:`\mathbf W^{-1} = \mathbf L^{-\top} \mathbf L^{-1}`), by one batched
+        triangular solve over the chunk's points."""
+        size = self.entries_per_point
+        points = self.curvature_cholesky[start // size : (start + rows.shape[-1]) // size]  # (m, C, C)
+        blocks = rows.reshape(rows.shape[0], len(points), size).permute(1, 2, 0)  # (m, C, k)
+        solved = torch.linalg.solve_triangular(points, blocks, upper=False)  # L^{-1} X^T per point
+        return solved.permute(2, 0, 1).reshape(rows.shape)
+
     def _diagonal(self) -> Tensor:
         eye = torch.eye(self.curvature_cholesky.shape[-1], dtype=self.dtype, device=self.device)
         inverse_cholesky = torch.linalg.solve_triangular(self.curvature_cholesky, eye, upper=False)
@@ -93,7 +126,7 @@ class BlockNoiseInverse(LinearOperator):
         return self.__class__(self.curvature_cholesky.expand(*batch_shape, *self.curvature_cholesky.shape[-3:]))
 
 
-class SoftmaxPseudoInverse(LinearOperator):
+class SoftmaxPseudoInverse(FactoredNoise, LinearOperator):
     r"""Pseudo-inverse of the softmax curvature, :math:`\mathbf W^+` (paper, Lemma A.7).
 
     Per data point, with class probabilities :math:`\boldsymbol\pi_n` and the centring projection
@@ -128,15 +161,33 @@ class SoftmaxPseudoInverse(LinearOperator):
     def _matmul(self, rhs: Tensor) -> Tensor:
         num_data, num_classes = self.probabilities.shape[-2:]
         if rhs.mT.is_contiguous():  # columns stored as rows (a vector, or S from the buffer): work in that layout
+            # class means as a product with 1 / C: on the CPU 3x faster than a reduction over ten contiguous entries
+            average = rhs.new_full((num_classes, 1), 1 / num_classes)
             blocks = rhs.mT.reshape(*rhs.shape[:-2], rhs.shape[-1], num_data, num_classes)
-            blocks = (blocks - blocks.mean(dim=-1, keepdim=True)) / self.probabilities.unsqueeze(-3)
-            blocks.sub_(blocks.mean(dim=-1, keepdim=True))
+            blocks = (blocks - blocks @ average) / self.probabilities.unsqueeze(-3)
+            blocks.sub_(blocks @ average)
             return blocks.reshape(*blocks.shape[:-2], num_data * num_classes).mT
         blocks = rhs.reshape(*rhs.shape[:-2], num_data, num_classes, rhs.shape[-1])
         blocks = blocks - blocks.mean(dim=-2, keepdim=True)
         blocks = blocks / self.probabilities.unsqueeze(-1)
         blocks = blocks - blocks.mean(dim=-2, keepdim=True)
         return blocks.reshape(*blocks.shape[:-3], num_data * num_classes, rhs.shape[-1])
+
+    @property
+    def entries_per_point(self) -> int:  # type: ignore[override]
+        return self.probabilities.shape[-1]
+
+    def whiten_rows(self, rows: Tensor, start: int) -> Tensor:
+        r""":math:`\mathbf X \mathbf P \operatorname{diag}(\boldsymbol\pi)^{-1/2}` (:math:`\mathbf W^+ = \mathbf F \mathbf F^\top`
+        with :math:`\mathbf F = \mathbf P \operatorname{diag}(\boldsymbol\pi)^{-1/2}`): centre each point's block, then scale
+        it. The class means are one matrix-vector product with :math:`\mathbf 1 / C` over the chunk made contiguous
+        (2-3x faster on the CPU than a reduction over ten entries, or than a product with the strided chunk)."""
+        num_classes = self.entries_per_point
+        probabilities = self.probabilities[start // num_classes : (start + rows.shape[-1]) // num_classes]
+        blocks = rows.contiguous().view(-1, num_classes)
+        means = blocks @ rows.new_full((num_classes, 1), 1 / num_classes)
+        centred = (blocks - means).view(rows.shape[0], len(probabilities), num_classes)
+        return centred.mul_(probabilities.rsqrt()).view(rows.shape)
 
     def _transpose_nonbatch(self) -> LinearOperator:
         return self

@@ -17,15 +17,15 @@ residual of :math:`\mathbf v_0 = \mathbf C_0 \mathbf b` is orthogonal to :math:`
 (Proposition A.4).
 
 What a Newton step pays outside the products with :math:`\mathbf K`. The part of :math:`\mathbf M` that does not
-depend on :math:`\mathbf W`, :math:`\mathbf S^\top \mathbf T = \mathbf S^\top \mathbf K \mathbf S` (and
-:math:`\mathbf S^\top \mathbf S`, for the norms of re-weighted actions), is kept by the :class:`ActionBuffer` and
-bordered by one row and column per appended action (:math:`O(N C B)`), so a virtual run computes only
-:math:`\mathbf S^\top \mathbf W^{-1} \mathbf S`. Where nothing is compressed (:math:`R = \infty`, or
-:math:`B \le R` without a kept direction) the buffer is not re-weighted at all: :math:`\mathbf S` stays as it was
-and grows in place. :math:`\mathbf Q = \mathbf S \mathbf E` and :math:`\mathbf K \mathbf Q = \mathbf T \mathbf E` stay
-implicit (:class:`ImplicitRoot`, with :math:`\mathbf E = \mathbf U \boldsymbol\Lambda^{-1/2}` here): IterGP only needs
-their products with vectors. So a step costs one :math:`(N C \times B) \cdot (B \times B)` Gram product, and holds
-:math:`\mathbf S`, :math:`\mathbf T` and one block of :math:`\mathbf W^{-1} \mathbf S` at a time.
+depend on :math:`\mathbf W`, :math:`\mathbf S^\top \mathbf T = \mathbf S^\top \mathbf K \mathbf S`, is kept by the
+:class:`ActionBuffer` and bordered by one row and column per appended action (:math:`O(N C B)`, the product IterGP's
+conjugation needs anyway), so a virtual run computes only :math:`\mathbf S^\top \mathbf W^{-1} \mathbf S`: one
+:math:`O(N C B^2)` GEMM over chunks of whitened actions (:func:`noise_gram`). Where nothing is compressed
+(:math:`R = \infty`, or :math:`B \le R` without a kept direction) the buffer is not re-weighted at all:
+:math:`\mathbf S` stays as it was and grows in place. :math:`\mathbf Q = \mathbf S \mathbf E` and
+:math:`\mathbf K \mathbf Q = \mathbf T \mathbf E` stay implicit (:class:`ImplicitRoot`, with :math:`\mathbf E =
+\mathbf U \boldsymbol\Lambda^{-1/2}` here): IterGP only needs their products with vectors. Compression also needs
+:math:`\mathbf S^\top \mathbf S` (the norms of re-weighted actions), one GEMM over its at most :math:`R + j` actions.
 """
 
 from __future__ import annotations
@@ -36,10 +36,14 @@ import torch
 from linear_operator.operators import LinearOperator
 from torch import Tensor
 
+from .noise import FactoredNoise
 from .precision import ColumnStore
 
-# Bytes of W^{-1} S formed at once when a virtual run computes S^T W^{-1} S (column blocks of S).
+# Bytes of W^{-1} S formed at once when a virtual run computes S^T W^{-1} S (column blocks of S) for a noise operator
+# without a factor; and of the whitened chunk S_chunk^T F for the package's own noise operators (NOISE_CHUNK_BYTES:
+# small enough to stay in cache and to be reused by the allocator instead of page-faulting fresh memory every step).
 NOISE_BLOCK_BYTES = 2**28
+NOISE_CHUNK_BYTES = 2**21
 
 
 def _symmetric(matrix: Tensor) -> Tensor:
@@ -61,17 +65,30 @@ class ActionBuffer:
     r"""Actions :math:`\mathbf S` and kernel products :math:`\mathbf T = \mathbf K \mathbf S`, each ``(N C, B)``.
 
     Actions are stored with unit norm; both grow by one column per solver iteration. The buffer also keeps
-    :math:`\mathbf S^\top \mathbf K \mathbf S` and :math:`\mathbf S^\top \mathbf S` (float64, :meth:`grams`): computed
-    once when first needed, then bordered by :meth:`append` in :math:`O(N C B)`.
+    :math:`\mathbf S^\top \mathbf K \mathbf S` (float64, :meth:`kernel_gram`): computed once when first needed, then
+    bordered by :meth:`append` in :math:`O(N C B)`. :math:`\mathbf S^\top \mathbf S`, which only compression needs,
+    is one GEMM when asked for (:meth:`action_gram`).
     """
 
     actions: ColumnStore
     kernel_actions: ColumnStore
-    _grams: tuple[Tensor, Tensor] | None = field(default=None, repr=False, compare=False)
+    _kernel_gram: Tensor | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_tensors(cls, actions: Tensor, kernel_actions: Tensor) -> ActionBuffer:
+        """A buffer holding copies of ``actions`` and ``kernel_actions`` ``(N C, B)``."""
         return cls(ColumnStore(actions), ColumnStore(kernel_actions))
+
+    def holds(self, actions: Tensor, kernel_actions: Tensor) -> bool:
+        """Whether ``actions`` and ``kernel_actions`` are this buffer's columns, all of them: views of its storage, as
+        the states of the loop that owns it hold them (then the buffer and its kernel Gram matrix can stand for them)."""
+        views = ((actions, self.actions), (kernel_actions, self.kernel_actions))
+        return all(
+            view.shape == store.value.shape
+            and view.data_ptr() == store.value.data_ptr()
+            and view.stride() == store.value.stride()
+            for view, store in views
+        )
 
     @classmethod
     def empty(cls, size: int, dtype: torch.dtype, device: torch.device) -> ActionBuffer:
@@ -83,43 +100,51 @@ class ActionBuffer:
         """The number of actions :math:`B`."""
         return self.actions.size
 
-    def _gram_columns(self, index: int) -> tuple[Tensor, Tensor]:
-        """Column ``index`` of the two Gram matrices, up to the diagonal, from actions ``0 .. index`` (float64)."""
-        rows, kernel_rows = self.actions.rows[: index + 1], self.kernel_actions.rows[: index + 1]
-        action, kernel_action = rows[index], kernel_rows[index]
-        kernel_column = (rows @ kernel_action + kernel_rows @ action) / 2
-        return kernel_column.double(), (rows @ action).double()
+    def kernel_column(self, kernel_action: Tensor) -> Tensor:
+        r""":math:`\mathbf S^\top \mathbf t` ``(B,)`` for a kernel product ``(N C,)``: the kernel Gram matrix's new
+        column when its action is appended (:meth:`append`), which IterGP's conjugation also uses
+        (:math:`\mathbf S^\top \hat{\mathbf K} \mathbf s = \mathbf S^\top \mathbf t + \mathbf S^\top \mathbf W^{-1}
+        \mathbf s`)."""
+        return self.actions.rows @ kernel_action
 
-    def grams(self) -> tuple[Tensor, Tensor]:
-        r""":math:`\mathbf S^\top \mathbf K \mathbf S` and :math:`\mathbf S^\top \mathbf S`, float64 ``(B, B)``, symmetric.
+    def kernel_gram(self) -> Tensor:
+        r""":math:`\mathbf S^\top \mathbf K \mathbf S`, float64 ``(B, B)``, symmetric.
 
-        Entry :math:`(i, j)`, :math:`i \le j`, is :math:`(\mathbf s_i^\top \mathbf t_j + \mathbf t_i^\top \mathbf s_j) / 2`
-        (and :math:`\mathbf s_i^\top \mathbf s_j`), computed when action :math:`j` is appended, by :meth:`append`.
-        A buffer built from tensors computes them here, column by column in the same way (:math:`O(N C B^2)`), so
-        that they do not depend on whether the buffer grew in this process or was restored (a resumed fit repeats
-        an uninterrupted one bit for bit).
+        Entry :math:`(i, j)`, :math:`i \le j`, is :math:`\mathbf s_i^\top \mathbf t_j`, computed when action :math:`j`
+        is appended, by :meth:`append` (:math:`\mathbf K` is symmetric: the other triangle is not computed again). A
+        buffer built from tensors computes it here, column by column in the same way (:math:`O(N C B^2)`), so that it
+        does not depend on whether the buffer grew in this process or was restored (a resumed fit repeats an
+        uninterrupted one bit for bit).
         """
-        if self._grams is None or self._grams[0].shape[-1] != self.size:
-            size = self.size
-            device = self.actions.rows.device
-            kernel_gram = torch.zeros(size, size, dtype=torch.float64, device=device)
-            action_gram = torch.zeros(size, size, dtype=torch.float64, device=device)
-            for index in range(size):
-                kernel_column, action_column = self._gram_columns(index)
-                kernel_gram[index, : index + 1] = kernel_gram[: index + 1, index] = kernel_column
-                action_gram[index, : index + 1] = action_gram[: index + 1, index] = action_column
-            self._grams = (kernel_gram, action_gram)
-        return self._grams
+        if self._kernel_gram is None or self._kernel_gram.shape[-1] != self.size:
+            rows, kernel_rows = self.actions.rows, self.kernel_actions.rows
+            gram = torch.zeros(self.size, self.size, dtype=torch.float64, device=rows.device)
+            for index in range(self.size):
+                column = self._gram_column(index, rows[:index] @ kernel_rows[index])
+                gram[index, : index + 1] = gram[: index + 1, index] = column
+            self._kernel_gram = gram
+        return self._kernel_gram
 
-    def append(self, action: Tensor, kernel_action: Tensor) -> None:
-        """Append an action and its kernel product (shape ``(N C,)``); the Gram matrices, if kept, are bordered
-        (:math:`O(N C B)`)."""
-        kept = self._grams is not None and self._grams[0].shape[-1] == self.size
+    def action_gram(self) -> Tensor:
+        r""":math:`\mathbf S^\top \mathbf S`, float64 ``(B, B)``, symmetric: one GEMM (:math:`O(N C B^2)`)."""
+        rows = self.actions.rows
+        return _symmetric((rows @ rows.mT).double())
+
+    def _gram_column(self, index: int, kernel_column: Tensor) -> Tensor:
+        """Column ``index`` of the kernel Gram matrix up to the diagonal (float64), from its part above the diagonal."""
+        diagonal = self.actions.rows[index] @ self.kernel_actions.rows[index]
+        return torch.cat([kernel_column, diagonal[None]]).double()
+
+    def append(self, action: Tensor, kernel_action: Tensor, kernel_column: Tensor | None = None) -> None:
+        """Append an action and its kernel product (shape ``(N C,)``); the kernel Gram matrix, if kept, is bordered
+        (:math:`O(N C B)`, or :math:`O(N C)` given ``kernel_column``, its :meth:`kernel_column` before appending)."""
+        kept = self._kernel_gram is not None and self._kernel_gram.shape[-1] == self.size
+        if kept and kernel_column is None:
+            kernel_column = self.kernel_column(kernel_action)
         self.actions.append(action)
         self.kernel_actions.append(kernel_action)
-        if kept and self._grams is not None:
-            kernel_column, action_column = self._gram_columns(self.size - 1)
-            self._grams = (_bordered(self._grams[0], kernel_column), _bordered(self._grams[1], action_column))
+        if kept and self._kernel_gram is not None and kernel_column is not None:
+            self._kernel_gram = _bordered(self._kernel_gram, self._gram_column(self.size - 1, kernel_column))
 
 
 def combined_columns(store: ColumnStore, coefficients: Tensor) -> Tensor:
@@ -161,18 +186,30 @@ class ImplicitRoot:
 
 
 def noise_gram(actions: ColumnStore, noise_inverse: LinearOperator) -> Tensor:
-    r""":math:`\mathbf S^\top \mathbf W^{-1} \mathbf S`, float64 ``(B, B)``, symmetrised: the part of the virtual run's
+    r""":math:`\mathbf S^\top \mathbf W^{-1} \mathbf S`, float64 ``(B, B)``, symmetric: the part of the virtual run's
     Gram matrix that changes with :math:`\mathbf W`.
 
-    :math:`\mathbf W^{-1} \mathbf S` is formed in blocks of columns of at most ``NOISE_BLOCK_BYTES`` (never all at
-    once); the product is in the working dtype, accumulated by BLAS, and its float64 copy is what is decomposed.
+    For the package's block-diagonal noise (:class:`~gpytorch_iterncgp.noise.FactoredNoise`, :math:`\mathbf W^{-1} =
+    \mathbf F \mathbf F^\top`) it is :math:`\sum_\text{chunks} \mathbf A \mathbf A^\top` with :math:`\mathbf A =
+    \mathbf S_\text{chunk}^\top \mathbf F_\text{chunk}` over chunks of whole data points of about ``NOISE_CHUNK_BYTES``
+    (a chunk stays in cache and its memory is reused; positive semi-definite by construction; each chunk's product in
+    the working dtype, their sum in float64). Any other noise, and sparse actions, form :math:`\mathbf W^{-1}
+    \mathbf S` in blocks of columns of at most ``NOISE_BLOCK_BYTES``.
     """
     rows = actions.rows
     size, num_rows = rows.shape
     if size == 0:
         return rows.new_zeros(0, 0, dtype=torch.float64)
-    width = max(1, NOISE_BLOCK_BYTES // max(1, num_rows * rows.element_size()))
     support = row_support(rows)
+    if noise_inverse.dim() == 2 and isinstance(noise_inverse, FactoredNoise) and support is None:
+        block = noise_inverse.entries_per_point
+        chunk = block * max(1, NOISE_CHUNK_BYTES // (size * rows.element_size() * block))
+        gram = rows.new_zeros(size, size, dtype=torch.float64)
+        for start in range(0, num_rows, chunk):
+            whitened = noise_inverse.whiten_rows(rows[:, start : start + chunk], start)
+            gram += (whitened @ whitened.mT).double()
+        return _symmetric(gram)
+    width = max(1, NOISE_BLOCK_BYTES // max(1, num_rows * rows.element_size()))
     blocks = []
     for start in range(0, size, width):
         noisy = noise_inverse.matmul(rows[start : start + width].mT)
@@ -261,18 +298,18 @@ def virtual_solver_run(
         extra = (keep[0] / norm, keep[1] / norm)
     if buffer.size == 0 and extra is None:
         return ImplicitRoot(buffer, rows.new_zeros(0, 0))
-    kernel_gram, action_gram = buffer.grams()
     # M = S^T K S (kept by the buffer) + S^T W^{-1} S (this W), decomposed in float64 (float32 eigh fails on it).
-    gram = kernel_gram + noise_gram(buffer.actions, noise_inverse)
+    gram = buffer.kernel_gram() + noise_gram(buffer.actions, noise_inverse)
     if extra is None:
         coefficients, eigenvalues = _top_eigenpairs(gram, relative_eigenvalue_tolerance, compression_rank)
         if compression_rank is None or coefficients.shape[-1] == buffer.size:
             # Nothing compressed: the buffer stays as it is, Q = S U Λ^{-1/2} and K Q = T U Λ^{-1/2} (left implicit).
             return ImplicitRoot(buffer, (coefficients * eigenvalues.rsqrt()).to(dtype))
-        extended_action_gram = action_gram
+        extended_action_gram = buffer.action_gram()
     else:
         # Compress to the top R - 1 directions (normalised), add the kept one, and decompose again over these R.
         first, _ = _top_eigenpairs(gram, relative_eigenvalue_tolerance, max(compression_rank - 1, 0))  # type: ignore[operator]
+        action_gram = buffer.action_gram()
         first = first / (first * (action_gram @ first)).sum(0).sqrt().clamp_min(torch.finfo(torch.float64).tiny)
         direction, kernel_direction = extra
         noisy_direction = kernel_direction + noise_inverse.matmul(direction[:, None])[:, 0]
@@ -285,8 +322,8 @@ def virtual_solver_run(
             _symmetric(basis.mT @ extended_gram @ basis), relative_eigenvalue_tolerance, None
         )
         coefficients = basis @ second
-    # Re-weight: the new buffer [S, x] E / ν with unit-norm columns (ν from S^T S, no pass over S), and
-    # Q = [S, x] E Λ^{-1/2} = (new S) ν Λ^{-1/2}. The new buffer's Gram matrices are computed when next needed.
+    # Re-weight: the new buffer [S, x] E / ν with unit-norm columns (ν from S^T S), and
+    # Q = [S, x] E Λ^{-1/2} = (new S) ν Λ^{-1/2}. The new buffer's kernel Gram matrix is computed when next needed.
     norms = (coefficients * (extended_action_gram @ coefficients)).sum(0).sqrt()
     norms = norms.clamp_min(torch.finfo(dtype).tiny)
     coefficients = coefficients / norms

@@ -51,6 +51,9 @@ from .validation import check_count, check_flag, check_nonnegative
 # An action with less than this fraction of its energy s^T K̂ s outside the span of the earlier actions is
 # replaced by that new part (see itergp_solve); with less than 1000 eps, it counts as linearly dependent.
 NEARLY_DEPENDENT = 1e-2
+# A conjugated direction keeping less than this fraction of its K̂-energy is conjugated once more (DGKS criterion,
+# kappa = 1/sqrt(2) on norms).
+REORTHOGONALIZE = 0.5
 
 
 @dataclass
@@ -318,16 +321,27 @@ def itergp_solve(
         action = action / action_norm
         kernel_action = kernel_product(action)
         rows, kernel_rows = buffer.actions.rows, buffer.kernel_actions.rows
-        noisy_action_norm = float(action @ (kernel_action + noise_inverse.matmul(action[:, None])[:, 0]))
+        noisy_action = noise_inverse.matmul(action[:, None])[:, 0]
+        noisy_action_norm = float(action @ (kernel_action + noisy_action))
+        kernel_column = buffer.kernel_column(kernel_action)  # S^T t: the kernel Gram matrix's new column
         direction, kernel_direction = action, kernel_action
         subtracted = root_coefficients.new_zeros(root_coefficients.shape[0])  # d = s - S (subtracted)
+        projected = kernel_column + rows @ noisy_action  # S^T K̂ s
+        eta = noisy_action_norm
         for _ in range(2):
-            noisy_direction = kernel_direction + noise_inverse.matmul(direction[:, None])[:, 0]
-            conjugation = root_coefficients @ (root_coefficients.mT @ (rows @ noisy_direction))  # E Q^T K̂ d
+            # K̂-conjugation against the recycled directions, repeated once only if it removed more than half of the
+            # direction's K̂-energy (cancellation: then the rounding errors of d = s - S c have components in span(S)
+            # that a second pass removes). Classical Gram-Schmidt with the criterion of Daniel, Gragg, Kaufman and
+            # Stewart (1976): "twice is enough", and once is where little cancels (saves three passes over S and T).
+            conjugation = root_coefficients @ (root_coefficients.mT @ projected)  # E Q^T K̂ d
             direction = direction - rows.mT @ conjugation
             kernel_direction = kernel_direction - kernel_rows.mT @ conjugation
             subtracted = subtracted + conjugation
-        eta = float(direction @ (kernel_direction + noise_inverse.matmul(direction[:, None])[:, 0]))
+            noisy_direction = kernel_direction + noise_inverse.matmul(direction[:, None])[:, 0]
+            previous, eta = eta, float(direction @ noisy_direction)
+            if not eta < REORTHOGONALIZE * previous:
+                break
+            projected = rows @ noisy_direction  # S^T K̂ d
         # How much of the action is new: the fraction of its energy s^T K̂ s outside span(S).
         new_fraction = eta / abs(noisy_action_norm) if noisy_action_norm else 0.0
         if not new_fraction > 1e3 * eps:
@@ -359,7 +373,7 @@ def itergp_solve(
             iterations += 1
             remainder = direction / direction.norm()
             continue
-        buffer.append(action, kernel_action)
+        buffer.append(action, kernel_action, kernel_column)
         scale = eta**-0.5
         step = scale * float(direction @ residual)
         weights = weights + (step * scale) * direction

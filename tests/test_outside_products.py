@@ -1,5 +1,5 @@
 """The work outside the products with K: kernel columns for sparse actions, the buffer's incremental Gram matrices,
-virtual solver runs that do not re-weight (or copy) an uncompressed buffer, Q kept implicit (S E) by the solver and
+S^T W^{-1} S over chunks of whitened actions, virtual solver runs that do not re-weight (or copy) an uncompressed buffer, Q kept implicit (S E) by the solver and
 left unformed in the Newton loop's states, and narrow products with a cached kernel as (X^T K)^T."""
 
 import gpytorch
@@ -8,9 +8,13 @@ import torch
 
 from gpytorch_iterncgp import ConjugateGradientPolicy, UnitVectorPolicy
 from gpytorch_iterncgp import prior as prior_module
-from gpytorch_iterncgp.noise import DiagonalNoiseInverse
+from linear_operator.operators import BlockDiagLinearOperator, DenseLinearOperator
+
+from gpytorch_iterncgp import recycling
+from gpytorch_iterncgp.noise import BlockNoiseInverse, DiagonalNoiseInverse, SoftmaxPseudoInverse
+from gpytorch_iterncgp.precision import ColumnStore
 from gpytorch_iterncgp.prior import NARROW_PRODUCT_COLUMNS, LatentPrior
-from gpytorch_iterncgp.recycling import ActionBuffer, virtual_solver_run
+from gpytorch_iterncgp.recycling import ActionBuffer, noise_gram, virtual_solver_run
 from gpytorch_iterncgp.settings import dense_kernel_limit
 from gpytorch_iterncgp.solver import itergp_solve
 from tests.models import IterNCGPModel
@@ -52,6 +56,37 @@ def test_kernel_columns_equal_products_with_one_hot_vectors(layout, cached):
     assert prior.products == 2 + cached and prior.columns == 2 * len(indices) + cached  # a call counts as a product
 
 
+def _noise(kind: str, num_data: int, num_latents: int, dtype: torch.dtype):
+    generator = torch.Generator().manual_seed(7)
+    if kind == "softmax":
+        return SoftmaxPseudoInverse(torch.softmax(3 * torch.randn(num_data, num_latents, generator=generator), -1).to(dtype))
+    if kind == "diagonal":
+        return DiagonalNoiseInverse(torch.rand(num_data * num_latents, generator=generator).to(dtype))
+    factor = torch.randn(num_data, num_latents, num_latents, generator=generator).to(dtype)
+    curvature = factor @ factor.mT + 0.1 * torch.eye(num_latents, dtype=dtype)
+    if kind == "cholesky":
+        return BlockNoiseInverse(torch.linalg.cholesky(curvature))
+    return BlockDiagLinearOperator(DenseLinearOperator(torch.linalg.inv(curvature)))  # EP's site blocks: no factor
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("kind", ["softmax", "diagonal", "cholesky", "blocks"])
+def test_noise_gram_equals_the_dense_quadratic_form(kind, dtype, monkeypatch):
+    """S^T W^{-1} S over chunks of whitened actions X F (W^{-1} = F F^T; several chunks here, the last one short) and
+    over column blocks of W^{-1} S for a noise without a factor, against the dense float64 form; uncentred actions, so
+    the softmax's centring P is exercised."""
+    num_data, num_latents, size = 50, 4, 9
+    monkeypatch.setattr(recycling, "NOISE_CHUNK_BYTES", 7 * size * torch.finfo(dtype).bits // 8 * num_latents)
+    monkeypatch.setattr(recycling, "NOISE_BLOCK_BYTES", 4 * num_data * num_latents * torch.finfo(dtype).bits // 8)
+    noise = _noise(kind, num_data, num_latents, dtype)
+    actions = torch.randn(num_data * num_latents, size, generator=torch.Generator().manual_seed(1)).to(dtype)
+    gram = noise_gram(ColumnStore(actions), noise)
+    expected = actions.double().mT @ noise.to_dense().double() @ actions.double()
+    tolerance = 1e-12 if dtype == torch.float64 else 1e-5
+    assert gram.dtype == torch.float64 and torch.equal(gram, gram.mT)
+    torch.testing.assert_close(gram, expected, rtol=tolerance, atol=tolerance * float(expected.abs().max()))
+
+
 def _spd_problem(size: int, seed: int):
     generator = torch.Generator().manual_seed(seed)
     factor = torch.randn(size, size, dtype=DTYPE, generator=generator)
@@ -62,8 +97,9 @@ def _spd_problem(size: int, seed: int):
 
 @pytest.mark.parametrize(("policy_name", "rank"), [("cg", None), ("cg", 4), ("unit", None), ("unit", 4)])
 def test_incremental_gram_matrices_equal_recomputed_ones_over_newton_like_steps(policy_name, rank):
-    """Solves with a changing noise (as in Newton steps), recycling one buffer: the Gram matrices it keeps equal
-    S^T K S and S^T S recomputed from the buffer, and each virtual run's C_0 = S (S^T K̂ S)^{-1} S^T."""
+    """Solves with a changing noise (as in Newton steps), recycling one buffer: the kernel Gram matrix it keeps (and
+    the action Gram matrix it computes) equal S^T K S and S^T S recomputed from the buffer, and each virtual run's
+    C_0 = S (S^T K̂ S)^{-1} S^T."""
     size = 30
     kernel, rhs, generator = _spd_problem(size, seed=3)
     policy = ConjugateGradientPolicy() if policy_name == "cg" else UnitVectorPolicy(seed=1)
@@ -81,7 +117,7 @@ def test_incremental_gram_matrices_equal_recomputed_ones_over_newton_like_steps(
             torch.testing.assert_close(virtual.kernel_precision_root, kernel @ root, rtol=1e-10, atol=1e-12)
         result = itergp_solve(kernel.matmul, noise, rhs, buffer, policy, max_iterations=3, compression_rank=rank)
         buffer = result.buffer
-        kernel_gram, action_gram = buffer.grams()
+        kernel_gram, action_gram = buffer.kernel_gram(), buffer.action_gram()
         actions, kernel_actions = buffer.actions.value, buffer.kernel_actions.value
         torch.testing.assert_close(kernel_gram, actions.mT @ kernel_actions, rtol=1e-12, atol=1e-13)
         torch.testing.assert_close(action_gram, actions.mT @ actions, rtol=1e-12, atol=1e-13)
