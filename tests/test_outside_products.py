@@ -5,12 +5,10 @@ left unformed in the Newton loop's states, and narrow products with a cached ker
 import gpytorch
 import pytest
 import torch
-
-from gpytorch_iterncgp import ConjugateGradientPolicy, UnitVectorPolicy
-from gpytorch_iterncgp import prior as prior_module
 from linear_operator.operators import BlockDiagLinearOperator, DenseLinearOperator
 
-from gpytorch_iterncgp import recycling
+from gpytorch_iterncgp import ConjugateGradientPolicy, UnitVectorPolicy, recycling
+from gpytorch_iterncgp import prior as prior_module
 from gpytorch_iterncgp.noise import BlockNoiseInverse, DiagonalNoiseInverse, SoftmaxPseudoInverse
 from gpytorch_iterncgp.precision import ColumnStore
 from gpytorch_iterncgp.prior import NARROW_PRODUCT_COLUMNS, LatentPrior
@@ -59,7 +57,9 @@ def test_kernel_columns_equal_products_with_one_hot_vectors(layout, cached):
 def _noise(kind: str, num_data: int, num_latents: int, dtype: torch.dtype):
     generator = torch.Generator().manual_seed(7)
     if kind == "softmax":
-        return SoftmaxPseudoInverse(torch.softmax(3 * torch.randn(num_data, num_latents, generator=generator), -1).to(dtype))
+        return SoftmaxPseudoInverse(
+            torch.softmax(3 * torch.randn(num_data, num_latents, generator=generator), -1).to(dtype)
+        )
     if kind == "diagonal":
         return DiagonalNoiseInverse(torch.rand(num_data * num_latents, generator=generator).to(dtype))
     factor = torch.randn(num_data, num_latents, num_latents, generator=generator).to(dtype)
