@@ -29,6 +29,12 @@ class FactoredNoise:
 
     entries_per_point: int  # the size of a diagonal block of W^{-1}; chunks hold whole blocks
 
+    def apply(self, vectors: Tensor) -> Tensor:
+        r""":math:`\mathbf W^{-1} \mathbf X` for ``(n, k)`` without linear_operator's dispatch (its autograd function
+        and representation tree cost about a third of the product itself for one vector of :math:`10^5` entries;
+        gradients still flow through the torch operations)."""
+        return self._matmul(vectors)  # type: ignore[attr-defined]
+
     def whiten_rows(self, rows: Tensor, start: int) -> Tensor:
         r""":math:`\mathbf X \mathbf F` ``(k, m)`` for rows :math:`\mathbf X` ``(k, m)`` holding the entries
         ``start .. start + m`` (whole blocks) of ``k`` vectors; non-batched operators only."""
@@ -210,5 +216,8 @@ def project_to_zero_sum(vectors: Tensor, num_latents: int) -> Tensor:
     \mathbf P \mathbf s_n`. Restricting IterGP's actions to this range makes its covariance converge to
     the Laplace covariance instead of the over-confident one of the plain pseudo-inverse noise.
     """
+    if vectors.shape[-1] == 1 and vectors.is_contiguous():  # one vector: the means as a product with 1 / C (faster)
+        blocks = vectors.view(-1, num_latents)
+        return (blocks - blocks @ vectors.new_full((num_latents, 1), 1 / num_latents)).view(vectors.shape)
     blocks = vectors.reshape(-1, num_latents, vectors.shape[-1])
     return (blocks - blocks.mean(dim=-2, keepdim=True)).reshape(vectors.shape)

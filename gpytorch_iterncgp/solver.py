@@ -43,6 +43,7 @@ from linear_operator.operators import LinearOperator
 from torch import Tensor
 
 from .exceptions import NumericalBreakdownWarning
+from .noise import FactoredNoise
 from .policies import Policy
 from .precision import LowRankPrecision
 from .recycling import ActionBuffer, ImplicitRoot, virtual_solver_run
@@ -281,6 +282,10 @@ def itergp_solve(
     virtual = virtual_solver_run(buffer, noise_inverse, compression_rank, keep=keep, spare=min(limit, 64))
     buffer, root_coefficients = virtual.buffer, virtual.root_coefficients  # Q = S E, K Q = T E (rows of E: B)
     sparse_limit = max(16, num_rows // 64)
+    multiply_noise = noise_inverse.apply if isinstance(noise_inverse, FactoredNoise) else noise_inverse.matmul
+
+    def noisy(vector: Tensor) -> Tensor:
+        return multiply_noise(vector[:, None])[:, 0]  # W^{-1} v
 
     def kernel_product(action: Tensor) -> Tensor:
         if kernel_columns is not None and int(torch.count_nonzero(action)) <= sparse_limit:
@@ -299,7 +304,7 @@ def itergp_solve(
     skipped, last_skipped = 0, None
     remainder: Tensor | None = None  # the new part of a nearly dependent action, taken as the next action
     while True:
-        residual = project((rhs - kernel_weights - noise_inverse.matmul(weights[:, None])[:, 0])[:, None])[:, 0]
+        residual = project((rhs - kernel_weights - noisy(weights))[:, None])[:, 0]
         residual_norm = float(residual.norm())
         if not math.isfinite(residual_norm):
             warnings.warn("IterGP: the residual is not finite; stopping.", NumericalBreakdownWarning, stacklevel=3)
@@ -321,7 +326,7 @@ def itergp_solve(
         action = action / action_norm
         kernel_action = kernel_product(action)
         rows, kernel_rows = buffer.actions.rows, buffer.kernel_actions.rows
-        noisy_action = noise_inverse.matmul(action[:, None])[:, 0]
+        noisy_action = noisy(action)
         noisy_action_norm = float(action @ (kernel_action + noisy_action))
         kernel_column = buffer.kernel_column(kernel_action)  # S^T t: the kernel Gram matrix's new column
         direction, kernel_direction = action, kernel_action
@@ -337,7 +342,7 @@ def itergp_solve(
             direction = direction - rows.mT @ conjugation
             kernel_direction = kernel_direction - kernel_rows.mT @ conjugation
             subtracted = subtracted + conjugation
-            noisy_direction = kernel_direction + noise_inverse.matmul(direction[:, None])[:, 0]
+            noisy_direction = kernel_direction + noisy(direction)
             previous, eta = eta, float(direction @ noisy_direction)
             if not eta < REORTHOGONALIZE * previous:
                 break
