@@ -573,11 +573,13 @@ class SoftmaxAdapter(LikelihoodAdapter):
         return _log_softmax(latent).gather(-1, targets.long()[:, None]).sum()
 
     def _softmax_terms(self, latent: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Log-likelihood, gradient and probabilities ``(N, C)``."""
+        r"""Log-likelihood, gradient :math:`\mathbf y - \boldsymbol\pi` (one-hot :math:`\mathbf y`) and probabilities
+        :math:`\boldsymbol\pi`, ``(N, C)``; the one-hot targets by indexing, never formed."""
         log_probs = _log_softmax(latent)
         probabilities = log_probs.exp()
-        one_hot = torch.nn.functional.one_hot(targets.long(), self.num_latents).to(latent.dtype)
-        return (log_probs * one_hot).sum(), one_hot - probabilities, probabilities
+        labels = targets.long()[:, None]
+        gradient = (-probabilities).scatter_add_(-1, labels, torch.ones_like(labels, dtype=latent.dtype))
+        return log_probs.gather(-1, labels).sum(), gradient, probabilities
 
     def derivatives(self, latent: Tensor, targets: Tensor) -> LikelihoodDerivatives:
         log_likelihood, gradient, probabilities = self._softmax_terms(latent, targets)

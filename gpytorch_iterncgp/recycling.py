@@ -205,9 +205,13 @@ def noise_gram(actions: ColumnStore, noise_inverse: LinearOperator) -> Tensor:
         block = noise_inverse.entries_per_point
         chunk = block * max(1, NOISE_CHUNK_BYTES // (size * rows.element_size() * block))
         gram = rows.new_zeros(size, size, dtype=torch.float64)
+        half = size // 2 if size >= 96 else 0  # above ~100 actions, the two lower blocks only: 3/4 of the flops
         for start in range(0, num_rows, chunk):
             whitened = noise_inverse.whiten_rows(rows[:, start : start + chunk], start)
-            gram += (whitened @ whitened.mT).double()
+            gram[half:] += (whitened[half:] @ whitened.mT).double()
+            if half:
+                gram[:half, :half] += (whitened[:half] @ whitened[:half].mT).double()
+        gram[:half, half:] = gram[half:, :half].mT
         return _symmetric(gram)
     width = max(1, NOISE_BLOCK_BYTES // max(1, num_rows * rows.element_size()))
     blocks = []

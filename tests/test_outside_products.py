@@ -69,13 +69,14 @@ def _noise(kind: str, num_data: int, num_latents: int, dtype: torch.dtype):
     return BlockDiagLinearOperator(DenseLinearOperator(torch.linalg.inv(curvature)))  # EP's site blocks: no factor
 
 
+@pytest.mark.parametrize("size", [9, 100])  # 100: the Gram matrix from its two lower blocks
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("kind", ["softmax", "diagonal", "cholesky", "blocks"])
-def test_noise_gram_equals_the_dense_quadratic_form(kind, dtype, monkeypatch):
+def test_noise_gram_equals_the_dense_quadratic_form(kind, dtype, size, monkeypatch):
     """S^T W^{-1} S over chunks of whitened actions X F (W^{-1} = F F^T; several chunks here, the last one short) and
     over column blocks of W^{-1} S for a noise without a factor, against the dense float64 form; uncentred actions, so
     the softmax's centring P is exercised."""
-    num_data, num_latents, size = 50, 4, 9
+    num_data, num_latents = 50, 4
     monkeypatch.setattr(recycling, "NOISE_CHUNK_BYTES", 7 * size * torch.finfo(dtype).bits // 8 * num_latents)
     monkeypatch.setattr(recycling, "NOISE_BLOCK_BYTES", 4 * num_data * num_latents * torch.finfo(dtype).bits // 8)
     noise = _noise(kind, num_data, num_latents, dtype)
