@@ -350,11 +350,16 @@ def run_ep(
 
 # -- SVGP ----------------------------------------------------------------------------------------------------
 class SVGPModel(gpytorch.models.ApproximateGP):
-    """GPyTorch's SVGP for C independent latents with one fixed kernel: U / C learnt inducing points per class."""
+    """GPyTorch's SVGP for C independent latents with one fixed kernel: U / C learnt inducing points per class (at
+    most N), started at distinct training inputs; the classes share no start while U <= N."""
 
     def __init__(self, problem: Problem, num_inducing: int, generator: torch.Generator):
-        per_class = max(1, num_inducing // problem.num_classes)
-        index = torch.randperm(problem.num_train, generator=generator)[: per_class * problem.num_classes]
+        num_train, num_classes = problem.num_train, problem.num_classes
+        per_class = min(max(1, num_inducing // num_classes), num_train)
+        if per_class * num_classes <= num_train:
+            index = torch.randperm(num_train, generator=generator)[: per_class * num_classes]
+        else:  # more inducing points than data: each class starts from its own draw
+            index = torch.cat([torch.randperm(num_train, generator=generator)[:per_class] for _ in range(num_classes)])
         inducing = problem.train_x[index].reshape(problem.num_classes, per_class, -1).clone()
         distribution = gpytorch.variational.CholeskyVariationalDistribution(
             per_class, batch_shape=torch.Size([problem.num_classes])

@@ -178,6 +178,18 @@ def test_svgp_learns_within_its_budget():
     assert history[-1]["time"] >= 2.0
 
 
+def test_svgp_with_more_inducing_points_than_data():
+    """U / C inducing points per class with U > N (once a reshape error): each class starts at N distinct inputs."""
+    problem = _problem(num_train=32, num_test=8, dtype=torch.float32)
+    model = methods.SVGPModel(problem, num_inducing=1000, generator=torch.Generator().manual_seed(0))
+    inducing = model.variational_strategy.base_variational_strategy.inducing_points.detach()
+    assert inducing.shape == (problem.num_classes, 32, problem.train_x.shape[-1])
+    for points in inducing:  # a permutation of the training inputs
+        torch.testing.assert_close(
+            points[torch.argsort(points[:, 0])], problem.train_x[torch.argsort(problem.train_x[:, 0])]
+        )
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_suite_quick_run_on_cuda(tmp_path):
     """Every method of the suite runs with its tensors on the GPU (SVGP's variational parameters included)."""
