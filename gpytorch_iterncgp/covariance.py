@@ -178,10 +178,10 @@ def covariance_phase(
     full_rank = size if action_space_dimension is None else action_space_dimension
     tolerance = _RELATIVE_EIGENVALUE_TOLERANCE.get(dtype, 1e-5)
     new_fraction = _NEW_FRACTION.get(dtype, 1e-2)
-    roots, kernel_roots = ColumnStore(precision_root), ColumnStore(kernel_precision_root)  # grow without copies
     rank, products = precision_root.shape[-1], 0
     if iterations == 0 or rank >= full_rank:
         return CovariancePhase(precision_root, kernel_precision_root, 0, 0)
+    roots, kernel_roots = ColumnStore(precision_root), ColumnStore(kernel_precision_root)  # grow without copies
     curvature = curvature_matmul(noise_inverse, num_latents)
     num_points = size // num_latents
     generator = torch.Generator().manual_seed(seed)

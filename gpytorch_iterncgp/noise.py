@@ -28,6 +28,7 @@ class FactoredNoise:
     \mathbf F` at a time and is positive semi-definite by construction."""
 
     entries_per_point: int  # the size of a diagonal block of W^{-1}; chunks hold whole blocks
+    centring = False  # whether F = P G with the centring P of each block: rows with zero block sums skip P
 
     def apply(self, vectors: Tensor) -> Tensor:
         r""":math:`\mathbf W^{-1} \mathbf X` for ``(n, k)`` without linear_operator's dispatch (its autograd function
@@ -35,9 +36,10 @@ class FactoredNoise:
         gradients still flow through the torch operations)."""
         return self._matmul(vectors)  # type: ignore[attr-defined]
 
-    def whiten_rows(self, rows: Tensor, start: int) -> Tensor:
+    def whiten_rows(self, rows: Tensor, start: int, centred: bool = False) -> Tensor:
         r""":math:`\mathbf X \mathbf F` ``(k, m)`` for rows :math:`\mathbf X` ``(k, m)`` holding the entries
-        ``start .. start + m`` (whole blocks) of ``k`` vectors; non-batched operators only."""
+        ``start .. start + m`` (whole blocks) of ``k`` vectors; non-batched operators only. ``centred``: every block of
+        every row sums to zero (to rounding), so a factor with :attr:`centring` leaves out :math:`\mathbf P`."""
         raise NotImplementedError
 
 
@@ -59,7 +61,7 @@ class DiagonalNoiseInverse(FactoredNoise, DiagLinearOperator):
 
     entries_per_point = 1
 
-    def whiten_rows(self, rows: Tensor, start: int) -> Tensor:
+    def whiten_rows(self, rows: Tensor, start: int, centred: bool = False) -> Tensor:
         r""":math:`\mathbf X \operatorname{diag}(w^{-1/2})` (the noise is non-negative: :math:`1 / w_n`, :math:`w_n \ge 0`)."""
         return rows * self._diag[start : start + rows.shape[-1]].sqrt()
 
@@ -113,7 +115,7 @@ class BlockNoiseInverse(FactoredNoise, LinearOperator):
     def entries_per_point(self) -> int:  # type: ignore[override]
         return self.curvature_cholesky.shape[-1]
 
-    def whiten_rows(self, rows: Tensor, start: int) -> Tensor:
+    def whiten_rows(self, rows: Tensor, start: int, centred: bool = False) -> Tensor:
         r""":math:`\mathbf X \mathbf L^{-\top}` (:math:`\mathbf W^{-1} = \mathbf L^{-\top} \mathbf L^{-1}`), by one batched
         triangular solve over the chunk's points."""
         size = self.entries_per_point
@@ -183,17 +185,23 @@ class SoftmaxPseudoInverse(FactoredNoise, LinearOperator):
     def entries_per_point(self) -> int:  # type: ignore[override]
         return self.probabilities.shape[-1]
 
-    def whiten_rows(self, rows: Tensor, start: int) -> Tensor:
+    centring = True
+
+    def whiten_rows(self, rows: Tensor, start: int, centred: bool = False) -> Tensor:
         r""":math:`\mathbf X \mathbf P \operatorname{diag}(\boldsymbol\pi)^{-1/2}` (:math:`\mathbf W^+ = \mathbf F \mathbf F^\top`
-        with :math:`\mathbf F = \mathbf P \operatorname{diag}(\boldsymbol\pi)^{-1/2}`): centre each point's block, then scale
-        it. The class means are one matrix-vector product with :math:`\mathbf 1 / C` over the chunk made contiguous
-        (2-3x faster on the CPU than a reduction over ten entries, or than a product with the strided chunk)."""
+        with :math:`\mathbf F = \mathbf P \operatorname{diag}(\boldsymbol\pi)^{-1/2}`): centre each point's block (unless
+        ``centred``: IterGP's projected actions), then scale it. The class means are one matrix-vector product with
+        :math:`\mathbf 1 / C` over the chunk made contiguous (2-3x faster on the CPU than a reduction over ten entries,
+        or than a product with the strided chunk)."""
         num_classes = self.entries_per_point
         probabilities = self.probabilities[start // num_classes : (start + rows.shape[-1]) // num_classes]
+        if centred:
+            scaled = rows.reshape(rows.shape[0], len(probabilities), num_classes) * probabilities.rsqrt()
+            return scaled.view(rows.shape)
         blocks = rows.contiguous().view(-1, num_classes)
         means = blocks @ rows.new_full((num_classes, 1), 1 / num_classes)
-        centred = (blocks - means).view(rows.shape[0], len(probabilities), num_classes)
-        return centred.mul_(probabilities.rsqrt()).view(rows.shape)
+        centred_rows = (blocks - means).view(rows.shape[0], len(probabilities), num_classes)
+        return centred_rows.mul_(probabilities.rsqrt()).view(rows.shape)
 
     def _transpose_nonbatch(self) -> LinearOperator:
         return self

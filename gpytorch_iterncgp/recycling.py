@@ -73,6 +73,8 @@ class ActionBuffer:
     actions: ColumnStore
     kernel_actions: ColumnStore
     _kernel_gram: Tensor | None = field(default=None, repr=False, compare=False)
+    # (block size, actions checked, whether all of them sum to zero over every block): see zero_block_sums
+    _zero_sums: tuple[int, int, bool] = field(default=(0, 0, True), repr=False, compare=False)
 
     @classmethod
     def from_tensors(cls, actions: Tensor, kernel_actions: Tensor) -> ActionBuffer:
@@ -124,6 +126,21 @@ class ActionBuffer:
                 gram[index, : index + 1] = gram[: index + 1, index] = column
             self._kernel_gram = gram
         return self._kernel_gram
+
+    def zero_block_sums(self, block: int) -> bool:
+        r"""Whether every action sums to zero over each block of ``block`` consecutive entries (a softmax's classes of
+        one data point), to rounding: :math:`|\sum_c s_{nc}| \le 16\, C\, \epsilon \max |s|` per action. Only the
+        actions appended since the last call with this ``block`` are checked (:math:`O(N C)` each)."""
+        checked_block, checked, zero = self._zero_sums
+        if checked_block != block or checked > self.size:
+            checked, zero = 0, True
+        rows = self.actions.rows[checked:]
+        if zero and len(rows):
+            sums = rows.reshape(len(rows), -1, block) @ rows.new_ones(block, 1)
+            bound = 16 * block * torch.finfo(rows.dtype).eps * rows.abs().amax(dim=-1)
+            zero = bool((sums.abs().amax(dim=(-2, -1)) <= bound).all())
+        self._zero_sums = (block, self.size, zero)
+        return zero
 
     def action_gram(self) -> Tensor:
         r""":math:`\mathbf S^\top \mathbf S`, float64 ``(B, B)``, symmetric: one GEMM (:math:`O(N C B^2)`)."""
@@ -185,7 +202,7 @@ class ImplicitRoot:
         return combined_columns(self.buffer.kernel_actions, self.root_coefficients)
 
 
-def noise_gram(actions: ColumnStore, noise_inverse: LinearOperator) -> Tensor:
+def noise_gram(buffer: ActionBuffer, noise_inverse: LinearOperator) -> Tensor:
     r""":math:`\mathbf S^\top \mathbf W^{-1} \mathbf S`, float64 ``(B, B)``, symmetric: the part of the virtual run's
     Gram matrix that changes with :math:`\mathbf W`.
 
@@ -193,21 +210,23 @@ def noise_gram(actions: ColumnStore, noise_inverse: LinearOperator) -> Tensor:
     \mathbf F \mathbf F^\top`) it is :math:`\sum_\text{chunks} \mathbf A \mathbf A^\top` with :math:`\mathbf A =
     \mathbf S_\text{chunk}^\top \mathbf F_\text{chunk}` over chunks of whole data points of about ``NOISE_CHUNK_BYTES``
     (a chunk stays in cache and its memory is reused; positive semi-definite by construction; each chunk's product in
-    the working dtype, their sum in float64). Any other noise, and sparse actions, form :math:`\mathbf W^{-1}
-    \mathbf S` in blocks of columns of at most ``NOISE_BLOCK_BYTES``.
+    the working dtype, their sum in float64); the softmax's centring is left out where the actions have zero class
+    sums (:meth:`ActionBuffer.zero_block_sums`: IterGP projects them). Any other noise, and sparse actions, form
+    :math:`\mathbf W^{-1} \mathbf S` in blocks of columns of at most ``NOISE_BLOCK_BYTES``.
     """
-    rows = actions.rows
+    rows = buffer.actions.rows
     size, num_rows = rows.shape
     if size == 0:
         return rows.new_zeros(0, 0, dtype=torch.float64)
     support = row_support(rows)
     if noise_inverse.dim() == 2 and isinstance(noise_inverse, FactoredNoise) and support is None:
         block = noise_inverse.entries_per_point
+        centred = noise_inverse.centring and buffer.zero_block_sums(block)
         chunk = block * max(1, NOISE_CHUNK_BYTES // (size * rows.element_size() * block))
         gram = rows.new_zeros(size, size, dtype=torch.float64)
         half = size // 2 if size >= 96 else 0  # above ~100 actions, the two lower blocks only: 3/4 of the flops
         for start in range(0, num_rows, chunk):
-            whitened = noise_inverse.whiten_rows(rows[:, start : start + chunk], start)
+            whitened = noise_inverse.whiten_rows(rows[:, start : start + chunk], start, centred)
             gram[half:] += (whitened[half:] @ whitened.mT).double()
             if half:
                 gram[:half, :half] += (whitened[:half] @ whitened[:half].mT).double()
@@ -303,7 +322,7 @@ def virtual_solver_run(
     if buffer.size == 0 and extra is None:
         return ImplicitRoot(buffer, rows.new_zeros(0, 0))
     # M = S^T K S (kept by the buffer) + S^T W^{-1} S (this W), decomposed in float64 (float32 eigh fails on it).
-    gram = buffer.kernel_gram() + noise_gram(buffer.actions, noise_inverse)
+    gram = buffer.kernel_gram() + noise_gram(buffer, noise_inverse)
     if extra is None:
         coefficients, eigenvalues = _top_eigenpairs(gram, relative_eigenvalue_tolerance, compression_rank)
         if compression_rank is None or coefficients.shape[-1] == buffer.size:

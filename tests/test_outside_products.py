@@ -9,8 +9,7 @@ from linear_operator.operators import BlockDiagLinearOperator, DenseLinearOperat
 
 from gpytorch_iterncgp import ConjugateGradientPolicy, UnitVectorPolicy, recycling
 from gpytorch_iterncgp import prior as prior_module
-from gpytorch_iterncgp.noise import BlockNoiseInverse, DiagonalNoiseInverse, SoftmaxPseudoInverse
-from gpytorch_iterncgp.precision import ColumnStore
+from gpytorch_iterncgp.noise import BlockNoiseInverse, DiagonalNoiseInverse, SoftmaxPseudoInverse, project_to_zero_sum
 from gpytorch_iterncgp.prior import NARROW_PRODUCT_COLUMNS, LatentPrior
 from gpytorch_iterncgp.recycling import ActionBuffer, noise_gram, virtual_solver_run
 from gpytorch_iterncgp.settings import dense_kernel_limit
@@ -71,21 +70,40 @@ def _noise(kind: str, num_data: int, num_latents: int, dtype: torch.dtype):
 
 @pytest.mark.parametrize("size", [9, 100])  # 100: the Gram matrix from its two lower blocks
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("kind", ["softmax", "diagonal", "cholesky", "blocks"])
+@pytest.mark.parametrize("kind", ["softmax", "softmax-zero-sum", "diagonal", "cholesky", "blocks"])
 def test_noise_gram_equals_the_dense_quadratic_form(kind, dtype, size, monkeypatch):
     """S^T W^{-1} S over chunks of whitened actions X F (W^{-1} = F F^T; several chunks here, the last one short) and
-    over column blocks of W^{-1} S for a noise without a factor, against the dense float64 form; uncentred actions, so
-    the softmax's centring P is exercised."""
+    over column blocks of W^{-1} S for a noise without a factor, against the dense float64 form. Uncentred actions
+    exercise the softmax's centring P; zero-sum ones (IterGP's projected actions) skip it."""
     num_data, num_latents = 50, 4
     monkeypatch.setattr(recycling, "NOISE_CHUNK_BYTES", 7 * size * torch.finfo(dtype).bits // 8 * num_latents)
     monkeypatch.setattr(recycling, "NOISE_BLOCK_BYTES", 4 * num_data * num_latents * torch.finfo(dtype).bits // 8)
-    noise = _noise(kind, num_data, num_latents, dtype)
+    noise = _noise(kind.removesuffix("-zero-sum"), num_data, num_latents, dtype)
     actions = torch.randn(num_data * num_latents, size, generator=torch.Generator().manual_seed(1)).to(dtype)
-    gram = noise_gram(ColumnStore(actions), noise)
+    if kind == "softmax-zero-sum":
+        actions = project_to_zero_sum(actions, num_latents)
+    buffer = ActionBuffer.from_tensors(actions, actions)
+    gram = noise_gram(buffer, noise)
+    assert buffer.zero_block_sums(num_latents) == (kind == "softmax-zero-sum")
     expected = actions.double().mT @ noise.to_dense().double() @ actions.double()
     tolerance = 1e-12 if dtype == torch.float64 else 1e-5
     assert gram.dtype == torch.float64 and torch.equal(gram, gram.mT)
     torch.testing.assert_close(gram, expected, rtol=tolerance, atol=tolerance * float(expected.abs().max()))
+
+
+def test_zero_block_sums_checks_only_new_actions():
+    """The buffer's zero-class-sum check covers every action, incrementally: an appended action with a non-zero sum
+    turns it off for good, and another block size starts over."""
+    actions = project_to_zero_sum(torch.randn(12, 3, dtype=DTYPE), 4)
+    buffer = ActionBuffer.from_tensors(actions, actions)
+    assert buffer.zero_block_sums(4) and not buffer.zero_block_sums(3)
+    assert buffer.zero_block_sums(4)
+    buffer.append(project_to_zero_sum(torch.randn(12, 1, dtype=DTYPE), 4)[:, 0], torch.zeros(12, dtype=DTYPE))
+    assert buffer.zero_block_sums(4)
+    buffer.append(torch.ones(12, dtype=DTYPE), torch.zeros(12, dtype=DTYPE))
+    assert not buffer.zero_block_sums(4)
+    buffer.append(project_to_zero_sum(torch.randn(12, 1, dtype=DTYPE), 4)[:, 0], torch.zeros(12, dtype=DTYPE))
+    assert not buffer.zero_block_sums(4)
 
 
 def _spd_problem(size: int, seed: int):
