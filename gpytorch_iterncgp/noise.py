@@ -21,6 +21,12 @@ from linear_operator.operators import DiagLinearOperator, LinearOperator
 from torch import Tensor
 
 
+def _block_means(blocks: Tensor) -> Tensor:
+    r"""The means over the last dimension (``keepdim``), as a product with :math:`\mathbf 1 / C`: on the CPU 2-3x faster
+    than torch's reduction over ten contiguous entries."""
+    return blocks @ blocks.new_full((blocks.shape[-1], 1), 1 / blocks.shape[-1])
+
+
 class FactoredNoise:
     r"""A block-diagonal noise :math:`\mathbf W^{-1} = \mathbf F \mathbf F^\top` whose factor is applied to the rows of
     a few data points at a time (:meth:`whiten_rows`), so that :math:`\mathbf X \mathbf W^{-1} \mathbf X^\top =
@@ -169,11 +175,9 @@ class SoftmaxPseudoInverse(FactoredNoise, LinearOperator):
     def _matmul(self, rhs: Tensor) -> Tensor:
         num_data, num_classes = self.probabilities.shape[-2:]
         if rhs.mT.is_contiguous():  # columns stored as rows (a vector, or S from the buffer): work in that layout
-            # class means as a product with 1 / C: on the CPU 3x faster than a reduction over ten contiguous entries
-            average = rhs.new_full((num_classes, 1), 1 / num_classes)
             blocks = rhs.mT.reshape(*rhs.shape[:-2], rhs.shape[-1], num_data, num_classes)
-            blocks = (blocks - blocks @ average) / self.probabilities.unsqueeze(-3)
-            blocks.sub_(blocks @ average)
+            blocks = (blocks - _block_means(blocks)) / self.probabilities.unsqueeze(-3)
+            blocks.sub_(_block_means(blocks))
             return blocks.reshape(*blocks.shape[:-2], num_data * num_classes).mT
         blocks = rhs.reshape(*rhs.shape[:-2], num_data, num_classes, rhs.shape[-1])
         blocks = blocks - blocks.mean(dim=-2, keepdim=True)
@@ -190,17 +194,15 @@ class SoftmaxPseudoInverse(FactoredNoise, LinearOperator):
     def whiten_rows(self, rows: Tensor, start: int, centred: bool = False) -> Tensor:
         r""":math:`\mathbf X \mathbf P \operatorname{diag}(\boldsymbol\pi)^{-1/2}` (:math:`\mathbf W^+ = \mathbf F \mathbf F^\top`
         with :math:`\mathbf F = \mathbf P \operatorname{diag}(\boldsymbol\pi)^{-1/2}`): centre each point's block (unless
-        ``centred``: IterGP's projected actions), then scale it. The class means are one matrix-vector product with
-        :math:`\mathbf 1 / C` over the chunk made contiguous (2-3x faster on the CPU than a reduction over ten entries,
-        or than a product with the strided chunk)."""
+        ``centred``: IterGP's projected actions), then scale it. The class means are one matrix-vector product over the
+        chunk made contiguous (faster than over the strided chunk)."""
         num_classes = self.entries_per_point
         probabilities = self.probabilities[start // num_classes : (start + rows.shape[-1]) // num_classes]
         if centred:
             scaled = rows.reshape(rows.shape[0], len(probabilities), num_classes) * probabilities.rsqrt()
             return scaled.view(rows.shape)
         blocks = rows.contiguous().view(-1, num_classes)
-        means = blocks @ rows.new_full((num_classes, 1), 1 / num_classes)
-        centred_rows = (blocks - means).view(rows.shape[0], len(probabilities), num_classes)
+        centred_rows = (blocks - _block_means(blocks)).view(rows.shape[0], len(probabilities), num_classes)
         return centred_rows.mul_(probabilities.rsqrt()).view(rows.shape)
 
     def _transpose_nonbatch(self) -> LinearOperator:
@@ -224,8 +226,8 @@ def project_to_zero_sum(vectors: Tensor, num_latents: int) -> Tensor:
     \mathbf P \mathbf s_n`. Restricting IterGP's actions to this range makes its covariance converge to
     the Laplace covariance instead of the over-confident one of the plain pseudo-inverse noise.
     """
-    if vectors.shape[-1] == 1 and vectors.is_contiguous():  # one vector: the means as a product with 1 / C (faster)
+    if vectors.shape[-1] == 1 and vectors.is_contiguous():  # one vector: each point's classes are contiguous
         blocks = vectors.view(-1, num_latents)
-        return (blocks - blocks @ vectors.new_full((num_latents, 1), 1 / num_latents)).view(vectors.shape)
+        return (blocks - _block_means(blocks)).view(vectors.shape)
     blocks = vectors.reshape(-1, num_latents, vectors.shape[-1])
     return (blocks - blocks.mean(dim=-2, keepdim=True)).reshape(vectors.shape)
