@@ -8,7 +8,7 @@ A product with K is one N × N kernel (Matérn-3/2 on 3-D inputs, lengthscale 0.
 the paper's large-scale experiment) times an N × C block (one kernel shared by C classes), through
 ``LatentPrior.matmul`` as IterNCGP calls it. Paths:
 
-* ``fused``: ``gpytorch_iterncgp.kernel_products``, N × N never formed: a Triton kernel on CUDA (float32 dot
+* ``fused``: ``gpytorch_iterncgp.core.kernel_products``, N × N never formed: a Triton kernel on CUDA (float32 dot
   products in IEEE precision), the ``torch.compile``d blocked loop on CPU;
 * ``fused-tf32`` (CUDA only): the Triton kernel with ``torch.set_float32_matmul_precision("medium")`` (TF32
   tile products);
@@ -33,7 +33,7 @@ import gpytorch
 import torch
 from common import machine
 
-from gpytorch_iterncgp.prior import LatentPrior
+from gpytorch_iterncgp.core.prior import LatentPrior
 from gpytorch_iterncgp.settings import dense_kernel_limit, fused_kernel_products
 
 RESULTS = Path(__file__).resolve().parent / "results"

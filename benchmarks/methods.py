@@ -32,7 +32,7 @@ from torch import Tensor
 from torchmetrics.classification import MulticlassCalibrationError
 
 from gpytorch_iterncgp import IterNCGPStrategy
-from gpytorch_iterncgp.likelihoods import likelihood_adapter
+from gpytorch_iterncgp.likelihoods.adapters import likelihood_adapter
 from gpytorch_iterncgp.settings import dense_kernel_limit
 
 
@@ -317,7 +317,7 @@ def run_ep(
     """Multi-class EP (``EPStrategy`` with the multinomial probit: :math:`C \times C` sites, nested EP, CG with
     recycling), evaluated like :func:`run_iterncgp` with the likelihood's own predictive (nested EP's normaliser
     under each test point's :math:`C \times C` covariance); ``covariance_iterations`` blocks of the covariance phase
-    after the sweeps (``gpytorch_iterncgp.covariance``)."""
+    after the sweeps (``gpytorch_iterncgp.core.covariance``)."""
     from gpytorch_iterncgp import EPStrategy, MultinomialProbitLikelihood
 
     likelihood = MultinomialProbitLikelihood(problem.num_classes)

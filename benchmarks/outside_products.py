@@ -78,7 +78,7 @@ def run_one(config: dict) -> dict:
     )
     strategy = model.variational_strategy
     if config["path"] == "fused":  # compile the fused product first (torch.compile): not part of any fit's time
-        from gpytorch_iterncgp.kernel_products import fused_kernel_matmul
+        from gpytorch_iterncgp.core.kernel_products import fused_kernel_matmul
 
         with torch.no_grad():
             points = problem.train_x[:2048]
@@ -141,7 +141,7 @@ def run_one(config: dict) -> dict:
 
 def _count_product_cpu_time() -> dict:
     """Wrap the products with K (and kernel columns) to add up their CPU time (``time.process_time``)."""
-    from gpytorch_iterncgp.prior import LatentPrior
+    from gpytorch_iterncgp.core.prior import LatentPrior
 
     totals = {"seconds": 0.0}
 

@@ -16,7 +16,7 @@ kernels have the fixed periods 3, 7, 7, 11, 13, 17, 19, 23, 23 (GPyTorch's ``Cos
   the prior; exact ELBO), or the seed's ``concrete`` (relaxed gates, 8 samples of (H, b) per step), which left
   period 13 on for the data seed 1 (0.80; Gibbs 0.06) and period 3 near 0.5 for seed 0; spike-and-slab selected
   exactly the true periods for the data seeds 0–3.
-* **Gibbs**: :func:`~gpytorch_iterncgp.alps_gibbs.gibbs_sample_model` (GP-ALPS App. D) on the exact GP prior at the
+* **Gibbs**: :func:`~gpytorch_iterncgp.alps.gibbs_sample_model` (GP-ALPS App. D) on the exact GP prior at the
   training times, with the noise variances that VI ended with: the exact posterior's activation probabilities.
 
 Expected (GP-ALPS §4.2, Figure 2(c)): exactly one latent switched on (probability > 0.5) for each of the periods
@@ -49,8 +49,7 @@ import matplotlib.pyplot as plt
 import torch
 from tqdm.auto import tqdm
 
-from gpytorch_iterncgp.alps import GPALPS, GPALPSELBO, noise_variances
-from gpytorch_iterncgp.alps_gibbs import gibbs_sample_model
+from gpytorch_iterncgp.alps import GPALPS, GPALPSELBO, gibbs_sample_model, noise_variances
 
 NAME = "alps_periodic_mixture"
 TRUE_PERIODS = (7.0, 17.0, 23.0)

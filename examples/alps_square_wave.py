@@ -12,7 +12,7 @@ are left to the noise variance, which VI learns.
   inducing inputs on the grid, prior activation 0.5, Adam), in two variational families: the seed's
   ``"concrete"`` (relaxed gates, 8 samples of (H, b) per step, GP-ALPS App. C) and ``"spike_and_slab"``
   (Bernoulli gates, q(H | b = 0) the prior, the ELBO in closed form).
-* **Gibbs**: :func:`~gpytorch_iterncgp.alps_gibbs.gibbs_sample_model` on the exact GP prior at the data, with the
+* **Gibbs**: :func:`~gpytorch_iterncgp.alps.gibbs_sample_model` on the exact GP prior at the data, with the
   kernels and the noise variance that each VI run ended with; two chains from different seeds, whose spread
   says how far the chains are from converged.
 
@@ -35,8 +35,7 @@ import matplotlib.pyplot as plt
 import torch
 from tqdm.auto import tqdm
 
-from gpytorch_iterncgp.alps import GPALPS, GPALPSELBO, noise_variances
-from gpytorch_iterncgp.alps_gibbs import gibbs_sample_model
+from gpytorch_iterncgp.alps import GPALPS, GPALPSELBO, gibbs_sample_model, noise_variances
 
 NAME = "alps_square_wave"
 FREQUENCY = 0.05

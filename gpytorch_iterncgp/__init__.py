@@ -2,24 +2,28 @@
 every step a GP regression solved by IterGP.
 
 Tatzel, Wenger, Schneider, Hennig: "Accelerating Non-Conjugate Gaussian Processes By Trading Off
-Computation For Uncertainty" (Algorithms 1-3). What users call is listed in ``__all__``; the building
-blocks (IterGP, the noise operators, recycling, the outer-loop driver) live in their modules
-(``gpytorch_iterncgp.solver``, ``.noise``, ``.recycling``, ``.outer_loop``, ...).
+Computation For Uncertainty" (Algorithms 1-3). What users call is listed in ``__all__``. The subpackages are the
+layers, each importing only from those below it: :mod:`.core` (IterGP, the noise operators, recycling, the
+outer-loop driver, the prior's products), :mod:`.likelihoods`, the outer loops :mod:`.laplace` and :mod:`.ep`,
+:mod:`.sparse` (EP-DTC), :mod:`.strategies` (the GPyTorch-facing layer), :mod:`.mlls`, :mod:`.models` (GP-LVM,
+GP-ALPS) and :mod:`.integrations` (scikit-learn, BoTorch; also at ``gpytorch_iterncgp.sklearn`` and ``.botorch``).
 """
 
 from . import settings
-from .ep import EPState
-from .evidence import EPMarginalLogLikelihood, LaplaceMarginalLogLikelihood
+from .core.outer_loop import EPSweep, FitReport, NewtonStep
+from .core.policies import ConjugateGradientPolicy, Policy, UnitVectorPolicy
+from .ep.sweeps import EPState
 from .exceptions import NonFiniteEvidenceError, NotConvergedWarning, NumericalBreakdownWarning
-from .likelihoods import ExpPoissonLikelihood, LogitBernoulliLikelihood, MultitaskPoissonLikelihood
-from .multinomial_probit import MultinomialProbitLikelihood
-from .newton import LaplaceState, SolverOptions
-from .outer_loop import EPSweep, FitReport, NewtonStep
-from .policies import ConjugateGradientPolicy, Policy, UnitVectorPolicy
-from .sparse_ep import SparseEPState
-from .sparse_evidence import SparseEPMarginalLogLikelihood
-from .sparse_strategy import SparseEPStrategy
-from .strategy import EPStrategy, IterNCGPStrategy
+from .laplace.newton import LaplaceState, SolverOptions
+from .likelihoods.adapters import ExpPoissonLikelihood, LogitBernoulliLikelihood, MultitaskPoissonLikelihood
+from .likelihoods.multinomial_probit import MultinomialProbitLikelihood
+from .mlls.itergp import EPMarginalLogLikelihood, LaplaceMarginalLogLikelihood
+from .mlls.sparse import SparseEPMarginalLogLikelihood
+from .models.alps import GPALPS, GPALPSELBO
+from .models.gplvm import EPLatentVariableModel, NoisyInputGPClassifier
+from .sparse.dtc import SparseEPState
+from .strategies.itergp import EPStrategy, IterNCGPStrategy
+from .strategies.sparse import SparseEPStrategy
 
 __version__ = "0.1.0"
 
@@ -30,7 +34,10 @@ __all__ = [
     "EPStrategy",
     "EPSweep",
     "ExpPoissonLikelihood",
+    "EPLatentVariableModel",
     "FitReport",
+    "GPALPS",
+    "GPALPSELBO",
     "IterNCGPStrategy",
     "LaplaceMarginalLogLikelihood",
     "LaplaceState",
@@ -38,6 +45,7 @@ __all__ = [
     "MultinomialProbitLikelihood",
     "MultitaskPoissonLikelihood",
     "NewtonStep",
+    "NoisyInputGPClassifier",
     "NonFiniteEvidenceError",
     "NotConvergedWarning",
     "NumericalBreakdownWarning",

@@ -16,7 +16,7 @@ plain float64 (torch for the linear algebra, scipy for the 1-D integrals). Label
   sites held fixed (R&W sec. 5.5.2, eq. 5.27).
 * Multi-class EP for the multinomial probit likelihood (:func:`multiclass_parallel_ep`, :math:`C \times C` site
   blocks, data-major :math:`NC \times NC` prior); unlike the rest, its tilted moments are the package's nested EP
-  (:func:`gpytorch_iterncgp.multinomial_probit.multinomial_probit_moments`). And an independent check of it: Gibbs
+  (:func:`gpytorch_iterncgp.likelihoods.multinomial_probit.multinomial_probit_moments`). And an independent check of it: Gibbs
   sampling of the augmented model (:func:`multiclass_gibbs`).
 """
 
@@ -367,7 +367,7 @@ def multiclass_log_marginal_likelihood(kernel, y, site_precision, site_natural_m
     :math:`\log Z_{EP} = A(\boldsymbol\mu, \boldsymbol\Sigma) - A(\mathbf 0, \mathbf K) + \sum_i [\log\hat Z_i
     + A(\mathbf m_{-i}, \mathbf S_{-i}) - A(\boldsymbol\mu_i, \boldsymbol\Sigma_{ii})]`, with :math:`\log\hat Z_i` the
     nested-EP tilted normaliser at the cavities."""
-    from gpytorch_iterncgp.multinomial_probit import multinomial_probit_moments
+    from gpytorch_iterncgp.likelihoods.multinomial_probit import multinomial_probit_moments
 
     mean, covariance = multiclass_posterior(kernel, site_precision, site_natural_mean, prior_mean)
     marginal, cavity_mean, cavity_covariance = _multiclass_cavities(mean, covariance, site_precision, site_natural_mean)
@@ -393,7 +393,7 @@ def multiclass_parallel_ep(
     2013's outer EP, here parallel): from the posterior :math:`\mathcal N(\boldsymbol\mu, \boldsymbol\Sigma)` every
     point's cavity :math:`\mathbf S_{-i} = (\boldsymbol\Sigma_{ii}^{-1} - \mathbf T_i)^{-1}`, :math:`\mathbf m_{-i} =
     \mathbf S_{-i}(\boldsymbol\Sigma_{ii}^{-1}\boldsymbol\mu_i - \boldsymbol\nu_i)`; the tilted moments by
-    :func:`~gpytorch_iterncgp.multinomial_probit.multinomial_probit_moments` (inner sites warm-started from the previous
+    :func:`~gpytorch_iterncgp.likelihoods.multinomial_probit.multinomial_probit_moments` (inner sites warm-started from the previous
     sweep); the sites :math:`\mathbf T_i^* = \hat{\boldsymbol\Sigma}_i^{-1} - \mathbf S_{-i}^{-1}`,
     :math:`\boldsymbol\nu_i^* = \hat{\boldsymbol\Sigma}_i^{-1}\hat{\boldsymbol\mu}_i - \mathbf S_{-i}^{-1}\mathbf m_{-i}`
     damped, :math:`\mathbf T \leftarrow (1 - \delta)\mathbf T + \delta\mathbf T^*` (likewise :math:`\boldsymbol\nu`),
@@ -401,7 +401,7 @@ def multiclass_parallel_ep(
     0), ``kernel`` ``(NC, NC)``
     data-major (index :math:`nC + c`); ``y`` ``(N,)`` class indices. Stops when the sites change by less than ``tol``.
     """
-    from gpytorch_iterncgp.multinomial_probit import multinomial_probit_moments
+    from gpytorch_iterncgp.likelihoods.multinomial_probit import multinomial_probit_moments
 
     n, c = len(y), num_classes
     precision = torch.zeros(n, c, c, dtype=kernel.dtype)

@@ -26,8 +26,8 @@ from scipy import integrate
 from torch.distributions import MultivariateNormal, Normal
 from torch.distributions.relaxed_bernoulli import LogitRelaxedBernoulli
 
-from gpytorch_iterncgp.alps import GPALPS, GPALPSELBO, expected_log_likelihood, noise_variances
-from gpytorch_iterncgp.alps_gibbs import (
+from gpytorch_iterncgp.models.alps import GPALPS, GPALPSELBO, expected_log_likelihood, noise_variances
+from gpytorch_iterncgp.models.alps_gibbs import (
     _condition,
     _draw_latent,
     gate_log_odds,

@@ -1,4 +1,4 @@
-"""``gpytorch_iterncgp.botorch.IterNCGPBoTorchModel``: BoTorch acquisition functions on the latent posterior.
+"""``gpytorch_iterncgp.integrations.botorch.IterNCGPBoTorchModel``: BoTorch acquisition functions on the latent posterior.
 
 References: the strategy's own joint posterior (``model(x)`` in eval mode) per batch element, scikit-learn's
 ``GaussianProcessClassifier`` (exact Laplace latent moments, logit link), the closed-form expected
@@ -50,8 +50,8 @@ from botorch.posteriors import GPyTorchPosterior  # noqa: E402
 from botorch.sampling import SobolQMCNormalSampler  # noqa: E402
 
 from gpytorch_iterncgp import ExpPoissonLikelihood  # noqa: E402
-from gpytorch_iterncgp.botorch import IterNCGPBoTorchModel  # noqa: E402
-from gpytorch_iterncgp.sklearn import IterNCGPClassifier  # noqa: E402
+from gpytorch_iterncgp.integrations.botorch import IterNCGPBoTorchModel  # noqa: E402
+from gpytorch_iterncgp.integrations.sklearn import IterNCGPClassifier  # noqa: E402
 from tests.models import IterNCGPModel, count_data, multiclass_data, softmax_likelihood  # noqa: E402
 
 DTYPE = torch.float64

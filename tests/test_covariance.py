@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from gpytorch_iterncgp import EPStrategy, MultinomialProbitLikelihood
-from gpytorch_iterncgp.covariance import covariance_phase, curvature_matmul
-from gpytorch_iterncgp.noise import DiagonalNoiseInverse, SoftmaxPseudoInverse
+from gpytorch_iterncgp.core.covariance import covariance_phase, curvature_matmul
+from gpytorch_iterncgp.core.noise import DiagonalNoiseInverse, SoftmaxPseudoInverse
 from tests.models import IterNCGPModel, binary_data, multiclass_data
 from tests.test_exact_laplace import (
     EXACT,

@@ -205,8 +205,8 @@ def test_compressed_incomplete_solves_keep_every_site_finite():
 
 def test_site_update_bounds_cavities_by_the_prior_and_skips_non_finite_ones():
     """Direct check of the local step against hand-computed cavities (R&W eq. 3.56)."""
-    from gpytorch_iterncgp.likelihoods import likelihood_adapter
-    from gpytorch_iterncgp.sites import update_sites
+    from gpytorch_iterncgp.ep.sites import update_sites
+    from gpytorch_iterncgp.likelihoods.adapters import likelihood_adapter
 
     adapter = likelihood_adapter(gpytorch.likelihoods.BernoulliLikelihood())
     targets = torch.tensor([1.0, 0.0, 1.0], dtype=torch.float64)

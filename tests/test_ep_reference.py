@@ -17,8 +17,8 @@ from gpytorch.likelihoods import BernoulliLikelihood, PoissonLikelihood
 from scipy import integrate
 
 from gpytorch_iterncgp import LogitBernoulliLikelihood
-from gpytorch_iterncgp.likelihoods import ExpPoissonLikelihood, likelihood_adapter
-from gpytorch_iterncgp.tilted import tilted_moments
+from gpytorch_iterncgp.likelihoods.adapters import ExpPoissonLikelihood, likelihood_adapter
+from gpytorch_iterncgp.likelihoods.tilted import tilted_moments
 from tests import reference_ep
 
 DTYPE = torch.float64

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from gpytorch_iterncgp import ExpPoissonLikelihood, LogitBernoulliLikelihood
-from gpytorch_iterncgp.likelihoods import MultitaskPoissonLikelihood
+from gpytorch_iterncgp.likelihoods.adapters import MultitaskPoissonLikelihood
 from tests import reference
 from tests.models import (
     IterNCGPModel,

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from gpytorch_iterncgp import SparseEPStrategy
-from gpytorch_iterncgp.gplvm import EPLatentVariableModel, NoisyInputGPClassifier, pca_initialisation
-from gpytorch_iterncgp.sparse_ep import inducing_cholesky
+from gpytorch_iterncgp.models.gplvm import EPLatentVariableModel, NoisyInputGPClassifier, pca_initialisation
+from gpytorch_iterncgp.sparse.dtc import inducing_cholesky
 from tests.models import IterNCGPModel, binary_data
 
 DTYPE = torch.float64

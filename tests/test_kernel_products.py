@@ -21,9 +21,10 @@ import pytest
 import torch
 from linear_operator.utils.warnings import PerformanceWarning
 
-from gpytorch_iterncgp import kernel_products, prior, settings
-from gpytorch_iterncgp.kernel_products import fused_kernel_matmul, stationary_kernel
-from gpytorch_iterncgp.prior import LatentPrior
+from gpytorch_iterncgp import settings
+from gpytorch_iterncgp.core import kernel_products, prior
+from gpytorch_iterncgp.core.kernel_products import fused_kernel_matmul, stationary_kernel
+from gpytorch_iterncgp.core.prior import LatentPrior
 from tests.models import IterNCGPModel, binary_data, multiclass_data, softmax_likelihood
 
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12}
@@ -228,7 +229,7 @@ INTERPRETED = textwrap.dedent(
     """
     import itertools, torch
     from gpytorch_iterncgp import settings
-    from gpytorch_iterncgp.kernel_products import fused_kernel_matmul
+    from gpytorch_iterncgp.core.kernel_products import fused_kernel_matmul
     from tests.test_kernel_products import KERNELS, assert_matches_dense, inputs, make_kernel
 
     for dtype, kind, (width, ard, batch) in itertools.product(

@@ -24,7 +24,7 @@ from gpytorch_iterncgp import (
     MultinomialProbitLikelihood,
     SparseEPStrategy,
 )
-from gpytorch_iterncgp.multinomial_probit import multinomial_probit_log_probabilities
+from gpytorch_iterncgp.likelihoods.multinomial_probit import multinomial_probit_log_probabilities
 from tests import reference_ep
 from tests.models import IterNCGPModel, multiclass_data, set_distinct_class_hyperparameters
 

@@ -29,7 +29,7 @@ from gpytorch.distributions import MultitaskMultivariateNormal
 from scipy import integrate, special, stats
 from torch import Tensor
 
-from gpytorch_iterncgp.multinomial_probit import (
+from gpytorch_iterncgp.likelihoods.multinomial_probit import (
     InnerSites,
     MultinomialProbitLikelihood,
     multinomial_probit_log_probabilities,

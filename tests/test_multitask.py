@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from gpytorch_iterncgp import EPStrategy, LaplaceMarginalLogLikelihood, settings
-from gpytorch_iterncgp.likelihoods import MultitaskPoissonLikelihood
-from gpytorch_iterncgp.prior import LatentPrior
+from gpytorch_iterncgp.core.prior import LatentPrior
+from gpytorch_iterncgp.likelihoods.adapters import MultitaskPoissonLikelihood
 from tests import reference
 from tests.models import LMCIterNCGPModel, MultitaskIterNCGPModel, multioutput_count_data
 from tests.test_exact_laplace import (

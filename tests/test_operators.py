@@ -21,8 +21,13 @@ from linear_operator.test.linear_operator_test_case import (
     RectangularLinearOperatorTestCase,
 )
 
-from gpytorch_iterncgp.noise import BlockNoiseInverse, DiagonalNoiseInverse, SoftmaxPseudoInverse, project_to_zero_sum
-from gpytorch_iterncgp.precision import ColumnStore, LowRankPrecision
+from gpytorch_iterncgp.core.noise import (
+    BlockNoiseInverse,
+    DiagonalNoiseInverse,
+    SoftmaxPseudoInverse,
+    project_to_zero_sum,
+)
+from gpytorch_iterncgp.core.precision import ColumnStore, LowRankPrecision
 
 
 def _block_diag(blocks: torch.Tensor) -> torch.Tensor:

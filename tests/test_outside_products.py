@@ -8,12 +8,17 @@ import torch
 from linear_operator.operators import BlockDiagLinearOperator, DenseLinearOperator
 
 from gpytorch_iterncgp import ConjugateGradientPolicy, UnitVectorPolicy, recycling
-from gpytorch_iterncgp import prior as prior_module
-from gpytorch_iterncgp.noise import BlockNoiseInverse, DiagonalNoiseInverse, SoftmaxPseudoInverse, project_to_zero_sum
-from gpytorch_iterncgp.prior import NARROW_PRODUCT_COLUMNS, LatentPrior
-from gpytorch_iterncgp.recycling import ActionBuffer, noise_gram, virtual_solver_run
+from gpytorch_iterncgp.core import prior as prior_module
+from gpytorch_iterncgp.core.noise import (
+    BlockNoiseInverse,
+    DiagonalNoiseInverse,
+    SoftmaxPseudoInverse,
+    project_to_zero_sum,
+)
+from gpytorch_iterncgp.core.prior import NARROW_PRODUCT_COLUMNS, LatentPrior
+from gpytorch_iterncgp.core.recycling import ActionBuffer, noise_gram, virtual_solver_run
+from gpytorch_iterncgp.core.solver import itergp_solve
 from gpytorch_iterncgp.settings import dense_kernel_limit
-from gpytorch_iterncgp.solver import itergp_solve
 from tests.models import IterNCGPModel
 
 DTYPE = torch.float64

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from gpytorch_iterncgp import ConjugateGradientPolicy, ExpPoissonLikelihood, NumericalBreakdownWarning, UnitVectorPolicy
-from gpytorch_iterncgp.noise import DiagonalNoiseInverse, SoftmaxPseudoInverse
-from gpytorch_iterncgp.recycling import ActionBuffer, virtual_solver_run
-from gpytorch_iterncgp.solver import itergp_solve
+from gpytorch_iterncgp.core.noise import DiagonalNoiseInverse, SoftmaxPseudoInverse
+from gpytorch_iterncgp.core.recycling import ActionBuffer, virtual_solver_run
+from gpytorch_iterncgp.core.solver import itergp_solve
 from tests import reference
 from tests.models import IterNCGPModel, binary_data, count_data, multiclass_data
 

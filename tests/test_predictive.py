@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from gpytorch_iterncgp import LogitBernoulliLikelihood
-from gpytorch_iterncgp.likelihoods import logistic_gaussian, softmax_gaussian
+from gpytorch_iterncgp.likelihoods.adapters import logistic_gaussian, softmax_gaussian
 from tests.test_exact_laplace import EXACT, build, exact_laplace, make_test_inputs, reference_predictive
 
 DTYPE = torch.float64

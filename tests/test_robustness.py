@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from gpytorch_iterncgp import UnitVectorPolicy
-from gpytorch_iterncgp.prior import LatentPrior
+from gpytorch_iterncgp.core.prior import LatentPrior
 from tests import reference
 from tests.problems import (
     Problem,
@@ -577,7 +577,7 @@ def test_converged_means_at_the_exact_mode(problem, policy, rank):
 # IterGP: an action already in the span of the earlier ones
 # ---------------------------------------------------------------------------------------------------
 def _spd_problem(size: int = 6, seed: int = 0):
-    from gpytorch_iterncgp.noise import DiagonalNoiseInverse
+    from gpytorch_iterncgp.core.noise import DiagonalNoiseInverse
 
     generator = torch.Generator().manual_seed(seed)
     factor = torch.randn(size, size, generator=generator, dtype=torch.float64)
@@ -590,8 +590,8 @@ def _spd_problem(size: int = 6, seed: int = 0):
 def test_action_in_the_span_of_recycled_ones_is_skipped():
     """A unit vector that a recycled action already covers carries no new direction: IterGP skips it (its
     product with K counts as an iteration) and goes on; the result is the exact solve."""
-    from gpytorch_iterncgp.recycling import ActionBuffer
-    from gpytorch_iterncgp.solver import itergp_solve
+    from gpytorch_iterncgp.core.recycling import ActionBuffer
+    from gpytorch_iterncgp.core.solver import itergp_solve
 
     kernel, noise, rhs = _spd_problem()
     recycled = torch.zeros(6, 1, dtype=torch.float64)
@@ -609,8 +609,8 @@ def test_action_in_the_span_of_recycled_ones_is_skipped():
 
 def test_policy_repeating_a_dependent_action_stops_with_a_warning():
     from gpytorch_iterncgp import NumericalBreakdownWarning, Policy
-    from gpytorch_iterncgp.recycling import ActionBuffer
-    from gpytorch_iterncgp.solver import itergp_solve
+    from gpytorch_iterncgp.core.recycling import ActionBuffer
+    from gpytorch_iterncgp.core.solver import itergp_solve
 
     class Always(Policy):
         def __call__(self, residual):
@@ -643,7 +643,7 @@ def test_reported_residual_is_the_true_residual(problem, monkeypatch):
     unit vectors (short lengthscale), the policy picked the same coordinates again, and appending those nearly
     dependent actions made the tracked K v drift: IterGP reported a residual of 1.6e-9 where the true one was
     1.6e-3, and the fit "converged" 0.05% off the mode, or ran 300 Newton steps and ended 2% off it."""
-    import gpytorch_iterncgp.newton as newton
+    import gpytorch_iterncgp.laplace.newton as newton
 
     x, y = problem.data()
     model = problem.model(x, y, policy="unit", compression_rank=3, **TIGHT[torch.float64])

@@ -1,4 +1,4 @@
-"""The scikit-learn estimators of ``gpytorch_iterncgp.sklearn``.
+"""The scikit-learn estimators of ``gpytorch_iterncgp.integrations.sklearn``.
 
 * scikit-learn's own estimator checks (``parametrize_with_checks``);
 * numbers against independent references: scikit-learn's ``GaussianProcessClassifier`` (logit link,
@@ -28,8 +28,8 @@ from sklearn.gaussian_process import GaussianProcessClassifier  # noqa: E402
 from sklearn.gaussian_process.kernels import RBF, ConstantKernel, Matern  # noqa: E402
 from sklearn.utils.estimator_checks import parametrize_with_checks  # noqa: E402
 
-from gpytorch_iterncgp.likelihoods import softmax_gaussian
-from gpytorch_iterncgp.sklearn import IterNCGPClassifier, IterNCGPPoissonRegressor  # noqa: E402
+from gpytorch_iterncgp.integrations.sklearn import IterNCGPClassifier, IterNCGPPoissonRegressor  # noqa: E402
+from gpytorch_iterncgp.likelihoods.adapters import softmax_gaussian
 from tests import reference  # noqa: E402
 
 # Tiny settings for scikit-learn's checks (dozens of fits on up to 300 points); the hyperparameter path
@@ -355,7 +355,7 @@ def test_failing_evidence_keeps_the_best_hyperparameters(monkeypatch, regime):
     call); a failure at the initial hyperparameters is raised."""
     from sklearn.exceptions import ConvergenceWarning
 
-    import gpytorch_iterncgp.sklearn as module
+    import gpytorch_iterncgp.integrations.sklearn as module
     from gpytorch_iterncgp import settings
 
     seen = []
@@ -458,7 +458,7 @@ def test_importing_the_package_does_not_import_sklearn_or_botorch():
 def test_default_solver_budget_gives_the_exact_laplace_posterior_on_small_problems():
     """``max_solver_iterations="auto"`` with N C <= EXACT_SOLVE_SIZE: unit vectors to full rank, so the default
     classifier's latent mean *and variance* equal scikit-learn's exact Laplace posterior (fixed kernel)."""
-    from gpytorch_iterncgp.sklearn import EXACT_SOLVE_SIZE
+    from gpytorch_iterncgp.integrations.sklearn import EXACT_SOLVE_SIZE
 
     x, y, x_test = _binary()
     ours = IterNCGPClassifier(optimize_hyperparameters=False, random_state=0).fit(x, y)
@@ -474,7 +474,7 @@ def test_default_solver_budget_above_the_exact_size_is_the_strategys_default():
     import inspect
 
     from gpytorch_iterncgp import IterNCGPStrategy
-    from gpytorch_iterncgp.sklearn import DEFAULT_SOLVER_ITERATIONS, EXACT_SOLVE_SIZE
+    from gpytorch_iterncgp.integrations.sklearn import DEFAULT_SOLVER_ITERATIONS, EXACT_SOLVE_SIZE
 
     assert DEFAULT_SOLVER_ITERATIONS == inspect.signature(IterNCGPStrategy).parameters["max_solver_iterations"].default
     x, y, _ = _multiclass(num=EXACT_SOLVE_SIZE // 3 + 1)  # N C = 3 (EXACT_SOLVE_SIZE // 3 + 1) > EXACT_SOLVE_SIZE

@@ -23,7 +23,7 @@ from gpytorch_iterncgp import (
     SparseEPState,
     SparseEPStrategy,
 )
-from gpytorch_iterncgp.sparse_evidence import ep_dtc_bound
+from gpytorch_iterncgp.mlls.sparse import ep_dtc_bound
 from tests import reference_ep
 from tests.models import IterNCGPModel, binary_data, count_data
 

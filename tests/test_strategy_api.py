@@ -16,7 +16,7 @@ import torch
 from gpytorch.likelihoods.likelihood import _OneDimensionalLikelihood
 
 from gpytorch_iterncgp import ExpPoissonLikelihood, LogitBernoulliLikelihood
-from gpytorch_iterncgp.likelihoods import AutogradAdapter
+from gpytorch_iterncgp.likelihoods.adapters import AutogradAdapter
 from tests.models import IterNCGPModel, binary_data, count_data, multiclass_data
 
 # Options under which both compared runs converge to the exact Laplace mode: every Newton step is solved

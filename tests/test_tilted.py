@@ -10,8 +10,8 @@ import torch
 from gpytorch.likelihoods import BernoulliLikelihood, PoissonLikelihood
 
 from gpytorch_iterncgp import LogitBernoulliLikelihood
-from gpytorch_iterncgp.likelihoods import ExpPoissonLikelihood, likelihood_adapter
-from gpytorch_iterncgp.tilted import tilted_mode, tilted_moments
+from gpytorch_iterncgp.likelihoods.adapters import ExpPoissonLikelihood, likelihood_adapter
+from gpytorch_iterncgp.likelihoods.tilted import tilted_mode, tilted_moments
 from tests import reference_ep
 
 ADAPTERS = {

@@ -26,11 +26,16 @@ import gpytorch
 import pytest
 import torch
 
-from gpytorch_iterncgp.likelihoods import likelihood_adapter
-from gpytorch_iterncgp.outer_loop import run_outer_loop
-from gpytorch_iterncgp.sparse_ep import DTCPrior, SparseEP
-from gpytorch_iterncgp.sparse_evidence import ep_dtc_bound
-from gpytorch_iterncgp.uncertain import (
+from gpytorch_iterncgp.core.outer_loop import run_outer_loop
+from gpytorch_iterncgp.likelihoods.adapters import likelihood_adapter
+from gpytorch_iterncgp.mlls.sparse import ep_dtc_bound
+from gpytorch_iterncgp.mlls.uncertain import (
+    UncertainSparseEPMarginalLogLikelihood,
+    gaussian_kl,
+    uncertain_ep_bound,
+)
+from gpytorch_iterncgp.sparse.dtc import DTCPrior, SparseEP
+from gpytorch_iterncgp.sparse.uncertain import (
     MonteCarloPsiWarning,
     RankOneFactors,
     UncertainDTCPrior,
@@ -38,11 +43,6 @@ from gpytorch_iterncgp.uncertain import (
     psi_statistics,
     sequential_sweep,
     uncertain_posterior,
-)
-from gpytorch_iterncgp.uncertain_evidence import (
-    UncertainSparseEPMarginalLogLikelihood,
-    gaussian_kl,
-    uncertain_ep_bound,
 )
 from tests import reference_ep
 from tests.models import binary_data

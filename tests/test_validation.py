@@ -505,7 +505,7 @@ def test_outer_tol_below_float32_resolution_warns():
 
 
 def test_likelihood_adapter_validates_min_curvature():
-    from gpytorch_iterncgp.likelihoods import likelihood_adapter
+    from gpytorch_iterncgp.likelihoods.adapters import likelihood_adapter
 
     with pytest.raises(ValueError, match="min_curvature"):
         likelihood_adapter(LogitBernoulliLikelihood(), min_curvature=-1.0)
@@ -514,9 +514,9 @@ def test_likelihood_adapter_validates_min_curvature():
 
 def test_itergp_solve_checks_its_arguments():
     from gpytorch_iterncgp import ConjugateGradientPolicy
-    from gpytorch_iterncgp.noise import DiagonalNoiseInverse
-    from gpytorch_iterncgp.recycling import ActionBuffer
-    from gpytorch_iterncgp.solver import itergp_solve
+    from gpytorch_iterncgp.core.noise import DiagonalNoiseInverse
+    from gpytorch_iterncgp.core.recycling import ActionBuffer
+    from gpytorch_iterncgp.core.solver import itergp_solve
 
     kernel = torch.eye(5, dtype=torch.float64)
     noise = DiagonalNoiseInverse(torch.ones(5, dtype=torch.float64))

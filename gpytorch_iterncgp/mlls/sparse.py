@@ -7,7 +7,7 @@ inducing inputs with :class:`~gpytorch_iterncgp.SparseEPStrategy`.
 
 with :math:`\tilde{\boldsymbol\mu} = \tilde{\mathbf T}^{-1}\tilde{\boldsymbol\nu}` and :math:`\tilde Z_i` the site
 normalisers of the EP-DTC fixed point (eq. S.21 with the seed's typos read as :math:`-\tfrac12\log|\tilde\Sigma|` in
-S.20 and :math:`+\sum_i \log\tilde Z_i` in S.21). As in :func:`~gpytorch_iterncgp.evidence.ep_evidence`, the first
+S.20 and :math:`+\sum_i \log\tilde Z_i` in S.21). As in :func:`~gpytorch_iterncgp.mlls.itergp.ep_evidence`, the first
 and last terms are written with :math:`\mathbf b = (\tilde{\boldsymbol\nu} - \tilde{\mathbf T}\mathbf m) /
 \sqrt{\tilde{\boldsymbol\tau}}`, so that flat sites contribute nothing; in :math:`O(M^2 N)` by the matrix
 determinant lemma and Woodbury through :math:`\mathbf B = \mathbf I_M + \mathbf V\tilde{\mathbf T}\mathbf V^\top =
@@ -31,11 +31,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .evidence import _StrategyEvidence, ep_site_terms
-from .likelihoods import LikelihoodAdapter
-from .prior import LatentPrior
-from .sparse_ep import DTCPrior, SparseEPState, dtc_posterior
-from .sparse_strategy import SparseEPStrategy
+from ..core.prior import LatentPrior
+from ..likelihoods.adapters import LikelihoodAdapter
+from ..sparse.dtc import DTCPrior, SparseEPState, dtc_posterior
+from ..strategies.sparse import SparseEPStrategy
+from .itergp import _StrategyEvidence, ep_site_terms
 
 
 def ep_dtc_bound(

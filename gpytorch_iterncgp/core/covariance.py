@@ -73,7 +73,7 @@ _RELATIVE_EIGENVALUE_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
 
 @dataclass
 class CovarianceOptions:
-    """The covariance phase's budget (see :mod:`gpytorch_iterncgp.covariance`)."""
+    """The covariance phase's budget (see :mod:`gpytorch_iterncgp.core.covariance`)."""
 
     covariance_iterations: int = 0  # products with K spent on the covariance after the outer loop (0: none)
     covariance_block_size: int = 100  # actions per product (columns of each block; at least C of one data point)

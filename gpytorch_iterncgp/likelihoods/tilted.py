@@ -10,7 +10,7 @@ A site update needs the zeroth, first and second moments of the *tilted* distrib
 where :math:`\mathcal N(\mu_{-i}, \sigma_{-i}^2)` is the cavity (R&W eq. 3.56-3.57). :func:`tilted_moments` returns
 :math:`(\log\hat Z_i, \hat\mu_i, \hat\sigma_i^2)` for every point at once, for the package's :math:`C = 1` likelihoods:
 
-* **probit** (:class:`~gpytorch_iterncgp.likelihoods.ProbitBernoulliAdapter`): closed form, R&W eq. 3.58;
+* **probit** (:class:`~gpytorch_iterncgp.likelihoods.adapters.ProbitBernoulliAdapter`): closed form, R&W eq. 3.58;
 * **logit**, **Poisson with exp link**, **Poisson with softplus link**: quadrature at the tilted mode
   (:func:`quadrature_moments`).
 
@@ -26,7 +26,7 @@ import math
 import torch
 from torch import Tensor
 
-from .likelihoods import (
+from .adapters import (
     ExpPoissonAdapter,
     LikelihoodAdapter,
     LogitBernoulliAdapter,
@@ -79,7 +79,7 @@ def tilted_moments(
 ) -> tuple[Tensor, Tensor, Tensor]:
     r"""Moments of the tilted distributions :math:`p(y_i \mid f)\,\mathcal N(f \mid \mu_{-i}, \sigma_{-i}^2)`.
 
-    :param adapter: a :math:`C = 1` likelihood adapter from :func:`~gpytorch_iterncgp.likelihoods.likelihood_adapter`
+    :param adapter: a :math:`C = 1` likelihood adapter from :func:`~gpytorch_iterncgp.likelihoods.adapters.likelihood_adapter`
         (probit, logit, Poisson exp or softplus link).
     :param targets: ``(N,)`` labels in {0, 1} or counts.
     :param cavity_mean: :math:`\mu_{-i}`, ``(N,)``.

@@ -31,7 +31,7 @@ from linear_operator.operators import (
 )
 from torch import Tensor
 
-from . import settings
+from .. import settings
 from .kernel_products import fused_kernel_matmul
 
 SINGLE, SHARED, INDEPENDENT, MULTITASK = "single", "shared", "independent", "multitask"
@@ -233,7 +233,7 @@ class LatentPrior:
 
         One call of the underlying kernel matmul, whatever :math:`C` and :math:`k`. Where the dense kernel would
         exceed :class:`~gpytorch_iterncgp.settings.dense_kernel_limit` (and no gradient is recorded), fused for
-        RBF and Matérn kernels (:mod:`~gpytorch_iterncgp.kernel_products`, unless
+        RBF and Matérn kernels (:mod:`~gpytorch_iterncgp.core.kernel_products`, unless
         :class:`~gpytorch_iterncgp.settings.fused_kernel_products` is off), in row chunks otherwise.
         """
         self.products += 1

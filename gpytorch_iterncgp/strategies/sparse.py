@@ -1,4 +1,4 @@
-r""":class:`SparseEPStrategy`: sparse EP-DTC (:mod:`.sparse_ep`) as a drop-in for GPyTorch's ``VariationalStrategy``.
+r""":class:`SparseEPStrategy`: sparse EP-DTC (:mod:`~gpytorch_iterncgp.sparse.dtc`) as a drop-in for GPyTorch's ``VariationalStrategy``.
 
 .. code-block:: python
 
@@ -29,12 +29,12 @@ from gpytorch.distributions import MultivariateNormal
 from linear_operator.operators import LinearOperator, MatmulLinearOperator
 from torch import Tensor
 
-from .ep import EPOptions
-from .outer_loop import EPSweep, FitReport
-from .sparse_ep import DTCPrior, SparseEP, SparseEPState, inducing_cholesky
-from .strategy import _SolverStrategy
-from .tilted import TILTED_ADAPTERS
-from .validation import check_flag, check_inputs
+from ..core.outer_loop import EPSweep, FitReport
+from ..core.validation import check_flag, check_inputs
+from ..ep.sweeps import EPOptions
+from ..likelihoods.tilted import TILTED_ADAPTERS
+from ..sparse.dtc import DTCPrior, SparseEP, SparseEPState, inducing_cholesky
+from .itergp import _SolverStrategy
 
 
 class SparseEPStrategy(_SolverStrategy):

@@ -33,8 +33,8 @@ import gpytorch
 import torch
 from torch import Tensor
 
+from ..core.validation import check_count, check_nonnegative
 from .alps import GPALPS, noise_variances
-from .validation import check_count, check_nonnegative
 
 __all__ = [
     "GibbsSamples",

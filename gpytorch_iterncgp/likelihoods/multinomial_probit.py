@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 from torch.distributions import Categorical
 
-from .validation import check_count, check_nonnegative
+from ..core.validation import check_count, check_nonnegative
 
 __all__ = [
     "InnerSites",

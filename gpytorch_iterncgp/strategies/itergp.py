@@ -44,22 +44,22 @@ from gpytorch.utils.warnings import NumericalWarning
 from linear_operator.operators import LinearOperator, MatmulLinearOperator
 from torch import Tensor
 
-from .ep import EPOptions, EPState, ExpectationPropagation
-from .likelihoods import (
+from ..core.outer_loop import EPSweep, FitReport, NewtonStep, OuterLoop, run_outer_loop
+from ..core.policies import Policy, make_policy
+from ..core.precision import LowRankPrecision
+from ..core.prior import LatentPrior
+from ..core.solver import IterGPOptions, RegressionState
+from ..core.validation import check_flag, check_inputs
+from ..ep.sweeps import EPOptions, EPState, ExpectationPropagation
+from ..laplace.newton import DampedNewton, LaplaceState, SolverOptions
+from ..likelihoods.adapters import (
     LogitBernoulliAdapter,
     MultinomialProbitAdapter,
     ProbitBernoulliAdapter,
     SoftmaxAdapter,
     likelihood_adapter,
 )
-from .newton import DampedNewton, LaplaceState, SolverOptions
-from .outer_loop import EPSweep, FitReport, NewtonStep, OuterLoop, run_outer_loop
-from .policies import Policy, make_policy
-from .precision import LowRankPrecision
-from .prior import LatentPrior
-from .solver import IterGPOptions, RegressionState
-from .tilted import TILTED_ADAPTERS
-from .validation import check_flag, check_inputs
+from ..likelihoods.tilted import TILTED_ADAPTERS
 
 _UNSET = object()
 
@@ -382,9 +382,9 @@ class _SolverStrategy(gpytorch.Module):
 
         * Probit link: exact, :math:`\Phi(\mu / \sqrt{1 + \sigma^2})`.
         * Logit link: :math:`\mathbb E[\sigma(f)]` by quadrature to about 1e-13
-          (:func:`~gpytorch_iterncgp.likelihoods.logistic_gaussian`).
+          (:func:`~gpytorch_iterncgp.likelihoods.adapters.logistic_gaussian`).
         * Softmax: :math:`\mathbb E[\operatorname{softmax}(\mathbf f)]` by Monte Carlo with fixed base samples
-          (deterministic; :func:`~gpytorch_iterncgp.likelihoods.softmax_gaussian`, ``settings.softmax_samples``)
+          (deterministic; :func:`~gpytorch_iterncgp.likelihoods.adapters.softmax_gaussian`, ``settings.softmax_samples``)
           under each point's full :math:`C \times C` covariance (:meth:`marginal_latent_blocks`), not the
           per-class marginals: with a kernel shared by the classes most of the posterior variance is common to
           all classes and leaves the softmax unchanged.
@@ -490,11 +490,11 @@ class IterNCGPStrategy(_SolverStrategy):
     :param train_inputs: :math:`\mathbf X`, shape ``(N, D)`` (or ``(N,)``).
     :param train_targets: :math:`\mathbf y`, shape ``(N,)``: labels in {0, 1} (Bernoulli), class indices in
         :math:`[0, C)` (softmax), non-negative integer counts (Poisson); ``(N, C)`` counts for
-        :class:`~gpytorch_iterncgp.likelihoods.MultitaskPoissonLikelihood` (``NaN``: a missing output).
+        :class:`~gpytorch_iterncgp.likelihoods.adapters.MultitaskPoissonLikelihood` (``NaN``: a missing output).
     :param likelihood: a GPyTorch likelihood: ``BernoulliLikelihood`` (probit), :class:`LogitBernoulliLikelihood`,
         ``PoissonLikelihood`` (softplus), :class:`ExpPoissonLikelihood`,
         ``SoftmaxLikelihood(num_classes=C, mixing_weights=False)``,
-        :class:`~gpytorch_iterncgp.likelihoods.MultitaskPoissonLikelihood`, or any log-concave likelihood (autograd).
+        :class:`~gpytorch_iterncgp.likelihoods.adapters.MultitaskPoissonLikelihood`, or any log-concave likelihood (autograd).
     :param policy: ``"cg"`` (conjugate gradients), ``"unit"`` (subset of data) or a :class:`Policy`.
     :param max_newton_steps: the default limit of Newton steps per :meth:`fit`.
     :param max_solver_iterations: IterGP iterations (products with :math:`\mathbf K`) per Newton step;
@@ -510,7 +510,7 @@ class IterNCGPStrategy(_SolverStrategy):
     :param seed: seed of the unit-vector policy's random order.
     :param show_progress: show a tqdm progress bar in :meth:`fit`.
     :param covariance_iterations: products with :math:`\mathbf K` that every :meth:`fit` spends on the posterior
-        covariance after its Newton steps (the covariance phase, :mod:`~gpytorch_iterncgp.covariance`: block Lanczos
+        covariance after its Newton steps (the covariance phase, :mod:`~gpytorch_iterncgp.core.covariance`: block Lanczos
         on :math:`\mathbf K + \mathbf W^{-1}` preconditioned by :math:`\mathbf W`, from the curvature's columns at
         random data points). Once the mode has converged the predictive variance still carries most of the
         computational uncertainty; these actions remove it where the predictions need it. They enlarge
@@ -631,14 +631,14 @@ class EPStrategy(_SolverStrategy):
     (``model(x)``, :meth:`marginal_latent`, :meth:`predictive_mean`), report, callback, interruption and
     ``state_dict``. EP matches the moments of each likelihood factor's tilted distribution instead of the curvature
     at the mode: for classification its predictive variances are much better calibrated than Laplace's
-    (Kuss & Rasmussen 2005; Nickisch & Rasmussen 2008). Parallel sweeps with damping (see :mod:`.ep`); the
+    (Kuss & Rasmussen 2005; Nickisch & Rasmussen 2008). Parallel sweeps with damping (see :mod:`~gpytorch_iterncgp.ep.sweeps`); the
     posterior is :math:`\mathbf m + \mathbf K \mathbf a`, :math:`\mathbf K - \mathbf K \mathbf Q \mathbf Q^\top
     \mathbf K` with :math:`\mathbf Q \mathbf Q^\top \approx (\mathbf K + \tilde{\mathbf T}^{-1})^{-1}`.
 
     With a complete solve (``policy="unit", max_solver_iterations=None``, or CG run to ``abs_tol``/``rel_tol``)
     this is exact EP. With an incomplete solve the marginal variances include the computational uncertainty (too
     wide, never too narrow); cavity precisions are bounded below by the prior precision :math:`1/k_{ii}`, which the
-    exact cavity always satisfies (counted in the report, see :mod:`.sites`), and the recycled actions make later
+    exact cavity always satisfies (counted in the report, see :mod:`~gpytorch_iterncgp.ep.sites`), and the recycled actions make later
     sweeps more complete; convergence is reported only when no cavity was bounded.
 
     :param model: the ``ApproximateGP`` that owns this strategy (pass ``self`` in its ``__init__``).

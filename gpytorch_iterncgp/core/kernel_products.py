@@ -16,7 +16,7 @@ eqs. 4.9, 4.14, 4.17; ARD or shared lengthscale :math:`\boldsymbol\ell`, optiona
 with outputscale :math:`\sigma^2`), the product is computed tile by tile instead, each tile of :math:`\mathbf K`
 evaluated, multiplied and dropped while it is in cache (on CUDA: in registers):
 
-* CUDA: a Triton kernel (:mod:`gpytorch_iterncgp.triton_kernels`);
+* CUDA: a Triton kernel (:mod:`gpytorch_iterncgp.core.triton_kernels`);
 * CPU: a blocked loop over ``1024 × 256`` tiles (1 MiB in float32, within a core's L2 cache), each tile's
   distances and kernel one ``torch.compile``\ d function, its product with :math:`\mathbf R` BLAS. If it cannot
   compile, the same loop runs uncompiled (with a ``PerformanceWarning``). Each tile is one OpenMP parallel
@@ -45,7 +45,7 @@ from linear_operator.operators import LinearOperator
 from linear_operator.utils.warnings import PerformanceWarning
 from torch import Tensor
 
-from . import settings
+from .. import settings
 
 __all__ = ["KINDS", "StationaryKernel", "fused_kernel_matmul", "stationary_matmul", "stationary_kernel"]
 

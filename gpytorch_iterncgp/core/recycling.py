@@ -206,7 +206,7 @@ def noise_gram(buffer: ActionBuffer, noise_inverse: LinearOperator) -> Tensor:
     r""":math:`\mathbf S^\top \mathbf W^{-1} \mathbf S`, float64 ``(B, B)``, symmetric: the part of the virtual run's
     Gram matrix that changes with :math:`\mathbf W`.
 
-    For the package's block-diagonal noise (:class:`~gpytorch_iterncgp.noise.FactoredNoise`, :math:`\mathbf W^{-1} =
+    For the package's block-diagonal noise (:class:`~gpytorch_iterncgp.core.noise.FactoredNoise`, :math:`\mathbf W^{-1} =
     \mathbf F \mathbf F^\top`) it is :math:`\sum_\text{chunks} \mathbf A \mathbf A^\top` with :math:`\mathbf A =
     \mathbf S_\text{chunk}^\top \mathbf F_\text{chunk}` over chunks of whole data points of about ``NOISE_CHUNK_BYTES``
     (a chunk stays in cache and its memory is reused; positive semi-definite by construction; each chunk's product in

@@ -42,15 +42,22 @@ from gpytorch.mlls import MarginalLogLikelihood
 from linear_operator.operators import LinearOperator
 from torch import Tensor
 
-from . import settings
-from .ep import ExpectationPropagation
-from .exceptions import NonFiniteEvidenceError
-from .likelihoods import LikelihoodAdapter
-from .multinomial_probit import multinomial_probit_moments
-from .prior import LatentPrior
-from .sites import block_cavities, cavities, site_block_pseudo_inverse, site_block_spectrum, site_roots, zero_sum_basis
-from .strategy import EPStrategy, IterNCGPStrategy
-from .tilted import tilted_moments
+from .. import settings
+from ..core.prior import LatentPrior
+from ..ep.sites import (
+    block_cavities,
+    cavities,
+    site_block_pseudo_inverse,
+    site_block_spectrum,
+    site_roots,
+    zero_sum_basis,
+)
+from ..ep.sweeps import ExpectationPropagation
+from ..exceptions import NonFiniteEvidenceError
+from ..likelihoods.adapters import LikelihoodAdapter
+from ..likelihoods.multinomial_probit import multinomial_probit_moments
+from ..likelihoods.tilted import tilted_moments
+from ..strategies.itergp import EPStrategy, IterNCGPStrategy
 
 
 def curvature_root(curvature: Tensor, probabilities: Tensor | None = None) -> Tensor:
@@ -362,7 +369,7 @@ def ep_evidence(
     \mathbf K + \tilde{\mathbf T}^{-1})` up to site constants), the total derivative at the EP fixed point.
 
     :math:`C \times C` site blocks (multinomial probit): :math:`\tilde{\mathbf T}^{1/2}` becomes the block roots
-    :math:`\mathbf R` of :func:`~gpytorch_iterncgp.sites.site_roots` and :math:`\mathbf b = \mathbf R^+(\tilde{\boldsymbol\nu}
+    :math:`\mathbf R` of :func:`~gpytorch_iterncgp.ep.sites.site_roots` and :math:`\mathbf b = \mathbf R^+(\tilde{\boldsymbol\nu}
     - \tilde{\mathbf T}\mathbf m)`; the sites' part is :func:`ep_site_block_terms`.
 
     :param prior: the prior at the training inputs, built *with* gradients.
@@ -442,7 +449,7 @@ def ep_site_block_terms(
 
     (R&W eq. 3.65 for blocks; with the first two terms of :func:`ep_evidence` it is :math:`\log Z_{EP} = A(\text{post})
     - A(\text{prior}) + \sum_i [\log\hat Z_i + A(\text{cavity}_i) - A(\text{marginal}_i)]`), cavities of the marginals
-    ``(mean (N, C), covariance (N, C, C))`` (:func:`~gpytorch_iterncgp.sites.block_cavities`, unbounded) and
+    ``(mean (N, C), covariance (N, C, C))`` (:func:`~gpytorch_iterncgp.ep.sites.block_cavities`, unbounded) and
     :math:`\log\hat Z_i` by nested EP. NaN if a cavity precision is not positive definite.
     """
     with torch.no_grad():

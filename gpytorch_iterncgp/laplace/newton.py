@@ -23,14 +23,14 @@ a gain in :math:`\Psi` (half the Newton decrement) below its resolution.
 :class:`DampedNewton` is an *outer loop*: :meth:`DampedNewton.steps` is a generator that yields one
 :class:`OuterStep` per completed Newton step (its record, the new :class:`LaplaceState`, and whether the loop
 has converged or cannot go on). It never warns, shows progress or counts products itself: the driver
-:func:`~gpytorch_iterncgp.outer_loop.run_outer_loop` does that for any outer loop. Each yielded state holds
+:func:`~gpytorch_iterncgp.core.outer_loop.run_outer_loop` does that for any outer loop. Each yielded state holds
 everything the next step needs (:class:`NewtonControl`: the forcing term that scales IterGP's tolerances), so a
 fit interrupted after a step, and resumed, repeats an uninterrupted fit exactly.
 
 After the loop, a virtual solver run at :math:`\mathbf W(\hat{\mathbf f})` over all buffered actions makes the
 approximate precision :math:`\mathbf C = \mathbf Q \mathbf Q^\top` that of the final mode (no product with
 :math:`\mathbf K`), so that the posterior covariance is :math:`\mathbf K - \mathbf K \mathbf C \mathbf K`; with
-``covariance_iterations > 0`` the covariance phase (:mod:`~gpytorch_iterncgp.covariance`) then enlarges
+``covariance_iterations > 0`` the covariance phase (:mod:`~gpytorch_iterncgp.core.covariance`) then enlarges
 :math:`\mathbf C` by that many blocks of actions chosen for the covariance, one product with :math:`\mathbf K` each.
 """
 
@@ -44,14 +44,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .covariance import CovarianceOptions, covariance_phase
-from .likelihoods import LikelihoodAdapter, LikelihoodDerivatives
-from .outer_loop import BREAKDOWN, CONTINUE, CONVERGED, STALLED, NewtonStep, OuterStep
-from .policies import Policy
-from .prior import LatentPrior
-from .recycling import ActionBuffer, virtual_solver_run
-from .solver import IterGPOptions, RegressionState, itergp_solve
-from .validation import check_count, check_nonnegative
+from ..core.covariance import CovarianceOptions, covariance_phase
+from ..core.outer_loop import BREAKDOWN, CONTINUE, CONVERGED, STALLED, NewtonStep, OuterStep
+from ..core.policies import Policy
+from ..core.prior import LatentPrior
+from ..core.recycling import ActionBuffer, virtual_solver_run
+from ..core.solver import IterGPOptions, RegressionState, itergp_solve
+from ..core.validation import check_count, check_nonnegative
+from ..likelihoods.adapters import LikelihoodAdapter, LikelihoodDerivatives
 
 
 @dataclass
@@ -90,7 +90,7 @@ class NewtonControl:
 class LaplaceState(RegressionState):
     r"""Where the Newton loop stands; all a fitted model needs to predict and to continue.
 
-    The regression's tensors (:class:`~gpytorch_iterncgp.solver.RegressionState`: :math:`\mathbf a`,
+    The regression's tensors (:class:`~gpytorch_iterncgp.core.solver.RegressionState`: :math:`\mathbf a`,
     :math:`\mathbf K \mathbf a`, :math:`\mathbf Q`, :math:`\mathbf K \mathbf Q`, :math:`\mathbf S`,
     :math:`\mathbf K \mathbf S`) at the current mode, and the loop's own bookkeeping.
     """
@@ -159,7 +159,7 @@ class _Point:
 class DampedNewton:
     r"""Damped Newton's method for the Laplace mode, each step a GP regression solved by IterGP (Algorithm 1).
 
-    An outer loop for :func:`~gpytorch_iterncgp.outer_loop.run_outer_loop`: :meth:`steps` yields after every
+    An outer loop for :func:`~gpytorch_iterncgp.core.outer_loop.run_outer_loop`: :meth:`steps` yields after every
     Newton step, :meth:`finalize` makes the precision that of the final mode.
 
     :param prior: the GP prior at the training inputs (its matmul is the one product with K).
@@ -403,7 +403,7 @@ class DampedNewton:
     def finalize(self, state: LaplaceState) -> LaplaceState:
         r"""The precision of the final mode: a virtual solver run at :math:`\mathbf W(\hat{\mathbf f})` over every
         buffered action (no product with :math:`\mathbf K`), then the covariance phase's
-        ``covariance_iterations`` blocks (:func:`~gpytorch_iterncgp.covariance.covariance_phase`, one product each).
+        ``covariance_iterations`` blocks (:func:`~gpytorch_iterncgp.core.covariance.covariance_phase`, one product each).
 
         The buffer itself is kept as the loop left it (not the re-weighted one of this run, and without the covariance
         phase's actions, which only enlarge :math:`\mathbf Q`), so that a later fit continues exactly as if this one had

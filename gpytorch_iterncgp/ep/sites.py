@@ -11,7 +11,7 @@ From the current posterior marginals :math:`\mathcal N(\mu_i, \sigma_i^2)` one p
     \quad \text{(R&W eq. 3.59)},
 
 with :math:`(\log\hat Z_i, \hat\mu_i, \hat\sigma_i^2)` the moments of the tilted distribution
-(:func:`~gpytorch_iterncgp.tilted.tilted_moments`), and moves the sites a fraction :math:`\delta` (the damping)
+(:func:`~gpytorch_iterncgp.likelihoods.tilted.tilted_moments`), and moves the sites a fraction :math:`\delta` (the damping)
 of the way: :math:`\tilde\tau_i \leftarrow (1 - \delta)\tilde\tau_i + \delta\tilde\tau_i^*`, likewise
 :math:`\tilde\nu_i` (GPstuff's parallel EP; Minka 2001's damping). The fixed point does not depend on
 :math:`\delta`.
@@ -42,9 +42,9 @@ from typing import Any, Self
 import torch
 from torch import Tensor
 
-from .likelihoods import LikelihoodAdapter
-from .multinomial_probit import InnerSites, multinomial_probit_moments
-from .tilted import tilted_moments
+from ..likelihoods.adapters import LikelihoodAdapter
+from ..likelihoods.multinomial_probit import InnerSites, multinomial_probit_moments
+from ..likelihoods.tilted import tilted_moments
 
 
 @dataclass
@@ -287,7 +287,7 @@ def update_site_blocks(
 
     From each point's marginal :math:`\mathcal N(\boldsymbol\mu_i, \boldsymbol\Sigma_{ii})`: the cavity
     (:func:`block_cavities`), the tilted moments :math:`(\hat Z_i, \hat{\boldsymbol\mu}_i, \hat{\boldsymbol\Sigma}_i)`
-    by nested EP (:func:`~.multinomial_probit.multinomial_probit_moments`, its inner sites warm-started from
+    by nested EP (:func:`~gpytorch_iterncgp.likelihoods.multinomial_probit.multinomial_probit_moments`, its inner sites warm-started from
     ``inner_sites``), and the undamped sites :math:`\tilde{\mathbf T}_i^* = \mathbf P(\hat{\boldsymbol\Sigma}_i^{-1} -
     \boldsymbol\Lambda_{-i})\mathbf P`, :math:`\tilde{\boldsymbol\nu}_i^* = \mathbf P(\hat{\boldsymbol\Sigma}_i^{-1}
     \hat{\boldsymbol\mu}_i - \boldsymbol\nu_{-i})`, with :math:`\mathbf P = \mathbf I - \mathbf 1\mathbf 1^\top / C`

@@ -28,7 +28,7 @@ does not depend on the outputscale. It perturbs :math:`\mathbf Q_{ff}` by :math:
 :math:`M = N` inducing inputs at the data, EP-DTC is dense EP to about that relative accuracy.
 
 **Sweeps.** Parallel damped sweeps (GPstuff's parallel EP): every site from the same posterior marginals by
-:func:`~gpytorch_iterncgp.sites.update_sites`, with the cavity precisions bounded below by the DTC prior
+:func:`~gpytorch_iterncgp.ep.sites.update_sites`, with the cavity precisions bounded below by the DTC prior
 precisions :math:`1/q_{ii}` (the exact cavity is never wider than the prior; inactive up to rounding here, since
 the DTC marginals are exact for the DTC prior). A point with :math:`q_{ii} \le \epsilon_{mach} k_{ii}` (far from
 every inducing input) has :math:`f_i = m_i` under the DTC prior: its site cannot change the posterior, it is
@@ -47,9 +47,9 @@ import torch
 from linear_operator import settings as linop_settings
 from torch import Tensor
 
-from .likelihoods import LikelihoodAdapter
-from .outer_loop import CONTINUE, CONVERGED, EPSweep, OuterStep
-from .sites import SweepRecord, update_sites
+from ..core.outer_loop import CONTINUE, CONVERGED, EPSweep, OuterStep
+from ..ep.sites import SweepRecord, update_sites
+from ..likelihoods.adapters import LikelihoodAdapter
 
 
 def inducing_cholesky(inducing_covariance: Tensor) -> Tensor:
@@ -77,7 +77,7 @@ class DTCPrior:
     r"""The DTC prior at the training inputs: :math:`\mathbf m` ``(N,)``, :math:`\operatorname{diag}\mathbf K_{ff}`
     ``(N,)``, :math:`\mathbf L` ``(M, M)`` and :math:`\mathbf V = \mathbf L^{-1}\mathbf K_{uf}` ``(M, N)``.
 
-    Also the product counter of :func:`~gpytorch_iterncgp.outer_loop.run_outer_loop` (EP-DTC makes no products with
+    Also the product counter of :func:`~gpytorch_iterncgp.core.outer_loop.run_outer_loop` (EP-DTC makes no products with
     the :math:`N \times N` kernel: the counts stay 0).
     """
 
@@ -157,7 +157,7 @@ class SparseEPState(SweepRecord):
 
 class SparseEP:
     r"""Parallel damped EP under the DTC prior (see the module docstring); an outer loop for
-    :func:`~gpytorch_iterncgp.outer_loop.run_outer_loop`.
+    :func:`~gpytorch_iterncgp.core.outer_loop.run_outer_loop`.
 
     :param prior: the DTC prior at the training inputs (for the current kernel and inducing inputs).
     :param adapter: a :math:`C = 1` likelihood with tilted moments.

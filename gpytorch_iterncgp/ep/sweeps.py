@@ -14,7 +14,7 @@ and compression; its precision :math:`\mathbf C = \mathbf Q\mathbf Q^\top \appro
 gives the marginal variances :math:`\sigma_i^2 = k_{ii} - \|(\mathbf K\mathbf Q)_{i,:}\|^2` from the
 :math:`\mathbf K \mathbf Q` buffer, with no further product with :math:`\mathbf K`. One sweep
 (:class:`ExpectationPropagation`): marginals of the current solve :math:`\to` cavities, tilted moments and damped
-site updates (:func:`~gpytorch_iterncgp.sites.update_sites`) :math:`\to` one IterGP solve for the new sites.
+site updates (:func:`~gpytorch_iterncgp.ep.sites.update_sites`) :math:`\to` one IterGP solve for the new sites.
 
 **Complete and incomplete solves.** When IterGP solves the regression completely (the unit-vector policy over
 all actions, or CG to its tolerance), :math:`\mathbf C = (\mathbf K + \tilde{\mathbf T}^{-1})^{-1}` and this is
@@ -51,17 +51,17 @@ import torch
 from linear_operator.operators import BlockDiagLinearOperator, DenseLinearOperator, LinearOperator
 from torch import Tensor
 
-from .covariance import CovarianceOptions, CovariancePhase, covariance_phase
-from .likelihoods import LikelihoodAdapter
-from .multinomial_probit import InnerSites
-from .noise import DiagonalNoiseInverse
-from .outer_loop import CONTINUE, CONVERGED, STALLED, EPSweep, OuterStep
-from .policies import Policy
-from .prior import LatentPrior
-from .recycling import ActionBuffer
+from ..core.covariance import CovarianceOptions, CovariancePhase, covariance_phase
+from ..core.noise import DiagonalNoiseInverse
+from ..core.outer_loop import CONTINUE, CONVERGED, STALLED, EPSweep, OuterStep
+from ..core.policies import Policy
+from ..core.prior import LatentPrior
+from ..core.recycling import ActionBuffer
+from ..core.solver import IterGPOptions, IterGPResult, RegressionState, itergp_solve
+from ..core.validation import check_count, check_nonnegative
+from ..likelihoods.adapters import LikelihoodAdapter
+from ..likelihoods.multinomial_probit import InnerSites
 from .sites import SiteUpdate, SweepRecord, site_block_noise, update_site_blocks, update_sites, zero_sum_basis
-from .solver import IterGPOptions, IterGPResult, RegressionState, itergp_solve
-from .validation import check_count, check_nonnegative
 
 
 def posterior_marginals(prior_mean: Tensor, prior_variance: Tensor, state: RegressionState) -> tuple[Tensor, Tensor]:
@@ -166,12 +166,12 @@ class EPState(SweepRecord, RegressionState):
 class ExpectationPropagation:
     r"""Parallel EP with damping, each sweep a GP regression solved by IterGP (see the module docstring).
 
-    An outer loop for :func:`~gpytorch_iterncgp.outer_loop.run_outer_loop`.
+    An outer loop for :func:`~gpytorch_iterncgp.core.outer_loop.run_outer_loop`.
 
     **Multi-class** (:math:`C` latent values per point, the multinomial probit): the sites are :math:`C \times C`
     blocks of rank :math:`\le C - 1` (null space :math:`\mathbf 1`), the noise their bounded pseudo-inverses
-    (:func:`~gpytorch_iterncgp.sites.site_block_noise`), IterGP's actions have zero sum per point, the marginals are
-    each point's :math:`C \times C` covariance, and the sweep is :func:`~gpytorch_iterncgp.sites.update_site_blocks`
+    (:func:`~gpytorch_iterncgp.ep.sites.site_block_noise`), IterGP's actions have zero sum per point, the marginals are
+    each point's :math:`C \times C` covariance, and the sweep is :func:`~gpytorch_iterncgp.ep.sites.update_site_blocks`
     (nested EP, its inner sites kept by the loop for warm starts).
 
     :param prior: the GP prior at the training inputs (its matmul is the one product with K).
@@ -216,7 +216,7 @@ class ExpectationPropagation:
 
     def finalize(self, state: EPState) -> EPState:
         r"""Every yielded state's precision belongs to its own sites; with ``covariance_iterations > 0`` the covariance
-        phase (:func:`~gpytorch_iterncgp.covariance.covariance_phase`, one product with :math:`\mathbf K` per block)
+        phase (:func:`~gpytorch_iterncgp.core.covariance.covariance_phase`, one product with :math:`\mathbf K` per block)
         enlarges it for the final sites' regression. The recycled actions are kept as they are; a later fit's first
         sweep takes its cavities from the enlarged precision."""
         if self.options.covariance_iterations == 0 or not state.solved:
@@ -245,7 +245,7 @@ class ExpectationPropagation:
     def refine_marginals(self, state: EPState, buffer: ActionBuffer) -> tuple[EPState, ActionBuffer]:
         r"""Enlarge the precision of ``state``'s regression for the next sweep's marginals, and recycle the new actions.
 
-        ``marginal_iterations`` blocks of :func:`~gpytorch_iterncgp.covariance.covariance_phase` (block Lanczos on
+        ``marginal_iterations`` blocks of :func:`~gpytorch_iterncgp.core.covariance.covariance_phase` (block Lanczos on
         :math:`\hat{\mathbf K} = \mathbf K + \tilde{\mathbf T}^{-1}` preconditioned by the sites :math:`\tilde{\mathbf T}`,
         ``covariance_block_size`` columns and one product with :math:`\mathbf K` each), run after every
         ``marginal_every``-th sweep's solve. With the new :math:`\hat{\mathbf K}`-conjugate directions
@@ -253,7 +253,7 @@ class ExpectationPropagation:
         :math:`\mathbf a \leftarrow \mathbf a + \mathbf D \mathbf D^\top \mathbf r` (the solution over the enlarged
         actions, :math:`\mathbf r` the residual; no product), so the next sweep's marginal covariances
         :math:`\mathbf K_{ii} - \mathbf R_i \mathbf R_i^\top` are narrower (never below the exact ones for these
-        sites; see :mod:`~gpytorch_iterncgp.covariance`) and fewer cavities are bounded. The directions (normalised)
+        sites; see :mod:`~gpytorch_iterncgp.core.covariance`) and fewer cavities are bounded. The directions (normalised)
         and their kernel products are appended to the recycled actions, so every later sweep's virtual solver run
         re-conjugates them for its own sites at no product, and the marginals stay accurate as the sites move.
 

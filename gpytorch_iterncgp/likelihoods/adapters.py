@@ -43,10 +43,10 @@ from linear_operator.operators import LinearOperator
 from torch import Tensor
 from torch.distributions import Bernoulli, Independent, Poisson
 
-from . import settings
+from .. import settings
+from ..core.noise import BlockNoiseInverse, DiagonalNoiseInverse, SoftmaxPseudoInverse, project_to_zero_sum
+from ..core.validation import check_count, check_nonnegative
 from .multinomial_probit import MultinomialProbitLikelihood, multinomial_probit_moments
-from .noise import BlockNoiseInverse, DiagonalNoiseInverse, SoftmaxPseudoInverse, project_to_zero_sum
-from .validation import check_count, check_nonnegative
 
 _PROBIT_TO_LOGIT = math.pi / 8  # sigma(x) ~ Phi(sqrt(pi / 8) x)
 _GAUSS_HERMITE_NODES = 32  # E[sigma(f)] to ~1e-13 for sd(f) <= 1

@@ -25,7 +25,7 @@ in the span is skipped; each product with :math:`\mathbf K` counts as an iterati
 
 An action with few non-zero entries (a unit vector, or one projected to zero sum over a point's classes) needs no
 product: :math:`\mathbf K \mathbf s` is a combination of the kernel columns at its support, :math:`O(N D)` each
-(``kernel_columns``, e.g. :meth:`~gpytorch_iterncgp.prior.LatentPrior.kernel_columns`). It still counts as the iteration's
+(``kernel_columns``, e.g. :meth:`~gpytorch_iterncgp.core.prior.LatentPrior.kernel_columns`). It still counts as the iteration's
 product with :math:`\mathbf K`.
 """
 
@@ -42,7 +42,7 @@ import torch
 from linear_operator.operators import LinearOperator
 from torch import Tensor
 
-from .exceptions import NumericalBreakdownWarning
+from ..exceptions import NumericalBreakdownWarning
 from .noise import FactoredNoise
 from .policies import Policy
 from .precision import LowRankPrecision
@@ -62,7 +62,7 @@ class IterGPResult(ImplicitRoot):
     r"""What one IterGP solve returns. Shapes use :math:`n = N C` and :math:`r` = rank of :math:`\mathbf C`.
 
     The buffer :math:`\mathbf S`, :math:`\mathbf K \mathbf S` ``(n, B)`` and the coefficients :math:`\mathbf E` ``(B, r)`` of
-    :math:`\mathbf Q = \mathbf S \mathbf E` (:class:`~gpytorch_iterncgp.recycling.ImplicitRoot`: :attr:`precision_root` and
+    :math:`\mathbf Q = \mathbf S \mathbf E` (:class:`~gpytorch_iterncgp.core.recycling.ImplicitRoot`: :attr:`precision_root` and
     :attr:`kernel_precision_root` form :math:`\mathbf Q` and :math:`\mathbf K \mathbf Q` when read).
     """
 
@@ -111,7 +111,7 @@ class DeferredTensor:
     The Newton loop leaves :math:`\mathbf Q` and :math:`\mathbf K \mathbf Q` of each step's state unformed
     (:math:`O(N C B r)` each, more than the step's products with :math:`\mathbf K` on a cached kernel once the buffer
     holds a few hundred actions): only a callback or a prediction during the fit reads them, and the final state gets
-    its own from :meth:`~gpytorch_iterncgp.newton.DampedNewton.finalize`.
+    its own from :meth:`~gpytorch_iterncgp.laplace.newton.DampedNewton.finalize`.
     """
 
     def __init__(self, name: str):

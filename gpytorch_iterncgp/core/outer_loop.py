@@ -5,7 +5,7 @@ step solves one GP regression with IterGP and yields an :class:`OuterStep`: its 
 whether the loop converged or cannot go on. :func:`run_outer_loop` drains it and is the only place that
 
 * hands each state to ``commit`` (the strategy, the one owner of the committed state),
-* counts products with :math:`\mathbf K` per step and in total (from :class:`~gpytorch_iterncgp.prior.LatentPrior`'s
+* counts products with :math:`\mathbf K` per step and in total (from :class:`~gpytorch_iterncgp.core.prior.LatentPrior`'s
   counters, which only ever increase),
 * shows progress (tqdm), calls the user's callback, and
 * turns the loop's outcome and the solver's warnings into warnings at the caller's line.
@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 from tqdm.auto import tqdm
 
-from .exceptions import NotConvergedWarning, NumericalBreakdownWarning
+from ..exceptions import NotConvergedWarning, NumericalBreakdownWarning
 
 CONTINUE, CONVERGED, STALLED, BREAKDOWN = "continue", "converged", "stalled", "breakdown"
 

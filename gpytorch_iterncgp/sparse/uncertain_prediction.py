@@ -3,10 +3,10 @@ r"""The predictive of sparse EP at *uncertain* test inputs :math:`\mathbf x_* \s
 
 The EP posterior of :mod:`.uncertain` lives in the whitened inducing space: with :math:`\mathbf u = \mathbf L
 \mathbf z` (:math:`\mathbf L\mathbf L^\top = \mathbf K_{uu}`, jittered as in
-:func:`~gpytorch_iterncgp.sparse_ep.inducing_cholesky`), :math:`q(\mathbf z) = \mathcal N(\bar{\mathbf z},
+:func:`~gpytorch_iterncgp.sparse.dtc.inducing_cholesky`), :math:`q(\mathbf z) = \mathcal N(\bar{\mathbf z},
 \mathbf B^{-1})`, :math:`\mathbf B = \mathbf L_B\mathbf L_B^\top` (eq. S.22-S.25). At a *known* test input the
 predictive of the latent is the variational (exact-conditional) one of
-:class:`~gpytorch_iterncgp.sparse_strategy.SparseEPStrategy`: with :math:`\mathbf v(\mathbf x) = \mathbf L^{-1}
+:class:`~gpytorch_iterncgp.strategies.sparse.SparseEPStrategy`: with :math:`\mathbf v(\mathbf x) = \mathbf L^{-1}
 \mathbf k_u(\mathbf x)`,
 
 .. math::
@@ -51,8 +51,8 @@ import torch
 from gpytorch.kernels import Kernel
 from torch import Tensor
 
+from .dtc import inducing_cholesky
 from .psi_statistics import psi_statistics
-from .sparse_ep import inducing_cholesky
 
 __all__ = ["uncertain_predictive"]
 
@@ -80,7 +80,7 @@ def uncertain_predictive(
         whitened_mean: :math:`\bar{\mathbf z}` ``(M,)`` or ``(P, M)`` (``SparseEPState.whitened_mean``).
         means: :math:`\boldsymbol\mu_*` ``(N*, D)``.
         variances: :math:`\mathbf s_* \ge 0` ``(N*, D)``; 0 is a known test input.
-        psi_method: ``method`` of :func:`~gpytorch_iterncgp.psi_statistics.psi_statistics`.
+        psi_method: ``method`` of :func:`~gpytorch_iterncgp.sparse.psi_statistics.psi_statistics`.
         num_samples: its Monte Carlo draws (kernels without a closed form).
 
     Returns:

@@ -19,7 +19,7 @@ For one output column :math:`\mathbf y`, inputs :math:`q(\mathbf X) = \prod_i \m
 (\boldsymbol\Psi_2)_i) = \langle q_{ii}\rangle = \|\mathbf V_{:,i}\|^2 + \Lambda_{ii}`, the trace terms are
 :math:`-\tfrac12\sum_i\tilde\tau_i(\psi_{0,i} - \langle q_{ii}\rangle)`. The Gaussian and the site normalisers are
 the EP evidence under the expected DTC prior :math:`\mathbf P` (as in
-:func:`~gpytorch_iterncgp.sparse_evidence.ep_dtc_bound`, with :math:`\mathbf b = (\tilde{\boldsymbol\nu} -
+:func:`~gpytorch_iterncgp.mlls.sparse.ep_dtc_bound`, with :math:`\mathbf b = (\tilde{\boldsymbol\nu} -
 \tilde{\mathbf T}\mathbf m)/\sqrt{\tilde{\boldsymbol\tau}}` so flat sites contribute nothing), in
 :math:`O(M^2 N)` through :math:`\mathbf R = \mathbf I + \tilde{\mathbf T}\boldsymbol\Lambda` and
 :math:`\mathbf B = \mathbf I_M + \mathbf V\tilde{\mathbf T}\mathbf R^{-1}\mathbf V^\top = \mathbf L_B\mathbf L_B^\top`:
@@ -43,7 +43,7 @@ Lawrence's collapsed bound does.
 **Gradient.** With respect to the kernel hyperparameters, the inducing inputs, the prior mean and
 :math:`q(\mathbf X)`'s means and variances (through the Ψ statistics), the sites held fixed: the Gaussian and the
 site terms are stationary in the sites at the EP fixed point; the trace term is not (see
-:mod:`~gpytorch_iterncgp.sparse_evidence`).
+:mod:`~gpytorch_iterncgp.mlls.sparse`).
 """
 
 from __future__ import annotations
@@ -55,14 +55,14 @@ import torch
 from gpytorch.mlls import MarginalLogLikelihood
 from torch import Tensor
 
-from .evidence import ep_site_terms
-from .exceptions import NonFiniteEvidenceError
-from .likelihoods import LikelihoodAdapter, likelihood_adapter
-from .outer_loop import FitReport, run_outer_loop
-from .sparse_ep import SparseEPState
-from .tilted import TILTED_ADAPTERS
-from .uncertain import UncertainDTCPrior, UncertainSparseEP, psi_statistics, uncertain_posterior
-from .validation import check_count, check_nonnegative
+from ..core.outer_loop import FitReport, run_outer_loop
+from ..core.validation import check_count, check_nonnegative
+from ..exceptions import NonFiniteEvidenceError
+from ..likelihoods.adapters import LikelihoodAdapter, likelihood_adapter
+from ..likelihoods.tilted import TILTED_ADAPTERS
+from ..sparse.dtc import SparseEPState
+from ..sparse.uncertain import UncertainDTCPrior, UncertainSparseEP, psi_statistics, uncertain_posterior
+from .itergp import ep_site_terms
 
 __all__ = ["UncertainSparseEPMarginalLogLikelihood", "gaussian_kl", "uncertain_ep_bound"]
 
@@ -133,7 +133,7 @@ class UncertainSparseEPMarginalLogLikelihood(MarginalLogLikelihood):
     The ``model`` is any ``gpytorch.models.GP`` with a ``covar_module``, ``inducing_points`` ``(M, D)`` and
     optionally a ``mean_module`` (``ZeroMean`` or ``ConstantMean``: their expectation under :math:`q(\mathbf X)` is
     the constant). Every call computes the Ψ statistics (closed form for RBF and linear kernels; see
-    :func:`~gpytorch_iterncgp.psi_statistics.psi_statistics`), re-converges the EP sites for the current parameters
+    :func:`~gpytorch_iterncgp.sparse.psi_statistics.psi_statistics`), re-converges the EP sites for the current parameters
     (warm-started from the previous call's sites, which this module keeps: :attr:`sites`, :attr:`last_reports`),
     then evaluates :math:`\mathcal L_H` at those sites with gradients for the kernel, the inducing inputs, the mean
     and the input means and variances (sites fixed). Targets ``(N, P)`` are :math:`P` outputs sharing
@@ -152,7 +152,7 @@ class UncertainSparseEPMarginalLogLikelihood(MarginalLogLikelihood):
         site_tol: EP converged when no site moves by more than this (relative).
         max_sweeps: most EP sweeps per call.
         schedule: ``"parallel"`` or ``"sequential"`` (rank-one updates, eq. S.26-S.32).
-        psi_method: ``method`` of :func:`~gpytorch_iterncgp.psi_statistics.psi_statistics`.
+        psi_method: ``method`` of :func:`~gpytorch_iterncgp.sparse.psi_statistics.psi_statistics`.
         num_samples: its Monte Carlo draws (kernels without a closed form).
     """
 

@@ -1,0 +1,1 @@
+r"""The Laplace approximation: damped Newton's method as an outer loop over the core (paper, Alg. 1)."""
