@@ -247,3 +247,58 @@ def test_covariance_benchmark_quick_run_writes_results(tmp_path):
     nll = [entry["nll"] for entry in results["phase"]]
     assert nll[-1] < nll[0]  # the phase lowers the test NLL of the converged mode
     assert [entry["phase_products"] for entry in results["phase"]] == [0, 2, 4]
+
+
+def test_learned_log_loss_matches_scikit_learn():
+    from sklearn.metrics import log_loss
+
+    from benchmarks import learned
+
+    generator = torch.Generator().manual_seed(0)
+    probabilities = torch.softmax(3 * torch.randn(50, 4, generator=generator, dtype=torch.float64), -1)
+    labels = torch.randint(0, 4, (50,), generator=generator)
+    scores = learned.log_loss(probabilities, labels)
+    assert math.isclose(scores["nll"], log_loss(labels.numpy(), probabilities.numpy(), labels=range(4)), rel_tol=1e-12)
+    assert scores["accuracy"] == float((probabilities.argmax(-1) == labels).double().mean())
+    binary = learned.log_loss(probabilities[:, 0], (labels == 0).long())  # p(y = 1) alone
+    assert math.isclose(binary["nll"], log_loss((labels == 0).numpy(), probabilities[:, 0].numpy()), rel_tol=1e-12)
+
+
+def test_learned_svgp_predictive_is_its_exact_predictive():
+    """Binary: the probit closed form; multi-class: Monte Carlo within 4 standard errors of a 10^5-sample estimate."""
+    from benchmarks import learned
+
+    data = learned.load("binary10000", smoke=True, seed=0)
+    model = learned.SVGPModel(data, 10, torch.Generator().manual_seed(0))
+    model.eval()
+    output = model(data.test_x[:5])
+    expected = torch.special.ndtr(output.mean / (1 + output.variance).sqrt())
+    torch.testing.assert_close(learned.svgp_probabilities(model, data.test_x[:5], 2), expected)
+    data = learned.load("mixture5000", smoke=True, seed=0)
+    model = learned.SVGPModel(data, 20, torch.Generator().manual_seed(0))
+    model.eval()
+    output = model(data.test_x[:3])
+    samples = output.mean + output.variance.sqrt() * torch.randn(100_000, 3, 10, dtype=torch.float64)
+    reference = torch.softmax(samples, -1)
+    error = 4 * reference.std(0) / math.sqrt(512) + 1e-12
+    got = learned.svgp_probabilities(model, data.test_x[:3], 10)
+    assert bool(((got - reference.mean(0)).abs() <= error).all())
+
+
+def test_learned_smoke_run_writes_results(tmp_path):
+    from benchmarks import learned
+
+    arguments = ["--smoke", "--datasets", "mixture5000", "binary10000", "--budget", "1", "--out", str(tmp_path)]
+    output = learned.main(arguments)
+    saved = json.loads((tmp_path / "learned_smoke.json").read_text())
+    assert saved["machine"]["cpu_count"] >= 1 and set(saved["datasets"]) == {"mixture5000", "binary10000"}
+    assert (tmp_path / "learned_smoke.png").stat().st_size > 10_000
+    for entry in output["datasets"].values():
+        labels = [run["label"] for run in entry["runs"]]
+        assert labels[0].startswith("estimator") and any(label.startswith("SVGP") for label in labels)
+        assert any(label.startswith("laplace") for label in labels) and any(label.startswith("ep") for label in labels)
+        for run in entry["runs"]:
+            times = [point["time"] for point in run["history"]]
+            assert times == sorted(times) and all(math.isfinite(point["nll"]) for point in run["history"])
+        best_svgp = min(row["nll"] for row in entry["summary"] if row["method"].startswith("SVGP"))
+        assert any(row["seconds_vs_best_svgp"] == 1.0 and row["nll"] == best_svgp for row in entry["summary"])
