@@ -7,8 +7,9 @@ import pytest
 import torch
 from linear_operator.operators import BlockDiagLinearOperator, DenseLinearOperator
 
-from gpytorch_iterncgp import ConjugateGradientPolicy, UnitVectorPolicy, recycling
+from gpytorch_iterncgp import ConjugateGradientPolicy, UnitVectorPolicy
 from gpytorch_iterncgp.core import prior as prior_module
+from gpytorch_iterncgp.core import recycling
 from gpytorch_iterncgp.core.noise import (
     BlockNoiseInverse,
     DiagonalNoiseInverse,
