@@ -55,13 +55,14 @@ import torch
 from gpytorch.mlls import MarginalLogLikelihood
 from torch import Tensor
 
-from ..core.outer_loop import FitReport, run_outer_loop
+from ..core.outer_loop import FitReport
 from ..core.validation import check_count, check_nonnegative
 from ..exceptions import NonFiniteEvidenceError
 from ..likelihoods.adapters import LikelihoodAdapter, likelihood_adapter
 from ..likelihoods.tilted import TILTED_ADAPTERS
 from ..sparse.dtc import SparseEPState
 from ..sparse.uncertain import UncertainDTCPrior, UncertainSparseEP, psi_statistics, uncertain_posterior
+from ..strategies.base import converge
 from .itergp import ep_site_terms
 
 __all__ = ["UncertainSparseEPMarginalLogLikelihood", "gaussian_kl", "uncertain_ep_bound"]
@@ -235,14 +236,10 @@ class UncertainSparseEPMarginalLogLikelihood(MarginalLogLikelihood):
                 fixed, self.adapter, columns[:, column], self.damping, self.site_tol, self.schedule
             )
             start = loop.initial_state() if warm is None else loop.posterior(warm[0][column], warm[1][column], 0)
-            committed: list[SparseEPState] = [start]
             with torch.no_grad():
-                reports.append(
-                    run_outer_loop(
-                        loop, start, committed.append, fixed, self.max_sweeps, show_progress=False, stacklevel=3
-                    )
-                )
-            states.append(committed[-1])
+                state, report = converge(loop, start, fixed, self.max_sweeps, stacklevel=3)
+            states.append(state)
+            reports.append(report)
         precision = torch.stack([state.site_precision for state in states])
         natural_mean = torch.stack([state.site_natural_mean for state in states])
         self.sites = (precision[0], natural_mean[0]) if targets.dim() == 1 else (precision, natural_mean)
