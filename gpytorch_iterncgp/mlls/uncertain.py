@@ -56,7 +56,8 @@ from gpytorch.mlls import MarginalLogLikelihood
 from torch import Tensor
 
 from ..core.outer_loop import FitReport
-from ..core.validation import check_count, check_nonnegative
+from ..core.validation import check_count
+from ..ep.sweeps import SweepOptions
 from ..exceptions import NonFiniteEvidenceError
 from ..likelihoods.adapters import LikelihoodAdapter, likelihood_adapter
 from ..likelihoods.tilted import TILTED_ADAPTERS
@@ -162,7 +163,7 @@ class UncertainSparseEPMarginalLogLikelihood(MarginalLogLikelihood):
         likelihood,
         model,
         latent_prior: bool = False,
-        damping: float = 0.5,
+        damping: float = SweepOptions.damping,
         site_tol: float = 1e-6,
         max_sweeps: int = 200,
         schedule: str = "parallel",
@@ -184,10 +185,8 @@ class UncertainSparseEPMarginalLogLikelihood(MarginalLogLikelihood):
             )
         if not isinstance(latent_prior, bool):
             raise TypeError(f"latent_prior must be True or False, got {latent_prior!r}.")
-        check_nonnegative(site_tol, "site_tol")
-        check_count(max_sweeps, "max_sweeps", minimum=1)
-        if isinstance(damping, bool) or not isinstance(damping, (int, float)) or not 0 < damping <= 1:
-            raise ValueError(f"damping must be a number in (0, 1], got {damping!r}.")
+        check_count(max_sweeps, "max_sweeps", minimum=1)  # at least one sweep: the sites follow every call
+        SweepOptions(max_sweeps=max_sweeps, damping=damping, site_tol=site_tol).validate()
         if schedule not in ("parallel", "sequential"):
             raise ValueError(f"schedule must be 'parallel' or 'sequential', got {schedule!r}.")
         self.latent_prior, self.damping, self.site_tol, self.max_sweeps = latent_prior, damping, site_tol, max_sweeps

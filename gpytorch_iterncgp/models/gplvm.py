@@ -35,6 +35,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..core.validation import check_count, check_flag, check_nonnegative
+from ..ep.sweeps import SweepOptions
 from ..mlls.uncertain import UncertainSparseEPMarginalLogLikelihood
 from ..sparse.uncertain import uncertain_posterior
 from ..sparse.uncertain_prediction import uncertain_predictive
@@ -265,7 +266,7 @@ class EPLatentVariableModel(_UncertainInputGP):
         kernel: gpytorch.kernels.Kernel | None = None,
         initial_means: Tensor | None = None,
         initial_variance: float = 0.1,
-        damping: float = 0.5,
+        damping: float = SweepOptions.damping,
         site_tol: float = 1e-4,
         max_sweeps: int = 100,
         seed: int = 0,
@@ -376,7 +377,7 @@ class NoisyInputGPClassifier(_UncertainInputGP):
         inducing_points: Tensor | int = 20,
         kernel: gpytorch.kernels.Kernel | None = None,
         learn_inducing_locations: bool = True,
-        damping: float = 0.5,
+        damping: float = SweepOptions.damping,
         site_tol: float = 1e-6,
         max_sweeps: int = 200,
         seed: int = 0,

@@ -82,9 +82,9 @@ class SparseEPStrategy(PredictiveStrategy):
         likelihood: gpytorch.likelihoods.Likelihood,
         inducing_points: Tensor,
         learn_inducing_locations: bool = True,
-        max_sweeps: int = 50,
-        damping: float = 0.5,
-        site_tol: float = 1e-4,
+        max_sweeps: int = SweepOptions.max_sweeps,
+        damping: float = SweepOptions.damping,
+        site_tol: float = SweepOptions.site_tol,
         show_progress: bool = True,
     ):
         options = SweepOptions(max_sweeps=max_sweeps, damping=damping, site_tol=site_tol)
