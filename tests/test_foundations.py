@@ -214,7 +214,7 @@ LAYERS: list[tuple[str, list[set[str]]]] = [
     ("laplace", [{"newton"}]),
     ("ep", [{"sites"}, {"sweeps"}]),
     ("sparse", [{"psi_statistics"}, {"dtc"}, {"uncertain", "uncertain_prediction"}]),
-    ("strategies", [{"itergp"}, {"sparse"}]),
+    ("strategies", [{"base"}, {"predictive"}, {"itergp", "sparse"}]),
     ("mlls", [{"itergp"}, {"sparse", "uncertain"}]),
     ("models", [{"alps", "gplvm"}, {"alps_gibbs"}]),
     ("integrations", [{"sklearn", "botorch"}]),

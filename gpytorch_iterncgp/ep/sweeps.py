@@ -86,28 +86,39 @@ def posterior_marginal_blocks(
 
 
 @dataclass
-class EPOptions(IterGPOptions, CovarianceOptions):
-    """Settings of the EP loop, of IterGP and of the covariance phase (see :class:`~gpytorch_iterncgp.EPStrategy`)."""
+class SweepOptions:
+    """The settings of the sweeps of any EP loop (dense EP, EP-DTC): how many, how far each moves the sites, and when
+    they have converged."""
 
     max_sweeps: int = 50
-    damping: float = 0.5
-    site_tol: float = 1e-4
-    marginal_iterations: int = 0  # covariance-phase blocks (products with K) for the marginals during the sweeps
-    marginal_every: int = 1  # ... after every this many sweeps (see ExpectationPropagation.refine_marginals)
+    damping: float = 0.5  # delta in (0, 1], the fraction of the way each sweep moves the sites (1: undamped)
+    site_tol: float = 1e-4  # converged when no site moves by more than this (relative)
 
     def validate(self) -> None:
         """:raises ValueError: naming the option that is out of range."""
-        super().validate()
-        CovarianceOptions.validate(self)
         check_count(self.max_sweeps, "max_sweeps")
         check_nonnegative(self.site_tol, "site_tol")
-        check_count(self.marginal_iterations, "marginal_iterations")
-        check_count(self.marginal_every, "marginal_every", minimum=1)
         if isinstance(self.damping, bool) or not isinstance(self.damping, (int, float)) or not 0 < self.damping <= 1:
             raise ValueError(
                 f"damping must be a number in (0, 1] (the fraction of the way each sweep moves the sites; 1 is "
                 f"undamped), got {self.damping!r}."
             )
+
+
+@dataclass
+class EPOptions(SweepOptions, IterGPOptions, CovarianceOptions):
+    """Settings of the EP loop, of IterGP and of the covariance phase (see :class:`~gpytorch_iterncgp.EPStrategy`)."""
+
+    marginal_iterations: int = 0  # covariance-phase blocks (products with K) for the marginals during the sweeps
+    marginal_every: int = 1  # ... after every this many sweeps (see ExpectationPropagation.refine_marginals)
+
+    def validate(self) -> None:
+        """:raises ValueError: naming the option that is out of range."""
+        IterGPOptions.validate(self)
+        CovarianceOptions.validate(self)
+        SweepOptions.validate(self)
+        check_count(self.marginal_iterations, "marginal_iterations")
+        check_count(self.marginal_every, "marginal_every", minimum=1)
 
 
 @dataclass

@@ -23,7 +23,6 @@ Importing this module imports scikit-learn; ``import gpytorch_iterncgp`` does no
 from __future__ import annotations
 
 import copy
-import inspect
 import math
 import warnings
 
@@ -42,6 +41,7 @@ from torch.distributions import Poisson, constraints
 from .. import settings
 from ..core.policies import Policy
 from ..core.validation import check_count, check_flag, check_nonnegative
+from ..laplace.newton import SolverOptions
 from ..likelihoods.adapters import ExpPoissonLikelihood, LogitBernoulliLikelihood, likelihood_adapter
 from ..mlls.itergp import LaplaceMarginalLogLikelihood
 from ..strategies.itergp import IterNCGPStrategy
@@ -57,7 +57,7 @@ _PREDICT_CHUNK = 4096  # test points per kernel evaluation: bounds the (chunk, N
 #: 25 evidence steps at about 10 s with one thread (:math:`O((N C)^3)` per step).
 EXACT_SOLVE_SIZE = 1000
 #: ``max_solver_iterations="auto"`` above :data:`EXACT_SOLVE_SIZE`: the strategy's own default budget per Newton step.
-DEFAULT_SOLVER_ITERATIONS = inspect.signature(IterNCGPStrategy).parameters["max_solver_iterations"].default
+DEFAULT_SOLVER_ITERATIONS = SolverOptions.max_solver_iterations
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -146,12 +146,12 @@ class _IterNCGPEstimator(BaseEstimator):
         *,
         link=None,
         policy="auto",
-        max_newton_steps=20,
+        max_newton_steps=SolverOptions.max_newton_steps,
         max_solver_iterations="auto",
-        compression_rank=None,
-        covariance_iterations=0,
-        recycle=True,
-        outer_tol=1e-2,
+        compression_rank=SolverOptions.compression_rank,
+        covariance_iterations=SolverOptions.covariance_iterations,
+        recycle=SolverOptions.recycle,
+        outer_tol=SolverOptions.outer_tol,
         solver_tol=1e-5,
         optimize_hyperparameters=True,
         optimizer_steps=25,
@@ -471,12 +471,12 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
         *,
         link="logit",
         policy="auto",
-        max_newton_steps=20,
+        max_newton_steps=SolverOptions.max_newton_steps,
         max_solver_iterations="auto",
-        compression_rank=None,
-        covariance_iterations=0,
-        recycle=True,
-        outer_tol=1e-2,
+        compression_rank=SolverOptions.compression_rank,
+        covariance_iterations=SolverOptions.covariance_iterations,
+        recycle=SolverOptions.recycle,
+        outer_tol=SolverOptions.outer_tol,
         solver_tol=1e-5,
         optimize_hyperparameters=True,
         optimizer_steps=25,
@@ -606,12 +606,12 @@ class IterNCGPPoissonRegressor(RegressorMixin, _IterNCGPEstimator):
         *,
         link="exp",
         policy="auto",
-        max_newton_steps=20,
+        max_newton_steps=SolverOptions.max_newton_steps,
         max_solver_iterations="auto",
-        compression_rank=None,
-        covariance_iterations=0,
-        recycle=True,
-        outer_tol=1e-2,
+        compression_rank=SolverOptions.compression_rank,
+        covariance_iterations=SolverOptions.covariance_iterations,
+        recycle=SolverOptions.recycle,
+        outer_tol=SolverOptions.outer_tol,
         solver_tol=1e-5,
         optimize_hyperparameters=True,
         optimizer_steps=25,

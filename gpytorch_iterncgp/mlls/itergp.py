@@ -228,7 +228,7 @@ class _StrategyEvidence(MarginalLogLikelihood):
         if not same:
             raise ValueError(f"{name}: target must equal the strategy's training targets.")
         state = strategy.ensure_fitted()  # model(train_x) has fitted it: no work here
-        prior = strategy.train_prior()
+        prior = self._train_prior(strategy)
         fitted = self._fitted_mean(state, prior)
         given = mean.detach().reshape(-1)
         if not bool(torch.allclose(given, fitted, rtol=1e-4, atol=1e-4 * (1 + float(fitted.abs().max())))):
@@ -239,7 +239,11 @@ class _StrategyEvidence(MarginalLogLikelihood):
         exact = size <= settings.exact_evidence_size.value() if self.exact is None else self.exact
         return strategy, targets, state, prior, exact
 
-    def _fitted_mean(self, state: Any, prior: LatentPrior) -> Tensor:
+    def _train_prior(self, strategy: Any) -> Any:
+        """The strategy's prior at the training inputs, with gradients."""
+        return strategy.train_prior()
+
+    def _fitted_mean(self, state: Any, prior: Any) -> Tensor:
         """The strategy's posterior mean at the training inputs, ``(N C,)`` (what ``model(train_x)`` returned)."""
         return prior.mean.detach().reshape(-1) + state.kernel_representer_weights
 

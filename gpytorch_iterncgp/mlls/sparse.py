@@ -31,7 +31,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..core.prior import LatentPrior
 from ..likelihoods.adapters import LikelihoodAdapter
 from ..sparse.dtc import DTCPrior, SparseEPState, dtc_posterior
 from ..strategies.sparse import SparseEPStrategy
@@ -83,7 +82,11 @@ class SparseEPMarginalLogLikelihood(_StrategyEvidence):
     def __init__(self, likelihood, model):
         super().__init__(likelihood, model)
 
-    def _fitted_mean(self, state: SparseEPState, prior: LatentPrior) -> Tensor:
+    def _train_prior(self, strategy: SparseEPStrategy) -> DTCPrior:
+        """The DTC prior at the training inputs, with gradients."""
+        return strategy.dtc_prior()
+
+    def _fitted_mean(self, state: SparseEPState, prior: DTCPrior) -> Tensor:
         return state.marginal_mean
 
     def forward(self, function_dist, target: Tensor, **kwargs) -> Tensor:
@@ -93,8 +96,6 @@ class SparseEPMarginalLogLikelihood(_StrategyEvidence):
             ``target`` is not the training targets.
         :raises NonFiniteEvidenceError: if the bound is not finite (e.g. sites that did not converge).
         """
-        strategy, targets, state, _, _ = self._checked_call(function_dist, target)
-        bound = ep_dtc_bound(
-            strategy.dtc_prior(), strategy.adapter, targets, state.site_precision, state.site_natural_mean
-        )
+        strategy, targets, state, prior, _ = self._checked_call(function_dist, target)
+        bound = ep_dtc_bound(prior, strategy.adapter, targets, state.site_precision, state.site_natural_mean)
         return self._per_point(bound, strategy.num_data)

@@ -55,13 +55,15 @@ import torch
 from gpytorch.mlls import MarginalLogLikelihood
 from torch import Tensor
 
-from ..core.outer_loop import FitReport, run_outer_loop
-from ..core.validation import check_count, check_nonnegative
+from ..core.outer_loop import FitReport
+from ..core.validation import check_count
+from ..ep.sweeps import SweepOptions
 from ..exceptions import NonFiniteEvidenceError
 from ..likelihoods.adapters import LikelihoodAdapter, likelihood_adapter
 from ..likelihoods.tilted import TILTED_ADAPTERS
 from ..sparse.dtc import SparseEPState
 from ..sparse.uncertain import UncertainDTCPrior, UncertainSparseEP, psi_statistics, uncertain_posterior
+from ..strategies.base import converge
 from .itergp import ep_site_terms
 
 __all__ = ["UncertainSparseEPMarginalLogLikelihood", "gaussian_kl", "uncertain_ep_bound"]
@@ -161,7 +163,7 @@ class UncertainSparseEPMarginalLogLikelihood(MarginalLogLikelihood):
         likelihood,
         model,
         latent_prior: bool = False,
-        damping: float = 0.5,
+        damping: float = SweepOptions.damping,
         site_tol: float = 1e-6,
         max_sweeps: int = 200,
         schedule: str = "parallel",
@@ -183,10 +185,8 @@ class UncertainSparseEPMarginalLogLikelihood(MarginalLogLikelihood):
             )
         if not isinstance(latent_prior, bool):
             raise TypeError(f"latent_prior must be True or False, got {latent_prior!r}.")
-        check_nonnegative(site_tol, "site_tol")
-        check_count(max_sweeps, "max_sweeps", minimum=1)
-        if isinstance(damping, bool) or not isinstance(damping, (int, float)) or not 0 < damping <= 1:
-            raise ValueError(f"damping must be a number in (0, 1], got {damping!r}.")
+        check_count(max_sweeps, "max_sweeps", minimum=1)  # at least one sweep: the sites follow every call
+        SweepOptions(max_sweeps=max_sweeps, damping=damping, site_tol=site_tol).validate()
         if schedule not in ("parallel", "sequential"):
             raise ValueError(f"schedule must be 'parallel' or 'sequential', got {schedule!r}.")
         self.latent_prior, self.damping, self.site_tol, self.max_sweeps = latent_prior, damping, site_tol, max_sweeps
@@ -235,14 +235,10 @@ class UncertainSparseEPMarginalLogLikelihood(MarginalLogLikelihood):
                 fixed, self.adapter, columns[:, column], self.damping, self.site_tol, self.schedule
             )
             start = loop.initial_state() if warm is None else loop.posterior(warm[0][column], warm[1][column], 0)
-            committed: list[SparseEPState] = [start]
             with torch.no_grad():
-                reports.append(
-                    run_outer_loop(
-                        loop, start, committed.append, fixed, self.max_sweeps, show_progress=False, stacklevel=3
-                    )
-                )
-            states.append(committed[-1])
+                state, report = converge(loop, start, fixed, self.max_sweeps, stacklevel=3)
+            states.append(state)
+            reports.append(report)
         precision = torch.stack([state.site_precision for state in states])
         natural_mean = torch.stack([state.site_natural_mean for state in states])
         self.sites = (precision[0], natural_mean[0]) if targets.dim() == 1 else (precision, natural_mean)

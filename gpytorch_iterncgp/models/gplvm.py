@@ -35,9 +35,11 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..core.validation import check_count, check_flag, check_nonnegative
+from ..ep.sweeps import SweepOptions
 from ..mlls.uncertain import UncertainSparseEPMarginalLogLikelihood
 from ..sparse.uncertain import uncertain_posterior
 from ..sparse.uncertain_prediction import uncertain_predictive
+from ..strategies.base import fingerprint_matches, parameter_fingerprint
 
 __all__ = ["EPLatentVariableModel", "NoisyInputGPClassifier", "pca_initialisation"]
 
@@ -116,17 +118,21 @@ class _UncertainInputGP(gpytorch.models.GP):
         return value
 
     def _fingerprint(self) -> Tensor:
-        """Every parameter and the training inputs' distribution, flattened (what the sites depend on)."""
+        """Every parameter and the training inputs' distribution, flattened (what the sites depend on), in the
+        sites' dtype (:func:`~gpytorch_iterncgp.strategies.base.parameter_fingerprint`)."""
         means, variances = self.train_inputs_distribution()
-        parts = [parameter.detach().reshape(-1) for parameter in self.parameters()]
-        return torch.cat([*parts, means.detach().reshape(-1), variances.detach().reshape(-1)])
+        return parameter_fingerprint([*self.parameters(), means, variances], self.site_precision)
+
+    def _sites_are_current(self) -> bool:
+        """Whether the stored sites were converged at the current parameters."""
+        return fingerprint_matches(self._fingerprint(), self.site_fingerprint)
 
     def _store_sites(self) -> None:
         assert self.mll.sites is not None
         with torch.no_grad():
             self.site_precision.copy_(self.mll.sites[0].reshape(self.site_precision.shape))
             self.site_natural_mean.copy_(self.mll.sites[1].reshape(self.site_natural_mean.shape))
-            self.site_fingerprint = self._fingerprint().to(self.site_precision)
+            self.site_fingerprint = self._fingerprint()
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # type: ignore[no-untyped-def]
         key = prefix + "site_fingerprint"
@@ -179,8 +185,7 @@ class _UncertainInputGP(gpytorch.models.GP):
             means, variances = self.train_inputs_distribution()
             self.mll.sites = (self.site_precision, self.site_natural_mean)
             prior = self.mll.prior(means, variances)
-            fingerprint = self._fingerprint().to(self.site_precision)
-            if fingerprint.shape == self.site_fingerprint.shape and torch.equal(fingerprint, self.site_fingerprint):
+            if self._sites_are_current():
                 parts = [
                     uncertain_posterior(prior.detached(), tau, nu)[:2]
                     for tau, nu in zip(self.site_precision, self.site_natural_mean, strict=True)
@@ -261,7 +266,7 @@ class EPLatentVariableModel(_UncertainInputGP):
         kernel: gpytorch.kernels.Kernel | None = None,
         initial_means: Tensor | None = None,
         initial_variance: float = 0.1,
-        damping: float = 0.5,
+        damping: float = SweepOptions.damping,
         site_tol: float = 1e-4,
         max_sweeps: int = 100,
         seed: int = 0,
@@ -372,7 +377,7 @@ class NoisyInputGPClassifier(_UncertainInputGP):
         inducing_points: Tensor | int = 20,
         kernel: gpytorch.kernels.Kernel | None = None,
         learn_inducing_locations: bool = True,
-        damping: float = 0.5,
+        damping: float = SweepOptions.damping,
         site_tol: float = 1e-6,
         max_sweeps: int = 200,
         seed: int = 0,

@@ -1,5 +1,5 @@
 r"""The GPyTorch-facing layer: :class:`IterNCGPStrategy` (Laplace) and :class:`EPStrategy` (expectation
-propagation) replace a ``VariationalStrategy``; both are a :class:`_SolverStrategy` with their own outer loop.
+propagation) replace a ``VariationalStrategy``; both are an IterGP strategy (:class:`_IterGPStrategy`) with their own outer loop.
 
 .. code-block:: python
 
@@ -31,60 +31,46 @@ the exact Laplace covariance by exactly the error of having stopped the solver e
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import gpytorch
 import torch
 from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
-from gpytorch.utils.warnings import NumericalWarning
 from linear_operator.operators import LinearOperator, MatmulLinearOperator
 from torch import Tensor
 
-from ..core.outer_loop import EPSweep, FitReport, NewtonStep, OuterLoop, run_outer_loop
+from ..core.outer_loop import EPSweep, FitReport, NewtonStep
 from ..core.policies import Policy, make_policy
 from ..core.precision import LowRankPrecision
 from ..core.prior import LatentPrior
 from ..core.solver import IterGPOptions, RegressionState
-from ..core.validation import check_flag, check_inputs
 from ..ep.sweeps import EPOptions, EPState, ExpectationPropagation
 from ..laplace.newton import DampedNewton, LaplaceState, SolverOptions
-from ..likelihoods.adapters import (
-    LogitBernoulliAdapter,
-    MultinomialProbitAdapter,
-    ProbitBernoulliAdapter,
-    SoftmaxAdapter,
-    likelihood_adapter,
-)
+from ..likelihoods.adapters import MultinomialProbitAdapter
 from ..likelihoods.tilted import TILTED_ADAPTERS
-
-_UNSET = object()
-
-
-def _data_fingerprint(inputs: Tensor, targets: Tensor) -> str:
-    """A hash of the training data (rounded to float32, so a float32 copy of float64 data matches)."""
-    digest = hashlib.sha256()
-    for tensor in (inputs, targets):
-        values = tensor.detach().to(device="cpu", dtype=torch.float32).contiguous()
-        digest.update(str(tuple(values.shape)).encode())
-        digest.update(values.numpy().tobytes())
-    return digest.hexdigest()
+from .base import UNSET
+from .predictive import PredictiveStrategy, warn_lost_variance
 
 
-class _SolverStrategy(gpytorch.Module):
-    r"""What IterNCGP (Laplace) and EP share: the model's prior, an outer loop of GP regressions solved by IterGP,
-    the committed solver state, predictions from it, ``state_dict`` and devices.
+class _IterGPStrategy(PredictiveStrategy):
+    r"""What IterNCGP (Laplace) and EP share: an outer loop of GP regressions solved by IterGP with a policy, and the
+    posterior of such a regression for predictions.
 
-    A subclass sets :attr:`_state_type` and builds its outer loop in :meth:`_make_loop`; the posterior at inputs
-    :math:`\mathbf X_*` is :math:`\mathbf m(\mathbf X_*) + \mathbf K_{*X} \mathbf a` and
+    A subclass sets :attr:`_state_type` (a :class:`~gpytorch_iterncgp.core.solver.RegressionState`) and builds its
+    outer loop in :meth:`_make_loop`; the posterior at inputs :math:`\mathbf X_*` is
+    :math:`\mathbf m(\mathbf X_*) + \mathbf K_{*X} \mathbf a` and
     :math:`\mathbf K_{**} - \mathbf K_{*X} \mathbf Q \mathbf Q^\top \mathbf K_{X*}` for either.
+
+    :param policy: ``"cg"``, ``"unit"`` or a :class:`Policy`; its position is committed with the state.
+    :param seed: seed of the unit-vector policy's random order.
+    (The other parameters: :class:`~gpytorch_iterncgp.strategies.base.OuterLoopStrategy`.)
     """
 
-    _state_type: Any = RegressionState  # with to_extra() and the classmethod from_extra(saved, reference)
-    options: Any
+    _state_type: Any = RegressionState
+    _none_is_a_value = frozenset({"max_solver_iterations"})  # None: until abs_tol/rel_tol
+    options: IterGPOptions
 
     def __init__(
         self,
@@ -98,154 +84,49 @@ class _SolverStrategy(gpytorch.Module):
         seed: int,
         show_progress: bool,
     ):
-        super().__init__()
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(
-                f"model must be the gpytorch ApproximateGP that owns the strategy (pass self), got {type(model).__name__}."
-            )
-        object.__setattr__(self, "model", model)  # not a submodule: the model owns the strategy
-        object.__setattr__(self, "likelihood", likelihood)
-        self.adapter = likelihood_adapter(likelihood, min_curvature)
-        if torch.is_tensor(train_inputs) and torch.is_tensor(train_targets):
-            if train_targets.device != train_inputs.device:
-                raise ValueError(
-                    f"train_targets are on {train_targets.device} but train_inputs on {train_inputs.device}: "
-                    "put both on one device."
-                )
-        train_inputs = check_inputs(train_inputs, "train_inputs")
-        targets = self.adapter.check_targets(train_targets, train_inputs.dtype)
-        if len(targets) != len(train_inputs):
-            raise ValueError(
-                f"train_inputs has {len(train_inputs)} points but train_targets has {len(targets)}: they must match."
-            )
-        check_flag(options.recycle, "recycle")
-        check_flag(show_progress, "show_progress")
-        self.register_buffer("train_inputs", train_inputs, persistent=False)
-        self.register_buffer("train_targets", targets, persistent=False)
-        options.validate()
-        self.options = options
+        super().__init__(model, train_inputs, train_targets, likelihood, options, min_curvature, show_progress)
         self.policy = make_policy(policy, seed)
-        self.show_progress = show_progress
-        self._state: Any = None  # the committed state (of _state_type)
-        self._fingerprint: Tensor | None = None
         self._policy_state: dict = self.policy.state()  # the policy's position at the committed state
-        self.last_report: FitReport | None = None
 
-    # -- sizes -----------------------------------------------------------------------------------
-    @property
-    def num_data(self) -> int:
-        return self.train_inputs.shape[0]
+    # -- the policy beside the committed state ---------------------------------------------------
+    def _commit(self, state: Any) -> None:
+        super()._commit(state)
+        self._policy_state = self.policy.state()
 
-    @property
-    def num_latents(self) -> int:
-        """:math:`C`, the number of latent functions (1 for binary and count data)."""
-        return self.adapter.num_latents
+    def _rewind(self) -> None:
+        self.policy.load_state(self._policy_state)
+
+    def _loop_extra(self) -> dict:
+        """The unit-vector policy's position at the committed state."""
+        return {"policy": dict(self._policy_state)}
+
+    def _load_loop_extra(self, extra: Mapping) -> None:
+        self.policy.load_state(extra.get("policy", {}))
+        self._policy_state = self.policy.state()
 
     # -- fitting ---------------------------------------------------------------------------------
-    def _hyperparameter_fingerprint(self) -> Tensor:
-        """All parameters of model and likelihood, flattened: the solver state is valid for these only."""
-        parameters = [p.detach().reshape(-1) for p in self.model.parameters()]
-        parameters += [p.detach().reshape(-1).to(self.train_inputs.dtype) for p in self.likelihood.parameters()]
-        if not parameters:
-            return self.train_inputs.new_zeros(0)
-        return torch.cat([p.to(self.train_inputs) for p in parameters]).clone()
-
-    def _is_current(self) -> bool:
-        if self._state is None or self._fingerprint is None:
-            return False
-        fingerprint = self._hyperparameter_fingerprint()
-        return fingerprint.shape == self._fingerprint.shape and bool(torch.equal(fingerprint, self._fingerprint))
-
     def train_prior(self) -> LatentPrior:
         """The model's prior at the training inputs (with gradients where autograd records them)."""
         return LatentPrior.from_distribution(self.model.forward(self.train_inputs), self.num_latents)
 
-    def _starting_state(self, loop: OuterLoop) -> RegressionState:
-        """The state to continue from: the loop's initial state, the committed one, or (if the hyperparameters
-        changed) the committed one renewed for the new kernel by the loop (one product with K)."""
-        if self._state is None:
-            return loop.initial_state()
-        if self._is_current():
-            return self._state
-        return loop.renew(self._state)
-
-    def _commit(self, state: RegressionState) -> None:
-        self._state = state
-        self._fingerprint = self._hyperparameter_fingerprint()
-        self._policy_state = self.policy.state()
-
-    def _check_model_device(self) -> None:
-        device = self.train_inputs.device
-        for name, parameter in [*self.model.named_parameters(), *self.likelihood.named_parameters()]:
-            if parameter.device != device:
-                raise ValueError(
-                    f"The model's parameter {name} is on {parameter.device} but train_inputs on {device}: move the "
-                    "model (model.to(device)) and the likelihood to the device of the data."
-                )
-
-    def _make_loop(self, prior: Any, options: Any) -> OuterLoop:
-        raise NotImplementedError
-
-    def _call_options(self, max_solver_iterations: Any, **overrides: Any) -> Any:
-        """The strategy's options with this call's overrides (``None``: keep; ``max_solver_iterations`` may be
-        ``None`` itself, so its "keep" is ``_UNSET``), validated."""
-        options = dataclasses.replace(self.options, **{k: v for k, v in overrides.items() if v is not None})
-        if max_solver_iterations is not _UNSET:
-            options.max_solver_iterations = max_solver_iterations
-        options.validate()
-        return options
-
-    def _check_callback(self, callback, show_progress) -> bool:
-        if callback is not None and not callable(callback):
-            raise TypeError(f"callback must be callable (step, state) -> bool | None, got {type(callback).__name__}.")
-        if show_progress is not None:
-            check_flag(show_progress, "show_progress")
-        return self.show_progress if show_progress is None else show_progress
-
     def _prior_for_fit(self) -> LatentPrior:
+        """:meth:`train_prior`, checked against the data's device and dtype."""
         self._check_model_device()
         prior = self.train_prior()
-        if prior.dtype != self.train_inputs.dtype:
-            raise TypeError(
-                f"The model computes in {prior.dtype} but train_inputs are {self.train_inputs.dtype}: "
-                "convert the model and the data to one dtype."
-            )
+        self._check_prior_dtype(prior.dtype)
         return prior
 
-    def _run(self, prior: Any, options: Any, max_steps: int, callback, show: bool) -> FitReport:
-        """Drive the subclass's outer loop from the starting state; the committed state follows every step."""
+    def _prepare_loop(self) -> None:
+        """The policy prepared for this data (its size, the latents, the observed coordinates)."""
         observed = self.adapter.observed_coordinates(self.train_targets)
         missing = {} if observed is None else {"observed": observed}  # (a custom Policy need not know the keyword)
         self.policy.prepare(self.num_data, self.num_latents, self.adapter.zero_sum_actions, **missing)
-        loop = self._make_loop(prior, options)
-        state = self._starting_state(loop)
-        try:
-            report = run_outer_loop(
-                loop,
-                state,
-                commit=self._commit,
-                counter=prior,
-                max_steps=max_steps,
-                callback=callback,
-                show_progress=show,
-                stacklevel=3,
-            )
-        except BaseException:
-            # Interrupted (KeyboardInterrupt, an error in the callback, ...): the state is that of the last
-            # completed step; put the policy back to where it was then.
-            self.policy.load_state(self._policy_state)
-            raise
-        self.last_report = report
-        return report
 
-    def ensure_fitted(self) -> Any:
-        """The state for the current hyperparameters: :meth:`fit` (without progress bar) if it is missing or stale.
-
-        Every prediction calls it, so predictions before ``fit()``, or after a change of a hyperparameter, fit first.
-        """
-        if not self._is_current():
-            self.fit(show_progress=False)
-        assert self._state is not None  # fit() always commits (the starting state, if no step was taken)
+    # -- the posterior ---------------------------------------------------------------------------
+    @property
+    def state(self) -> Any:
+        """The solver state (representer weights, precision root, action buffers, and the loop's own), or ``None``
+        before fitting."""
         return self._state
 
     def joint_prior(self, inputs: Tensor) -> tuple[Tensor, LinearOperator, LinearOperator]:
@@ -270,28 +151,10 @@ class _SolverStrategy(gpytorch.Module):
             covariance[..., num_train:, num_train:],
         )
 
-    # -- the posterior ---------------------------------------------------------------------------
-    @property
-    def state(self) -> Any:
-        """The solver state (representer weights, precision root, action buffers, and the loop's own), or ``None``
-        before fitting."""
-        return self._state
-
     @property
     def approximate_precision(self) -> LowRankPrecision:
         r""":math:`\mathbf C = \mathbf Q \mathbf Q^\top \approx (\mathbf K + \mathbf W^{-1})^{-1}` (EP: :math:`\tilde{\mathbf T}^{-1}`), ``(N C, N C)``."""
         return LowRankPrecision(self.ensure_fitted().precision_root)
-
-    def _check_test_inputs(self, inputs: Tensor) -> Tensor:
-        inputs = check_inputs(inputs, "inputs", device=self.train_inputs.device)
-        if inputs.shape[-1] != self.train_inputs.shape[-1]:
-            raise ValueError(
-                f"inputs have {inputs.shape[-1]} features but the training inputs have {self.train_inputs.shape[-1]}."
-            )
-        if inputs.dtype != self.train_inputs.dtype:
-            raise TypeError(f"inputs are {inputs.dtype} but the model's training data {self.train_inputs.dtype}.")
-        self._check_model_device()
-        return inputs
 
     def _posterior_parts(self, inputs: Tensor) -> tuple[Tensor, Tensor, LatentPrior]:
         """Posterior mean ``(N* C,)``, :math:`\\mathbf K_{*X} \\mathbf Q` ``(N* C, r)`` and the prior at ``inputs``."""
@@ -326,17 +189,6 @@ class _SolverStrategy(gpytorch.Module):
             return MultivariateNormal(mean, covariance)
         return MultitaskMultivariateNormal(mean.reshape(-1, self.num_latents), covariance, interleaved=True)
 
-    def _warn_lost_variance(self, variance: Tensor, prior_variance: Tensor) -> None:
-        lost = variance < 100 * torch.finfo(variance.dtype).eps * prior_variance
-        if bool(lost.any()):
-            warnings.warn(
-                f"IterNCGP: the posterior variance of {int(lost.sum())} latent value(s) is below 100 eps of the prior "
-                f"variance (up to {float(prior_variance[lost].max()):.3g}) and dominated by rounding in K - K C K "
-                f"({variance.dtype}); use float64 or a smaller outputscale for accurate variances there.",
-                NumericalWarning,
-                stacklevel=3,
-            )
-
     def marginal_latent(self, inputs: Tensor) -> tuple[Tensor, Tensor]:
         r"""Posterior mean and variance of the latents at ``inputs``, each ``(N*, C)``, without forming covariances.
 
@@ -348,7 +200,7 @@ class _SolverStrategy(gpytorch.Module):
         mean, root, test_prior = self._posterior_parts(inputs)
         prior_variance = test_prior.diagonal()
         variance = prior_variance - root.square().sum(-1)
-        self._warn_lost_variance(variance, prior_variance)
+        warn_lost_variance(variance, prior_variance)
         variance = variance.clamp_min(0)
         return mean.reshape(-1, self.num_latents), variance.reshape(-1, self.num_latents)
 
@@ -372,114 +224,12 @@ class _SolverStrategy(gpytorch.Module):
         covariance = (covariance + covariance.mT) / 2
         prior_variance = test_prior.diagonal()
         variance = covariance.diagonal(dim1=-2, dim2=-1)
-        self._warn_lost_variance(variance.reshape(-1), prior_variance)
+        warn_lost_variance(variance.reshape(-1), prior_variance)
         covariance.diagonal(dim1=-2, dim2=-1).clamp_(min=0)
         return mean.reshape(-1, num), covariance
 
-    def predictive_mean(self, inputs: Tensor) -> Tensor:
-        r""":math:`\mathbb E[y_*]`: class probabilities (``(N*,)`` for :math:`p(y=1)`, ``(N*, C)`` for softmax) or
-        expected counts ``(N*,)``, from the posterior of the latents at each test point.
 
-        * Probit link: exact, :math:`\Phi(\mu / \sqrt{1 + \sigma^2})`.
-        * Logit link: :math:`\mathbb E[\sigma(f)]` by quadrature to about 1e-13
-          (:func:`~gpytorch_iterncgp.likelihoods.adapters.logistic_gaussian`).
-        * Softmax: :math:`\mathbb E[\operatorname{softmax}(\mathbf f)]` by Monte Carlo with fixed base samples
-          (deterministic; :func:`~gpytorch_iterncgp.likelihoods.adapters.softmax_gaussian`, ``settings.softmax_samples``)
-          under each point's full :math:`C \times C` covariance (:meth:`marginal_latent_blocks`), not the
-          per-class marginals: with a kernel shared by the classes most of the posterior variance is common to
-          all classes and leaves the softmax unchanged.
-        * Poisson: :math:`e^{\mu + \sigma^2/2}` (exp link) or Gauss–Hermite quadrature (softplus link).
-
-        The latent posterior includes IterNCGP's computational uncertainty.
-        """
-        if isinstance(self.adapter, (SoftmaxAdapter, MultinomialProbitAdapter)):
-            return self.adapter.predictive_mean(*self.marginal_latent_blocks(inputs))
-        mean, variance = self.marginal_latent(inputs)
-        if self.num_latents == 1:
-            return self.adapter.predictive_mean(mean[:, 0], variance[:, 0])
-        return self.adapter.predictive_mean(mean, variance)
-
-    def predictive_probabilities(self, inputs: Tensor) -> Tensor:
-        """Class probabilities at ``inputs`` (see :meth:`predictive_mean`); classification likelihoods only."""
-        classifiers = (LogitBernoulliAdapter, ProbitBernoulliAdapter, SoftmaxAdapter, MultinomialProbitAdapter)
-        if not isinstance(self.adapter, classifiers):
-            raise TypeError(f"predictive_probabilities needs a classification likelihood, not {self.adapter.name}.")
-        return self.predictive_mean(inputs)
-
-    # -- state_dict and devices ------------------------------------------------------------------
-    def get_extra_state(self) -> dict:
-        """The solver state for ``state_dict()``: tensors, numbers and strings only (``weights_only`` loadable).
-
-        Holds the state of the last completed step (also when saved inside a ``fit`` callback), the
-        unit-vector policy's position there, and a hash of the training data it belongs to.
-        """
-        return {
-            "version": 2,
-            "state": None if self._state is None else self._state.to_extra(),
-            "fingerprint": self._fingerprint,
-            "policy": dict(self._policy_state),
-            "data": _data_fingerprint(self.train_inputs, self.train_targets),
-        }
-
-    def set_extra_state(self, extra: dict) -> None:
-        """Restore :meth:`get_extra_state`.
-
-        :raises ValueError: if the saved state is malformed (missing entries, shapes that disagree).
-        A state saved for other training data (another size, or a different hash) is discarded with a
-        ``UserWarning``: the hyperparameters still load, and the next ``fit()`` or prediction starts from the
-        prior instead of predicting with weights fitted to other data.
-        """
-        name = type(self).__name__
-        if not isinstance(extra, dict):
-            raise ValueError(f"{name} extra state must be a dict, got {type(extra).__name__}.")
-        saved = extra.get("state")
-        if saved is None:
-            self._reset_state(extra.get("policy", {}))
-            return
-        if not isinstance(saved, dict):
-            raise ValueError(f"{name} extra state is malformed: its state must be a dict, got {type(saved).__name__}.")
-        state = self._state_type.from_extra(saved, self.train_inputs)
-        size = self._saved_size(state)
-        expected_size = self.num_data * self.num_latents
-        data = extra.get("data")
-        if size != expected_size or (
-            data is not None and data != _data_fingerprint(self.train_inputs, self.train_targets)
-        ):
-            warnings.warn(
-                f"The saved {name} solver state belongs to other training data ({size} latent values, this model "
-                f"has {expected_size}, or different values): it is discarded, and the next fit() or prediction "
-                "starts from the prior.",
-                UserWarning,
-                stacklevel=2,
-            )
-            self._reset_state({})
-            return
-        self._state = state
-        fingerprint = extra.get("fingerprint")
-        self._fingerprint = None if fingerprint is None else fingerprint.to(self.train_inputs)
-        self.policy.load_state(extra.get("policy", {}))
-        self._policy_state = self.policy.state()
-
-    def _saved_size(self, state: Any) -> int:
-        """The number of latent values a (loaded) state belongs to."""
-        return state.representer_weights.shape[0]
-
-    def _reset_state(self, policy_state: dict) -> None:
-        self._state, self._fingerprint = None, None
-        self.policy.load_state(policy_state)
-        self._policy_state = self.policy.state()
-
-    def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
-        if self._state is not None:
-            converted = {name: fn(tensor) for name, tensor in self._state.tensors().items()}
-            self._state = dataclasses.replace(self._state, **converted)
-        if self._fingerprint is not None:
-            self._fingerprint = fn(self._fingerprint)
-        return self
-
-
-class IterNCGPStrategy(_SolverStrategy):
+class IterNCGPStrategy(_IterGPStrategy):
     r"""Laplace inference by damped Newton steps solved with IterGP (IterNCGP), for an ``ApproximateGP``.
 
     :param model: the ``ApproximateGP`` that owns this strategy (pass ``self`` in its ``__init__``); its
@@ -532,18 +282,18 @@ class IterNCGPStrategy(_SolverStrategy):
         train_targets: Tensor,
         likelihood: gpytorch.likelihoods.Likelihood,
         policy: str | Policy = "cg",
-        max_newton_steps: int = 20,
-        max_solver_iterations: int | None = 5,
-        compression_rank: int | None = None,
-        recycle: bool = True,
-        outer_tol: float = 1e-2,
-        abs_tol: float = 1e-5,
-        rel_tol: float = 1e-5,
+        max_newton_steps: int = SolverOptions.max_newton_steps,
+        max_solver_iterations: int | None = SolverOptions.max_solver_iterations,
+        compression_rank: int | None = SolverOptions.compression_rank,
+        recycle: bool = SolverOptions.recycle,
+        outer_tol: float = SolverOptions.outer_tol,
+        abs_tol: float = SolverOptions.abs_tol,
+        rel_tol: float = SolverOptions.rel_tol,
         min_curvature: float | None = None,
         seed: int = 0,
         show_progress: bool = True,
-        covariance_iterations: int = 0,
-        covariance_block_size: int = 100,
+        covariance_iterations: int = SolverOptions.covariance_iterations,
+        covariance_block_size: int = SolverOptions.covariance_block_size,
     ):
         options = SolverOptions(
             covariance_iterations=covariance_iterations,
@@ -563,7 +313,7 @@ class IterNCGPStrategy(_SolverStrategy):
     def fit(
         self,
         max_newton_steps: int | None = None,
-        max_solver_iterations=_UNSET,
+        max_solver_iterations=UNSET,
         outer_tol: float | None = None,
         abs_tol: float | None = None,
         rel_tol: float | None = None,
@@ -591,7 +341,7 @@ class IterNCGPStrategy(_SolverStrategy):
         :raises TypeError: for a callback that is not callable, or a model computing in another dtype.
         """
         options = self._call_options(
-            max_solver_iterations,
+            max_solver_iterations=max_solver_iterations,
             max_newton_steps=max_newton_steps,
             outer_tol=outer_tol,
             abs_tol=abs_tol,
@@ -624,7 +374,7 @@ class IterNCGPStrategy(_SolverStrategy):
         return mean + state.kernel_representer_weights.reshape(-1, self.num_latents)
 
 
-class EPStrategy(_SolverStrategy):
+class EPStrategy(_IterGPStrategy):
     r"""Expectation propagation (EP) with every sweep's GP regression solved by IterGP, for an ``ApproximateGP``.
 
     A drop-in for ``VariationalStrategy`` and :class:`IterNCGPStrategy`, with the same ``fit()``, predictions
@@ -684,21 +434,21 @@ class EPStrategy(_SolverStrategy):
         train_targets: Tensor,
         likelihood: gpytorch.likelihoods.Likelihood,
         policy: str | Policy = "cg",
-        max_sweeps: int = 50,
-        max_solver_iterations: int | None = 5,
-        compression_rank: int | None = None,
-        recycle: bool = True,
-        damping: float = 0.5,
-        site_tol: float = 1e-4,
-        abs_tol: float = 1e-5,
-        rel_tol: float = 1e-5,
+        max_sweeps: int = EPOptions.max_sweeps,
+        max_solver_iterations: int | None = EPOptions.max_solver_iterations,
+        compression_rank: int | None = EPOptions.compression_rank,
+        recycle: bool = EPOptions.recycle,
+        damping: float = EPOptions.damping,
+        site_tol: float = EPOptions.site_tol,
+        abs_tol: float = EPOptions.abs_tol,
+        rel_tol: float = EPOptions.rel_tol,
         min_curvature: float | None = None,
         seed: int = 0,
         show_progress: bool = True,
-        covariance_iterations: int = 0,
-        covariance_block_size: int = 100,
-        marginal_iterations: int = 0,
-        marginal_every: int = 1,
+        covariance_iterations: int = EPOptions.covariance_iterations,
+        covariance_block_size: int = EPOptions.covariance_block_size,
+        marginal_iterations: int = EPOptions.marginal_iterations,
+        marginal_every: int = EPOptions.marginal_every,
     ):
         options = EPOptions(
             covariance_iterations=covariance_iterations,
@@ -727,7 +477,7 @@ class EPStrategy(_SolverStrategy):
     def fit(
         self,
         max_sweeps: int | None = None,
-        max_solver_iterations=_UNSET,
+        max_solver_iterations=UNSET,
         damping: float | None = None,
         site_tol: float | None = None,
         abs_tol: float | None = None,
@@ -749,7 +499,7 @@ class EPStrategy(_SolverStrategy):
         :raises TypeError: for a callback that is not callable, or a model computing in another dtype.
         """
         options = self._call_options(
-            max_solver_iterations,
+            max_solver_iterations=max_solver_iterations,
             max_sweeps=max_sweeps,
             damping=damping,
             site_tol=site_tol,

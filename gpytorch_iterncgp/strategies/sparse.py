@@ -19,9 +19,7 @@ r""":class:`SparseEPStrategy`: sparse EP-DTC (:mod:`~gpytorch_iterncgp.sparse.dt
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
-from typing import Any
 
 import gpytorch
 import torch
@@ -31,13 +29,13 @@ from torch import Tensor
 
 from ..core.outer_loop import EPSweep, FitReport
 from ..core.validation import check_flag, check_inputs
-from ..ep.sweeps import EPOptions
+from ..ep.sweeps import SweepOptions
 from ..likelihoods.tilted import TILTED_ADAPTERS
 from ..sparse.dtc import DTCPrior, SparseEP, SparseEPState, inducing_cholesky
-from .itergp import _SolverStrategy
+from .predictive import PredictiveStrategy, warn_lost_variance
 
 
-class SparseEPStrategy(_SolverStrategy):
+class SparseEPStrategy(PredictiveStrategy):
     r"""Sparse expectation propagation under the DTC prior of :math:`M` inducing inputs (EP-DTC), for an
     ``ApproximateGP``: :math:`O(M^2 N)` per sweep and :math:`O(MN)` memory, never an :math:`N \times N` matrix.
 
@@ -74,7 +72,7 @@ class SparseEPStrategy(_SolverStrategy):
     """
 
     _state_type = SparseEPState
-    options: EPOptions
+    options: SweepOptions
 
     def __init__(
         self,
@@ -84,14 +82,13 @@ class SparseEPStrategy(_SolverStrategy):
         likelihood: gpytorch.likelihoods.Likelihood,
         inducing_points: Tensor,
         learn_inducing_locations: bool = True,
-        max_sweeps: int = 50,
-        damping: float = 0.5,
-        site_tol: float = 1e-4,
+        max_sweeps: int = SweepOptions.max_sweeps,
+        damping: float = SweepOptions.damping,
+        site_tol: float = SweepOptions.site_tol,
         show_progress: bool = True,
     ):
-        # EPOptions' IterGP fields are not used by EP-DTC (no iterative solver)
-        options = EPOptions(max_sweeps=max_sweeps, damping=damping, site_tol=site_tol)
-        super().__init__(model, train_inputs, train_targets, likelihood, "cg", options, None, 0, show_progress)
+        options = SweepOptions(max_sweeps=max_sweeps, damping=damping, site_tol=site_tol)
+        super().__init__(model, train_inputs, train_targets, likelihood, options, None, show_progress)
         if not isinstance(self.adapter, TILTED_ADAPTERS):
             raise TypeError(
                 f"SparseEPStrategy needs a likelihood with tilted moments: BernoulliLikelihood (probit), "
@@ -140,24 +137,20 @@ class SparseEPStrategy(_SolverStrategy):
         mean, covariance, cholesky, whitened = self._joint(self.train_inputs)
         return DTCPrior(mean, covariance.diagonal(), cholesky, whitened)
 
-    def _hyperparameter_fingerprint(self) -> Tensor:
-        """The model's parameters and the inducing inputs (also when they are a fixed buffer)."""
-        base = super()._hyperparameter_fingerprint()
-        return torch.cat([base, self.inducing_points.detach().reshape(-1).to(base)])
+    def _fingerprint_tensors(self) -> list[Tensor]:
+        """The parameters of model and likelihood and the inducing inputs (also when they are a fixed buffer)."""
+        return [*super()._fingerprint_tensors(), self.inducing_points]
 
     # -- fitting ---------------------------------------------------------------------------------
-    def _prior_for_fit(self) -> DTCPrior:  # type: ignore[override]
+    def _prior_for_fit(self) -> DTCPrior:
+        """:meth:`dtc_prior`, checked against the data's device and dtype."""
         self._check_model_device()
         if self.inducing_points.device != self.train_inputs.device:
             raise ValueError(
                 f"inducing_points are on {self.inducing_points.device}, the data on {self.train_inputs.device}."
             )
         prior = self.dtc_prior()
-        if prior.mean.dtype != self.train_inputs.dtype:
-            raise TypeError(
-                f"The model computes in {prior.mean.dtype} but train_inputs are {self.train_inputs.dtype}: "
-                "convert the model and the data to one dtype."
-            )
+        self._check_prior_dtype(prior.mean.dtype)
         return prior
 
     def fit(
@@ -175,15 +168,13 @@ class SparseEPStrategy(_SolverStrategy):
         :raises ValueError: for an option out of range, or model parameters on another device than the data.
         :raises TypeError: for a callback that is not callable, or a model computing in another dtype.
         """
-        overrides: dict[str, Any] = {"max_sweeps": max_sweeps, "damping": damping, "site_tol": site_tol}
-        options = dataclasses.replace(self.options, **{k: v for k, v in overrides.items() if v is not None})
-        options.validate()
+        options = self._call_options(max_sweeps=max_sweeps, damping=damping, site_tol=site_tol)
         show = self._check_callback(callback, show_progress)
         with torch.no_grad():
             prior = self._prior_for_fit()
             return self._run(prior, options, options.max_sweeps, callback, show)
 
-    def _make_loop(self, prior: DTCPrior, options: EPOptions) -> SparseEP:
+    def _make_loop(self, prior: DTCPrior, options: SweepOptions) -> SparseEP:
         return SparseEP(prior, self.adapter, self.train_targets, options.damping, options.site_tol)
 
     def _saved_size(self, state: SparseEPState) -> int:
@@ -195,16 +186,8 @@ class SparseEPStrategy(_SolverStrategy):
         state = self.ensure_fitted()
         return state.site_precision, state.site_natural_mean
 
-    @property
-    def approximate_precision(self) -> Any:
-        """Not defined for EP-DTC (no :math:`N \\times N` precision); see ``state.posterior_cholesky``."""
-        raise AttributeError(
-            "SparseEPStrategy has no N x N approximate precision; its posterior lives in the inducing space "
-            "(state.posterior_cholesky, state.whitened_mean)."
-        )
-
     # -- the posterior ---------------------------------------------------------------------------
-    def _posterior_parts(self, inputs: Tensor) -> tuple[Tensor, Tensor, Tensor, LinearOperator]:  # type: ignore[override]
+    def _posterior_parts(self, inputs: Tensor) -> tuple[Tensor, Tensor, Tensor, LinearOperator]:
         r"""Mean ``(N*,)``, :math:`\mathbf V_*^\top = \mathbf K_{*u}\mathbf L^{-\top}` and
         :math:`(\mathbf L_B^{-1}\mathbf V_*)^\top` ``(N*, M)``, and the lazy :math:`\mathbf K_{**}`."""
         state = self.ensure_fitted()
@@ -234,7 +217,7 @@ class SparseEPStrategy(_SolverStrategy):
         mean, whitened, projected, covariance = self._posterior_parts(inputs)
         prior_variance = covariance.diagonal()
         variance = prior_variance - whitened.square().sum(-1) + projected.square().sum(-1)
-        self._warn_lost_variance(variance, prior_variance)
+        warn_lost_variance(variance, prior_variance)
         return mean[:, None], variance.clamp_min(0)[:, None]
 
     def marginal_latent_blocks(self, inputs: Tensor) -> tuple[Tensor, Tensor]:

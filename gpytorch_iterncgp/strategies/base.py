@@ -1,0 +1,399 @@
+r"""What every strategy of the package shares, whatever its outer loop: :class:`OuterLoopStrategy`, the owner of the
+committed state of a fit.
+
+A strategy fits by running an outer loop (damped Newton, EP, EP-DTC; see :mod:`~gpytorch_iterncgp.core.outer_loop`)
+through :func:`~gpytorch_iterncgp.core.outer_loop.run_outer_loop`, which hands it every completed step's state to
+commit. The committed state belongs to the hyperparameters it was fitted at: their *fingerprint* (every parameter,
+flattened) is stored with it, and :meth:`OuterLoopStrategy.ensure_fitted` refits when they changed. The pieces that
+also serve models which are not strategies (:func:`parameter_fingerprint`, :func:`fingerprint_matches`,
+:func:`converge`) are functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import gpytorch
+import torch
+from torch import Tensor
+
+from ..core.outer_loop import FitReport, OuterLoop, ProductCounter, run_outer_loop
+from ..core.validation import check_flag, check_inputs
+from ..likelihoods.adapters import likelihood_adapter
+
+UNSET: Any = object()  # "keep the strategy's setting" for an option whose ``None`` is a value of its own
+
+
+def data_fingerprint(inputs: Tensor, targets: Tensor) -> str:
+    """A hash of the training data (rounded to float32, so a float32 copy of float64 data matches).
+
+    :param inputs: the training inputs ``(N, D)``.
+    :param targets: the training targets ``(N,)`` or ``(N, P)``.
+    :return: the SHA-256 hex digest of both tensors' shapes and values.
+    """
+    digest = hashlib.sha256()
+    for tensor in (inputs, targets):
+        values = tensor.detach().to(device="cpu", dtype=torch.float32).contiguous()
+        digest.update(str(tuple(values.shape)).encode())
+        digest.update(values.numpy().tobytes())
+    return digest.hexdigest()
+
+
+def parameter_fingerprint(tensors: Iterable[Tensor], like: Tensor) -> Tensor:
+    """The values a fitted state depends on, detached and flattened into one vector.
+
+    :param tensors: the parameters (and any other tensors the fit depends on), of any shapes.
+    :param like: the dtype and device of the fingerprint.
+    :return: a copy of all their entries, ``(sum of their sizes,)`` (empty without tensors).
+    """
+    parts = [tensor.detach().reshape(-1).to(like) for tensor in tensors]
+    if not parts:
+        return like.new_zeros(0)
+    return torch.cat(parts).clone()
+
+
+def fingerprint_matches(fingerprint: Tensor, committed: Tensor | None) -> bool:
+    """Whether ``fingerprint`` equals the ``committed`` one exactly (``None``: nothing committed).
+
+    :param fingerprint: the current parameters' :func:`parameter_fingerprint`.
+    :param committed: that of the parameters the committed state was fitted at.
+    """
+    if committed is None:
+        return False
+    return fingerprint.shape == committed.shape and bool(torch.equal(fingerprint, committed))
+
+
+def converge(
+    loop: OuterLoop, start: Any, counter: ProductCounter, max_steps: int, stacklevel: int = 2
+) -> tuple[Any, FitReport]:
+    """Run ``loop`` from ``start`` by :func:`~gpytorch_iterncgp.core.outer_loop.run_outer_loop`, without progress
+    bar or callback, for a caller that keeps only the final state.
+
+    :param loop: the outer loop.
+    :param start: its starting state (e.g. warm-started sites).
+    :param counter: the prior whose products with K the report counts.
+    :param max_steps: the most steps.
+    :param stacklevel: of the loop's warnings, counted from the caller of this function.
+    :return: the last committed (finalised) state and the report.
+    """
+    committed = [start]
+    report = run_outer_loop(
+        loop, start, committed.append, counter, max_steps, show_progress=False, stacklevel=stacklevel + 1
+    )
+    return committed[-1], report
+
+
+class OuterLoopStrategy(gpytorch.Module):
+    r"""A ``VariationalStrategy`` replacement that fits by an outer loop: the committed state, the fingerprint of the
+    hyperparameters it belongs to, refitting when stale, driving a fit, its report, ``state_dict`` and devices.
+
+    It knows no particular loop. A subclass
+
+    * sets :attr:`_state_type` (a state class with ``to_extra()`` and the classmethod
+      ``from_extra(saved, reference)``) and :attr:`options` (a dataclass with ``validate()``),
+    * builds its loop in :meth:`_make_loop` and defines ``fit(...)``, which calls :meth:`_run`,
+    * defines the predictions.
+
+    :param model: the ``ApproximateGP`` that owns the strategy (not a submodule of it).
+    :param train_inputs: :math:`\mathbf X`, ``(N, D)`` (or ``(N,)``).
+    :param train_targets: ``(N,)`` (or ``(N, C)``), checked by the likelihood's adapter.
+    :param likelihood: the GPyTorch likelihood.
+    :param options: the loop's options (validated here).
+    :param min_curvature: the adapter's lower bound on the curvature (``None``: its default).
+    :param show_progress: show a tqdm progress bar in ``fit``.
+    :raises ValueError: for data of different lengths or devices, or an option out of range.
+    :raises TypeError: for a ``model`` that is not a ``torch.nn.Module``.
+    """
+
+    _state_type: Any = None
+    _none_is_a_value: frozenset[str] = frozenset()  # options of ``fit`` whose "keep" is :data:`UNSET`, not ``None``
+    options: Any
+
+    def __init__(
+        self,
+        model: gpytorch.models.ApproximateGP,
+        train_inputs: Tensor,
+        train_targets: Tensor,
+        likelihood: gpytorch.likelihoods.Likelihood,
+        options: Any,
+        min_curvature: float | None,
+        show_progress: bool,
+    ):
+        super().__init__()
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(
+                f"model must be the gpytorch ApproximateGP that owns the strategy (pass self), got {type(model).__name__}."
+            )
+        object.__setattr__(self, "model", model)  # not a submodule: the model owns the strategy
+        object.__setattr__(self, "likelihood", likelihood)
+        self.adapter = likelihood_adapter(likelihood, min_curvature)
+        if torch.is_tensor(train_inputs) and torch.is_tensor(train_targets):
+            if train_targets.device != train_inputs.device:
+                raise ValueError(
+                    f"train_targets are on {train_targets.device} but train_inputs on {train_inputs.device}: "
+                    "put both on one device."
+                )
+        train_inputs = check_inputs(train_inputs, "train_inputs")
+        targets = self.adapter.check_targets(train_targets, train_inputs.dtype)
+        if len(targets) != len(train_inputs):
+            raise ValueError(
+                f"train_inputs has {len(train_inputs)} points but train_targets has {len(targets)}: they must match."
+            )
+        check_flag(show_progress, "show_progress")
+        self.register_buffer("train_inputs", train_inputs, persistent=False)
+        self.register_buffer("train_targets", targets, persistent=False)
+        options.validate()
+        self.options = options
+        self.show_progress = show_progress
+        self._state: Any = None  # the committed state (of _state_type)
+        self._fingerprint: Tensor | None = None  # the hyperparameters it belongs to
+        self.last_report: FitReport | None = None
+
+    # -- sizes -----------------------------------------------------------------------------------
+    @property
+    def num_data(self) -> int:
+        """:math:`N`, the number of training points."""
+        return self.train_inputs.shape[0]
+
+    @property
+    def num_latents(self) -> int:
+        """:math:`C`, the number of latent functions (1 for binary and count data)."""
+        return self.adapter.num_latents
+
+    @property
+    def state(self) -> Any:
+        """The committed state of the outer loop, or ``None`` before fitting."""
+        return self._state
+
+    # -- the committed state ---------------------------------------------------------------------
+    def _fingerprint_tensors(self) -> list[Tensor]:
+        """What the state depends on besides the data: the parameters of model and likelihood."""
+        return [*self.model.parameters(), *self.likelihood.parameters()]
+
+    def _hyperparameter_fingerprint(self) -> Tensor:
+        """:func:`parameter_fingerprint` of :meth:`_fingerprint_tensors`: the solver state is valid for these only."""
+        return parameter_fingerprint(self._fingerprint_tensors(), self.train_inputs)
+
+    def _is_current(self) -> bool:
+        """Whether a state is committed and belongs to the current hyperparameters."""
+        if self._state is None or self._fingerprint is None:
+            return False
+        return fingerprint_matches(self._hyperparameter_fingerprint(), self._fingerprint)
+
+    def _commit(self, state: Any) -> None:
+        """Make ``state`` the committed state, for the current hyperparameters (every completed step)."""
+        self._state = state
+        self._fingerprint = self._hyperparameter_fingerprint()
+
+    def _rewind(self) -> None:
+        """Put back what a subclass keeps beside the state to where it was at the last commit (after an
+        interrupted fit); nothing here."""
+
+    def _starting_state(self, loop: OuterLoop) -> Any:
+        """The state to continue from: the loop's initial state, the committed one, or (if the hyperparameters
+        changed) the committed one renewed by the loop."""
+        if self._state is None:
+            return loop.initial_state()
+        if self._is_current():
+            return self._state
+        return loop.renew(self._state)
+
+    def ensure_fitted(self) -> Any:
+        """The state for the current hyperparameters: ``fit()`` (without progress bar) if it is missing or stale.
+
+        Every prediction calls it, so predictions before ``fit()``, or after a change of a hyperparameter, fit first.
+        """
+        if not self._is_current():
+            self.fit(show_progress=False)
+        assert self._state is not None  # fit() always commits (the starting state, if no step was taken)
+        return self._state
+
+    def fit(self, *args: Any, **kwargs: Any) -> FitReport:
+        """Run the outer loop from the committed state (each subclass defines and documents its arguments, among
+        them ``show_progress``)."""
+        raise NotImplementedError
+
+    # -- driving a fit ---------------------------------------------------------------------------
+    def _call_options(self, **overrides: Any) -> Any:
+        """The strategy's options with one call's ``overrides``, validated.
+
+        An override of ``None`` keeps the strategy's setting, except for the options in :attr:`_none_is_a_value`,
+        which keep it for :data:`UNSET`.
+
+        :raises ValueError: for an option out of range.
+        """
+        changes = {
+            name: value
+            for name, value in overrides.items()
+            if value is not UNSET and (value is not None or name in self._none_is_a_value)
+        }
+        options = dataclasses.replace(self.options, **changes)
+        options.validate()
+        return options
+
+    def _check_callback(self, callback: Callable | None, show_progress: bool | None) -> bool:
+        """Check ``fit``'s ``callback`` and ``show_progress``; return whether to show progress.
+
+        :raises TypeError: for a callback that is not callable.
+        """
+        if callback is not None and not callable(callback):
+            raise TypeError(f"callback must be callable (step, state) -> bool | None, got {type(callback).__name__}.")
+        if show_progress is not None:
+            check_flag(show_progress, "show_progress")
+        return self.show_progress if show_progress is None else show_progress
+
+    def _check_model_device(self) -> None:
+        """:raises ValueError: for a parameter of model or likelihood on another device than the data."""
+        device = self.train_inputs.device
+        for name, parameter in [*self.model.named_parameters(), *self.likelihood.named_parameters()]:
+            if parameter.device != device:
+                raise ValueError(
+                    f"The model's parameter {name} is on {parameter.device} but train_inputs on {device}: move the "
+                    "model (model.to(device)) and the likelihood to the device of the data."
+                )
+
+    def _check_prior_dtype(self, dtype: torch.dtype) -> None:
+        """:raises TypeError: if the model computes in another dtype than the training inputs'."""
+        if dtype != self.train_inputs.dtype:
+            raise TypeError(
+                f"The model computes in {dtype} but train_inputs are {self.train_inputs.dtype}: "
+                "convert the model and the data to one dtype."
+            )
+
+    def _prepare_loop(self) -> None:
+        """Whatever a subclass sets up before it makes a loop; nothing here."""
+
+    def _make_loop(self, prior: Any, options: Any) -> OuterLoop:
+        """The outer loop for ``prior`` (the model's prior at the training inputs) and ``options``."""
+        raise NotImplementedError
+
+    def _run(self, prior: ProductCounter, options: Any, max_steps: int, callback, show: bool) -> FitReport:
+        """Drive the subclass's outer loop from the starting state by ``run_outer_loop``; the committed state follows
+        every step, and an interrupted fit keeps the last completed one.
+
+        :param prior: the prior at the training inputs (also the counter of products with K).
+        :param options: this call's options.
+        :param max_steps: the most outer steps.
+        :param callback: called after every step with its record and state; ``True`` stops.
+        :param show: show a progress bar.
+        :return: the report, also kept as :attr:`last_report`.
+        """
+        self._prepare_loop()
+        loop = self._make_loop(prior, options)
+        state = self._starting_state(loop)
+        try:
+            report = run_outer_loop(
+                loop,
+                state,
+                commit=self._commit,
+                counter=prior,
+                max_steps=max_steps,
+                callback=callback,
+                show_progress=show,
+                stacklevel=3,
+            )
+        except BaseException:
+            # Interrupted (KeyboardInterrupt, an error in the callback, ...): the state is that of the last
+            # completed step; put back what belongs to it.
+            self._rewind()
+            raise
+        self.last_report = report
+        return report
+
+    # -- predictions' inputs ---------------------------------------------------------------------
+    def _check_test_inputs(self, inputs: Tensor) -> Tensor:
+        """``inputs`` ``(N*, D)`` checked against the training inputs (features, dtype, device).
+
+        :raises ValueError: for another number of features, or a model on another device.
+        :raises TypeError: for another dtype.
+        """
+        inputs = check_inputs(inputs, "inputs", device=self.train_inputs.device)
+        if inputs.shape[-1] != self.train_inputs.shape[-1]:
+            raise ValueError(
+                f"inputs have {inputs.shape[-1]} features but the training inputs have {self.train_inputs.shape[-1]}."
+            )
+        if inputs.dtype != self.train_inputs.dtype:
+            raise TypeError(f"inputs are {inputs.dtype} but the model's training data {self.train_inputs.dtype}.")
+        self._check_model_device()
+        return inputs
+
+    # -- state_dict and devices ------------------------------------------------------------------
+    def _loop_extra(self) -> dict:
+        """What a subclass saves beside the state in :meth:`get_extra_state`; nothing here."""
+        return {}
+
+    def _load_loop_extra(self, extra: Mapping) -> None:
+        """Restore :meth:`_loop_extra` from a saved extra state (``{}``: reset); nothing here."""
+
+    def get_extra_state(self) -> dict:
+        """The committed state for ``state_dict()``: tensors, numbers and strings only (``weights_only`` loadable).
+
+        Holds the state of the last completed step (also when saved inside a ``fit`` callback), the fingerprint of
+        the hyperparameters it belongs to, and a hash of the training data.
+        """
+        return {
+            "version": 2,
+            "state": None if self._state is None else self._state.to_extra(),
+            "fingerprint": self._fingerprint,
+            **self._loop_extra(),
+            "data": data_fingerprint(self.train_inputs, self.train_targets),
+        }
+
+    def set_extra_state(self, extra: dict) -> None:
+        """Restore :meth:`get_extra_state`.
+
+        :raises ValueError: if the saved state is malformed (missing entries, shapes that disagree).
+        A state saved for other training data (another size, or a different hash) is discarded with a
+        ``UserWarning``: the hyperparameters still load, and the next ``fit()`` or prediction starts from the
+        prior instead of predicting with weights fitted to other data.
+        """
+        name = type(self).__name__
+        if not isinstance(extra, dict):
+            raise ValueError(f"{name} extra state must be a dict, got {type(extra).__name__}.")
+        saved = extra.get("state")
+        if saved is None:
+            self._reset_state(extra)
+            return
+        if not isinstance(saved, dict):
+            raise ValueError(f"{name} extra state is malformed: its state must be a dict, got {type(saved).__name__}.")
+        state = self._state_type.from_extra(saved, self.train_inputs)
+        size = self._saved_size(state)
+        expected_size = self.num_data * self.num_latents
+        data = extra.get("data")
+        if size != expected_size or (
+            data is not None and data != data_fingerprint(self.train_inputs, self.train_targets)
+        ):
+            warnings.warn(
+                f"The saved {name} solver state belongs to other training data ({size} latent values, this model "
+                f"has {expected_size}, or different values): it is discarded, and the next fit() or prediction "
+                "starts from the prior.",
+                UserWarning,
+                stacklevel=2,
+            )
+            self._reset_state({})
+            return
+        self._state = state
+        fingerprint = extra.get("fingerprint")
+        self._fingerprint = None if fingerprint is None else fingerprint.to(self.train_inputs)
+        self._load_loop_extra(extra)
+
+    def _saved_size(self, state: Any) -> int:
+        """The number of latent values a (loaded) state belongs to."""
+        return state.representer_weights.shape[0]
+
+    def _reset_state(self, extra: Mapping) -> None:
+        self._state, self._fingerprint = None, None
+        self._load_loop_extra(extra)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        if self._state is not None:
+            converted = {name: fn(tensor) for name, tensor in self._state.tensors().items()}
+            self._state = dataclasses.replace(self._state, **converted)
+        if self._fingerprint is not None:
+            self._fingerprint = fn(self._fingerprint)
+        return self

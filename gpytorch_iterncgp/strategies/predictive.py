@@ -1,0 +1,86 @@
+r"""The predictive distribution of the observations from the posterior of the latents, for any strategy whose
+posterior gives per-point latent marginals: :class:`PredictiveStrategy`."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from gpytorch.utils.warnings import NumericalWarning
+from torch import Tensor
+
+from ..likelihoods.adapters import (
+    LogitBernoulliAdapter,
+    MultinomialProbitAdapter,
+    ProbitBernoulliAdapter,
+    SoftmaxAdapter,
+)
+from .base import OuterLoopStrategy
+
+
+def warn_lost_variance(variance: Tensor, prior_variance: Tensor) -> None:
+    r"""Warn where a posterior variance :math:`k(x, x) - (\dots)` is below ``100 eps`` of the prior variance: there it
+    is dominated by rounding (cancellation), e.g. float32 with an outputscale of 1e8.
+
+    :param variance: the posterior variances, unclamped, any shape.
+    :param prior_variance: the prior variances, of the same shape.
+    """
+    lost = variance < 100 * torch.finfo(variance.dtype).eps * prior_variance
+    if bool(lost.any()):
+        warnings.warn(
+            f"IterNCGP: the posterior variance of {int(lost.sum())} latent value(s) is below 100 eps of the prior "
+            f"variance (up to {float(prior_variance[lost].max()):.3g}) and dominated by rounding in K - K C K "
+            f"({variance.dtype}); use float64 or a smaller outputscale for accurate variances there.",
+            NumericalWarning,
+            stacklevel=3,
+        )
+
+
+class PredictiveStrategy(OuterLoopStrategy):
+    r"""An :class:`~gpytorch_iterncgp.strategies.base.OuterLoopStrategy` whose posterior gives the latents' marginals at
+    test points; the predictive of the observations follows from them.
+
+    A subclass defines :meth:`marginal_latent` (means and variances ``(N*, C)``) and :meth:`marginal_latent_blocks`
+    (means ``(N*, C)`` and each point's :math:`C \times C` covariance ``(N*, C, C)``).
+    """
+
+    def marginal_latent(self, inputs: Tensor) -> tuple[Tensor, Tensor]:
+        """Posterior means and variances of the latents at ``inputs`` ``(N*, D)``, ``(N*, C)`` each."""
+        raise NotImplementedError
+
+    def marginal_latent_blocks(self, inputs: Tensor) -> tuple[Tensor, Tensor]:
+        """Posterior means ``(N*, C)`` and each test point's latent covariance ``(N*, C, C)``."""
+        raise NotImplementedError
+
+    def predictive_mean(self, inputs: Tensor) -> Tensor:
+        r""":math:`\mathbb E[y_*]`: class probabilities (``(N*,)`` for :math:`p(y=1)`, ``(N*, C)`` for softmax) or
+        expected counts ``(N*,)``, from the posterior of the latents at each test point.
+
+        * Probit link: exact, :math:`\Phi(\mu / \sqrt{1 + \sigma^2})`.
+        * Logit link: :math:`\mathbb E[\sigma(f)]` by quadrature to about 1e-13
+          (:func:`~gpytorch_iterncgp.likelihoods.adapters.logistic_gaussian`).
+        * Softmax: :math:`\mathbb E[\operatorname{softmax}(\mathbf f)]` by Monte Carlo with fixed base samples
+          (deterministic; :func:`~gpytorch_iterncgp.likelihoods.adapters.softmax_gaussian`, ``settings.softmax_samples``)
+          under each point's full :math:`C \times C` covariance (:meth:`marginal_latent_blocks`), not the
+          per-class marginals: with a kernel shared by the classes most of the posterior variance is common to
+          all classes and leaves the softmax unchanged.
+        * Poisson: :math:`e^{\mu + \sigma^2/2}` (exp link) or Gauss–Hermite quadrature (softplus link).
+
+        The latent posterior includes IterNCGP's computational uncertainty.
+        """
+        if isinstance(self.adapter, (SoftmaxAdapter, MultinomialProbitAdapter)):
+            return self.adapter.predictive_mean(*self.marginal_latent_blocks(inputs))
+        mean, variance = self.marginal_latent(inputs)
+        if self.num_latents == 1:
+            return self.adapter.predictive_mean(mean[:, 0], variance[:, 0])
+        return self.adapter.predictive_mean(mean, variance)
+
+    def predictive_probabilities(self, inputs: Tensor) -> Tensor:
+        """Class probabilities at ``inputs`` (see :meth:`predictive_mean`); classification likelihoods only.
+
+        :raises TypeError: for a likelihood that is not a classifier's.
+        """
+        classifiers = (LogitBernoulliAdapter, ProbitBernoulliAdapter, SoftmaxAdapter, MultinomialProbitAdapter)
+        if not isinstance(self.adapter, classifiers):
+            raise TypeError(f"predictive_probabilities needs a classification likelihood, not {self.adapter.name}.")
+        return self.predictive_mean(inputs)
