@@ -59,7 +59,6 @@ from ..core.outer_loop import FitReport, run_outer_loop
 from ..core.validation import check_count, check_nonnegative
 from ..exceptions import NonFiniteEvidenceError
 from ..likelihoods.adapters import LikelihoodAdapter, likelihood_adapter
-from ..likelihoods.tilted import TILTED_ADAPTERS
 from ..sparse.dtc import SparseEPState
 from ..sparse.uncertain import UncertainDTCPrior, UncertainSparseEP, psi_statistics, uncertain_posterior
 from .itergp import ep_site_terms
@@ -176,7 +175,7 @@ class UncertainSparseEPMarginalLogLikelihood(MarginalLogLikelihood):
                     "kernel; inducing_points: (M, D))."
                 )
         self.adapter = likelihood_adapter(likelihood)
-        if not isinstance(self.adapter, TILTED_ADAPTERS):
+        if not self.adapter.has_tilted_moments:
             raise TypeError(
                 f"UncertainSparseEPMarginalLogLikelihood needs a likelihood with tilted moments (probit, logit, "
                 f"Poisson), got {type(likelihood).__name__}."

@@ -52,14 +52,7 @@ from ..core.solver import IterGPOptions, RegressionState
 from ..core.validation import check_flag, check_inputs
 from ..ep.sweeps import EPOptions, EPState, ExpectationPropagation
 from ..laplace.newton import DampedNewton, LaplaceState, SolverOptions
-from ..likelihoods.adapters import (
-    LogitBernoulliAdapter,
-    MultinomialProbitAdapter,
-    ProbitBernoulliAdapter,
-    SoftmaxAdapter,
-    likelihood_adapter,
-)
-from ..likelihoods.tilted import TILTED_ADAPTERS
+from ..likelihoods.adapters import likelihood_adapter
 
 _UNSET = object()
 
@@ -392,7 +385,7 @@ class _SolverStrategy(gpytorch.Module):
 
         The latent posterior includes IterNCGP's computational uncertainty.
         """
-        if isinstance(self.adapter, (SoftmaxAdapter, MultinomialProbitAdapter)):
+        if self.adapter.predictive_needs_blocks:
             return self.adapter.predictive_mean(*self.marginal_latent_blocks(inputs))
         mean, variance = self.marginal_latent(inputs)
         if self.num_latents == 1:
@@ -401,8 +394,7 @@ class _SolverStrategy(gpytorch.Module):
 
     def predictive_probabilities(self, inputs: Tensor) -> Tensor:
         """Class probabilities at ``inputs`` (see :meth:`predictive_mean`); classification likelihoods only."""
-        classifiers = (LogitBernoulliAdapter, ProbitBernoulliAdapter, SoftmaxAdapter, MultinomialProbitAdapter)
-        if not isinstance(self.adapter, classifiers):
+        if not self.adapter.classification:
             raise TypeError(f"predictive_probabilities needs a classification likelihood, not {self.adapter.name}.")
         return self.predictive_mean(inputs)
 
@@ -717,7 +709,7 @@ class EPStrategy(_SolverStrategy):
         super().__init__(
             model, train_inputs, train_targets, likelihood, policy, options, min_curvature, seed, show_progress
         )
-        if not isinstance(self.adapter, (*TILTED_ADAPTERS, MultinomialProbitAdapter)):
+        if not self.adapter.supports_ep:
             raise TypeError(
                 f"EPStrategy needs a likelihood with tilted moments: BernoulliLikelihood (probit), "
                 f"LogitBernoulliLikelihood, PoissonLikelihood, ExpPoissonLikelihood or MultinomialProbitLikelihood "

@@ -32,7 +32,6 @@ from torch import Tensor
 from ..core.outer_loop import EPSweep, FitReport
 from ..core.validation import check_flag, check_inputs
 from ..ep.sweeps import EPOptions
-from ..likelihoods.tilted import TILTED_ADAPTERS
 from ..sparse.dtc import DTCPrior, SparseEP, SparseEPState, inducing_cholesky
 from .itergp import _SolverStrategy
 
@@ -92,7 +91,7 @@ class SparseEPStrategy(_SolverStrategy):
         # EPOptions' IterGP fields are not used by EP-DTC (no iterative solver)
         options = EPOptions(max_sweeps=max_sweeps, damping=damping, site_tol=site_tol)
         super().__init__(model, train_inputs, train_targets, likelihood, "cg", options, None, 0, show_progress)
-        if not isinstance(self.adapter, TILTED_ADAPTERS):
+        if not self.adapter.has_tilted_moments:
             raise TypeError(
                 f"SparseEPStrategy needs a likelihood with tilted moments: BernoulliLikelihood (probit), "
                 f"LogitBernoulliLikelihood, PoissonLikelihood or ExpPoissonLikelihood; got {type(likelihood).__name__}."
