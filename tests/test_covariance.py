@@ -13,7 +13,7 @@ import torch
 
 from gpytorch_iterncgp import EPStrategy, MultinomialProbitLikelihood
 from gpytorch_iterncgp.core.covariance import covariance_phase, curvature_matmul
-from gpytorch_iterncgp.core.noise import DiagonalNoiseInverse, SoftmaxPseudoInverse
+from gpytorch_iterncgp.core.noise import DiagonalNoiseInverse, SiteBlockNoiseInverse, SoftmaxPseudoInverse
 from tests.models import IterNCGPModel, binary_data, multiclass_data
 from tests.test_exact_laplace import (
     EXACT,
@@ -104,6 +104,13 @@ def test_curvature_matmul_inverts_the_noise_on_its_range():
     noise = BlockDiagLinearOperator(DenseLinearOperator(blocks))
     vectors = torch.randn(15, 2, generator=generator, dtype=torch.float64)
     assert_relative(curvature_matmul(noise, 3)(noise.matmul(vectors)), vectors, tol=1e-10)
+    # EP's site blocks: rank C - 1 with the null space 1, inverted on the zero-sum vectors
+    basis, _ = torch.linalg.qr(torch.eye(3, dtype=torch.float64)[:, :2] - 1 / 3)
+    rotation, _ = torch.linalg.qr(torch.randn(5, 2, 2, generator=generator, dtype=torch.float64))
+    eigenvalues = torch.rand(5, 2, generator=generator, dtype=torch.float64) + 0.1
+    site_noise = SiteBlockNoiseInverse.from_site_spectrum(eigenvalues, basis @ rotation, min_precision=1e-3)
+    centred = (vectors.reshape(5, 3, 2) - vectors.reshape(5, 3, 2).mean(1, keepdim=True)).reshape(15, 2)
+    assert_relative(curvature_matmul(site_noise, 3)(site_noise.matmul(centred)), centred, tol=1e-10)
 
 
 def test_phase_counts_products_and_stops_at_the_action_space():

@@ -210,7 +210,7 @@ LAYERS: list[tuple[str, list[set[str]]]] = [
             {"solver", "outer_loop"},
         ],
     ),
-    ("likelihoods", [{"multinomial_probit"}, {"adapters"}, {"tilted"}]),
+    ("likelihoods", [{"multinomial_probit", "tilted"}, {"adapters"}]),
     ("laplace", [{"newton"}]),
     ("ep", [{"sites"}, {"sweeps"}]),
     ("sparse", [{"psi_statistics"}, {"dtc"}, {"uncertain", "uncertain_prediction"}]),

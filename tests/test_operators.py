@@ -24,10 +24,12 @@ from linear_operator.test.linear_operator_test_case import (
 from gpytorch_iterncgp.core.noise import (
     BlockNoiseInverse,
     DiagonalNoiseInverse,
+    SiteBlockNoiseInverse,
     SoftmaxPseudoInverse,
     project_to_zero_sum,
 )
 from gpytorch_iterncgp.core.precision import ColumnStore, LowRankPrecision
+from gpytorch_iterncgp.ep.sites import site_block_spectrum, zero_sum_basis
 
 
 def _block_diag(blocks: torch.Tensor) -> torch.Tensor:
@@ -184,6 +186,74 @@ class TestSoftmaxPseudoInverseBatch(TestSoftmaxPseudoInverse):
 
     def create_linear_op(self):
         return SoftmaxPseudoInverse(torch.softmax(torch.randn(2, 3, 4), dim=-1))
+
+
+# ---------------------------------------------------------------------------------------------------
+# SiteBlockNoiseInverse
+# ---------------------------------------------------------------------------------------------------
+def _site_precisions(*batch, num_data=4, num_classes=3, dtype=torch.float32, generator=None) -> torch.Tensor:
+    """EP-like site blocks ``(*batch, N, C, C)``: positive semi-definite, null space 1, eigenvalues >= 0.5 on 1^perp."""
+    basis = zero_sum_basis(num_classes, dtype, torch.device("cpu"))
+    factor = torch.randn(*batch, num_data, num_classes - 1, num_classes - 1, dtype=dtype, generator=generator)
+    inner = factor @ factor.mT / num_classes + 0.5 * torch.eye(num_classes - 1, dtype=dtype)
+    return basis @ inner @ basis.mT
+
+
+def _site_noise(site_precision: torch.Tensor, min_precision: float) -> SiteBlockNoiseInverse:
+    basis = zero_sum_basis(site_precision.shape[-1], site_precision.dtype, site_precision.device)
+    return SiteBlockNoiseInverse.from_site_spectrum(*site_block_spectrum(site_precision, basis), min_precision)
+
+
+class TestSiteBlockNoiseInverse(RectangularLinearOperatorTestCase, unittest.TestCase):
+    """Singular (each block has the null space 1), so solve / logdet / Cholesky tests of
+    ``LinearOperatorTestCase`` do not apply; diagonal and eigvalsh are added by hand."""
+
+    seed = 0
+
+    def create_linear_op(self):
+        return _site_noise(_site_precisions(num_data=4, num_classes=3), min_precision=1e-3)
+
+    def evaluate_linear_op(self, linear_op):
+        return _block_diag(linear_op.blocks)
+
+    def test_diagonal(self):
+        linear_op = self.create_linear_op()
+        self.assertAllClose(linear_op.diagonal(), self.evaluate_linear_op(linear_op).diagonal(dim1=-2, dim2=-1))
+
+    def test_eigvalsh(self):
+        linear_op = self.create_linear_op().double()
+        evals = torch.linalg.eigvalsh(linear_op)
+        self.assertAllClose(evals, torch.linalg.eigvalsh(self.evaluate_linear_op(linear_op)), rtol=1e-6, atol=1e-7)
+        # One zero eigenvalue per data point (null space 1), the others positive.
+        num_points = linear_op.blocks[..., 0, 0].numel()
+        self.assertEqual(int((evals.abs() < 1e-6).sum()), num_points)
+        self.assertTrue(bool((evals > -1e-6).all()))
+
+
+class TestSiteBlockNoiseInverseBatch(TestSiteBlockNoiseInverse):
+    seed = 0
+
+    def create_linear_op(self):
+        return _site_noise(_site_precisions(2, num_data=3, num_classes=4), min_precision=1e-3)
+
+
+def test_site_block_noise_is_the_bounded_pseudo_inverse_of_the_sites():
+    """Blocks V max(Λ, λ_min)^{-1} V^T: the Moore–Penrose pseudo-inverse of sites whose eigenvalues on 1^perp exceed
+    λ_min, the bound where one is below it (a flat site direction: noise 1 / λ_min), zero along 1."""
+    generator = torch.Generator().manual_seed(5)
+    sites = _site_precisions(num_data=5, num_classes=4, dtype=torch.float64, generator=generator)
+    noise = _site_noise(sites, min_precision=1e-3)
+    torch.testing.assert_close(noise.blocks, torch.linalg.pinv(sites, hermitian=True), rtol=0, atol=1e-12)
+    basis = zero_sum_basis(4, torch.float64, torch.device("cpu"))
+    rotation, _ = torch.linalg.qr(torch.randn(5, 3, 3, dtype=torch.float64, generator=generator))
+    directions = basis @ rotation  # (N, C, C - 1): orthonormal, orthogonal to 1
+    eigenvalues = torch.tensor([1e-6, 2.0, 5.0], dtype=torch.float64)  # the first below the bound 0.25
+    flat_sites = (directions * eigenvalues) @ directions.mT
+    bounded = _site_noise(flat_sites, min_precision=0.25).blocks
+    expected = (directions / torch.tensor([0.25, 2.0, 5.0], dtype=torch.float64)) @ directions.mT
+    torch.testing.assert_close(bounded, expected, rtol=0, atol=1e-12)
+    ones = torch.ones(4, dtype=torch.float64)
+    torch.testing.assert_close(bounded @ ones, torch.zeros(5, 4, dtype=torch.float64), rtol=0, atol=1e-12)
 
 
 def test_lemma_a7_pseudo_inverse():

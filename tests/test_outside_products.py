@@ -13,6 +13,7 @@ from gpytorch_iterncgp.core import recycling
 from gpytorch_iterncgp.core.noise import (
     BlockNoiseInverse,
     DiagonalNoiseInverse,
+    SiteBlockNoiseInverse,
     SoftmaxPseudoInverse,
     project_to_zero_sum,
 )
@@ -71,12 +72,17 @@ def _noise(kind: str, num_data: int, num_latents: int, dtype: torch.dtype):
     curvature = factor @ factor.mT + 0.1 * torch.eye(num_latents, dtype=dtype)
     if kind == "cholesky":
         return BlockNoiseInverse(torch.linalg.cholesky(curvature))
-    return BlockDiagLinearOperator(DenseLinearOperator(torch.linalg.inv(curvature)))  # EP's site blocks: no factor
+    if kind == "site-blocks":  # EP's C x C sites: rank C - 1, null space 1
+        values, vectors = torch.linalg.eigh(curvature)
+        centred = vectors - vectors.mean(-2, keepdim=True)
+        basis, _ = torch.linalg.qr(centred[..., :-1])
+        return SiteBlockNoiseInverse.from_site_spectrum(values[..., 1:], basis, min_precision=1e-3)
+    return BlockDiagLinearOperator(DenseLinearOperator(torch.linalg.inv(curvature)))  # a generic noise: no factor
 
 
 @pytest.mark.parametrize("size", [9, 100])  # 100: the Gram matrix from its two lower blocks
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("kind", ["softmax", "softmax-zero-sum", "diagonal", "cholesky", "blocks"])
+@pytest.mark.parametrize("kind", ["softmax", "softmax-zero-sum", "diagonal", "cholesky", "blocks", "site-blocks"])
 def test_noise_gram_equals_the_dense_quadratic_form(kind, dtype, size, monkeypatch):
     """S^T W^{-1} S over chunks of whitened actions X F (W^{-1} = F F^T; several chunks here, the last one short) and
     over column blocks of W^{-1} S for a noise without a factor, against the dense float64 form. Uncentred actions

@@ -130,3 +130,25 @@ def test_cuda_moments_equal_cpu_moments(likelihood):
     for a, b in zip(cpu, gpu, strict=True):
         assert b.device.type == "cuda"
         torch.testing.assert_close(b.cpu(), a, rtol=1e-10, atol=1e-12)
+
+
+def test_adapters_declare_their_ep_sites_and_predictive():
+    """The flags that replace type checks: scalar tilted moments for the C = 1 closed forms, C x C site blocks for the
+    multinomial probit, neither for the softmax and autograd likelihoods; class probabilities for the classifiers,
+    from each point's C x C latent covariance for the multi-class ones."""
+    from gpytorch.likelihoods import SoftmaxLikelihood, StudentTLikelihood
+
+    from gpytorch_iterncgp import MultinomialProbitLikelihood
+    from gpytorch_iterncgp.likelihoods.adapters import AutogradAdapter, MultitaskPoissonLikelihood
+
+    for name, make in ADAPTERS.items():
+        adapter = make()
+        assert adapter.has_tilted_moments and adapter.supports_ep and not adapter.has_block_tilted_moments
+        assert adapter.classification == (name in ("probit", "logit")) and not adapter.predictive_needs_blocks
+    probit = likelihood_adapter(MultinomialProbitLikelihood(3))
+    assert probit.supports_ep and probit.has_block_tilted_moments and not probit.has_tilted_moments
+    assert probit.classification and probit.predictive_needs_blocks
+    softmax = likelihood_adapter(SoftmaxLikelihood(num_classes=3, mixing_weights=False))
+    assert not softmax.supports_ep and softmax.classification and softmax.predictive_needs_blocks
+    for adapter in (likelihood_adapter(MultitaskPoissonLikelihood(2)), AutogradAdapter(StudentTLikelihood())):
+        assert not (adapter.supports_ep or adapter.classification or adapter.predictive_needs_blocks)

@@ -55,10 +55,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from linear_operator.operators import BlockDiagLinearOperator, DiagLinearOperator, LinearOperator
+from linear_operator.operators import LinearOperator
 from torch import Tensor
 
-from .noise import BlockNoiseInverse, SoftmaxPseudoInverse
+from .noise import NoiseOperator, block_pseudo_inverse_matmul
 from .precision import ColumnStore
 from .validation import check_count, check_seed
 
@@ -88,47 +88,22 @@ def curvature_matmul(noise_inverse: LinearOperator, num_latents: int) -> Callabl
     r""":math:`\mathbf V \mapsto \mathbf W \mathbf V` for the (pseudo-)inverse :math:`\mathbf W` of the noise
     :math:`\mathbf W^{-1}` ``(n, n)``, block diagonal with :math:`C \times C` blocks (data-major).
 
-    Closed forms for the package's noise operators (softmax: :math:`\operatorname{diag}(\boldsymbol\pi) -
-    \boldsymbol\pi\boldsymbol\pi^\top`, Lemma A.7; diagonal: :math:`1 / w^{-1}`; Cholesky blocks: :math:`\mathbf L
-    \mathbf L^\top`); any other block-diagonal noise (EP's site blocks) by a pseudo-inverse of its blocks in float64.
+    The package's noise operators give it in closed form (:meth:`~gpytorch_iterncgp.core.noise.NoiseOperator.curvature_matmul`);
+    any other block-diagonal noise by pseudo-inverses of its blocks in float64, read off by products with
+    :math:`C` unit vectors per block (:func:`~gpytorch_iterncgp.core.noise.block_pseudo_inverse_matmul`).
+
+    :param noise_inverse: :math:`\mathbf W^{-1}`, ``(n, n)``.
+    :param num_latents: :math:`C`.
+    :return: the product as a function of ``(n, k)`` blocks of vectors.
     """
-    if isinstance(noise_inverse, SoftmaxPseudoInverse):
-        probabilities = noise_inverse.probabilities  # (N, C)
-
-        def softmax_curvature(vectors: Tensor) -> Tensor:
-            blocks = vectors.reshape(*probabilities.shape, vectors.shape[-1])
-            weighted = probabilities[..., None] * blocks
-            result = weighted - probabilities[..., None] * weighted.sum(-2, keepdim=True)
-            return result.reshape(vectors.shape)
-
-        return softmax_curvature
-    if isinstance(noise_inverse, DiagLinearOperator):
-        diagonal = noise_inverse.diagonal()
-        inverse = torch.where(diagonal > 0, diagonal.reciprocal(), torch.zeros_like(diagonal))
-        return lambda vectors: inverse[:, None] * vectors
-    if isinstance(noise_inverse, BlockNoiseInverse):
-        cholesky = noise_inverse.curvature_cholesky  # (N, C, C)
-
-        def block_curvature(vectors: Tensor) -> Tensor:
-            blocks = vectors.reshape(cholesky.shape[0], cholesky.shape[-1], vectors.shape[-1])
-            return (cholesky @ (cholesky.mT @ blocks)).reshape(vectors.shape)
-
-        return block_curvature
+    if isinstance(noise_inverse, NoiseOperator):
+        return noise_inverse.curvature_matmul()
     size = noise_inverse.shape[-1]
-    if isinstance(noise_inverse, BlockDiagLinearOperator):
-        blocks = noise_inverse.base_linear_op.to_dense()
-    else:
-        selector = torch.eye(num_latents, dtype=noise_inverse.dtype, device=noise_inverse.device).repeat(
-            size // num_latents, 1
-        )
-        blocks = noise_inverse.matmul(selector).reshape(size // num_latents, num_latents, num_latents)
-    pseudo_inverse = torch.linalg.pinv(blocks.double(), hermitian=True, rtol=1e-10).to(blocks.dtype)
-
-    def generic_curvature(vectors: Tensor) -> Tensor:
-        shaped = vectors.reshape(pseudo_inverse.shape[0], pseudo_inverse.shape[-1], vectors.shape[-1])
-        return (pseudo_inverse @ shaped).reshape(vectors.shape)
-
-    return generic_curvature
+    selector = torch.eye(num_latents, dtype=noise_inverse.dtype, device=noise_inverse.device).repeat(
+        size // num_latents, 1
+    )
+    blocks = noise_inverse.matmul(selector).reshape(size // num_latents, num_latents, num_latents)
+    return block_pseudo_inverse_matmul(blocks)
 
 
 @dataclass

@@ -5,16 +5,23 @@ noise covariance :math:`\mathbf W^{-1}`, where :math:`\mathbf W = -\nabla^2 \log
 \mathbf f)` is block diagonal with one :math:`C \times C` block per data point. Vectors are
 ordered data-major: entry ``n * C + c`` belongs to data point ``n`` and latent ``c``.
 
-Three shapes of :math:`\mathbf W^{-1}` occur:
+Four shapes of :math:`\mathbf W^{-1}` occur:
 
-* :class:`DiagonalNoiseInverse`: :math:`C = 1` (binary classification, count regression);
+* :class:`DiagonalNoiseInverse`: :math:`C = 1` (binary classification, count regression; EP's scalar sites);
 * :class:`BlockNoiseInverse`: positive definite :math:`C \times C` blocks (autograd likelihoods);
 * :class:`SoftmaxPseudoInverse`: the softmax curvature
   :math:`\mathbf W_n = \operatorname{diag}(\boldsymbol\pi_n) - \boldsymbol\pi_n \boldsymbol\pi_n^\top`
-  is singular, and its Moore–Penrose pseudo-inverse has the closed form of the paper's Lemma A.7.
+  is singular, and its Moore–Penrose pseudo-inverse has the closed form of the paper's Lemma A.7;
+* :class:`SiteBlockNoiseInverse`: EP's :math:`C \times C` site blocks :math:`\tilde{\mathbf T}_n` of rank at most
+  :math:`C - 1` (null space :math:`\mathbf 1`), bounded pseudo-inverses as dense blocks.
+
+Each is a :class:`NoiseOperator`: besides its products it gives the covariance phase the products with
+:math:`\mathbf W` (:meth:`NoiseOperator.curvature_matmul`); the first three are :class:`FactoredNoise`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from linear_operator.operators import DiagLinearOperator, LinearOperator
@@ -27,7 +34,27 @@ def _block_means(blocks: Tensor) -> Tensor:
     return blocks @ blocks.new_full((blocks.shape[-1], 1), 1 / blocks.shape[-1])
 
 
-class FactoredNoise:
+class NoiseOperator:
+    r"""A block-diagonal noise :math:`\mathbf W^{-1}` of the package (data-major :math:`C \times C` blocks), with the
+    products the solver and the covariance phase need without linear_operator's dispatch."""
+
+    def apply(self, vectors: Tensor) -> Tensor:
+        r""":math:`\mathbf W^{-1} \mathbf X` for ``(n, k)`` without linear_operator's dispatch (its autograd function
+        and representation tree cost about a third of the product itself for one vector of :math:`10^5` entries;
+        gradients still flow through the torch operations)."""
+        return self._matmul(vectors)  # type: ignore[attr-defined]
+
+    def curvature_matmul(self) -> Callable[[Tensor], Tensor]:
+        r""":math:`\mathbf V \mapsto \mathbf W \mathbf V` for ``(n, k)`` (non-batched), :math:`\mathbf W` the
+        (pseudo-)inverse of this noise: the covariance phase's preconditioner
+        (:func:`~gpytorch_iterncgp.core.covariance.covariance_phase`). Precomputes what it needs once.
+
+        :return: the product as a function of ``(n, k)`` blocks of vectors.
+        """
+        raise NotImplementedError
+
+
+class FactoredNoise(NoiseOperator):
     r"""A block-diagonal noise :math:`\mathbf W^{-1} = \mathbf F \mathbf F^\top` whose factor is applied to the rows of
     a few data points at a time (:meth:`whiten_rows`), so that :math:`\mathbf X \mathbf W^{-1} \mathbf X^\top =
     \sum_\text{chunks} (\mathbf X \mathbf F)(\mathbf X \mathbf F)^\top` needs only a chunk of :math:`\mathbf X
@@ -35,12 +62,6 @@ class FactoredNoise:
 
     entries_per_point: int  # the size of a diagonal block of W^{-1}; chunks hold whole blocks
     centring = False  # whether F = P G with the centring P of each block: rows with zero block sums skip P
-
-    def apply(self, vectors: Tensor) -> Tensor:
-        r""":math:`\mathbf W^{-1} \mathbf X` for ``(n, k)`` without linear_operator's dispatch (its autograd function
-        and representation tree cost about a third of the product itself for one vector of :math:`10^5` entries;
-        gradients still flow through the torch operations)."""
-        return self._matmul(vectors)  # type: ignore[attr-defined]
 
     def whiten_rows(self, rows: Tensor, start: int, centred: bool = False) -> Tensor:
         r""":math:`\mathbf X \mathbf F` ``(k, m)`` for rows :math:`\mathbf X` ``(k, m)`` holding the entries
@@ -70,6 +91,13 @@ class DiagonalNoiseInverse(FactoredNoise, DiagLinearOperator):
     def whiten_rows(self, rows: Tensor, start: int, centred: bool = False) -> Tensor:
         r""":math:`\mathbf X \operatorname{diag}(w^{-1/2})` (the noise is non-negative: :math:`1 / w_n`, :math:`w_n \ge 0`)."""
         return rows * self._diag[start : start + rows.shape[-1]].sqrt()
+
+    def curvature_matmul(self) -> Callable[[Tensor], Tensor]:
+        r""":math:`\mathbf V \mapsto \operatorname{diag}(w_n) \mathbf V`, :math:`w_n` the reciprocal of the noise's diagonal
+        (0 where that is 0: a pseudo-inverse)."""
+        diagonal = self.diagonal()
+        inverse = torch.where(diagonal > 0, diagonal.reciprocal(), torch.zeros_like(diagonal))
+        return lambda vectors: inverse[:, None] * vectors
 
 
 class BlockNoiseInverse(FactoredNoise, LinearOperator):
@@ -129,6 +157,16 @@ class BlockNoiseInverse(FactoredNoise, LinearOperator):
         blocks = rows.reshape(rows.shape[0], len(points), size).permute(1, 2, 0)  # (m, C, k)
         solved = torch.linalg.solve_triangular(points, blocks, upper=False)  # L^{-1} X^T per point
         return solved.permute(2, 0, 1).reshape(rows.shape)
+
+    def curvature_matmul(self) -> Callable[[Tensor], Tensor]:
+        r""":math:`\mathbf V \mapsto \mathbf W \mathbf V` blockwise, :math:`\mathbf W_n = \mathbf L_n \mathbf L_n^\top`."""
+        cholesky = self.curvature_cholesky  # (N, C, C)
+
+        def block_curvature(vectors: Tensor) -> Tensor:
+            blocks = vectors.reshape(cholesky.shape[0], cholesky.shape[-1], vectors.shape[-1])
+            return (cholesky @ (cholesky.mT @ blocks)).reshape(vectors.shape)
+
+        return block_curvature
 
     def _diagonal(self) -> Tensor:
         eye = torch.eye(self.curvature_cholesky.shape[-1], dtype=self.dtype, device=self.device)
@@ -205,6 +243,19 @@ class SoftmaxPseudoInverse(FactoredNoise, LinearOperator):
         centred_rows = (blocks - _block_means(blocks)).view(rows.shape[0], len(probabilities), num_classes)
         return centred_rows.mul_(probabilities.rsqrt()).view(rows.shape)
 
+    def curvature_matmul(self) -> Callable[[Tensor], Tensor]:
+        r""":math:`\mathbf V \mapsto \mathbf W \mathbf V` blockwise, :math:`\mathbf W_n = \operatorname{diag}(\boldsymbol\pi_n)
+        - \boldsymbol\pi_n \boldsymbol\pi_n^\top` (Lemma A.7: the pseudo-inverse of :math:`\mathbf W_n^+`)."""
+        probabilities = self.probabilities  # (N, C)
+
+        def softmax_curvature(vectors: Tensor) -> Tensor:
+            blocks = vectors.reshape(*probabilities.shape, vectors.shape[-1])
+            weighted = probabilities[..., None] * blocks
+            result = weighted - probabilities[..., None] * weighted.sum(-2, keepdim=True)
+            return result.reshape(vectors.shape)
+
+        return softmax_curvature
+
     def _transpose_nonbatch(self) -> LinearOperator:
         return self
 
@@ -217,6 +268,92 @@ class SoftmaxPseudoInverse(FactoredNoise, LinearOperator):
 
     def _expand_batch(self, batch_shape: torch.Size) -> LinearOperator:
         return self.__class__(self.probabilities.expand(*batch_shape, *self.probabilities.shape[-2:]))
+
+
+def block_pseudo_inverse_matmul(blocks: Tensor) -> Callable[[Tensor], Tensor]:
+    r""":math:`\mathbf V \mapsto \operatorname{blockdiag}(\mathbf B_n^+) \mathbf V` for symmetric blocks
+    :math:`\mathbf B_n` ``(N, C, C)`` of a data-major block-diagonal matrix, ``V`` ``(N C, k)``.
+
+    The Moore–Penrose pseudo-inverses are formed once, in float64 (``torch.linalg.pinv``, ``hermitian``, singular
+    values below :math:`10^{-10}` of each block's largest taken as zero), and returned in the blocks' dtype.
+
+    :param blocks: :math:`\mathbf B_n`, ``(N, C, C)``.
+    :return: the product as a function of ``(N C, k)`` blocks of vectors.
+    """
+    pseudo_inverse = torch.linalg.pinv(blocks.double(), hermitian=True, rtol=1e-10).to(blocks.dtype)
+
+    def block_product(vectors: Tensor) -> Tensor:
+        shaped = vectors.reshape(pseudo_inverse.shape[0], pseudo_inverse.shape[-1], vectors.shape[-1])
+        return (pseudo_inverse @ shaped).reshape(vectors.shape)
+
+    return block_product
+
+
+class SiteBlockNoiseInverse(NoiseOperator, LinearOperator):
+    r"""EP's noise for :math:`C \times C` site blocks: the bounded pseudo-inverses :math:`\tilde{\mathbf T}_n^+` of the
+    site precisions, stored as dense blocks (size ``(..., N C, N C)``, data-major).
+
+    A site block of the multinomial probit likelihood depends on the latents only through their differences, so
+    :math:`\tilde{\mathbf T}_n` has rank at most :math:`C - 1` and the null space :math:`\mathbf 1`. With its
+    eigendecomposition :math:`\tilde{\mathbf T}_n = \mathbf V_n \boldsymbol\Lambda_n \mathbf V_n^\top` on
+    :math:`\mathbf 1^\perp` (:math:`\mathbf V_n` ``(C, C - 1)``),
+
+    .. math::
+        \tilde{\mathbf T}_n^+ = \mathbf V_n \max(\boldsymbol\Lambda_n, \lambda_{\min})^{-1} \mathbf V_n^\top,
+
+    the eigenvalues bounded below by ``min_precision`` :math:`\lambda_{\min}` (:meth:`from_site_spectrum`), so that a
+    flat site adds a bounded noise rather than an infinite one. Products are batched :math:`C \times C` products,
+    :math:`O(N C^2)` per column. The blocks are singular (null space :math:`\mathbf 1`), so there is no solve.
+
+    :param blocks: :math:`\tilde{\mathbf T}_n^+`, shape ``(..., N, C, C)``.
+    """
+
+    def __init__(self, blocks: Tensor):
+        super().__init__(blocks)
+        self.blocks = blocks
+
+    @classmethod
+    def from_site_spectrum(
+        cls, eigenvalues: Tensor, eigenvectors: Tensor, min_precision: float
+    ) -> SiteBlockNoiseInverse:
+        r"""Build from the site blocks' spectrum on :math:`\mathbf 1^\perp`.
+
+        :param eigenvalues: :math:`\boldsymbol\Lambda_n`, ``(..., N, C - 1)``.
+        :param eigenvectors: :math:`\mathbf V_n`, ``(..., N, C, C - 1)``, orthonormal columns orthogonal to
+            :math:`\mathbf 1`.
+        :param min_precision: :math:`\lambda_{\min} > 0`, the lower bound of the eigenvalues.
+        :return: the operator with blocks :math:`\mathbf V_n \max(\boldsymbol\Lambda_n, \lambda_{\min})^{-1}
+            \mathbf V_n^\top`.
+        """
+        return cls((eigenvectors / eigenvalues.clamp_min(min_precision).unsqueeze(-2)) @ eigenvectors.mT)
+
+    def _size(self) -> torch.Size:
+        *batch, num_data, num_latents, _ = self.blocks.shape
+        return torch.Size((*batch, num_data * num_latents, num_data * num_latents))
+
+    def _matmul(self, rhs: Tensor) -> Tensor:
+        num_data, num_latents = self.blocks.shape[-3:-1]
+        vector = rhs.dim() == 1
+        columns = rhs.unsqueeze(-1) if vector else rhs
+        shaped = columns.reshape(*columns.shape[:-2], num_data, num_latents, columns.shape[-1])
+        result = torch.matmul(self.blocks, shaped)
+        result = result.reshape(*result.shape[:-3], num_data * num_latents, result.shape[-1])
+        return result.squeeze(-1) if vector else result
+
+    def _transpose_nonbatch(self) -> LinearOperator:
+        return self.__class__(self.blocks.mT)
+
+    def _diagonal(self) -> Tensor:
+        return self.blocks.diagonal(dim1=-2, dim2=-1).flatten(-2)
+
+    def _expand_batch(self, batch_shape: torch.Size) -> LinearOperator:
+        return self.__class__(self.blocks.expand(*batch_shape, *self.blocks.shape[-3:]))
+
+    def curvature_matmul(self) -> Callable[[Tensor], Tensor]:
+        r""":math:`\mathbf V \mapsto \operatorname{blockdiag}(\tilde{\mathbf T}_n^{++}) \mathbf V`: the site blocks
+        again (with :math:`\lambda_{\min}` for the eigenvalues below it), by pseudo-inverses of the dense blocks in
+        float64 (:func:`block_pseudo_inverse_matmul`)."""
+        return block_pseudo_inverse_matmul(self.blocks)
 
 
 def project_to_zero_sum(vectors: Tensor, num_latents: int) -> Tensor:

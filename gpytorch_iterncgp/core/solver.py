@@ -43,7 +43,7 @@ from linear_operator.operators import LinearOperator
 from torch import Tensor
 
 from ..exceptions import NumericalBreakdownWarning
-from .noise import FactoredNoise
+from .noise import NoiseOperator
 from .policies import Policy
 from .precision import LowRankPrecision
 from .recycling import ActionBuffer, ImplicitRoot, virtual_solver_run
@@ -282,7 +282,7 @@ def itergp_solve(
     virtual = virtual_solver_run(buffer, noise_inverse, compression_rank, keep=keep, spare=min(limit, 64))
     buffer, root_coefficients = virtual.buffer, virtual.root_coefficients  # Q = S E, K Q = T E (rows of E: B)
     sparse_limit = max(16, num_rows // 64)
-    multiply_noise = noise_inverse.apply if isinstance(noise_inverse, FactoredNoise) else noise_inverse.matmul
+    multiply_noise = noise_inverse.apply if isinstance(noise_inverse, NoiseOperator) else noise_inverse.matmul
 
     def noisy(vector: Tensor) -> Tensor:
         return multiply_noise(vector[:, None])[:, 0]  # W^{-1} v

@@ -42,6 +42,7 @@ from typing import Any, Self
 import torch
 from torch import Tensor
 
+from ..core.noise import SiteBlockNoiseInverse
 from ..likelihoods.adapters import LikelihoodAdapter
 from ..likelihoods.multinomial_probit import InnerSites, multinomial_probit_moments
 from ..likelihoods.tilted import tilted_moments
@@ -209,21 +210,29 @@ def site_block_spectrum(site_precision: Tensor, basis: Tensor) -> tuple[Tensor, 
 
 def site_block_noise(
     site_precision: Tensor, site_natural_mean: Tensor, prior_mean: Tensor, min_precision: float, basis: Tensor
-) -> tuple[Tensor, Tensor]:
-    r"""The regression that :math:`C \times C` sites define: noise blocks :math:`\tilde{\mathbf T}_i^+` ``(N, C, C)``
-    and right-hand sides :math:`\tilde{\mathbf T}_i^+ (\tilde{\boldsymbol\nu}_i - \tilde{\mathbf T}_i \mathbf m_i)`
-    ``(N, C)``.
+) -> tuple[SiteBlockNoiseInverse, Tensor]:
+    r"""The regression that :math:`C \times C` sites define: the noise :math:`\tilde{\mathbf T}^+` (blocks
+    :math:`\tilde{\mathbf T}_i^+`, a :class:`~gpytorch_iterncgp.core.noise.SiteBlockNoiseInverse` of size
+    ``(N C, N C)``) and right-hand sides :math:`\tilde{\mathbf T}_i^+ (\tilde{\boldsymbol\nu}_i - \tilde{\mathbf T}_i
+    \mathbf m_i)` ``(N, C)``.
 
     The pseudo-inverse on :math:`\mathbf 1^\perp` with the site's eigenvalues bounded below by ``min_precision``
     (as the :math:`C = 1` loop bounds :math:`\tilde\tau_i`): exact wherever every eigenvalue is above it, and a flat
     site contributes nothing. With IterGP's actions restricted to zero sum per point, the solve gives the posterior
     :math:`(\mathbf K^{-1} + \tilde{\mathbf T})^{-1}` of singular sites (the argument of the paper's Lemma A.7 for
     the softmax).
+
+    :param site_precision: :math:`\tilde{\mathbf T}_i`, ``(N, C, C)``.
+    :param site_natural_mean: :math:`\tilde{\boldsymbol\nu}_i`, ``(N, C)``.
+    :param prior_mean: :math:`\mathbf m_i`, ``(N, C)``.
+    :param min_precision: the lower bound of the sites' eigenvalues on :math:`\mathbf 1^\perp`.
+    :param basis: :math:`\mathbf B` ``(C, C - 1)`` from :func:`zero_sum_basis`.
+    :return: the noise operator and the right-hand sides ``(N, C)``.
     """
     values, vectors = site_block_spectrum(site_precision, basis)
-    noise = (vectors / values.clamp_min(min_precision).unsqueeze(-2)) @ vectors.mT
+    noise = SiteBlockNoiseInverse.from_site_spectrum(values, vectors, min_precision)
     offset = site_natural_mean - (site_precision @ prior_mean.unsqueeze(-1)).squeeze(-1)
-    return noise, (noise @ offset.unsqueeze(-1)).squeeze(-1)
+    return noise, (noise.blocks @ offset.unsqueeze(-1)).squeeze(-1)
 
 
 def _symmetric(matrices: Tensor) -> Tensor:

@@ -48,7 +48,7 @@ from collections.abc import Generator
 from dataclasses import dataclass
 
 import torch
-from linear_operator.operators import BlockDiagLinearOperator, DenseLinearOperator, LinearOperator
+from linear_operator.operators import LinearOperator
 from torch import Tensor
 
 from ..core.covariance import CovarianceOptions, CovariancePhase, covariance_phase
@@ -346,8 +346,8 @@ class ExpectationPropagation:
             bounded = precision.clamp_min(self.min_precision)
             return DiagonalNoiseInverse(bounded.reciprocal()), (natural_mean - precision * self.prior_mean) / bounded
         prior_mean = self.prior_mean.reshape(-1, self.num_latents)
-        blocks, rhs = site_block_noise(precision, natural_mean, prior_mean, self.min_precision, self.basis)
-        return BlockDiagLinearOperator(DenseLinearOperator(blocks)), rhs.reshape(-1)
+        noise, rhs = site_block_noise(precision, natural_mean, prior_mean, self.min_precision, self.basis)
+        return noise, rhs.reshape(-1)
 
     def solve(self, state: EPState, buffer: ActionBuffer, precision: Tensor, natural_mean: Tensor) -> IterGPResult:
         r"""IterGP on :math:`(\mathbf K + \tilde{\mathbf T}^{-1}) \mathbf v = \tilde{\boldsymbol\mu} - \mathbf m` for the

@@ -47,6 +47,7 @@ from .. import settings
 from ..core.noise import BlockNoiseInverse, DiagonalNoiseInverse, SoftmaxPseudoInverse, project_to_zero_sum
 from ..core.validation import check_count, check_nonnegative
 from .multinomial_probit import MultinomialProbitLikelihood, multinomial_probit_moments
+from .tilted import probit_moments, quadrature_moments
 
 _PROBIT_TO_LOGIT = math.pi / 8  # sigma(x) ~ Phi(sqrt(pi / 8) x)
 _GAUSS_HERMITE_NODES = 32  # E[sigma(f)] to ~1e-13 for sd(f) <= 1
@@ -229,6 +230,10 @@ class LikelihoodAdapter:
     num_latents: int = 1
     zero_sum_actions: bool = False  # softmax: actions restricted to range(W)
     name: str = "likelihood"
+    classification: bool = False  # labels: predictive_mean gives class probabilities
+    predictive_needs_blocks: bool = False  # predictive_mean takes each point's C x C latent covariance
+    has_tilted_moments: bool = False  # EP with one scalar site per point (checked_tilted_moments)
+    has_block_tilted_moments: bool = False  # EP with C x C site blocks (nested-EP tilted moments)
 
     def __init__(self, likelihood: Likelihood, min_curvature: float | None = None):
         if min_curvature is not None:
@@ -293,6 +298,24 @@ class LikelihoodAdapter:
         """
         return None
 
+    # -- expectation propagation -------------------------------------------------------------------
+    @property
+    def supports_ep(self) -> bool:
+        """Whether EP has tilted moments for this likelihood: scalar sites (:math:`C = 1`) or :math:`C \\times C` site
+        blocks."""
+        return self.has_tilted_moments or self.has_block_tilted_moments
+
+    def checked_tilted_moments(
+        self, targets: Tensor, cavity_mean: Tensor, cavity_variance: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        r"""EP's tilted moments :math:`(\log\hat Z_i, \hat\mu_i, \hat\sigma_i^2)` ``(N,)`` each, for targets and
+        cavities ``(N,)`` that :func:`~gpytorch_iterncgp.likelihoods.tilted.tilted_moments` has checked and put in its
+        working dtype (call that function, not this method).
+
+        :raises TypeError: for a likelihood without scalar tilted moments (``has_tilted_moments`` is false).
+        """
+        raise TypeError(f"{self.name} has no tilted moments for EP's scalar sites.")
+
     # -- predictions -----------------------------------------------------------------------------
     def predictive_mean(self, mean: Tensor, variance: Tensor) -> Tensor:
         r""":math:`\mathbb E[y_*]` from the latent marginals: class probabilities or expected counts.
@@ -330,8 +353,22 @@ def _check_counts(targets: Tensor) -> None:
         raise ValueError(f"Poisson likelihood: counts must be integers; found {bad[:5].tolist()}.")
 
 
+def _monotone_limit(targets: Tensor) -> Tensor:
+    r""":math:`+\infty` where :math:`y > 0`, else :math:`-\infty`: the "mode" of a likelihood monotone in :math:`f`,
+    increasing for positive labels."""
+    return torch.where(targets > 0, math.inf, -math.inf).to(targets)
+
+
 class _DiagonalAdapter(LikelihoodAdapter):
-    """:math:`C = 1` likelihoods with closed-form per-point terms."""
+    r""":math:`C = 1` likelihoods with closed-form per-point terms, and EP's tilted moments by the trapezoid rule at the
+    tilted mode (:func:`~gpytorch_iterncgp.likelihoods.tilted.quadrature_moments`) unless a subclass has a closed form.
+
+    The quadrature's per-likelihood parts: :attr:`quadrature_step` (the node spacing :math:`h_\ell` set by the
+    strip of analyticity of the likelihood), :meth:`quadrature_log_likelihood` and :meth:`tilted_mode_limit`.
+    """
+
+    has_tilted_moments = True
+    quadrature_step: float  # h_l: the trapezoid error is ~ exp(-2 pi d / h) for an integrand analytic in |Im f| < d
 
     def _terms(self, latent: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Per point ``(N,)``: log-likelihood, gradient and curvature."""
@@ -352,9 +389,27 @@ class _DiagonalAdapter(LikelihoodAdapter):
         log_terms, gradient, curvature = self._terms(latent[:, 0], targets)
         return log_terms.sum(), gradient[:, None], curvature[:, None, None]
 
+    def checked_tilted_moments(
+        self, targets: Tensor, cavity_mean: Tensor, cavity_variance: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        return quadrature_moments(self, targets, cavity_mean, cavity_variance)
+
+    def quadrature_log_likelihood(self, latent: Tensor, targets: Tensor) -> Tensor:
+        r""":math:`\log p(y \mid f)` elementwise, as the tilted quadrature sums it (shapes broadcast)."""
+        return self._log_terms(latent, targets)
+
+    def tilted_mode_limit(self, targets: Tensor, cavity_mean: Tensor, cavity_variance: Tensor, slope: Tensor) -> Tensor:
+        r"""A point that the mode of the tilted density :math:`p(y \mid f)\,\mathcal N(f \mid \mu_-, \sigma_-^2)` cannot
+        pass on the side of :math:`\mu_-` that ``slope`` (its log-density's slope at :math:`\mu_-`) points to: the
+        likelihood's own mode :math:`\arg\max_f \log p(y \mid f)`, here :math:`\pm\infty` (a likelihood monotone in
+        :math:`f`, as the Bernoulli links). Shapes ``(N,)``."""
+        return _monotone_limit(targets)
+
 
 class LogitBernoulliAdapter(_DiagonalAdapter):
     name = "Bernoulli (logit link)"
+    classification = True
+    quadrature_step = 0.6  # sigma(f) has its nearest poles at f = +-i pi
 
     def _check_support(self, targets: Tensor) -> None:
         _check_binary(targets)
@@ -374,6 +429,7 @@ class LogitBernoulliAdapter(_DiagonalAdapter):
 
 class ProbitBernoulliAdapter(_DiagonalAdapter):
     name = "Bernoulli (probit link)"
+    classification = True
 
     def _check_support(self, targets: Tensor) -> None:
         _check_binary(targets)
@@ -392,6 +448,12 @@ class ProbitBernoulliAdapter(_DiagonalAdapter):
     def predictive_mean(self, mean, variance):
         return torch.special.ndtr(mean / torch.sqrt(1 + variance))
 
+    def checked_tilted_moments(
+        self, targets: Tensor, cavity_mean: Tensor, cavity_variance: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """The closed form of R&W eq. 3.58 (:func:`~gpytorch_iterncgp.likelihoods.tilted.probit_moments`)."""
+        return probit_moments(targets, cavity_mean, cavity_variance)
+
 
 def _exp_poisson_log_terms(latent: Tensor, targets: Tensor) -> Tensor:
     r""":math:`\log p(y \mid f) = y f - e^f - \log y!` elementwise (exp-link Poisson)."""
@@ -406,6 +468,7 @@ def _exp_poisson_terms(latent: Tensor, targets: Tensor) -> tuple[Tensor, Tensor,
 
 class ExpPoissonAdapter(_DiagonalAdapter):
     name = "Poisson (exp link)"
+    quadrature_step = 0.3  # exp(-e^f) is bounded for |Im f| <= pi / 2
 
     def _check_support(self, targets: Tensor) -> None:
         _check_counts(targets)
@@ -418,6 +481,14 @@ class ExpPoissonAdapter(_DiagonalAdapter):
 
     def predictive_mean(self, mean, variance):
         return torch.exp(mean + variance / 2)
+
+    def tilted_mode_limit(self, targets: Tensor, cavity_mean: Tensor, cavity_variance: Tensor, slope: Tensor) -> Tensor:
+        r"""The likelihood's mode :math:`\log y` (:math:`y = e^f`) for :math:`y > 0`; for :math:`y = 0` (decreasing in
+        :math:`f`) the tilted mode :math:`\mu_- - W_0(\sigma_-^2 e^{\mu_-})` is above
+        :math:`\mu_- - \log(1 + \sigma_-^2 e^{\mu_-})` (Lambert's :math:`W_0`)."""
+        own = torch.where(targets > 0, targets.clamp_min(1).log(), _monotone_limit(targets))
+        lambert = cavity_mean - torch.nn.functional.softplus(cavity_mean + cavity_variance.log())
+        return torch.where((targets == 0) & (slope < 0), lambert, own)
 
 
 class MultitaskPoissonAdapter(LikelihoodAdapter):
@@ -505,6 +576,7 @@ def _log_softplus(latent: Tensor) -> Tensor:
 
 class SoftplusPoissonAdapter(_DiagonalAdapter):
     name = "Poisson (softplus link)"
+    quadrature_step = 0.6  # log(1 + e^f) has its nearest branch points at f = +-i pi
 
     def _check_support(self, targets: Tensor) -> None:
         _check_counts(targets)
@@ -528,6 +600,22 @@ class SoftplusPoissonAdapter(_DiagonalAdapter):
         """:math:`\\mathbb E[\\log(1 + e^f)]` by 40-point Gauss–Hermite quadrature (float64 nodes)."""
         return gaussian_expectation(torch.nn.functional.softplus, mean, variance, num_nodes=40)
 
+    def quadrature_log_likelihood(self, latent: Tensor, targets: Tensor) -> Tensor:
+        r""":math:`\log p(y \mid f)` with the rate :math:`\log(1 + e^f)` by ``logaddexp`` (torch's ``softplus`` at its
+        default threshold returns :math:`f` for :math:`f > 20`, an error of :math:`e^{-20} \approx 2 \cdot 10^{-9}` in
+        the rate that shows in tilted moments of large counts), and :math:`\log\log(1 + e^f) \approx f - e^f / 2`
+        below :math:`f = -20`."""
+        rate = torch.logaddexp(latent, torch.zeros_like(latent))
+        small = latent < -20  # log log(1 + e^f) = f - e^f / 2 + O(e^2f)
+        log_rate = torch.where(small, latent - latent.exp() / 2, torch.where(small, 1.0, rate).log())
+        return targets * log_rate - rate - torch.lgamma(targets + 1)
+
+    def tilted_mode_limit(self, targets: Tensor, cavity_mean: Tensor, cavity_variance: Tensor, slope: Tensor) -> Tensor:
+        r"""The likelihood's mode :math:`f = y + \log(1 - e^{-y})` (where :math:`\log(1 + e^f) = y`) for :math:`y > 0`,
+        :math:`-\infty` for :math:`y = 0`."""
+        safe = targets.clamp_min(1)
+        return torch.where(targets > 0, safe + torch.log(-torch.expm1(-safe)), _monotone_limit(targets))
+
 
 def _log_softmax(latent: Tensor) -> Tensor:
     """``log_softmax`` over the last dimension as ``(f - max f) - log sum exp(f - max f)``, the sum over classes a
@@ -550,6 +638,8 @@ class SoftmaxAdapter(LikelihoodAdapter):
 
     zero_sum_actions = True
     name = "Softmax"
+    classification = True
+    predictive_needs_blocks = True
 
     def _min_curvature(self, dtype: torch.dtype) -> float:
         # Probabilities below 1e-6 make W⁺ so large on confidently wrong points that a few CG iterations
@@ -681,6 +771,9 @@ class MultinomialProbitAdapter(AutogradAdapter):
     """
 
     zero_sum_actions = True
+    classification = True
+    predictive_needs_blocks = True
+    has_block_tilted_moments = True
 
     def __init__(self, likelihood: MultinomialProbitLikelihood, min_curvature: float | None = None):
         super().__init__(likelihood, min_curvature)

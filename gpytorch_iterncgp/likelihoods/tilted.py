@@ -8,11 +8,17 @@ A site update needs the zeroth, first and second moments of the *tilted* distrib
     \hat Z_i = \int p(y_i \mid f)\, \mathcal N(f \mid \mu_{-i}, \sigma_{-i}^2)\, df,
 
 where :math:`\mathcal N(\mu_{-i}, \sigma_{-i}^2)` is the cavity (R&W eq. 3.56-3.57). :func:`tilted_moments` returns
-:math:`(\log\hat Z_i, \hat\mu_i, \hat\sigma_i^2)` for every point at once, for the package's :math:`C = 1` likelihoods:
+:math:`(\log\hat Z_i, \hat\mu_i, \hat\sigma_i^2)` for every point at once, for the package's :math:`C = 1` likelihoods
+(the adapters with ``has_tilted_moments``; each picks its rule in ``checked_tilted_moments``):
 
-* **probit** (:class:`~gpytorch_iterncgp.likelihoods.adapters.ProbitBernoulliAdapter`): closed form, R&W eq. 3.58;
+* **probit** (:class:`~gpytorch_iterncgp.likelihoods.adapters.ProbitBernoulliAdapter`): closed form, R&W eq. 3.58
+  (:func:`probit_moments`);
 * **logit**, **Poisson with exp link**, **Poisson with softplus link**: quadrature at the tilted mode
-  (:func:`quadrature_moments`).
+  (:func:`quadrature_moments`), with the likelihood's own node spacing, log-density and bracket of the mode
+  (:class:`QuadratureLikelihood`).
+
+This module sits below :mod:`~gpytorch_iterncgp.likelihoods.adapters`: it knows the adapters only through the two
+protocols :class:`TiltedLikelihood` and :class:`QuadratureLikelihood`.
 
 All are computed in float64 (float32 on devices without float64, e.g. Apple's MPS) whatever the input dtype, and
 returned in the input dtype and on the input device: the work is :math:`O(N \times \text{nodes})`, small beside one
@@ -22,17 +28,10 @@ product with the kernel matrix, and large counts need float64 to form :math:`\lo
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
 from torch import Tensor
-
-from .adapters import (
-    ExpPoissonAdapter,
-    LikelihoodAdapter,
-    LogitBernoulliAdapter,
-    ProbitBernoulliAdapter,
-    SoftplusPoissonAdapter,
-)
 
 _LOG_2PI = math.log(2 * math.pi)
 _TAIL = 40.0  # the quadrature interval ends where the tilted density is e^-40 (4e-18) of its peak
@@ -41,14 +40,44 @@ _WIDTH_STEP = 0.7  # node spacing at most 0.7 widths at the mode: trapezoid erro
 _MIN_NODES, _MAX_NODES = 33, 8193
 _CHUNK = 1 << 21  # points x nodes per block of the quadrature (16 MiB of float64)
 _NEWTON_STEPS = 200
-# Node spacing at most this many units of f, set by the likelihood's strip of analyticity (trapezoid error
-# ~ exp(-2 pi d / h) for an integrand analytic and bounded in |Im f| < d): sigma(f) and log(1 + e^f) have their
-# nearest singularities at f = +-i pi; exp(-e^f) is bounded for |Im f| <= pi / 2.
-_LIKELIHOOD_STEP: dict[type, float] = {LogitBernoulliAdapter: 0.6, SoftplusPoissonAdapter: 0.6, ExpPoissonAdapter: 0.3}
 
 
-# The likelihoods with tilted moments here (EP's C = 1 likelihoods).
-TILTED_ADAPTERS = (ProbitBernoulliAdapter, LogitBernoulliAdapter, ExpPoissonAdapter, SoftplusPoissonAdapter)
+class TiltedLikelihood(Protocol):
+    r"""What :func:`tilted_moments` needs of a likelihood adapter."""
+
+    has_tilted_moments: bool  # EP with one scalar site per point: checked_tilted_moments is defined
+
+    def check_targets(self, targets: Tensor, dtype: torch.dtype) -> Tensor:
+        """Validated targets ``(N,)`` as a floating tensor of ``dtype``."""
+        ...
+
+    def checked_tilted_moments(
+        self, targets: Tensor, cavity_mean: Tensor, cavity_variance: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        r""":math:`(\log\hat Z_i, \hat\mu_i, \hat\sigma_i^2)` ``(N,)`` each for checked inputs in the working dtype."""
+        ...
+
+
+class QuadratureLikelihood(Protocol):
+    r"""The per-likelihood parts of :func:`tilted_mode` and :func:`quadrature_moments` (a log-concave :math:`C = 1`
+    likelihood)."""
+
+    # Node spacing at most this many units of f, set by the likelihood's strip of analyticity: the trapezoid error is
+    # ~ exp(-2 pi d / h) for an integrand analytic and bounded in |Im f| < d.
+    quadrature_step: float
+
+    def _terms(self, latent: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        r"""Elementwise :math:`\log p(y \mid f)`, gradient :math:`g` and curvature :math:`W`."""
+        ...
+
+    def quadrature_log_likelihood(self, latent: Tensor, targets: Tensor) -> Tensor:
+        r""":math:`\log p(y \mid f)` elementwise, in the form the quadrature sums."""
+        ...
+
+    def tilted_mode_limit(self, targets: Tensor, cavity_mean: Tensor, cavity_variance: Tensor, slope: Tensor) -> Tensor:
+        r"""A point the tilted mode cannot pass on the side of :math:`\mu_-` that ``slope`` :math:`= \psi'(\mu_-)`
+        points to (:math:`\pm\infty` for none)."""
+        ...
 
 
 def _working_dtype(device: torch.device) -> torch.dtype:
@@ -75,12 +104,13 @@ def _check_cavity(cavity_mean: Tensor, cavity_variance: Tensor, num_points: int)
 
 
 def tilted_moments(
-    adapter: LikelihoodAdapter, targets: Tensor, cavity_mean: Tensor, cavity_variance: Tensor
+    adapter: TiltedLikelihood, targets: Tensor, cavity_mean: Tensor, cavity_variance: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
     r"""Moments of the tilted distributions :math:`p(y_i \mid f)\,\mathcal N(f \mid \mu_{-i}, \sigma_{-i}^2)`.
 
     :param adapter: a :math:`C = 1` likelihood adapter from :func:`~gpytorch_iterncgp.likelihoods.adapters.likelihood_adapter`
-        (probit, logit, Poisson exp or softplus link).
+        with ``has_tilted_moments`` (probit, logit, Poisson exp or softplus link); its ``checked_tilted_moments``
+        computes the moments from the checked inputs in the working dtype.
     :param targets: ``(N,)`` labels in {0, 1} or counts.
     :param cavity_mean: :math:`\mu_{-i}`, ``(N,)``.
     :param cavity_variance: :math:`\sigma_{-i}^2`, ``(N,)``, positive and finite.
@@ -90,7 +120,7 @@ def tilted_moments(
         sweep must skip that site), a non-finite cavity mean, mismatched shapes or targets outside the support.
     :raises TypeError: for a likelihood without tilted moments here (softmax, autograd likelihoods).
     """
-    if not isinstance(adapter, TILTED_ADAPTERS):
+    if not adapter.has_tilted_moments:
         raise TypeError(
             f"tilted moments are implemented for the probit, logit, Poisson (exp) and Poisson (softplus) likelihoods; "
             f"got {type(adapter).__name__}."
@@ -105,10 +135,7 @@ def tilted_moments(
     y = adapter.check_targets(targets, work).to(device)
     _check_cavity(cavity_mean, cavity_variance, len(y))
     mean, variance = cavity_mean.to(work), cavity_variance.to(work)
-    if isinstance(adapter, ProbitBernoulliAdapter):
-        moments = probit_moments(y, mean, variance)
-    else:
-        moments = quadrature_moments(adapter, y, mean, variance)
+    moments = adapter.checked_tilted_moments(y, mean, variance)
     return tuple(m.to(dtype) for m in moments)  # type: ignore[return-value]
 
 
@@ -135,45 +162,22 @@ def probit_moments(targets: Tensor, cavity_mean: Tensor, cavity_variance: Tensor
     return log_cdf, mean, variance
 
 
-def _likelihood_mode(adapter: LikelihoodAdapter, targets: Tensor) -> Tensor:
-    r""":math:`\arg\max_f \log p(y \mid f)` (:math:`\pm\infty` where the likelihood is monotone)."""
-    infinite = torch.where(targets > 0, math.inf, -math.inf).to(targets)
-    if isinstance(adapter, ExpPoissonAdapter):  # y = e^f
-        return torch.where(targets > 0, targets.clamp_min(1).log(), infinite)
-    if isinstance(adapter, SoftplusPoissonAdapter):  # y = log(1 + e^f): f = y + log(1 - e^-y)
-        safe = targets.clamp_min(1)
-        return torch.where(targets > 0, safe + torch.log(-torch.expm1(-safe)), infinite)
-    return infinite  # logit: y = 1 increasing, y = 0 decreasing
-
-
-def _log_likelihood(adapter: LikelihoodAdapter, latent: Tensor, targets: Tensor) -> Tensor:
-    r""":math:`\log p(y \mid f)` elementwise. The softplus rate is :math:`\log(1 + e^f)` by ``logaddexp``: torch's
-    ``softplus`` returns :math:`f` for :math:`f > 20` (its threshold), an error of :math:`e^{-20} \approx 2 \cdot 10^{-9}`
-    in the rate that shows in tilted moments of large counts."""
-    if isinstance(adapter, SoftplusPoissonAdapter):
-        rate = torch.logaddexp(latent, torch.zeros_like(latent))
-        small = latent < -20  # log log(1 + e^f) = f - e^f / 2 + O(e^2f)
-        log_rate = torch.where(small, latent - latent.exp() / 2, torch.where(small, 1.0, rate).log())
-        return targets * log_rate - rate - torch.lgamma(targets + 1)
-    return adapter._log_terms(latent, targets)  # type: ignore[attr-defined]
-
-
 def tilted_mode(
-    adapter: LikelihoodAdapter, targets: Tensor, cavity_mean: Tensor, cavity_variance: Tensor
+    adapter: QuadratureLikelihood, targets: Tensor, cavity_mean: Tensor, cavity_variance: Tensor
 ) -> tuple[Tensor, Tensor]:
     r"""Mode :math:`\hat f` and width :math:`s = (W(\hat f) + 1/\sigma_-^2)^{-1/2}` of each tilted density.
 
     :math:`\psi(f) = \log p(y \mid f) - (f - \mu_-)^2/(2\sigma_-^2)` is strictly concave (log-concave likelihood), so
     :math:`\psi'(f) = g(f) - (f - \mu_-)/\sigma_-^2` (the adapter's closed-form gradient :math:`g` and curvature
     :math:`W`) has one root. It lies between :math:`\mu_-` and :math:`\mu_- + \sigma_-^2 g(\mu_-)` (as
-    :math:`\psi'' \le -1/\sigma_-^2`), and between :math:`\mu_-` and the likelihood's own mode; for the Poisson exp
-    link with :math:`y = 0` it is :math:`\mu_- - W_0(\sigma_-^2 e^{\mu_-}) \ge \mu_- - \log(1 + \sigma_-^2 e^{\mu_-})`
-    (Lambert's :math:`W_0`). Newton's method on :math:`\psi'` inside that bracket, bisecting where a step would leave
+    :math:`\psi'' \le -1/\sigma_-^2`), and between :math:`\mu_-` and the adapter's ``tilted_mode_limit`` (the
+    likelihood's own mode; for the Poisson exp link with :math:`y = 0`,
+    :math:`\mu_- - W_0(\sigma_-^2 e^{\mu_-}) \ge \mu_- - \log(1 + \sigma_-^2 e^{\mu_-})`, Lambert's :math:`W_0`). Newton's method on :math:`\psi'` inside that bracket, bisecting where a step would leave
     it or fails to halve the step before (a safeguarded Newton method, as ``rtsafe`` of Press et al.,
     *Numerical Recipes*), converges from any cavity; iterations stop when every Newton step is below
     :math:`10^{-10} s`. Shapes ``(N,)``.
     """
-    terms = adapter._terms  # type: ignore[attr-defined]
+    terms = adapter._terms
 
     def slope_and_curvature(f: Tensor) -> tuple[Tensor, Tensor]:
         _, gradient, curvature = terms(f, targets)
@@ -181,11 +185,8 @@ def tilted_mode(
 
     slope, _ = slope_and_curvature(cavity_mean)
     far = cavity_mean + cavity_variance * slope
-    own = _likelihood_mode(adapter, targets)
-    far = torch.where(slope > 0, torch.minimum(far, own), torch.maximum(far, own))
-    if isinstance(adapter, ExpPoissonAdapter):
-        lambert = cavity_mean - torch.nn.functional.softplus(cavity_mean + cavity_variance.log())
-        far = torch.where((targets == 0) & (slope < 0), torch.maximum(far, lambert), far)
+    limit = adapter.tilted_mode_limit(targets, cavity_mean, cavity_variance, slope)
+    far = torch.where(slope > 0, torch.minimum(far, limit), torch.maximum(far, limit))
     low, high = torch.minimum(cavity_mean, far), torch.maximum(cavity_mean, far)
     mode = cavity_mean.clone()
     previous = high - low  # the step before: Newton steps must halve it (Press et al., Numerical Recipes, rtsafe)
@@ -209,7 +210,7 @@ def tilted_mode(
 
 
 def quadrature_moments(
-    adapter: LikelihoodAdapter, targets: Tensor, cavity_mean: Tensor, cavity_variance: Tensor
+    adapter: QuadratureLikelihood, targets: Tensor, cavity_mean: Tensor, cavity_variance: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
     r"""Tilted moments by the trapezoid rule on a grid fitted to each tilted density, in log space.
 
@@ -225,9 +226,9 @@ def quadrature_moments(
     of :math:`1.25^j s`, capped at :math:`\sqrt{80}\,\sigma_-` (where :math:`\psi'' \le -1/\sigma_-^2` guarantees
     the drop). For a smooth integrand decaying at both ends the trapezoid rule converges geometrically, with error
     about :math:`e^{-2\pi d / h}` for an integrand analytic in the strip :math:`|\operatorname{Im} f| < d`, so
-    :math:`h \le \min(0.7 s, h_\ell)`: 0.7 widths at the mode, and :math:`h_\ell` = 0.6 (logit, softplus: poles
-    or branch points of the link at :math:`\pm i\pi`) or 0.3 (exp: :math:`e^{-e^f}` is bounded for
-    :math:`|\operatorname{Im} f| \le \pi/2`). The number of nodes is the largest any point of the batch needs
+    :math:`h \le \min(0.7 s, h_\ell)`: 0.7 widths at the mode, and the adapter's ``quadrature_step`` :math:`h_\ell`
+    = 0.6 (logit, softplus: poles or branch points of the link at :math:`\pm i\pi`) or 0.3 (exp: :math:`e^{-e^f}` is
+    bounded for :math:`|\operatorname{Im} f| \le \pi/2`). The number of nodes is the largest any point of the batch needs
     (between 33 and 8193; beyond that, for logit cavities wider than sd ~ 2000, the step grows and accuracy drops).
 
     Why not Gauss–Hermite at the mode: when the cavity is much wider than the likelihood's scale (logit or
@@ -241,13 +242,13 @@ def quadrature_moments(
     Shapes ``(N,)``.
     """
     mode, width = tilted_mode(adapter, targets, cavity_mean, cavity_variance)
-    peak_likelihood = _log_likelihood(adapter, mode, targets)
+    peak_likelihood = adapter.quadrature_log_likelihood(mode, targets)
     offset = mode - cavity_mean
 
     def drop(t: Tensor, rows: slice = slice(None)) -> Tensor:
         """:math:`\\psi(\\hat f + t) - \\psi(\\hat f)` for offsets ``t`` ``(n, k)``, without cancelling the Gaussian."""
         y, variance = targets[rows, None], cavity_variance[rows, None]
-        likelihood = _log_likelihood(adapter, mode[rows, None] + t, y) - peak_likelihood[rows, None]
+        likelihood = adapter.quadrature_log_likelihood(mode[rows, None] + t, y) - peak_likelihood[rows, None]
         return likelihood - t * (2 * offset[rows, None] + t) / (2 * variance)
 
     # the interval: where psi first falls 40 below its peak, searching outwards geometrically
@@ -264,8 +265,7 @@ def quadrature_moments(
         first = below.to(torch.int8).argmax(dim=1)
         reach.append(distances.gather(1, first[:, None])[:, 0])
     left, right = reach
-    likelihood_step = _LIKELIHOOD_STEP[type(adapter)]
-    step_bound = torch.clamp(_WIDTH_STEP * width, max=likelihood_step)
+    step_bound = torch.clamp(_WIDTH_STEP * width, max=adapter.quadrature_step)
     needed = float(((left + right) / step_bound).max())
     num_nodes = int(min(max(math.ceil(needed) + 1, _MIN_NODES), _MAX_NODES))
     step = (left + right) / (num_nodes - 1)

@@ -60,7 +60,6 @@ from ..core.validation import check_count
 from ..ep.sweeps import SweepOptions
 from ..exceptions import NonFiniteEvidenceError
 from ..likelihoods.adapters import LikelihoodAdapter, likelihood_adapter
-from ..likelihoods.tilted import TILTED_ADAPTERS
 from ..sparse.dtc import SparseEPState
 from ..sparse.uncertain import UncertainDTCPrior, UncertainSparseEP, psi_statistics, uncertain_posterior
 from ..strategies.base import converge
@@ -178,7 +177,7 @@ class UncertainSparseEPMarginalLogLikelihood(MarginalLogLikelihood):
                     "kernel; inducing_points: (M, D))."
                 )
         self.adapter = likelihood_adapter(likelihood)
-        if not isinstance(self.adapter, TILTED_ADAPTERS):
+        if not self.adapter.has_tilted_moments:
             raise TypeError(
                 f"UncertainSparseEPMarginalLogLikelihood needs a likelihood with tilted moments (probit, logit, "
                 f"Poisson), got {type(likelihood).__name__}."

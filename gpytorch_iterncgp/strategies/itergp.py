@@ -48,8 +48,6 @@ from ..core.prior import LatentPrior
 from ..core.solver import IterGPOptions, RegressionState
 from ..ep.sweeps import EPOptions, EPState, ExpectationPropagation
 from ..laplace.newton import DampedNewton, LaplaceState, SolverOptions
-from ..likelihoods.adapters import MultinomialProbitAdapter
-from ..likelihoods.tilted import TILTED_ADAPTERS
 from .base import UNSET
 from .predictive import PredictiveStrategy, warn_lost_variance
 
@@ -467,7 +465,7 @@ class EPStrategy(_IterGPStrategy):
         super().__init__(
             model, train_inputs, train_targets, likelihood, policy, options, min_curvature, seed, show_progress
         )
-        if not isinstance(self.adapter, (*TILTED_ADAPTERS, MultinomialProbitAdapter)):
+        if not self.adapter.supports_ep:
             raise TypeError(
                 f"EPStrategy needs a likelihood with tilted moments: BernoulliLikelihood (probit), "
                 f"LogitBernoulliLikelihood, PoissonLikelihood, ExpPoissonLikelihood or MultinomialProbitLikelihood "

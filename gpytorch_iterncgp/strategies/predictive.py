@@ -9,12 +9,6 @@ import torch
 from gpytorch.utils.warnings import NumericalWarning
 from torch import Tensor
 
-from ..likelihoods.adapters import (
-    LogitBernoulliAdapter,
-    MultinomialProbitAdapter,
-    ProbitBernoulliAdapter,
-    SoftmaxAdapter,
-)
 from .base import OuterLoopStrategy
 
 
@@ -68,7 +62,7 @@ class PredictiveStrategy(OuterLoopStrategy):
 
         The latent posterior includes IterNCGP's computational uncertainty.
         """
-        if isinstance(self.adapter, (SoftmaxAdapter, MultinomialProbitAdapter)):
+        if self.adapter.predictive_needs_blocks:
             return self.adapter.predictive_mean(*self.marginal_latent_blocks(inputs))
         mean, variance = self.marginal_latent(inputs)
         if self.num_latents == 1:
@@ -80,7 +74,6 @@ class PredictiveStrategy(OuterLoopStrategy):
 
         :raises TypeError: for a likelihood that is not a classifier's.
         """
-        classifiers = (LogitBernoulliAdapter, ProbitBernoulliAdapter, SoftmaxAdapter, MultinomialProbitAdapter)
-        if not isinstance(self.adapter, classifiers):
+        if not self.adapter.classification:
             raise TypeError(f"predictive_probabilities needs a classification likelihood, not {self.adapter.name}.")
         return self.predictive_mean(inputs)

@@ -30,7 +30,6 @@ from torch import Tensor
 from ..core.outer_loop import EPSweep, FitReport
 from ..core.validation import check_flag, check_inputs
 from ..ep.sweeps import SweepOptions
-from ..likelihoods.tilted import TILTED_ADAPTERS
 from ..sparse.dtc import DTCPrior, SparseEP, SparseEPState, inducing_cholesky
 from .predictive import PredictiveStrategy, warn_lost_variance
 
@@ -89,7 +88,7 @@ class SparseEPStrategy(PredictiveStrategy):
     ):
         options = SweepOptions(max_sweeps=max_sweeps, damping=damping, site_tol=site_tol)
         super().__init__(model, train_inputs, train_targets, likelihood, options, None, show_progress)
-        if not isinstance(self.adapter, TILTED_ADAPTERS):
+        if not self.adapter.has_tilted_moments:
             raise TypeError(
                 f"SparseEPStrategy needs a likelihood with tilted moments: BernoulliLikelihood (probit), "
                 f"LogitBernoulliLikelihood, PoissonLikelihood or ExpPoissonLikelihood; got {type(likelihood).__name__}."
