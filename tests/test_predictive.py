@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from gpytorch_iterncgp import LogitBernoulliLikelihood
-from gpytorch_iterncgp.likelihoods.adapters import logistic_gaussian, softmax_gaussian
+from gpytorch_iterncgp import LogitBernoulliLikelihood, settings
+from gpytorch_iterncgp.likelihoods.adapters import likelihood_adapter, logistic_gaussian, softmax_gaussian
+from tests.models import IterNCGPModel, multiclass_data, softmax_likelihood
 from tests.test_exact_laplace import EXACT, build, exact_laplace, make_test_inputs, reference_predictive
 
 DTYPE = torch.float64
@@ -190,3 +191,27 @@ def test_predictive_probabilities_apply_the_rules_to_the_exact_laplace_posterior
         blocks = torch.stack([dense[n, :, n, :] for n in range(len(test_x))])
         expected = softmax_gaussian(mean.reshape(-1, num_classes), blocks).numpy()
     torch.testing.assert_close(probabilities, torch.tensor(np.array(expected), dtype=DTYPE), rtol=0, atol=1e-8)
+
+
+def test_softmax_predictive_is_monte_carlo_under_the_full_joint_posterior():
+    """``predictive_probabilities`` is E[softmax(f)] under the posterior the strategy holds: against Monte Carlo from
+    the full joint posterior ``model(test_x)`` (all N* C latents, GPyTorch's own sampler), within 4 standard errors.
+    A shared kernel with an incomplete solve and the covariance phase: the classes' latents are strongly correlated,
+    so the rule under independent marginals is measurably off, and the test can tell the two apart."""
+    train_x, train_y = multiclass_data(num_data=60)
+    model = IterNCGPModel(
+        train_x, train_y, softmax_likelihood(), outputscale=5.0, max_solver_iterations=3, covariance_iterations=2
+    )
+    model.variational_strategy.fit()
+    model.eval()
+    test_x = torch.rand(6, 2, dtype=train_x.dtype, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad(), settings.softmax_samples(2**16):
+        rule = model.variational_strategy.predictive_probabilities(test_x)
+        joint = model(test_x)  # MultitaskMultivariateNormal over (N*, C), the full (N* C) x (N* C) covariance
+        torch.manual_seed(0)
+        samples = torch.softmax(joint.rsample(torch.Size([100_000])), dim=-1)  # (S, N*, C)
+        mean, variance = model.variational_strategy.marginal_latent(test_x)
+        independent = likelihood_adapter(softmax_likelihood()).predictive_mean(mean, torch.diag_embed(variance))
+    tolerance = 4 * (samples.std(0) / math.sqrt(len(samples)) + 0.5 / math.sqrt(2**16))
+    assert bool(((rule - samples.mean(0)).abs() <= tolerance).all())
+    assert float((independent - samples.mean(0)).abs().max()) > 3 * float(tolerance.max())

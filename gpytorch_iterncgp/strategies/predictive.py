@@ -60,7 +60,12 @@ class PredictiveStrategy(OuterLoopStrategy):
           all classes and leaves the softmax unchanged.
         * Poisson: :math:`e^{\mu + \sigma^2/2}` (exp link) or Gauss–Hermite quadrature (softplus link).
 
-        The latent posterior includes IterNCGP's computational uncertainty.
+        The latent posterior includes IterNCGP's computational uncertainty. Each rule is the exact predictive of the
+        posterior the strategy holds (softmax: to Monte Carlo error). With a softmax Laplace posterior, whose
+        variance stays near the prior's where :math:`\mathbf W \to 0` (confidently classified points), the probit
+        approximation :math:`\operatorname{softmax}(\boldsymbol\mu / \sqrt{1 + \pi\boldsymbol\sigma^2/8})` can
+        score a lower test NLL by under-counting that variance; it is not the posterior's predictive and is not used
+        (``benchmarks/README.md``, section 8).
         """
         if self.adapter.predictive_needs_blocks:
             return self.adapter.predictive_mean(*self.marginal_latent_blocks(inputs))
