@@ -16,17 +16,42 @@ The loop itself (probnum's ``solve_iterator`` pattern) knows nothing of these.
 from __future__ import annotations
 
 import dataclasses
+import enum
+import math
 import time
 import warnings
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..exceptions import NotConvergedWarning, NumericalBreakdownWarning
 
-CONTINUE, CONVERGED, STALLED, BREAKDOWN = "continue", "converged", "stalled", "breakdown"
+
+class LoopStatus(enum.Enum):
+    """Where an outer loop stands after a step (:attr:`OuterStep.status`)."""
+
+    CONTINUE = "continue"  # the loop goes on
+    CONVERGED = "converged"  # the loop's own convergence test holds
+    STALLED = "stalled"  # no progress is possible (the step's message says why)
+    BREAKDOWN = "breakdown"  # the step could not be computed (the state is the last good one)
+
+
+def relative_norm_change(new: Tensor, old: Tensor) -> float:
+    r""":math:`\|\mathbf x_{\text{new}} - \mathbf x_{\text{old}}\| / \|\mathbf x_{\text{old}}\|` (Euclidean norms), the
+    change of the Newton loop's representer weights; 0 for no change, :math:`\infty` for a change from 0."""
+    change, norm = float((new - old).norm()), float(old.norm())
+    return change / norm if norm > 0 else (0.0 if change == 0 else math.inf)
+
+
+def relative_max_change(new: Tensor, old: Tensor) -> float:
+    r""":math:`\max_i |x_{\text{new}, i} - x_{\text{old}, i}| / \max_i |x_{\text{new}, i}|`, relative to the *new*
+    values, the change of EP's site parameters; 0 for no change, :math:`\infty` for a change to 0."""
+    scale = float(new.abs().max())
+    difference = float((new - old).abs().max())
+    return difference / scale if scale > 0 else (0.0 if difference == 0 else math.inf)
 
 
 @dataclass
@@ -80,13 +105,13 @@ class OuterStep:
 
     :param record: the step's record (the driver adds its products with K).
     :param state: the state after the step (complete: a fit can resume from it).
-    :param status: ``"continue"``, ``"converged"``, ``"stalled"`` (no progress possible; ``message`` says why)
-        or ``"breakdown"`` (the step could not be computed; ``state`` is the last good one).
+    :param status: :class:`LoopStatus`: ``CONTINUE``, ``CONVERGED``, ``STALLED`` (no progress possible; ``message``
+        says why) or ``BREAKDOWN`` (the step could not be computed; ``state`` is the last good one).
     """
 
     record: StepRecord | None
     state: Any
-    status: str = CONTINUE
+    status: LoopStatus = LoopStatus.CONTINUE
     message: str = ""
     breakdown: bool = False  # IterGP stopped on a numerical breakdown inside this step (the step is still valid)
 
@@ -222,7 +247,7 @@ def run_outer_loop(
             _reemit(caught, stacklevel + 1)
             if outcome is None:
                 break
-            report.breakdown |= outcome.breakdown or outcome.status == BREAKDOWN
+            report.breakdown |= outcome.breakdown or outcome.status is LoopStatus.BREAKDOWN
             if outcome.record is None:  # the step could not be taken: nothing new to commit
                 warnings.warn(outcome.message, NumericalBreakdownWarning, stacklevel=stacklevel + 1)
                 break
@@ -241,10 +266,10 @@ def run_outer_loop(
             if callback is not None and callback(record, state):
                 report.stopped_by_callback = True
                 break
-            if outcome.status == CONVERGED:
+            if outcome.status is LoopStatus.CONVERGED:
                 report.converged = True
                 break
-            if outcome.status == STALLED:
+            if outcome.status is LoopStatus.STALLED:
                 warnings.warn(outcome.message, NotConvergedWarning, stacklevel=stacklevel + 1)
                 break
     finally:
