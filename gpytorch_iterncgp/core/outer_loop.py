@@ -120,6 +120,7 @@ class OuterLoop(Protocol):
     """An outer loop over GP regressions solved by IterGP (damped Newton; EP)."""
 
     name: str  # "IterNCGP", "EP": shown on the progress bar and in the report
+    step_name: str  # what the loop calls its steps in the report, plural: "Newton steps", "sweeps"
 
     def initial_state(self) -> Any:
         """The state to start from without a previous fit (the prior)."""
@@ -148,10 +149,11 @@ class ProductCounter(Protocol):
 class FitReport:
     """What a call of :meth:`~gpytorch_iterncgp.IterNCGPStrategy.fit` or :meth:`~gpytorch_iterncgp.EPStrategy.fit` did.
 
-    ``newton_steps`` counts the outer steps: Newton steps, or EP sweeps (also :attr:`sweeps`).
+    :attr:`steps` counts the outer loop's steps, which the loop calls :attr:`step_name` (Newton steps, or EP
+    sweeps); :attr:`records` holds one record per step.
     """
 
-    newton_steps: int = 0
+    steps: int = 0
     solver_iterations: int = 0
     kernel_products: int = 0  # calls of the kernel matmul (including the renewal of stale products)
     kernel_columns: int = 0  # vectors multiplied by K in those calls
@@ -160,54 +162,46 @@ class FitReport:
     breakdown: bool = False
     stopped_by_callback: bool = False
     wall_time: float = 0.0
-    steps: list[Any] = field(default_factory=list)  # NewtonStep or EPSweep records
+    records: list[Any] = field(default_factory=list)  # NewtonStep or EPSweep records, one per step
     budget: str = ""  # how the solver budget was chosen (set by callers that choose it, e.g. the estimators)
     method: str = "IterNCGP"  # the outer loop: "IterNCGP" (Laplace by damped Newton), "EP" or "EP-DTC" (sparse EP)
-
-    @property
-    def sweeps(self) -> int:
-        """The number of outer steps (EP's name for them)."""
-        return self.newton_steps
+    step_name: str = "Newton steps"  # what the loop calls its steps (OuterLoop.step_name), e.g. "sweeps" for EP
 
     @property
     def skipped_sites(self) -> int:
         """EP: site updates skipped for a cavity that was not finite, summed over the sweeps."""
-        return sum(getattr(step, "skipped_sites", 0) for step in self.steps)
+        return sum(getattr(record, "skipped_sites", 0) for record in self.records)
 
     @property
     def bounded_cavities(self) -> int:
         """EP: cavity precisions raised to the prior precision, summed over the sweeps."""
-        return sum(getattr(step, "bounded_cavities", 0) for step in self.steps)
+        return sum(getattr(record, "bounded_cavities", 0) for record in self.records)
 
     @property
     def log_posteriors(self) -> list[float]:
-        return [step.log_posterior for step in self.steps]
+        return [record.log_posterior for record in self.records]
 
     @property
     def residual_norms(self) -> list[float]:
-        return [step.residual_norm for step in self.steps]
+        return [record.residual_norm for record in self.records]
 
     @property
     def step_sizes(self) -> list[float]:
-        return [step.step_size for step in self.steps]
+        return [record.step_size for record in self.records]
 
     def __str__(self) -> str:
-        last = self.steps[-1] if self.steps else None
+        last = self.records[-1] if self.records else None
         if self.method.startswith("EP"):
-            return (
-                f"{self.method} fit: {self.newton_steps} sweeps, {self.solver_iterations} solver iterations, "
-                f"{self.kernel_products} products with K ({self.kernel_product_seconds:.2f}s), "
-                f"converged={self.converged}, breakdown={self.breakdown}, bounded cavities={self.bounded_cavities}, "
-                f"skipped site updates={self.skipped_sites}, "
-                f"site change={last.site_change if last else float('nan'):.3g}, "
-                f"residual={last.residual_norm if last else float('nan'):.3g}, {self.wall_time:.2f}s"
-                + (f"; {self.budget}" if self.budget else "")
+            details = (
+                f"bounded cavities={self.bounded_cavities}, skipped site updates={self.skipped_sites}, "
+                f"site change={last.site_change if last else float('nan'):.3g}"
             )
+        else:
+            details = f"log posterior={last.log_posterior if last else float('nan'):.6g}"
         return (
-            f"IterNCGP fit: {self.newton_steps} Newton steps, {self.solver_iterations} solver iterations, "
+            f"{self.method} fit: {self.steps} {self.step_name}, {self.solver_iterations} solver iterations, "
             f"{self.kernel_products} products with K ({self.kernel_product_seconds:.2f}s), "
-            f"converged={self.converged}, breakdown={self.breakdown}, "
-            f"log posterior={last.log_posterior if last else float('nan'):.6g}, "
+            f"converged={self.converged}, breakdown={self.breakdown}, {details}, "
             f"residual={last.residual_norm if last else float('nan'):.3g}, {self.wall_time:.2f}s"
             + (f"; {self.budget}" if self.budget else "")
         )
@@ -235,7 +229,7 @@ def run_outer_loop(
     :param stacklevel: of the warnings, counted from the caller of this function.
     """
     start_time = time.perf_counter()
-    report = FitReport(method=loop.name)
+    report = FitReport(method=loop.name, step_name=loop.step_name)
     progress = tqdm(total=max_steps, desc=loop.name, disable=not show_progress, leave=False)
     iterator = loop.steps(state)
     try:
@@ -258,8 +252,8 @@ def run_outer_loop(
             )
             state = outcome.state
             commit(state)
-            report.steps.append(record)
-            report.newton_steps += 1
+            report.records.append(record)
+            report.steps += 1
             report.solver_iterations += record.solver_iterations
             progress.update(1)
             progress.set_postfix(record.progress())

@@ -177,6 +177,7 @@ class ExpectationPropagation:
     """
 
     name = "EP"
+    step_name = "sweeps"
 
     def __init__(
         self, prior: LatentPrior, adapter: LikelihoodAdapter, targets: Tensor, options: EPOptions, policy: Policy

@@ -159,6 +159,7 @@ class DampedNewton:
         self._cached: tuple[Tensor, LikelihoodDerivatives] | None = None
 
     name = "IterNCGP"
+    step_name = "Newton steps"
 
     # -- states ------------------------------------------------------------------------------------------------
     def initial_state(self) -> LaplaceState:

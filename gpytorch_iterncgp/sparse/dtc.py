@@ -165,6 +165,7 @@ class SparseEP:
     """
 
     name = "EP-DTC"
+    step_name = "sweeps"
 
     def __init__(self, prior: DTCPrior, adapter: LikelihoodAdapter, targets: Tensor, damping: float, site_tol: float):
         if adapter.num_latents != 1:
