@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
         "seconds": seconds,
         "products": report.kernel_products,
         "columns": report.kernel_columns,
-        "newton_steps": report.newton_steps,
+        "newton_steps": report.steps,
         "converged": report.converged,
         "rank": int(strategy.state.precision_root.shape[-1]),
         **test_nll(problem, strategy.state),

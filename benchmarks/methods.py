@@ -299,7 +299,7 @@ def run_iterncgp(
     report, result = _fit_and_record(
         problem, model, test_posterior, lambda step: {"log_posterior": step.log_posterior}, kernel_path, evaluate
     )
-    return {**result, "newton_steps": report.newton_steps}
+    return {**result, "newton_steps": report.steps}
 
 
 # -- EP (multinomial probit) ---------------------------------------------------------------------------------
@@ -345,7 +345,7 @@ def run_ep(
 
     adapter = likelihood_adapter(likelihood)
     report, result = _fit_and_record(problem, model, test_posterior, describe, kernel_path, adapter=adapter)
-    return {**result, "sweeps": report.sweeps}
+    return {**result, "sweeps": report.steps}
 
 
 # -- SVGP ----------------------------------------------------------------------------------------------------

@@ -69,10 +69,10 @@ def run(num: int, num_inducing: int) -> dict:
     return {
         "num_data": num,
         "num_inducing": num_inducing,
-        "sweeps": report.sweeps,
+        "sweeps": report.steps,
         "converged": report.converged,
         "fit_seconds": seconds,
-        "seconds_per_sweep": seconds / max(report.sweeps, 1),
+        "seconds_per_sweep": seconds / max(report.steps, 1),
         "peak_memory_above_start_bytes": peak,
         "test_accuracy": accuracy,
     }

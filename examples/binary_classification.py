@@ -98,7 +98,7 @@ def run_policy(policy, budgets, data, grid, quiet):
         while products < max(budgets):
             report = strategy.fit(max_newton_steps=1)
             products += report.kernel_products
-            newton_steps += report.newton_steps
+            newton_steps += report.steps
             iterations += report.solver_iterations
             metrics = evaluate(strategy, data, grid)
             curve.append((products, metrics["test_nll"], metrics["test_std"]))
@@ -131,7 +131,7 @@ def run_exact(data, grid):
     report = model.variational_strategy.fit()
     metrics = evaluate(model.variational_strategy, data, grid)
     metrics.update(
-        products=report.kernel_products, newton_steps=report.newton_steps, iterations=report.solver_iterations
+        products=report.kernel_products, newton_steps=report.steps, iterations=report.solver_iterations
     )
     return metrics
 

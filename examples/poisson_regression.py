@@ -111,9 +111,9 @@ def run(train_x, train_y, test_x, test_y, iterations_per_step, budget, plot_x=No
         with warnings.catch_warnings(record=True):
             warnings.simplefilter("always", NumericalBreakdownWarning)
             report = strategy.fit(max_newton_steps=(budget - total) // iterations_per_step, callback=callback)
-        newton_steps += report.newton_steps
+        newton_steps += report.steps
         restarts += 1
-        if report.solver_iterations == 0 or report.newton_steps == 0:
+        if report.solver_iterations == 0 or report.steps == 0:
             break
     if plot_x is not None:  # the final posterior (precision updated to the final mode)
         snapshots["final"] = tuple(t[:, 0] for t in strategy.marginal_latent(plot_x))

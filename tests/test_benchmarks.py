@@ -109,7 +109,7 @@ def test_ep_blocks_from_cached_cross_kernel_match_strategy_and_run_ep_scores_its
     model = methods.IterNCGPModel(problem, keops=False, strategy_class=EPStrategy, likelihood=likelihood, **options)
     strategy = model.variational_strategy
     with torch.no_grad():
-        sweeps = strategy.fit().sweeps
+        sweeps = strategy.fit().steps
         expected_mean, expected_covariance = strategy.marginal_latent_blocks(problem.test_x)
         cross = methods.fixed_kernel(problem)(problem.test_x, problem.train_x).to_dense()
         expected = methods.classification_metrics(

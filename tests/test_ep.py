@@ -70,7 +70,7 @@ def test_complete_solve_is_exact_ep(name):
     model = IterNCGPModel(x, y, likelihood, strategy_class=EPStrategy, **COMPLETE, site_tol=1e-11, max_sweeps=400)
     report = model.variational_strategy.fit()
     assert report.converged and report.method == "EP" and report.skipped_sites == 0
-    assert all(isinstance(step, EPSweep) for step in report.steps)
+    assert all(isinstance(step, EPSweep) for step in report.records)
     reference = reference_ep.sequential_ep(_kernel(model, x), y, likelihood=name)
     assert reference.converged
     tau, nu = model.variational_strategy.sites
@@ -112,7 +112,7 @@ def test_undamped_parallel_ep_takes_more_sweeps_than_needed_when_damped_less():
         model = _model("probit", x, y, damping=damping)
         reports.append(model.variational_strategy.fit())
         sites.append(model.variational_strategy.sites[0])
-    assert reports[0].sweeps > reports[1].sweeps
+    assert reports[0].steps > reports[1].steps
     torch.testing.assert_close(sites[0], sites[1], rtol=1e-8, atol=1e-11)
 
 
@@ -196,7 +196,7 @@ def test_compressed_incomplete_solves_keep_every_site_finite():
     )
     report = model.variational_strategy.fit(max_sweeps=15)
     tau, nu = model.variational_strategy.sites
-    assert not report.converged and report.steps[-1].bounded_cavities > 0
+    assert not report.converged and report.records[-1].bounded_cavities > 0
     assert torch.isfinite(nu).all() and (tau >= 0).all()
     model.eval()
     probabilities = model.variational_strategy.predictive_probabilities(x)
@@ -252,7 +252,7 @@ def test_hyperparameter_change_warm_starts_from_the_kept_sites():
     warm_report = warm.variational_strategy.fit()
     cold = _model("probit", x, y, lengthscale=0.45)
     cold_report = cold.variational_strategy.fit()
-    assert warm_report.converged and warm_report.sweeps < cold_report.sweeps
+    assert warm_report.converged and warm_report.steps < cold_report.steps
     torch.testing.assert_close(
         warm.variational_strategy.sites[0], cold.variational_strategy.sites[0], rtol=1e-7, atol=1e-10
     )

@@ -15,10 +15,7 @@ import torch
 import gpytorch_iterncgp
 from gpytorch_iterncgp import LaplaceMarginalLogLikelihood, LogitBernoulliLikelihood, NotConvergedWarning, settings
 from gpytorch_iterncgp.core.outer_loop import (
-    BREAKDOWN,
-    CONTINUE,
-    CONVERGED,
-    STALLED,
+    LoopStatus,
     NewtonStep,
     OuterStep,
     run_outer_loop,
@@ -42,6 +39,7 @@ class _ScriptedLoop:
     """Yields the given statuses; each step 'multiplies by K' ``step`` times."""
 
     name = "scripted"
+    step_name = "scripted steps"
 
     def __init__(self, statuses, counter):
         self.statuses, self.counter, self.finalized = statuses, counter, []
@@ -50,13 +48,13 @@ class _ScriptedLoop:
         for index, status in enumerate(self.statuses, start=1):
             state = state + index
             self.counter.products += index
-            if status == BREAKDOWN:
-                yield OuterStep(None, state - index, BREAKDOWN, "scripted breakdown")
+            if status is LoopStatus.BREAKDOWN:
+                yield OuterStep(None, state - index, LoopStatus.BREAKDOWN, "scripted breakdown")
                 return
             warnings.warn("inner solver trouble", NumericalBreakdownWarning, stacklevel=2)
             record = NewtonStep(index, -1.0 / index, 1.0, index, 0.0, 0.0)
-            yield OuterStep(record, state, status, "scripted stall" if status == STALLED else "")
-            if status != CONTINUE:
+            yield OuterStep(record, state, status, "scripted stall" if status is LoopStatus.STALLED else "")
+            if status is not LoopStatus.CONTINUE:
                 return
 
     def finalize(self, state):
@@ -74,24 +72,25 @@ def _drive(statuses, max_steps=10, callback=None):
 
 
 def test_driver_commits_every_step_then_the_final_state_and_counts_products_per_step():
-    report, committed, loop, caught = _drive([CONTINUE, CONTINUE, CONVERGED])
+    report, committed, loop, caught = _drive([LoopStatus.CONTINUE, LoopStatus.CONTINUE, LoopStatus.CONVERGED])
     assert committed == [1, 3, 6, -6] and loop.finalized == [6]
-    assert report.converged and report.newton_steps == 3 and report.solver_iterations == 6
-    assert [step.kernel_products for step in report.steps] == [1, 2, 3] and report.kernel_products == 6
+    assert report.converged and report.steps == 3 and report.solver_iterations == 6
+    assert str(report).startswith("scripted fit: 3 scripted steps,")  # the loop's own word for its steps
+    assert [step.kernel_products for step in report.records] == [1, 2, 3] and report.kernel_products == 6
     # the loop's own warnings reach the caller's line (this file), once per step
     inner = [w for w in caught if issubclass(w.category, NumericalBreakdownWarning)]
     assert len(inner) == 3 and all(w.filename == __file__ for w in inner)
 
 
 def test_driver_stops_at_the_budget_on_a_stall_on_a_breakdown_and_on_the_callback():
-    report, committed, _, _ = _drive([CONTINUE] * 5, max_steps=2)
-    assert report.newton_steps == 2 and not report.converged and committed == [1, 3, -3]
-    report, _, _, caught = _drive([CONTINUE, STALLED])
+    report, committed, _, _ = _drive([LoopStatus.CONTINUE] * 5, max_steps=2)
+    assert report.steps == 2 and not report.converged and committed == [1, 3, -3]
+    report, _, _, caught = _drive([LoopStatus.CONTINUE, LoopStatus.STALLED])
     assert not report.converged and any(issubclass(w.category, NotConvergedWarning) for w in caught)
-    report, committed, _, caught = _drive([CONTINUE, BREAKDOWN])
+    report, committed, _, caught = _drive([LoopStatus.CONTINUE, LoopStatus.BREAKDOWN])
     assert report.breakdown and committed == [1, -1]
     assert any("scripted breakdown" in str(w.message) for w in caught)
-    report, committed, _, _ = _drive([CONTINUE] * 5, callback=lambda record, state: record.step == 2)
+    report, committed, _, _ = _drive([LoopStatus.CONTINUE] * 5, callback=lambda record, state: record.step == 2)
     assert report.stopped_by_callback and committed == [1, 3, -3]
 
 
@@ -204,7 +203,7 @@ LAYERS: list[tuple[str, list[set[str]]]] = [
     (
         "core",
         [
-            {"validation", "triton_kernels"},
+            {"validation", "triton_kernels", "state"},
             {"noise", "precision", "kernel_products", "policies"},
             {"recycling", "prior", "covariance"},
             {"solver", "outer_loop"},

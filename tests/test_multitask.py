@@ -46,7 +46,7 @@ def test_one_kernel_product_per_solver_iteration(case):
     assert report.solver_iterations > 0
     assert report.kernel_products == report.solver_iterations
     assert report.kernel_columns == report.kernel_products  # one vector per product
-    assert all(step.kernel_products == step.solver_iterations for step in report.steps)
+    assert all(step.kernel_products == step.solver_iterations for step in report.records)
     # after a change of the coregionalisation, one extra product renews K a and K S (a warm start)
     with torch.no_grad():
         for module in model.covar_module.modules():

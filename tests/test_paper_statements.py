@@ -134,7 +134,7 @@ def test_gaussian_likelihood_is_gp_regression(policy):
     )
     strategy = model.variational_strategy
     report = strategy.fit()
-    assert report.newton_steps == 1 and report.steps[0].step_size == 1.0
+    assert report.steps == 1 and report.records[0].step_size == 1.0
 
     generator = torch.Generator().manual_seed(8)
     test_x = torch.rand(11, 2, generator=generator, dtype=DTYPE)
@@ -351,7 +351,7 @@ def test_model_buffer_bounded_by_compression_rank():
         sizes.append((state.actions.shape[-1], state.precision_root.shape[-1], step.solver_iterations))
 
     report = model.variational_strategy.fit(callback=record)
-    assert report.newton_steps == 8 and len(sizes) == 8
+    assert report.steps == 8 and len(sizes) == 8
     assert sizes[0][0] == iterations  # the first step starts with an empty buffer
     assert all(actions <= rank + iterations and root <= rank + iterations for actions, root, _ in sizes)
     assert max(actions for actions, _, _ in sizes) > rank  # not vacuous: the buffer was compressed
@@ -388,8 +388,8 @@ def test_one_kernel_product_per_solver_iteration(name):
     assert report.solver_iterations > 0
     assert report.kernel_products == report.solver_iterations
     assert report.kernel_columns == report.kernel_products  # one vector per product
-    assert all(step.kernel_products == step.solver_iterations for step in report.steps)
-    assert sum(step.solver_iterations for step in report.steps) == report.solver_iterations
+    assert all(step.kernel_products == step.solver_iterations for step in report.records)
+    assert sum(step.solver_iterations for step in report.records) == report.solver_iterations
     # continuing with the same hyperparameters: still one product per iteration
     more = dict(outer_tol=0.0, abs_tol=0.0, rel_tol=0.0, max_newton_steps=2)
     again = strategy.fit(**more)

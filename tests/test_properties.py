@@ -94,7 +94,7 @@ def check_invariants(problem: Problem, options: dict) -> None:
     tol = _relative_tolerance(problem.dtype)
 
     # No NaN without a warning: the report's numbers are finite unless a warning said why.
-    for step in report.steps:
+    for step in report.records:
         assert warned or all_finite(step.log_posterior, step.residual_norm), (step, caught)
 
     # The posterior mean and variance are finite, at the training inputs and away from them.
@@ -126,7 +126,7 @@ def check_invariants(problem: Problem, options: dict) -> None:
     psis = report.log_posteriors
     for before, after in zip(psis[:-1], psis[1:], strict=True):
         assert after >= before - tol * max(1.0, abs(before)), psis
-    if report.steps and not report.breakdown:
+    if report.records and not report.breakdown:
         assert math.isclose(psis[-1], psi, rel_tol=10 * tol, abs_tol=10 * tol), (psis[-1], psi)
 
 
@@ -174,9 +174,9 @@ def check_exact_mode(problem: Problem, options: dict) -> None:
     report, caught = fit_recording_warnings(model.variational_strategy)
     error = _mode_error(model, problem, x, y)
     if report.converged or problem.dtype == torch.float32:
-        assert error <= MODE_TOLERANCE[problem.dtype], (error, report.converged, report.newton_steps, caught)
+        assert error <= MODE_TOLERANCE[problem.dtype], (error, report.converged, report.steps, caught)
     else:
-        assert error <= UNCERTIFIED_TOLERANCE, (error, report.newton_steps, caught)
+        assert error <= UNCERTIFIED_TOLERANCE, (error, report.steps, caught)
 
 
 @settings(max_examples=150, **FAST)
@@ -221,7 +221,7 @@ def check_convergence_claim(problem: Problem, options: dict, max_newton_steps: i
     report, caught = fit_recording_warnings(model.variational_strategy)
     if report.converged:
         error = _mode_error(model, problem, x, y)
-        assert error <= MODE_TOLERANCE[problem.dtype], (error, report.newton_steps, caught)
+        assert error <= MODE_TOLERANCE[problem.dtype], (error, report.steps, caught)
 
 
 few_iterations = st.fixed_dictionaries(
@@ -297,7 +297,7 @@ def check_float32_against_float64(problem: Problem, options: dict) -> None:
     mean32, variance32, report32, caught32, rank32 = results[torch.float32]
     assert report64.converged
     # Refuses nothing silently: whatever float32 did not do that float64 did, a warning says why.
-    if report32.breakdown or not (report32.converged or report32.newton_steps == 100):
+    if report32.breakdown or not (report32.converged or report32.steps == 100):
         assert caught32, report32
     assert all_finite(mean32, variance32)
     assert float((mean32 - mean64).abs().max()) <= FLOAT32_TOLERANCE * max(1.0, float(mean64.abs().max()))

@@ -199,7 +199,7 @@ def test_state_dict_round_trip_and_resume():
         other.variational_strategy.predictive_probabilities(test_x),
         model.variational_strategy.predictive_probabilities(test_x),
     )
-    assert other.variational_strategy.fit().sweeps == 1  # already at the fixed point
+    assert other.variational_strategy.fit().steps == 1  # already at the fixed point
 
 
 def test_bad_inducing_points_raise_and_more_inducing_than_data_is_fine():

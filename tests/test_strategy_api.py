@@ -86,7 +86,7 @@ def test_float32_matches_float64(name):
     results = {}
     for dtype, (x, y, test) in {torch.float64: (x64, y64, test64), torch.float32: (x32, y32, test64.float())}.items():
         model, report = _fit(name, x, y)
-        assert report.newton_steps >= 1
+        assert report.steps >= 1
         mean, variance, _ = _posterior(model, test)
         assert mean.dtype == dtype and variance.dtype == dtype
         assert model.variational_strategy.mode.dtype == dtype
@@ -133,7 +133,7 @@ def test_state_dict_then_continue_matches_original():
     fresh.load_state_dict(model.state_dict())
     report = model.variational_strategy.fit(max_newton_steps=20)
     report2 = fresh.variational_strategy.fit(max_newton_steps=20)
-    assert report.newton_steps == report2.newton_steps and report.solver_iterations == report2.solver_iterations
+    assert report.steps == report2.steps and report.solver_iterations == report2.solver_iterations
     torch.testing.assert_close(fresh.variational_strategy.mode, model.variational_strategy.mode, rtol=0, atol=1e-12)
 
 
@@ -149,12 +149,12 @@ def test_fit_continues_from_current_state(name, options):
 
     model = IterNCGPModel(train_x, train_y, LIKELIHOODS[name][0](), **options)
     first = model.variational_strategy.fit(max_newton_steps=2)
-    assert first.newton_steps == 2 and model.variational_strategy.state.newton_steps == 2
+    assert first.steps == 2 and model.variational_strategy.state.newton_steps == 2
     second = model.variational_strategy.fit()
     assert second.converged
-    assert model.variational_strategy.state.newton_steps == 2 + second.newton_steps
+    assert model.variational_strategy.state.newton_steps == 2 + second.steps
     # Continuing does not start over: together the two calls take as many steps as one call.
-    assert first.newton_steps + second.newton_steps == reference_report.newton_steps
+    assert first.steps + second.steps == reference_report.steps
     torch.testing.assert_close(model.variational_strategy.mode, reference.variational_strategy.mode, rtol=0, atol=1e-8)
 
 
@@ -164,7 +164,7 @@ def test_fit_with_zero_steps_changes_nothing():
     mode = model.variational_strategy.mode.clone()
     steps = model.variational_strategy.state.newton_steps
     report = model.variational_strategy.fit(max_newton_steps=0)
-    assert report.newton_steps == 0 and report.steps == []
+    assert report.steps == 0 and report.records == []
     assert model.variational_strategy.state.newton_steps == steps
     assert torch.equal(model.variational_strategy.mode, mode)
 
@@ -183,7 +183,7 @@ def test_callback_true_stops_after_first_step():
 
     report = model.variational_strategy.fit(callback=callback)
     assert report.stopped_by_callback and not report.converged
-    assert report.newton_steps == 1 and len(calls) == 1
+    assert report.steps == 1 and len(calls) == 1
     step, state = calls[0]
     assert step.step == 1 and state.newton_steps == 1
     assert model.variational_strategy.state.newton_steps == 1
@@ -196,7 +196,7 @@ def test_callback_none_is_called_every_step():
     seen = []
     report = model.variational_strategy.fit(callback=lambda step, state: seen.append(step.step))
     assert not report.stopped_by_callback and report.converged
-    assert seen == list(range(1, report.newton_steps + 1)) and report.newton_steps > 1
+    assert seen == list(range(1, report.steps + 1)) and report.steps > 1
 
 
 def test_show_progress_false_prints_nothing(capsys):
@@ -217,13 +217,13 @@ def test_report_is_consistent(name):
     train_x, train_y = _data(name)
     model, report = _fit(name, train_x, train_y)
     strategy = model.variational_strategy
-    assert report.newton_steps == len(report.steps) == strategy.state.newton_steps
-    assert report.solver_iterations == sum(step.solver_iterations for step in report.steps)
-    assert report.kernel_products == sum(step.kernel_products for step in report.steps)
+    assert report.steps == len(report.records) == strategy.state.newton_steps
+    assert report.solver_iterations == sum(step.solver_iterations for step in report.records)
+    assert report.kernel_products == sum(step.kernel_products for step in report.records)
     # CG: exactly one product with K per solver iteration.
     assert report.kernel_products == report.solver_iterations
-    assert [step.step for step in report.steps] == list(range(1, report.newton_steps + 1))
-    assert report.log_posteriors == [step.log_posterior for step in report.steps]
+    assert [step.step for step in report.records] == list(range(1, report.steps + 1))
+    assert report.log_posteriors == [step.log_posterior for step in report.records]
     # Damped Newton: the log posterior never decreases.
     assert all(
         b >= a - 1e-10 * abs(a) for a, b in zip(report.log_posteriors[:-1], report.log_posteriors[1:], strict=True)
@@ -412,9 +412,9 @@ def test_autograd_gaussian_is_exact_gp_regression():
     model.double()
     report = model.variational_strategy.fit()
     assert isinstance(model.variational_strategy.adapter, AutogradAdapter)
-    assert report.converged and report.steps[-1].relative_change < 1e-10
+    assert report.converged and report.records[-1].relative_change < 1e-10
     # The first step already reached the mode: later steps take no solver iterations.
-    assert all(step.solver_iterations == 0 for step in report.steps[1:])
+    assert all(step.solver_iterations == 0 for step in report.records[1:])
     noise = likelihood.noise.item()
     mean_constant = model.mean_module.constant.item()
     with torch.no_grad():
@@ -457,7 +457,7 @@ def test_shared_kernel_equals_batched_identical_kernels(options):
     shared, shared_report = _fit("softmax", train_x, train_y, **options)
     batched, batched_report = _fit("softmax", train_x, train_y, batch_classes=3, **options)
     assert batched.covar_module.outputscale.shape == (3,)  # really three kernels
-    assert shared_report.newton_steps == batched_report.newton_steps
+    assert shared_report.steps == batched_report.steps
     torch.testing.assert_close(shared.variational_strategy.mode, batched.variational_strategy.mode, rtol=0, atol=1e-8)
     mean, variance, covariance = _posterior(shared, test_x)
     mean_b, variance_b, covariance_b = _posterior(batched, test_x)

@@ -409,7 +409,7 @@ def test_mll_is_the_bound_per_point_and_differentiates_every_parameter():
     assert math.isclose(float(value.detach()) * len(y), float(expected), rel_tol=1e-12)
     # warm start: a second call at the same parameters needs one sweep
     mll(means, raw_variances.exp(), y)
-    assert mll.last_reports[0].sweeps == 1
+    assert mll.last_reports[0].steps == 1
     with pytest.raises(ValueError, match="KL"):
         mll(means, torch.zeros_like(x), y)
 

@@ -244,7 +244,7 @@ def test_invalid_options_in_fit(option, value):
         model.variational_strategy.fit(**{option: value})
     assert model.variational_strategy.state is None  # nothing ran
     # The options of the strategy are untouched: a normal fit still works.
-    assert model.variational_strategy.fit().newton_steps >= 1
+    assert model.variational_strategy.fit().steps >= 1
 
 
 def test_valid_option_boundaries_accepted():
@@ -253,7 +253,7 @@ def test_valid_option_boundaries_accepted():
         train_x, train_y, LogitBernoulliLikelihood(), compression_rank=1, max_solver_iterations=1, outer_tol=0.0
     )
     report = model.variational_strategy.fit(max_newton_steps=3)
-    assert report.newton_steps == 3 and all(step.solver_iterations == 1 for step in report.steps)
+    assert report.steps == 3 and all(step.solver_iterations == 1 for step in report.records)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -16,17 +16,42 @@ The loop itself (probnum's ``solve_iterator`` pattern) knows nothing of these.
 from __future__ import annotations
 
 import dataclasses
+import enum
+import math
 import time
 import warnings
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..exceptions import NotConvergedWarning, NumericalBreakdownWarning
 
-CONTINUE, CONVERGED, STALLED, BREAKDOWN = "continue", "converged", "stalled", "breakdown"
+
+class LoopStatus(enum.Enum):
+    """Where an outer loop stands after a step (:attr:`OuterStep.status`)."""
+
+    CONTINUE = "continue"  # the loop goes on
+    CONVERGED = "converged"  # the loop's own convergence test holds
+    STALLED = "stalled"  # no progress is possible (the step's message says why)
+    BREAKDOWN = "breakdown"  # the step could not be computed (the state is the last good one)
+
+
+def relative_norm_change(new: Tensor, old: Tensor) -> float:
+    r""":math:`\|\mathbf x_{\text{new}} - \mathbf x_{\text{old}}\| / \|\mathbf x_{\text{old}}\|` (Euclidean norms), the
+    change of the Newton loop's representer weights; 0 for no change, :math:`\infty` for a change from 0."""
+    change, norm = float((new - old).norm()), float(old.norm())
+    return change / norm if norm > 0 else (0.0 if change == 0 else math.inf)
+
+
+def relative_max_change(new: Tensor, old: Tensor) -> float:
+    r""":math:`\max_i |x_{\text{new}, i} - x_{\text{old}, i}| / \max_i |x_{\text{new}, i}|`, relative to the *new*
+    values, the change of EP's site parameters; 0 for no change, :math:`\infty` for a change to 0."""
+    scale = float(new.abs().max())
+    difference = float((new - old).abs().max())
+    return difference / scale if scale > 0 else (0.0 if difference == 0 else math.inf)
 
 
 @dataclass
@@ -80,13 +105,13 @@ class OuterStep:
 
     :param record: the step's record (the driver adds its products with K).
     :param state: the state after the step (complete: a fit can resume from it).
-    :param status: ``"continue"``, ``"converged"``, ``"stalled"`` (no progress possible; ``message`` says why)
-        or ``"breakdown"`` (the step could not be computed; ``state`` is the last good one).
+    :param status: :class:`LoopStatus`: ``CONTINUE``, ``CONVERGED``, ``STALLED`` (no progress possible; ``message``
+        says why) or ``BREAKDOWN`` (the step could not be computed; ``state`` is the last good one).
     """
 
     record: StepRecord | None
     state: Any
-    status: str = CONTINUE
+    status: LoopStatus = LoopStatus.CONTINUE
     message: str = ""
     breakdown: bool = False  # IterGP stopped on a numerical breakdown inside this step (the step is still valid)
 
@@ -95,6 +120,7 @@ class OuterLoop(Protocol):
     """An outer loop over GP regressions solved by IterGP (damped Newton; EP)."""
 
     name: str  # "IterNCGP", "EP": shown on the progress bar and in the report
+    step_name: str  # what the loop calls its steps in the report, plural: "Newton steps", "sweeps"
 
     def initial_state(self) -> Any:
         """The state to start from without a previous fit (the prior)."""
@@ -123,10 +149,11 @@ class ProductCounter(Protocol):
 class FitReport:
     """What a call of :meth:`~gpytorch_iterncgp.IterNCGPStrategy.fit` or :meth:`~gpytorch_iterncgp.EPStrategy.fit` did.
 
-    ``newton_steps`` counts the outer steps: Newton steps, or EP sweeps (also :attr:`sweeps`).
+    :attr:`steps` counts the outer loop's steps, which the loop calls :attr:`step_name` (Newton steps, or EP
+    sweeps); :attr:`records` holds one record per step.
     """
 
-    newton_steps: int = 0
+    steps: int = 0
     solver_iterations: int = 0
     kernel_products: int = 0  # calls of the kernel matmul (including the renewal of stale products)
     kernel_columns: int = 0  # vectors multiplied by K in those calls
@@ -135,54 +162,46 @@ class FitReport:
     breakdown: bool = False
     stopped_by_callback: bool = False
     wall_time: float = 0.0
-    steps: list[Any] = field(default_factory=list)  # NewtonStep or EPSweep records
+    records: list[Any] = field(default_factory=list)  # NewtonStep or EPSweep records, one per step
     budget: str = ""  # how the solver budget was chosen (set by callers that choose it, e.g. the estimators)
     method: str = "IterNCGP"  # the outer loop: "IterNCGP" (Laplace by damped Newton), "EP" or "EP-DTC" (sparse EP)
-
-    @property
-    def sweeps(self) -> int:
-        """The number of outer steps (EP's name for them)."""
-        return self.newton_steps
+    step_name: str = "Newton steps"  # what the loop calls its steps (OuterLoop.step_name), e.g. "sweeps" for EP
 
     @property
     def skipped_sites(self) -> int:
         """EP: site updates skipped for a cavity that was not finite, summed over the sweeps."""
-        return sum(getattr(step, "skipped_sites", 0) for step in self.steps)
+        return sum(getattr(record, "skipped_sites", 0) for record in self.records)
 
     @property
     def bounded_cavities(self) -> int:
         """EP: cavity precisions raised to the prior precision, summed over the sweeps."""
-        return sum(getattr(step, "bounded_cavities", 0) for step in self.steps)
+        return sum(getattr(record, "bounded_cavities", 0) for record in self.records)
 
     @property
     def log_posteriors(self) -> list[float]:
-        return [step.log_posterior for step in self.steps]
+        return [record.log_posterior for record in self.records]
 
     @property
     def residual_norms(self) -> list[float]:
-        return [step.residual_norm for step in self.steps]
+        return [record.residual_norm for record in self.records]
 
     @property
     def step_sizes(self) -> list[float]:
-        return [step.step_size for step in self.steps]
+        return [record.step_size for record in self.records]
 
     def __str__(self) -> str:
-        last = self.steps[-1] if self.steps else None
+        last = self.records[-1] if self.records else None
         if self.method.startswith("EP"):
-            return (
-                f"{self.method} fit: {self.newton_steps} sweeps, {self.solver_iterations} solver iterations, "
-                f"{self.kernel_products} products with K ({self.kernel_product_seconds:.2f}s), "
-                f"converged={self.converged}, breakdown={self.breakdown}, bounded cavities={self.bounded_cavities}, "
-                f"skipped site updates={self.skipped_sites}, "
-                f"site change={last.site_change if last else float('nan'):.3g}, "
-                f"residual={last.residual_norm if last else float('nan'):.3g}, {self.wall_time:.2f}s"
-                + (f"; {self.budget}" if self.budget else "")
+            details = (
+                f"bounded cavities={self.bounded_cavities}, skipped site updates={self.skipped_sites}, "
+                f"site change={last.site_change if last else float('nan'):.3g}"
             )
+        else:
+            details = f"log posterior={last.log_posterior if last else float('nan'):.6g}"
         return (
-            f"IterNCGP fit: {self.newton_steps} Newton steps, {self.solver_iterations} solver iterations, "
+            f"{self.method} fit: {self.steps} {self.step_name}, {self.solver_iterations} solver iterations, "
             f"{self.kernel_products} products with K ({self.kernel_product_seconds:.2f}s), "
-            f"converged={self.converged}, breakdown={self.breakdown}, "
-            f"log posterior={last.log_posterior if last else float('nan'):.6g}, "
+            f"converged={self.converged}, breakdown={self.breakdown}, {details}, "
             f"residual={last.residual_norm if last else float('nan'):.3g}, {self.wall_time:.2f}s"
             + (f"; {self.budget}" if self.budget else "")
         )
@@ -210,7 +229,7 @@ def run_outer_loop(
     :param stacklevel: of the warnings, counted from the caller of this function.
     """
     start_time = time.perf_counter()
-    report = FitReport(method=loop.name)
+    report = FitReport(method=loop.name, step_name=loop.step_name)
     progress = tqdm(total=max_steps, desc=loop.name, disable=not show_progress, leave=False)
     iterator = loop.steps(state)
     try:
@@ -222,7 +241,7 @@ def run_outer_loop(
             _reemit(caught, stacklevel + 1)
             if outcome is None:
                 break
-            report.breakdown |= outcome.breakdown or outcome.status == BREAKDOWN
+            report.breakdown |= outcome.breakdown or outcome.status is LoopStatus.BREAKDOWN
             if outcome.record is None:  # the step could not be taken: nothing new to commit
                 warnings.warn(outcome.message, NumericalBreakdownWarning, stacklevel=stacklevel + 1)
                 break
@@ -233,18 +252,18 @@ def run_outer_loop(
             )
             state = outcome.state
             commit(state)
-            report.steps.append(record)
-            report.newton_steps += 1
+            report.records.append(record)
+            report.steps += 1
             report.solver_iterations += record.solver_iterations
             progress.update(1)
             progress.set_postfix(record.progress())
             if callback is not None and callback(record, state):
                 report.stopped_by_callback = True
                 break
-            if outcome.status == CONVERGED:
+            if outcome.status is LoopStatus.CONVERGED:
                 report.converged = True
                 break
-            if outcome.status == STALLED:
+            if outcome.status is LoopStatus.STALLED:
                 warnings.warn(outcome.message, NotConvergedWarning, stacklevel=stacklevel + 1)
                 break
     finally:

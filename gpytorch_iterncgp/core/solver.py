@@ -47,6 +47,7 @@ from .noise import NoiseOperator
 from .policies import Policy
 from .precision import LowRankPrecision
 from .recycling import ActionBuffer, ImplicitRoot, virtual_solver_run
+from .state import ExtraState
 from .validation import check_count, check_flag, check_nonnegative
 
 # An action with less than this fraction of its energy s^T K̂ s outside the span of the earlier actions is
@@ -135,7 +136,7 @@ def deferred(compute: Callable[[], Tensor]) -> Tensor:
 
 
 @dataclass
-class RegressionState:
+class RegressionState(ExtraState):
     r"""IterGP's solution of an outer step's GP regression and the actions it keeps for the next one.
 
     ``n = N C`` (data-major), ``r`` the rank of :math:`\mathbf C`, ``B`` the number of buffered actions. The
@@ -150,6 +151,8 @@ class RegressionState:
     actions: Tensor  # S, (n, B)
     kernel_actions: Tensor  # K S, (n, B)
 
+    saved_by = "IterGP"
+
     @staticmethod
     def prior_tensors(
         size: int, dtype: torch.dtype, device: torch.device
@@ -158,11 +161,6 @@ class RegressionState:
         zeros = torch.zeros(size, dtype=dtype, device=device)
         empty = torch.zeros(size, 0, dtype=dtype, device=device)
         return zeros, zeros.clone(), empty, empty.clone(), empty.clone(), empty.clone()
-
-    def tensors(self) -> dict[str, Tensor]:
-        """Every tensor of the state (also a subclass's), by field name."""
-        values = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
-        return {name: value for name, value in values.items() if torch.is_tensor(value)}
 
     def with_kernel(self, kernel_matmul: Callable[[Tensor], Tensor]) -> Self:
         r"""This state after a change of :math:`\mathbf K`: one product renews :math:`\mathbf K \mathbf a` and
@@ -179,23 +177,20 @@ class RegressionState:
         )
 
     @classmethod
-    def check_shapes(cls, saved: dict, owner: str) -> None:
-        """Check the six tensors of a saved state against each other (``owner`` names the state in errors).
-
-        :raises ValueError: naming the missing, non-tensor or inconsistent entries.
-        """
-        names = [field.name for field in dataclasses.fields(RegressionState)]
-        missing = [name for name in names if not torch.is_tensor(saved.get(name))]
-        if missing:
-            raise ValueError(f"{owner} extra state is malformed: missing or non-tensor entries {missing}.")
-        shape = saved["representer_weights"].shape
-        rank, buffered = saved["precision_root"].shape[-1:], saved["actions"].shape[-1:]
-        expected = dict(
-            zip(names, (shape, shape, shape + rank, shape + rank, shape + buffered, shape + buffered), strict=True)
-        )
-        wrong = {name: tuple(saved[name].shape) for name in names if saved[name].shape != expected[name]}
-        if len(shape) != 1 or wrong:
-            raise ValueError(f"{owner} extra state is malformed: inconsistent shapes {wrong or dict(size=shape)}.")
+    def expected_shapes(cls, saved: dict[str, Tensor]) -> dict[str, tuple[int, ...]]:
+        r"""``(n,)`` for :math:`\mathbf a` and :math:`\mathbf K \mathbf a`, ``(n, r)`` for :math:`\mathbf Q` and
+        :math:`\mathbf K \mathbf Q`, ``(n, B)`` for :math:`\mathbf S` and :math:`\mathbf K \mathbf S`; ``n`` from
+        :math:`\mathbf a`, ``r`` and ``B`` from the last dimension of :math:`\mathbf Q` and :math:`\mathbf S`."""
+        size = (saved["representer_weights"].numel(),)
+        rank, buffered = tuple(saved["precision_root"].shape[-1:]), tuple(saved["actions"].shape[-1:])
+        return {
+            "representer_weights": size,
+            "kernel_representer_weights": size,
+            "precision_root": size + rank,
+            "kernel_precision_root": size + rank,
+            "actions": size + buffered,
+            "kernel_actions": size + buffered,
+        }
 
 
 for _name in ("precision_root", "kernel_precision_root"):

@@ -34,15 +34,14 @@ Three cases are handled, and counted:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Self
 
 import torch
 from torch import Tensor
 
 from ..core.noise import SiteBlockNoiseInverse
+from ..core.outer_loop import relative_max_change
 from ..likelihoods.adapters import LikelihoodAdapter
 from ..likelihoods.multinomial_probit import InnerSites, multinomial_probit_moments
 from ..likelihoods.tilted import tilted_moments
@@ -64,35 +63,6 @@ class SiteUpdate:
     clipped: Tensor  # bool: undamped site precision below 0, set to 0
     change: float  # max_i of |tau* - tau| / max|tau*| and |nu* - nu| / max|nu*| (undamped; over updated sites)
     inner_sites: InnerSites | None = None  # site blocks: the nested EP's sites, for the next sweep's warm start
-
-
-class SweepRecord:
-    """What the EP loops' states (dataclasses) share for a ``state_dict``: their tensor fields, the number of
-    ``sweeps`` and whether the regression or posterior tensors belong to the current sites (``solved``)."""
-
-    sweeps: int
-    solved: bool
-
-    def tensors(self) -> dict[str, Tensor]:
-        """Every tensor field of the state, by name."""
-        values = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}  # type: ignore[arg-type]
-        return {name: value for name, value in values.items() if torch.is_tensor(value)}
-
-    def to_extra(self) -> dict:
-        """Tensors (cloned), numbers and flags, for a ``state_dict`` (``weights_only`` loadable)."""
-        return {
-            **{name: tensor.clone() for name, tensor in self.tensors().items()},
-            "sweeps": self.sweeps,
-            "solved": self.solved,
-        }
-
-    @classmethod
-    def restore(cls, saved: dict, reference: Tensor) -> Self:
-        """The state of a checked :meth:`to_extra` dict, tensors moved to the dtype and device of ``reference``."""
-        names = [field.name for field in dataclasses.fields(cls) if field.name not in ("sweeps", "solved")]  # type: ignore[arg-type]
-        values: dict[str, Any] = {name: saved[name].to(reference) for name in names}
-        values.update(sweeps=int(saved["sweeps"]), solved=bool(saved.get("solved", True)))
-        return cls(**values)
 
 
 def cavities(
@@ -179,15 +149,9 @@ def _damped_step(sites: tuple[Tensor, Tensor], valid: Tensor, targets: tuple[Ten
     change = 0.0
     for site, target in zip(sites, targets, strict=True):
         old = site[valid]
-        change = max(change, _relative_change(target, old))
+        change = max(change, relative_max_change(target, old))
         site[valid] = old + damping * (target - old)
     return change
-
-
-def _relative_change(new: Tensor, old: Tensor) -> float:
-    scale = float(new.abs().max())
-    difference = float((new - old).abs().max())
-    return difference / scale if scale > 0 else (0.0 if difference == 0 else float("inf"))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -53,7 +53,7 @@ from torch import Tensor
 
 from ..core.covariance import CovarianceOptions, CovariancePhase, covariance_phase
 from ..core.noise import DiagonalNoiseInverse
-from ..core.outer_loop import CONTINUE, CONVERGED, STALLED, EPSweep, OuterStep
+from ..core.outer_loop import EPSweep, LoopStatus, OuterStep
 from ..core.policies import Policy
 from ..core.prior import LatentPrior
 from ..core.recycling import ActionBuffer
@@ -61,7 +61,7 @@ from ..core.solver import IterGPOptions, IterGPResult, RegressionState, itergp_s
 from ..core.validation import check_count, check_nonnegative
 from ..likelihoods.adapters import LikelihoodAdapter
 from ..likelihoods.multinomial_probit import InnerSites
-from .sites import SiteUpdate, SweepRecord, site_block_noise, update_site_blocks, update_sites, zero_sum_basis
+from .sites import SiteUpdate, site_block_noise, update_site_blocks, update_sites, zero_sum_basis
 
 
 def posterior_marginals(prior_mean: Tensor, prior_variance: Tensor, state: RegressionState) -> tuple[Tensor, Tensor]:
@@ -122,7 +122,7 @@ class EPOptions(SweepOptions, IterGPOptions, CovarianceOptions):
 
 
 @dataclass
-class EPState(SweepRecord, RegressionState):
+class EPState(RegressionState):
     r"""Where the EP loop stands: the sites and IterGP's solution of the regression they define.
 
     ``site_precision`` :math:`\tilde\tau` and ``site_natural_mean`` :math:`\tilde\nu` are ``(N,)`` for :math:`C = 1`;
@@ -134,6 +134,9 @@ class EPState(SweepRecord, RegressionState):
     site_natural_mean: Tensor
     sweeps: int = 0
     solved: bool = True  # the regression tensors belong to these sites and the current kernel
+
+    saved_by = "EPStrategy"
+    optional_entries = frozenset({"solved"})  # not saved by the first versions
 
     @classmethod
     def initial(cls, size: int, dtype: torch.dtype, device: torch.device, num_latents: int = 1) -> EPState:
@@ -151,27 +154,18 @@ class EPState(SweepRecord, RegressionState):
         )
 
     @classmethod
-    def from_extra(cls, saved: dict, reference: Tensor) -> EPState:
-        """Inverse of :meth:`to_extra`, tensors moved to the dtype and device of ``reference``.
-
-        :raises ValueError: for missing entries or shapes that disagree.
-        """
-        cls.check_shapes(saved, "EPStrategy")
+    def expected_shapes(cls, saved: dict[str, Tensor]) -> dict[str, tuple[int, ...]]:
+        r"""The regression's shapes (:meth:`RegressionState.expected_shapes`, ``n = N C``), and the sites':
+        ``(n,)`` each for :math:`C = 1`, ``(N, C, C)`` and ``(N, C)`` for site blocks (``C`` from a 2-d
+        ``site_natural_mean``)."""
         size = saved["representer_weights"].numel()
-        natural_mean = saved.get("site_natural_mean")
-        num_latents = natural_mean.shape[-1] if torch.is_tensor(natural_mean) and natural_mean.dim() == 2 else 1
-        shapes = {
-            "site_precision": (size,) if num_latents == 1 else (size // num_latents, num_latents, num_latents),
-            "site_natural_mean": (size,) if num_latents == 1 else (size // num_latents, num_latents),
-        }
-        wrong = [
-            name for name, shape in shapes.items() if not torch.is_tensor(saved.get(name)) or saved[name].shape != shape
-        ]
-        if wrong or "sweeps" not in saved:
-            raise ValueError(
-                f"EPStrategy extra state is malformed: missing, non-tensor or mis-shaped entries {wrong or ['sweeps']}."
-            )
-        return cls.restore(saved, reference)
+        natural_mean = saved["site_natural_mean"]
+        num_latents = natural_mean.shape[-1] if natural_mean.dim() == 2 else 1
+        sites: dict[str, tuple[int, ...]] = {"site_precision": (size,), "site_natural_mean": (size,)}
+        if num_latents > 1:
+            points = size // num_latents
+            sites = {"site_precision": (points, num_latents, num_latents), "site_natural_mean": (points, num_latents)}
+        return {**super().expected_shapes(saved), **sites}
 
 
 class ExpectationPropagation:
@@ -194,6 +188,7 @@ class ExpectationPropagation:
     """
 
     name = "EP"
+    step_name = "sweeps"
 
     def __init__(
         self, prior: LatentPrior, adapter: LikelihoodAdapter, targets: Tensor, options: EPOptions, policy: Policy
@@ -416,16 +411,16 @@ class ExpectationPropagation:
                 residual_norm=result.residual_norm,
             )
             extra_iterations = 0
-            status, message = CONTINUE, ""
+            status, message = LoopStatus.CONTINUE, ""
             if result.converged and skipped == 0 and bounded == 0 and update.change <= options.site_tol:
-                status = CONVERGED
+                status = LoopStatus.CONVERGED
             elif skipped == len(update.skipped) and result.iterations == 0:
-                status = STALLED
+                status = LoopStatus.STALLED
                 message = (
                     "EP: every cavity precision is non-positive and the solver adds no action, so no site can be "
                     "updated; stopping. Give IterGP more iterations per sweep (max_solver_iterations) or a complete "
                     "solve (policy='unit', max_solver_iterations=None)."
                 )
             yield OuterStep(record, state, status, message, breakdown=result.breakdown)
-            if status != CONTINUE:
+            if status is not LoopStatus.CONTINUE:
                 return

@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 
 from ..core.covariance import CovarianceOptions, covariance_phase
-from ..core.outer_loop import BREAKDOWN, CONTINUE, CONVERGED, STALLED, NewtonStep, OuterStep
+from ..core.outer_loop import LoopStatus, NewtonStep, OuterStep, relative_norm_change
 from ..core.policies import Policy
 from ..core.prior import LatentPrior
 from ..core.recycling import ActionBuffer, virtual_solver_run
@@ -97,48 +97,15 @@ class LaplaceState(RegressionState):
 
     log_posterior: float = -math.inf
     newton_steps: int = 0
-    control: NewtonControl = field(default_factory=NewtonControl)  # the outer loop's bookkeeping
+    control: NewtonControl = field(default_factory=NewtonControl)  # saved as "forcing" and "same_system"
+
+    saved_by = "IterNCGPStrategy"
+    optional_entries = frozenset({"forcing", "same_system"})  # not saved by the first versions
 
     @classmethod
     def initial(cls, size: int, dtype: torch.dtype, device: torch.device) -> LaplaceState:
         r"""The prior: :math:`\mathbf a = \mathbf 0`, no actions."""
         return cls(*cls.prior_tensors(size, dtype, device))
-
-    def to_extra(self) -> dict:
-        """Tensors (cloned), numbers and flags, for a ``state_dict`` (``weights_only`` loadable)."""
-        return {
-            **{name: tensor.clone() for name, tensor in self.tensors().items()},
-            "log_posterior": self.log_posterior,
-            "newton_steps": self.newton_steps,
-            "forcing": self.control.forcing,
-            "same_system": self.control.same_system,
-        }
-
-    @classmethod
-    def from_extra(cls, saved: dict, reference: Tensor) -> LaplaceState:
-        """Inverse of :meth:`to_extra`, tensors moved to the dtype and device of ``reference``.
-
-        :raises ValueError: for missing entries or shapes that disagree.
-        """
-        cls.check_shapes(saved, "IterNCGPStrategy")
-        missing = [name for name in ("log_posterior", "newton_steps") if name not in saved]
-        if missing:
-            raise ValueError(f"IterNCGPStrategy extra state is malformed: missing or non-tensor entries {missing}.")
-        tensors = {name: saved[name].to(reference) for name in TENSOR_FIELDS}
-        return cls(
-            **tensors,
-            log_posterior=float(saved["log_posterior"]),
-            newton_steps=int(saved["newton_steps"]),
-            control=NewtonControl(float(saved.get("forcing", 1.0)), bool(saved.get("same_system", False))),
-        )
-
-
-TENSOR_FIELDS = tuple(field.name for field in dataclasses.fields(RegressionState))
-
-
-def _relative_change(new: Tensor, old: Tensor) -> float:
-    change, norm = float((new - old).norm()), float(old.norm())
-    return change / norm if norm > 0 else (0.0 if change == 0 else math.inf)
 
 
 # Halvings that only bring an overflowing candidate back to a finite log posterior are free down to this step
@@ -192,6 +159,7 @@ class DampedNewton:
         self._cached: tuple[Tensor, LikelihoodDerivatives] | None = None
 
     name = "IterNCGP"
+    step_name = "Newton steps"
 
     # -- states ------------------------------------------------------------------------------------------------
     def initial_state(self) -> LaplaceState:
@@ -304,7 +272,7 @@ class DampedNewton:
                     "IterNCGP: the likelihood's gradient or curvature is not finite at the current latent values; "
                     "stopping with the posterior of the last completed Newton step."
                 )
-                yield OuterStep(None, state, BREAKDOWN, message)
+                yield OuterStep(None, state, LoopStatus.BREAKDOWN, message)
                 return
             if not options.recycle:
                 buffer = ActionBuffer.empty(len(self.prior_mean), self.prior_mean.dtype, self.prior_mean.device)
@@ -329,15 +297,15 @@ class DampedNewton:
             # Half the Newton decrement: what the full step promises to gain in Psi (exact for a quadratic).
             predicted_gain = 0.5 * self.slope(current, proposal.kernel_weights - current.kernel_weights)
             step_size, new, full_psi = self.damped_step(current, proposal)
-            relative_change = _relative_change(new.weights, current.weights)
-            proposed_change = _relative_change(proposal.weights, current.weights)
+            relative_change = relative_norm_change(new.weights, current.weights)
+            proposed_change = relative_norm_change(proposal.weights, current.weights)
             converged = self._converged(result, current, new, step_size, full_psi, proposed_change, predicted_gain)
-            status = CONVERGED if converged else CONTINUE
+            status = LoopStatus.CONVERGED if converged else LoopStatus.CONTINUE
             forcing = control.forcing
             message = ""
             if not converged and step_size == 0.0:
                 if not options.recycle or (result.iterations == 0 and forcing < 1e-10):
-                    status = STALLED
+                    status = LoopStatus.STALLED
                     message = "IterNCGP: no step along the Newton direction increases the log posterior; stopping."
                 else:
                     # The direction was too inexact: the next step solves the same system further (recycled
@@ -366,7 +334,7 @@ class DampedNewton:
                 relative_change=relative_change,
             )
             yield OuterStep(record, state, status, message, breakdown=result.breakdown)
-            if status != CONTINUE:
+            if status is not LoopStatus.CONTINUE:
                 return
 
     def _converged(self, result, current, new, step_size, full_psi, proposed_change, predicted_gain) -> bool:

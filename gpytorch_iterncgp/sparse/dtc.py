@@ -47,8 +47,9 @@ import torch
 from linear_operator import settings as linop_settings
 from torch import Tensor
 
-from ..core.outer_loop import CONTINUE, CONVERGED, EPSweep, OuterStep
-from ..ep.sites import SweepRecord, update_sites
+from ..core.outer_loop import EPSweep, LoopStatus, OuterStep
+from ..core.state import ExtraState
+from ..ep.sites import update_sites
 from ..likelihoods.adapters import LikelihoodAdapter
 
 
@@ -119,7 +120,7 @@ def dtc_posterior(
 
 
 @dataclass
-class SparseEPState(SweepRecord):
+class SparseEPState(ExtraState):
     r"""Where the EP-DTC loop stands: the sites ``(N,)``, their posterior in the whitened inducing space
     (:math:`\mathbf L_B` ``(M, M)``, :math:`\bar{\mathbf z}` ``(M,)``; module docstring) and its marginals at the
     training inputs ``(N,)``."""
@@ -133,26 +134,22 @@ class SparseEPState(SweepRecord):
     sweeps: int = 0
     solved: bool = True  # the posterior tensors belong to these sites and the current kernel / inducing inputs
 
-    @classmethod
-    def from_extra(cls, saved: dict, reference: Tensor) -> SparseEPState:
-        """Inverse of :meth:`to_extra`, tensors moved to the dtype and device of ``reference``.
+    saved_by = "SparseEPStrategy"
+    optional_entries = frozenset({"solved"})  # not saved by the first versions
 
-        :raises ValueError: for missing entries or shapes that disagree.
-        """
-        names = [field.name for field in dataclasses.fields(cls) if field.name not in ("sweeps", "solved")]
-        missing = [name for name in names if not torch.is_tensor(saved.get(name))]
-        if missing or "sweeps" not in saved:
-            raise ValueError(
-                f"SparseEPStrategy extra state is malformed: missing or non-tensor entries {missing or ['sweeps']}."
-            )
-        size, rank = saved["site_precision"].shape, saved["whitened_mean"].shape
-        expected = dict(zip(names, (size, size, rank + rank, rank, size, size), strict=True))
-        wrong = {name: tuple(saved[name].shape) for name in names if saved[name].shape != expected[name]}
-        if len(size) != 1 or len(rank) != 1 or wrong:
-            raise ValueError(
-                f"SparseEPStrategy extra state is malformed: inconsistent shapes {wrong or dict(size=size)}."
-            )
-        return cls.restore(saved, reference)
+    @classmethod
+    def expected_shapes(cls, saved: dict[str, Tensor]) -> dict[str, tuple[int, ...]]:
+        r"""``(N,)`` for the sites and marginals, ``(M, M)`` and ``(M,)`` for :math:`\mathbf L_B` and
+        :math:`\bar{\mathbf z}`; ``N`` from ``site_precision``, ``M`` from ``whitened_mean``."""
+        size, rank = (saved["site_precision"].numel(),), (saved["whitened_mean"].numel(),)
+        return {
+            "site_precision": size,
+            "site_natural_mean": size,
+            "posterior_cholesky": rank + rank,
+            "whitened_mean": rank,
+            "marginal_mean": size,
+            "marginal_variance": size,
+        }
 
 
 class SparseEP:
@@ -168,6 +165,7 @@ class SparseEP:
     """
 
     name = "EP-DTC"
+    step_name = "sweeps"
 
     def __init__(self, prior: DTCPrior, adapter: LikelihoodAdapter, targets: Tensor, damping: float, site_tol: float):
         if adapter.num_latents != 1:
@@ -227,7 +225,7 @@ class SparseEP:
                 solver_iterations=0,
                 residual_norm=0.0,
             )
-            status = CONVERGED if skipped == 0 and update.change <= self.site_tol else CONTINUE
+            status = LoopStatus.CONVERGED if skipped == 0 and update.change <= self.site_tol else LoopStatus.CONTINUE
             yield OuterStep(record, state, status)
-            if status != CONTINUE:
+            if status is not LoopStatus.CONTINUE:
                 return

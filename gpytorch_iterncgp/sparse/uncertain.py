@@ -80,7 +80,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ..core.outer_loop import CONTINUE, CONVERGED, EPSweep, OuterStep
+from ..core.outer_loop import EPSweep, LoopStatus, OuterStep
 from ..ep.sites import update_sites
 from ..likelihoods.adapters import LikelihoodAdapter
 from .dtc import DTCPrior, SparseEP, SparseEPState, inducing_cholesky
@@ -362,7 +362,9 @@ class UncertainSparseEP(SparseEP):
                 solver_iterations=0,
                 residual_norm=0.0,
             )
-            status = CONVERGED if sweep.skipped == 0 and sweep.change <= self.site_tol else CONTINUE
+            status = (
+                LoopStatus.CONVERGED if sweep.skipped == 0 and sweep.change <= self.site_tol else LoopStatus.CONTINUE
+            )
             yield OuterStep(record, state, status)
-            if status != CONTINUE:
+            if status is not LoopStatus.CONTINUE:
                 return
