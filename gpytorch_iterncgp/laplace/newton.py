@@ -40,8 +40,10 @@ import dataclasses
 import math
 from collections.abc import Generator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
+from linear_operator.operators import LinearOperator
 from torch import Tensor
 
 from ..core.covariance import CovarianceOptions, covariance_phase
@@ -49,7 +51,7 @@ from ..core.outer_loop import BREAKDOWN, CONTINUE, CONVERGED, STALLED, NewtonSte
 from ..core.policies import Policy
 from ..core.prior import LatentPrior
 from ..core.recycling import ActionBuffer, virtual_solver_run
-from ..core.solver import IterGPOptions, RegressionState, itergp_solve
+from ..core.solver import IterGPOptions, IterGPResult, RegressionState, itergp_solve
 from ..core.validation import check_count, check_nonnegative
 from ..likelihoods.adapters import LikelihoodAdapter, LikelihoodDerivatives
 
@@ -154,6 +156,16 @@ class _Point:
     weights: Tensor  # a
     kernel_weights: Tensor  # K a
     log_posterior: float  # Psi
+
+
+class _NewtonStepTaken(NamedTuple):
+    r"""A damped Newton step: its size (0: rejected), the point it reaches, the relative change
+    :math:`\|\Delta\mathbf a\| / \|\mathbf a\|` and whether the loop has converged with it."""
+
+    step_size: float
+    new: _Point
+    relative_change: float
+    converged: bool
 
 
 class DampedNewton:
@@ -288,12 +300,12 @@ class DampedNewton:
 
     # -- the loop ------------------------------------------------------------------------------------------
     def steps(self, state: LaplaceState) -> Generator[OuterStep, None, None]:
-        """Damped Newton steps from ``state``, until converged or stalled (the driver limits their number)."""
-        options = self.options
+        """Damped Newton steps from ``state`` (paper, Algorithm 1), until converged or stalled (the driver limits their
+        number): each step solves its regression with IterGP (:meth:`_solve`), then halves the step until
+        :math:`\\Psi` does not decrease (:meth:`_line_search`)."""
         current = self.point(state.representer_weights, state.kernel_representer_weights)
         if state.newton_steps > 0 and state.log_posterior == -math.inf:  # K changed since these weights
             current = self.warm_start(state.representer_weights, state.kernel_representer_weights)
-        control = state.control
         buffer = ActionBuffer.from_tensors(state.actions, state.kernel_actions)
         while True:
             derivatives = self.derivatives(current.kernel_weights)
@@ -306,68 +318,113 @@ class DampedNewton:
                 )
                 yield OuterStep(None, state, BREAKDOWN, message)
                 return
-            if not options.recycle:
+            if not self.options.recycle:
                 buffer = ActionBuffer.empty(len(self.prior_mean), self.prior_mean.dtype, self.prior_mean.device)
                 self.policy.reset()
-            result = itergp_solve(
-                self.prior.matmul,
-                noise_inverse,
-                current.kernel_weights + gradient_step,  # pseudo-targets minus prior mean
-                buffer,
-                self.policy,
-                project=self.project,
-                max_iterations=options.max_solver_iterations,
-                abs_tol=options.abs_tol * control.forcing,
-                rel_tol=options.rel_tol * control.forcing,
-                compression_rank=None if control.same_system else options.compression_rank,
-                action_space_dimension=self.action_space_dimension,
-                keep=(current.weights, current.kernel_weights),
-                kernel_columns=self.prior.kernel_columns,
-            )
+            result = self._solve(current, noise_inverse, gradient_step, buffer, state.control)
             buffer = self.buffer = result.buffer
-            proposal = self.point(result.representer_weights, result.kernel_representer_weights)
-            # Half the Newton decrement: what the full step promises to gain in Psi (exact for a quadratic).
-            predicted_gain = 0.5 * self.slope(current, proposal.kernel_weights - current.kernel_weights)
-            step_size, new, full_psi = self.damped_step(current, proposal)
-            relative_change = _relative_change(new.weights, current.weights)
-            proposed_change = _relative_change(proposal.weights, current.weights)
-            converged = self._converged(result, current, new, step_size, full_psi, proposed_change, predicted_gain)
-            status = CONVERGED if converged else CONTINUE
-            forcing = control.forcing
-            message = ""
-            if not converged and step_size == 0.0:
-                if not options.recycle or (result.iterations == 0 and forcing < 1e-10):
-                    status = STALLED
-                    message = "IterNCGP: no step along the Newton direction increases the log posterior; stopping."
-                else:
-                    # The direction was too inexact: the next step solves the same system further (recycled
-                    # actions) and to a tighter tolerance.
-                    forcing = max(forcing * 1e-2, 1e-12)
-            elif not converged and step_size == 1.0:
-                forcing = 1.0
-            control = NewtonControl(forcing=forcing, same_system=step_size == 0.0)
-            current = new
-            state = LaplaceState(
-                current.weights,
-                current.kernel_weights,
-                *result.deferred_roots(),  # Q, K Q: formed if read (a callback); finalize forms its own
-                buffer.actions.value,
-                buffer.kernel_actions.value,
-                current.log_posterior,
-                state.newton_steps + 1,
-                control,
-            )
-            record = NewtonStep(
-                step=state.newton_steps,
-                log_posterior=current.log_posterior,
-                step_size=step_size,
-                solver_iterations=result.iterations,
-                residual_norm=result.residual_norm,
-                relative_change=relative_change,
-            )
-            yield OuterStep(record, state, status, message, breakdown=result.breakdown)
-            if status != CONTINUE:
+            step = self._line_search(current, result)
+            outer_step = self._outer_step(state, step, result, buffer)
+            yield outer_step
+            if outer_step.status != CONTINUE:
                 return
+            state, current = outer_step.state, step.new
+
+    def _solve(
+        self,
+        current: _Point,
+        noise_inverse: LinearOperator,
+        gradient_step: Tensor,
+        buffer: ActionBuffer,
+        control: NewtonControl,
+    ) -> IterGPResult:
+        r"""The step's regression :math:`(\mathbf K + \mathbf W^{-1}) \mathbf v = \hat{\mathbf y} - \mathbf m` by IterGP
+        (paper, Algorithm 2), recycling ``buffer`` and keeping the current :math:`\mathbf a` in its compression.
+
+        :param current: :math:`\mathbf f = \mathbf m + \mathbf K \mathbf a` and :math:`\Psi` there.
+        :param noise_inverse: :math:`\mathbf W^{-1}` at ``current``, ``(n, n)``.
+        :param gradient_step: :math:`\mathbf W^{-1} \mathbf g`, ``(n,)``; the right-hand side is
+            :math:`\hat{\mathbf y} - \mathbf m = \mathbf K \mathbf a + \mathbf W^{-1} \mathbf g`.
+        :param control: the forcing term (scales the tolerances) and whether the system is the last step's.
+        """
+        options = self.options
+        return itergp_solve(
+            self.prior.matmul,
+            noise_inverse,
+            current.kernel_weights + gradient_step,  # pseudo-targets minus prior mean
+            buffer,
+            self.policy,
+            project=self.project,
+            max_iterations=options.max_solver_iterations,
+            abs_tol=options.abs_tol * control.forcing,
+            rel_tol=options.rel_tol * control.forcing,
+            compression_rank=None if control.same_system else options.compression_rank,
+            action_space_dimension=self.action_space_dimension,
+            keep=(current.weights, current.kernel_weights),
+            kernel_columns=self.prior.kernel_columns,
+        )
+
+    def _line_search(self, current: _Point, result: IterGPResult) -> _NewtonStepTaken:
+        r"""The damped step from ``current`` towards the solver's :math:`\mathbf v` (:meth:`damped_step`) and whether
+        the loop has converged with it (:meth:`_converged`)."""
+        proposal = self.point(result.representer_weights, result.kernel_representer_weights)
+        # Half the Newton decrement: what the full step promises to gain in Psi (exact for a quadratic).
+        predicted_gain = 0.5 * self.slope(current, proposal.kernel_weights - current.kernel_weights)
+        step_size, new, full_psi = self.damped_step(current, proposal)
+        relative_change = _relative_change(new.weights, current.weights)
+        proposed_change = _relative_change(proposal.weights, current.weights)
+        converged = self._converged(result, current, new, step_size, full_psi, proposed_change, predicted_gain)
+        return _NewtonStepTaken(step_size, new, relative_change, converged)
+
+    def _next_control(
+        self, control: NewtonControl, result: IterGPResult, step_size: float, converged: bool
+    ) -> tuple[NewtonControl, str, str]:
+        """The bookkeeping for the next step, the loop's status and its message.
+
+        A rejected step (``step_size`` 0) tightens the forcing term a hundredfold and makes the next step solve the
+        same system further; the loop stalls where that cannot help (no recycling, or nothing left to solve). A full
+        step resets the forcing term.
+        """
+        status = CONVERGED if converged else CONTINUE
+        forcing = control.forcing
+        message = ""
+        if not converged and step_size == 0.0:
+            if not self.options.recycle or (result.iterations == 0 and forcing < 1e-10):
+                status = STALLED
+                message = "IterNCGP: no step along the Newton direction increases the log posterior; stopping."
+            else:
+                # The direction was too inexact: the next step solves the same system further (recycled
+                # actions) and to a tighter tolerance.
+                forcing = max(forcing * 1e-2, 1e-12)
+        elif not converged and step_size == 1.0:
+            forcing = 1.0
+        return NewtonControl(forcing=forcing, same_system=step_size == 0.0), status, message
+
+    def _outer_step(
+        self, state: LaplaceState, step: _NewtonStepTaken, result: IterGPResult, buffer: ActionBuffer
+    ) -> OuterStep:
+        """What :meth:`steps` yields after ``step`` from ``state``: its record and the new :class:`LaplaceState`."""
+        control, status, message = self._next_control(state.control, result, step.step_size, step.converged)
+        current = step.new
+        state = LaplaceState(
+            current.weights,
+            current.kernel_weights,
+            *result.deferred_roots(),  # Q, K Q: formed if read (a callback); finalize forms its own
+            buffer.actions.value,
+            buffer.kernel_actions.value,
+            current.log_posterior,
+            state.newton_steps + 1,
+            control,
+        )
+        record = NewtonStep(
+            step=state.newton_steps,
+            log_posterior=current.log_posterior,
+            step_size=step.step_size,
+            solver_iterations=result.iterations,
+            residual_norm=result.residual_norm,
+            relative_change=step.relative_change,
+        )
+        return OuterStep(record, state, status, message, breakdown=result.breakdown)
 
     def _converged(self, result, current, new, step_size, full_psi, proposed_change, predicted_gain) -> bool:
         r"""Whether the loop has converged after a step from ``current`` to ``new``.
