@@ -12,8 +12,8 @@ is accepted if it increases the log posterior
 
 or if :math:`\Psi` still rises at it along the step (:math:`\Psi` is concave in :math:`\mathbf a`; this decides
 where the change is below the rounding of :math:`\Psi`), otherwise the step is halved, :math:`\mathbf a \leftarrow \mathbf a_i + \alpha (\mathbf v_i - \mathbf a_i)`,
-:math:`\alpha = \tfrac12, \tfrac14, \dots` (damping; the undamped iteration diverges outside benign
-settings; seed 001's step halving). :math:`\mathbf K \mathbf v_i` comes from the solver's buffers, so :math:`\Psi` costs no
+:math:`\alpha = \tfrac12, \tfrac14, \dots` (damping, a backtracking line search: the undamped iteration can diverge where
+:math:`\Psi` is far from quadratic). :math:`\mathbf K \mathbf v_i` comes from the solver's buffers, so :math:`\Psi` costs no
 product with :math:`\mathbf K`. The loop stops when
 :math:`\|\mathbf a_{i+1} - \mathbf a_i\| \le \text{outer\_tol} \, \|\mathbf a_i\|` for the full step, provided
 that step was a real Newton step (IterGP solved its system, or :math:`\mathbf a = \nabla \log p(\mathbf y \mid
@@ -83,8 +83,7 @@ class NewtonControl:
     # Scales IterGP's tolerances in the next step (tightened after a rejected step).
     forcing: float = 1.0
     # The last step was rejected: W is unchanged, and the next solve continues the same system with all its
-    # actions (no compression, which would throw away the progress of the rejected solve; with R = 10 and
-    # j <= 5 on the 10-class mixture at N = 10^4 every later step was rejected at Psi = -8181 otherwise).
+    # actions (no compression, which would throw away the progress of the rejected solve; docs/design_notes.md).
     same_system: bool = False
 
 
@@ -144,8 +143,7 @@ def _relative_change(new: Tensor, old: Tensor) -> float:
 
 
 # Halvings that only bring an overflowing candidate back to a finite log posterior are free down to this step
-# size (an exponential link far along a long first step from the prior, counts ~1e6); without them the step was
-# rejected and the fit stopped at the prior.
+# size, so that a long first step from the prior that overflows (an exponential link) is damped, not rejected.
 _OVERFLOW_MIN_STEP_SIZE = 2.0**-60
 
 
@@ -262,8 +260,8 @@ class DampedNewton:
         :math:`\Psi` still increases at the candidate along the step: :math:`\Psi` is concave in
         :math:`\mathbf a` (a log-concave likelihood plus a Gaussian prior), so a non-negative slope at the
         end of the step means :math:`\Psi` rose all along it. The second test decides where the change of
-        :math:`\Psi` is below the rounding of :math:`\Psi` itself (counts up to :math:`10^6` sum terms of
-        :math:`10^7` to a :math:`\Psi` of :math:`-254`; comparing values there stalled the fit on some CPUs).
+        :math:`\Psi` is below the rounding of :math:`\Psi` itself (large counts: sum terms far larger than
+        :math:`\Psi`), where comparing values depends on the CPU's rounding.
         ``min_step_size`` counts from the largest step at which :math:`\Psi` is finite.
 
         :return: the step size (0: rejected), the new point, and :math:`\Psi` at the full step.
@@ -431,16 +429,15 @@ class DampedNewton:
 
         * The full (undamped) Newton step changes :math:`\mathbf a` by at most ``outer_tol`` and was a real Newton
           step: IterGP solved its system, or :math:`\mathbf a = \nabla \log p(\mathbf y \mid \mathbf f)` holds to
-          ``outer_tol``. An incomplete solve can barely move far from the mode; without this check such steps were
-          reported as converged (unit-vector actions, one iteration per step: exp-link Poisson, 32 points, after
-          one step with the mode 90% off; CG stagnating on softplus Poisson, 0.05% off).
+          ``outer_tol``. An incomplete solve can barely move far from the mode; without this check such steps would
+          be reported as converged.
         * Or a solved Newton step promises a gain in :math:`\Psi` (half the Newton decrement) below the
           resolution of :math:`\Psi`: nothing is left to gain, however tight ``outer_tol`` is (a relative change
-          of :math:`\mathbf a` at rounding level depends on the CPU's rounding; counts up to :math:`10^6` stalled
-          on one CPU and not on another). ``outer_tol = 0`` turns this off (run every step).
+          of :math:`\mathbf a` at rounding level depends on the CPU's rounding). ``outer_tol = 0`` turns this off
+          (run every step).
         * Or, when ``outer_tol`` is below what rounding allows, the full step was rejected, changes :math:`\Psi`
           only at rounding level and :math:`\mathbf a = \nabla \log p(\mathbf y \mid \mathbf f)` holds to
-          :math:`\sqrt{\epsilon}` (softmax, unit actions, R = 3, residual stalled by rounding).
+          :math:`\sqrt{\epsilon}` (a residual stalled by rounding).
         """
         eps = torch.finfo(new.weights.dtype).eps
         root_eps = math.sqrt(eps)

@@ -39,9 +39,8 @@ __all__ = [
 ]
 
 _LOG_2PI = math.log(2 * math.pi)
-# Gauss-Hermite nodes of the likelihood's integral over u, centred at the integrand's mode and scaled by its width:
-# measured against scipy's quad, log p(y | f) to 1e-13 absolute (relative in p) for f ~ N(0, 10^2 I), C <= 10, and
-# for f ~ N(0, 3^2 I), C <= 30 (48 nodes: 3e-14 and 4e-12).
+# Gauss-Hermite nodes of the likelihood's integral over u, centred at the integrand's mode and scaled by its width
+# (log p(y | f) to about 1e-13 absolute; docs/design_notes.md).
 _LIKELIHOOD_NODES = 64
 _MODE_STEPS = 60
 
@@ -109,11 +108,9 @@ def multinomial_probit_log_probabilities(function_values: Tensor, num_nodes: int
         \log p(y = c \mid \mathbf f) = \log s_c + \tfrac12 \log 2\pi
         + \operatorname{logsumexp}_k \bigl(\log w_k + h_c(\hat u_c + s_c x_k) + x_k^2 / 2\bigr),
 
-    all in log space (``torch.special.log_ndtr``), so that improbable classes keep their relative accuracy
-    (measured against scipy's ``quad``: :math:`10^{-13}` absolute in :math:`\log p` for
-    :math:`\mathbf f \sim \mathcal N(\mathbf 0, 10^2 \mathbf I)`, :math:`C \le 10`, and for
-    :math:`\mathbf f \sim \mathcal N(\mathbf 0, 3^2 \mathbf I)`, :math:`C \le 30`). The mode and width are found without gradient; the gradient flows through the
-    integrand (any shift and scale give a valid rule). Work :math:`O(C^2 \cdot \text{nodes})` per point, in float64.
+    all in log space (``torch.special.log_ndtr``), so that improbable classes keep their relative accuracy (about
+    :math:`10^{-13}` absolute in :math:`\log p`; ``docs/design_notes.md``). The mode and width are found without
+    gradient; the gradient flows through the integrand (any shift and scale give a valid rule). Work :math:`O(C^2 \cdot \text{nodes})` per point, in float64.
 
     :param function_values: :math:`\mathbf f`, ``(..., C)`` with :math:`C \ge 2`.
     :returns: ``(..., C)`` log-probabilities in the dtype of ``function_values``.
