@@ -130,9 +130,7 @@ def run_exact(data, grid):
     )
     report = model.variational_strategy.fit()
     metrics = evaluate(model.variational_strategy, data, grid)
-    metrics.update(
-        products=report.kernel_products, newton_steps=report.steps, iterations=report.solver_iterations
-    )
+    metrics.update(products=report.kernel_products, newton_steps=report.steps, iterations=report.solver_iterations)
     return metrics
 
 

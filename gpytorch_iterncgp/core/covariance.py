@@ -11,8 +11,7 @@ the posterior variance at a test input :math:`x` over the exact Laplace variance
 with :math:`\boldsymbol\Pi_{\mathbf S}` the :math:`\hat{\mathbf K}`-orthogonal projector onto
 :math:`\operatorname{span}(\mathbf S)` and :math:`\mathbf k_x = \mathbf K(\mathbf X, x)` (paper, Section 3 and
 Proposition A.3). The Newton loop's CG actions chase the representer weights :math:`\hat{\mathbf K}^{-1}\mathbf b`;
-once those have converged, more CG on the final system barely changes :math:`\mathbf C` (measured on the 10-class
-mixture at :math:`N = 2000`: 60 further CG products moved the test NLL from 0.5585 to 0.5582, exact Laplace: 0.4834).
+once those have converged, more CG on the final system barely changes :math:`\mathbf C` (``docs/design_notes.md``).
 The covariance needs :math:`\hat{\mathbf K}^{-1}\mathbf k_x` for all :math:`x` at once.
 
 **Why precondition with** :math:`\mathbf W`. With :math:`\mathbf B = \mathbf I + \mathbf W^{1/2}\mathbf K
@@ -32,12 +31,8 @@ actions (:math:`\mathbf S = \mathbf W^{1/2} \mathbf V`, so :math:`\mathbf S^\top
 where :math:`\mathbf E_Z` are the unit vectors of the latents of a random subset :math:`Z` of the data and
 :math:`\mathbf D_j` the :math:`\hat{\mathbf K}`-conjugate directions block :math:`j` added
 (:math:`\hat{\mathbf K}\mathbf D_j = \mathbf K\mathbf D_j + \mathbf W^{-1}\mathbf D_j` is known without a product).
-Measured at :math:`N = 2000` (10-class mixture, Matérn-3/2, :math:`\ell = 0.3`, :math:`s^2 = 5`, 2000 test points):
-after the Newton loop the test NLL was 0.5755 against exact Laplace's 0.5052 with the mean already exact; with about
-1000 further actions (10 products of about 100 columns) this phase closed 0.066 of the 0.070 gap, block Lanczos on
-:math:`\hat{\mathbf K}` without the preconditioner (from random probes) 0.003, unit vectors (a subset of the data)
-0.017, and Lanczos from kernel columns :math:`\mathbf K(\mathbf X, Z)` at training or test inputs 0.040
-(``benchmarks/README.md``, covariance section).
+It closes most of the gap to the exact Laplace covariance, far more than the same products spent on other actions
+(``docs/design_notes.md``; ``benchmarks/README.md``, covariance section).
 
 **Guarantees.** Each block is :math:`\hat{\mathbf K}`-conjugated against the current :math:`\mathbf Q` *before* its
 product with :math:`\mathbf K` (:math:`\mathbf Q^\top \hat{\mathbf K} \mathbf S = (\mathbf K\mathbf Q)^\top \mathbf S
@@ -64,8 +59,8 @@ from .validation import check_count, check_seed
 
 # A unit-norm action is kept if at least this fraction of its norm lies outside span(Q) after conjugation: the
 # conjugation's rounding errors are divided by that fraction when the action is normalised again, and the columns of
-# Q would lose their K̂-orthonormality (then C would exceed K̂^{-1}; seen at N = 2000 in float64 with a threshold of
-# 1000 eps: variances 9% below the exact Laplace variances after 1600 columns).
+# Q would lose their K̂-orthonormality (then C would exceed K̂^{-1} and the variances fall below the exact ones;
+# docs/design_notes.md).
 _NEW_FRACTION = {torch.float64: 1e-6, torch.float32: 1e-2}
 # A direction of the conjugated block is kept if its K̂-energy exceeds this times the largest of the block.
 _RELATIVE_EIGENVALUE_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}

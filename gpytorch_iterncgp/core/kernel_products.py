@@ -21,7 +21,7 @@ evaluated, multiplied and dropped while it is in cache (on CUDA: in registers):
   distances and kernel one ``torch.compile``\ d function, its product with :math:`\mathbf R` BLAS. If it cannot
   compile, the same loop runs uncompiled (with a ``PerformanceWarning``). Each tile is one OpenMP parallel
   region of about a millisecond: on a machine shared with other jobs, set ``OMP_WAIT_POLICY=PASSIVE`` (GNU
-  OpenMP's spinning threads otherwise wait for descheduled ones; measured 30× slower on 2 loaded cores).
+  OpenMP's spinning threads otherwise wait for descheduled ones; ``docs/design_notes.md``).
 
 Distances come from direct coordinate differences, not :math:`\|a\|^2 + \|b\|^2 - 2 a^\top b`, so the kernel is
 accurate to rounding at :math:`r = 0` too. :func:`stationary_kernel` recognises a supported covariance (``None``
@@ -144,7 +144,8 @@ def _make_tile(kind: str) -> Callable[[Tensor, Tensor], Tensor]:
 
 def _make_step(kind: str, tile: Callable[[Tensor, Tensor], Tensor] | None = None) -> Callable[..., Tensor]:
     """``step(accumulated (W, TN), rhs_t (W, TM), x2_t, x1_t)``: ``accumulated + rhs_t @ tile``, the GEMM in eager
-    torch (BLAS): inductor's own code for a product this narrow was 6× slower than its tile plus BLAS here."""
+    torch (BLAS): inductor's own code for a product this narrow is slower than its tile plus BLAS
+    (``docs/design_notes.md``)."""
     tile = _make_tile(kind) if tile is None else tile
 
     def step(accumulated: Tensor, rhs_t: Tensor, x2_t: Tensor, x1_t: Tensor) -> Tensor:

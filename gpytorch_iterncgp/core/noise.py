@@ -29,8 +29,8 @@ from torch import Tensor
 
 
 def _block_means(blocks: Tensor) -> Tensor:
-    r"""The means over the last dimension (``keepdim``), as a product with :math:`\mathbf 1 / C`: on the CPU 2-3x faster
-    than torch's reduction over ten contiguous entries."""
+    r"""The means over the last dimension (``keepdim``), as a product with :math:`\mathbf 1 / C`: on the CPU faster
+    than torch's reduction over a few contiguous entries (``docs/design_notes.md``)."""
     return blocks @ blocks.new_full((blocks.shape[-1], 1), 1 / blocks.shape[-1])
 
 

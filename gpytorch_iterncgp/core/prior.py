@@ -45,8 +45,8 @@ def _chunk_rows(covariance: LinearOperator) -> int:
     """Rows per chunk for products with a lazily evaluated kernel too large to cache (0: no chunking).
 
     KeOps kernels are never chunked: they never form the matrix, and GPyTorch evaluates a KeOps kernel
-    densely on blocks below ``max_cholesky_size`` rows, so chunks would silently leave KeOps (at N = 10^5
-    this made every product 3x slower and added 1.5 GB).
+    densely on blocks below ``max_cholesky_size`` rows, so chunks would silently leave KeOps (slower, and more
+    memory; ``docs/design_notes.md``).
     """
     if not isinstance(covariance, LazyEvaluatedKernelTensor) or _uses_keops(covariance.kernel):
         return 0
@@ -120,10 +120,9 @@ def _narrow_symmetric_matmul(covariance: LinearOperator, rhs: Tensor) -> Tensor 
     r""":math:`\mathbf K \mathbf X = (\mathbf X^\top \mathbf K)^\top` for the dense kernel matrix of the training points with
     themselves (evaluated and cached on the first product; ``None`` for other kernels, or wide or non-CPU ``rhs``).
 
-    For the few columns of a solver iteration (``(N, k)``, :math:`k \le` ``NARROW_PRODUCT_COLUMNS``) the CPU BLAS
-    libraries we measured stream a row-major :math:`\mathbf K` faster from the left: MKL on a 2-core AMD EPYC took
-    80 ms for :math:`\mathbf X^\top \mathbf K` against 190 ms for :math:`\mathbf K \mathbf X` at N = 10⁴, k = 10,
-    one thread (``benchmarks/outside_products.py``). The kernel is symmetric because its two inputs are the same
+    For the few columns of a solver iteration (``(N, k)``, :math:`k \le` ``NARROW_PRODUCT_COLUMNS``) CPU BLAS
+    libraries stream a row-major :math:`\mathbf K` faster from the left (``docs/design_notes.md``;
+    ``benchmarks/outside_products.py``). The kernel is symmetric because its two inputs are the same
     tensor; the results agree to rounding.
     """
     if rhs.device.type != "cpu" or rhs.shape[-1] > NARROW_PRODUCT_COLUMNS or torch.is_grad_enabled():

@@ -36,7 +36,7 @@ import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Self, cast
+from typing import NamedTuple, Self, cast
 
 import torch
 from linear_operator.operators import LinearOperator
@@ -227,6 +227,218 @@ def _check_solver_arguments(noise_inverse, rhs, buffer, max_iterations, abs_tol,
     check_nonnegative(rel_tol, "rel_tol")
 
 
+class _Conjugated(NamedTuple):
+    r"""An action made :math:`\hat{\mathbf K}`-conjugate to the recycled directions,
+    :math:`\mathbf d = \mathbf s - \mathbf S \mathbf c` (``n = N C``, ``B`` buffered actions)."""
+
+    direction: Tensor  # d, (n,)
+    kernel_direction: Tensor  # K d, (n,), tracked from K s and K S (no product with K)
+    subtracted: Tensor  # c, (B,)
+    energy: float  # eta = d^T K̂ d
+
+
+def _conjugate(
+    action: Tensor,
+    kernel_action: Tensor,
+    noisy_action: Tensor,
+    action_energy: float,
+    kernel_column: Tensor,
+    buffer: ActionBuffer,
+    root_coefficients: Tensor,
+    noisy: Callable[[Tensor], Tensor],
+) -> _Conjugated:
+    r"""Conjugate the action :math:`\mathbf s` against :math:`\mathbf Q = \mathbf S \mathbf E` in the
+    :math:`\hat{\mathbf K}` inner product: :math:`\mathbf d = \mathbf s - \mathbf S \mathbf E \mathbf E^\top
+    \mathbf S^\top \hat{\mathbf K} \mathbf s` (paper, Alg. 2), by classical Gram–Schmidt repeated once where the first
+    pass removed more than half of the energy (:data:`REORTHOGONALIZE`; Daniel, Gragg, Kaufman & Stewart 1976).
+
+    :param action: :math:`\mathbf s`, ``(n,)``, unit norm.
+    :param kernel_action: :math:`\mathbf K \mathbf s`, ``(n,)``.
+    :param noisy_action: :math:`\mathbf W^{-1} \mathbf s`, ``(n,)``.
+    :param action_energy: :math:`\mathbf s^\top \hat{\mathbf K} \mathbf s`.
+    :param kernel_column: :math:`\mathbf S^\top \mathbf K \mathbf s`, ``(B,)``.
+    :param buffer: :math:`\mathbf S` and :math:`\mathbf K \mathbf S`, ``(n, B)``.
+    :param root_coefficients: :math:`\mathbf E`, ``(B, r)``.
+    :param noisy: :math:`\mathbf v \mapsto \mathbf W^{-1} \mathbf v` for ``(n,)`` vectors.
+    :return: :math:`\mathbf d`, :math:`\mathbf K \mathbf d`, :math:`\mathbf c` and
+        :math:`\eta = \mathbf d^\top \hat{\mathbf K} \mathbf d`.
+    """
+    rows, kernel_rows = buffer.actions.rows, buffer.kernel_actions.rows
+    direction, kernel_direction = action, kernel_action
+    subtracted = root_coefficients.new_zeros(root_coefficients.shape[0])  # d = s - S (subtracted)
+    projected = kernel_column + rows @ noisy_action  # S^T K̂ s
+    eta = action_energy
+    for _ in range(2):
+        # Twice is enough (DGKS); once where little cancels, which saves three passes over S and K S. After
+        # cancellation the rounding errors of d = s - S c have components in span(S) that the second pass removes.
+        conjugation = root_coefficients @ (root_coefficients.mT @ projected)  # E Q^T K̂ d
+        direction = direction - rows.mT @ conjugation
+        kernel_direction = kernel_direction - kernel_rows.mT @ conjugation
+        subtracted = subtracted + conjugation
+        noisy_direction = kernel_direction + noisy(direction)
+        previous, eta = eta, float(direction @ noisy_direction)
+        if not eta < REORTHOGONALIZE * previous:
+            break
+        projected = rows @ noisy_direction  # S^T K̂ d
+    return _Conjugated(direction, kernel_direction, subtracted, eta)
+
+
+def _kernel_product(
+    kernel_matmul: Callable[[Tensor], Tensor], kernel_columns: Callable[[Tensor], Tensor] | None, sparse_limit: int
+) -> Callable[[Tensor], Tensor]:
+    r""":math:`\mathbf s \mapsto \mathbf K \mathbf s` for ``(n,)`` actions: from the kernel columns at the support of an
+    action with at most ``sparse_limit`` non-zero entries (if ``kernel_columns`` is given), else by ``kernel_matmul``."""
+
+    def kernel_product(action: Tensor) -> Tensor:
+        if kernel_columns is not None and int(torch.count_nonzero(action)) <= sparse_limit:
+            support = action.nonzero()[:, 0]
+            return kernel_columns(support) @ action[support]
+        return kernel_matmul(action[:, None])[:, 0]
+
+    return kernel_product
+
+
+@dataclass
+class _IterGPIterations:
+    r"""IterGP's iterations after the virtual solver run (paper, Alg. 2), with the iterate between them.
+
+    The iterate is the buffer :math:`\mathbf S`, :math:`\mathbf K \mathbf S` ``(n, B)``, the coefficients
+    :math:`\mathbf E` ``(B, r)`` of :math:`\mathbf Q = \mathbf S \mathbf E`, and the representer weights
+    :math:`\mathbf v` and :math:`\mathbf K \mathbf v` ``(n,)``; each iteration multiplies by :math:`\mathbf K` once.
+    """
+
+    rhs: Tensor  # b, (n,)
+    policy: Policy
+    project: Callable[[Tensor], Tensor]  # applied to (n, k) actions and residuals
+    noisy: Callable[[Tensor], Tensor]  # v -> W^{-1} v, (n,)
+    kernel_product: Callable[[Tensor], Tensor]  # s -> K s, (n,)
+    buffer: ActionBuffer
+    root_coefficients: Tensor  # E, (B, r): Q = S E, K Q = (K S) E
+    weights: Tensor  # v, (n,)
+    kernel_weights: Tensor  # K v, (n,)
+    recycled_rank: int  # r after the virtual solver run
+    iterations: int = 0  # products with K, including those of skipped or replaced actions
+    breakdown: bool = False
+    skipped: int = 0  # actions skipped as numerically in span(S)
+    last_skipped: Tensor | None = None
+    remainder: Tensor | None = None  # the new part of a nearly dependent action, taken as the next action
+
+    def run(self, tolerance: float, limit: int, full_rank: int) -> float:
+        r"""Iterate until :math:`\|\mathbf r\| \le` ``tolerance``, ``limit`` iterations, :math:`\mathbf C` of rank
+        ``full_rank``, or a numerical breakdown (warned).
+
+        :return: the last (projected) residual norm :math:`\|\mathbf b - \hat{\mathbf K} \mathbf v\|`.
+        """
+        while True:
+            residual = self.project((self.rhs - self.kernel_weights - self.noisy(self.weights))[:, None])[:, 0]
+            residual_norm = float(residual.norm())
+            if not math.isfinite(residual_norm):
+                warnings.warn("IterGP: the residual is not finite; stopping.", NumericalBreakdownWarning, stacklevel=4)
+                self.breakdown = True
+                return residual_norm
+            if residual_norm <= tolerance or self.iterations >= limit or self.root_coefficients.shape[-1] >= full_rank:
+                return residual_norm
+            failure = self.iterate(residual)
+            if failure is not None:
+                self.breakdown = True
+                warnings.warn(failure, NumericalBreakdownWarning, stacklevel=4)
+                return residual_norm
+
+    def iterate(self, residual: Tensor) -> str | None:
+        r"""One iteration for the residual :math:`\mathbf r` ``(n,)``: the action, its one product with
+        :math:`\mathbf K`, its conjugation, then the update of :math:`\mathbf v` and :math:`\mathbf Q`, or (an action
+        numerically in :math:`\operatorname{span}(\mathbf S)`) a skip, or (one mostly in it, with less than
+        :data:`NEARLY_DEPENDENT` of its energy outside) its new part :math:`\mathbf d` as the next action.
+
+        :return: ``None``, or why the solver breaks down and stops.
+        """
+        from_remainder = self.remainder is not None
+        proposed: Tensor = self.remainder if self.remainder is not None else self.policy(residual)
+        action = self.project(proposed[:, None])[:, 0]
+        self.remainder = None
+        action_norm = action.norm()
+        if not action_norm > 0:
+            return "IterGP: the policy returned a zero action; stopping."
+        action = action / action_norm
+        kernel_action = self.kernel_product(action)
+        noisy_action = self.noisy(action)
+        action_energy = float(action @ (kernel_action + noisy_action))  # s^T K̂ s
+        kernel_column = self.buffer.kernel_column(kernel_action)  # S^T t: the kernel Gram matrix's new column
+        conjugated = _conjugate(
+            action,
+            kernel_action,
+            noisy_action,
+            action_energy,
+            kernel_column,
+            self.buffer,
+            self.root_coefficients,
+            self.noisy,
+        )
+        # How much of the action is new: the fraction of its energy s^T K̂ s outside span(S).
+        new_fraction = conjugated.energy / abs(action_energy) if action_energy else 0.0
+        if not new_fraction > 1e3 * torch.finfo(self.rhs.dtype).eps:
+            return self._skip(action, conjugated.energy, new_fraction)
+        if new_fraction < NEARLY_DEPENDENT and not from_remainder:
+            # Appending it would divide the rounding errors of the tracked K d by sqrt(new_fraction): the precision
+            # would lose its conjugacy and the tracked K v (so the residual IterGP reports) drift from the true one.
+            # Its new part d is the next action instead, multiplied by K afresh (this product counts as an iteration).
+            self.iterations += 1
+            self.remainder = conjugated.direction / conjugated.direction.norm()
+            return None
+        self._append(action, kernel_action, kernel_column, conjugated, residual)
+        return None
+
+    def _skip(self, action: Tensor, eta: float, new_fraction: float) -> str | None:
+        r"""Skip an action numerically in :math:`\operatorname{span}(\mathbf S)` (its product with :math:`\mathbf K`
+        counts as an iteration).
+
+        :return: ``None``, or a breakdown where the policy repeats a skipped action (CG: the residual did not change)
+            or skips more actions than were recycled (unit vectors: every further one is a repeat).
+        """
+        self.iterations += 1
+        self.skipped += 1
+        repeated = self.last_skipped is not None and bool(torch.equal(action, self.last_skipped))
+        if repeated or self.skipped > self.recycled_rank:
+            return (
+                f"IterGP: numerical breakdown (eta = {eta:.3g}, {new_fraction:.2g} of s^T K̂ s: the action lies "
+                f"numerically in the span of the previous ones) after {self.iterations} iterations; stopping with "
+                "the posterior so far."
+            )
+        self.last_skipped = action
+        return None
+
+    def _append(
+        self, action: Tensor, kernel_action: Tensor, kernel_column: Tensor, conjugated: _Conjugated, residual: Tensor
+    ) -> None:
+        r"""Append :math:`\mathbf s` to the buffer and update :math:`\mathbf v \leftarrow \mathbf v + \mathbf d
+        (\mathbf d^\top \mathbf r) / \eta` (and :math:`\mathbf K \mathbf v`) and :math:`\mathbf Q \leftarrow
+        [\mathbf Q, \mathbf d / \sqrt\eta]` (paper, Alg. 2)."""
+        self.buffer.append(action, kernel_action, kernel_column)
+        scale = conjugated.energy**-0.5
+        step = scale * float(conjugated.direction @ residual)
+        self.weights = self.weights + (step * scale) * conjugated.direction
+        self.kernel_weights = self.kernel_weights + (step * scale) * conjugated.kernel_direction
+        # the new column of Q, q = d / sqrt(eta) = [S, s] [-subtracted; 1] / sqrt(eta), as a new row and column of E
+        self.root_coefficients = _bordered_coefficients(self.root_coefficients, -conjugated.subtracted * scale, scale)
+        self.iterations += 1
+
+    def result(self, residual_norm: float, tolerance: float, full_rank: int) -> IterGPResult:
+        """The solve's result after :meth:`run` returned ``residual_norm``."""
+        converged = math.isfinite(residual_norm) and (
+            residual_norm <= tolerance or self.root_coefficients.shape[-1] >= full_rank
+        )
+        return IterGPResult(
+            buffer=self.buffer,
+            root_coefficients=self.root_coefficients,
+            representer_weights=self.weights,
+            kernel_representer_weights=self.kernel_weights,
+            iterations=self.iterations,
+            residual_norm=residual_norm,
+            breakdown=self.breakdown,
+            converged=converged,
+        )
+
+
 def itergp_solve(
     kernel_matmul: Callable[[Tensor], Tensor],
     noise_inverse: LinearOperator,
@@ -282,116 +494,19 @@ def itergp_solve(
     def noisy(vector: Tensor) -> Tensor:
         return multiply_noise(vector[:, None])[:, 0]  # W^{-1} v
 
-    def kernel_product(action: Tensor) -> Tensor:
-        if kernel_columns is not None and int(torch.count_nonzero(action)) <= sparse_limit:
-            support = action.nonzero()[:, 0]
-            return kernel_columns(support) @ action[support]
-        return kernel_matmul(action[:, None])[:, 0]
-
     coefficients = root_coefficients @ (root_coefficients.mT @ (buffer.actions.rows @ rhs))  # E E^T S^T b
-    weights = buffer.actions.rows.mT @ coefficients
-    kernel_weights = buffer.kernel_actions.rows.mT @ coefficients
+    solver = _IterGPIterations(
+        rhs,
+        policy,
+        project,
+        noisy,
+        _kernel_product(kernel_matmul, kernel_columns, sparse_limit),
+        buffer,
+        root_coefficients,
+        weights=buffer.actions.rows.mT @ coefficients,
+        kernel_weights=buffer.kernel_actions.rows.mT @ coefficients,
+        recycled_rank=root_coefficients.shape[-1],
+    )
     tolerance = max(abs_tol, rel_tol * float(project(rhs[:, None]).norm()))
-    eps = torch.finfo(rhs.dtype).eps
-    breakdown = False
-    iterations = 0
-    recycled_rank = root_coefficients.shape[-1]
-    skipped, last_skipped = 0, None
-    remainder: Tensor | None = None  # the new part of a nearly dependent action, taken as the next action
-    while True:
-        residual = project((rhs - kernel_weights - noisy(weights))[:, None])[:, 0]
-        residual_norm = float(residual.norm())
-        if not math.isfinite(residual_norm):
-            warnings.warn("IterGP: the residual is not finite; stopping.", NumericalBreakdownWarning, stacklevel=3)
-            breakdown = True
-            break
-        if residual_norm <= tolerance or iterations >= limit or root_coefficients.shape[-1] >= full_rank:
-            break
-        from_remainder = remainder is not None
-        proposed: Tensor = remainder if remainder is not None else policy(residual)
-        action = project(proposed[:, None])[:, 0]
-        remainder = None
-        action_norm = action.norm()
-        if not action_norm > 0:
-            breakdown = True
-            warnings.warn(
-                "IterGP: the policy returned a zero action; stopping.", NumericalBreakdownWarning, stacklevel=3
-            )
-            break
-        action = action / action_norm
-        kernel_action = kernel_product(action)
-        rows, kernel_rows = buffer.actions.rows, buffer.kernel_actions.rows
-        noisy_action = noisy(action)
-        noisy_action_norm = float(action @ (kernel_action + noisy_action))
-        kernel_column = buffer.kernel_column(kernel_action)  # S^T t: the kernel Gram matrix's new column
-        direction, kernel_direction = action, kernel_action
-        subtracted = root_coefficients.new_zeros(root_coefficients.shape[0])  # d = s - S (subtracted)
-        projected = kernel_column + rows @ noisy_action  # S^T K̂ s
-        eta = noisy_action_norm
-        for _ in range(2):
-            # K̂-conjugation against the recycled directions, repeated once only if it removed more than half of the
-            # direction's K̂-energy (cancellation: then the rounding errors of d = s - S c have components in span(S)
-            # that a second pass removes). Classical Gram-Schmidt with the criterion of Daniel, Gragg, Kaufman and
-            # Stewart (1976): "twice is enough", and once is where little cancels (saves three passes over S and T).
-            conjugation = root_coefficients @ (root_coefficients.mT @ projected)  # E Q^T K̂ d
-            direction = direction - rows.mT @ conjugation
-            kernel_direction = kernel_direction - kernel_rows.mT @ conjugation
-            subtracted = subtracted + conjugation
-            noisy_direction = kernel_direction + noisy(direction)
-            previous, eta = eta, float(direction @ noisy_direction)
-            if not eta < REORTHOGONALIZE * previous:
-                break
-            projected = rows @ noisy_direction  # S^T K̂ d
-        # How much of the action is new: the fraction of its energy s^T K̂ s outside span(S).
-        new_fraction = eta / abs(noisy_action_norm) if noisy_action_norm else 0.0
-        if not new_fraction > 1e3 * eps:
-            # Numerically in span(S). Skip it (its product with K counts as an iteration) and take the next
-            # action; stop when the policy repeats a skipped action (CG: the residual did not change) or skips more
-            # actions than were recycled (unit vectors: every further one is a repeat).
-            iterations += 1
-            skipped += 1
-            repeated = last_skipped is not None and bool(torch.equal(action, last_skipped))
-            if repeated or skipped > recycled_rank:
-                breakdown = True
-                warnings.warn(
-                    f"IterGP: numerical breakdown (eta = {eta:.3g}, {new_fraction:.2g} of s^T K̂ s: the action lies "
-                    f"numerically in the span of the previous ones) after {iterations} iterations; stopping with "
-                    "the posterior so far.",
-                    NumericalBreakdownWarning,
-                    stacklevel=3,
-                )
-                break
-            last_skipped = action
-            continue
-        if new_fraction < NEARLY_DEPENDENT and not from_remainder:
-            # Mostly in span(S) (e.g. a unit vector that a recycled direction already covers). Appending it would
-            # divide the rounding errors of the tracked K d by sqrt(new_fraction): the precision loses its
-            # conjugacy and the tracked K v drifts from the true one, so the residual IterGP reports is wrong
-            # (seen: reported 1.6e-9, true 1.6e-3, then a mode 2% off after 300 Newton steps; softmax, unit-vector
-            # actions, R = 3). Take its new part d as the next action instead, whose product with K is then
-            # computed afresh (this product counts as an iteration).
-            iterations += 1
-            remainder = direction / direction.norm()
-            continue
-        buffer.append(action, kernel_action, kernel_column)
-        scale = eta**-0.5
-        step = scale * float(direction @ residual)
-        weights = weights + (step * scale) * direction
-        kernel_weights = kernel_weights + (step * scale) * kernel_direction
-        # the new column of Q, q = d / sqrt(eta) = [S, s] [-subtracted; 1] / sqrt(eta), as a new row and column of E
-        root_coefficients = _bordered_coefficients(root_coefficients, -subtracted * scale, scale)
-        iterations += 1
-
-    converged = math.isfinite(residual_norm) and (
-        residual_norm <= tolerance or root_coefficients.shape[-1] >= full_rank
-    )
-    return IterGPResult(
-        buffer=buffer,
-        root_coefficients=root_coefficients,
-        representer_weights=weights,
-        kernel_representer_weights=kernel_weights,
-        iterations=iterations,
-        residual_norm=residual_norm,
-        breakdown=breakdown,
-        converged=converged,
-    )
+    residual_norm = solver.run(tolerance, limit, full_rank)
+    return solver.result(residual_norm, tolerance, full_rank)

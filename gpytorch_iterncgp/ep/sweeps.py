@@ -28,11 +28,9 @@ skipped site and a site change below ``site_tol``.
 
 **Marginal refreshes** (``marginal_iterations``, ``marginal_every``; :meth:`ExpectationPropagation.refine_marginals`):
 a few blocks of the covariance phase during the sweeps, their actions recycled, make the marginals accurate where
-a handful of CG iterations per sweep cannot (measured on the 10-class mixture, :math:`N = 10^4`, 5 CG iterations
-per sweep, one thread: 3 blocks of 100 after sweeps 10 and 20 cut the bounded cavities from 8816 to 1781 and the
-test NLL after 20 sweeps from 0.3430 to 0.3387, at 110 s instead of 60 s; ``benchmarks/ep_marginals.py``). On
-small problems, where the recycled CG actions soon resolve the marginals, they cost more than they bring (at
-:math:`N = 2000` the test NLL went from 0.3867 to 0.3904 and the fit took 9 times as long).
+a handful of CG iterations per sweep cannot: fewer cavities are bounded, at the price of more products. On small
+problems, where the recycled CG actions soon resolve the marginals, they cost more than they bring (measurements:
+``docs/design_notes.md``).
 
 The noise is bounded where :math:`\tilde\tau_i \to 0` (first sweep, flat sites) by the likelihood's
 ``min_curvature``: :math:`\tilde{\mathbf T}^{-1} = \operatorname{diag}(1/\max(\tilde\tau_i, \tau_{\min}))` with the

@@ -54,7 +54,7 @@ _PREDICT_CHUNK = 4096  # test points per kernel evaluation: bounds the (chunk, N
 #: ``max_solver_iterations="auto"``: problems with at most this many latent values :math:`N C` get the exact
 #: Laplace posterior (every IterGP solve runs until :math:`\mathbf C` has full rank: at most :math:`N C` products
 #: with :math:`\mathbf K` in the first Newton step, then none, as the actions are recycled). 1000 keeps a fit with
-#: 25 evidence steps at about 10 s with one thread (:math:`O((N C)^3)` per step).
+#: 25 evidence steps to seconds (:math:`O((N C)^3)` per step; ``docs/design_notes.md``).
 EXACT_SOLVE_SIZE = 1000
 #: ``max_solver_iterations="auto"`` above :data:`EXACT_SOLVE_SIZE`: the strategy's own default budget per Newton step.
 DEFAULT_SOLVER_ITERATIONS = SolverOptions.max_solver_iterations
@@ -92,10 +92,8 @@ def default_kernel(num_features: int) -> gpytorch.kernels.Kernel:
     (R&W sec. 4.2; Snoek et al. 2012), less prone than the RBF to over-smoothing and to ill-conditioning at long
     lengthscales; one isotropic lengthscale, because two hyperparameters are well determined by the evidence of a
     few hundred labels, while automatic relevance determination (a lengthscale per feature) lets the
-    evidence overfit. Measured (``benchmarks/sklearn_defaults.py`` protocol, each kernel at its evidence
-    optimum): ARD raised the evidence by 6 to 15 nats and *worsened* the test log-loss on breast cancer
-    (0.099 → 0.22 Matérn, 0.100 → 0.20 RBF), iris (0.18 → 0.24) and wine (0.29 → 0.33); the isotropic RBF
-    is within 0.01 of the isotropic Matérn on all three. Pass ``kernel=`` for anything else.
+    evidence overfit (on scikit-learn's small data sets ARD raised the evidence and worsened the test log-loss;
+    ``docs/design_notes.md``). Pass ``kernel=`` for anything else.
     """
     kernel = gpytorch.kernels.ScaleKernel(
         gpytorch.kernels.MaternKernel(nu=2.5, lengthscale_constraint=_log_positive()),

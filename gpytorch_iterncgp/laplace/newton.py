@@ -12,8 +12,8 @@ is accepted if it increases the log posterior
 
 or if :math:`\Psi` still rises at it along the step (:math:`\Psi` is concave in :math:`\mathbf a`; this decides
 where the change is below the rounding of :math:`\Psi`), otherwise the step is halved, :math:`\mathbf a \leftarrow \mathbf a_i + \alpha (\mathbf v_i - \mathbf a_i)`,
-:math:`\alpha = \tfrac12, \tfrac14, \dots` (damping; the undamped iteration diverges outside benign
-settings; seed 001's step halving). :math:`\mathbf K \mathbf v_i` comes from the solver's buffers, so :math:`\Psi` costs no
+:math:`\alpha = \tfrac12, \tfrac14, \dots` (damping, a backtracking line search: the undamped iteration can diverge where
+:math:`\Psi` is far from quadratic). :math:`\mathbf K \mathbf v_i` comes from the solver's buffers, so :math:`\Psi` costs no
 product with :math:`\mathbf K`. The loop stops when
 :math:`\|\mathbf a_{i+1} - \mathbf a_i\| \le \text{outer\_tol} \, \|\mathbf a_i\|` for the full step, provided
 that step was a real Newton step (IterGP solved its system, or :math:`\mathbf a = \nabla \log p(\mathbf y \mid
@@ -40,8 +40,10 @@ import dataclasses
 import math
 from collections.abc import Generator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
+from linear_operator.operators import LinearOperator
 from torch import Tensor
 
 from ..core.covariance import CovarianceOptions, covariance_phase
@@ -49,7 +51,7 @@ from ..core.outer_loop import LoopStatus, NewtonStep, OuterStep, relative_norm_c
 from ..core.policies import Policy
 from ..core.prior import LatentPrior
 from ..core.recycling import ActionBuffer, virtual_solver_run
-from ..core.solver import IterGPOptions, RegressionState, itergp_solve
+from ..core.solver import IterGPOptions, IterGPResult, RegressionState, itergp_solve
 from ..core.validation import check_count, check_nonnegative
 from ..likelihoods.adapters import LikelihoodAdapter, LikelihoodDerivatives
 
@@ -81,8 +83,7 @@ class NewtonControl:
     # Scales IterGP's tolerances in the next step (tightened after a rejected step).
     forcing: float = 1.0
     # The last step was rejected: W is unchanged, and the next solve continues the same system with all its
-    # actions (no compression, which would throw away the progress of the rejected solve; with R = 10 and
-    # j <= 5 on the 10-class mixture at N = 10^4 every later step was rejected at Psi = -8181 otherwise).
+    # actions (no compression, which would throw away the progress of the rejected solve; docs/design_notes.md).
     same_system: bool = False
 
 
@@ -109,8 +110,7 @@ class LaplaceState(RegressionState):
 
 
 # Halvings that only bring an overflowing candidate back to a finite log posterior are free down to this step
-# size (an exponential link far along a long first step from the prior, counts ~1e6); without them the step was
-# rejected and the fit stopped at the prior.
+# size, so that a long first step from the prior that overflows (an exponential link) is damped, not rejected.
 _OVERFLOW_MIN_STEP_SIZE = 2.0**-60
 
 
@@ -121,6 +121,16 @@ class _Point:
     weights: Tensor  # a
     kernel_weights: Tensor  # K a
     log_posterior: float  # Psi
+
+
+class _NewtonStepTaken(NamedTuple):
+    r"""A damped Newton step: its size (0: rejected), the point it reaches, the relative change
+    :math:`\|\Delta\mathbf a\| / \|\mathbf a\|` and whether the loop has converged with it."""
+
+    step_size: float
+    new: _Point
+    relative_change: float
+    converged: bool
 
 
 class DampedNewton:
@@ -218,8 +228,8 @@ class DampedNewton:
         :math:`\Psi` still increases at the candidate along the step: :math:`\Psi` is concave in
         :math:`\mathbf a` (a log-concave likelihood plus a Gaussian prior), so a non-negative slope at the
         end of the step means :math:`\Psi` rose all along it. The second test decides where the change of
-        :math:`\Psi` is below the rounding of :math:`\Psi` itself (counts up to :math:`10^6` sum terms of
-        :math:`10^7` to a :math:`\Psi` of :math:`-254`; comparing values there stalled the fit on some CPUs).
+        :math:`\Psi` is below the rounding of :math:`\Psi` itself (large counts: sum terms far larger than
+        :math:`\Psi`), where comparing values depends on the CPU's rounding.
         ``min_step_size`` counts from the largest step at which :math:`\Psi` is finite.
 
         :return: the step size (0: rejected), the new point, and :math:`\Psi` at the full step.
@@ -256,12 +266,12 @@ class DampedNewton:
 
     # -- the loop ------------------------------------------------------------------------------------------
     def steps(self, state: LaplaceState) -> Generator[OuterStep, None, None]:
-        """Damped Newton steps from ``state``, until converged or stalled (the driver limits their number)."""
-        options = self.options
+        """Damped Newton steps from ``state`` (paper, Algorithm 1), until converged or stalled (the driver limits their
+        number): each step solves its regression with IterGP (:meth:`_solve`), then halves the step until
+        :math:`\\Psi` does not decrease (:meth:`_line_search`)."""
         current = self.point(state.representer_weights, state.kernel_representer_weights)
         if state.newton_steps > 0 and state.log_posterior == -math.inf:  # K changed since these weights
             current = self.warm_start(state.representer_weights, state.kernel_representer_weights)
-        control = state.control
         buffer = ActionBuffer.from_tensors(state.actions, state.kernel_actions)
         while True:
             derivatives = self.derivatives(current.kernel_weights)
@@ -274,84 +284,128 @@ class DampedNewton:
                 )
                 yield OuterStep(None, state, LoopStatus.BREAKDOWN, message)
                 return
-            if not options.recycle:
+            if not self.options.recycle:
                 buffer = ActionBuffer.empty(len(self.prior_mean), self.prior_mean.dtype, self.prior_mean.device)
                 self.policy.reset()
-            result = itergp_solve(
-                self.prior.matmul,
-                noise_inverse,
-                current.kernel_weights + gradient_step,  # pseudo-targets minus prior mean
-                buffer,
-                self.policy,
-                project=self.project,
-                max_iterations=options.max_solver_iterations,
-                abs_tol=options.abs_tol * control.forcing,
-                rel_tol=options.rel_tol * control.forcing,
-                compression_rank=None if control.same_system else options.compression_rank,
-                action_space_dimension=self.action_space_dimension,
-                keep=(current.weights, current.kernel_weights),
-                kernel_columns=self.prior.kernel_columns,
-            )
+            result = self._solve(current, noise_inverse, gradient_step, buffer, state.control)
             buffer = self.buffer = result.buffer
-            proposal = self.point(result.representer_weights, result.kernel_representer_weights)
-            # Half the Newton decrement: what the full step promises to gain in Psi (exact for a quadratic).
-            predicted_gain = 0.5 * self.slope(current, proposal.kernel_weights - current.kernel_weights)
-            step_size, new, full_psi = self.damped_step(current, proposal)
-            relative_change = relative_norm_change(new.weights, current.weights)
-            proposed_change = relative_norm_change(proposal.weights, current.weights)
-            converged = self._converged(result, current, new, step_size, full_psi, proposed_change, predicted_gain)
-            status = LoopStatus.CONVERGED if converged else LoopStatus.CONTINUE
-            forcing = control.forcing
-            message = ""
-            if not converged and step_size == 0.0:
-                if not options.recycle or (result.iterations == 0 and forcing < 1e-10):
-                    status = LoopStatus.STALLED
-                    message = "IterNCGP: no step along the Newton direction increases the log posterior; stopping."
-                else:
-                    # The direction was too inexact: the next step solves the same system further (recycled
-                    # actions) and to a tighter tolerance.
-                    forcing = max(forcing * 1e-2, 1e-12)
-            elif not converged and step_size == 1.0:
-                forcing = 1.0
-            control = NewtonControl(forcing=forcing, same_system=step_size == 0.0)
-            current = new
-            state = LaplaceState(
-                current.weights,
-                current.kernel_weights,
-                *result.deferred_roots(),  # Q, K Q: formed if read (a callback); finalize forms its own
-                buffer.actions.value,
-                buffer.kernel_actions.value,
-                current.log_posterior,
-                state.newton_steps + 1,
-                control,
-            )
-            record = NewtonStep(
-                step=state.newton_steps,
-                log_posterior=current.log_posterior,
-                step_size=step_size,
-                solver_iterations=result.iterations,
-                residual_norm=result.residual_norm,
-                relative_change=relative_change,
-            )
-            yield OuterStep(record, state, status, message, breakdown=result.breakdown)
-            if status is not LoopStatus.CONTINUE:
+            step = self._line_search(current, result)
+            outer_step = self._outer_step(state, step, result, buffer)
+            yield outer_step
+            if outer_step.status is not LoopStatus.CONTINUE:
                 return
+            state, current = outer_step.state, step.new
+
+    def _solve(
+        self,
+        current: _Point,
+        noise_inverse: LinearOperator,
+        gradient_step: Tensor,
+        buffer: ActionBuffer,
+        control: NewtonControl,
+    ) -> IterGPResult:
+        r"""The step's regression :math:`(\mathbf K + \mathbf W^{-1}) \mathbf v = \hat{\mathbf y} - \mathbf m` by IterGP
+        (paper, Algorithm 2), recycling ``buffer`` and keeping the current :math:`\mathbf a` in its compression.
+
+        :param current: :math:`\mathbf f = \mathbf m + \mathbf K \mathbf a` and :math:`\Psi` there.
+        :param noise_inverse: :math:`\mathbf W^{-1}` at ``current``, ``(n, n)``.
+        :param gradient_step: :math:`\mathbf W^{-1} \mathbf g`, ``(n,)``; the right-hand side is
+            :math:`\hat{\mathbf y} - \mathbf m = \mathbf K \mathbf a + \mathbf W^{-1} \mathbf g`.
+        :param control: the forcing term (scales the tolerances) and whether the system is the last step's.
+        """
+        options = self.options
+        return itergp_solve(
+            self.prior.matmul,
+            noise_inverse,
+            current.kernel_weights + gradient_step,  # pseudo-targets minus prior mean
+            buffer,
+            self.policy,
+            project=self.project,
+            max_iterations=options.max_solver_iterations,
+            abs_tol=options.abs_tol * control.forcing,
+            rel_tol=options.rel_tol * control.forcing,
+            compression_rank=None if control.same_system else options.compression_rank,
+            action_space_dimension=self.action_space_dimension,
+            keep=(current.weights, current.kernel_weights),
+            kernel_columns=self.prior.kernel_columns,
+        )
+
+    def _line_search(self, current: _Point, result: IterGPResult) -> _NewtonStepTaken:
+        r"""The damped step from ``current`` towards the solver's :math:`\mathbf v` (:meth:`damped_step`) and whether
+        the loop has converged with it (:meth:`_converged`)."""
+        proposal = self.point(result.representer_weights, result.kernel_representer_weights)
+        # Half the Newton decrement: what the full step promises to gain in Psi (exact for a quadratic).
+        predicted_gain = 0.5 * self.slope(current, proposal.kernel_weights - current.kernel_weights)
+        step_size, new, full_psi = self.damped_step(current, proposal)
+        relative_change = relative_norm_change(new.weights, current.weights)
+        proposed_change = relative_norm_change(proposal.weights, current.weights)
+        converged = self._converged(result, current, new, step_size, full_psi, proposed_change, predicted_gain)
+        return _NewtonStepTaken(step_size, new, relative_change, converged)
+
+    def _next_control(
+        self, control: NewtonControl, result: IterGPResult, step_size: float, converged: bool
+    ) -> tuple[NewtonControl, LoopStatus, str]:
+        """The bookkeeping for the next step, the loop's status and its message.
+
+        A rejected step (``step_size`` 0) tightens the forcing term a hundredfold and makes the next step solve the
+        same system further; the loop stalls where that cannot help (no recycling, or nothing left to solve). A full
+        step resets the forcing term.
+        """
+        status = LoopStatus.CONVERGED if converged else LoopStatus.CONTINUE
+        forcing = control.forcing
+        message = ""
+        if not converged and step_size == 0.0:
+            if not self.options.recycle or (result.iterations == 0 and forcing < 1e-10):
+                status = LoopStatus.STALLED
+                message = "IterNCGP: no step along the Newton direction increases the log posterior; stopping."
+            else:
+                # The direction was too inexact: the next step solves the same system further (recycled
+                # actions) and to a tighter tolerance.
+                forcing = max(forcing * 1e-2, 1e-12)
+        elif not converged and step_size == 1.0:
+            forcing = 1.0
+        return NewtonControl(forcing=forcing, same_system=step_size == 0.0), status, message
+
+    def _outer_step(
+        self, state: LaplaceState, step: _NewtonStepTaken, result: IterGPResult, buffer: ActionBuffer
+    ) -> OuterStep:
+        """What :meth:`steps` yields after ``step`` from ``state``: its record and the new :class:`LaplaceState`."""
+        control, status, message = self._next_control(state.control, result, step.step_size, step.converged)
+        current = step.new
+        state = LaplaceState(
+            current.weights,
+            current.kernel_weights,
+            *result.deferred_roots(),  # Q, K Q: formed if read (a callback); finalize forms its own
+            buffer.actions.value,
+            buffer.kernel_actions.value,
+            current.log_posterior,
+            state.newton_steps + 1,
+            control,
+        )
+        record = NewtonStep(
+            step=state.newton_steps,
+            log_posterior=current.log_posterior,
+            step_size=step.step_size,
+            solver_iterations=result.iterations,
+            residual_norm=result.residual_norm,
+            relative_change=step.relative_change,
+        )
+        return OuterStep(record, state, status, message, breakdown=result.breakdown)
 
     def _converged(self, result, current, new, step_size, full_psi, proposed_change, predicted_gain) -> bool:
         r"""Whether the loop has converged after a step from ``current`` to ``new``.
 
         * The full (undamped) Newton step changes :math:`\mathbf a` by at most ``outer_tol`` and was a real Newton
           step: IterGP solved its system, or :math:`\mathbf a = \nabla \log p(\mathbf y \mid \mathbf f)` holds to
-          ``outer_tol``. An incomplete solve can barely move far from the mode; without this check such steps were
-          reported as converged (unit-vector actions, one iteration per step: exp-link Poisson, 32 points, after
-          one step with the mode 90% off; CG stagnating on softplus Poisson, 0.05% off).
+          ``outer_tol``. An incomplete solve can barely move far from the mode; without this check such steps would
+          be reported as converged.
         * Or a solved Newton step promises a gain in :math:`\Psi` (half the Newton decrement) below the
           resolution of :math:`\Psi`: nothing is left to gain, however tight ``outer_tol`` is (a relative change
-          of :math:`\mathbf a` at rounding level depends on the CPU's rounding; counts up to :math:`10^6` stalled
-          on one CPU and not on another). ``outer_tol = 0`` turns this off (run every step).
+          of :math:`\mathbf a` at rounding level depends on the CPU's rounding). ``outer_tol = 0`` turns this off
+          (run every step).
         * Or, when ``outer_tol`` is below what rounding allows, the full step was rejected, changes :math:`\Psi`
           only at rounding level and :math:`\mathbf a = \nabla \log p(\mathbf y \mid \mathbf f)` holds to
-          :math:`\sqrt{\epsilon}` (softmax, unit actions, R = 3, residual stalled by rounding).
+          :math:`\sqrt{\epsilon}` (a residual stalled by rounding).
         """
         eps = torch.finfo(new.weights.dtype).eps
         root_eps = math.sqrt(eps)

@@ -3,7 +3,7 @@ r"""Likelihoods and their derivatives: :math:`\ell(\mathbf f)`, :math:`\mathbf g
 Three GPyTorch likelihoods that GPyTorch lacks (:class:`LogitBernoulliLikelihood`,
 :class:`ExpPoissonLikelihood`, :class:`MultitaskPoissonLikelihood`), and *adapters* that give the Newton loop what it needs from any
 likelihood: target validation, :math:`\ell(\mathbf f) = \sum_n \log p(y_n \mid \mathbf f_n)`, the
-gradient ``(N, C)`` and the noise :math:`\mathbf W^{-1}` as a linear operator. Closed forms (R&W sec. 3.4, eq. 3.15-3.16; seed 001 for the softplus link):
+gradient ``(N, C)`` and the noise :math:`\mathbf W^{-1}` as a linear operator. Closed forms (R&W sec. 3.4, eq. 3.15-3.16; the softplus link's by the chain rule through :math:`\lambda = \log(1 + e^f)`):
 
 ==========================  ==========================================  ===========================================
 likelihood                  :math:`g`                                   :math:`W`
@@ -619,9 +619,9 @@ class SoftplusPoissonAdapter(_DiagonalAdapter):
 
 def _log_softmax(latent: Tensor) -> Tensor:
     """``log_softmax`` over the last dimension as ``(f - max f) - log sum exp(f - max f)``, the sum over classes a
-    product with a vector of ones: the same values, and 5x faster than ``torch.log_softmax`` on the CPU for C = 10
-    classes (torch's reductions over ten contiguous entries are slow; 1.6 ms against 0.3 ms at N = 10⁴, one thread,
-    torch 2.13), where the Newton loop evaluates it about a dozen times per step."""
+    product with a vector of ones: the same values, and faster than ``torch.log_softmax`` on the CPU for few classes
+    (torch's reductions over a few contiguous entries are slow; ``docs/design_notes.md``), where the Newton loop
+    evaluates it about a dozen times per step."""
     shifted = latent - latent.amax(dim=-1, keepdim=True)
     return shifted - (shifted.exp() @ latent.new_ones(latent.shape[-1], 1)).log_()
 

@@ -39,9 +39,8 @@ __all__ = [
 ]
 
 _LOG_2PI = math.log(2 * math.pi)
-# Gauss-Hermite nodes of the likelihood's integral over u, centred at the integrand's mode and scaled by its width:
-# measured against scipy's quad, log p(y | f) to 1e-13 absolute (relative in p) for f ~ N(0, 10^2 I), C <= 10, and
-# for f ~ N(0, 3^2 I), C <= 30 (48 nodes: 3e-14 and 4e-12).
+# Gauss-Hermite nodes of the likelihood's integral over u, centred at the integrand's mode and scaled by its width
+# (log p(y | f) to about 1e-13 absolute; docs/design_notes.md).
 _LIKELIHOOD_NODES = 64
 _MODE_STEPS = 60
 
@@ -109,11 +108,9 @@ def multinomial_probit_log_probabilities(function_values: Tensor, num_nodes: int
         \log p(y = c \mid \mathbf f) = \log s_c + \tfrac12 \log 2\pi
         + \operatorname{logsumexp}_k \bigl(\log w_k + h_c(\hat u_c + s_c x_k) + x_k^2 / 2\bigr),
 
-    all in log space (``torch.special.log_ndtr``), so that improbable classes keep their relative accuracy
-    (measured against scipy's ``quad``: :math:`10^{-13}` absolute in :math:`\log p` for
-    :math:`\mathbf f \sim \mathcal N(\mathbf 0, 10^2 \mathbf I)`, :math:`C \le 10`, and for
-    :math:`\mathbf f \sim \mathcal N(\mathbf 0, 3^2 \mathbf I)`, :math:`C \le 30`). The mode and width are found without gradient; the gradient flows through the
-    integrand (any shift and scale give a valid rule). Work :math:`O(C^2 \cdot \text{nodes})` per point, in float64.
+    all in log space (``torch.special.log_ndtr``), so that improbable classes keep their relative accuracy (about
+    :math:`10^{-13}` absolute in :math:`\log p`; ``docs/design_notes.md``). The mode and width are found without
+    gradient; the gradient flows through the integrand (any shift and scale give a valid rule). Work :math:`O(C^2 \cdot \text{nodes})` per point, in float64.
 
     :param function_values: :math:`\mathbf f`, ``(..., C)`` with :math:`C \ge 2`.
     :returns: ``(..., C)`` log-probabilities in the dtype of ``function_values``.
@@ -295,6 +292,180 @@ def _cavity(variance: Tensor, mean: Tensor, precision: Tensor, natural_mean: Ten
     return cavity_variance * (mean / variance - natural_mean), cavity_variance
 
 
+class _InnerPrior(NamedTuple):
+    r"""The inner EP's problem for each point (Riihimäki et al. 2013, appendix A): :math:`\mathbf s = \mathbf B
+    \mathbf w \sim \mathcal N(\mathbf a, \mathbf K)`, with :math:`\mathbf D` the rows :math:`(\mathbf e_c - \mathbf
+    e_{j_k})^\top`, :math:`c = y_i`, :math:`j_0 < j_1 < \dots` the other classes."""
+
+    offset: Tensor  # a = D m (a_k = m_c - m_{j_k}), (N, C - 1)
+    cross_covariance: Tensor  # G = S D^T, (N, C, C - 1)
+    covariance: Tensor  # K = 1 + D S D^T, (N, C - 1, C - 1)
+
+
+def _inner_prior(targets: Tensor, mean: Tensor, covariance: Tensor) -> _InnerPrior:
+    r"""The prior of :math:`\mathbf s` for cavities :math:`\mathcal N(\mathbf m_i, \mathbf S_i)`.
+
+    :param targets: :math:`y_i`, ``(N,)`` long.
+    :param mean: :math:`\mathbf m_i`, ``(N, C)``.
+    :param covariance: :math:`\mathbf S_i`, ``(N, C, C)``.
+    """
+    num_classes = mean.shape[-1]
+    index = torch.arange(num_classes - 1, device=mean.device)
+    others = index + (index.unsqueeze(0) >= targets.unsqueeze(1)).long()  # (N, C - 1)
+    eye = torch.eye(num_classes, dtype=mean.dtype, device=mean.device)
+    differences = eye[targets].unsqueeze(1) - eye[others]  # D, (N, C - 1, C)
+    offset = (differences @ mean.unsqueeze(-1)).squeeze(-1)  # a_j = m_c - m_j
+    cross_covariance = covariance @ differences.mT  # G = S D^T, (N, C, C - 1)
+    return _InnerPrior(offset, cross_covariance, 1 + differences @ cross_covariance)  # K = 1 + D S D^T
+
+
+def _initial_sites(sites: InnerSites | None, offset: Tensor) -> tuple[Tensor, Tensor]:
+    r"""The inner EP's first sites :math:`(\tilde{\boldsymbol\tau}, \tilde{\boldsymbol\nu}')`, ``(N, C - 1)`` each, in
+    the offset :math:`\mathbf t = \mathbf s - \mathbf a` (:math:`\tilde{\boldsymbol\nu}' = \tilde{\boldsymbol\nu} -
+    \tilde{\boldsymbol\tau} \odot \mathbf a`): the given ``sites`` (in :math:`\mathbf s`), else zero sites.
+
+    :param offset: :math:`\mathbf a`, ``(N, C - 1)``, in the working dtype.
+    """
+    if sites is None:
+        precision = torch.zeros(offset.shape, dtype=offset.dtype, device=offset.device)
+        return precision, torch.zeros_like(precision)
+    num_points, num_sites = offset.shape
+    _check_sites(sites, num_points, num_sites + 1)
+    precision = sites.precision.to(device=offset.device, dtype=offset.dtype)
+    return precision, sites.natural_mean.to(device=offset.device, dtype=offset.dtype) - precision * offset
+
+
+class _InnerEP(NamedTuple):
+    r"""The inner EP's final sites (in :math:`\mathbf t`) and posterior over :math:`\mathbf t`, with the Cholesky factor
+    :math:`\mathbf L` of :math:`\mathbf M = \mathbf I + \tilde{\mathbf S}^{1/2}\mathbf K\tilde{\mathbf S}^{1/2}`."""
+
+    precision: Tensor  # tau, (N, C - 1)
+    natural: Tensor  # nu' = nu - tau * a, (N, C - 1)
+    covariance: Tensor  # Sigma_t, (N, C - 1, C - 1)
+    mean: Tensor  # mu_t, (N, C - 1)
+    cholesky: Tensor  # L, (N, C - 1, C - 1)
+
+
+def _inner_sweep(
+    offset: Tensor, precision: Tensor, natural: Tensor, post_mean: Tensor, post_cov: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    r"""One sequential sweep of the inner EP over the :math:`C - 1` sites, batched over the points: each site from
+    its cavity (R&W eq. 3.56) by probit moment matching (R&W eq. 3.58), then a rank-one update of the posterior
+    (Riihimäki et al. 2013, appendix A). Updates are out of place (one-hot), so that autograd can differentiate
+    through the sweeps.
+
+    :param offset: :math:`\mathbf a`, ``(N, C - 1)``.
+    :param precision: :math:`\tilde{\boldsymbol\tau}`, ``(N, C - 1)``; ``natural``: :math:`\tilde{\boldsymbol\nu}'`.
+    :param post_mean: :math:`\boldsymbol\mu_t`, ``(N, C - 1)``; ``post_cov``: :math:`\boldsymbol\Sigma_t`,
+        ``(N, C - 1, C - 1)``.
+    :return: the new sites, mean and covariance, and the largest site change :math:`\max(|\Delta\tilde\tau|\,
+        \sigma^2, |\Delta\tilde\nu|\,\sigma)` (a scalar tensor).
+    """
+    num_sites = offset.shape[-1]
+    unit = torch.eye(num_sites, dtype=offset.dtype, device=offset.device)
+    change = torch.zeros((), dtype=offset.dtype, device=offset.device)
+    for k in range(num_sites):
+        variance = post_cov[:, k, k]
+        cav_mean, cav_var = _cavity(variance, post_mean[:, k], precision[:, k], natural[:, k])
+        _, new_precision, new_natural = _probit_site(offset[:, k], cav_mean, cav_var)
+        delta_precision = new_precision - precision[:, k]
+        delta_natural = new_natural - natural[:, k]
+        change = torch.maximum(
+            change,
+            torch.maximum(delta_precision.abs() * variance, delta_natural.abs() * variance.sqrt()).amax(),
+        )
+        precision = precision + delta_precision.unsqueeze(-1) * unit[k]
+        natural = natural + delta_natural.unsqueeze(-1) * unit[k]
+        column = post_cov[:, :, k]  # rank-one update of the posterior by the site's change
+        denominator = 1 + delta_precision * variance
+        shift = (delta_natural - delta_precision * post_mean[:, k]) / denominator
+        post_mean = post_mean + column * shift.unsqueeze(-1)
+        outer = column.unsqueeze(-1) * column.unsqueeze(-2)
+        post_cov = post_cov - (delta_precision / denominator)[:, None, None] * outer
+    return precision, natural, post_mean, post_cov, change
+
+
+def _inner_ep(
+    prior: Tensor, offset: Tensor, precision: Tensor, natural: Tensor, max_iterations: int, tol: float
+) -> _InnerEP:
+    r"""Inner EP sweeps (:func:`_inner_sweep`) from the given sites, each followed by a fresh factorisation
+    (:func:`_inner_posterior`: no drift from the rank-one updates), until every site changes by at most ``tol`` or
+    after ``max_iterations`` sweeps.
+
+    :param prior: :math:`\mathbf K`, ``(N, C - 1, C - 1)``; ``offset``: :math:`\mathbf a`, ``(N, C - 1)``.
+    :param precision: :math:`\tilde{\boldsymbol\tau}`, ``(N, C - 1)``; ``natural``: :math:`\tilde{\boldsymbol\nu}'`.
+    """
+    post_cov, post_mean, cholesky = _inner_posterior(prior, precision, natural)
+    for _ in range(max_iterations):
+        precision, natural, post_mean, post_cov, change = _inner_sweep(offset, precision, natural, post_mean, post_cov)
+        post_cov, post_mean, cholesky = _inner_posterior(prior, precision, natural)
+        if float(change.detach()) <= tol:
+            break
+    return _InnerEP(precision, natural, post_cov, post_mean, cholesky)
+
+
+def _inner_log_normaliser(offset: Tensor, inner: _InnerEP) -> Tensor:
+    r""":math:`\log\hat Z_i`, ``(N,)``: the inner EP's normaliser (R&W eq. 3.65 for the inner problem, as in
+    Riihimäki et al. 2013, appendix A) at the final sites and their cavities :math:`\mathcal N(t_j \mid m_{-j},
+    v_{-j})`,
+
+    .. math::
+        \log\hat Z_i = \sum_{j \ne c}\Bigl[\log\Phi\Bigl(\frac{a_j + m_{-j}}{\sqrt{1 + v_{-j}}}\Bigr)
+        + \frac{m_{-j}^2}{2 v_{-j}} + \frac12\log v_{-j} - \frac{\mu_{t,j}^2}{2\Sigma_{t,jj}}
+        - \frac12\log\Sigma_{t,jj}\Bigr] - \sum_k \log L_{kk} + \frac12 \tilde{\boldsymbol\nu}'^\top\boldsymbol\mu_t.
+
+    :param offset: :math:`\mathbf a`, ``(N, C - 1)``.
+    """
+    variance = inner.covariance.diagonal(dim1=-2, dim2=-1)
+    cav_mean, cav_var = _cavity(variance, inner.mean, inner.precision, inner.natural)
+    log_cdf, _, _ = _probit_site(offset, cav_mean, cav_var)
+    per_site = (
+        log_cdf
+        + 0.5 * cav_mean.square() / cav_var
+        + 0.5 * cav_var.log()
+        - 0.5 * inner.mean.square() / variance
+        - 0.5 * variance.log()
+    )
+    log_determinant = inner.cholesky.diagonal(dim1=-2, dim2=-1).log().sum(-1)
+    return per_site.sum(-1) - log_determinant + 0.5 * (inner.natural * inner.mean).sum(-1)
+
+
+def _tilted_moments(
+    mean: Tensor, covariance: Tensor, cross_covariance: Tensor, inner: _InnerEP
+) -> tuple[Tensor, Tensor]:
+    r"""The :math:`\mathbf f`-marginal of the inner posterior, by Gaussian conditioning of :math:`\mathbf f` on
+    :math:`\mathbf s`:
+
+    .. math::
+        \hat{\boldsymbol\mu}_i = \mathbf m_i + \mathbf G(\tilde{\boldsymbol\nu}' - \tilde{\boldsymbol\tau} \odot
+        \boldsymbol\mu_t), \qquad
+        \hat{\boldsymbol\Sigma}_i = \mathbf S_i - \mathbf G\tilde{\mathbf S}^{1/2}\mathbf M^{-1}
+        \tilde{\mathbf S}^{1/2}\mathbf G^\top .
+
+    :param mean: :math:`\mathbf m_i`, ``(N, C)``; ``covariance``: :math:`\mathbf S_i`, ``(N, C, C)``.
+    :param cross_covariance: :math:`\mathbf G = \mathbf S \mathbf D^\top`, ``(N, C, C - 1)``.
+    :return: :math:`\hat{\boldsymbol\mu}_i` ``(N, C)`` and :math:`\hat{\boldsymbol\Sigma}_i` ``(N, C, C)``.
+    """
+    shift = (cross_covariance @ (inner.natural - inner.precision * inner.mean).unsqueeze(-1)).squeeze(-1)
+    tilted_mean = mean + shift
+    w = torch.linalg.solve_triangular(
+        inner.cholesky, _root(inner.precision).unsqueeze(-1) * cross_covariance.mT, upper=False
+    )
+    tilted_cov = covariance - w.mT @ w
+    return tilted_mean, (tilted_cov + tilted_cov.mT) / 2
+
+
+def _no_points(
+    mean: Tensor, covariance: Tensor, dtype: torch.dtype, return_sites: bool
+) -> tuple[Tensor, Tensor, Tensor] | tuple[Tensor, Tensor, Tensor, InnerSites]:
+    """The result for zero points: empty tensors of the right shapes."""
+    result = (mean.new_zeros(0).to(dtype), mean.to(dtype), covariance.to(dtype))
+    if return_sites:
+        zeros = mean.new_zeros(0, mean.shape[-1] - 1).to(dtype)
+        return (*result, InnerSites(zeros, zeros.clone()))
+    return result
+
+
 @overload
 def multinomial_probit_moments(
     targets: Tensor,
@@ -354,35 +525,15 @@ def multinomial_probit_moments(
     cancellation for large means), sequentially over the :math:`C - 1` sites and batched over the :math:`N` points, with
     rank-one posterior updates (their appendix A) and a fresh Cholesky factorisation after each sweep. Sweeps stop when
     every site changes by less than ``tol`` (:math:`|\Delta\tilde\tau|\,\sigma^2` and :math:`|\Delta\tilde\nu|\,
-    \sigma`, :math:`\sigma^2` the site's marginal variance) or after ``max_iterations``. With
-    :math:`\mathbf M = \mathbf I + \tilde{\mathbf S}^{1/2}\mathbf K\tilde{\mathbf S}^{1/2} = \mathbf L\mathbf L^\top`
-    and :math:`\mathbf G = \mathbf S \mathbf D^\top` (:math:`\mathbf D` the rows :math:`(\mathbf e_c - \mathbf
-    e_j)^\top`), Gaussian conditioning of :math:`\mathbf f` on :math:`\mathbf s` gives the tilted moments
-
-    .. math::
-        \hat{\boldsymbol\mu}_i = \mathbf m_i + \mathbf G(\tilde{\boldsymbol\nu}' - \tilde{\boldsymbol\tau} \odot
-        \boldsymbol\mu_t), \qquad
-        \hat{\boldsymbol\Sigma}_i = \mathbf S_i - \mathbf G\tilde{\mathbf S}^{1/2}\mathbf M^{-1}
-        \tilde{\mathbf S}^{1/2}\mathbf G^\top,
-
-    (:math:`\tilde{\boldsymbol\nu}' = \tilde{\boldsymbol\nu} - \tilde{\boldsymbol\tau} \odot \mathbf a` the sites'
-    natural means in :math:`\mathbf t`, :math:`\boldsymbol\mu_t` the inner posterior mean of :math:`\mathbf t`), and
-    :math:`\log\hat Z_i` is the inner EP's normaliser (R&W eq. 3.65 for the inner problem, as in their
-    appendix A), from the final sites and their cavities :math:`\mathcal N(t_j \mid m_{-j}, v_{-j})`:
-
-    .. math::
-        \log\hat Z_i = \sum_{j \ne c}\Bigl[\log\Phi\Bigl(\frac{a_j + m_{-j}}{\sqrt{1 + v_{-j}}}\Bigr)
-        + \frac{m_{-j}^2}{2 v_{-j}} + \frac12\log v_{-j} - \frac{\mu_{t,j}^2}{2\Sigma_{t,jj}}
-        - \frac12\log\Sigma_{t,jj}\Bigr] - \sum_k \log L_{kk} + \frac12 \tilde{\boldsymbol\nu}'^\top\boldsymbol\mu_t.
+    \sigma`, :math:`\sigma^2` the site's marginal variance) or after ``max_iterations``. Gaussian conditioning of
+    :math:`\mathbf f` on :math:`\mathbf s` then gives the tilted mean and covariance (``_tilted_moments``), and
+    :math:`\log\hat Z_i` is the inner EP's normaliser (R&W eq. 3.65 for the inner problem, as in their appendix A;
+    ``_inner_log_normaliser``).
 
     For :math:`C = 2` there is one factor and the result is exact (binary probit in :math:`f_c - f_j` with
     variance-2 noise). For :math:`C > 2` it approximates the tilted moments (Riihimäki et al. report nested EP's
-    posteriors very close to MCMC's). Against tensor-product quadrature for :math:`C = 3` over 160 random cavities,
-    the errors are typically (median) 2e-3 in :math:`\log\hat Z`, 4e-4 in the mean (per tilted standard deviation)
-    and 3e-3 in the covariance (per :math:`\hat\sigma_j\hat\sigma_l`), at worst 2e-2, 8e-3 and 7e-2 (wide cavities,
-    variances to ~15, with weak means); below 1e-3 where the observed class is confidently ahead. Inner sweeps
-    converge linearly, about tenfold per sweep (10 to 15 sweeps for ``tol=1e-10``; 2 to 3 from warm sites).
-    Computed in float64 (float32 on Apple's MPS).
+    posteriors very close to MCMC's; errors against quadrature and sweep counts: ``docs/design_notes.md``). Inner
+    sweeps converge linearly. Computed in float64 (float32 on Apple's MPS).
 
     :param targets: ``(N,)`` class indices (integer, or floating point with integer values) in :math:`\{0, \dots,
         C - 1\}`.
@@ -407,79 +558,14 @@ def multinomial_probit_moments(
     y = _check_targets(targets, num_points, num_classes, device)
     mean, covariance = cavity_mean.to(work), cavity_covariance.to(work)
     covariance = (covariance + covariance.mT) / 2
-    num_sites = num_classes - 1
     if num_points == 0:
-        empty = (mean.new_zeros(0), mean, covariance)
-        result = tuple(value.to(dtype) for value in empty)
-        if return_sites:
-            zeros = mean.new_zeros(0, num_sites).to(dtype)
-            return (*result, InnerSites(zeros, zeros.clone()))  # type: ignore[return-value]
-        return result  # type: ignore[return-value]
-
-    # the other classes j_0 < j_1 < ... and D with rows e_c - e_j
-    index = torch.arange(num_sites, device=device)
-    others = index + (index.unsqueeze(0) >= y.unsqueeze(1)).long()  # (N, C - 1)
-    eye = torch.eye(num_classes, dtype=work, device=device)
-    differences = eye[y].unsqueeze(1) - eye[others]  # (N, C - 1, C)
-    offset = (differences @ mean.unsqueeze(-1)).squeeze(-1)  # a_j = m_c - m_j
-    g = covariance @ differences.mT  # G = S D^T, (N, C, C - 1)
-    prior = 1 + differences @ g  # K = 1 + D S D^T
-
-    if sites is None:
-        precision = torch.zeros(num_points, num_sites, dtype=work, device=device)
-        natural = torch.zeros_like(precision)
-    else:
-        _check_sites(sites, num_points, num_classes)
-        precision = sites.precision.to(device=device, dtype=work)
-        natural = sites.natural_mean.to(device=device, dtype=work) - precision * offset  # in t = s - a
-
-    unit = torch.eye(num_sites, dtype=work, device=device)
-    post_cov, post_mean, cholesky = _inner_posterior(prior, precision, natural)
-    for _ in range(max_iterations):
-        change = torch.zeros((), dtype=work, device=device)
-        for k in range(num_sites):
-            variance = post_cov[:, k, k]
-            cav_mean, cav_var = _cavity(variance, post_mean[:, k], precision[:, k], natural[:, k])
-            _, new_precision, new_natural = _probit_site(offset[:, k], cav_mean, cav_var)
-            delta_precision = new_precision - precision[:, k]
-            delta_natural = new_natural - natural[:, k]
-            change = torch.maximum(
-                change,
-                torch.maximum(delta_precision.abs() * variance, delta_natural.abs() * variance.sqrt()).amax(),
-            )
-            # out of place (a one-hot update), so that autograd can differentiate through the sweeps
-            precision = precision + delta_precision.unsqueeze(-1) * unit[k]
-            natural = natural + delta_natural.unsqueeze(-1) * unit[k]
-            column = post_cov[:, :, k]  # rank-one update of the posterior by the site's change
-            denominator = 1 + delta_precision * variance
-            shift = (delta_natural - delta_precision * post_mean[:, k]) / denominator
-            post_mean = post_mean + column * shift.unsqueeze(-1)
-            outer = column.unsqueeze(-1) * column.unsqueeze(-2)
-            post_cov = post_cov - (delta_precision / denominator)[:, None, None] * outer
-        # a fresh factorisation after each sweep: no drift from the rank-one updates
-        post_cov, post_mean, cholesky = _inner_posterior(prior, precision, natural)
-        if float(change.detach()) <= tol:
-            break
-
-    # log Z: the inner EP's normaliser at the final sites and their cavities
-    variance = post_cov.diagonal(dim1=-2, dim2=-1)
-    cav_mean, cav_var = _cavity(variance, post_mean, precision, natural)
-    log_cdf, _, _ = _probit_site(offset, cav_mean, cav_var)
-    per_site = (
-        log_cdf
-        + 0.5 * cav_mean.square() / cav_var
-        + 0.5 * cav_var.log()
-        - 0.5 * post_mean.square() / variance
-        - 0.5 * variance.log()
-    )
-    log_z = per_site.sum(-1) - cholesky.diagonal(dim1=-2, dim2=-1).log().sum(-1) + 0.5 * (natural * post_mean).sum(-1)
-    # f-marginal of the inner posterior by Gaussian conditioning on s
-    tilted_mean = mean + (g @ (natural - precision * post_mean).unsqueeze(-1)).squeeze(-1)
-    w = torch.linalg.solve_triangular(cholesky, _root(precision).unsqueeze(-1) * g.mT, upper=False)
-    tilted_cov = covariance - w.mT @ w
-    tilted_cov = (tilted_cov + tilted_cov.mT) / 2
+        return _no_points(mean, covariance, dtype, return_sites)
+    offset, cross_covariance, prior = _inner_prior(y, mean, covariance)
+    precision, natural = _initial_sites(sites, offset)
+    inner = _inner_ep(prior, offset, precision, natural, max_iterations, tol)
+    log_z = _inner_log_normaliser(offset, inner)
+    tilted_mean, tilted_cov = _tilted_moments(mean, covariance, cross_covariance, inner)
     result = (log_z.to(dtype), tilted_mean.to(dtype), tilted_cov.to(dtype))
     if return_sites:
-        final = InnerSites(precision.to(dtype), (natural + precision * offset).to(dtype))
-        return (*result, final)
+        return (*result, InnerSites(inner.precision.to(dtype), (inner.natural + inner.precision * offset).to(dtype)))
     return result

@@ -234,11 +234,8 @@ def quadrature_moments(
     Why not Gauss–Hermite at the mode: when the cavity is much wider than the likelihood's scale (logit or
     Poisson with :math:`\sigma_- \gtrsim 3`) the tilted density is a Gaussian cut off by a soft wall of width
     ~1 (e.g. :math:`\mathcal N(0, 100^2)\,\sigma(f)`), its width at the mode is tens of units, and Gauss–Hermite
-    nodes that far apart step over the wall. Measured against adaptive quadrature, 64 Gauss–Hermite nodes at the
-    mode and width err by 1e-2 in the variance for logit with cavity sd 100, 6e-6 at sd 10, and 1.5e-3 for
-    Poisson exp with :math:`y = 0`, sd 10 (128 nodes: 9e-3, 6e-7, 2e-4). This rule is within 4e-10 (relative) of
-    adaptive quadrature on the whole grid of the tests (labels and counts 0 to 1e6, cavity sd 0.01 to 100, means
-    -40 to 40), with 33 nodes for narrow cavities and about 1600 for logit at sd 100.
+    nodes that far apart step over the wall (errors of both rules against adaptive quadrature:
+    ``docs/design_notes.md``).
     Shapes ``(N,)``.
     """
     mode, width = tilted_mode(adapter, targets, cavity_mean, cavity_variance)

@@ -22,7 +22,7 @@ softmax curvature needs no eigendecomposition). Two regimes behind :class:`Lapla
   the evidence one exact Newton step from the strategy's mode: as accurate as the strategy's solve makes the
   mode (quadratically better). Nothing here inverts :math:`\mathbf K`, so duplicate inputs or very long
   lengthscales (a numerically singular :math:`\mathbf K`) leave the evidence finite: this plays the role of
-  the projection onto the well-conditioned eigenvectors of :math:`\mathbf K` in seed 000.
+  a projection onto the well-conditioned eigenvectors of :math:`\mathbf K`.
 * **matrix-free** (larger): the mode from IterNCGP (warm-started, recycled actions); the same
   differentiable Newton step in the symmetric form :math:`\mathbf a' = \mathbf b - \mathbf R \mathbf B^{-1}
   \mathbf R^\top \mathbf K \mathbf b` solved by linear_operator's CG (``gpytorch.settings.cg_tolerance``);

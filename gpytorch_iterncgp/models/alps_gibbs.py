@@ -191,6 +191,111 @@ def _check(name: str, tensor: Tensor, shape: tuple[int, ...]) -> None:
         raise ValueError(f"{name} must have shape {shape}, got {tuple(tensor.shape)}.")
 
 
+class _GibbsProblem(NamedTuple):
+    """The sampler's fixed inputs, validated and in float64."""
+
+    kernels: Tensor  # K_j with the jitter, (m, n, n)
+    roots: Tensor  # their Cholesky factors, for prior draws, (m, n, n)
+    targets: Tensor  # Y, (n, p), NaN where missing
+    observed: Tensor  # bool (n, p)
+    noise: Tensor  # sigma^2, (p,)
+    prior_activation: Tensor  # theta_j, (m,)
+    prior_variance: Tensor  # s_ij, (p, m)
+
+
+def _gibbs_problem(
+    kernels: Tensor,
+    targets: Tensor,
+    noise: Tensor,
+    prior_activation: float | Tensor,
+    mixing_prior_variance: float | Tensor,
+    jitter: float,
+) -> _GibbsProblem:
+    """:func:`gibbs_sample`'s arguments checked, in float64 on the device of ``targets``, the priors broadcast to
+    ``(m,)`` and ``(p, m)``, and ``jitter`` times the mean of each diagonal added to the kernels.
+
+    :raises ValueError: for shapes that do not fit, priors or noise out of range, or infinite targets.
+    """
+    if kernels.dim() != 3 or kernels.shape[-1] != kernels.shape[-2]:
+        raise ValueError(f"kernels must have shape (m, n, n), got {tuple(kernels.shape)}.")
+    num_latents, num_points = kernels.shape[:2]
+    if targets.dim() != 2 or targets.shape[0] != num_points:
+        raise ValueError(
+            f"targets must have shape (n, p) with n = {num_points} (the kernels' size), got {tuple(targets.shape)}."
+        )
+    num_outputs = targets.shape[1]
+    options: dict[str, Any] = dict(dtype=_F64, device=targets.device)
+    kernels, targets = kernels.detach().to(**options), targets.detach().to(**options)
+    noise = torch.as_tensor(noise).detach().to(**options)
+    _check("noise", noise, (num_outputs,))
+    theta = torch.broadcast_to(torch.as_tensor(prior_activation, **options), (num_latents,))
+    prior_variance = torch.broadcast_to(torch.as_tensor(mixing_prior_variance, **options), (num_outputs, num_latents))
+    if not bool(((theta > 0) & (theta < 1)).all()):
+        raise ValueError(f"prior_activation must lie strictly between 0 and 1, got {prior_activation!r}.")
+    if not bool((prior_variance > 0).all()) or not bool((noise > 0).all()):
+        raise ValueError("mixing_prior_variance and noise must be positive.")
+    observed = ~torch.isnan(targets)
+    if bool(torch.isinf(targets).any()):
+        raise ValueError("targets contain inf: mark missing outputs with NaN.")
+    scale = kernels.diagonal(dim1=-2, dim2=-1).mean(-1)
+    kernels = kernels + (jitter * scale)[:, None, None] * torch.eye(num_points, **options)
+    roots = torch.linalg.cholesky(kernels)
+    return _GibbsProblem(kernels, roots, targets, observed, noise, theta, prior_variance)
+
+
+def _update_gates_and_latents(
+    problem: _GibbsProblem, gates: Tensor, mixing: Tensor, latents: Tensor, generator: torch.Generator | None
+) -> Tensor:
+    r"""Step 1 of the sweep (module docstring), in place: for each latent :math:`j`, :math:`b_j` from its conditional
+    with :math:`\mathbf x_j` marginalised (:func:`gate_log_odds`), then :math:`\mathbf x_j` from its conditional given
+    :math:`b_j` (:func:`latent_conditional`, drawn by Matheron's rule), or from the prior when :math:`b_j = 0`.
+
+    :param gates: :math:`\mathbf b`, ``(m,)`` (0/1, float64), updated in place.
+    :param mixing: :math:`\mathbf H`, ``(p, m)``.
+    :param latents: :math:`\mathbf X`, ``(n, m)``, updated in place.
+    :return: :math:`p(b_j = 1 \mid \text{rest})` of this sweep, ``(m,)``.
+    """
+    options: dict[str, Any] = dict(dtype=_F64, device=latents.device)
+    num_points, num_latents = latents.shape
+    probabilities = torch.empty(num_latents, **options)
+    for j in range(num_latents):
+        others = gates.clone()
+        others[j] = 0
+        residual = problem.targets - latents @ (mixing * others).mT
+        pieces = _condition(problem.kernels[j], residual, problem.observed, mixing[:, j], problem.noise)
+        probabilities[j] = torch.sigmoid(_log_odds(pieces, problem.prior_activation[j]))
+        gates[j] = (torch.rand((), generator=generator, **options) < probabilities[j]).to(_F64)
+        if gates[j] > 0:
+            latents[:, j] = _draw_latent(problem.kernels[j], problem.roots[j], pieces, generator)
+        else:
+            latents[:, j] = problem.roots[j] @ torch.randn(num_points, generator=generator, **options)
+    return probabilities
+
+
+def _draw_mixing(problem: _GibbsProblem, gates: Tensor, latents: Tensor, generator: torch.Generator | None) -> Tensor:
+    r"""Step 2 of the sweep: a draw of :math:`\mathbf H` ``(p, m)`` from :func:`mixing_conditional` (GP-ALPS App. D.2),
+    one row :math:`\mathbf h_i` per output."""
+    mean, covariance = mixing_conditional(
+        latents, gates, problem.targets, problem.observed, problem.noise, problem.prior_variance
+    )
+    num_outputs, num_latents = mean.shape
+    noise_draw = torch.randn(num_outputs, num_latents, 1, generator=generator, dtype=_F64, device=latents.device)
+    return mean + (torch.linalg.cholesky(covariance) @ noise_draw)[..., 0]
+
+
+def _gibbs_samples(kept: list[tuple[Tensor, Tensor, Tensor, Tensor]], dtype: torch.dtype) -> GibbsSamples:
+    """The kept sweeps' ``(gates, mixing, latents, gate probabilities)`` stacked into :class:`GibbsSamples`."""
+    kept_gates, kept_mixing, kept_latents, kept_probabilities = zip(*kept, strict=True)
+    gate_draws = torch.stack(kept_gates)
+    return GibbsSamples(
+        gates=gate_draws.bool(),
+        mixing=torch.stack(kept_mixing).to(dtype),
+        latents=torch.stack(kept_latents).to(dtype),
+        activation_frequencies=gate_draws.mean(0).to(dtype),
+        activation_probabilities=torch.stack(kept_probabilities).mean(0).to(dtype),
+    )
+
+
 def gibbs_sample(
     kernels: Tensor,
     targets: Tensor,
@@ -218,65 +323,19 @@ def gibbs_sample(
     check_count(num_samples, "num_samples", minimum=1)
     check_count(burn_in, "burn_in")
     check_nonnegative(jitter, "jitter")
-    if kernels.dim() != 3 or kernels.shape[-1] != kernels.shape[-2]:
-        raise ValueError(f"kernels must have shape (m, n, n), got {tuple(kernels.shape)}.")
-    num_latents, num_points = kernels.shape[:2]
-    if targets.dim() != 2 or targets.shape[0] != num_points:
-        raise ValueError(
-            f"targets must have shape (n, p) with n = {num_points} (the kernels' size), got {tuple(targets.shape)}."
-        )
-    num_outputs = targets.shape[1]
-    dtype, device = targets.dtype, targets.device
-    options: dict[str, Any] = dict(dtype=_F64, device=device)
-    kernels, targets = kernels.detach().to(**options), targets.detach().to(**options)
-    noise = torch.as_tensor(noise).detach().to(**options)
-    _check("noise", noise, (num_outputs,))
-    theta = torch.broadcast_to(torch.as_tensor(prior_activation, **options), (num_latents,))
-    prior_variance = torch.broadcast_to(torch.as_tensor(mixing_prior_variance, **options), (num_outputs, num_latents))
-    if not bool(((theta > 0) & (theta < 1)).all()):
-        raise ValueError(f"prior_activation must lie strictly between 0 and 1, got {prior_activation!r}.")
-    if not bool((prior_variance > 0).all()) or not bool((noise > 0).all()):
-        raise ValueError("mixing_prior_variance and noise must be positive.")
-    observed = ~torch.isnan(targets)
-    if bool(torch.isinf(targets).any()):
-        raise ValueError("targets contain inf: mark missing outputs with NaN.")
-
-    scale = kernels.diagonal(dim1=-2, dim2=-1).mean(-1)
-    kernels = kernels + (jitter * scale)[:, None, None] * torch.eye(num_points, **options)
-    roots = torch.linalg.cholesky(kernels)
+    problem = _gibbs_problem(kernels, targets, noise, prior_activation, mixing_prior_variance, jitter)
+    options: dict[str, Any] = dict(dtype=_F64, device=targets.device)
+    num_outputs, num_latents = problem.prior_variance.shape
     gates = torch.ones(num_latents, **options)
-    mixing = prior_variance.sqrt() * torch.randn(num_outputs, num_latents, generator=generator, **options)
-    latents = torch.zeros(num_points, num_latents, **options)
-    kept_gates, kept_mixing, kept_latents, kept_probabilities = [], [], [], []
+    mixing = problem.prior_variance.sqrt() * torch.randn(num_outputs, num_latents, generator=generator, **options)
+    latents = torch.zeros(problem.targets.shape[0], num_latents, **options)
+    kept = []  # (gates, mixing, latents, gate probabilities) of the sweeps after burn-in
     for sweep in range(burn_in + num_samples):
-        probabilities = torch.empty(num_latents, **options)
-        for j in range(num_latents):
-            others = gates.clone()
-            others[j] = 0
-            residual = targets - latents @ (mixing * others).mT
-            pieces = _condition(kernels[j], residual, observed, mixing[:, j], noise)
-            probabilities[j] = torch.sigmoid(_log_odds(pieces, theta[j]))
-            gates[j] = (torch.rand((), generator=generator, **options) < probabilities[j]).to(_F64)
-            if gates[j] > 0:
-                latents[:, j] = _draw_latent(kernels[j], roots[j], pieces, generator)
-            else:
-                latents[:, j] = roots[j] @ torch.randn(num_points, generator=generator, **options)
-        mean, covariance = mixing_conditional(latents, gates, targets, observed, noise, prior_variance)
-        noise_draw = torch.randn(num_outputs, num_latents, 1, generator=generator, **options)
-        mixing = mean + (torch.linalg.cholesky(covariance) @ noise_draw)[..., 0]
+        probabilities = _update_gates_and_latents(problem, gates, mixing, latents, generator)
+        mixing = _draw_mixing(problem, gates, latents, generator)
         if sweep >= burn_in:
-            kept_gates.append(gates.clone())
-            kept_mixing.append(mixing.clone())
-            kept_latents.append(latents.clone())
-            kept_probabilities.append(probabilities)
-    gate_draws = torch.stack(kept_gates)
-    return GibbsSamples(
-        gates=gate_draws.bool(),
-        mixing=torch.stack(kept_mixing).to(dtype),
-        latents=torch.stack(kept_latents).to(dtype),
-        activation_frequencies=gate_draws.mean(0).to(dtype),
-        activation_probabilities=torch.stack(kept_probabilities).mean(0).to(dtype),
-    )
+            kept.append((gates.clone(), mixing.clone(), latents.clone(), probabilities))
+    return _gibbs_samples(kept, targets.dtype)
 
 
 def gibbs_sample_model(
