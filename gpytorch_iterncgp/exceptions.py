@@ -8,6 +8,8 @@ each can be filtered on its own:
   result is the posterior of the last completed step (usable, finite).
 * :class:`NotConvergedWarning`: the outer loop stopped before its convergence criterion held, for a reason
   other than its step budget (no step along the search direction improves the objective).
+* :class:`MonteCarloPsiWarning`: the Ψ statistics of a kernel without a closed form are Monte Carlo estimates
+  (:func:`~gpytorch_iterncgp.sparse.psi_statistics.psi_statistics`).
 
 Errors: :class:`NonFiniteEvidenceError` (a ``FloatingPointError``) when the marginal likelihood cannot be
 computed finitely, so an optimizer never sees a NaN loss or gradient.
@@ -17,7 +19,13 @@ from __future__ import annotations
 
 from linear_operator.utils.warnings import NumericalWarning
 
-__all__ = ["NonFiniteEvidenceError", "NotConvergedWarning", "NumericalBreakdownWarning", "NumericalWarning"]
+__all__ = [
+    "MonteCarloPsiWarning",
+    "NonFiniteEvidenceError",
+    "NotConvergedWarning",
+    "NumericalBreakdownWarning",
+    "NumericalWarning",
+]
 
 
 class NumericalBreakdownWarning(NumericalWarning):
@@ -26,6 +34,10 @@ class NumericalBreakdownWarning(NumericalWarning):
 
 class NotConvergedWarning(NumericalWarning):
     """The outer loop (Newton) stopped before it converged, for a reason other than its step budget."""
+
+
+class MonteCarloPsiWarning(NumericalWarning):
+    """The Ψ statistics of this kernel have no closed form here: they are Monte Carlo estimates."""
 
 
 class NonFiniteEvidenceError(FloatingPointError):

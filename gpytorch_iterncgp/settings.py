@@ -1,4 +1,5 @@
-r"""Global settings, as context managers in GPyTorch's idiom (``gpytorch.settings``).
+r"""Global settings, as context managers in GPyTorch's idiom: subclasses of ``gpytorch.settings``' own value contexts
+and feature flags.
 
 .. code-block:: python
 
@@ -12,7 +13,7 @@ Options that belong to one model (tolerances, budgets, the policy) are construct
 
 from __future__ import annotations
 
-from linear_operator.settings import _feature_flag, _value_context
+from gpytorch.settings import _feature_flag, _value_context
 
 __all__ = [
     "dense_kernel_limit",

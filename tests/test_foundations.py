@@ -285,3 +285,19 @@ def test_cuda_fit_equals_cpu_fit(dtype):
     tolerance = 1e-3 if dtype == torch.float32 else 1e-8
     torch.testing.assert_close(cuda_mean.cpu(), mean, rtol=tolerance, atol=tolerance)
     torch.testing.assert_close(cuda_variance.cpu(), variance, rtol=tolerance, atol=tolerance)
+
+
+def test_every_warning_of_the_package_is_a_numerical_warning():
+    """One hierarchy (``exceptions.py``): ``filterwarnings(category=NumericalWarning)`` silences all of them."""
+    from linear_operator.utils.warnings import NumericalWarning
+
+    from gpytorch_iterncgp import exceptions, uncertain
+
+    warning_classes = [
+        value
+        for module in (exceptions, uncertain)
+        for value in vars(module).values()
+        if isinstance(value, type) and issubclass(value, Warning)
+    ]
+    assert uncertain.MonteCarloPsiWarning in warning_classes
+    assert all(issubclass(cls, NumericalWarning) for cls in warning_classes), warning_classes

@@ -6,7 +6,7 @@ inducing inputs with :class:`~gpytorch_iterncgp.SparseEPStrategy`.
     - \tfrac12 \operatorname{tr}\big((\mathbf K_{ff} - \mathbf Q_{ff}) \tilde{\mathbf T}\big) + \sum_i \log \tilde Z_i
 
 with :math:`\tilde{\boldsymbol\mu} = \tilde{\mathbf T}^{-1}\tilde{\boldsymbol\nu}` and :math:`\tilde Z_i` the site
-normalisers of the EP-DTC fixed point (eq. S.21 with the seed's typos read as :math:`-\tfrac12\log|\tilde\Sigma|` in
+normalisers of the EP-DTC fixed point (eq. S.21 with its typos read as :math:`-\tfrac12\log|\tilde\Sigma|` in
 S.20 and :math:`+\sum_i \log\tilde Z_i` in S.21). As in :func:`~gpytorch_iterncgp.mlls.itergp.ep_evidence`, the first
 and last terms are written with :math:`\mathbf b = (\tilde{\boldsymbol\nu} - \tilde{\mathbf T}\mathbf m) /
 \sqrt{\tilde{\boldsymbol\tau}}`, so that flat sites contribute nothing; in :math:`O(M^2 N)` by the matrix
@@ -23,7 +23,7 @@ sites held fixed. The first and last terms are the EP evidence of the DTC prior,
 EP-DTC fixed point; the trace term is not (it is linear in :math:`\tilde{\boldsymbol\tau}`), so this gradient
 differs from the total derivative of the re-converged bound by
 :math:`-\tfrac12\sum_i (k_{ii} - q_{ii})\, d\tilde\tau_i/d\theta`, which vanishes as :math:`\mathbf Q_{ff} \to
-\mathbf K_{ff}` (the same fixed-site gradient GPstuff and the seed use).
+\mathbf K_{ff}` (the same fixed-site gradient GPstuff uses).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from ..likelihoods.adapters import LikelihoodAdapter
-from ..sparse.dtc import DTCPrior, SparseEPState, dtc_posterior
+from ..sparse.dtc import DTCPrior, SparseEPState, dtc_posterior, whitened_system_cholesky
 from ..strategies.sparse import SparseEPStrategy
 from .itergp import _StrategyEvidence, ep_site_terms
 
@@ -50,9 +50,7 @@ def ep_dtc_bound(
     cross, mean = prior.whitened_cross, prior.mean
     positive = tau > 0
     residual = torch.where(positive, nu - tau * mean, 0.0)  # sqrt(tau) b
-    rooted = cross * tau.sqrt()
-    system = rooted @ rooted.mT + torch.eye(len(cross), dtype=cross.dtype, device=cross.device)
-    cholesky = torch.linalg.cholesky(system)
+    cholesky = whitened_system_cholesky(cross, tau.sqrt())
     whitened = torch.linalg.solve_triangular(cholesky, (cross @ residual)[:, None], upper=False)[:, 0]
     quadratic = (residual.square() / torch.where(positive, tau, 1)).sum() - whitened.square().sum()
     log_det = 2 * cholesky.diagonal().log().sum()

@@ -77,16 +77,14 @@ def uncertain_ep_bound(
 ) -> Tensor:
     r""":math:`\mathcal L_H` without the KL term (eq. S.35; module docstring) at fixed sites, differentiable in ``prior``.
 
-    Args:
-        prior: the expected DTC prior, built *with* gradients
-            (:meth:`UncertainDTCPrior.from_statistics <gpytorch_iterncgp.uncertain.UncertainDTCPrior.from_statistics>`).
-        adapter: the likelihood (:math:`C = 1`, with tilted moments).
-        targets: ``(N,)``.
-        site_precision: :math:`\tilde{\boldsymbol\tau}` ``(N,)``.
-        site_natural_mean: :math:`\tilde{\boldsymbol\nu}` ``(N,)``.
+    :param prior: the expected DTC prior, built *with* gradients (:meth:`UncertainDTCPrior.from_statistics
+        <gpytorch_iterncgp.uncertain.UncertainDTCPrior.from_statistics>`).
+    :param adapter: the likelihood (:math:`C = 1`, with tilted moments).
+    :param targets: ``(N,)``.
+    :param site_precision: :math:`\tilde{\boldsymbol\tau}` ``(N,)``.
+    :param site_natural_mean: :math:`\tilde{\boldsymbol\nu}` ``(N,)``.
 
-    Returns:
-        A scalar; NaN only if the sites are not at a fixed point (a cavity precision :math:`\le 0`).
+    :return: A scalar; NaN only if the sites are not at a fixed point (a cavity precision :math:`\le 0`).
     """
     tau, nu = site_precision.detach(), site_natural_mean.detach()
     cross, mean, spread = prior.whitened_cross, prior.mean, prior.spread
@@ -110,12 +108,10 @@ def gaussian_kl(means: Tensor, variances: Tensor) -> Tensor:
     r""":math:`\operatorname{KL}(q(\mathbf X)\,\|\,\mathcal N(\mathbf 0, \mathbf I)) = \tfrac12\sum_{i,d}
     (s_{id} + \mu_{id}^2 - 1 - \log s_{id})`, the :math:`-\operatorname{KL}` of eq. S.33 for the GP-LVM prior.
 
-    Args:
-        means: ``(N, D)``.
-        variances: ``(N, D)``, positive.
+    :param means: ``(N, D)``.
+    :param variances: ``(N, D)``, positive.
 
-    Raises:
-        ValueError: for a variance :math:`\le 0` (the KL is infinite: a known input has no prior term).
+    :raises ValueError: for a variance :math:`\le 0` (the KL is infinite: a known input has no prior term).
     """
     if not bool((variances > 0).all()):
         raise ValueError(
@@ -145,16 +141,15 @@ class UncertainSparseEPMarginalLogLikelihood(MarginalLogLikelihood):
         >>> loss = -mll(model.input_means, model.input_variances, train_y)
         >>> loss.backward()
 
-    Args:
-        likelihood: a :math:`C = 1` likelihood with tilted moments (probit, logit, Poisson).
-        model: the GP (see above).
-        latent_prior: subtract :math:`\operatorname{KL}(q(\mathbf X)\,\|\,\mathcal N(\mathbf 0, \mathbf I))`.
-        damping: EP damping :math:`\delta \in (0, 1]`.
-        site_tol: EP converged when no site moves by more than this (relative).
-        max_sweeps: most EP sweeps per call.
-        schedule: ``"parallel"`` or ``"sequential"`` (rank-one updates, eq. S.26-S.32).
-        psi_method: ``method`` of :func:`~gpytorch_iterncgp.sparse.psi_statistics.psi_statistics`.
-        num_samples: its Monte Carlo draws (kernels without a closed form).
+    :param likelihood: a :math:`C = 1` likelihood with tilted moments (probit, logit, Poisson).
+    :param model: the GP (see above).
+    :param latent_prior: subtract :math:`\operatorname{KL}(q(\mathbf X)\,\|\,\mathcal N(\mathbf 0, \mathbf I))`.
+    :param damping: EP damping :math:`\delta \in (0, 1]`.
+    :param site_tol: EP converged when no site moves by more than this (relative).
+    :param max_sweeps: most EP sweeps per call.
+    :param schedule: ``"parallel"`` or ``"sequential"`` (rank-one updates, eq. S.26-S.32).
+    :param psi_method: ``method`` of :func:`~gpytorch_iterncgp.sparse.psi_statistics.psi_statistics`.
+    :param num_samples: its Monte Carlo draws (kernels without a closed form).
     """
 
     def __init__(
@@ -216,12 +211,10 @@ class UncertainSparseEPMarginalLogLikelihood(MarginalLogLikelihood):
         """Converge the sites of every output column under ``prior`` (one EP per column, the prior shared),
         warm-started from :attr:`sites`; sets :attr:`sites` and :attr:`last_reports`.
 
-        Args:
-            prior: the expected DTC prior (its autograd history is not used).
-            targets: validated targets ``(N,)`` or ``(N, P)``.
+        :param prior: the expected DTC prior (its autograd history is not used).
+        :param targets: validated targets ``(N,)`` or ``(N, P)``.
 
-        Returns:
-            The fitted state of each column.
+        :return: The fitted state of each column.
         """
         fixed = prior.detached()
         columns = targets.unsqueeze(-1) if targets.dim() == 1 else targets
@@ -248,15 +241,13 @@ class UncertainSparseEPMarginalLogLikelihood(MarginalLogLikelihood):
         """:math:`\\mathcal L_H / N` at the current parameters (after re-converging the sites), summed over the
         output columns of ``target``.
 
-        Args:
-            input_means: :math:`\\boldsymbol\\mu` ``(N, D)``.
-            input_variances: :math:`\\mathbf s \\ge 0` ``(N, D)`` (0: a known input).
-            target: ``(N,)``, or ``(N, P)`` for :math:`P` outputs sharing :math:`q(\\mathbf X)` (eq. S.33's sum over
-                columns; the GP-LVM).
+        :param input_means: :math:`\\boldsymbol\\mu` ``(N, D)``.
+        :param input_variances: :math:`\\mathbf s \\ge 0` ``(N, D)`` (0: a known input).
+        :param target: ``(N,)``, or ``(N, P)`` for :math:`P` outputs sharing :math:`q(\\mathbf X)` (eq. S.33's sum over
+            columns; the GP-LVM).
 
-        Raises:
-            ValueError: for targets whose first dimension is not ``N`` (or outside the likelihood's support).
-            NonFiniteEvidenceError: if the bound is not finite (e.g. sites that did not converge).
+        :raises ValueError: for targets whose first dimension is not ``N`` (or outside the likelihood's support).
+        :raises NonFiniteEvidenceError: if the bound is not finite (e.g. sites that did not converge).
         """
         if not torch.is_tensor(target) or target.dim() not in (1, 2) or input_means.dim() != 2:
             raise ValueError(

@@ -24,7 +24,7 @@ processes the data need.
 
 Three variational families for :math:`q(\mathbf H, \mathbf b)` (``variational_family``):
 
-* ``"concrete"`` (GP-ALPS App. C, the seed's scheme): :math:`q(\mathbf H) q(\mathbf b)` with Concrete (relaxed
+* ``"concrete"`` (GP-ALPS App. C, the paper's scheme): :math:`q(\mathbf H) q(\mathbf b)` with Concrete (relaxed
   Bernoulli, Maddison et al. 2017) gates in prior and posterior; the ELBO by reparametrised Monte Carlo.
 * ``"bernoulli"``: :math:`q(\mathbf H) q(\mathbf b)` with Bernoulli gates, the model's own. Because
   :math:`f_i(t)` is a sum over latents of products of independent factors, the expected log-likelihood is a closed
@@ -32,7 +32,7 @@ Three variational families for :math:`q(\mathbf H, \mathbf b)` (``variational_fa
   ELBO of the unrelaxed model, without sampling.
 * ``"spike_and_slab"``: :math:`q(\mathbf b) \prod_j q(\mathbf H_{:j} \mid b_j)` with :math:`q(\mathbf H_{:j} \mid
   b_j = 0) = p(\mathbf H_{:j})` (the paired mean field of Titsias & Lázaro-Gredilla 2011, "Spike and slab
-  variational inference for multi-task and multiple kernel learning", inside the seed's structured mean field
+  variational inference for multi-task and multiple kernel learning", inside the paper's structured mean field
   :math:`q(\mathbf H, \mathbf b)` of App. C.1), and likewise :math:`q(\mathbf X^z_j \mid b_j = 0) =
   p(\mathbf X^z_j)`. Same closed form (:math:`\mathbf x_j` enters the likelihood only when :math:`b_j = 1`); the
   KLs of :math:`\mathbf H_{:j}` and :math:`\mathbf X^z_j` count only when the gate is on, so closing a gate
@@ -170,7 +170,7 @@ class GPALPS(gpytorch.models.GP):
     in a local optimum that drops a weakly supported latent (the bilinear :math:`H_{ij} x_j` has a saddle at 0),
     so compare a few restarts by their ELBO (with :math:`q(\mathbf X^z_j)` gated as well, which closing a gate
     refunds, the square wave of GP-ALPS §4.1 keeps all its harmonics from each of 3 initialisations tried). ``"concrete"`` is the
-    seed's scheme: its KL between relaxed gates is that of two logistic densities of the gate's logit,
+    paper's scheme: its KL between relaxed gates is that of two logistic densities of the gate's logit,
     :math:`\approx |\rho_j - \operatorname{logit}\theta_j| - 2` for confident gates, whatever :math:`\tau` (prior
     and posterior share it), not the Bernoulli KL it relaxes (which it bounds from above, and which is at most
     :math:`-\log\min(\theta_j, 1 - \theta_j)`); that linear cost holds gates that the data need visibly below 1.

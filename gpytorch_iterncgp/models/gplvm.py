@@ -149,14 +149,12 @@ class _UncertainInputGP(gpytorch.models.GP):
     ) -> list[float]:
         r"""Maximise :math:`\mathcal L_H` by ``num_steps`` Adam steps on every parameter (learning rate ``lr``).
 
-        Args:
-            num_steps: optimiser steps (each re-converges the EP sites, warm-started).
-            lr: Adam's learning rate.
-            show_progress: a tqdm bar with the loss.
-            callback: called as ``callback(step, loss)`` after every step.
+        :param num_steps: optimiser steps (each re-converges the EP sites, warm-started).
+        :param lr: Adam's learning rate.
+        :param show_progress: a tqdm bar with the loss.
+        :param callback: called as ``callback(step, loss)`` after every step.
 
-        Returns:
-            The loss :math:`-\mathcal L_H / N` before each step.
+        :return: The loss :math:`-\mathcal L_H / N` before each step.
         """
         check_count(num_steps, "num_steps")
         check_nonnegative(lr, "lr", positive=True)
@@ -244,17 +242,18 @@ class EPLatentVariableModel(_UncertainInputGP):
         >>> embedding = model.embedding()                      # (N, 2): the means of q(X)
         >>> probabilities = model.predict_proba(embedding)     # (N, P): P(y = 1) at those latent points
 
-    Args:
-        data: :math:`\mathbf Y` ``(N, P)`` (or ``(N,)``), floating point, in the likelihood's support.
-        latent_dim: :math:`Q`.
-        num_inducing: :math:`M`; the inducing inputs start at a random subset of the initial means.
-        likelihood: default ``BernoulliLikelihood()`` (probit); any likelihood with tilted moments.
-        kernel: default ``ScaleKernel(RBFKernel(ard_num_dims=Q))`` (closed-form Ψ statistics).
-        initial_means: :math:`\boldsymbol\mu` ``(N, Q)`` to start from (default: :func:`pca_initialisation`).
-        initial_variance: the initial :math:`s_{iq}` (all equal).
-        damping, site_tol, max_sweeps: of the EP of every column (see
-            :class:`~gpytorch_iterncgp.mlls.uncertain.UncertainSparseEPMarginalLogLikelihood`).
-        seed: the seed of the inducing inputs' subset.
+    :param data: :math:`\mathbf Y` ``(N, P)`` (or ``(N,)``), floating point, in the likelihood's support.
+    :param latent_dim: :math:`Q`.
+    :param num_inducing: :math:`M`; the inducing inputs start at a random subset of the initial means.
+    :param likelihood: default ``BernoulliLikelihood()`` (probit); any likelihood with tilted moments.
+    :param kernel: default ``ScaleKernel(RBFKernel(ard_num_dims=Q))`` (closed-form Ψ statistics).
+    :param initial_means: :math:`\boldsymbol\mu` ``(N, Q)`` to start from (default: :func:`pca_initialisation`).
+    :param initial_variance: the initial :math:`s_{iq}` (all equal).
+    :param damping: EP damping :math:`\delta \in (0, 1]`
+        (:class:`~gpytorch_iterncgp.mlls.uncertain.UncertainSparseEPMarginalLogLikelihood`).
+    :param site_tol: EP converged when no site moves by more than this (relative).
+    :param max_sweeps: most EP sweeps per call.
+    :param seed: the seed of the inducing inputs' subset.
     """
 
     def __init__(
@@ -355,17 +354,18 @@ class NoisyInputGPClassifier(_UncertainInputGP):
         >>> model.fit(num_steps=100)
         >>> probabilities = model.predict_proba(test_means, test_variances)   # (N*,)
 
-    Args:
-        train_means: :math:`\boldsymbol\mu` ``(N, D)``.
-        train_variances: :math:`\mathbf s \ge 0` ``(N, D)`` (0: a known input).
-        train_targets: ``(N,)`` labels in {0, 1} (or counts for a Poisson likelihood).
-        likelihood: default ``BernoulliLikelihood()`` (probit).
-        inducing_points: :math:`\mathbf Z` ``(M, D)``, or an int :math:`M` (a random subset of ``train_means``).
-        kernel: default ``ScaleKernel(RBFKernel(ard_num_dims=D))``.
-        learn_inducing_locations: learn :math:`\mathbf Z` (else a buffer).
-        damping, site_tol, max_sweeps: of the EP (see
-            :class:`~gpytorch_iterncgp.mlls.uncertain.UncertainSparseEPMarginalLogLikelihood`).
-        seed: the seed of the inducing inputs' subset.
+    :param train_means: :math:`\boldsymbol\mu` ``(N, D)``.
+    :param train_variances: :math:`\mathbf s \ge 0` ``(N, D)`` (0: a known input).
+    :param train_targets: ``(N,)`` labels in {0, 1} (or counts for a Poisson likelihood).
+    :param likelihood: default ``BernoulliLikelihood()`` (probit).
+    :param inducing_points: :math:`\mathbf Z` ``(M, D)``, or an int :math:`M` (a random subset of ``train_means``).
+    :param kernel: default ``ScaleKernel(RBFKernel(ard_num_dims=D))``.
+    :param learn_inducing_locations: learn :math:`\mathbf Z` (else a buffer).
+    :param damping: EP damping :math:`\delta \in (0, 1]`
+        (:class:`~gpytorch_iterncgp.mlls.uncertain.UncertainSparseEPMarginalLogLikelihood`).
+    :param site_tol: EP converged when no site moves by more than this (relative).
+    :param max_sweeps: most EP sweeps per call.
+    :param seed: the seed of the inducing inputs' subset.
     """
 
     def __init__(

@@ -102,21 +102,56 @@ class DTCPrior:
         return self.whitened_cross.square().sum(0)
 
 
-def dtc_posterior(
-    prior: DTCPrior, site_precision: Tensor, site_natural_mean: Tensor
+def whitened_system_cholesky(whitened_cross: Tensor, root_weights: Tensor) -> Tensor:
+    r""":math:`\mathbf L_B` ``(M, M)``, the Cholesky factor of :math:`\mathbf B = \mathbf I_M + \mathbf V
+    \operatorname{diag}(\mathbf w)^2 \mathbf V^\top` (module docstring), for ``whitened_cross`` :math:`\mathbf V`
+    ``(M, N)`` and ``root_weights`` :math:`\mathbf w \ge 0` ``(N,)``: the square roots of the site precisions, or of
+    their expected-prior scaling (:func:`~gpytorch_iterncgp.sparse.uncertain.uncertain_posterior`)."""
+    rooted = whitened_cross * root_weights
+    system = rooted @ rooted.mT + torch.eye(
+        len(whitened_cross), dtype=whitened_cross.dtype, device=whitened_cross.device
+    )
+    return torch.linalg.cholesky(system)
+
+
+def whitened_posterior(
+    prior_mean: Tensor, whitened_cross: Tensor, site_precision: Tensor, site_natural_mean: Tensor, spread: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    r"""The posterior of the sites under the DTC prior (module docstring), differentiable in ``prior``.
+    r"""The posterior of Gaussian sites under a whitened low-rank prior with an independent part: the prior
+    :math:`\mathbf f \sim \mathcal N(\mathbf m, \mathbf V^\top \mathbf V + \operatorname{diag}(\mathbf s))`, the
+    sites :math:`\tilde{\boldsymbol\tau}, \tilde{\boldsymbol\nu}` ``(N,)``. With :math:`r_i = 1 + \tilde\tau_i s_i`,
+    :math:`\mathbf B = \mathbf I + \mathbf V \tilde{\mathbf T} \mathbf R^{-1} \mathbf V^\top = \mathbf L_B
+    \mathbf L_B^\top`, :math:`\bar{\mathbf z} = \mathbf B^{-1} \mathbf V \mathbf R^{-1}(\tilde{\boldsymbol\nu} -
+    \tilde{\mathbf T}\mathbf m)`, the marginal means :math:`\mathbf m + \mathbf R^{-1}\mathbf V^\top \bar{\mathbf z}
+    + \mathbf s \odot \mathbf R^{-1}(\tilde{\boldsymbol\nu} - \tilde{\mathbf T}\mathbf m)` and variances
+    :math:`s_i / r_i + \|(\mathbf L_B^{-1}\mathbf V)_{:, i}\|^2 / r_i^2`. The DTC prior is :math:`\mathbf s = \mathbf 0`
+    (module docstring, :math:`\mathbf R = \mathbf I` exactly); uncertain inputs add the spread of their expected prior
+    (:mod:`~gpytorch_iterncgp.sparse.uncertain`). Differentiable in the prior.
 
     :return: :math:`\mathbf L_B` ``(M, M)``, :math:`\bar{\mathbf z}` ``(M,)``, the marginal means and variances ``(N,)``.
     """
-    cross = prior.whitened_cross
-    rooted = cross * site_precision.sqrt()
-    system = rooted @ rooted.mT + torch.eye(len(cross), dtype=cross.dtype, device=cross.device)
-    cholesky = torch.linalg.cholesky(system)
-    projected = torch.linalg.solve_triangular(cholesky, cross, upper=False)  # L_B^{-1} V
-    inner = projected @ (site_natural_mean - site_precision * prior.mean)
+    ratio = 1 + site_precision * spread  # r_i
+    # sqrt(tau) / sqrt(r), not sqrt(tau / r): the latter's slope is infinite at tau = 0
+    cholesky = whitened_system_cholesky(whitened_cross, site_precision.sqrt() / ratio.sqrt())
+    projected = torch.linalg.solve_triangular(cholesky, whitened_cross, upper=False)  # L_B^{-1} V
+    residual = (site_natural_mean - site_precision * prior_mean) / ratio  # R^{-1}(nu - T m)
+    inner = projected @ residual
     whitened_mean = torch.linalg.solve_triangular(cholesky.mT, inner[:, None], upper=True)[:, 0]
-    return cholesky, whitened_mean, prior.mean + cross.mT @ whitened_mean, projected.square().sum(0)
+    mean = prior_mean + (whitened_cross.mT @ whitened_mean) / ratio + spread * residual
+    variance = spread / ratio + projected.square().sum(0) / ratio.square()
+    return cholesky, whitened_mean, mean, variance
+
+
+def dtc_posterior(
+    prior: DTCPrior, site_precision: Tensor, site_natural_mean: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    r"""The posterior of the sites under the DTC prior (module docstring; :func:`whitened_posterior` with no
+    spread), differentiable in ``prior``.
+
+    :return: :math:`\mathbf L_B` ``(M, M)``, :math:`\bar{\mathbf z}` ``(M,)``, the marginal means and variances ``(N,)``.
+    """
+    no_spread = torch.zeros_like(site_precision)
+    return whitened_posterior(prior.mean, prior.whitened_cross, site_precision, site_natural_mean, no_spread)
 
 
 @dataclass

@@ -57,15 +57,13 @@ import torch
 from gpytorch.kernels import Kernel, LinearKernel, RBFKernel, ScaleKernel
 from torch import Tensor
 
+from ..exceptions import MonteCarloPsiWarning
+
 __all__ = ["MonteCarloPsiWarning", "PsiStatistics", "psi_statistics"]
 
 _METHODS = ("auto", "closed_form", "monte_carlo")
 _DEFAULT_SAMPLES = 10_000
 _CHUNK = 1 << 22  # samples x points x inducing inputs per block of the Monte Carlo estimate
-
-
-class MonteCarloPsiWarning(UserWarning):
-    """The Ψ statistics of this kernel have no closed form here: they are Monte Carlo estimates."""
 
 
 class PsiStatistics(NamedTuple):
@@ -236,26 +234,23 @@ def psi_statistics(
         >>> kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel(ard_num_dims=2)).double()
         >>> psi0, psi1, psi2 = psi_statistics(kernel, mu, s, z)  # (N,), (N, M), (N, M, M)
 
-    Args:
-        kernel: any GPyTorch kernel; closed forms for ``RBFKernel`` and ``LinearKernel``, bare or in a
-            ``ScaleKernel``, Monte Carlo otherwise.
-        means: :math:`\boldsymbol\mu_i`, ``(..., N, D)``.
-        variances: :math:`\mathbf s_i \ge 0`, the diagonals of the input covariances, ``(..., N, D)``; 0 is a
-            known input (then the statistics are the kernel's own values).
-        inducing_points: :math:`\mathbf Z`, ``(..., M, D)``.
-        method: ``"auto"`` (closed form if there is one, else Monte Carlo with a :class:`MonteCarloPsiWarning`),
-            ``"closed_form"`` (an error if there is none) or ``"monte_carlo"`` (always, silently).
-        num_samples: Monte Carlo draws (default 10 000); ignored by the closed forms.
-        generator: the ``torch.Generator`` of the Monte Carlo draws (default: torch's global one).
+    :param kernel: any GPyTorch kernel; closed forms for ``RBFKernel`` and ``LinearKernel``, bare or in a
+        ``ScaleKernel``, Monte Carlo otherwise.
+    :param means: :math:`\boldsymbol\mu_i`, ``(..., N, D)``.
+    :param variances: :math:`\mathbf s_i \ge 0`, the diagonals of the input covariances, ``(..., N, D)``; 0 is a known
+        input (then the statistics are the kernel's own values).
+    :param inducing_points: :math:`\mathbf Z`, ``(..., M, D)``.
+    :param method: ``"auto"`` (closed form if there is one, else Monte Carlo with a :class:`MonteCarloPsiWarning`),
+        ``"closed_form"`` (an error if there is none) or ``"monte_carlo"`` (always, silently).
+    :param num_samples: Monte Carlo draws (default 10 000); ignored by the closed forms.
+    :param generator: the ``torch.Generator`` of the Monte Carlo draws (default: torch's global one).
 
-    Returns:
-        :class:`PsiStatistics` ``(psi0, psi1, psi2)``: ``(..., N)``, ``(..., N, M)``, ``(..., N, M, M)``, in the
+    :return: :class:`PsiStatistics` ``(psi0, psi1, psi2)``: ``(..., N)``, ``(..., N, M)``, ``(..., N, M, M)``, in the
         dtype and on the device of ``means``.
 
-    Raises:
-        ValueError: negative or non-finite variances, NaN means or inducing inputs, disagreeing shapes, an unknown
-            ``method``, or ``method="closed_form"`` for a kernel without one.
-        TypeError: mixed dtypes or devices (kernel parameters included).
+    :raises ValueError: negative or non-finite variances, NaN means or inducing inputs, disagreeing shapes, an unknown
+        ``method``, or ``method="closed_form"`` for a kernel without one.
+    :raises TypeError: mixed dtypes or devices (kernel parameters included).
     """
     if method not in _METHODS:
         raise ValueError(f"method must be one of {_METHODS}, got {method!r}.")

@@ -83,7 +83,7 @@ from torch import Tensor
 from ..core.outer_loop import EPSweep, LoopStatus, OuterStep
 from ..ep.sites import update_sites
 from ..likelihoods.adapters import LikelihoodAdapter
-from .dtc import DTCPrior, SparseEP, SparseEPState, inducing_cholesky
+from .dtc import DTCPrior, SparseEP, SparseEPState, inducing_cholesky, whitened_posterior
 from .psi_statistics import MonteCarloPsiWarning, PsiStatistics, psi_statistics
 
 __all__ = [
@@ -171,18 +171,7 @@ def uncertain_posterior(
     :return: :math:`\mathbf L_B` ``(M, M)``, :math:`\bar{\mathbf z}` ``(M,)``, the marginal means and variances
         ``(N,)``.
     """
-    cross, spread = prior.whitened_cross, prior.spread
-    ratio = 1 + site_precision * spread  # r_i
-    rooted = cross * (site_precision.sqrt() / ratio.sqrt())  # not sqrt(tau / r): its slope is infinite at tau = 0
-    system = rooted @ rooted.mT + torch.eye(len(cross), dtype=cross.dtype, device=cross.device)
-    cholesky = torch.linalg.cholesky(system)
-    projected = torch.linalg.solve_triangular(cholesky, cross, upper=False)  # L_B^{-1} V
-    residual = (site_natural_mean - site_precision * prior.mean) / ratio  # R^{-1}(nu - T m)
-    inner = projected @ residual
-    whitened_mean = torch.linalg.solve_triangular(cholesky.mT, inner[:, None], upper=True)[:, 0]
-    mean = prior.mean + (cross.mT @ whitened_mean) / ratio + spread * residual
-    variance = spread / ratio + projected.square().sum(0) / ratio.square()
-    return cholesky, whitened_mean, mean, variance
+    return whitened_posterior(prior.mean, prior.whitened_cross, site_precision, site_natural_mean, prior.spread)
 
 
 @dataclass

@@ -72,23 +72,20 @@ def uncertain_predictive(
     \operatorname{diag}\mathbf s_*)` under the sparse EP posterior :math:`q(\mathbf z) = \mathcal N(\bar{\mathbf z},
     (\mathbf L_B\mathbf L_B^\top)^{-1})` (module docstring), for :math:`P` output columns at once.
 
-    Args:
-        kernel: the GPyTorch kernel of the model (closed-form Ψ statistics for RBF and linear kernels).
-        inducing_points: :math:`\mathbf Z` ``(M, D)``.
-        prior_mean: the constant prior mean :math:`m_0` (a number or a 0-d tensor).
-        posterior_cholesky: :math:`\mathbf L_B` ``(M, M)`` or ``(P, M, M)`` (``SparseEPState.posterior_cholesky``).
-        whitened_mean: :math:`\bar{\mathbf z}` ``(M,)`` or ``(P, M)`` (``SparseEPState.whitened_mean``).
-        means: :math:`\boldsymbol\mu_*` ``(N*, D)``.
-        variances: :math:`\mathbf s_* \ge 0` ``(N*, D)``; 0 is a known test input.
-        psi_method: ``method`` of :func:`~gpytorch_iterncgp.sparse.psi_statistics.psi_statistics`.
-        num_samples: its Monte Carlo draws (kernels without a closed form).
+    :param kernel: the GPyTorch kernel of the model (closed-form Ψ statistics for RBF and linear kernels).
+    :param inducing_points: :math:`\mathbf Z` ``(M, D)``.
+    :param prior_mean: the constant prior mean :math:`m_0` (a number or a 0-d tensor).
+    :param posterior_cholesky: :math:`\mathbf L_B` ``(M, M)`` or ``(P, M, M)`` (``SparseEPState.posterior_cholesky``).
+    :param whitened_mean: :math:`\bar{\mathbf z}` ``(M,)`` or ``(P, M)`` (``SparseEPState.whitened_mean``).
+    :param means: :math:`\boldsymbol\mu_*` ``(N*, D)``.
+    :param variances: :math:`\mathbf s_* \ge 0` ``(N*, D)``; 0 is a known test input.
+    :param psi_method: ``method`` of :func:`~gpytorch_iterncgp.sparse.psi_statistics.psi_statistics`.
+    :param num_samples: its Monte Carlo draws (kernels without a closed form).
 
-    Returns:
-        ``(mean, variance)``, each ``(N*,)`` for an unbatched posterior, ``(P, N*)`` for ``P`` columns; the variance is
-        clamped at 0 against rounding.
+    :return: ``(mean, variance)``, each ``(N*,)`` for an unbatched posterior, ``(P, N*)`` for ``P`` columns; the
+        variance is clamped at 0 against rounding.
 
-    Raises:
-        ValueError: for negative variances or shapes that disagree (through ``psi_statistics`` for the test inputs).
+    :raises ValueError: for negative variances or shapes that disagree (through ``psi_statistics`` for the test inputs).
     """
     if inducing_points.dim() != 2:
         raise ValueError(f"inducing_points must have shape (M, D), got {tuple(inducing_points.shape)}.")
