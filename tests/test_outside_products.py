@@ -146,7 +146,7 @@ def test_incremental_gram_matrices_equal_recomputed_ones_over_newton_like_steps(
             root = virtual.precision_root
             torch.testing.assert_close(root @ root.mT, expected, rtol=1e-8, atol=1e-10)
             torch.testing.assert_close(virtual.kernel_precision_root, kernel @ root, rtol=1e-10, atol=1e-12)
-        result = itergp_solve(kernel.matmul, noise, rhs, buffer, policy, max_iterations=3, compression_rank=rank)
+        result = itergp_solve(kernel.matmul, noise, rhs, buffer, policy, max_solver_iterations=3, compression_rank=rank)
         buffer = result.buffer
         kernel_gram, action_gram = buffer.kernel_gram(), buffer.action_gram()
         actions, kernel_actions = buffer.actions.value, buffer.kernel_actions.value
@@ -161,10 +161,15 @@ def test_uncompressed_virtual_run_neither_reweights_nor_copies_the_buffer():
     kernel, rhs, generator = _spd_problem(size, seed=4)
     noise = DiagonalNoiseInverse(torch.full((size,), 0.3, dtype=DTYPE))
     first = itergp_solve(
-        kernel.matmul, noise, rhs, ActionBuffer.empty(size, DTYPE, CPU), ConjugateGradientPolicy(), max_iterations=4
+        kernel.matmul,
+        noise,
+        rhs,
+        ActionBuffer.empty(size, DTYPE, CPU),
+        ConjugateGradientPolicy(),
+        max_solver_iterations=4,
     )
     actions = first.buffer.actions.value.clone()
-    second = itergp_solve(kernel.matmul, noise, rhs, first.buffer, ConjugateGradientPolicy(), max_iterations=3)
+    second = itergp_solve(kernel.matmul, noise, rhs, first.buffer, ConjugateGradientPolicy(), max_solver_iterations=3)
     assert second.buffer is first.buffer and second.buffer.size == 7  # appended in place
     assert torch.equal(second.buffer.actions.value[:, :4], actions)
     compressed = virtual_solver_run(second.buffer, noise, compression_rank=5)
@@ -208,7 +213,7 @@ def test_unit_vector_actions_take_kernel_columns_not_products(projected):
                 ActionBuffer.empty(size, DTYPE, CPU),
                 policy,
                 project=project,
-                max_iterations=12,
+                max_solver_iterations=12,
                 kernel_columns=columns,
             )
         )
@@ -277,7 +282,7 @@ def test_solver_keeps_the_root_implicit_and_its_columns_conjugate():
     noise = DiagonalNoiseInverse(0.05 + torch.rand(size, dtype=DTYPE, generator=generator))
     buffer = ActionBuffer.empty(size, DTYPE, CPU)
     for _ in range(3):  # the second and third solves start from a virtual run over the recycled actions
-        result = itergp_solve(kernel.matmul, noise, rhs, buffer, ConjugateGradientPolicy(), max_iterations=4)
+        result = itergp_solve(kernel.matmul, noise, rhs, buffer, ConjugateGradientPolicy(), max_solver_iterations=4)
         buffer = result.buffer
         assert result.root_coefficients.shape == (buffer.size, result.rank)
         root = result.precision_root

@@ -181,7 +181,7 @@ def test_marginal_variance_non_increasing(policy_name):
             rhs,
             ActionBuffer.empty(num, DTYPE, CPU),
             make_policy(policy_name, num),
-            max_iterations=iterations,
+            max_solver_iterations=iterations,
             abs_tol=0.0,
             rel_tol=0.0,
         )
@@ -225,7 +225,7 @@ def test_virtual_run_residual_orthogonal_to_actions(kind):
         old_rhs,
         ActionBuffer.empty(size, DTYPE, CPU),
         make_policy("cg", num_data, num_latents),
-        max_iterations=8,
+        max_solver_iterations=8,
         abs_tol=0.0,
         rel_tol=0.0,
     )
@@ -280,7 +280,7 @@ def filled_buffer(kernel, noise, rhs, iterations: int):
         rhs,
         ActionBuffer.empty(num, DTYPE, CPU),
         make_policy("cg", num),
-        max_iterations=iterations,
+        max_solver_iterations=iterations,
         abs_tol=0.0,
         rel_tol=0.0,
     )
@@ -321,7 +321,7 @@ def test_itergp_solve_with_compression_bounds_buffer(rank, iterations):
         rhs.flip(0),
         buffer,
         make_policy("cg", 40),
-        max_iterations=iterations,
+        max_solver_iterations=iterations,
         abs_tol=0.0,
         rel_tol=0.0,
         compression_rank=rank,
@@ -416,7 +416,13 @@ def test_itergp_solve_counts_kernel_products(policy_name):
     for noise_now, limit in ((noise, 7), (noise.flip(0), 5), (noise, None)):
         calls.clear()
         result = itergp_solve(
-            kernel_matmul, DiagonalNoiseInverse(noise_now), rhs, buffer, policy, max_iterations=limit, abs_tol=1e-9
+            kernel_matmul,
+            DiagonalNoiseInverse(noise_now),
+            rhs,
+            buffer,
+            policy,
+            max_solver_iterations=limit,
+            abs_tol=1e-9,
         )
         buffer = result.buffer
         assert len(calls) == result.iterations > 0

@@ -532,8 +532,8 @@ def test_itergp_solve_checks_its_arguments():
         itergp_solve(kernel.matmul, noise, rhs * float("nan"), buffer, policy)
     with pytest.raises(ValueError, match=r"buffer must hold actions and kernel products of shape \(5, B\)"):
         itergp_solve(kernel.matmul, noise, rhs, ActionBuffer.empty(4, torch.float64, torch.device("cpu")), policy)
-    with pytest.raises(ValueError, match="max_iterations"):
-        itergp_solve(kernel.matmul, noise, rhs, buffer, policy, max_iterations=-1)
+    with pytest.raises(ValueError, match="max_solver_iterations"):
+        itergp_solve(kernel.matmul, noise, rhs, buffer, policy, max_solver_iterations=-1)
     with pytest.raises(ValueError, match="rel_tol"):
         itergp_solve(kernel.matmul, noise, rhs, buffer, policy, rel_tol=float("nan"))
 

@@ -208,7 +208,7 @@ def _bordered_coefficients(coefficients: Tensor, column: Tensor, corner: float) 
     return grown
 
 
-def _check_solver_arguments(noise_inverse, rhs, buffer, max_iterations, abs_tol, rel_tol, compression_rank):
+def _check_solver_arguments(noise_inverse, rhs, buffer, max_solver_iterations, abs_tol, rel_tol, compression_rank):
     if not torch.is_tensor(rhs) or rhs.dim() != 1 or not rhs.is_floating_point():
         raise ValueError(f"rhs must be a 1-D floating-point tensor (n,), got {getattr(rhs, 'shape', type(rhs))}.")
     size = rhs.shape[0]
@@ -221,7 +221,7 @@ def _check_solver_arguments(noise_inverse, rhs, buffer, max_iterations, abs_tol,
         )
     if not bool(torch.isfinite(rhs).all()):
         raise ValueError("rhs contains NaN or inf.")
-    check_count(max_iterations, "max_iterations", allow_none=True)
+    check_count(max_solver_iterations, "max_solver_iterations", allow_none=True)
     check_count(compression_rank, "compression_rank", minimum=1, allow_none=True)
     check_nonnegative(abs_tol, "abs_tol")
     check_nonnegative(rel_tol, "rel_tol")
@@ -446,7 +446,7 @@ def itergp_solve(
     buffer: ActionBuffer,
     policy: Policy,
     project: Callable[[Tensor], Tensor] | None = None,
-    max_iterations: int | None = None,
+    max_solver_iterations: int | None = None,
     abs_tol: float = 1e-5,
     rel_tol: float = 1e-5,
     compression_rank: int | None = None,
@@ -465,7 +465,7 @@ def itergp_solve(
     :param policy: chooses the actions.
     :param project: projection applied to actions and residuals (softmax: zero sum per point);
         convergence is measured on the projected residual.
-    :param max_iterations: at most this many iterations (products with :math:`\mathbf K`); ``None``: until
+    :param max_solver_iterations: at most this many iterations (products with :math:`\mathbf K`); ``None``: until
         the tolerance is met (at most :math:`n`).
     :param abs_tol: stop when :math:`\|\mathbf r\| \le \max(\text{abs\_tol}, \text{rel\_tol} \|\mathbf b\|)`.
     :param rel_tol: see ``abs_tol``.
@@ -481,10 +481,10 @@ def itergp_solve(
     :raises ValueError: for shapes that do not fit together, a non-finite right-hand side, or options out
         of range.
     """
-    _check_solver_arguments(noise_inverse, rhs, buffer, max_iterations, abs_tol, rel_tol, compression_rank)
+    _check_solver_arguments(noise_inverse, rhs, buffer, max_solver_iterations, abs_tol, rel_tol, compression_rank)
     project = project or (lambda vectors: vectors)
     num_rows = rhs.shape[0]
-    limit = num_rows if max_iterations is None else max_iterations
+    limit = num_rows if max_solver_iterations is None else max_solver_iterations
     full_rank = num_rows if action_space_dimension is None else action_space_dimension
     virtual = virtual_solver_run(buffer, noise_inverse, compression_rank, keep=keep, spare=min(limit, 64))
     buffer, root_coefficients = virtual.buffer, virtual.root_coefficients  # Q = S E, K Q = T E (rows of E: B)

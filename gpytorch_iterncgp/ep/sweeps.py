@@ -355,7 +355,7 @@ class ExpectationPropagation:
             self.policy,
             project=adapter.project if adapter.zero_sum_actions else None,
             action_space_dimension=self.action_space_dimension,
-            max_iterations=options.max_solver_iterations,
+            max_solver_iterations=options.max_solver_iterations,
             abs_tol=options.abs_tol,
             rel_tol=options.rel_tol,
             compression_rank=options.compression_rank,

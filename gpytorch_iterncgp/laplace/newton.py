@@ -321,7 +321,7 @@ class DampedNewton:
             buffer,
             self.policy,
             project=self.project,
-            max_iterations=options.max_solver_iterations,
+            max_solver_iterations=options.max_solver_iterations,
             abs_tol=options.abs_tol * control.forcing,
             rel_tol=options.rel_tol * control.forcing,
             compression_rank=None if control.same_system else options.compression_rank,
