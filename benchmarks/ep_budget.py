@@ -1,7 +1,7 @@
 """EP with incomplete solves: how the solver budget per sweep, and compression, move EP away from exact EP.
 
 Two moons (N = 1000, probit, fixed Matérn-3/2 kernel). Exact EP is ``EPStrategy`` with a complete solve in every
-sweep (unit-vector actions over all points); it is checked against nothing here (``tests/test_ep.py`` checks it
+sweep (unit-vector actions over all points); it is checked against nothing here (``tests/ep/test_ep.py`` checks it
 against dense EP). Every other configuration runs parallel EP (damping 0.5) with a fixed number of CG iterations
 per sweep; after each sweep the callback records the products with K so far, the fit's wall time, the test NLL
 and accuracy of the predictive (computational uncertainty included), the largest distance of the site natural

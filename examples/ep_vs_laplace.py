@@ -81,7 +81,7 @@ COLORS = {"Laplace": "tab:orange", "EP": "tab:blue", "SVGP": "tab:green"}
 COMPLETE = dict(policy="unit", max_solver_iterations=None, abs_tol=0.0, rel_tol=0.0, show_progress=False)
 STRATEGIES = {
     "Laplace": (IterNCGPStrategy, LaplaceMarginalLogLikelihood, dict(outer_tol=1e-8, max_newton_steps=100)),
-    # damping 0.8 (default 0.5): the fixed point does not depend on it (tests/test_ep.py), half the sweeps here
+    # damping 0.8 (default 0.5): the fixed point does not depend on it (tests/ep/test_ep.py), half the sweeps here
     "EP": (EPStrategy, EPMarginalLogLikelihood, dict(site_tol=1e-6, max_sweeps=500, damping=0.8)),
 }
 

@@ -16,7 +16,7 @@ import torch
 
 from gpytorch_iterncgp import ExpPoissonLikelihood, LogitBernoulliLikelihood
 from tests import reference
-from tests.models import IterNCGPModel, binary_data, multiclass_data, softmax_likelihood
+from tests.common import IterNCGPModel, binary_data, multiclass_data, softmax_likelihood
 
 # Reference name (tests/reference.py) -> likelihood factory, for C = 1.
 SINGLE_LATENT = {

@@ -12,7 +12,7 @@ from gpytorch_iterncgp import (
     MultinomialProbitLikelihood,
     SparseEPStrategy,
 )
-from tests.models import IterNCGPModel, binary_data, multiclass_data, softmax_likelihood
+from tests.common import IterNCGPModel, binary_data, multiclass_data, softmax_likelihood
 
 CASES = ("laplace-softmax", "ep-probit", "ep-multinomial-probit", "sparse-ep-probit")
 

@@ -16,7 +16,7 @@ import torch
 from gpytorch_iterncgp import ExpPoissonLikelihood, LogitBernoulliLikelihood
 from gpytorch_iterncgp.likelihoods.adapters import MultitaskPoissonLikelihood
 from tests import reference
-from tests.models import (
+from tests.common import (
     IterNCGPModel,
     MultitaskIterNCGPModel,
     binary_data,
@@ -25,7 +25,7 @@ from tests.models import (
     multioutput_count_data,
     set_distinct_class_hyperparameters,
 )
-from tests.models import softmax_likelihood as _softmax
+from tests.common import softmax_likelihood as _softmax
 
 DTYPE = torch.float64
 EXACT = dict(
@@ -266,7 +266,7 @@ def test_cg_gives_exact_mode_and_mean(case):
 def test_predictive_probabilities():
     """Probit: exact, E[Phi(f)] = Phi(mu / sqrt(1 + s^2)) of the reference posterior, and GPyTorch's own predictive.
     (Logit and softmax, against scipy quadrature and the mean-field formula on the reference's C x C blocks:
-    ``tests/test_predictive.py``.)"""
+    ``tests/strategies/test_predictive.py``.)"""
     model, likelihood, x, y, name, num_classes = build("probit", **EXACT)
     model.variational_strategy.fit()
     exact, _, _ = exact_laplace(model, x, y, name, num_classes)

@@ -23,7 +23,7 @@ from gpytorch_iterncgp.core.outer_loop import (
 from gpytorch_iterncgp.core.prior import LatentPrior
 from gpytorch_iterncgp.exceptions import NumericalBreakdownWarning
 from tests import reference
-from tests.models import IterNCGPModel, binary_data
+from tests.common import IterNCGPModel, binary_data
 
 PACKAGE = pathlib.Path(gpytorch_iterncgp.__file__).parent
 

@@ -21,7 +21,7 @@ from gpytorch_iterncgp.core.noise import DiagonalNoiseInverse, SoftmaxPseudoInve
 from gpytorch_iterncgp.core.recycling import ActionBuffer, virtual_solver_run
 from gpytorch_iterncgp.core.solver import itergp_solve
 from tests import reference
-from tests.models import IterNCGPModel, binary_data, count_data, multiclass_data
+from tests.common import IterNCGPModel, binary_data, count_data, multiclass_data
 
 DTYPE = torch.float64
 CPU = torch.device("cpu")

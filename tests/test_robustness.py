@@ -576,53 +576,6 @@ def test_converged_means_at_the_exact_mode(problem, policy, rank):
 # ---------------------------------------------------------------------------------------------------
 # IterGP: an action already in the span of the earlier ones
 # ---------------------------------------------------------------------------------------------------
-def _spd_problem(size: int = 6, seed: int = 0):
-    from gpytorch_iterncgp.core.noise import DiagonalNoiseInverse
-
-    generator = torch.Generator().manual_seed(seed)
-    factor = torch.randn(size, size, generator=generator, dtype=torch.float64)
-    kernel = factor @ factor.mT / size + 0.1 * torch.eye(size, dtype=torch.float64)
-    noise = DiagonalNoiseInverse(torch.full((size,), 0.5, dtype=torch.float64))
-    rhs = torch.randn(size, generator=generator, dtype=torch.float64)
-    return kernel, noise, rhs
-
-
-def test_action_in_the_span_of_recycled_ones_is_skipped():
-    """A unit vector that a recycled action already covers carries no new direction: IterGP skips it (its
-    product with K counts as an iteration) and goes on; the result is the exact solve."""
-    from gpytorch_iterncgp.core.recycling import ActionBuffer
-    from gpytorch_iterncgp.core.solver import itergp_solve
-
-    kernel, noise, rhs = _spd_problem()
-    recycled = torch.zeros(6, 1, dtype=torch.float64)
-    recycled[2] = 1.0
-    buffer = ActionBuffer.from_tensors(recycled, kernel @ recycled)
-    policy = UnitVectorPolicy(order=[2, 0, 1, 3, 4, 5])
-    policy.prepare(6, 1, False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        result = itergp_solve(kernel.matmul, noise, rhs, buffer, policy, abs_tol=0.0, rel_tol=0.0)
-    assert result.iterations == 6 and result.precision.rank == 6 and not result.breakdown
-    exact = torch.linalg.solve(kernel + 0.5 * torch.eye(6, dtype=torch.float64), rhs)
-    torch.testing.assert_close(result.representer_weights, exact)
-
-
-def test_policy_repeating_a_dependent_action_stops_with_a_warning():
-    from gpytorch_iterncgp import NumericalBreakdownWarning, Policy
-    from gpytorch_iterncgp.core.recycling import ActionBuffer
-    from gpytorch_iterncgp.core.solver import itergp_solve
-
-    class Always(Policy):
-        def __call__(self, residual):
-            action = torch.zeros_like(residual)
-            action[0] = 1.0
-            return action
-
-    kernel, noise, rhs = _spd_problem()
-    buffer = ActionBuffer.empty(6, torch.float64, torch.device("cpu"))
-    with pytest.warns(NumericalBreakdownWarning, match="lies numerically in the span of the previous ones"):
-        result = itergp_solve(kernel.matmul, noise, rhs, buffer, Always())
-    assert result.breakdown and result.precision.rank == 1 and result.iterations == 2
 
 
 NEARLY_DEPENDENT_ACTIONS = [
@@ -674,7 +627,7 @@ def test_rejected_step_continues_the_same_system_without_compression():
     import gpytorch
 
     from gpytorch_iterncgp.datasets import gaussian_mixture
-    from tests.models import IterNCGPModel
+    from tests.common import IterNCGPModel
 
     x, y, _, _ = gaussian_mixture(500, 10, num_classes=10, dtype=torch.float64)
     likelihood = gpytorch.likelihoods.SoftmaxLikelihood(num_classes=10, mixing_weights=False)

@@ -3,7 +3,7 @@
 import gpytorch
 import torch
 
-from tests.models import IterNCGPModel, binary_data
+from tests.common import IterNCGPModel, binary_data
 
 
 def test_quickstart_binary_probit():

@@ -14,7 +14,7 @@ import torch
 from gpytorch.likelihoods.likelihood import _OneDimensionalLikelihood
 
 from gpytorch_iterncgp import ExpPoissonLikelihood, LogitBernoulliLikelihood
-from tests.models import IterNCGPModel, binary_data, count_data, multiclass_data
+from tests.common import IterNCGPModel, binary_data, count_data, multiclass_data
 
 
 def _softmax(**kwargs):
@@ -510,32 +510,6 @@ def test_likelihood_adapter_validates_min_curvature():
     with pytest.raises(ValueError, match="min_curvature"):
         likelihood_adapter(LogitBernoulliLikelihood(), min_curvature=-1.0)
     assert likelihood_adapter(LogitBernoulliLikelihood(), min_curvature=1).min_curvature == 1.0
-
-
-def test_itergp_solve_checks_its_arguments():
-    from gpytorch_iterncgp import ConjugateGradientPolicy
-    from gpytorch_iterncgp.core.noise import DiagonalNoiseInverse
-    from gpytorch_iterncgp.core.recycling import ActionBuffer
-    from gpytorch_iterncgp.core.solver import itergp_solve
-
-    kernel = torch.eye(5, dtype=torch.float64)
-    noise = DiagonalNoiseInverse(torch.ones(5, dtype=torch.float64))
-    buffer = ActionBuffer.empty(5, torch.float64, torch.device("cpu"))
-    policy = ConjugateGradientPolicy()
-    rhs = torch.ones(5, dtype=torch.float64)
-    itergp_solve(kernel.matmul, noise, rhs, buffer, policy)  # valid
-    with pytest.raises(ValueError, match=r"noise_inverse must be \(4, 4\) to match rhs"):
-        itergp_solve(kernel.matmul, noise, rhs[:4], buffer, policy)
-    with pytest.raises(ValueError, match="rhs must be a 1-D floating-point tensor"):
-        itergp_solve(kernel.matmul, noise, rhs[:, None], buffer, policy)
-    with pytest.raises(ValueError, match="rhs contains NaN or inf"):
-        itergp_solve(kernel.matmul, noise, rhs * float("nan"), buffer, policy)
-    with pytest.raises(ValueError, match=r"buffer must hold actions and kernel products of shape \(5, B\)"):
-        itergp_solve(kernel.matmul, noise, rhs, ActionBuffer.empty(4, torch.float64, torch.device("cpu")), policy)
-    with pytest.raises(ValueError, match="max_solver_iterations"):
-        itergp_solve(kernel.matmul, noise, rhs, buffer, policy, max_solver_iterations=-1)
-    with pytest.raises(ValueError, match="rel_tol"):
-        itergp_solve(kernel.matmul, noise, rhs, buffer, policy, rel_tol=float("nan"))
 
 
 # ---------------------------------------------------------------------------------------------------

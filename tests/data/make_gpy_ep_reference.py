@@ -1,7 +1,7 @@
 r"""Writes ``tests/data/gpy_ep_probit.json``: GPy's expectation propagation (EP) on two binary probit problems.
 
 The numbers are a cross-check from outside the project for ``tests/reference_ep.py`` (and, later, the package's own
-EP); ``tests/test_gpy_reference.py`` reads them without importing GPy. GPy is not a project dependency. To regenerate
+EP); ``tests/ep/test_gpy_reference.py`` reads them without importing GPy. GPy is not a project dependency. To regenerate
 the JSON, from the repository root::
 
     python3.11 -m venv /tmp/gpyenv && /tmp/gpyenv/bin/pip install GPy

@@ -20,7 +20,7 @@ from gpytorch_iterncgp import EPStrategy, LaplaceMarginalLogLikelihood, settings
 from gpytorch_iterncgp.core.prior import LatentPrior
 from gpytorch_iterncgp.likelihoods.adapters import MultitaskPoissonLikelihood
 from tests import reference
-from tests.models import LMCIterNCGPModel, MultitaskIterNCGPModel, multioutput_count_data
+from tests.common import LMCIterNCGPModel, MultitaskIterNCGPModel, multioutput_count_data
 from tests.test_exact_laplace import (
     EXACT,
     assert_relative,

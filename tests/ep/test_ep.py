@@ -23,7 +23,7 @@ from gpytorch_iterncgp import (
     LogitBernoulliLikelihood,
 )
 from tests import reference_ep
-from tests.models import IterNCGPModel, binary_data, count_data, softmax_likelihood
+from tests.common import IterNCGPModel, binary_data, count_data, softmax_likelihood
 
 LIKELIHOODS = {
     "probit": gpytorch.likelihoods.BernoulliLikelihood,

@@ -175,7 +175,7 @@ def test_binary_probit_matches_exact_laplace():
 def test_multiclass_softmax_matches_exact_laplace():
     """Three classes, softmax, one kernel shared by the classes: latent moments against the dense exact
     Laplace reference (R&W Algorithm 3.3/3.4), probabilities against the softmax rule (tested on its own in
-    tests/test_predictive.py) on each test point's 3 x 3 block of the reference covariance."""
+    tests/strategies/test_predictive.py) on each test point's 3 x 3 block of the reference covariance."""
     x, y, x_test = _multiclass()
     ours = IterNCGPClassifier(**TIGHT).fit(x, y)
     ref_mean, ref_covariance = _reference_latent(x, y, x_test, "softmax", num_classes=3, blocks=True)
@@ -539,7 +539,7 @@ def test_defaults_match_or_beat_sklearn_gaussian_process_classifier(name):
 def test_covariance_iterations_shrink_the_predictive_variance_of_the_final_fit_only():
     """With N C > 1000 (CG, 5 iterations per Newton step) the covariance phase adds one product with K per block to
     the final fit and shrinks every predictive variance (it only ever enlarges the action space: Loewner-monotone,
-    ``tests/test_covariance.py``); the hyperparameters are learnt exactly as without it."""
+    ``tests/core/test_covariance.py``); the hyperparameters are learnt exactly as without it."""
     from sklearn.datasets import make_classification
 
     x, y = make_classification(n_samples=400, n_features=4, n_informative=3, n_redundant=0, n_classes=3, random_state=0)

@@ -52,7 +52,7 @@ from botorch.sampling import SobolQMCNormalSampler  # noqa: E402
 from gpytorch_iterncgp import ExpPoissonLikelihood  # noqa: E402
 from gpytorch_iterncgp.integrations.botorch import IterNCGPBoTorchModel  # noqa: E402
 from gpytorch_iterncgp.integrations.sklearn import IterNCGPClassifier  # noqa: E402
-from tests.models import IterNCGPModel, count_data, multiclass_data, softmax_likelihood  # noqa: E402
+from tests.common import IterNCGPModel, count_data, multiclass_data, softmax_likelihood  # noqa: E402
 
 DTYPE = torch.float64
 

@@ -25,7 +25,7 @@ from gpytorch_iterncgp import settings
 from gpytorch_iterncgp.core import kernel_products, prior
 from gpytorch_iterncgp.core.kernel_products import fused_kernel_matmul, stationary_kernel
 from gpytorch_iterncgp.core.prior import LatentPrior
-from tests.models import IterNCGPModel, binary_data, multiclass_data, softmax_likelihood
+from tests.common import IterNCGPModel, binary_data, multiclass_data, softmax_likelihood
 
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12}
 KERNELS = {"rbf": None, "matern12": 0.5, "matern32": 1.5, "matern52": 2.5}
@@ -249,7 +249,7 @@ INTERPRETED = textwrap.dedent(
 def test_triton_kernel_in_the_interpreter_equals_dense_product():
     """Every kernel and dtype, widths 1 and 3 (broadcast sums) and 20 (``tl.dot``, two width blocks), per-class."""
     environment = dict(os.environ, TRITON_INTERPRET="1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     environment["PYTHONPATH"] = os.pathsep.join(filter(None, [root, environment.get("PYTHONPATH")]))
     result = subprocess.run(
         [sys.executable, "-c", INTERPRETED], env=environment, capture_output=True, text=True, timeout=300

@@ -1,4 +1,4 @@
-"""A GPyTorch model using IterNCGPStrategy (or EPStrategy), and small data sets, shared by the tests."""
+"""Models and small data sets shared by the tests: a GPyTorch model using IterNCGPStrategy (or EPStrategy)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ import torch
 
 from gpytorch_iterncgp.core.prior import LatentPrior, _chunk_rows
 from gpytorch_iterncgp.settings import dense_kernel_limit, fused_kernel_products, kernel_chunk_bytes
-from tests.models import IterNCGPModel, binary_data
+from tests.common import IterNCGPModel, binary_data
 
 DTYPE = torch.float64
 

@@ -26,7 +26,7 @@ from gpytorch_iterncgp import (
 )
 from gpytorch_iterncgp.likelihoods.multinomial_probit import multinomial_probit_log_probabilities
 from tests import reference_ep
-from tests.models import IterNCGPModel, multiclass_data, set_distinct_class_hyperparameters
+from tests.common import IterNCGPModel, multiclass_data, set_distinct_class_hyperparameters
 
 COMPLETE = dict(policy="unit", max_solver_iterations=None, abs_tol=0.0, rel_tol=0.0)
 F64 = torch.float64

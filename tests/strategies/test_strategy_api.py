@@ -17,7 +17,7 @@ from gpytorch.likelihoods.likelihood import _OneDimensionalLikelihood
 
 from gpytorch_iterncgp import ExpPoissonLikelihood, LogitBernoulliLikelihood
 from gpytorch_iterncgp.likelihoods.adapters import AutogradAdapter
-from tests.models import IterNCGPModel, binary_data, count_data, multiclass_data
+from tests.common import IterNCGPModel, binary_data, count_data, multiclass_data
 
 # Options under which both compared runs converge to the exact Laplace mode: every Newton step is solved
 # exactly (unit-vector actions until the residual vanishes, at most N C of them) and the outer loop runs

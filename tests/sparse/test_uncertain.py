@@ -45,7 +45,7 @@ from gpytorch_iterncgp.sparse.uncertain import (
     uncertain_posterior,
 )
 from tests import reference_ep
-from tests.models import binary_data
+from tests.common import binary_data
 
 DTYPE = torch.float64
 

@@ -21,7 +21,7 @@ from gpytorch_iterncgp.core.prior import NARROW_PRODUCT_COLUMNS, LatentPrior
 from gpytorch_iterncgp.core.recycling import ActionBuffer, noise_gram, virtual_solver_run
 from gpytorch_iterncgp.core.solver import itergp_solve
 from gpytorch_iterncgp.settings import dense_kernel_limit
-from tests.models import IterNCGPModel
+from tests.common import IterNCGPModel
 
 DTYPE = torch.float64
 CPU = torch.device("cpu")

@@ -20,7 +20,7 @@ import torch
 
 from gpytorch_iterncgp import LogitBernoulliLikelihood, settings
 from gpytorch_iterncgp.likelihoods.adapters import likelihood_adapter, logistic_gaussian, softmax_gaussian
-from tests.models import IterNCGPModel, multiclass_data, softmax_likelihood
+from tests.common import IterNCGPModel, multiclass_data, softmax_likelihood
 from tests.test_exact_laplace import EXACT, build, exact_laplace, make_test_inputs, reference_predictive
 
 DTYPE = torch.float64

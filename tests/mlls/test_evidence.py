@@ -22,8 +22,8 @@ from gpytorch_iterncgp import (
     NumericalBreakdownWarning,
 )
 from tests import reference
-from tests.models import IterNCGPModel, binary_data, count_data, multiclass_data, set_distinct_class_hyperparameters
-from tests.models import softmax_likelihood as _softmax
+from tests.common import IterNCGPModel, binary_data, count_data, multiclass_data, set_distinct_class_hyperparameters
+from tests.common import softmax_likelihood as _softmax
 
 DTYPE = torch.float64
 # Options under which the strategy's mode is the exact Laplace mode (CG until the residual vanishes).

@@ -26,7 +26,7 @@ from torch import Tensor
 from tests import reference_ep
 
 DTYPE = torch.float64
-GPY_REFERENCE = pathlib.Path(__file__).parent / "data" / "gpy_ep_probit.json"
+GPY_REFERENCE = pathlib.Path(__file__).parents[1] / "data" / "gpy_ep_probit.json"
 GPY_PROBLEMS = ("probit_2d", "probit_1d")
 
 

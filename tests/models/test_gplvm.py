@@ -24,7 +24,7 @@ import torch
 from gpytorch_iterncgp import SparseEPStrategy
 from gpytorch_iterncgp.models.gplvm import EPLatentVariableModel, NoisyInputGPClassifier, pca_initialisation
 from gpytorch_iterncgp.sparse.dtc import inducing_cholesky
-from tests.models import IterNCGPModel, binary_data
+from tests.common import IterNCGPModel, binary_data
 
 DTYPE = torch.float64
 CONSTANT = 0.3

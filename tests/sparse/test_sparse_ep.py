@@ -25,7 +25,7 @@ from gpytorch_iterncgp import (
 )
 from gpytorch_iterncgp.mlls.sparse import ep_dtc_bound
 from tests import reference_ep
-from tests.models import IterNCGPModel, binary_data, count_data
+from tests.common import IterNCGPModel, binary_data, count_data
 
 LIKELIHOODS = {"probit": gpytorch.likelihoods.BernoulliLikelihood, "poisson_exp": ExpPoissonLikelihood}
 TIGHT = dict(site_tol=1e-11, max_sweeps=400)

@@ -14,7 +14,7 @@ import torch
 from gpytorch_iterncgp import EPStrategy, MultinomialProbitLikelihood
 from gpytorch_iterncgp.core.covariance import covariance_phase, curvature_matmul
 from gpytorch_iterncgp.core.noise import DiagonalNoiseInverse, SiteBlockNoiseInverse, SoftmaxPseudoInverse
-from tests.models import IterNCGPModel, binary_data, multiclass_data
+from tests.common import IterNCGPModel, binary_data, multiclass_data
 from tests.test_exact_laplace import (
     EXACT,
     assert_relative,
