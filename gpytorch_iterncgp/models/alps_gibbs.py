@@ -81,7 +81,7 @@ def _condition(kernel: Tensor, residual: Tensor, observed: Tensor, weights: Tens
     \mathbf W^{1/2} \mathbf B^{-1} \mathbf W^{1/2} \mathbf K`."""
     mask = observed.to(kernel.dtype)
     w = (mask * weights.square() / noise).sum(-1)
-    g = (mask * weights * residual / noise).sum(-1)
+    g = torch.where(observed, weights * residual / noise, 0.0).sum(-1)  # unobserved residuals may be NaN
     sqrt_w = w.sqrt()
     b_matrix = torch.eye(len(w), dtype=kernel.dtype, device=kernel.device) + sqrt_w[:, None] * kernel * sqrt_w
     chol_b = torch.linalg.cholesky(b_matrix)

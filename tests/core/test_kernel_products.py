@@ -230,7 +230,7 @@ INTERPRETED = textwrap.dedent(
     import itertools, torch
     from gpytorch_iterncgp import settings
     from gpytorch_iterncgp.core.kernel_products import fused_kernel_matmul
-    from tests.test_kernel_products import KERNELS, assert_matches_dense, inputs, make_kernel
+    from tests.core.test_kernel_products import KERNELS, assert_matches_dense, inputs, make_kernel
 
     for dtype, kind, (width, ard, batch) in itertools.product(
         [torch.float32, torch.float64], KERNELS, [(1, False, ()), (3, True, ()), (20, True, (3,))]

@@ -292,7 +292,7 @@ def test_bad_options_and_likelihoods_are_refused_with_the_fix():
 def test_ep_strategy_reproduces_gpy(name):
     """GPy 1.15's EP (numbers committed in tests/data, sequential EP converged to ~1e-14): log Z_EP, sites, test
     posterior, predictive probabilities and the gradient in the natural kernel parameters agree to 1e-8."""
-    from tests.test_gpy_reference import load_gpy_problem
+    from tests.ep.test_gpy_reference import load_gpy_problem
 
     problem = load_gpy_problem(name)
     likelihood = gpytorch.likelihoods.BernoulliLikelihood()

@@ -31,6 +31,7 @@ from gpytorch_iterncgp.models.alps_gibbs import (
     _condition,
     _draw_latent,
     gate_log_odds,
+    gibbs_sample,
     gibbs_sample_model,
     latent_conditional,
     mixing_conditional,
@@ -712,3 +713,24 @@ def test_elbo_evaluates_under_no_grad_with_natural_slab_gradients():
     elbo = GPALPSELBO(_likelihood(2, 0.1), model, num_data=len(inputs), natural_slab_gradients=True)
     with torch.no_grad():
         assert bool(torch.isfinite(elbo(model(inputs), targets)))
+
+
+def test_gibbs_ignores_the_values_of_missing_targets():
+    """Missing targets (NaN) carry no likelihood: the latent conditional with NaN residuals where unobserved equals
+    the one with any finite value there, and a chain over data with missing entries stays finite."""
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.linspace(0, 1, 8, dtype=torch.float64)[:, None]
+    kernel = torch.exp(-0.5 * (inputs - inputs.mT).square() / 0.3**2) + 1e-8 * torch.eye(8, dtype=torch.float64)
+    targets = torch.randn(8, 2, generator=generator, dtype=torch.float64)
+    targets[2, 0] = targets[5, 1] = float("nan")
+    observed = ~torch.isnan(targets)
+    weights, noise = torch.tensor([0.7, -1.2], dtype=torch.float64), torch.tensor([0.1, 0.2], dtype=torch.float64)
+    with_nan = latent_conditional(kernel, targets, observed, weights, noise)
+    with_zero = latent_conditional(kernel, torch.nan_to_num(targets, nan=0.0), observed, weights, noise)
+    with_other = latent_conditional(kernel, torch.nan_to_num(targets, nan=7.0), observed, weights, noise)
+    for got, expected, other in zip(with_nan, with_zero, with_other, strict=True):
+        assert bool(torch.isfinite(got).all())
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        torch.testing.assert_close(other, expected, rtol=0, atol=0)
+    samples = gibbs_sample(kernel.expand(2, 8, 8), targets, noise, num_samples=5, burn_in=5, generator=generator)
+    assert all(bool(torch.isfinite(value).all()) for value in samples)
