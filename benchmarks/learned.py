@@ -30,6 +30,7 @@ prints a table with each method's final NLL, its seconds, and its seconds as a r
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -194,7 +195,14 @@ def run_estimator(data: Data, budget: float, seed: int) -> dict:
     clock, history = Clock(), []
     estimator = IterNCGPClassifier(random_state=seed).fit(data.train_x.numpy(), data.train_y.numpy())
     clock.evaluate(history, lambda: torch.as_tensor(estimator.predict_proba(data.test_x.numpy())), data.test_y)
-    return {"label": "estimator (defaults)", "history": history}
+    learning = dataclasses.asdict(estimator.learning_report_)
+    return {
+        "label": "estimator (defaults)",
+        "history": history,
+        "learning": learning,  # where the hyperparameter learning's time went
+        "final_fit_seconds": estimator.fit_report_.wall_time,
+        "final_fit": str(estimator.fit_report_),
+    }
 
 
 def _evidence_steps(model, mll, learning_rate: float, budget: float) -> Iterator[int]:

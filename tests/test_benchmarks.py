@@ -295,6 +295,11 @@ def test_learned_smoke_run_writes_results(tmp_path):
     assert (tmp_path / "learned_smoke.png").stat().st_size > 10_000
     for entry in output["datasets"].values():
         labels = [run["label"] for run in entry["runs"]]
+        estimator = entry["runs"][0]["learning"]
+        assert (
+            estimator["evaluations"] >= 1
+            and estimator["fit_seconds"] + estimator["evidence_seconds"] <= estimator["seconds"]
+        )
         assert labels[0].startswith("estimator") and any(label.startswith("SVGP") for label in labels)
         assert any(label.startswith("laplace") for label in labels) and any(label.startswith("ep") for label in labels)
         for run in entry["runs"]:

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 import warnings
+from dataclasses import dataclass
 
 import gpytorch
 import numpy as np
@@ -46,7 +48,7 @@ from ..likelihoods.adapters import ExpPoissonLikelihood, LogitBernoulliLikelihoo
 from ..mlls.itergp import LaplaceMarginalLogLikelihood
 from ..strategies.itergp import IterNCGPStrategy
 
-__all__ = ["IterNCGPClassifier", "IterNCGPPoissonRegressor"]
+__all__ = ["IterNCGPClassifier", "IterNCGPPoissonRegressor", "LearningReport"]
 
 _DTYPE = torch.float64
 _PREDICT_CHUNK = 4096  # test points per kernel evaluation: bounds the (chunk, N) cross-covariance in memory
@@ -127,6 +129,38 @@ class _QuasiSoftplusPoissonLikelihood(gpytorch.likelihoods.PoissonLikelihood):
 # ---------------------------------------------------------------------------------------------------
 # Shared machinery
 # ---------------------------------------------------------------------------------------------------
+@dataclass
+class LearningReport:
+    """Where the estimators' hyperparameter learning spent its time (``learning_report_``; also in ``str(fit_report_)``).
+
+    ``seconds`` is the wall time of the learning; of it, ``fit_seconds`` went to the strategy's fits at each evaluation
+    of the evidence (Newton steps from the previous mode, warm-started), ``evidence_seconds`` to the evidence at the
+    fitted mode and ``gradient_seconds`` to its gradient. ``stopped`` says why it ended: ``"optimizer_steps"``,
+    ``"converged"`` (L-BFGS's own tolerances), ``"max_time"`` or ``"error"`` (a ``ConvergenceWarning`` says which).
+    """
+
+    method: str = ""
+    evaluations: int = 0
+    seconds: float = 0.0
+    fit_seconds: float = 0.0
+    evidence_seconds: float = 0.0
+    gradient_seconds: float = 0.0
+    stopped: str = "not learnt"
+
+    def __str__(self) -> str:
+        if not self.evaluations:
+            return "hyperparameters not learnt"
+        return (
+            f"hyperparameters: {self.method}, {self.evaluations} evidence evaluations in {self.seconds:.2f}s (fits "
+            f"{self.fit_seconds:.2f}s, evidence {self.evidence_seconds:.2f}s, gradients {self.gradient_seconds:.2f}s), "
+            f"stopped by {self.stopped}"
+        )
+
+
+class _OutOfTime(Exception):
+    """Raised inside an evidence evaluation once ``max_time`` has passed (the optimiser cannot be stopped otherwise)."""
+
+
 def _param_error(estimator, name: str, expected: str, value) -> ValueError:
     return ValueError(
         f"The {name!r} parameter of {type(estimator).__name__} must be {expected}. Got {value!r} instead."
@@ -154,6 +188,7 @@ class _IterNCGPEstimator(BaseEstimator):
         optimize_hyperparameters=True,
         optimizer_steps=25,
         learning_rate=0.2,
+        max_time=None,
         random_state=None,
         verbose=False,
     ):
@@ -170,6 +205,7 @@ class _IterNCGPEstimator(BaseEstimator):
         self.optimize_hyperparameters = optimize_hyperparameters
         self.optimizer_steps = optimizer_steps
         self.learning_rate = learning_rate
+        self.max_time = max_time
         self.random_state = random_state
         self.verbose = verbose
 
@@ -198,6 +234,8 @@ class _IterNCGPEstimator(BaseEstimator):
         self._check(check_count, "optimizer_steps")
         for name in ("outer_tol", "solver_tol", "learning_rate"):
             self._check(check_nonnegative, name, positive=True)
+        if self.max_time is not None:
+            self._check(check_nonnegative, "max_time")
         for name in ("recycle", "optimize_hyperparameters", "verbose"):
             self._check(check_flag, name)
 
@@ -260,37 +298,52 @@ class _IterNCGPEstimator(BaseEstimator):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)  # probe vectors of the matrix-free evidence, random actions
             model = _LatentGP(train_x, targets, likelihood, kernel, mean, options).to(_DTYPE)
-            self.loss_curve_ = []
+            self.loss_curve_: list[float] = []
+            self.learning_report_ = LearningReport()
             if self.optimize_hyperparameters and self.optimizer_steps > 0:
-                self.loss_curve_ = self._learn_hyperparameters(model, likelihood, train_x, targets)
+                self.loss_curve_, self.learning_report_ = self._learn_hyperparameters(
+                    model, likelihood, train_x, targets
+                )
             model.eval()
             # the covariance phase only for the final posterior, not at every evaluation of the evidence
             model.variational_strategy.options.covariance_iterations = int(self.covariance_iterations)
             self.fit_report_ = model.variational_strategy.fit()
-            self.fit_report_.budget = self.solver_budget_["rule"]  # str(fit_report_) says what was done, and why
+            # str(fit_report_) says what was done, why, and where the time before the final fit went
+            self.fit_report_.budget = f"{self.solver_budget_['rule']}; {self.learning_report_}"
         self.model_ = model
         self.likelihood_ = likelihood
         self.kernel_ = model.covar_module
 
-    def _learn_hyperparameters(self, model, likelihood, train_x, targets) -> list[float]:
+    def _learn_hyperparameters(self, model, likelihood, train_x, targets) -> tuple[list[float], LearningReport]:
         """Maximise the Laplace evidence; keep the parameters with the best evidence seen.
 
         Exact evidence regime (:math:`N C \\le` ``settings.exact_evidence_size``: a deterministic value and
         gradient): L-BFGS with a strong-Wolfe line search, at most ``optimizer_steps`` iterations, until the
         gradient or the change of the loss vanishes. Otherwise (stochastic log-determinant): ``optimizer_steps``
-        Adam steps with ``learning_rate``. Returns ``-evidence / n`` at every evaluation.
+        Adam steps with ``learning_rate``. Either stops once ``max_time`` seconds have passed (after the evaluation
+        running then). Returns ``-evidence / n`` at every evaluation and the :class:`LearningReport`.
         """
-        parameters = [p for p in model.parameters() if p.requires_grad]
-        if not parameters:
-            return []
-        mll = LaplaceMarginalLogLikelihood(likelihood, model)
         strategy = model.variational_strategy
         exact = strategy.num_data * strategy.num_latents <= settings.exact_evidence_size.value()
+        report = LearningReport(method="L-BFGS" if exact else "Adam")
+        parameters = [p for p in model.parameters() if p.requires_grad]
+        if not parameters:
+            return [], LearningReport()
+        mll = LaplaceMarginalLogLikelihood(likelihood, model)
+        start = time.perf_counter()
+        deadline = None if self.max_time is None else start + float(self.max_time)
         best: dict = {"loss": math.inf, "state": None}
         losses: list[float] = []
 
         def evaluate() -> torch.Tensor:
-            loss = -mll(model(train_x), targets)
+            if deadline is not None and losses and time.perf_counter() >= deadline:
+                raise _OutOfTime
+            tic = time.perf_counter()
+            output = model(train_x)  # the strategy's fit, warm-started from the last mode
+            report.fit_seconds += time.perf_counter() - tic
+            tic = time.perf_counter()
+            loss = -mll(output, targets)
+            report.evidence_seconds += time.perf_counter() - tic
             value = float(loss.detach())
             losses.append(value)
             if value < best["loss"]:
@@ -298,38 +351,23 @@ class _IterNCGPEstimator(BaseEstimator):
                 best["state"] = {name: p.detach().clone() for name, p in model.named_parameters()}
             return loss
 
+        def backward(loss: torch.Tensor) -> None:
+            tic = time.perf_counter()
+            loss.backward()
+            report.gradient_seconds += time.perf_counter() - tic
+
         model.train()
-        method = "L-BFGS" if exact else "Adam"
         try:
-            if exact:
-                lbfgs = torch.optim.LBFGS(
-                    parameters,
-                    lr=1.0,
-                    max_iter=self.optimizer_steps,
-                    tolerance_grad=1e-6,
-                    tolerance_change=1e-10,
-                    line_search_fn="strong_wolfe",
-                )
-
-                def closure() -> torch.Tensor:
-                    lbfgs.zero_grad()
-                    loss = evaluate()
-                    loss.backward()
-                    return loss
-
-                lbfgs.step(closure)
-            else:
-                adam = torch.optim.Adam(parameters, lr=float(self.learning_rate))
-                for _ in range(self.optimizer_steps):
-                    adam.zero_grad()
-                    evaluate().backward()
-                    adam.step()
+            report.stopped = self._optimise(parameters, evaluate, backward, exact)
+        except _OutOfTime:
+            report.stopped = "max_time"
         except (FloatingPointError, ValueError, torch.linalg.LinAlgError) as error:
             if not losses or best["state"] is None:  # fails at the initial hyperparameters: a real error
                 raise
+            report.stopped = "error"
             warnings.warn(
-                f"{type(self).__name__}: hyperparameter learning ({method}) stopped after {len(losses)} evidence "
-                f"evaluations ({error}); keeping the hyperparameters with the best evidence seen.",
+                f"{type(self).__name__}: hyperparameter learning ({report.method}) stopped after {len(losses)} "
+                f"evidence evaluations ({error}); keeping the hyperparameters with the best evidence seen.",
                 ConvergenceWarning,
                 stacklevel=3,
             )
@@ -337,7 +375,36 @@ class _IterNCGPEstimator(BaseEstimator):
             with torch.no_grad():
                 for name, p in model.named_parameters():
                     p.copy_(best["state"][name])
-        return losses
+        report.evaluations, report.seconds = len(losses), time.perf_counter() - start
+        return losses, report
+
+    def _optimise(self, parameters, evaluate, backward, exact: bool) -> str:
+        """Run L-BFGS (``exact``) or Adam on ``evaluate()``'s loss; return why it stopped."""
+        if not exact:
+            adam = torch.optim.Adam(parameters, lr=float(self.learning_rate))
+            for _ in range(self.optimizer_steps):
+                adam.zero_grad()
+                backward(evaluate())
+                adam.step()
+            return "optimizer_steps"
+        lbfgs = torch.optim.LBFGS(
+            parameters,
+            lr=1.0,
+            max_iter=self.optimizer_steps,
+            tolerance_grad=1e-6,
+            tolerance_change=1e-10,
+            line_search_fn="strong_wolfe",
+        )
+
+        def closure() -> torch.Tensor:
+            lbfgs.zero_grad()
+            loss = evaluate()
+            backward(loss)
+            return loss
+
+        lbfgs.step(closure)
+        iterations = lbfgs.state[parameters[0]].get("n_iter", 0)
+        return "optimizer_steps" if iterations >= self.optimizer_steps else "converged"
 
     # -- predictions -----------------------------------------------------------------------------
     def _validated_test_inputs(self, X) -> torch.Tensor:
@@ -449,6 +516,8 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
         re-finds the Laplace mode, warm-started.
     :param learning_rate: Adam's learning rate (above ``exact_evidence_size`` only; L-BFGS takes unit steps
         scaled by its line search).
+    :param max_time: seconds for learning the hyperparameters (``None``: no limit); learning stops after the evidence
+        evaluation running when they have passed, keeping the best hyperparameters seen, and the final fit follows.
     :param random_state: seeds the unit-vector policy and the probe vectors of the matrix-free evidence
         (the global torch RNG is left as it was).
     :param verbose: show progress bars of the Newton loop.
@@ -456,7 +525,7 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
     Fitted attributes: ``classes_``, ``n_classes_``, ``n_features_in_`` (``feature_names_in_``),
     ``model_`` (the GPyTorch ``ApproximateGP``; ``model_.variational_strategy`` is the
     :class:`~gpytorch_iterncgp.IterNCGPStrategy`), ``likelihood_``, ``kernel_`` (the fitted kernel),
-    ``fit_report_`` (the final :class:`~gpytorch_iterncgp.FitReport`), ``loss_curve_`` (``-evidence / n``
+    ``fit_report_`` (the final :class:`~gpytorch_iterncgp.FitReport`; its text also says where the learning's time went), ``learning_report_`` (a :class:`LearningReport`: evidence evaluations, seconds in fits, evidence and gradients, why it stopped), ``loss_curve_`` (``-evidence / n``
     at every evaluation of the evidence: L-BFGS iterations and line-search trials, or Adam steps), ``solver_budget_`` (a dict: the ``policy``, ``max_solver_iterations`` and ``solver_tol``
     the strategy was given, ``exact``: whether every solve ran to full rank, and the ``rule`` that chose them).
     """
@@ -479,6 +548,7 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
         optimize_hyperparameters=True,
         optimizer_steps=25,
         learning_rate=0.2,
+        max_time=None,
         random_state=None,
         verbose=False,
     ):
@@ -496,6 +566,7 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
             optimize_hyperparameters=optimize_hyperparameters,
             optimizer_steps=optimizer_steps,
             learning_rate=learning_rate,
+            max_time=max_time,
             random_state=random_state,
             verbose=verbose,
         )
@@ -614,6 +685,7 @@ class IterNCGPPoissonRegressor(RegressorMixin, _IterNCGPEstimator):
         optimize_hyperparameters=True,
         optimizer_steps=25,
         learning_rate=0.2,
+        max_time=None,
         random_state=None,
         verbose=False,
     ):
@@ -631,6 +703,7 @@ class IterNCGPPoissonRegressor(RegressorMixin, _IterNCGPEstimator):
             optimize_hyperparameters=optimize_hyperparameters,
             optimizer_steps=optimizer_steps,
             learning_rate=learning_rate,
+            max_time=max_time,
             random_state=random_state,
             verbose=verbose,
         )

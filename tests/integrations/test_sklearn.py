@@ -15,6 +15,7 @@ import math
 import pickle
 import subprocess
 import sys
+import warnings
 
 import gpytorch
 import numpy as np
@@ -560,3 +561,50 @@ def test_covariance_iterations_shrink_the_predictive_variance_of_the_final_fit_o
 def test_covariance_iterations_must_be_a_count():
     with pytest.raises(ValueError, match="covariance_iterations"):
         IterNCGPClassifier(covariance_iterations=-1).fit(np.zeros((4, 1)), np.array([0, 1, 0, 1]))
+
+
+@pytest.mark.parametrize("regime", ["exact (L-BFGS)", "matrix-free (Adam)"])
+def test_max_time_stops_learning_after_the_running_evaluation(regime):
+    """``max_time=0``: the first evidence evaluation runs, the optimiser stops before the next one (no warning), and
+    the model keeps the initial hyperparameters (the only evidence seen)."""
+    from sklearn.exceptions import ConvergenceWarning
+
+    from gpytorch_iterncgp import settings
+
+    x, y, _ = _binary()
+    size = 1000 if regime.startswith("exact") else 10
+    with settings.exact_evidence_size(size), warnings.catch_warnings():
+        warnings.simplefilter("error", ConvergenceWarning)
+        stopped = IterNCGPClassifier(optimizer_steps=10, max_time=0.0, random_state=0).fit(x, y)
+        initial = IterNCGPClassifier(optimize_hyperparameters=False, random_state=0).fit(x, y)
+    assert len(stopped.loss_curve_) == 1 and stopped.learning_report_.evaluations == 1
+    assert stopped.learning_report_.stopped == "max_time"
+    for ours, theirs in zip(stopped.kernel_.parameters(), initial.kernel_.parameters(), strict=True):
+        torch.testing.assert_close(ours.detach(), theirs.detach(), rtol=0, atol=0)
+    assert initial.learning_report_.stopped == "not learnt" and "not learnt" in str(initial.fit_report_)
+
+
+def test_learning_report_says_where_the_time_went():
+    """Adam (forced matrix-free evidence): one evaluation per step, the parts of the time within the whole, and the
+    final fit's report carries the summary; L-BFGS with one iteration stops by ``optimizer_steps``."""
+    from gpytorch_iterncgp import settings
+
+    x, y, _ = _binary(num=60, seed=2)
+    with settings.exact_evidence_size(10):
+        adam = IterNCGPClassifier(optimizer_steps=4, random_state=0).fit(x, y)
+    report = adam.learning_report_
+    assert (report.method, report.evaluations, report.stopped) == ("Adam", 4, "optimizer_steps")
+    assert len(adam.loss_curve_) == 4
+    parts = (report.fit_seconds, report.evidence_seconds, report.gradient_seconds)
+    assert all(part > 0 for part in parts) and sum(parts) <= report.seconds
+    assert "hyperparameters: Adam, 4 evidence evaluations" in str(adam.fit_report_)
+    lbfgs = IterNCGPClassifier(optimizer_steps=1, random_state=0).fit(x, y)
+    assert lbfgs.learning_report_.method == "L-BFGS" and lbfgs.learning_report_.stopped == "optimizer_steps"
+    assert lbfgs.learning_report_.evaluations == len(lbfgs.loss_curve_) >= 1
+
+
+@pytest.mark.parametrize("value", [-1.0, "soon", float("nan")])
+def test_bad_max_time_is_a_value_error_naming_it(value):
+    x, y, _ = _binary(num=20)
+    with pytest.raises(ValueError, match="max_time"):
+        IterNCGPClassifier(max_time=value).fit(x, y)
