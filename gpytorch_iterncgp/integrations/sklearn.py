@@ -157,6 +157,22 @@ class LearningReport:
         )
 
 
+@dataclass(frozen=True)
+class EstimatorDefaults:
+    """The estimators' own defaults, written once; the solver's (``max_newton_steps``, ``compression_rank``, ...)
+    are :class:`~gpytorch_iterncgp.SolverOptions`' fields."""
+
+    policy: str = "auto"
+    max_solver_iterations: str = "auto"
+    solver_tol: float = 1e-5
+    optimize_hyperparameters: bool = True
+    optimizer_steps: int = 25
+    learning_rate: float = 0.2
+
+
+ESTIMATOR_DEFAULTS = EstimatorDefaults()
+
+
 class _OutOfTime(Exception):
     """Raised inside an evidence evaluation once ``max_time`` has passed (the optimiser cannot be stopped otherwise)."""
 
@@ -177,17 +193,17 @@ class _IterNCGPEstimator(BaseEstimator):
         kernel=None,
         *,
         link=None,
-        policy="auto",
+        policy=ESTIMATOR_DEFAULTS.policy,
         max_newton_steps=SolverOptions.max_newton_steps,
-        max_solver_iterations="auto",
+        max_solver_iterations=ESTIMATOR_DEFAULTS.max_solver_iterations,
         compression_rank=SolverOptions.compression_rank,
         covariance_iterations=SolverOptions.covariance_iterations,
         recycle=SolverOptions.recycle,
         outer_tol=SolverOptions.outer_tol,
-        solver_tol=1e-5,
-        optimize_hyperparameters=True,
-        optimizer_steps=25,
-        learning_rate=0.2,
+        solver_tol=ESTIMATOR_DEFAULTS.solver_tol,
+        optimize_hyperparameters=ESTIMATOR_DEFAULTS.optimize_hyperparameters,
+        optimizer_steps=ESTIMATOR_DEFAULTS.optimizer_steps,
+        learning_rate=ESTIMATOR_DEFAULTS.learning_rate,
         max_time=None,
         random_state=None,
         verbose=False,
@@ -537,17 +553,17 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
         kernel=None,
         *,
         link="logit",
-        policy="auto",
+        policy=ESTIMATOR_DEFAULTS.policy,
         max_newton_steps=SolverOptions.max_newton_steps,
-        max_solver_iterations="auto",
+        max_solver_iterations=ESTIMATOR_DEFAULTS.max_solver_iterations,
         compression_rank=SolverOptions.compression_rank,
         covariance_iterations=SolverOptions.covariance_iterations,
         recycle=SolverOptions.recycle,
         outer_tol=SolverOptions.outer_tol,
-        solver_tol=1e-5,
-        optimize_hyperparameters=True,
-        optimizer_steps=25,
-        learning_rate=0.2,
+        solver_tol=ESTIMATOR_DEFAULTS.solver_tol,
+        optimize_hyperparameters=ESTIMATOR_DEFAULTS.optimize_hyperparameters,
+        optimizer_steps=ESTIMATOR_DEFAULTS.optimizer_steps,
+        learning_rate=ESTIMATOR_DEFAULTS.learning_rate,
         max_time=None,
         random_state=None,
         verbose=False,
@@ -674,17 +690,17 @@ class IterNCGPPoissonRegressor(RegressorMixin, _IterNCGPEstimator):
         kernel=None,
         *,
         link="exp",
-        policy="auto",
+        policy=ESTIMATOR_DEFAULTS.policy,
         max_newton_steps=SolverOptions.max_newton_steps,
-        max_solver_iterations="auto",
+        max_solver_iterations=ESTIMATOR_DEFAULTS.max_solver_iterations,
         compression_rank=SolverOptions.compression_rank,
         covariance_iterations=SolverOptions.covariance_iterations,
         recycle=SolverOptions.recycle,
         outer_tol=SolverOptions.outer_tol,
-        solver_tol=1e-5,
-        optimize_hyperparameters=True,
-        optimizer_steps=25,
-        learning_rate=0.2,
+        solver_tol=ESTIMATOR_DEFAULTS.solver_tol,
+        optimize_hyperparameters=ESTIMATOR_DEFAULTS.optimize_hyperparameters,
+        optimizer_steps=ESTIMATOR_DEFAULTS.optimizer_steps,
+        learning_rate=ESTIMATOR_DEFAULTS.learning_rate,
         max_time=None,
         random_state=None,
         verbose=False,
