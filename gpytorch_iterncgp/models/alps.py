@@ -61,9 +61,10 @@ from typing import Any, NamedTuple, cast
 
 import gpytorch
 import torch
-from gpytorch.distributions import MultivariateNormal
+from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
 from gpytorch.kernels import Kernel
 from gpytorch.variational import CholeskyVariationalDistribution, VariationalStrategy
+from linear_operator.operators import DiagLinearOperator
 from torch import Tensor
 from torch.distributions import Normal, RelaxedBernoulli
 from torch.nn import functional as F
@@ -269,7 +270,22 @@ class GPALPS(gpytorch.models.GP):
         """The latents' kernels :math:`k_j`."""
         return [cast(Kernel, process.covar_module) for process in self.latent_processes]
 
-    def forward(self, inputs: Tensor) -> Normal:
+    def forward(self, inputs: Tensor) -> Normal | MultitaskMultivariateNormal:
+        r"""In training mode the latents' marginals (:meth:`latent_marginals`, what :class:`GPALPSELBO` takes); in
+        eval mode the predictive of the outputs :math:`\mathbf f(t)` (:meth:`predict`'s mean and variance, a
+        ``MultitaskMultivariateNormal`` of shape ``(n, p)`` with a diagonal covariance), so that
+        ``likelihood(model(t))`` is GPyTorch's predictive of the observations, the noise of a
+        ``MultitaskGaussianLikelihood`` added.
+
+        :param inputs: :math:`\mathbf t`, ``(n, D)`` (or ``(n,)`` for :math:`D = 1`), the model's dtype.
+        """
+        if self.training:
+            return self.latent_marginals(inputs)
+        mean, variance = self.predict(inputs)
+        covariance = DiagLinearOperator(variance.reshape(-1).clamp_min(_MIN_VARIANCE))  # interleaved: (t, output)
+        return MultitaskMultivariateNormal(mean, covariance, interleaved=True)
+
+    def latent_marginals(self, inputs: Tensor) -> Normal:
         r"""The marginals of :math:`q(\mathbf X) = \int p(\mathbf X \mid \mathbf X^z) q(\mathbf X^z)\,
         d\mathbf X^z` at ``inputs`` (GP-ALPS App. C.2): :math:`q(x_j(t_k)) = \mathcal N(d_{kj}, v_{kj})`, each
         latent's SVGP predictive marginal.
@@ -399,7 +415,7 @@ class GPALPS(gpytorch.models.GP):
         """
         check_count(num_samples, "num_samples", minimum=1)
         with torch.no_grad():
-            latent = self(inputs)
+            latent = self.latent_marginals(inputs)
             mixing = self.mixing_distribution()
             noise = torch.randn((num_samples, *mixing.batch_shape), generator=generator, **_like(inputs))
             weights = mixing.mean + mixing.stddev * noise  # shape: (S, p, m)

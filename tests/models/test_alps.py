@@ -734,3 +734,25 @@ def test_gibbs_ignores_the_values_of_missing_targets():
         torch.testing.assert_close(other, expected, rtol=0, atol=0)
     samples = gibbs_sample(kernel.expand(2, 8, 8), targets, noise, num_samples=5, burn_in=5, generator=generator)
     assert all(bool(torch.isfinite(value).all()) for value in samples)
+
+
+def test_likelihood_of_the_model_in_eval_mode_is_the_predictive():
+    """GPyTorch's idiom: ``likelihood(model(t))`` in eval mode is :meth:`GPALPS.predict`'s predictive of the
+    observations (the likelihood's task noises added by GPyTorch), the same draws; training mode still gives the
+    latents' marginals that the ELBO takes."""
+    model, likelihood = _model(num_latents=3, num_outputs=2), _likelihood(2, [0.05, 0.2])
+    inputs = torch.linspace(0, 1, 7, dtype=F64)[:, None]
+    assert isinstance(model(inputs), torch.distributions.Normal) and model(inputs).mean.shape == (7, 3)
+    model.eval(), likelihood.eval()
+    torch.manual_seed(3)
+    with torch.no_grad():
+        predictive = likelihood(model(inputs))
+    torch.manual_seed(3)
+    mean, variance = model.predict(inputs, likelihood=likelihood)
+    assert isinstance(predictive, gpytorch.distributions.MultitaskMultivariateNormal)
+    assert predictive.mean.shape == (7, 2)
+    torch.testing.assert_close(predictive.mean, mean, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(predictive.variance, variance, rtol=1e-12, atol=1e-12)
+    torch.manual_seed(3)
+    latent_mean, latent_variance = model.predict(inputs)  # without the noise: the model's own output
+    torch.testing.assert_close(predictive.variance - latent_variance, torch.tensor([0.05, 0.2], dtype=F64).expand(7, 2))
