@@ -5,7 +5,7 @@ The noisy periodic mixture of GP-ALPS §4.2: three signals with periods 7, 17 an
 mixed by :math:`\\mathbf H^* = [\\mathbf I_3 \\; \\mathbf Z^\\top]^\\top` (:math:`\\mathbf Z` ``(6, 3)`` standard
 normal, seed 0) into :math:`p = 9` outputs, plus observation noise (standard deviation 0.1); inputs uniform on
 [0, 250]. 10% of the training entries are missing at random (``NaN``: the ELBO's mask). The model: :math:`m = 9`
-linear-periodic latents (``CosineKernel`` times an outputscale of 1, fixed) with the seed's periods 3, 7, 7, 11, 13,
+linear-periodic latents (``CosineKernel`` times an outputscale of 1, fixed) with the paper's periods 3, 7, 7, 11, 13,
 17, 19, 23, 23, 16 shared inducing inputs on a grid (learnt), per-output noise variances learnt.
 
 Training: Adam on mini-batches (``--batch-size``, reshuffled every epoch) of the ELBO of

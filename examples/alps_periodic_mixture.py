@@ -2,9 +2,9 @@
 
 Data (GP-ALPS §4.2 and Figure 4): ``m* = 3`` sinusoids with periods 7, 17 and 23 (unit amplitude, random phases)
 at the integer times ``t = 0, …, 399``, mixed by the fixed ``H* = [I₃ Z]ᵀ`` (``Z``: a standard-normal 3 × 6
-matrix, the seed's 6 × 6 being a typo: ``H*`` is 9 × 3) into ``p = 9`` outputs, and corrupted by Gaussian noise of
+matrix, the paper's 6 × 6 being a typo: ``H*`` is 9 × 3) into ``p = 9`` outputs, and corrupted by Gaussian noise of
 standard deviation 1 (where: see below). Outputs 1–3 are the noisy signals themselves. The first 300 times train,
-the last 100 test (the vertical line of the seed's Figure 4(b)).
+the last 100 test (the vertical line of the paper's Figure 4(b)).
 
 Model: GP-ALPS (GP-ALPS eq. 2) with ``m = 9`` latent GPs whose single-sinusoid ("linear-periodic", as in §4.1)
 kernels have the fixed periods 3, 7, 7, 11, 13, 17, 19, 23, 23 (GPyTorch's ``CosineKernel`` computes
@@ -13,7 +13,7 @@ kernels have the fixed periods 3, 7, 7, 11, 13, 17, 19, 23, 23 (GPyTorch's ``Cos
 * **VI**: :class:`~gpytorch_iterncgp.alps.GPALPS` + :class:`~gpytorch_iterncgp.alps.GPALPSELBO` (12 shared
   inducing inputs over the training range, Adam), one noise variance per output, learnt. ``--family``: the
   variational family, ``spike_and_slab`` by default (a closed gate returns the latent and its mixing weights to
-  the prior; exact ELBO), or the seed's ``concrete`` (relaxed gates, 8 samples of (H, b) per step), which left
+  the prior; exact ELBO), or the paper's ``concrete`` (relaxed gates, 8 samples of (H, b) per step), which left
   period 13 on for the data seed 1 (0.80; Gibbs 0.06) and period 3 near 0.5 for seed 0; spike-and-slab selected
   exactly the true periods for the data seeds 0–3.
 * **Gibbs**: :func:`~gpytorch_iterncgp.alps.gibbs_sample_model` (GP-ALPS App. D) on the exact GP prior at the
@@ -26,7 +26,7 @@ activation probabilities go to the terminal and to ``alps_periodic_mixture.json`
 outputs on the last 100 training and the 100 test times.
 
 Where the noise enters: with ``--noise-before-mixing`` it is added to the three signals before ``H*`` mixes them,
-the seed's wording. That noise is shared by the outputs (its covariance ``σ² H* H*ᵀ`` has rank 3, which the
+the paper's wording. That noise is shared by the outputs (its covariance ``σ² H* H*ᵀ`` has rank 3, which the
 model's independent output noises cannot express), so its random projections on the candidate sinusoids are
 coherent across the 9 outputs, the structure of a gated latent, and a spurious period is switched on more often.
 By default the noise is added to each output independently, the model's own likelihood (GP-ALPS eq. 2). The
@@ -88,13 +88,13 @@ def make_data(
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the data: phases, Z and noise (default 0)")
     parser.add_argument(
-        "--noise-before-mixing", action="store_true", help="noise on the three signals, then mixed (the seed's wording)"
+        "--noise-before-mixing", action="store_true", help="noise on the three signals, then mixed (the paper's wording)"
     )
     parser.add_argument(
         "--family",
         choices=["spike_and_slab", "concrete", "bernoulli"],
         default="spike_and_slab",
-        help="variational family of the gates (default spike_and_slab; concrete is the seed's)",
+        help="variational family of the gates (default spike_and_slab; concrete is the paper's)",
     )
 
 

@@ -3,13 +3,13 @@
 One output (``p = 1``): a square wave of frequency 0.05 Hz (period 20 s, amplitude 1) sampled every 0.5 s on
 [0, 60) s, plus Gaussian noise of standard deviation 0.1. Its Fourier series has only odd harmonics, with amplitudes
 4/(πk): the candidates are ``m = 8`` latent GPs with single-sinusoid kernels at the frequencies ``i · 0.05`` Hz,
-``i = 1..8`` (the seed's "linear-periodic" kernel: a linear kernel on (cos, sin) features, i.e. GPyTorch's
+``i = 1..8`` (the paper's "linear-periodic" kernel: a linear kernel on (cos, sin) features, i.e. GPyTorch's
 ``CosineKernel`` times an outputscale; ``CosineKernel`` computes cos(π|t − t′|/p), so frequency f needs
 ``period_length = 1/(2f)``). Periods and outputscales (1) are fixed; the harmonics above the 8th (amplitude ≤ 0.14)
 are left to the noise variance, which VI learns.
 
 * **VI**: :class:`~gpytorch_iterncgp.alps.GPALPS` + :class:`~gpytorch_iterncgp.alps.GPALPSELBO` (12 shared
-  inducing inputs on the grid, prior activation 0.5, Adam), in two variational families: the seed's
+  inducing inputs on the grid, prior activation 0.5, Adam), in two variational families: the paper's
   ``"concrete"`` (relaxed gates, 8 samples of (H, b) per step, GP-ALPS App. C) and ``"spike_and_slab"``
   (Bernoulli gates, q(H | b = 0) the prior, the ELBO in closed form).
 * **Gibbs**: :func:`~gpytorch_iterncgp.alps.gibbs_sample_model` on the exact GP prior at the data, with the

@@ -1,5 +1,5 @@
 """The example scripts run end to end in their small ``--smoke`` versions and write their figures; the slow tests
-run the GP-ALPS examples in full and check the seed's results (GP-ALPS §4.2, §4.3)."""
+run the GP-ALPS examples in full and check the paper's results (GP-ALPS §4.2, §4.3)."""
 
 from __future__ import annotations
 
