@@ -88,7 +88,9 @@ def make_data(
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the data: phases, Z and noise (default 0)")
     parser.add_argument(
-        "--noise-before-mixing", action="store_true", help="noise on the three signals, then mixed (the paper's wording)"
+        "--noise-before-mixing",
+        action="store_true",
+        help="noise on the three signals, then mixed (the paper's wording)",
     )
     parser.add_argument(
         "--family",
