@@ -40,6 +40,7 @@ def main() -> None:
     parser.add_argument("--label", default=None, help="name of the saved run (default: from the method's options)")
     parser.add_argument("--num-train", type=int, default=10_000)
     parser.add_argument("--num-test", type=int, default=10_000)
+    parser.add_argument("--seed", type=int, default=0, help="the mixture's sample seed (training and test points)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--sweeps", type=int, default=30)
     parser.add_argument("--solver-iterations", type=int, default=5)
@@ -55,7 +56,7 @@ def main() -> None:
         return
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
-    problem = suite.load_problem("mixture", "sensible", args.num_train, args.num_test, 0)
+    problem = suite.load_problem("mixture", "sensible", args.num_train, args.num_test, args.seed)
     if args.method == "ep":
         methods.EVALUATION_STEPS = frozenset(args.eval)
         result = methods.run_ep(

@@ -162,6 +162,12 @@ class RegressionState(ExtraState):
         empty = torch.zeros(size, 0, dtype=dtype, device=device)
         return zeros, zeros.clone(), empty, empty.clone(), empty.clone(), empty.clone()
 
+    def __getstate__(self) -> dict:
+        r"""For pickling: the deferred :math:`\mathbf Q` and :math:`\mathbf K \mathbf Q` formed (a function does not
+        pickle)."""
+        self.precision_root, self.kernel_precision_root  # noqa: B018  # reading forms them
+        return self.__dict__
+
     def with_kernel(self, kernel_matmul: Callable[[Tensor], Tensor]) -> Self:
         r"""This state after a change of :math:`\mathbf K`: one product renews :math:`\mathbf K \mathbf a` and
         :math:`\mathbf K \mathbf S`; :math:`\mathbf Q` (valid for the old kernel only) is dropped."""

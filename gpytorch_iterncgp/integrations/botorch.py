@@ -5,7 +5,7 @@ r"""A BoTorch view of an IterNCGP model: the posterior of the *latent* function,
     from botorch.acquisition import PosteriorMean, qExpectedImprovement
     from gpytorch_iterncgp.botorch import IterNCGPBoTorchModel
 
-    surrogate = IterNCGPBoTorchModel(model)          # an ApproximateGP with an IterNCGPStrategy
+    surrogate = IterNCGPBoTorchModel(model)          # an ApproximateGP with an IterNCGPStrategy or EPStrategy
     # or IterNCGPBoTorchModel(estimator)             # a fitted gpytorch_iterncgp.sklearn estimator
     acquisition = qExpectedImprovement(surrogate, best_f=surrogate.posterior(train_x).mean.max())
     values = acquisition(X)                          # X: batch x q x d; differentiable in X
@@ -30,7 +30,7 @@ from botorch.posteriors import GPyTorchPosterior
 from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
 from torch import Tensor
 
-from ..strategies.itergp import IterNCGPStrategy
+from ..strategies.itergp import EPStrategy, IterNCGPStrategy
 
 __all__ = ["IterNCGPBoTorchModel"]
 
@@ -39,7 +39,7 @@ class IterNCGPBoTorchModel(Model):
     r"""A :class:`botorch.models.model.Model` whose posterior is the latent posterior of an IterNCGP model.
 
     :param model: a GPyTorch ``ApproximateGP`` whose ``variational_strategy`` is an
-        :class:`~gpytorch_iterncgp.IterNCGPStrategy`, or a fitted
+        :class:`~gpytorch_iterncgp.IterNCGPStrategy` or :class:`~gpytorch_iterncgp.EPStrategy`, or a fitted
         :class:`~gpytorch_iterncgp.sklearn.IterNCGPClassifier` / ``IterNCGPPoissonRegressor`` (its ``model_``).
         It is fitted on demand (as for any prediction of the strategy) and not changed otherwise.
 
@@ -54,15 +54,16 @@ class IterNCGPBoTorchModel(Model):
         if not isinstance(model, torch.nn.Module) and hasattr(model, "model_"):
             model = model.model_  # a fitted scikit-learn estimator of gpytorch_iterncgp.sklearn
         strategy = getattr(model, "variational_strategy", None)
-        if not isinstance(strategy, IterNCGPStrategy):
+        if not isinstance(strategy, (IterNCGPStrategy, EPStrategy)):
             raise TypeError(
-                "IterNCGPBoTorchModel needs a GPyTorch model whose variational_strategy is an IterNCGPStrategy "
+                "IterNCGPBoTorchModel needs a GPyTorch model whose variational_strategy is an IterNCGPStrategy or "
+                "EPStrategy "
                 f"(or a fitted gpytorch_iterncgp.sklearn estimator), got {type(model).__name__}."
             )
         self.model = model
 
     @property
-    def strategy(self) -> IterNCGPStrategy:
+    def strategy(self) -> IterNCGPStrategy | EPStrategy:
         return self.model.variational_strategy
 
     @property

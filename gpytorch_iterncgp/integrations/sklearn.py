@@ -12,20 +12,23 @@ r"""scikit-learn estimators on top of :class:`~gpytorch_iterncgp.IterNCGPStrateg
     rate = reg.predict(X_test)                                          # expected counts E[y*]
 
 Both estimators build an ``ApproximateGP`` whose prior is ``kernel`` (any GPyTorch kernel; default a
-scaled Matérn-5/2) with the IterNCGP strategy, optionally learn the kernel's hyperparameters by maximising
-the Laplace evidence (:class:`~gpytorch_iterncgp.LaplaceMarginalLogLikelihood`; L-BFGS where the evidence is
-exact, Adam where it is estimated), then run the damped Newton / IterGP loop once more at the learnt
-hyperparameters. Everything is computed in float64.
+scaled Matérn-5/2) with the IterNCGP Laplace strategy or EP (``inference``; the classifier's default is EP),
+optionally learn the kernel's hyperparameters by maximising the evidence
+(:class:`~gpytorch_iterncgp.LaplaceMarginalLogLikelihood`, :class:`~gpytorch_iterncgp.EPMarginalLogLikelihood`;
+L-BFGS where the evidence is exact, Adam with loose fits where it is estimated, and there Laplace's evidence for EP
+too), then fit the posterior once more at the learnt hyperparameters. Everything is computed in float64.
 
 Importing this module imports scikit-learn; ``import gpytorch_iterncgp`` does not.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import gpytorch
@@ -45,8 +48,9 @@ from ..core.policies import Policy
 from ..core.validation import check_count, check_flag, check_nonnegative
 from ..laplace.newton import SolverOptions
 from ..likelihoods.adapters import ExpPoissonLikelihood, LogitBernoulliLikelihood, likelihood_adapter
-from ..mlls.itergp import LaplaceMarginalLogLikelihood
-from ..strategies.itergp import IterNCGPStrategy
+from ..likelihoods.multinomial_probit import MultinomialProbitLikelihood
+from ..mlls.itergp import EPMarginalLogLikelihood, LaplaceMarginalLogLikelihood
+from ..strategies.itergp import EPStrategy, IterNCGPStrategy
 
 __all__ = ["IterNCGPClassifier", "IterNCGPPoissonRegressor", "LearningReport"]
 
@@ -58,6 +62,11 @@ _PREDICT_CHUNK = 4096  # test points per kernel evaluation: bounds the (chunk, N
 #: with :math:`\mathbf K` in the first Newton step, then none, as the actions are recycled). 1000 keeps a fit with
 #: 25 evidence steps to seconds (:math:`O((N C)^3)` per step; ``docs/design_notes.md``).
 EXACT_SOLVE_SIZE = 1000
+#: Recycled actions kept while the hyperparameters are learnt with loose fits (``_IterNCGPEstimator._loose_fits``).
+LEARNING_COMPRESSION_RANK = 20
+#: ``inference="auto"`` in :class:`IterNCGPClassifier`: the approximation chosen by measurement (``benchmarks/learned.py``,
+#: ``benchmarks/sklearn_defaults.py``; the Poisson regressor's ``"auto"`` is Laplace).
+CLASSIFIER_INFERENCE = "ep"
 #: ``max_solver_iterations="auto"`` above :data:`EXACT_SOLVE_SIZE`: the strategy's own default budget per Newton step.
 DEFAULT_SOLVER_ITERATIONS = SolverOptions.max_solver_iterations
 
@@ -66,10 +75,10 @@ DEFAULT_SOLVER_ITERATIONS = SolverOptions.max_solver_iterations
 # The GPyTorch model behind the estimators
 # ---------------------------------------------------------------------------------------------------
 class _LatentGP(gpytorch.models.ApproximateGP):
-    """Prior ``mean_module(x)``, ``covar_module(x)``; IterNCGP inference (module level, so it pickles)."""
+    """Prior ``mean_module(x)``, ``covar_module(x)``; IterNCGP Laplace or EP inference (module level, so it pickles)."""
 
-    def __init__(self, train_x, train_y, likelihood, kernel, mean, strategy_options):
-        strategy = IterNCGPStrategy(self, train_x, train_y, likelihood, **strategy_options)
+    def __init__(self, train_x, train_y, likelihood, kernel, mean, strategy_type, strategy_options):
+        strategy = strategy_type(self, train_x, train_y, likelihood, **strategy_options)
         super().__init__(strategy)
         self.mean_module = mean
         self.covar_module = kernel
@@ -137,9 +146,11 @@ class LearningReport:
     of the evidence (Newton steps from the previous mode, warm-started), ``evidence_seconds`` to the evidence at the
     fitted mode and ``gradient_seconds`` to its gradient. ``stopped`` says why it ended: ``"optimizer_steps"``,
     ``"converged"`` (L-BFGS's own tolerances), ``"max_time"`` or ``"error"`` (a ``ConvergenceWarning`` says which).
+    ``evidence`` is the approximation whose evidence was maximised (``"Laplace"`` or ``"EP"``).
     """
 
     method: str = ""
+    evidence: str = ""
     evaluations: int = 0
     seconds: float = 0.0
     fit_seconds: float = 0.0
@@ -151,7 +162,8 @@ class LearningReport:
         if not self.evaluations:
             return "hyperparameters not learnt"
         return (
-            f"hyperparameters: {self.method}, {self.evaluations} evidence evaluations in {self.seconds:.2f}s (fits "
+            f"hyperparameters: {self.method} on the {self.evidence} evidence, {self.evaluations} evaluations in "
+            f"{self.seconds:.2f}s (fits "
             f"{self.fit_seconds:.2f}s, evidence {self.evidence_seconds:.2f}s, gradients {self.gradient_seconds:.2f}s), "
             f"stopped by {self.stopped}"
         )
@@ -162,15 +174,40 @@ class EstimatorDefaults:
     """The estimators' own defaults, written once; the solver's (``max_newton_steps``, ``compression_rank``, ...)
     are :class:`~gpytorch_iterncgp.SolverOptions`' fields."""
 
+    inference: str = "auto"
     policy: str = "auto"
     max_solver_iterations: str = "auto"
     solver_tol: float = 1e-5
     optimize_hyperparameters: bool = True
     optimizer_steps: int = 25
     learning_rate: float = 0.2
+    learning_fit_steps: int = 2
+    #: stochastic Lanczos quadrature while learning with Adam (``gpytorch.settings.num_trace_samples`` and
+    #: ``max_lanczos_quadrature_iterations``, GPyTorch's 10 and 20 otherwise): half the products per evaluation for the
+    #: same learnt hyperparameters (``docs/design_notes.md``)
+    learning_trace_samples: int = 5
+    learning_lanczos_iterations: int = 10
 
 
 ESTIMATOR_DEFAULTS = EstimatorDefaults()
+
+
+def _exact_evidence(strategy) -> bool:
+    """Whether the strategy's evidence is computed densely (exact and deterministic: ``settings.exact_evidence_size``)."""
+    return strategy.num_data * strategy.num_latents <= settings.exact_evidence_size.value()
+
+
+def _evidence(strategy) -> type[LaplaceMarginalLogLikelihood] | type[EPMarginalLogLikelihood]:
+    """The evidence of the strategy's approximation: Laplace's or EP's."""
+    return EPMarginalLogLikelihood if isinstance(strategy, EPStrategy) else LaplaceMarginalLogLikelihood
+
+
+def _laplace_likelihood(likelihood):
+    """The likelihood Laplace learns EP's hyperparameters on: the softmax for the multinomial probit (both multi-class
+    classifiers, one latent per class), the likelihood itself otherwise."""
+    if isinstance(likelihood, MultinomialProbitLikelihood):
+        return gpytorch.likelihoods.SoftmaxLikelihood(num_classes=likelihood.num_classes, mixing_weights=False)
+    return likelihood
 
 
 class _OutOfTime(Exception):
@@ -193,23 +230,26 @@ class _IterNCGPEstimator(BaseEstimator):
         kernel=None,
         *,
         link=None,
+        inference=ESTIMATOR_DEFAULTS.inference,
         policy=ESTIMATOR_DEFAULTS.policy,
         max_newton_steps=SolverOptions.max_newton_steps,
         max_solver_iterations=ESTIMATOR_DEFAULTS.max_solver_iterations,
         compression_rank=SolverOptions.compression_rank,
         covariance_iterations=SolverOptions.covariance_iterations,
         recycle=SolverOptions.recycle,
-        outer_tol=SolverOptions.outer_tol,
+        outer_tol=None,
         solver_tol=ESTIMATOR_DEFAULTS.solver_tol,
         optimize_hyperparameters=ESTIMATOR_DEFAULTS.optimize_hyperparameters,
         optimizer_steps=ESTIMATOR_DEFAULTS.optimizer_steps,
         learning_rate=ESTIMATOR_DEFAULTS.learning_rate,
+        learning_fit_steps=ESTIMATOR_DEFAULTS.learning_fit_steps,
         max_time=None,
         random_state=None,
         verbose=False,
     ):
         self.kernel = kernel
         self.link = link
+        self.inference = inference
         self.policy = policy
         self.max_newton_steps = max_newton_steps
         self.max_solver_iterations = max_solver_iterations
@@ -221,6 +261,7 @@ class _IterNCGPEstimator(BaseEstimator):
         self.optimize_hyperparameters = optimize_hyperparameters
         self.optimizer_steps = optimizer_steps
         self.learning_rate = learning_rate
+        self.learning_fit_steps = learning_fit_steps
         self.max_time = max_time
         self.random_state = random_state
         self.verbose = verbose
@@ -248,8 +289,13 @@ class _IterNCGPEstimator(BaseEstimator):
         self._check(check_count, "compression_rank", minimum=1, allow_none=True)
         self._check(check_count, "covariance_iterations")
         self._check(check_count, "optimizer_steps")
-        for name in ("outer_tol", "solver_tol", "learning_rate"):
+        self._check(check_count, "learning_fit_steps", minimum=1)
+        if self.inference not in ("auto", "laplace", "ep"):
+            raise _param_error(self, "inference", "a str among {'auto', 'laplace', 'ep'}", self.inference)
+        for name in ("solver_tol", "learning_rate"):
             self._check(check_nonnegative, name, positive=True)
+        if self.outer_tol is not None:
+            self._check(check_nonnegative, "outer_tol", positive=True)
         if self.max_time is not None:
             self._check(check_nonnegative, "max_time")
         for name in ("recycle", "optimize_hyperparameters", "verbose"):
@@ -289,37 +335,54 @@ class _IterNCGPEstimator(BaseEstimator):
             rule = "max_solver_iterations set by the user"
         return dict(policy=policy, max_solver_iterations=iterations, solver_tol=tolerance, exact=exact, rule=rule)
 
-    def _strategy_options(self, seed: int, budget: dict) -> dict:
-        return dict(
+    def _strategy_options(self, seed: int, budget: dict, inference: str) -> dict:
+        """The strategy's keyword arguments: ``max_newton_steps`` bounds EP's sweeps too, and ``outer_tol`` (``None``: the
+        strategy's own default) is EP's ``site_tol``."""
+        options = dict(
             policy=copy.deepcopy(budget["policy"]),
-            max_newton_steps=self.max_newton_steps,
             max_solver_iterations=budget["max_solver_iterations"],
             compression_rank=self.compression_rank,
             recycle=bool(self.recycle),
-            outer_tol=float(self.outer_tol),
             abs_tol=budget["solver_tol"],
             rel_tol=budget["solver_tol"],
             seed=seed,
             show_progress=bool(self.verbose),
         )
+        tolerance = {} if self.outer_tol is None else {"site_tol" if inference == "ep" else "outer_tol": self.outer_tol}
+        if inference == "ep":
+            return {**options, "max_sweeps": self.max_newton_steps, **tolerance}
+        return {**options, "max_newton_steps": self.max_newton_steps, **tolerance}
 
     # -- fitting ---------------------------------------------------------------------------------
-    def _fit_model(self, X: np.ndarray, targets: torch.Tensor, likelihood, mean) -> None:
-        """Build the model, learn hyperparameters (optional), run the Newton loop; set the fitted attributes."""
+    def _fit_model(self, X: np.ndarray, targets: torch.Tensor, likelihood, mean, inference: str) -> None:
+        """Build the model, learn hyperparameters (optional), run the Newton loop or EP (``inference``); set the fitted
+        attributes."""
         seed = int(check_random_state(self.random_state).randint(np.iinfo(np.int32).max))
         train_x = torch.tensor(X, dtype=_DTYPE)
         kernel = default_kernel(X.shape[1]) if self.kernel is None else copy.deepcopy(self.kernel).to(_DTYPE)
+        self.inference_ = inference
         self.solver_budget_ = self._solver_budget(len(X) * likelihood_adapter(likelihood).num_latents)
-        options = self._strategy_options(seed, self.solver_budget_)
+        options = self._strategy_options(seed, self.solver_budget_, inference)
+        strategy_type = EPStrategy if inference == "ep" else IterNCGPStrategy
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)  # probe vectors of the matrix-free evidence, random actions
-            model = _LatentGP(train_x, targets, likelihood, kernel, mean, options).to(_DTYPE)
+            model = _LatentGP(train_x, targets, likelihood, kernel, mean, strategy_type, options).to(_DTYPE)
             self.loss_curve_: list[float] = []
             self.learning_report_ = LearningReport()
             if self.optimize_hyperparameters and self.optimizer_steps > 0:
-                self.loss_curve_, self.learning_report_ = self._learn_hyperparameters(
-                    model, likelihood, train_x, targets
-                )
+                learner, learner_likelihood = model, likelihood
+                if inference == "ep" and not _exact_evidence(model.variational_strategy):
+                    # EP's matrix-free evidence is biased by the computation-aware cavities (docs/design_notes.md):
+                    # the kernel is learnt on Laplace's (the same kernel and mean modules), the posterior is EP's.
+                    learner_likelihood = _laplace_likelihood(likelihood)
+                    laplace_options = self._strategy_options(seed, self.solver_budget_, "laplace")
+                    learner = _LatentGP(
+                        train_x, targets, learner_likelihood, kernel, mean, IterNCGPStrategy, laplace_options
+                    ).to(_DTYPE)
+                with self._loose_fits(learner.variational_strategy):
+                    self.loss_curve_, self.learning_report_ = self._learn_hyperparameters(
+                        learner, learner_likelihood, train_x, targets
+                    )
             model.eval()
             # the covariance phase only for the final posterior, not at every evaluation of the evidence
             model.variational_strategy.options.covariance_iterations = int(self.covariance_iterations)
@@ -330,8 +393,29 @@ class _IterNCGPEstimator(BaseEstimator):
         self.likelihood_ = likelihood
         self.kernel_ = model.covar_module
 
+    @contextlib.contextmanager
+    def _loose_fits(self, strategy) -> Iterator[None]:
+        """While the hyperparameters are learnt by Adam (an estimated evidence), each evaluation of the evidence runs at
+        most ``learning_fit_steps`` Newton steps (EP sweeps) on from the previous posterior, instead of a whole fit,
+        and keeps at most :data:`LEARNING_COMPRESSION_RANK` recycled actions (each new kernel multiplies them all
+        once): the posterior follows the hyperparameters loosely, and the final fit converges it. L-BFGS (the exact
+        evidence) keeps whole fits: its line search compares values that must belong to converged posteriors."""
+        options = strategy.options
+        whole = {name: getattr(options, name) for name in (strategy.max_steps_option, "compression_rank")}
+        if not _exact_evidence(strategy):
+            setattr(options, strategy.max_steps_option, min(whole[strategy.max_steps_option], self.learning_fit_steps))
+            rank = whole["compression_rank"]
+            options.compression_rank = (
+                LEARNING_COMPRESSION_RANK if rank is None else min(rank, LEARNING_COMPRESSION_RANK)
+            )
+        try:
+            yield
+        finally:
+            for name, value in whole.items():
+                setattr(options, name, value)
+
     def _learn_hyperparameters(self, model, likelihood, train_x, targets) -> tuple[list[float], LearningReport]:
-        """Maximise the Laplace evidence; keep the parameters with the best evidence seen.
+        """Maximise the Laplace or EP evidence; keep the parameters with the best evidence seen.
 
         Exact evidence regime (:math:`N C \\le` ``settings.exact_evidence_size``: a deterministic value and
         gradient): L-BFGS with a strong-Wolfe line search, at most ``optimizer_steps`` iterations, until the
@@ -340,12 +424,12 @@ class _IterNCGPEstimator(BaseEstimator):
         running then). Returns ``-evidence / n`` at every evaluation and the :class:`LearningReport`.
         """
         strategy = model.variational_strategy
-        exact = strategy.num_data * strategy.num_latents <= settings.exact_evidence_size.value()
-        report = LearningReport(method="L-BFGS" if exact else "Adam")
+        exact = _exact_evidence(strategy)
+        report = LearningReport(method="L-BFGS" if exact else "Adam", evidence=_evidence(strategy).approximation)
         parameters = [p for p in model.parameters() if p.requires_grad]
         if not parameters:
             return [], LearningReport()
-        mll = LaplaceMarginalLogLikelihood(likelihood, model)
+        mll = _evidence(strategy)(likelihood, model)
         start = time.perf_counter()
         deadline = None if self.max_time is None else start + float(self.max_time)
         best: dict = {"loss": math.inf, "state": None}
@@ -398,10 +482,14 @@ class _IterNCGPEstimator(BaseEstimator):
         """Run L-BFGS (``exact``) or Adam on ``evaluate()``'s loss; return why it stopped."""
         if not exact:
             adam = torch.optim.Adam(parameters, lr=float(self.learning_rate))
-            for _ in range(self.optimizer_steps):
-                adam.zero_grad()
-                backward(evaluate())
-                adam.step()
+            with (
+                gpytorch.settings.num_trace_samples(ESTIMATOR_DEFAULTS.learning_trace_samples),
+                gpytorch.settings.max_lanczos_quadrature_iterations(ESTIMATOR_DEFAULTS.learning_lanczos_iterations),
+            ):
+                for _ in range(self.optimizer_steps):
+                    adam.zero_grad()
+                    backward(evaluate())
+                    adam.step()
             return "optimizer_steps"
         lbfgs = torch.optim.LBFGS(
             parameters,
@@ -459,12 +547,13 @@ class _IterNCGPEstimator(BaseEstimator):
         return mean.numpy(), variance.sqrt().numpy()
 
     def log_marginal_likelihood(self) -> float:
-        """The Laplace approximation of :math:`\\log p(\\mathbf y \\mid \\mathbf X, \\theta)` at the fitted
-        hyperparameters (exact, or estimated by stochastic Lanczos quadrature above
-        ``gpytorch_iterncgp.settings.exact_evidence_size``; see :class:`~gpytorch_iterncgp.LaplaceMarginalLogLikelihood`)."""
+        """The Laplace (or, with ``inference_ == "ep"``, EP) approximation of :math:`\\log p(\\mathbf y \\mid \\mathbf X,
+        \\theta)` at the fitted hyperparameters (exact, or estimated by stochastic Lanczos quadrature above
+        ``gpytorch_iterncgp.settings.exact_evidence_size``; see :class:`~gpytorch_iterncgp.LaplaceMarginalLogLikelihood`
+        and :class:`~gpytorch_iterncgp.EPMarginalLogLikelihood`)."""
         check_is_fitted(self)
         strategy = self.model_.variational_strategy
-        mll = LaplaceMarginalLogLikelihood(self.likelihood_, self.model_)
+        mll = _evidence(strategy)(self.likelihood_, self.model_)
         training = self.model_.training
         self.model_.train()  # the posterior at the training inputs, all N C latents (the prior has N if shared)
         try:
@@ -480,23 +569,31 @@ class _IterNCGPEstimator(BaseEstimator):
 # Classifier
 # ---------------------------------------------------------------------------------------------------
 class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
-    r"""Gaussian process classification by IterNCGP (Laplace approximation, Newton steps solved by IterGP).
+    r"""Gaussian process classification by IterNCGP: the Laplace approximation (Newton steps) or expectation
+    propagation (EP sweeps), each step's GP regression solved by IterGP.
 
     Binary: one latent function, Bernoulli likelihood with the ``link`` (``"logit"`` or ``"probit"``).
-    Multi-class (more than two labels): one latent function per class with the softmax likelihood (the
-    multi-class logit link) and one kernel shared by all classes; ``link="probit"`` is refused there.
+    Multi-class (more than two labels): one latent function per class and one kernel shared by all classes, with the
+    softmax likelihood (the multi-class logit link) under Laplace, or the multinomial probit (Riihimäki et al. 2013)
+    under EP; ``link="probit"`` with Laplace is refused there.
     Labels can be of any type; they are mapped to ``classes_`` (sorted) as scikit-learn does.
 
     :param kernel: a GPyTorch kernel (not fitted in place: a deep copy is fitted and stored as
         ``kernel_``). Default :func:`default_kernel`: ``ScaleKernel(MaternKernel(nu=2.5))``, lengthscale
         :math:`\sqrt{D}`, outputscale 1 (meant for standardised features). A kernel with
         ``batch_shape=[n_classes]`` gives one independent GP per class.
-    :param link: ``"logit"`` (default) or ``"probit"`` (binary only).
+    :param link: ``"logit"`` (default) or ``"probit"``: binary data's link (multi-class data: see above).
+    :param inference: ``"laplace"``, ``"ep"`` or ``"auto"`` (default: :data:`CLASSIFIER_INFERENCE`, chosen by
+        measurement, ``benchmarks/learned.py`` and ``benchmarks/sklearn_defaults.py``). EP matches the moments of each
+        likelihood factor instead of the curvature at the mode: better calibrated predictive probabilities, at the
+        cost of tilted moments per sweep (nested EP for the multinomial probit). The hyperparameters are learnt on the
+        approximation's own evidence (:class:`~gpytorch_iterncgp.LaplaceMarginalLogLikelihood`,
+        :class:`~gpytorch_iterncgp.EPMarginalLogLikelihood`); what was used is ``inference_``.
     :param policy: IterGP's actions: ``"cg"`` (conjugate gradients), ``"unit"`` (a random subset of the data
         per iteration, seeded by ``random_state``), a :class:`~gpytorch_iterncgp.Policy`, or ``"auto"`` (default):
         ``"unit"`` where ``max_solver_iterations="auto"`` solves exactly (below), ``"cg"`` otherwise.
-    :param max_newton_steps: damped Newton steps per fit.
-    :param max_solver_iterations: IterGP iterations (products with the kernel matrix) per Newton step;
+    :param max_newton_steps: damped Newton steps (EP: sweeps) per fit.
+    :param max_solver_iterations: IterGP iterations (products with the kernel matrix) per Newton step (EP sweep);
         ``None``: until the residual is below ``solver_tol``. ``"auto"`` (default): no budget where the exact
         posterior is affordable, the strategy's budget elsewhere. With :math:`N C` latent values (:math:`C = 1`
         for binary data, the number of classes otherwise):
@@ -519,28 +616,34 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
         posterior's where the solver budget left computational uncertainty (:math:`N C >` 1000). Not run while the
         hyperparameters are learnt.
     :param recycle: recycle solver actions across Newton steps.
-    :param outer_tol: stop the Newton loop when the representer weights change by less than this (relative).
+    :param outer_tol: stop the Newton loop when the representer weights change by less than this (relative), or EP
+        when no site would change by more (``site_tol``); ``None`` (default): the strategy's own (``1e-2`` for
+        Newton, ``1e-4`` for EP).
     :param solver_tol: IterGP stops a Newton step early when the residual norm is below
         ``solver_tol * max(1, ||b||)`` (with ``max_solver_iterations=None`` this is the only stop).
-    :param optimize_hyperparameters: learn the kernel's hyperparameters by maximising the Laplace evidence
+    :param optimize_hyperparameters: learn the kernel's hyperparameters by maximising the Laplace or EP evidence
         (type-II maximum likelihood, as scikit-learn's ``GaussianProcessClassifier``).
     :param optimizer_steps: where the evidence is exact and deterministic (:math:`N C \le`
         ``gpytorch_iterncgp.settings.exact_evidence_size``, 1000): the **maximum number of L-BFGS iterations**
         (strong-Wolfe line search; it stops earlier when the gradient or the change of the evidence vanishes, and
         may evaluate the evidence up to 1.25 times per iteration). Above it (log-determinant estimated
         stochastically, where a line search is unreliable): the number of Adam steps. Every evaluation
-        re-finds the Laplace mode, warm-started.
+        continues the posterior from the previous one (mode or sites, and the recycled actions).
     :param learning_rate: Adam's learning rate (above ``exact_evidence_size`` only; L-BFGS takes unit steps
         scaled by its line search).
+    :param learning_fit_steps: with Adam, the Newton steps (EP sweeps) each evaluation of the evidence runs on from
+        the previous posterior (and at most :data:`LEARNING_COMPRESSION_RANK` recycled actions are kept): the
+        posterior follows the hyperparameters loosely, and the final fit (``max_newton_steps``) converges it. L-BFGS
+        refits whole at each evaluation (its line search needs converged values).
     :param max_time: seconds for learning the hyperparameters (``None``: no limit); learning stops after the evidence
         evaluation running when they have passed, keeping the best hyperparameters seen, and the final fit follows.
     :param random_state: seeds the unit-vector policy and the probe vectors of the matrix-free evidence
         (the global torch RNG is left as it was).
     :param verbose: show progress bars of the Newton loop.
 
-    Fitted attributes: ``classes_``, ``n_classes_``, ``n_features_in_`` (``feature_names_in_``),
-    ``model_`` (the GPyTorch ``ApproximateGP``; ``model_.variational_strategy`` is the
-    :class:`~gpytorch_iterncgp.IterNCGPStrategy`), ``likelihood_``, ``kernel_`` (the fitted kernel),
+    Fitted attributes: ``classes_``, ``n_classes_``, ``n_features_in_`` (``feature_names_in_``), ``inference_``
+    (``"laplace"`` or ``"ep"``), ``model_`` (the GPyTorch ``ApproximateGP``; ``model_.variational_strategy`` is the
+    :class:`~gpytorch_iterncgp.IterNCGPStrategy` or :class:`~gpytorch_iterncgp.EPStrategy`), ``likelihood_``, ``kernel_`` (the fitted kernel),
     ``fit_report_`` (the final :class:`~gpytorch_iterncgp.FitReport`; its text also says where the learning's time went), ``learning_report_`` (a :class:`LearningReport`: evidence evaluations, seconds in fits, evidence and gradients, why it stopped), ``loss_curve_`` (``-evidence / n``
     at every evaluation of the evidence: L-BFGS iterations and line-search trials, or Adam steps), ``solver_budget_`` (a dict: the ``policy``, ``max_solver_iterations`` and ``solver_tol``
     the strategy was given, ``exact``: whether every solve ran to full rank, and the ``rule`` that chose them).
@@ -553,17 +656,19 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
         kernel=None,
         *,
         link="logit",
+        inference=ESTIMATOR_DEFAULTS.inference,
         policy=ESTIMATOR_DEFAULTS.policy,
         max_newton_steps=SolverOptions.max_newton_steps,
         max_solver_iterations=ESTIMATOR_DEFAULTS.max_solver_iterations,
         compression_rank=SolverOptions.compression_rank,
         covariance_iterations=SolverOptions.covariance_iterations,
         recycle=SolverOptions.recycle,
-        outer_tol=SolverOptions.outer_tol,
+        outer_tol=None,
         solver_tol=ESTIMATOR_DEFAULTS.solver_tol,
         optimize_hyperparameters=ESTIMATOR_DEFAULTS.optimize_hyperparameters,
         optimizer_steps=ESTIMATOR_DEFAULTS.optimizer_steps,
         learning_rate=ESTIMATOR_DEFAULTS.learning_rate,
+        learning_fit_steps=ESTIMATOR_DEFAULTS.learning_fit_steps,
         max_time=None,
         random_state=None,
         verbose=False,
@@ -571,6 +676,7 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
         super().__init__(
             kernel,
             link=link,
+            inference=inference,
             policy=policy,
             max_newton_steps=max_newton_steps,
             max_solver_iterations=max_solver_iterations,
@@ -582,13 +688,15 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
             optimize_hyperparameters=optimize_hyperparameters,
             optimizer_steps=optimizer_steps,
             learning_rate=learning_rate,
+            learning_fit_steps=learning_fit_steps,
             max_time=max_time,
             random_state=random_state,
             verbose=verbose,
         )
 
     def fit(self, X, y):
-        """Fit the Laplace posterior (and, optionally, the kernel hyperparameters) to ``X`` ``(n, d)``, ``y`` ``(n,)``."""
+        """Fit the Laplace or EP posterior (and, optionally, the kernel hyperparameters) to ``X`` ``(n, d)``, ``y``
+        ``(n,)``."""
         self._validate_params()
         X, y = validate_data(self, X, y, dtype=np.float64)
         check_classification_targets(y)
@@ -599,20 +707,23 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
                 f"{type(self).__name__} requires samples of at least 2 classes in the data; got 1 class "
                 f"({self.classes_[0]!r})."
             )
+        inference = CLASSIFIER_INFERENCE if self.inference == "auto" else self.inference
         if self.n_classes_ == 2:
             likelihood = (
                 LogitBernoulliLikelihood() if self.link == "logit" else gpytorch.likelihoods.BernoulliLikelihood()
             )
+        elif inference == "ep":
+            likelihood = MultinomialProbitLikelihood(num_classes=self.n_classes_)
         elif self.link == "probit":
             raise ValueError(
-                f"Only binary classification is supported with link='probit'; y has {self.n_classes_} classes. "
-                "Use link='logit' (softmax likelihood) for multi-class data."
+                f"Laplace's multi-class likelihood is the softmax, not a probit; y has {self.n_classes_} classes. Use "
+                "link='logit' (softmax), or inference='ep' (multinomial probit)."
             )
         else:
             likelihood = gpytorch.likelihoods.SoftmaxLikelihood(num_classes=self.n_classes_, mixing_weights=False)
         targets = torch.tensor(encoded, dtype=_DTYPE)
         batch_shape = self.kernel.batch_shape if self.kernel is not None else torch.Size([])
-        self._fit_model(X, targets, likelihood, gpytorch.means.ZeroMean(batch_shape=batch_shape))
+        self._fit_model(X, targets, likelihood, gpytorch.means.ZeroMean(batch_shape=batch_shape), inference)
         return self
 
     def predict_proba(self, X, return_std=False):
@@ -657,7 +768,9 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
 
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
-        tags.classifier_tags.multi_class = self.link != "probit"  # multi-class data need the softmax (logit) link
+        # multi-class data: the softmax (Laplace, link "logit") or the multinomial probit (EP)
+        laplace = self.inference == "laplace" or (self.inference == "auto" and CLASSIFIER_INFERENCE == "laplace")
+        tags.classifier_tags.multi_class = self.link != "probit" or not laplace
         return tags
 
 
@@ -680,7 +793,8 @@ class IterNCGPPoissonRegressor(RegressorMixin, _IterNCGPEstimator):
     moments of :math:`f`. ``score`` is :math:`D^2`, the fraction of Poisson deviance explained (as in
     ``PoissonRegressor``).
 
-    Parameters and fitted attributes as :class:`IterNCGPClassifier` (without ``classes_``).
+    Parameters and fitted attributes as :class:`IterNCGPClassifier` (without ``classes_``); ``inference="auto"`` is
+    Laplace here, and ``inference="ep"`` needs integer counts (EP's tilted moments are the Poisson likelihood's).
     """
 
     _links = ("exp", "softplus")
@@ -690,17 +804,19 @@ class IterNCGPPoissonRegressor(RegressorMixin, _IterNCGPEstimator):
         kernel=None,
         *,
         link="exp",
+        inference=ESTIMATOR_DEFAULTS.inference,
         policy=ESTIMATOR_DEFAULTS.policy,
         max_newton_steps=SolverOptions.max_newton_steps,
         max_solver_iterations=ESTIMATOR_DEFAULTS.max_solver_iterations,
         compression_rank=SolverOptions.compression_rank,
         covariance_iterations=SolverOptions.covariance_iterations,
         recycle=SolverOptions.recycle,
-        outer_tol=SolverOptions.outer_tol,
+        outer_tol=None,
         solver_tol=ESTIMATOR_DEFAULTS.solver_tol,
         optimize_hyperparameters=ESTIMATOR_DEFAULTS.optimize_hyperparameters,
         optimizer_steps=ESTIMATOR_DEFAULTS.optimizer_steps,
         learning_rate=ESTIMATOR_DEFAULTS.learning_rate,
+        learning_fit_steps=ESTIMATOR_DEFAULTS.learning_fit_steps,
         max_time=None,
         random_state=None,
         verbose=False,
@@ -708,6 +824,7 @@ class IterNCGPPoissonRegressor(RegressorMixin, _IterNCGPEstimator):
         super().__init__(
             kernel,
             link=link,
+            inference=inference,
             policy=policy,
             max_newton_steps=max_newton_steps,
             max_solver_iterations=max_solver_iterations,
@@ -719,6 +836,7 @@ class IterNCGPPoissonRegressor(RegressorMixin, _IterNCGPEstimator):
             optimize_hyperparameters=optimize_hyperparameters,
             optimizer_steps=optimizer_steps,
             learning_rate=learning_rate,
+            learning_fit_steps=learning_fit_steps,
             max_time=max_time,
             random_state=random_state,
             verbose=verbose,
@@ -734,6 +852,12 @@ class IterNCGPPoissonRegressor(RegressorMixin, _IterNCGPEstimator):
                 "counts with a Poisson likelihood."
             )
         integer = bool(np.all(y == np.round(y)))
+        inference = "laplace" if self.inference == "auto" else self.inference
+        if inference == "ep" and not integer:
+            raise ValueError(
+                f"{type(self).__name__}(inference='ep') needs integer counts (EP's tilted moments are those of the "
+                "Poisson likelihood); y has non-integer values. Use inference='laplace' (the quasi-likelihood)."
+            )
         if self.link == "exp":
             likelihood = ExpPoissonLikelihood() if integer else _QuasiExpPoissonLikelihood()
         else:
@@ -745,7 +869,7 @@ class IterNCGPPoissonRegressor(RegressorMixin, _IterNCGPEstimator):
         mean = gpytorch.means.ConstantMean(batch_shape=batch_shape).to(_DTYPE)
         with torch.no_grad():
             mean.constant.fill_(offset)
-        self._fit_model(X, torch.tensor(y, dtype=_DTYPE), likelihood, mean)
+        self._fit_model(X, torch.tensor(y, dtype=_DTYPE), likelihood, mean, inference)
         return self
 
     def _predictive_mean(self, mean: torch.Tensor, variance: torch.Tensor) -> torch.Tensor:

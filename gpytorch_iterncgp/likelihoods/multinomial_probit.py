@@ -358,12 +358,12 @@ def _inner_sweep(
     :param precision: :math:`\tilde{\boldsymbol\tau}`, ``(N, C - 1)``; ``natural``: :math:`\tilde{\boldsymbol\nu}'`.
     :param post_mean: :math:`\boldsymbol\mu_t`, ``(N, C - 1)``; ``post_cov``: :math:`\boldsymbol\Sigma_t`,
         ``(N, C - 1, C - 1)``.
-    :return: the new sites, mean and covariance, and the largest site change :math:`\max(|\Delta\tilde\tau|\,
-        \sigma^2, |\Delta\tilde\nu|\,\sigma)` (a scalar tensor).
+    :return: the new sites, mean and covariance, and each point's largest site change :math:`\max_j(|\Delta\tilde\tau_j|\,
+        \sigma_j^2, |\Delta\tilde\nu_j|\,\sigma_j)` ``(N,)``.
     """
     num_sites = offset.shape[-1]
     unit = torch.eye(num_sites, dtype=offset.dtype, device=offset.device)
-    change = torch.zeros((), dtype=offset.dtype, device=offset.device)
+    change = torch.zeros(offset.shape[:-1], dtype=offset.dtype, device=offset.device)
     for k in range(num_sites):
         variance = post_cov[:, k, k]
         cav_mean, cav_var = _cavity(variance, post_mean[:, k], precision[:, k], natural[:, k])
@@ -371,8 +371,7 @@ def _inner_sweep(
         delta_precision = new_precision - precision[:, k]
         delta_natural = new_natural - natural[:, k]
         change = torch.maximum(
-            change,
-            torch.maximum(delta_precision.abs() * variance, delta_natural.abs() * variance.sqrt()).amax(),
+            change, torch.maximum(delta_precision.abs() * variance, delta_natural.abs() * variance.sqrt())
         )
         precision = precision + delta_precision.unsqueeze(-1) * unit[k]
         natural = natural + delta_natural.unsqueeze(-1) * unit[k]
@@ -390,17 +389,29 @@ def _inner_ep(
 ) -> _InnerEP:
     r"""Inner EP sweeps (:func:`_inner_sweep`) from the given sites, each followed by a fresh factorisation
     (:func:`_inner_posterior`: no drift from the rank-one updates), until every site changes by at most ``tol`` or
-    after ``max_iterations`` sweeps.
+    after ``max_iterations`` sweeps. The points are independent problems: each one stops sweeping once its own sites
+    have converged, so a sweep costs in proportion to the points still moving (updates out of place, through
+    ``index_put``, so that autograd still differentiates through them).
 
     :param prior: :math:`\mathbf K`, ``(N, C - 1, C - 1)``; ``offset``: :math:`\mathbf a`, ``(N, C - 1)``.
     :param precision: :math:`\tilde{\boldsymbol\tau}`, ``(N, C - 1)``; ``natural``: :math:`\tilde{\boldsymbol\nu}'`.
     """
     post_cov, post_mean, cholesky = _inner_posterior(prior, precision, natural)
+    active = torch.arange(len(offset), device=offset.device)
     for _ in range(max_iterations):
-        precision, natural, post_mean, post_cov, change = _inner_sweep(offset, precision, natural, post_mean, post_cov)
-        post_cov, post_mean, cholesky = _inner_posterior(prior, precision, natural)
-        if float(change.detach()) <= tol:
+        if not len(active):
             break
+        swept = _inner_sweep(offset[active], precision[active], natural[active], post_mean[active], post_cov[active])
+        sites, change = swept[:2], swept[-1]
+        factors = _inner_posterior(prior[active], *sites)
+        precision, natural = (
+            whole.index_put((active,), part) for whole, part in zip((precision, natural), sites, strict=True)
+        )
+        post_cov, post_mean, cholesky = (
+            whole.index_put((active,), part)
+            for whole, part in zip((post_cov, post_mean, cholesky), factors, strict=True)
+        )
+        active = active[change.detach() > tol]
     return _InnerEP(precision, natural, post_cov, post_mean, cholesky)
 
 

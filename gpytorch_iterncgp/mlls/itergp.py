@@ -194,6 +194,7 @@ class _StrategyEvidence(MarginalLogLikelihood):
     """An evidence at a strategy's fitted state: checks the model, the likelihood and the training call."""
 
     _strategy_type: Any = IterNCGPStrategy
+    approximation: str = ""  # the approximation whose evidence this is, in words ("Laplace", "EP")
 
     def __init__(self, likelihood, model, exact: bool | None = None):
         super().__init__(likelihood, model)
@@ -283,6 +284,7 @@ class LaplaceMarginalLogLikelihood(_StrategyEvidence):
     """
 
     _strategy_type = IterNCGPStrategy
+    approximation = "Laplace"
 
     def forward(self, function_dist, target: Tensor, **kwargs) -> Tensor:
         """The Laplace evidence per data point of the training data.
@@ -321,7 +323,10 @@ class EPMarginalLogLikelihood(_StrategyEvidence):
       exact marginals of the sites.
     * **matrix-free**: :math:`\log\lvert\mathbf B\rvert` by stochastic Lanczos quadrature and
       :math:`\mathbf b^\top \mathbf B^{-1} \mathbf b` by CG (linear_operator), products with :math:`\mathbf K` only; the
-      cavities from the strategy's marginals (exact for a complete solve).
+      cavities from the strategy's marginals (exact for a complete solve), bounded below by the prior precision as in
+      the sweeps. With an incomplete solve the sites are those of the computation-aware EP, not exact EP's, and the
+      value and gradient are biased towards larger outputscales (``docs/design_notes.md``): the estimators learn EP's
+      hyperparameters on Laplace's evidence there.
 
     The package's EP likelihoods (probit, logit, Poisson) have no parameters of their own.
 
@@ -331,6 +336,7 @@ class EPMarginalLogLikelihood(_StrategyEvidence):
     """
 
     _strategy_type = EPStrategy
+    approximation = "EP"
 
     def forward(self, function_dist, target: Tensor, **kwargs) -> Tensor:
         """The EP evidence per data point of the training data.
@@ -412,22 +418,33 @@ def ep_evidence(
         inv_quad, logdet = system.inv_quad_logdet(inv_quad_rhs=rhs[:, None], logdet=True)
         fixed_site_part = -0.5 * logdet - 0.5 * inv_quad
     mean, variance = (marginal.detach() for marginal in marginals)
+    # Computation-aware marginals (an incomplete solve) are too wide: their cavities are bounded by the prior as in
+    # the sweeps (ep.sites); exact marginals never meet the bound.
+    bound = None if exact else (prior.diagonal().reshape(-1) if num_latents == 1 else prior.point_blocks()).detach()
     if num_latents == 1:
-        return fixed_site_part + ep_site_terms(adapter, targets, mean, variance, tau, nu)
-    return fixed_site_part + ep_site_block_terms(targets, mean, variance, tau, nu)
+        return fixed_site_part + ep_site_terms(adapter, targets, mean, variance, tau, nu, bound)
+    return fixed_site_part + ep_site_block_terms(targets, mean, variance, tau, nu, bound)
 
 
 def ep_site_terms(
-    adapter: LikelihoodAdapter, targets: Tensor, mean: Tensor, variance: Tensor, tau: Tensor, nu: Tensor
+    adapter: LikelihoodAdapter,
+    targets: Tensor,
+    mean: Tensor,
+    variance: Tensor,
+    tau: Tensor,
+    nu: Tensor,
+    prior_variance: Tensor | None = None,
 ) -> Tensor:
     r"""The sites' part of :math:`\log Z_{EP}` (:func:`ep_evidence`), no gradient:
     :math:`\sum_i \log \hat Z_i + \tfrac12 \log(1 + \tilde\tau_i/\tau_{-i}) + (\tilde\tau_i \mu_{-i} -
     \tilde\nu_i)^2 \tau_{-i} / (2 \tilde\tau_i (\tilde\tau_i + \tau_{-i}))` with the cavities of the posterior marginals
-    ``(mean, variance)``; NaN if a cavity precision is not positive (the sites are not at a fixed point).
+    ``(mean, variance)``, their precisions bounded below by :math:`1 / k_{ii}` where ``prior_variance`` is given
+    (:func:`~gpytorch_iterncgp.ep.sites.cavities`); NaN if a cavity precision is not positive (the sites are not at
+    a fixed point).
     """
     with torch.no_grad():
         positive = tau > 0
-        cavity_precision, cavity_natural_mean = cavities(mean, variance, tau, nu)
+        cavity_precision, cavity_natural_mean = cavities(mean, variance, tau, nu, prior_variance)
         if not bool((cavity_precision > 0).all()):
             return torch.tensor(math.nan, dtype=mean.dtype, device=mean.device)
         cavity_variance = cavity_precision.reciprocal()
@@ -440,7 +457,12 @@ def ep_site_terms(
 
 
 def ep_site_block_terms(
-    targets: Tensor, mean: Tensor, covariance: Tensor, precision: Tensor, natural_mean: Tensor
+    targets: Tensor,
+    mean: Tensor,
+    covariance: Tensor,
+    precision: Tensor,
+    natural_mean: Tensor,
+    prior_covariance: Tensor | None = None,
 ) -> Tensor:
     r"""The sites' part of :math:`\log Z_{EP}` for :math:`C \times C` multinomial probit sites, no gradient:
 
@@ -453,11 +475,14 @@ def ep_site_block_terms(
 
     (R&W eq. 3.65 for blocks; with the first two terms of :func:`ep_evidence` it is :math:`\log Z_{EP} = A(\text{post})
     - A(\text{prior}) + \sum_i [\log\hat Z_i + A(\text{cavity}_i) - A(\text{marginal}_i)]`), cavities of the marginals
-    ``(mean (N, C), covariance (N, C, C))`` (:func:`~gpytorch_iterncgp.ep.sites.block_cavities`, unbounded) and
-    :math:`\log\hat Z_i` by nested EP. NaN if a cavity precision is not positive definite.
+    ``(mean (N, C), covariance (N, C, C))`` (:func:`~gpytorch_iterncgp.ep.sites.block_cavities`, bounded by the
+    prior blocks :math:`\mathbf K_{ii}` where ``prior_covariance`` is given) and :math:`\log\hat Z_i` by nested EP. NaN
+    if a cavity precision is not positive definite.
     """
     with torch.no_grad():
-        cavity_precision, cavity_natural_mean, _ = block_cavities(mean, covariance, precision, natural_mean)
+        cavity_precision, cavity_natural_mean, _ = block_cavities(
+            mean, covariance, precision, natural_mean, prior_covariance
+        )
         cavity_root, cavity_info = torch.linalg.cholesky_ex(cavity_precision)
         marginal_root, marginal_info = torch.linalg.cholesky_ex(covariance)
         if bool((cavity_info > 0).any() or (marginal_info > 0).any()):

@@ -110,6 +110,8 @@ class OuterLoopStrategy(gpytorch.Module):
     """
 
     _state_type: Any = None
+    #: the option of :attr:`options` that limits the outer loop's steps in a fit (``"max_newton_steps"``, ``"max_sweeps"``)
+    max_steps_option: str = "max_sweeps"
     _none_is_a_value: frozenset[str] = frozenset()  # options of ``fit`` whose "keep" is :data:`UNSET`, not ``None``
     options: Any
 

@@ -271,6 +271,7 @@ class IterNCGPStrategy(_IterGPStrategy):
     """
 
     _state_type = LaplaceState
+    max_steps_option = "max_newton_steps"
     options: SolverOptions
 
     def __init__(

@@ -107,7 +107,12 @@ def test_posterior_equals_exact_laplace_of_sklearn_gpc():
     x = rng.uniform(-2, 2, size=(60, 2))
     y = (rng.uniform(size=60) < 1 / (1 + np.exp(-3 * np.sin(2 * x[:, 0])))).astype(int)
     classifier = IterNCGPClassifier(
-        policy="unit", max_solver_iterations=None, solver_tol=1e-12, outer_tol=1e-12, optimize_hyperparameters=False
+        inference="laplace",
+        policy="unit",
+        max_solver_iterations=None,
+        solver_tol=1e-12,
+        outer_tol=1e-12,
+        optimize_hyperparameters=False,
     ).fit(x, y)
     surrogate = IterNCGPBoTorchModel(classifier)  # a fitted estimator works too
     X = torch.as_tensor(rng.uniform(-2, 2, size=(5, 1, 2)))
@@ -218,3 +223,18 @@ def test_refuses_observation_noise_and_wrong_models(poisson_model):
         surrogate.posterior(_inputs(2, 1, 3))
     with pytest.raises(TypeError, match="IterNCGPStrategy"):
         IterNCGPBoTorchModel(gpytorch.kernels.RBFKernel())
+
+
+def test_posterior_of_an_ep_classifier_is_its_latent_posterior():
+    """An EP estimator (``inference="ep"``) wraps too: the posterior is the EP strategy's latent posterior."""
+    from gpytorch_iterncgp.sklearn import IterNCGPClassifier
+
+    rng = np.random.RandomState(1)
+    x = rng.uniform(-2, 2, size=(50, 2))
+    y = (rng.uniform(size=50) < 1 / (1 + np.exp(-3 * np.sin(2 * x[:, 0])))).astype(int)
+    classifier = IterNCGPClassifier(inference="ep", optimize_hyperparameters=False).fit(x, y)
+    test = rng.uniform(-2, 2, size=(4, 2))
+    posterior = IterNCGPBoTorchModel(classifier).posterior(torch.as_tensor(test[:, None, :]))
+    mean, std = classifier.predict_latent(test)
+    np.testing.assert_allclose(posterior.mean[:, 0, 0].detach().numpy(), mean, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(posterior.variance[:, 0, 0].detach().numpy(), std**2, rtol=1e-10, atol=1e-12)

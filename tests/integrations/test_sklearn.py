@@ -37,13 +37,15 @@ from tests import reference  # noqa: E402
 # runs (two Adam steps) in the default classifier and the regressor.
 FAST = dict(max_newton_steps=5, max_solver_iterations=5, optimizer_steps=2, random_state=0)
 CHECKED = [
-    IterNCGPClassifier(**FAST),
+    IterNCGPClassifier(**FAST),  # EP (inference="auto")
+    IterNCGPClassifier(inference="laplace", **FAST),
     IterNCGPClassifier(link="probit", optimize_hyperparameters=False, **FAST),
     IterNCGPPoissonRegressor(**FAST),
 ]
 # Every solve exact: unit-vector actions until the residual vanishes (all N of them, so the precision
 # C = QQ^T is the exact (K + W^-1)^-1 and the covariance the exact Laplace covariance), Newton to 1e-12.
 TIGHT = dict(
+    inference="laplace",
     policy="unit",
     max_solver_iterations=None,
     solver_tol=1e-12,
@@ -373,7 +375,7 @@ def test_failing_evidence_keeps_the_best_hyperparameters(monkeypatch, regime):
     fail_at = 4
     size = 1000 if regime.startswith("exact") else 10
     with settings.exact_evidence_size(size), pytest.warns(ConvergenceWarning, match="stopped after 3 evidence"):
-        classifier = IterNCGPClassifier(optimizer_steps=10, random_state=0).fit(x, y)
+        classifier = IterNCGPClassifier(inference="laplace", optimizer_steps=10, random_state=0).fit(x, y)
     assert len(classifier.loss_curve_) == 3
     best = int(np.argmin(classifier.loss_curve_))
     for ours, theirs in zip(classifier.kernel_.parameters(), seen[best], strict=True):
@@ -381,7 +383,7 @@ def test_failing_evidence_keeps_the_best_hyperparameters(monkeypatch, regime):
     assert any(not torch.equal(a, b) for a, b in zip(seen[0], seen[2], strict=True))  # it did move
     fail_at, seen[:] = 1, []
     with settings.exact_evidence_size(size), pytest.raises(FloatingPointError, match="forced"):
-        IterNCGPClassifier(optimizer_steps=10).fit(x, y)
+        IterNCGPClassifier(inference="laplace", optimizer_steps=10).fit(x, y)
 
 
 def test_random_state_reproducible_and_global_rng_untouched():
@@ -418,10 +420,10 @@ def test_pickle_round_trip_predicts_without_refitting():
         (IterNCGPClassifier(), np.zeros((3, 2)), [0, 0, 0], "got 1 class"),
         (IterNCGPClassifier(), np.zeros((3, 2)), [0.5, 1.5, 2.5], "Unknown label type"),
         (
-            IterNCGPClassifier(link="probit"),
+            IterNCGPClassifier(link="probit", inference="laplace"),
             np.zeros((3, 2)),
             [0, 1, 2],
-            "Only binary classification is supported with link='probit'",
+            "Laplace's multi-class likelihood is the softmax",
         ),
         (IterNCGPClassifier(link="cauchit"), np.zeros((2, 2)), [0, 1], "'link' parameter of IterNCGPClassifier"),
         (IterNCGPClassifier(max_newton_steps=0), np.zeros((2, 2)), [0, 1], "'max_newton_steps' parameter"),
@@ -462,7 +464,7 @@ def test_default_solver_budget_gives_the_exact_laplace_posterior_on_small_proble
     from gpytorch_iterncgp.integrations.sklearn import EXACT_SOLVE_SIZE
 
     x, y, x_test = _binary()
-    ours = IterNCGPClassifier(optimize_hyperparameters=False, random_state=0).fit(x, y)
+    ours = IterNCGPClassifier(inference="laplace", optimize_hyperparameters=False, random_state=0).fit(x, y)
     budget = ours.solver_budget_
     assert len(x) <= EXACT_SOLVE_SIZE and budget["exact"] and budget["policy"] == "unit"
     assert budget["max_solver_iterations"] is None and "exact Laplace posterior" in budget["rule"]
@@ -494,7 +496,7 @@ def test_default_solver_budget_above_the_exact_size_is_the_strategys_default():
 def test_multiclass_log_marginal_likelihood_matches_exact_laplace_evidence():
     """Softmax with a kernel shared by the classes (its prior has N, not N C, values)."""
     x, y, _ = _multiclass()
-    classifier = IterNCGPClassifier(optimize_hyperparameters=False).fit(x, y)
+    classifier = IterNCGPClassifier(inference="laplace", optimize_hyperparameters=False).fit(x, y)
     kernel = reference.data_major(_matern(x, x, math.sqrt(2)), 3)
     targets, mean = torch.as_tensor(y, dtype=torch.float64), torch.zeros(3 * len(x), dtype=torch.float64)
     expected, _ = reference.laplace_evidence(kernel, mean, targets, "softmax", 3)
@@ -591,13 +593,13 @@ def test_learning_report_says_where_the_time_went():
 
     x, y, _ = _binary(num=60, seed=2)
     with settings.exact_evidence_size(10):
-        adam = IterNCGPClassifier(optimizer_steps=4, random_state=0).fit(x, y)
+        adam = IterNCGPClassifier(inference="laplace", optimizer_steps=4, random_state=0).fit(x, y)
     report = adam.learning_report_
     assert (report.method, report.evaluations, report.stopped) == ("Adam", 4, "optimizer_steps")
     assert len(adam.loss_curve_) == 4
     parts = (report.fit_seconds, report.evidence_seconds, report.gradient_seconds)
     assert all(part > 0 for part in parts) and sum(parts) <= report.seconds
-    assert "hyperparameters: Adam, 4 evidence evaluations" in str(adam.fit_report_)
+    assert "hyperparameters: Adam on the Laplace evidence, 4 evaluations" in str(adam.fit_report_)
     lbfgs = IterNCGPClassifier(optimizer_steps=1, random_state=0).fit(x, y)
     assert lbfgs.learning_report_.method == "L-BFGS" and lbfgs.learning_report_.stopped == "optimizer_steps"
     assert lbfgs.learning_report_.evaluations == len(lbfgs.loss_curve_) >= 1

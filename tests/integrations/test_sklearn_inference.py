@@ -1,0 +1,168 @@
+"""The estimators' ``inference`` (Laplace or EP) and their hyperparameter learning with loose fits.
+
+* EP in :class:`IterNCGPClassifier` against the dense EP references of ``tests/reference_ep.py`` (binary probit:
+  R&W Algorithms 3.5 and 3.6; multi-class: parallel EP with the multinomial probit's nested EP), on kernel matrices built
+  by scikit-learn's ``Matern``: the evidence and the predictive probabilities;
+* the loose-fit schedule (``learning_fit_steps``) learns the hyperparameters of whole refits: the exact evidence at the
+  hyperparameters it learns is that of learning with a whole fit per step, to a tolerance set by Adam's own step;
+* parameter checks and the fitted ``inference_``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("sklearn", minversion="1.7")
+
+from gpytorch_iterncgp import settings  # noqa: E402
+from gpytorch_iterncgp.integrations.sklearn import CLASSIFIER_INFERENCE  # noqa: E402
+from gpytorch_iterncgp.sklearn import IterNCGPClassifier, IterNCGPPoissonRegressor  # noqa: E402
+from tests import reference, reference_ep  # noqa: E402
+from tests.integrations.test_sklearn import TIGHT, _binary, _matern, _multiclass  # noqa: E402
+
+# Exact EP: the Laplace tests' exact solves (unit-vector actions to full rank in every sweep, sites to 1e-12), the
+# default kernel fixed.
+EXACT_EP = {**TIGHT, "inference": "ep", "max_newton_steps": 400}
+
+
+def test_binary_ep_is_dense_ep():
+    """Probit EP: the estimator's evidence and predictive probabilities are dense EP's (R&W Alg. 3.5, 3.6)."""
+    x, y, x_test = _binary()
+    classifier = IterNCGPClassifier(link="probit", **EXACT_EP).fit(x, y)
+    assert classifier.inference_ == "ep"
+    lengthscale = math.sqrt(x.shape[1])
+    kernel = _matern(x, x, lengthscale)
+    expected = reference_ep.parallel_ep(kernel, torch.as_tensor(y, dtype=torch.float64), damping=0.5, tol=1e-12)
+    np.testing.assert_allclose(classifier.log_marginal_likelihood(), float(expected.log_marginal_likelihood), rtol=1e-8)
+    _, _, probability = reference_ep.probit_predict(
+        kernel, _matern(x, x_test, lengthscale), torch.ones(len(x_test), dtype=torch.float64), expected
+    )
+    np.testing.assert_allclose(classifier.predict_proba(x_test)[:, 1], probability.numpy(), rtol=1e-7, atol=1e-9)
+
+
+def test_multiclass_ep_is_dense_multinomial_probit_ep():
+    """Multi-class EP: the multinomial probit's evidence at the estimator's fixed point is dense parallel EP's."""
+    x, y, x_test = _multiclass()
+    classifier = IterNCGPClassifier(**EXACT_EP).fit(x, y)
+    assert type(classifier.likelihood_).__name__ == "MultinomialProbitLikelihood"
+    kernel = reference.data_major(_matern(x, x, math.sqrt(x.shape[1])), 3)
+    targets = torch.as_tensor(y, dtype=torch.float64)
+    expected = reference_ep.multiclass_parallel_ep(kernel, targets, 3, damping=0.5, tol=1e-11)
+    np.testing.assert_allclose(classifier.log_marginal_likelihood(), float(expected.log_marginal_likelihood), rtol=1e-7)
+    probabilities, std = classifier.predict_proba(x_test, return_std=True)
+    assert probabilities.shape == std.shape == (len(x_test), 3)
+    np.testing.assert_allclose(probabilities.sum(1), 1.0, atol=1e-6)
+
+
+def _learnt_evidence(learning_fit_steps: int) -> tuple[float, float]:
+    """Learn by Adam on N = 1200 binary points (matrix-free evidence), then the exact Laplace evidence at the learnt
+    hyperparameters, and at the start."""
+    from sklearn.datasets import make_classification
+
+    x, y = make_classification(n_samples=1200, n_features=3, n_informative=3, n_redundant=0, random_state=0)
+    options = dict(inference="laplace", optimizer_steps=12, random_state=0, max_solver_iterations=10)
+    learnt = IterNCGPClassifier(learning_fit_steps=learning_fit_steps, **options).fit(x, y)
+    start = IterNCGPClassifier(optimize_hyperparameters=False, **options).fit(x, y)
+    with settings.exact_evidence_size(2000):
+        return learnt.log_marginal_likelihood(), start.log_marginal_likelihood()
+
+
+def test_loose_fits_learn_the_hyperparameters_of_whole_refits():
+    """One Newton step per evaluation of the evidence (from the previous mode) learns hyperparameters whose exact
+    evidence is that of whole refits (20 Newton steps) to 1% of the gain over the start (measured: 0.23%, the loose
+    run ahead), and both gain. Twelve Adam steps are not at the optimum: the two runs follow different paths (other
+    modes, other probe vectors), and 1% bounds how far apart their ends may be."""
+    loose, start = _learnt_evidence(1)
+    whole, _ = _learnt_evidence(20)
+    assert loose > start + 10 and whole > start + 10
+    assert abs(loose - whole) <= 1e-2 * (whole - start)
+
+
+def test_learning_runs_loose_fits_and_the_final_fit_whole():
+    """During Adam, each evaluation runs at most ``learning_fit_steps`` Newton steps; the final fit its own budget; the
+    strategy's options are restored afterwards."""
+    from sklearn.datasets import make_classification
+
+    x, y = make_classification(n_samples=1100, n_features=3, n_informative=3, n_redundant=0, random_state=1)
+    steps: list[int] = []
+    classifier = IterNCGPClassifier(inference="laplace", optimizer_steps=3, random_state=0, learning_fit_steps=2)
+    original = IterNCGPClassifier._learn_hyperparameters
+
+    def spy(self, model, *args):
+        steps.append(model.variational_strategy.options.max_newton_steps)
+        return original(self, model, *args)
+
+    IterNCGPClassifier._learn_hyperparameters = spy  # type: ignore[method-assign]
+    try:
+        classifier.fit(x, y)
+    finally:
+        IterNCGPClassifier._learn_hyperparameters = original  # type: ignore[method-assign]
+    assert steps == [2]
+    options = classifier.model_.variational_strategy.options
+    assert options.max_newton_steps == 20 and options.compression_rank is None
+
+
+def test_ep_evidence_is_finite_with_an_incomplete_solve():
+    """With 5 CG iterations per sweep the computation-aware marginals are too wide; EP's evidence bounds the cavities
+    by the prior as the sweeps do, and stays finite (unbounded, some cavity precisions are negative: NaN)."""
+    import gpytorch
+
+    from gpytorch_iterncgp import EPMarginalLogLikelihood, EPStrategy, MultinomialProbitLikelihood
+
+    x, y, _ = _multiclass(num=400)
+    train_x, train_y = torch.as_tensor(x), torch.as_tensor(y, dtype=torch.float64)
+    likelihood = MultinomialProbitLikelihood(num_classes=3)
+
+    class Model(gpytorch.models.ApproximateGP):
+        def __init__(self):
+            strategy = EPStrategy(self, train_x, train_y, likelihood, max_solver_iterations=5, show_progress=False)
+            super().__init__(strategy)
+            self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=2.5))
+            self.covar_module.outputscale = 4.0
+
+        def forward(self, inputs):
+            mean = torch.zeros(len(inputs), dtype=inputs.dtype)
+            return gpytorch.distributions.MultivariateNormal(mean, self.covar_module(inputs))
+
+    model = Model().double()
+    report = model.variational_strategy.fit(max_sweeps=10)
+    assert report.bounded_cavities > 0
+    model.train()
+    evidence = EPMarginalLogLikelihood(likelihood, model)(model(train_x), train_y)
+    assert math.isfinite(float(evidence.detach()))
+    evidence.backward()
+    assert math.isfinite(float(model.covar_module.raw_outputscale.grad))
+
+
+def test_ep_estimator_learns_on_the_laplace_evidence_where_eps_is_estimated():
+    """Above ``exact_evidence_size`` the EP estimator learns the kernel on Laplace's evidence (EP's matrix-free one is
+    biased by the computation-aware cavities) and fits EP at the learnt kernel; below it, on EP's exact evidence."""
+    x, y, _ = _multiclass(num=400)
+    large = IterNCGPClassifier(inference="ep", optimizer_steps=3, random_state=0).fit(x, y)
+    assert large.learning_report_.evidence == "Laplace" and large.learning_report_.evaluations == 3
+    assert type(large.model_.variational_strategy).__name__ == "EPStrategy"
+    assert large.kernel_.outputscale.item() != 1.0  # learnt, and the EP model holds the learnt kernel
+    assert "Laplace evidence" in str(large.fit_report_)
+    small = IterNCGPClassifier(inference="ep", optimizer_steps=3, random_state=0).fit(x[:60], y[:60])
+    assert small.learning_report_.evidence == "EP" and small.learning_report_.method == "L-BFGS"
+
+
+def test_inference_parameter():
+    x, y, _ = _multiclass()
+    assert IterNCGPClassifier(optimize_hyperparameters=False).fit(x, y).inference_ == CLASSIFIER_INFERENCE
+    with pytest.raises(ValueError, match="'inference' parameter"):
+        IterNCGPClassifier(inference="vi").fit(x, y)
+    with pytest.raises(ValueError, match="inference='ep'"):
+        IterNCGPClassifier(link="probit", inference="laplace").fit(x, y)
+    with pytest.raises(ValueError, match="'learning_fit_steps' parameter"):
+        IterNCGPClassifier(learning_fit_steps=0).fit(x, y)
+    counts = np.arange(len(x)) % 4
+    regressor = IterNCGPPoissonRegressor(inference="ep", optimize_hyperparameters=False).fit(x, counts)
+    assert regressor.inference_ == "ep" and type(regressor.model_.variational_strategy).__name__ == "EPStrategy"
+    assert IterNCGPPoissonRegressor(optimize_hyperparameters=False).fit(x, counts).inference_ == "laplace"
+    with pytest.raises(ValueError, match="integer counts"):
+        IterNCGPPoissonRegressor(inference="ep").fit(x, counts + 0.5)
