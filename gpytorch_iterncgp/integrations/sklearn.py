@@ -588,7 +588,10 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
         likelihood factor instead of the curvature at the mode: better calibrated predictive probabilities, at the
         cost of tilted moments per sweep (nested EP for the multinomial probit). The hyperparameters are learnt on the
         approximation's own evidence (:class:`~gpytorch_iterncgp.LaplaceMarginalLogLikelihood`,
-        :class:`~gpytorch_iterncgp.EPMarginalLogLikelihood`); what was used is ``inference_``.
+        :class:`~gpytorch_iterncgp.EPMarginalLogLikelihood`) where it is exact; above ``exact_evidence_size`` EP's are
+        learnt on Laplace's (EP's estimated evidence is biased by the computation-aware cavities,
+        ``docs/design_notes.md``) and the posterior at them is EP's. What was used is ``inference_`` and
+        ``learning_report_.evidence``.
     :param policy: IterGP's actions: ``"cg"`` (conjugate gradients), ``"unit"`` (a random subset of the data
         per iteration, seeded by ``random_state``), a :class:`~gpytorch_iterncgp.Policy`, or ``"auto"`` (default):
         ``"unit"`` where ``max_solver_iterations="auto"`` solves exactly (below), ``"cg"`` otherwise.
