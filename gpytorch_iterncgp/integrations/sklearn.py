@@ -43,13 +43,12 @@ from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import check_is_fitted, validate_data
 from torch.distributions import Poisson, constraints
 
-from .. import settings
 from ..core.policies import Policy
 from ..core.validation import check_count, check_flag, check_nonnegative
 from ..laplace.newton import SolverOptions
 from ..likelihoods.adapters import ExpPoissonLikelihood, LogitBernoulliLikelihood, likelihood_adapter
 from ..likelihoods.multinomial_probit import MultinomialProbitLikelihood
-from ..mlls.itergp import EPMarginalLogLikelihood, LaplaceMarginalLogLikelihood
+from ..mlls.itergp import EPMarginalLogLikelihood, LaplaceMarginalLogLikelihood, exact_regime
 from ..strategies.itergp import EPStrategy, IterNCGPStrategy
 
 __all__ = ["IterNCGPClassifier", "IterNCGPPoissonRegressor", "LearningReport"]
@@ -190,11 +189,6 @@ class EstimatorDefaults:
 
 
 ESTIMATOR_DEFAULTS = EstimatorDefaults()
-
-
-def _exact_evidence(strategy) -> bool:
-    """Whether the strategy's evidence is computed densely (exact and deterministic: ``settings.exact_evidence_size``)."""
-    return strategy.num_data * strategy.num_latents <= settings.exact_evidence_size.value()
 
 
 def _evidence(strategy) -> type[LaplaceMarginalLogLikelihood] | type[EPMarginalLogLikelihood]:
@@ -371,7 +365,7 @@ class _IterNCGPEstimator(BaseEstimator):
             self.learning_report_ = LearningReport()
             if self.optimize_hyperparameters and self.optimizer_steps > 0:
                 learner, learner_likelihood = model, likelihood
-                if inference == "ep" and not _exact_evidence(model.variational_strategy):
+                if inference == "ep" and not exact_regime(model.variational_strategy):
                     # EP's matrix-free evidence is biased by the computation-aware cavities (docs/design_notes.md):
                     # the kernel is learnt on Laplace's (the same kernel and mean modules), the posterior is EP's.
                     learner_likelihood = _laplace_likelihood(likelihood)
@@ -402,7 +396,7 @@ class _IterNCGPEstimator(BaseEstimator):
         evidence) keeps whole fits: its line search compares values that must belong to converged posteriors."""
         options = strategy.options
         whole = {name: getattr(options, name) for name in (strategy.max_steps_option, "compression_rank")}
-        if not _exact_evidence(strategy):
+        if not exact_regime(strategy):
             setattr(options, strategy.max_steps_option, min(whole[strategy.max_steps_option], self.learning_fit_steps))
             rank = whole["compression_rank"]
             options.compression_rank = (
@@ -424,7 +418,7 @@ class _IterNCGPEstimator(BaseEstimator):
         running then). Returns ``-evidence / n`` at every evaluation and the :class:`LearningReport`.
         """
         strategy = model.variational_strategy
-        exact = _exact_evidence(strategy)
+        exact = exact_regime(strategy)
         report = LearningReport(method="L-BFGS" if exact else "Adam", evidence=_evidence(strategy).approximation)
         parameters = [p for p in model.parameters() if p.requires_grad]
         if not parameters:

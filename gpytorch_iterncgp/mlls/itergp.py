@@ -190,6 +190,12 @@ def matrix_free_laplace_evidence(prior: LatentPrior, adapter: LikelihoodAdapter,
     return log_posterior - 0.5 * new_system.logdet() + (mode_log_posterior - log_posterior).detach()
 
 
+def exact_regime(strategy: Any) -> bool:
+    r"""Whether a strategy's evidence is computed densely by default: exact and deterministic for
+    :math:`N C \le` :class:`gpytorch_iterncgp.settings.exact_evidence_size`."""
+    return strategy.num_data * strategy.num_latents <= settings.exact_evidence_size.value()
+
+
 class _StrategyEvidence(MarginalLogLikelihood):
     """An evidence at a strategy's fitted state: checks the model, the likelihood and the training call."""
 
@@ -237,7 +243,7 @@ class _StrategyEvidence(MarginalLogLikelihood):
                 f"{name}: the mean of function_dist is not the strategy's posterior mean at the current "
                 "hyperparameters; call mll(model(train_x), train_y) right after computing model(train_x)."
             )
-        exact = size <= settings.exact_evidence_size.value() if self.exact is None else self.exact
+        exact = exact_regime(strategy) if self.exact is None else self.exact
         return strategy, targets, state, prior, exact
 
     def _train_prior(self, strategy: Any) -> Any:
