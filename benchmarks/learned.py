@@ -2,6 +2,7 @@ r"""Every method learns its own kernel: test NLL against wall time, the benchmar
 
     python -m benchmarks.learned                                   # every data set and method (hours here)
     python -m benchmarks.learned --datasets mixture5000 --budget 240
+    python -m benchmarks.learned --datasets mixture5000 --methods estimator svgp --learning-subsets auto 500 none
     python -m benchmarks.learned --smoke                           # tiny sizes, seconds (the tests run it)
 
 Data sets: the paper's 10-class mixture in 3-D (Appendix C.3; ``mixture5000``, ``mixture10000``, 2000 test points),
@@ -9,7 +10,8 @@ all 1797 of scikit-learn's digits (a stratified 70/30 split, features standardis
 mixture's classes 0-4 against 5-9 (``binary10000``). Methods, each learning its hyperparameters itself:
 
 * ``estimator``: ``IterNCGPClassifier(random_state=seed)`` with its defaults, and ``estimator_laplace`` and
-  ``estimator_ep`` with ``inference="laplace"`` or ``"ep"`` (the rest default);
+  ``estimator_ep`` with ``inference="laplace"`` or ``"ep"`` (the rest default); each once per value of
+  ``--learning-subsets`` (the estimator's ``learning_subset``: ``auto``, ``none`` or a number of points);
 * ``laplace`` and ``ep``: the GPyTorch path, a Matérn-5/2 kernel and a constant mean per class (one latent for
   binary data) with :class:`~gpytorch_iterncgp.IterNCGPStrategy` and the Laplace evidence, or
   :class:`~gpytorch_iterncgp.EPStrategy` (multinomial probit; probit for binary data) and EP's evidence, Adam on
@@ -189,17 +191,21 @@ def svgp_probabilities(model: SVGPModel, inputs: Tensor, num_classes: int, sampl
 
 
 # -- the methods ---------------------------------------------------------------------------------------------------
-def run_estimator(data: Data, seed: int, inference: str | None = None) -> dict:
-    """``IterNCGPClassifier(random_state=seed)`` with its defaults (or with ``inference``): one point, after ``fit``."""
+def run_estimator(data: Data, seed: int, inference: str | None = None, learning_subset: str = "auto") -> dict:
+    """``IterNCGPClassifier(random_state=seed)`` with its defaults (or with ``inference``, ``learning_subset``: an
+    integer, ``"auto"`` or ``"none"``): one point, after ``fit``."""
     from gpytorch_iterncgp.sklearn import IterNCGPClassifier
 
     clock, history = Clock(), []
-    options = {} if inference is None else {"inference": inference}
+    options: dict = {} if inference is None else {"inference": inference}
+    if learning_subset != "auto":
+        options["learning_subset"] = None if learning_subset == "none" else int(learning_subset)
+    label = f"estimator ({', '.join(f'{key}={value!r}' for key, value in options.items()) or 'defaults'})"
     estimator = IterNCGPClassifier(random_state=seed, **options).fit(data.train_x.numpy(), data.train_y.numpy())
     clock.evaluate(history, lambda: torch.as_tensor(estimator.predict_proba(data.test_x.numpy())), data.test_y)
     learning = dataclasses.asdict(estimator.learning_report_)
     return {
-        "label": "estimator (defaults)" if inference is None else f"estimator (inference={inference!r})",
+        "label": label,
         "inference": estimator.inference_,
         "kernel": {
             "lengthscale": float(estimator.kernel_.base_kernel.lengthscale.detach()),
@@ -304,22 +310,27 @@ def run_svgp(data: Data, num_inducing: int, learning_rate: float, budget: float,
 
 def run_dataset(data: Data, args: argparse.Namespace) -> list[dict]:
     """Every method of ``args.methods`` on ``data``, one after the other."""
-    runs = []
-    for method in args.methods:
-        if method.startswith("estimator"):
-            runs.append(run_estimator(data, args.seed, method.partition("_")[2] or None))
-        elif method in ("laplace", "ep"):
-            runs.append(run_gpytorch_path(data, method, args.budget, args.seed))
-        else:
-            for num_inducing in args.inducing:
-                for learning_rate in args.learning_rates:
-                    runs.append(run_svgp(data, num_inducing, learning_rate, args.budget, args.seed))
-        final = runs[-1]["history"][-1]
+    runs: list[dict] = []
+
+    def done(run: dict) -> None:
+        runs.append(run)
+        final = run["history"][-1]
         print(
-            f"{data.name:>13} {runs[-1]['label']:<40} NLL {final['nll']:.4f} acc {final['accuracy']:.4f} "
+            f"{data.name:>13} {run['label']:<40} NLL {final['nll']:.4f} acc {final['accuracy']:.4f} "
             f"{final['time']:8.1f} s",
             flush=True,
         )
+
+    for method in args.methods:
+        if method.startswith("estimator"):
+            for learning_subset in args.learning_subsets:
+                done(run_estimator(data, args.seed, method.partition("_")[2] or None, learning_subset))
+        elif method in ("laplace", "ep"):
+            done(run_gpytorch_path(data, method, args.budget, args.seed))
+        else:
+            for num_inducing in args.inducing:
+                for learning_rate in args.learning_rates:
+                    done(run_svgp(data, num_inducing, learning_rate, args.budget, args.seed))
     return runs
 
 
@@ -382,6 +393,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--inducing", nargs="+", type=int, default=[100, 500, 1000])
     parser.add_argument("--learning-rates", nargs="+", type=float, default=[0.01, 0.05])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--learning-subsets",
+        nargs="+",
+        default=["auto"],
+        help="the estimators' learning_subset values to run: 'auto', 'none' (all the data) or a number of points",
+    )
     parser.add_argument(
         "--svgp-within", nargs="+", type=float, default=[60.0], help="report SVGP's best test NLL within these seconds"
     )

@@ -16,7 +16,8 @@ scaled Matérn-5/2) with the IterNCGP Laplace strategy or EP (``inference``; the
 optionally learn the kernel's hyperparameters by maximising the evidence
 (:class:`~gpytorch_iterncgp.LaplaceMarginalLogLikelihood`, :class:`~gpytorch_iterncgp.EPMarginalLogLikelihood`;
 L-BFGS where the evidence is exact, Adam with loose fits where it is estimated, and there Laplace's evidence for EP
-too), then fit the posterior once more at the learnt hyperparameters. Everything is computed in float64.
+too) of a stratified random subset of the data (``learning_subset``, at most 10 000 latent values by default), then
+fit the posterior on all the data at the learnt hyperparameters. Everything is computed in float64.
 
 Importing this module imports scikit-learn; ``import gpytorch_iterncgp`` does not.
 """
@@ -35,10 +36,11 @@ import gpytorch
 import numpy as np
 import torch
 from gpytorch.distributions import MultivariateNormal
+from linear_operator.utils.errors import NanError
 from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin
 from sklearn.exceptions import ConvergenceWarning
 from sklearn.metrics import d2_tweedie_score
-from sklearn.utils import check_random_state
+from sklearn.utils import check_random_state, resample
 from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import check_is_fitted, validate_data
 from torch.distributions import Poisson, constraints
@@ -63,6 +65,10 @@ _PREDICT_CHUNK = 4096  # test points per kernel evaluation: bounds the (chunk, N
 EXACT_SOLVE_SIZE = 1000
 #: Recycled actions kept while the hyperparameters are learnt with loose fits (``_IterNCGPEstimator._loose_fits``).
 LEARNING_COMPRESSION_RANK = 20
+#: ``learning_subset="auto"``: the hyperparameters are learnt on a random (stratified, for classifiers) subset of
+#: at most this many latent values :math:`M C`, then the posterior is fitted on all the data at them; chosen by
+#: measurement (``benchmarks/learned.py``, ``benchmarks/README.md`` §13).
+LEARNING_SUBSET_SIZE = 10_000
 #: ``inference="auto"`` in :class:`IterNCGPClassifier`: the approximation chosen by measurement (``benchmarks/learned.py``,
 #: ``benchmarks/sklearn_defaults.py``; the Poisson regressor's ``"auto"`` is Laplace).
 CLASSIFIER_INFERENCE = "ep"
@@ -145,11 +151,14 @@ class LearningReport:
     of the evidence (Newton steps from the previous mode, warm-started), ``evidence_seconds`` to the evidence at the
     fitted mode and ``gradient_seconds`` to its gradient. ``stopped`` says why it ended: ``"optimizer_steps"``,
     ``"converged"`` (L-BFGS's own tolerances), ``"max_time"`` or ``"error"`` (a ``ConvergenceWarning`` says which).
-    ``evidence`` is the approximation whose evidence was maximised (``"Laplace"`` or ``"EP"``).
+    ``evidence`` is the approximation whose evidence was maximised (``"Laplace"`` or ``"EP"``), on ``data_points`` of
+    the ``num_data`` training points (``learning_subset``).
     """
 
     method: str = ""
     evidence: str = ""
+    data_points: int = 0
+    num_data: int = 0
     evaluations: int = 0
     seconds: float = 0.0
     fit_seconds: float = 0.0
@@ -160,8 +169,9 @@ class LearningReport:
     def __str__(self) -> str:
         if not self.evaluations:
             return "hyperparameters not learnt"
+        subset = "" if self.data_points == self.num_data else f" of {self.data_points} of the {self.num_data} points"
         return (
-            f"hyperparameters: {self.method} on the {self.evidence} evidence, {self.evaluations} evaluations in "
+            f"hyperparameters: {self.method} on the {self.evidence} evidence{subset}, {self.evaluations} evaluations in "
             f"{self.seconds:.2f}s (fits "
             f"{self.fit_seconds:.2f}s, evidence {self.evidence_seconds:.2f}s, gradients {self.gradient_seconds:.2f}s), "
             f"stopped by {self.stopped}"
@@ -181,6 +191,7 @@ class EstimatorDefaults:
     optimizer_steps: int = 25
     learning_rate: float = 0.2
     learning_fit_steps: int = 2
+    learning_subset: str = "auto"
     #: stochastic Lanczos quadrature while learning with Adam (``gpytorch.settings.num_trace_samples`` and
     #: ``max_lanczos_quadrature_iterations``, GPyTorch's 10 and 20 otherwise): half the products per evaluation for the
     #: same learnt hyperparameters (``docs/design_notes.md``)
@@ -237,6 +248,7 @@ class _IterNCGPEstimator(BaseEstimator):
         optimizer_steps=ESTIMATOR_DEFAULTS.optimizer_steps,
         learning_rate=ESTIMATOR_DEFAULTS.learning_rate,
         learning_fit_steps=ESTIMATOR_DEFAULTS.learning_fit_steps,
+        learning_subset=ESTIMATOR_DEFAULTS.learning_subset,
         max_time=None,
         random_state=None,
         verbose=False,
@@ -256,6 +268,7 @@ class _IterNCGPEstimator(BaseEstimator):
         self.optimizer_steps = optimizer_steps
         self.learning_rate = learning_rate
         self.learning_fit_steps = learning_fit_steps
+        self.learning_subset = learning_subset
         self.max_time = max_time
         self.random_state = random_state
         self.verbose = verbose
@@ -284,6 +297,11 @@ class _IterNCGPEstimator(BaseEstimator):
         self._check(check_count, "covariance_iterations")
         self._check(check_count, "optimizer_steps")
         self._check(check_count, "learning_fit_steps", minimum=1)
+        if isinstance(self.learning_subset, str):
+            if self.learning_subset != "auto":
+                raise _param_error(self, "learning_subset", "'auto', None or an integer >= 2", self.learning_subset)
+        else:
+            self._check(check_count, "learning_subset", minimum=2, allow_none=True)
         if self.inference not in ("auto", "laplace", "ep"):
             raise _param_error(self, "inference", "a str among {'auto', 'laplace', 'ep'}", self.inference)
         for name in ("solver_tol", "learning_rate"):
@@ -348,14 +366,33 @@ class _IterNCGPEstimator(BaseEstimator):
         return {**options, "max_newton_steps": self.max_newton_steps, **tolerance}
 
     # -- fitting ---------------------------------------------------------------------------------
-    def _fit_model(self, X: np.ndarray, targets: torch.Tensor, likelihood, mean, inference: str) -> None:
-        """Build the model, learn hyperparameters (optional), run the Newton loop or EP (``inference``); set the fitted
-        attributes."""
+    def _learning_rows(
+        self, num_data: int, num_latents: int, labels: np.ndarray | None, seed: int
+    ) -> np.ndarray | None:
+        """The rows the hyperparameters are learnt on (``learning_subset``), sorted, drawn without replacement and
+        stratified by ``labels`` (classifiers: every class keeps its share, :func:`sklearn.utils.resample`); ``None``:
+        all ``num_data``."""
+        if self.learning_subset is None:
+            return None
+        size = (
+            max(2, LEARNING_SUBSET_SIZE // num_latents) if self.learning_subset == "auto" else int(self.learning_subset)
+        )
+        if size >= num_data:
+            return None
+        rows = resample(np.arange(num_data), replace=False, n_samples=size, stratify=labels, random_state=seed)
+        return np.sort(rows)
+
+    def _fit_model(
+        self, X: np.ndarray, targets: torch.Tensor, likelihood, mean, inference: str, labels: np.ndarray | None = None
+    ) -> None:
+        """Build the model, learn hyperparameters (optional; on ``learning_subset`` rows, stratified by ``labels``), run
+        the Newton loop or EP (``inference``) on all the data; set the fitted attributes."""
         seed = int(check_random_state(self.random_state).randint(np.iinfo(np.int32).max))
         train_x = torch.tensor(X, dtype=_DTYPE)
         kernel = default_kernel(X.shape[1]) if self.kernel is None else copy.deepcopy(self.kernel).to(_DTYPE)
+        num_latents = likelihood_adapter(likelihood).num_latents
         self.inference_ = inference
-        self.solver_budget_ = self._solver_budget(len(X) * likelihood_adapter(likelihood).num_latents)
+        self.solver_budget_ = self._solver_budget(len(X) * num_latents)
         options = self._strategy_options(seed, self.solver_budget_, inference)
         strategy_type = EPStrategy if inference == "ep" else IterNCGPStrategy
         with torch.random.fork_rng(devices=[]):
@@ -363,20 +400,15 @@ class _IterNCGPEstimator(BaseEstimator):
             model = _LatentGP(train_x, targets, likelihood, kernel, mean, strategy_type, options).to(_DTYPE)
             self.loss_curve_: list[float] = []
             self.learning_report_ = LearningReport()
+            self.learning_rows_ = None
             if self.optimize_hyperparameters and self.optimizer_steps > 0:
-                learner, learner_likelihood = model, likelihood
-                if inference == "ep" and not exact_regime(model.variational_strategy):
-                    # EP's matrix-free evidence is biased by the computation-aware cavities (docs/design_notes.md):
-                    # the kernel is learnt on Laplace's (the same kernel and mean modules), the posterior is EP's.
-                    learner_likelihood = _laplace_likelihood(likelihood)
-                    laplace_options = self._strategy_options(seed, self.solver_budget_, "laplace")
-                    learner = _LatentGP(
-                        train_x, targets, learner_likelihood, kernel, mean, IterNCGPStrategy, laplace_options
-                    ).to(_DTYPE)
+                self.learning_rows_ = self._learning_rows(len(X), num_latents, labels, seed)
+                learner, learner_likelihood, learn_x, learn_y = self._learner(model, likelihood, train_x, targets, seed)
                 with self._loose_fits(learner.variational_strategy):
                     self.loss_curve_, self.learning_report_ = self._learn_hyperparameters(
-                        learner, learner_likelihood, train_x, targets
+                        learner, learner_likelihood, learn_x, learn_y
                     )
+                self.learning_report_.num_data = len(X)
             model.eval()
             # the covariance phase only for the final posterior, not at every evaluation of the evidence
             model.variational_strategy.options.covariance_iterations = int(self.covariance_iterations)
@@ -386,6 +418,34 @@ class _IterNCGPEstimator(BaseEstimator):
         self.model_ = model
         self.likelihood_ = likelihood
         self.kernel_ = model.covar_module
+
+    def _learner(self, model, likelihood, inputs: torch.Tensor, targets: torch.Tensor, seed: int) -> tuple:
+        """The model whose evidence the hyperparameters maximise, its likelihood, inputs and targets: ``model`` itself,
+        or one on the ``learning_rows_`` of ``inputs`` ``(N, D)`` and ``targets`` ``(N,)`` (with its own solver budget)
+        that shares ``model``'s kernel and mean modules, so what it learns is what the final fit uses. EP's
+        matrix-free evidence is biased by the computation-aware cavities (``docs/design_notes.md``): above the exact
+        regime EP's kernel is learnt on Laplace's evidence."""
+        if self.learning_rows_ is not None:
+            rows = torch.as_tensor(self.learning_rows_)
+            inputs, targets = inputs[rows], targets[rows]
+        num_latents = model.variational_strategy.num_latents
+
+        def build(approximation: str):
+            learner_likelihood = likelihood if approximation == self.inference_ else _laplace_likelihood(likelihood)
+            if self.learning_rows_ is None and approximation == self.inference_:
+                return model, likelihood
+            budget = self._solver_budget(len(inputs) * num_latents)
+            strategy_type = EPStrategy if approximation == "ep" else IterNCGPStrategy
+            options = self._strategy_options(seed, budget, approximation)
+            learner = _LatentGP(
+                inputs, targets, learner_likelihood, model.covar_module, model.mean_module, strategy_type, options
+            )
+            return learner.to(_DTYPE), learner_likelihood
+
+        learner, learner_likelihood = build(self.inference_)
+        if self.inference_ == "ep" and not exact_regime(learner.variational_strategy):
+            learner, learner_likelihood = build("laplace")
+        return learner, learner_likelihood, inputs, targets
 
     @contextlib.contextmanager
     def _loose_fits(self, strategy) -> Iterator[None]:
@@ -419,7 +479,12 @@ class _IterNCGPEstimator(BaseEstimator):
         """
         strategy = model.variational_strategy
         exact = exact_regime(strategy)
-        report = LearningReport(method="L-BFGS" if exact else "Adam", evidence=_evidence(strategy).approximation)
+        report = LearningReport(
+            method="L-BFGS" if exact else "Adam",
+            evidence=_evidence(strategy).approximation,
+            data_points=len(train_x),
+            num_data=len(train_x),
+        )
         parameters = [p for p in model.parameters() if p.requires_grad]
         if not parameters:
             return [], LearningReport()
@@ -455,7 +520,7 @@ class _IterNCGPEstimator(BaseEstimator):
             report.stopped = self._optimise(parameters, evaluate, backward, exact)
         except _OutOfTime:
             report.stopped = "max_time"
-        except (FloatingPointError, ValueError, torch.linalg.LinAlgError) as error:
+        except (FloatingPointError, ValueError, torch.linalg.LinAlgError, NanError) as error:
             if not losses or best["state"] is None:  # fails at the initial hyperparameters: a real error
                 raise
             report.stopped = "error"
@@ -632,6 +697,13 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
         the previous posterior (and at most :data:`LEARNING_COMPRESSION_RANK` recycled actions are kept): the
         posterior follows the hyperparameters loosely, and the final fit (``max_newton_steps``) converges it. L-BFGS
         refits whole at each evaluation (its line search needs converged values).
+    :param learning_subset: the number of training points the hyperparameters are learnt on: a random subset, drawn
+        with ``random_state`` and stratified by class (every class keeps its share), whose evidence is maximised before
+        the posterior is fitted on all the data at the learnt hyperparameters (subset-of-data type-II maximum likelihood,
+        R&W §8.3.3). ``"auto"`` (default): at most :data:`LEARNING_SUBSET_SIZE` (10 000) latent values
+        :math:`M C`, i.e. 1000 points for 10 classes, chosen by measurement (``benchmarks/README.md`` §13): each
+        evidence evaluation costs :math:`O(M^2 C)` instead of :math:`O(N^2 C)`, and the learnt kernel predicts as well
+        as one learnt on all the data there. ``None``: all the data. The rows used are ``learning_rows_``.
     :param max_time: seconds for learning the hyperparameters (``None``: no limit); learning stops after the evidence
         evaluation running when they have passed, keeping the best hyperparameters seen, and the final fit follows.
     :param random_state: seeds the unit-vector policy and the probe vectors of the matrix-free evidence
@@ -641,6 +713,7 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
     Fitted attributes: ``classes_``, ``n_classes_``, ``n_features_in_`` (``feature_names_in_``), ``inference_``
     (``"laplace"`` or ``"ep"``), ``model_`` (the GPyTorch ``ApproximateGP``; ``model_.variational_strategy`` is the
     :class:`~gpytorch_iterncgp.IterNCGPStrategy` or :class:`~gpytorch_iterncgp.EPStrategy`), ``likelihood_``, ``kernel_`` (the fitted kernel),
+    ``learning_rows_`` (the rows of ``X`` the hyperparameters were learnt on, or ``None``: all),
     ``fit_report_`` (the final :class:`~gpytorch_iterncgp.FitReport`; its text also says where the learning's time went), ``learning_report_`` (a :class:`LearningReport`: evidence evaluations, seconds in fits, evidence and gradients, why it stopped), ``loss_curve_`` (``-evidence / n``
     at every evaluation of the evidence: L-BFGS iterations and line-search trials, or Adam steps), ``solver_budget_`` (a dict: the ``policy``, ``max_solver_iterations`` and ``solver_tol``
     the strategy was given, ``exact``: whether every solve ran to full rank, and the ``rule`` that chose them).
@@ -666,6 +739,7 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
         optimizer_steps=ESTIMATOR_DEFAULTS.optimizer_steps,
         learning_rate=ESTIMATOR_DEFAULTS.learning_rate,
         learning_fit_steps=ESTIMATOR_DEFAULTS.learning_fit_steps,
+        learning_subset=ESTIMATOR_DEFAULTS.learning_subset,
         max_time=None,
         random_state=None,
         verbose=False,
@@ -686,6 +760,7 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
             optimizer_steps=optimizer_steps,
             learning_rate=learning_rate,
             learning_fit_steps=learning_fit_steps,
+            learning_subset=learning_subset,
             max_time=max_time,
             random_state=random_state,
             verbose=verbose,
@@ -720,7 +795,8 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
             likelihood = gpytorch.likelihoods.SoftmaxLikelihood(num_classes=self.n_classes_, mixing_weights=False)
         targets = torch.tensor(encoded, dtype=_DTYPE)
         batch_shape = self.kernel.batch_shape if self.kernel is not None else torch.Size([])
-        self._fit_model(X, targets, likelihood, gpytorch.means.ZeroMean(batch_shape=batch_shape), inference)
+        mean = gpytorch.means.ZeroMean(batch_shape=batch_shape)
+        self._fit_model(X, targets, likelihood, mean, inference, labels=encoded)
         return self
 
     def predict_proba(self, X, return_std=False):
@@ -814,6 +890,7 @@ class IterNCGPPoissonRegressor(RegressorMixin, _IterNCGPEstimator):
         optimizer_steps=ESTIMATOR_DEFAULTS.optimizer_steps,
         learning_rate=ESTIMATOR_DEFAULTS.learning_rate,
         learning_fit_steps=ESTIMATOR_DEFAULTS.learning_fit_steps,
+        learning_subset=ESTIMATOR_DEFAULTS.learning_subset,
         max_time=None,
         random_state=None,
         verbose=False,
@@ -834,6 +911,7 @@ class IterNCGPPoissonRegressor(RegressorMixin, _IterNCGPEstimator):
             optimizer_steps=optimizer_steps,
             learning_rate=learning_rate,
             learning_fit_steps=learning_fit_steps,
+            learning_subset=learning_subset,
             max_time=max_time,
             random_state=random_state,
             verbose=verbose,

@@ -21,6 +21,7 @@ import gpytorch
 import numpy as np
 import pytest
 import torch
+from linear_operator.utils.errors import NanError
 
 pytest.importorskip("sklearn", minversion="1.7")  # GaussianProcessClassifier.latent_mean_and_variance
 
@@ -351,11 +352,15 @@ def test_hyperparameter_learning_above_the_exact_evidence_size_is_adam():
     assert min(learnt.loss_curve_[-5:]) < learnt.loss_curve_[0] - 0.05
 
 
-@pytest.mark.parametrize("regime", ["exact (L-BFGS)", "matrix-free (Adam)"])
-def test_failing_evidence_keeps_the_best_hyperparameters(monkeypatch, regime):
-    """If the evidence fails after some evaluations (here: forced on the 4th call), learning stops with a
-    ConvergenceWarning and the model keeps the hyperparameters of the best evidence seen (recorded at every
-    call); a failure at the initial hyperparameters is raised."""
+@pytest.mark.parametrize(
+    "regime, failure",
+    [("exact (L-BFGS)", FloatingPointError), ("matrix-free (Adam)", FloatingPointError), ("matrix-free (Adam)", NanError)],
+)
+def test_failing_evidence_keeps_the_best_hyperparameters(monkeypatch, regime, failure):
+    """If the evidence fails after some evaluations (here: forced on the 4th call; linear_operator's CG raises a
+    ``NanError`` when a product with K is not finite), learning stops with a ConvergenceWarning and the model keeps the
+    hyperparameters of the best evidence seen (recorded at every call); a failure at the initial hyperparameters is
+    raised."""
     from sklearn.exceptions import ConvergenceWarning
 
     import gpytorch_iterncgp.integrations.sklearn as module
@@ -367,7 +372,7 @@ def test_failing_evidence_keeps_the_best_hyperparameters(monkeypatch, regime):
         def forward(self, function_dist, target, **kwargs):
             seen.append([p.detach().clone() for p in self.model.covar_module.parameters()])
             if len(seen) == fail_at:
-                raise FloatingPointError("forced")
+                raise failure("forced")
             return super().forward(function_dist, target, **kwargs)
 
     monkeypatch.setattr(module, "LaplaceMarginalLogLikelihood", FailingEvidence)
@@ -382,7 +387,7 @@ def test_failing_evidence_keeps_the_best_hyperparameters(monkeypatch, regime):
         torch.testing.assert_close(ours.detach(), theirs, rtol=0, atol=0)
     assert any(not torch.equal(a, b) for a, b in zip(seen[0], seen[2], strict=True))  # it did move
     fail_at, seen[:] = 1, []
-    with settings.exact_evidence_size(size), pytest.raises(FloatingPointError, match="forced"):
+    with settings.exact_evidence_size(size), pytest.raises(failure, match="forced"):
         IterNCGPClassifier(inference="laplace", optimizer_steps=10).fit(x, y)
 
 
@@ -429,6 +434,9 @@ def test_pickle_round_trip_predicts_without_refitting():
         (IterNCGPClassifier(max_newton_steps=0), np.zeros((2, 2)), [0, 1], "'max_newton_steps' parameter"),
         (IterNCGPClassifier(kernel="rbf"), np.zeros((2, 2)), [0, 1], "'kernel' parameter"),
         (IterNCGPClassifier(policy="random"), np.zeros((2, 2)), [0, 1], "'policy' parameter"),
+        (IterNCGPClassifier(learning_subset="all"), np.zeros((2, 2)), [0, 1], "'learning_subset' parameter"),
+        (IterNCGPClassifier(learning_subset=1), np.zeros((2, 2)), [0, 1], "'learning_subset' parameter"),
+        (IterNCGPPoissonRegressor(learning_subset=True), np.zeros((2, 1)), [1, 2], "'learning_subset' parameter"),
         (IterNCGPPoissonRegressor(), np.zeros((3, 1)), [1, -1, 2], "Some value\\(s\\) of y are negative"),
         (IterNCGPPoissonRegressor(), np.zeros((3, 1)), [1, np.nan, 2], "Input y contains NaN"),
         (IterNCGPPoissonRegressor(link="log"), np.zeros((2, 1)), [1, 2], "'link' parameter"),
