@@ -53,7 +53,6 @@ autodoc_preserve_defaults = True
 autodoc_inherit_docstrings = False  # torch.nn.Module's and GPyTorch's inherited docstrings are not ours
 
 
-
 def _skip_member(app, what, name, obj, skip, options):
     """scikit-learn's generated metadata-routing methods (``set_fit_request``, ...) are not ours."""
     if name.startswith("set_") and name.endswith("_request"):

@@ -69,8 +69,17 @@ grid = torch.cartesian_prod(grid_axis, grid_axis.flip(0) / 1.6 + 0.25)
 
 def run(policy):
     likelihood = gpytorch.likelihoods.BernoulliLikelihood()
-    model = Model(train_x, train_y, likelihood, policy=policy, max_solver_iterations=5, outer_tol=0.0, abs_tol=0.0,
-                  rel_tol=0.0, show_progress=False)
+    model = Model(
+        train_x,
+        train_y,
+        likelihood,
+        policy=policy,
+        max_solver_iterations=5,
+        outer_tol=0.0,
+        abs_tol=0.0,
+        rel_tol=0.0,
+        show_progress=False,
+    )
     strategy = model.variational_strategy
     curve, snapshots, products = [], {}, 0
     while products < max(BUDGETS):
@@ -91,15 +100,26 @@ def run(policy):
 cg_snapshots, cg_curve = run("cg")
 unit_snapshots, unit_curve = run("unit")
 for budget in BUDGETS:
-    print(f"{budget:4d} products with K: test NLL CG {cg_snapshots[budget][2]:.3f}, "
-          f"unit vectors {unit_snapshots[budget][2]:.3f}")
+    print(
+        f"{budget:4d} products with K: test NLL CG {cg_snapshots[budget][2]:.3f}, "
+        f"unit vectors {unit_snapshots[budget][2]:.3f}"
+    )
 
 # %%
 # The exact Laplace approximation, for reference: unit-vector actions over all N points with no early stop are a
 # Cholesky factorisation, solved to convergence at every Newton step.
-exact = Model(train_x, train_y, gpytorch.likelihoods.BernoulliLikelihood(), policy="unit",
-              max_solver_iterations=NUM_TRAIN, abs_tol=0.0, rel_tol=0.0, outer_tol=1e-8, max_newton_steps=50,
-              show_progress=False)
+exact = Model(
+    train_x,
+    train_y,
+    gpytorch.likelihoods.BernoulliLikelihood(),
+    policy="unit",
+    max_solver_iterations=NUM_TRAIN,
+    abs_tol=0.0,
+    rel_tol=0.0,
+    outer_tol=1e-8,
+    max_newton_steps=50,
+    show_progress=False,
+)
 print(exact.variational_strategy.fit())
 with torch.no_grad():
     exact_nll = bernoulli_nll(exact.variational_strategy.predictive_probabilities(test_x), test_y)
@@ -116,10 +136,18 @@ fig, axes = plt.subplots(2, len(BUDGETS), figsize=(3.2 * len(BUDGETS), 5.6), sha
 shape = (RESOLUTION, RESOLUTION)
 for column, budget in enumerate(BUDGETS):
     probs, std, _ = cg_snapshots[budget]
-    axes[0, column].contourf(grid[:, 0].reshape(shape), grid[:, 1].reshape(shape), probs.reshape(shape), levels=20,
-                             cmap="RdBu_r", vmin=0, vmax=1)
-    axes[1, column].contourf(grid[:, 0].reshape(shape), grid[:, 1].reshape(shape), std.reshape(shape), levels=20,
-                             cmap="viridis")
+    axes[0, column].contourf(
+        grid[:, 0].reshape(shape),
+        grid[:, 1].reshape(shape),
+        probs.reshape(shape),
+        levels=20,
+        cmap="RdBu_r",
+        vmin=0,
+        vmax=1,
+    )
+    axes[1, column].contourf(
+        grid[:, 0].reshape(shape), grid[:, 1].reshape(shape), std.reshape(shape), levels=20, cmap="viridis"
+    )
     axes[0, column].set_title(f"CG, {budget} products with K")
     for row in range(2):
         axes[row, column].scatter(*train_x.T, c=train_y, cmap="RdBu_r", s=6, edgecolors="k", linewidths=0.3)

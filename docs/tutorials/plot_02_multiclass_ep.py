@@ -36,8 +36,11 @@ train_x, train_y, test_x, test_y = gaussian_mixture(NUM_TRAIN, NUM_TEST, num_cla
 
 class Model(gpytorch.models.ApproximateGP):
     def __init__(self, strategy_class, likelihood, **options):
-        super().__init__(strategy_class(self, train_x, train_y, likelihood, policy="cg", max_solver_iterations=5,
-                                        show_progress=False, **options))
+        super().__init__(
+            strategy_class(
+                self, train_x, train_y, likelihood, policy="cg", max_solver_iterations=5, show_progress=False, **options
+            )
+        )
         self.mean_module = gpytorch.means.ZeroMean()
         self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=1.5))
         self.covar_module.base_kernel.lengthscale = 0.3
@@ -51,8 +54,11 @@ class Model(gpytorch.models.ApproximateGP):
 # Laplace with the softmax, and EP with the multinomial probit
 # ------------------------------------------------------------
 # Both get at most 5 CG iterations (products with K) per Newton step or EP sweep, with recycled actions.
-laplace = Model(IterNCGPStrategy, gpytorch.likelihoods.SoftmaxLikelihood(num_classes=NUM_CLASSES, mixing_weights=False),
-                max_newton_steps=SWEEPS)
+laplace = Model(
+    IterNCGPStrategy,
+    gpytorch.likelihoods.SoftmaxLikelihood(num_classes=NUM_CLASSES, mixing_weights=False),
+    max_newton_steps=SWEEPS,
+)
 print(laplace.variational_strategy.fit())
 ep = Model(EPStrategy, MultinomialProbitLikelihood(num_classes=NUM_CLASSES), max_sweeps=SWEEPS)
 print(ep.variational_strategy.fit())

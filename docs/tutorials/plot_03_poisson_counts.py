@@ -76,8 +76,18 @@ def poisson_nll(mean, variance, counts):
 # iterations spent so far. The tolerances are 0 so that the whole budget is spent.
 curves, models = {}, {}
 for per_step in SCHEDULES:
-    model = Model(train_x[:, None], train_y, ExpPoissonLikelihood(), policy="cg", max_solver_iterations=per_step,
-                  max_newton_steps=BUDGET // per_step, outer_tol=0.0, abs_tol=0.0, rel_tol=0.0, show_progress=False)
+    model = Model(
+        train_x[:, None],
+        train_y,
+        ExpPoissonLikelihood(),
+        policy="cg",
+        max_solver_iterations=per_step,
+        max_newton_steps=BUDGET // per_step,
+        outer_tol=0.0,
+        abs_tol=0.0,
+        rel_tol=0.0,
+        show_progress=False,
+    )
     strategy = model.variational_strategy
     curve, spent = [], 0
 

@@ -42,8 +42,11 @@ train_y, test_y = torch.as_tensor(y_train, dtype=torch.float64), torch.as_tensor
 
 class Model(gpytorch.models.ApproximateGP):
     def __init__(self, train_x, train_y, likelihood):
-        super().__init__(IterNCGPStrategy(self, train_x, train_y, likelihood, policy="cg", max_solver_iterations=10,
-                                          show_progress=False))
+        super().__init__(
+            IterNCGPStrategy(
+                self, train_x, train_y, likelihood, policy="cg", max_solver_iterations=10, show_progress=False
+            )
+        )
         self.mean_module = gpytorch.means.ZeroMean()
         self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel())
         self.covar_module.base_kernel.lengthscale = math.sqrt(train_x.shape[1])
@@ -71,17 +74,26 @@ for _ in range(STEPS):
     loss = -mll(model(train_x), train_y)
     loss.backward()
     optimizer.step()
-    history.append((loss.item() * len(train_y), model.covar_module.base_kernel.lengthscale.item(),
-                    model.covar_module.outputscale.item()))
-print(f"after {STEPS} Adam steps: log evidence {-history[-1][0]:.2f}, lengthscale {history[-1][1]:.2f}, "
-      f"outputscale {history[-1][2]:.2f}")
+    history.append(
+        (
+            loss.item() * len(train_y),
+            model.covar_module.base_kernel.lengthscale.item(),
+            model.covar_module.outputscale.item(),
+        )
+    )
+print(
+    f"after {STEPS} Adam steps: log evidence {-history[-1][0]:.2f}, lengthscale {history[-1][1]:.2f}, "
+    f"outputscale {history[-1][2]:.2f}"
+)
 
 # %%
 # scikit-learn's Laplace GP classifier with the same kernel family, its hyperparameters by L-BFGS:
 kernel = ConstantKernel(1.0, (1e-3, 1e4)) * RBF(math.sqrt(train_x.shape[1]), (1e-2, 1e3))
 gpc = GaussianProcessClassifier(kernel, random_state=0).fit(train_x.numpy(), y_train)
-print(f"scikit-learn: log evidence {gpc.log_marginal_likelihood_value_:.2f}, "
-      f"lengthscale {gpc.kernel_.k2.length_scale:.2f}, outputscale {gpc.kernel_.k1.constant_value:.2f}")
+print(
+    f"scikit-learn: log evidence {gpc.log_marginal_likelihood_value_:.2f}, "
+    f"lengthscale {gpc.kernel_.k2.length_scale:.2f}, outputscale {gpc.kernel_.k1.constant_value:.2f}"
+)
 
 
 def nll(probabilities, labels):
@@ -92,8 +104,10 @@ def nll(probabilities, labels):
 model.eval()
 with torch.no_grad():
     probabilities = model.variational_strategy.predictive_probabilities(test_x)
-print(f"test NLL: IterNCGP {nll(probabilities, test_y):.3f}, "
-      f"scikit-learn {nll(torch.as_tensor(gpc.predict_proba(test_x.numpy())[:, 1]), test_y):.3f}")
+print(
+    f"test NLL: IterNCGP {nll(probabilities, test_y):.3f}, "
+    f"scikit-learn {nll(torch.as_tensor(gpc.predict_proba(test_x.numpy())[:, 1]), test_y):.3f}"
+)
 
 # %%
 # The evidence and the hyperparameters along the optimisation; the dashed line is scikit-learn's optimum. At the

@@ -55,11 +55,15 @@ def periodic_kernel(period):
     return kernel.requires_grad_(False)
 
 
-model = GPALPS([periodic_kernel(period) for period in CANDIDATE_PERIODS],
-               torch.linspace(0, NUM_TRAIN - 1, 12, dtype=DTYPE)[:, None], num_outputs=NUM_OUTPUTS,
-               variational_family="spike_and_slab").double()
-likelihood = gpytorch.likelihoods.MultitaskGaussianLikelihood(num_tasks=NUM_OUTPUTS, rank=0,
-                                                              has_global_noise=False).double()
+model = GPALPS(
+    [periodic_kernel(period) for period in CANDIDATE_PERIODS],
+    torch.linspace(0, NUM_TRAIN - 1, 12, dtype=DTYPE)[:, None],
+    num_outputs=NUM_OUTPUTS,
+    variational_family="spike_and_slab",
+).double()
+likelihood = gpytorch.likelihoods.MultitaskGaussianLikelihood(
+    num_tasks=NUM_OUTPUTS, rank=0, has_global_noise=False
+).double()
 likelihood.task_noises = torch.ones(NUM_OUTPUTS, dtype=DTYPE)
 
 # %%
@@ -81,8 +85,15 @@ print("selected periods:", [CANDIDATE_PERIODS[j] for j in torch.nonzero(model.se
 
 # %%
 # The exact Gibbs sampler over the gates (the latents marginalised when a gate is drawn), the reference for VI:
-gibbs = gibbs_sample_model(model, likelihood, t[train], y[train], num_samples=SWEEPS, burn_in=BURN_IN,
-                           generator=torch.Generator().manual_seed(2))
+gibbs = gibbs_sample_model(
+    model,
+    likelihood,
+    t[train],
+    y[train],
+    num_samples=SWEEPS,
+    burn_in=BURN_IN,
+    generator=torch.Generator().manual_seed(2),
+)
 print("Gibbs, p(b_j = 1):", [f"{p:.3f}" for p in gibbs.activation_probabilities.tolist()])
 
 # %%
