@@ -25,7 +25,7 @@ import torch
 from gpytorch_iterncgp import ExpPoissonLikelihood, IterNCGPStrategy
 
 SMOKE = os.environ.get("GPYTORCH_ITERNCGP_SMOKE", "0") not in ("", "0")
-NUM_TRAIN, NUM_TEST, BUDGET = (50, 200, 20) if SMOKE else (100, 1000, 100)
+NUM_TRAIN, NUM_TEST, BUDGET = (50, 200, 40) if SMOKE else (100, 1000, 100)
 SCHEDULES = (1, 5, 20)  # solver iterations per Newton step
 DTYPE = torch.float64
 
