@@ -1,3 +1,3 @@
 r"""Marginal log likelihoods for learning hyperparameters, in GPyTorch's ``mll(output, target)`` idiom:
-:mod:`.itergp` (Laplace's and EP's evidence), :mod:`.sparse` (the EP-DTC bound), :mod:`.uncertain` (the bound with
+:mod:`~gpytorch_iterncgp.mlls.itergp` (Laplace's and EP's evidence), :mod:`~gpytorch_iterncgp.mlls.sparse` (the EP-DTC bound), :mod:`~gpytorch_iterncgp.mlls.uncertain` (the bound with
 uncertain inputs)."""

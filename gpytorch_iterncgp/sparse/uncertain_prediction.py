@@ -1,7 +1,7 @@
 r"""The predictive of sparse EP at *uncertain* test inputs :math:`\mathbf x_* \sim \mathcal N(\boldsymbol\mu_*,
 \operatorname{diag}\mathbf s_*)`, moment-matched (Girard et al. 2003; Titsias & Lawrence 2010, sec. 3.3).
 
-The EP posterior of :mod:`.uncertain` lives in the whitened inducing space: with :math:`\mathbf u = \mathbf L
+The EP posterior of :mod:`gpytorch_iterncgp.sparse.uncertain` lives in the whitened inducing space: with :math:`\mathbf u = \mathbf L
 \mathbf z` (:math:`\mathbf L\mathbf L^\top = \mathbf K_{uu}`, jittered as in
 :func:`~gpytorch_iterncgp.sparse.dtc.inducing_cholesky`), :math:`q(\mathbf z) = \mathcal N(\bar{\mathbf z},
 \mathbf B^{-1})`, :math:`\mathbf B = \mathbf L_B\mathbf L_B^\top` (eq. S.22-S.25). At a *known* test input the

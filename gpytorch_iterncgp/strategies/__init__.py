@@ -1,3 +1,3 @@
 r"""The GPyTorch-facing layer: strategies that replace a ``VariationalStrategy``, so that ``likelihood(model(x))``
-gives the approximate posterior's predictive. :mod:`.itergp`: Laplace and EP with IterGP's posterior;
-:mod:`.sparse`: sparse EP-DTC."""
+gives the approximate posterior's predictive. :mod:`~gpytorch_iterncgp.strategies.itergp`: Laplace and EP with IterGP's posterior;
+:mod:`~gpytorch_iterncgp.strategies.sparse`: sparse EP-DTC."""

@@ -348,10 +348,11 @@ class OuterLoopStrategy(gpytorch.Module):
     def set_extra_state(self, extra: dict) -> None:
         """Restore :meth:`get_extra_state`.
 
-        :raises ValueError: if the saved state is malformed (missing entries, shapes that disagree).
         A state saved for other training data (another size, or a different hash) is discarded with a
         ``UserWarning``: the hyperparameters still load, and the next ``fit()`` or prediction starts from the
         prior instead of predicting with weights fitted to other data.
+
+        :raises ValueError: if the saved state is malformed (missing entries, shapes that disagree).
         """
         name = type(self).__name__
         if not isinstance(extra, dict):
