@@ -33,6 +33,7 @@ from torch import Tensor
 
 from .. import settings
 from .kernel_products import fused_kernel_matmul
+from .sharding import RowShardedKernel, ShardedKernelMatrix
 
 SINGLE, SHARED, INDEPENDENT, MULTITASK = "single", "shared", "independent", "multitask"
 
@@ -142,6 +143,30 @@ def _chunked_matmul(covariance: LinearOperator, rhs: Tensor, chunk_rows: int) ->
     rows = covariance.shape[-2]
     blocks = [covariance[..., start : start + chunk_rows, :].to_dense() @ rhs for start in range(0, rows, chunk_rows)]
     return torch.cat(blocks, dim=-2)
+
+
+def _kernel_matmul(covariance: LinearOperator, rhs: Tensor, chunk_rows: int) -> Tensor:
+    """``covariance @ rhs``: cached (and narrow products from the left) up to the dense limit, fused for RBF and
+    Matérn kernels above it (``chunk_rows`` > 0), chunked otherwise."""
+    if not chunk_rows:
+        narrow = _narrow_symmetric_matmul(covariance, rhs)
+        return covariance.matmul(rhs) if narrow is None else narrow
+    fused = fused_kernel_matmul(covariance, rhs)  # RBF / Matérn: never forms K
+    return _chunked_matmul(covariance, rhs, chunk_rows) if fused is None else fused
+
+
+def _local_matmul(rows: LinearOperator, rhs: Tensor) -> Tensor:
+    """One rank's rows of a sharded product, by the products of one process (:func:`_kernel_matmul`)."""
+    return _kernel_matmul(rows, rhs, 0 if torch.is_grad_enabled() else _chunk_rows(rows))
+
+
+def _sharded(covariance: LinearOperator) -> ShardedKernelMatrix | None:
+    """The row-sharded matrix of a :class:`~gpytorch_iterncgp.core.sharding.RowShardedKernel` (without gradients;
+    evaluating it forms nothing), ``None`` for any other covariance."""
+    if not isinstance(covariance, LazyEvaluatedKernelTensor) or not isinstance(covariance.kernel, RowShardedKernel):
+        return None
+    evaluated = covariance.evaluate_kernel()
+    return evaluated if isinstance(evaluated, ShardedKernelMatrix) else None
 
 
 class LatentPrior:
@@ -255,11 +280,10 @@ class LatentPrior:
         num, width = self.num_latents, rhs.shape[-1]
 
         def multiply(matrix: Tensor) -> Tensor:
-            if not chunk_rows:
-                narrow = _narrow_symmetric_matmul(self.covariance, matrix)
-                return self.covariance.matmul(matrix) if narrow is None else narrow
-            fused = fused_kernel_matmul(self.covariance, matrix)  # RBF / Matérn: never forms K
-            return _chunked_matmul(self.covariance, matrix, chunk_rows) if fused is None else fused
+            sharded = _sharded(self.covariance)
+            if sharded is not None:  # each rank its rows, by the products below; then gathered
+                return sharded.sharded_matmul(_local_matmul, matrix)
+            return _kernel_matmul(self.covariance, matrix, chunk_rows)
 
         if self.layout in (SINGLE, MULTITASK):
             return multiply(rhs)
