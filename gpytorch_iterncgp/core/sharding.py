@@ -140,7 +140,8 @@ class ShardedKernelMatrix(LinearOperator):
             raise RuntimeError(
                 f"ShardedKernel: rank {self.rank} of {self.world_size} could not gather the other ranks' rows of a "
                 f"kernel product ({type(error).__name__}: {error}). Another rank failed or stopped taking part "
-                "(each waits at most the timeout= given to torch.distributed.init_process_group). The strategy "
+                "(each waits at most the timeout= given to torch.distributed.init_process_group, or to new_group for "
+                "a process_group). Every rank must take part in every product, predictions included. The strategy "
                 "keeps the state of the last completed step: save its state_dict() and resume from it."
             ) from error
         sent = padded.numel() * padded.element_size() * (self.world_size - 1)  # its block to each other rank

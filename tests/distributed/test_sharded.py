@@ -158,3 +158,28 @@ def test_a_product_before_init_process_group_names_the_fix():
     kernel = ShardedKernel(gpytorch.kernels.RBFKernel())
     with torch.no_grad(), pytest.raises(RuntimeError, match="init_process_group"):
         kernel(torch.rand(5, 1)).to_dense()
+
+
+@pytest.mark.slow
+def test_distributed_example_runs_on_two_processes(tmp_path):
+    """``torchrun --nproc-per-node 2 examples/distributed_classification.py --smoke`` (gloo) ends with rank 0's
+    state_dict loaded into a single-process model with the same posterior means, and its figure."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(_free_port()),
+    ]
+    script = [str(root / "examples" / "distributed_classification.py"), "--smoke", "--quiet", "--out", str(tmp_path)]
+    result = subprocess.run(command + script, cwd=root, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    difference = float(result.stdout.split("max |difference of posterior means| ")[1].split()[0])
+    assert difference < 1e-10
+    assert (tmp_path / "distributed_classification.png").stat().st_size > 10_000
