@@ -9,7 +9,8 @@ never cached). Three configurations, each in fresh processes spawned here: one p
 with two threads, and two processes (gloo on localhost, ``ShardedKernel``) with one thread each. Each times, after
 a warm-up product (which compiles the tile), ``--products`` products with one action (an ``(N C, 1)`` right-hand
 side, as a CG iteration takes) and a fit of ``--steps`` Newton steps (CG, 5 products per step, R = 10), and counts
-the bytes each rank sent per product. ``OMP_WAIT_POLICY=PASSIVE`` (``benchmarks/README.md`` §3). Writes
+the bytes each rank sent per product; with two processes also the two parts of a product on each rank (its rows,
+and the ``all_gather``, which includes the wait for the slower rank). ``OMP_WAIT_POLICY=PASSIVE`` (``benchmarks/README.md`` §3). Writes
 ``results/distributed.json`` and ``.png`` (with the machine and its load average) and prints a table.
 """
 
@@ -92,6 +93,20 @@ def worker(rank: int, world_size: int, port: int, threads: int, options: dict, d
             start = time.perf_counter()
             prior.matmul(rhs)
             seconds.append(time.perf_counter() - start)
+        local_seconds, gather_seconds = [], []
+        if sharded:  # the two parts of a sharded product: this rank's rows, and the all_gather (waits included)
+            from gpytorch_iterncgp.core.prior import _local_matmul, _sharded
+
+            matrix = _sharded(prior.covariance)
+            shared_rhs = rhs.reshape(num, classes)
+            for _ in range(options["products"]):
+                barrier()
+                start = time.perf_counter()
+                local = _local_matmul(matrix.local_rows, shared_rhs)
+                middle = time.perf_counter()
+                matrix.gather(local)
+                local_seconds.append(middle - start)
+                gather_seconds.append(time.perf_counter() - middle)
         barrier()
         report = strategy.fit(max_newton_steps=options["steps"])
     kernel = model.covar_module
@@ -104,9 +119,10 @@ def worker(rank: int, world_size: int, port: int, threads: int, options: dict, d
         "fit_product_seconds": report.kernel_product_seconds,
         "seconds_per_newton_step": report.wall_time / max(1, report.steps),
         "bytes_sent_per_product": kernel.bytes_sent / kernel.products if sharded else 0,
+        "local_rows_median_seconds": statistics.median(local_seconds) if sharded else None,
+        "all_gather_median_seconds": statistics.median(gather_seconds) if sharded else None,
     }
-    if rank == 0:
-        (Path(directory) / "result.json").write_text(json.dumps(result))
+    (Path(directory) / f"result{rank}.json").write_text(json.dumps(result))
     if sharded:
         dist.destroy_process_group()
 
@@ -115,7 +131,13 @@ def run_configuration(processes: int, threads: int, options: dict) -> dict:
     with tempfile.TemporaryDirectory() as directory:
         args = (processes, _free_port(), threads, options, directory)
         mp.start_processes(worker, args=args, nprocs=processes, start_method="spawn")
-        return json.loads((Path(directory) / "result.json").read_text())
+        ranks = [json.loads((Path(directory) / f"result{rank}.json").read_text()) for rank in range(processes)]
+    result = dict(ranks[0])  # the fit's timings are rank 0's (every rank waits for the slowest in each product)
+    result["per_rank"] = [
+        {key: rank[key] for key in ("product_median_seconds", "local_rows_median_seconds", "all_gather_median_seconds")}
+        for rank in ranks
+    ]
+    return result
 
 
 def plot(results: dict, path: Path) -> None:
@@ -164,7 +186,8 @@ def main() -> None:
         print(
             f"{label:28s} product {entry['product_median_seconds']:.3f} s, Newton step "
             f"{entry['seconds_per_newton_step']:.3f} s ({entry['fit_product_seconds'] / max(1, entry['newton_steps']):.3f} s"
-            f" in products), {entry['bytes_sent_per_product'] / 1024:.1f} KiB sent per product and rank",
+            f" in products), {entry['bytes_sent_per_product'] / 1024:.1f} KiB sent per product and rank; per rank "
+            f"(rows, all_gather): {[(r['local_rows_median_seconds'], r['all_gather_median_seconds']) for r in entry['per_rank']]}",
             flush=True,
         )
     results["load_average_after"] = os.getloadavg()
