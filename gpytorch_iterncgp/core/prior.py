@@ -316,17 +316,24 @@ class LatentPrior:
         else:
             points, latents = indices // num, indices % num
             unique, inverse = points.unique(return_inverse=True)
-            covariance = self.covariance
-            cache = getattr(covariance, "_memoize_cache", {})
-            if isinstance(covariance, LazyEvaluatedKernelTensor) and any(key[0] == "kernel_eval" for key in cache):
-                covariance = covariance.evaluate_kernel()  # already evaluated by a product: read its columns
-            kernel = covariance[..., :, unique].to_dense()  # (N, u), or (C, N, u) for independent GPs
+            kernel = self._point_columns(unique)  # (N, u), or (C, N, u) for independent GPs
             picked = kernel[:, inverse] if self.layout != INDEPENDENT else kernel[latents, :, inverse].mT
             block = picked.new_zeros(picked.shape[0], num, len(indices))
             block[:, latents, torch.arange(len(indices), device=self.device)] = picked
             block = block.reshape(-1, len(indices))
         self.product_seconds += self._clock() - start
         return block
+
+    def _point_columns(self, points: Tensor) -> Tensor:
+        """The kernel's columns at ``points`` ``(u,)``, ``(*batch, N, u)`` (sharded by rows for a sharded kernel)."""
+        covariance = self.covariance
+        sharded = _sharded(covariance)
+        if sharded is not None:
+            return sharded.sharded_columns(points)
+        cache = getattr(covariance, "_memoize_cache", {})
+        if isinstance(covariance, LazyEvaluatedKernelTensor) and any(key[0] == "kernel_eval" for key in cache):
+            covariance = covariance.evaluate_kernel()  # already evaluated by a product: read its columns
+        return covariance[..., :, points].to_dense()
 
     def diagonal(self) -> Tensor:
         """The prior variances, data-major ``(N C,)`` (square blocks only)."""

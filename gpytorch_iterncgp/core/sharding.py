@@ -123,6 +123,19 @@ class ShardedKernelMatrix(LinearOperator):
             local = rhs.new_zeros(*batch, 0, rhs.shape[-1])
         return self.gather(local)
 
+    def sharded_columns(self, points: Tensor) -> Tensor:
+        r"""The columns :math:`\mathbf K_{:, \text{points}}` ``(*batch, N C, u)`` for column points ``points`` ``(u,)``:
+        this rank's rows of them (read from its cached rows where a product has evaluated them), then :meth:`gather`."""
+        start, stop = self.bounds[self.rank]
+        if stop > start:
+            rows = self.local_rows
+            if any(key[0] == "kernel_eval" for key in getattr(rows, "_memoize_cache", {})):
+                rows = rows.evaluate_kernel()
+            local = rows[..., :, points].to_dense()
+        else:
+            local = self.x1.new_zeros(*self.batch_shape, 0, len(points))
+        return self.gather(local)
+
     def gather(self, local: Tensor) -> Tensor:
         r"""The rows of all ranks, ``(*batch, N C, k)``, from this rank's ``(*batch, |I_p| C, k)``: one ``all_gather``
         (blocks padded to :math:`\lceil N / P \rceil` points, so that every rank sends a tensor of one shape).

@@ -29,6 +29,7 @@ STEP_OF_SAVE = 2  # Newton steps / EP sweeps after which a state_dict is saved
 FAULT_TIMEOUT = datetime.timedelta(seconds=5)  # the faulty scenario's process group: what a rank waits for another
 SOLVER = {"policy": "cg", "max_solver_iterations": 5, "recycle": True, "compression_rank": 10}
 FIT_STEPS = {"laplace": 6, "ep": 4}  # Newton steps, EP sweeps
+COLUMNS = torch.tensor([0, 7, 8, 150, 302])  # data-major indices of kernel columns (points 0, 2, 50, 100)
 
 
 def data(kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -122,7 +123,25 @@ def products(rank: int) -> dict[str, torch.Tensor]:
                         product = prior.matmul(rhs)
             out[f"product_{batch}_{limit}"] = product
             out[f"bytes_{batch}_{limit}"] = torch.tensor(prior.covariance.evaluate_kernel().bytes_sent)
+            with torch.no_grad():  # the columns that sparse actions take, from the rows of each rank
+                out[f"columns_{batch}_{limit}"] = prior.kernel_columns(COLUMNS)
+    # correlated outputs: a multitask kernel (3 rows per point), its products by points
+    multitask = ShardedKernel(multitask_kernel())
+    distribution = gpytorch.distributions.MultitaskMultivariateNormal(
+        torch.zeros(101, 3, dtype=torch.float64), multitask(x), interleaved=True
+    )
+    with torch.no_grad():
+        out["product_multitask"] = LatentPrior.from_distribution(distribution, 3).matmul(rhs)
     return out
+
+
+def multitask_kernel() -> gpytorch.kernels.MultitaskKernel:
+    """Three correlated outputs, task covariance B = F F^T + diag(v) with fixed F and v (GPyTorch draws both at
+    random)."""
+    kernel = gpytorch.kernels.MultitaskKernel(gpytorch.kernels.RBFKernel(), num_tasks=3, rank=1).double()
+    kernel.task_covar_module.covar_factor.data = torch.tensor([[1.0], [-0.5], [0.3]], dtype=torch.float64)
+    kernel.task_covar_module.var = torch.tensor([0.5, 0.2, 0.1], dtype=torch.float64)
+    return kernel
 
 
 def run(rank: int, directory: Path) -> dict:

@@ -76,7 +76,8 @@ def single_process() -> dict:
 
 
 def test_sharded_products_equal_the_dense_product(ranks):
-    """K R through the fits' dispatch (cached rows; fused tiles), gathered on both ranks, against GPyTorch's dense K."""
+    """K R through the fits' dispatch (cached rows; fused tiles) and the kernel columns of sparse actions, gathered on
+    both ranks, against GPyTorch's dense K; one kernel, one per class (batch [3]), and a multitask kernel."""
     generator = torch.Generator().manual_seed(3)
     x = torch.rand(101, 2, generator=generator, dtype=torch.float64)
     rhs = torch.randn(101 * 3, 4, generator=generator, dtype=torch.float64)
@@ -92,6 +93,13 @@ def test_sharded_products_equal_the_dense_product(ranks):
                 _assert_close(result[f"product_{batch}_{limit}"], expected[batch], f"batch {batch}, limit {limit}")
                 # each rank sends its padded block of ceil(101 / 2) points x 3 latents x 4 columns, float64, once
                 assert int(result[f"bytes_{batch}_{limit}"]) == 51 * 12 * 8 * (WORLD_SIZE - 1)
+                columns = torch.zeros(303, len(scenarios.COLUMNS), dtype=torch.float64)  # K ⊗ I_3, data-major
+                for column, index in enumerate(scenarios.COLUMNS.tolist()):
+                    columns[index % 3 :: 3, column] = dense[:, index // 3]
+                _assert_close(result[f"columns_{batch}_{limit}"], columns, f"columns, batch {batch}, limit {limit}")
+        multitask = scenarios.multitask_kernel()
+        with torch.no_grad():
+            _assert_close(result["product_multitask"], multitask(x).to_dense() @ rhs, "multitask")
 
 
 @pytest.mark.parametrize("kind", ["laplace", "ep"])
@@ -144,10 +152,11 @@ def test_the_wrapper_keeps_the_wrapped_kernels_state_dict_keys():
     assert saved.keys() == kernel.state_dict().keys()
     plain = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=1.5)).double()
     plain.load_state_dict(saved)
-    assert float(plain.outputscale) == pytest.approx(3.0) and float(plain.base_kernel.lengthscale) == pytest.approx(0.2)
+    assert float(plain.outputscale.detach()) == pytest.approx(3.0)
+    assert float(plain.base_kernel.lengthscale.detach()) == pytest.approx(0.2)
     other = ShardedKernel(gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=1.5)).double())
     other.load_state_dict(kernel.state_dict())
-    assert float(other.base_kernel.outputscale) == pytest.approx(3.0)
+    assert float(other.base_kernel.outputscale.detach()) == pytest.approx(3.0)
 
 
 def test_a_product_before_init_process_group_names_the_fix():
