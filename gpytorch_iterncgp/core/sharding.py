@@ -88,6 +88,7 @@ class ShardedKernelMatrix(LinearOperator):
         self.local_rows = LazyEvaluatedKernelTensor(x1[..., start:stop, :], x2, kernel=kernel, **params)
         self.full = LazyEvaluatedKernelTensor(x1, x2, kernel=kernel, **params)
         self.bytes_sent = 0  # entries of products this rank sent to the others, in bytes
+        self._checked = False  # whether the ranks' inputs were found equal (check_same_inputs)
 
     def _size(self) -> torch.Size:
         return self.full.shape
@@ -115,6 +116,7 @@ class ShardedKernelMatrix(LinearOperator):
         r""":math:`\mathbf K \mathbf R` for ``rhs`` ``(*batch, M C, k)``: ``local_matmul(local_rows, rhs)`` on this
         rank's rows :math:`\mathcal I_p` (:attr:`local_rows`, a lazily evaluated kernel ``(*batch, |I_p| C, M C)``),
         then :meth:`gather`."""
+        self.check_same_inputs()
         start, stop = self.bounds[self.rank]
         if stop > start:
             local = local_matmul(self.local_rows, rhs)
@@ -123,9 +125,33 @@ class ShardedKernelMatrix(LinearOperator):
             local = rhs.new_zeros(*batch, 0, rhs.shape[-1])
         return self.gather(local)
 
+    def check_same_inputs(self) -> None:
+        """Check once (one ``all_gather`` of a few numbers) that every rank has the same inputs and kernel
+        hyperparameters: each computes its rows with its own, so ranks that differ would assemble a product of no
+        kernel at all.
+
+        :raises ValueError: naming the fix, on every rank, if they differ.
+        """
+        if self._checked:
+            return
+        with torch.no_grad():
+            summary = [self.x1.sum(), self.x1.square().sum(), self.x2.sum(), self.x2.square().sum()]
+            summary += [parameter.sum() for parameter in self.kernel.parameters()]
+            local = torch.stack([value.to(torch.float64) for value in summary])
+        ranks = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.all_gather(ranks, local, group=self.process_group)
+        if not all(torch.allclose(other, local, rtol=1e-6, atol=0) for other in ranks):
+            raise ValueError(
+                f"ShardedKernel: the ranks differ in their inputs or kernel hyperparameters (rank {self.rank} of "
+                f"{self.world_size}). Every process must build the same model on the same data: seed the data, load "
+                "the same files and the same state_dict on every rank."
+            )
+        self._checked = True
+
     def sharded_columns(self, points: Tensor) -> Tensor:
         r"""The columns :math:`\mathbf K_{:, \text{points}}` ``(*batch, N C, u)`` for column points ``points`` ``(u,)``:
         this rank's rows of them (read from its cached rows where a product has evaluated them), then :meth:`gather`."""
+        self.check_same_inputs()
         start, stop = self.bounds[self.rank]
         if stop > start:
             rows = self.local_rows

@@ -141,6 +141,11 @@ def test_a_failing_rank_makes_the_other_fail_within_the_timeout(ranks, single_pr
         _assert_close(scenarios.summary(resumed, "laplace")[name], expected, f"laplace {name}, resumed after a fault")
 
 
+def test_ranks_with_different_data_fail_naming_the_fix(ranks):
+    for result in ranks:
+        assert result["mismatch"] is not None and "same model on the same data" in result["mismatch"]
+
+
 def test_the_wrapper_keeps_the_wrapped_kernels_state_dict_keys():
     """``ShardedKernel(k).state_dict()`` has ``k``'s keys and values, and each loads into the other."""
     from gpytorch_iterncgp.distributed import ShardedKernel
