@@ -26,7 +26,7 @@ from tests.common import IterNCGPModel, binary_data, multiclass_data
 NUM_DATA = 240
 NUM_CLASSES = 3
 STEP_OF_SAVE = 2  # Newton steps / EP sweeps after which a state_dict is saved
-FAULT_TIMEOUT = datetime.timedelta(seconds=5)  # the faulty scenario's process group: what a rank waits for another
+FAULT_TIMEOUT = datetime.timedelta(seconds=3)  # the faulty scenario's process group: what a rank waits for another
 SOLVER = {"policy": "cg", "max_solver_iterations": 5, "recycle": True, "compression_rank": 10}
 FIT_STEPS = {"laplace": 6, "ep": 4}  # Newton steps, EP sweeps
 COLUMNS = torch.tensor([0, 7, 8, 150, 302])  # data-major indices of kernel columns (points 0, 2, 50, 100)

@@ -197,3 +197,23 @@ def test_distributed_example_runs_on_two_processes(tmp_path):
     difference = float(result.stdout.split("max |difference of posterior means| ")[1].split()[0])
     assert difference < 1e-10
     assert (tmp_path / "distributed_classification.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_distributed_benchmark_smoke_run_writes_results(tmp_path):
+    """``benchmarks/distributed.py --smoke``: three configurations, the same fit in each (as many products), and each
+    of the two ranks sends its rows of one action's product: 500 points x 10 classes in float32."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    command = [sys.executable, "distributed.py", "--smoke", "--out", str(tmp_path)]
+    result = subprocess.run(command, cwd=root / "benchmarks", capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    saved = json.loads((tmp_path / "distributed.json").read_text())
+    assert saved["machine"]["cpu_count"] >= 1
+    one, _, two = saved["configurations"]
+    assert two["processes"] == 2 and two["bytes_sent_per_product"] == 500 * 10 * 4
+    assert two["fit_products"] == one["fit_products"] > 0 and two["newton_steps"] == one["newton_steps"]
+    assert (tmp_path / "distributed.png").stat().st_size > 10_000
