@@ -138,8 +138,7 @@ class ShardedKernelMatrix(LinearOperator):
             summary = [self.x1.sum(), self.x1.square().sum(), self.x2.sum(), self.x2.square().sum()]
             summary += [parameter.sum() for parameter in self.kernel.parameters()]
             local = torch.stack([value.to(torch.float64) for value in summary])
-        ranks = [torch.empty_like(local) for _ in range(self.world_size)]
-        dist.all_gather(ranks, local, group=self.process_group)
+        ranks = self._all_gather(local)
         if not all(torch.allclose(other, local, rtol=1e-6, atol=0) for other in ranks):
             raise ValueError(
                 f"ShardedKernel: the ranks differ in their inputs or kernel hyperparameters (rank {self.rank} of "
@@ -167,14 +166,27 @@ class ShardedKernelMatrix(LinearOperator):
         (blocks padded to :math:`\lceil N / P \rceil` points, so that every rank sends a tensor of one shape).
 
         :raises RuntimeError: if another rank does not take part within the process group's ``timeout`` (it failed,
-            or hangs), naming the rank that waited and what to do.
+            or hangs).
         """
         outputs = self.full.shape[-2] // max(1, self.x1.shape[-2])  # rows per point: C for correlated outputs
         sizes = [(stop - start) * outputs for start, stop in self.bounds]
         padded = torch.nn.functional.pad(local, (0, 0, 0, max(sizes) - local.shape[-2])).contiguous()
-        blocks = [torch.empty_like(padded) for _ in range(self.world_size)]
+        blocks = self._all_gather(padded)
+        sent = padded.numel() * padded.element_size() * (self.world_size - 1)  # its block to each other rank
+        self.bytes_sent += sent
+        if self.record is not None:
+            self.record(sent)
+        return torch.cat([block[..., :size, :] for block, size in zip(blocks, sizes, strict=True)], dim=-2)
+
+    def _all_gather(self, tensor: Tensor) -> list[Tensor]:
+        """``tensor`` of every rank (one shape on all), by ``torch.distributed.all_gather``.
+
+        :raises RuntimeError: if another rank does not take part within the process group's ``timeout``, naming the
+            rank that waited and what to do.
+        """
+        gathered = [torch.empty_like(tensor) for _ in range(self.world_size)]
         try:
-            dist.all_gather(blocks, padded, group=self.process_group)
+            dist.all_gather(gathered, tensor, group=self.process_group)
         except Exception as error:  # gloo and NCCL raise their own types (DistBackendError, RuntimeError)
             raise RuntimeError(
                 f"ShardedKernel: rank {self.rank} of {self.world_size} could not gather the other ranks' rows of a "
@@ -183,8 +195,4 @@ class ShardedKernelMatrix(LinearOperator):
                 "a process_group). Every rank must take part in every product, predictions included. The strategy "
                 "keeps the state of the last completed step: save its state_dict() and resume from it."
             ) from error
-        sent = padded.numel() * padded.element_size() * (self.world_size - 1)  # its block to each other rank
-        self.bytes_sent += sent
-        if self.record is not None:
-            self.record(sent)
-        return torch.cat([block[..., :size, :] for block, size in zip(blocks, sizes, strict=True)], dim=-2)
+        return gathered
