@@ -6,7 +6,8 @@ Computation For Uncertainty" (Algorithms 1-3). What users call is listed in ``__
 layers, each importing only from those below it: :mod:`.core` (IterGP, the noise operators, recycling, the
 outer-loop driver, the prior's products), :mod:`.likelihoods`, the outer loops :mod:`.laplace` and :mod:`.ep`,
 :mod:`.sparse` (EP-DTC), :mod:`.strategies` (the GPyTorch-facing layer), :mod:`.mlls`, :mod:`.models` (GP-LVM,
-GP-ALPS) and :mod:`.integrations` (scikit-learn, BoTorch; also at ``gpytorch_iterncgp.sklearn`` and ``.botorch``).
+GP-ALPS), :mod:`.kernels` (``ShardedKernel`` for several processes, at ``gpytorch_iterncgp.distributed``) and
+:mod:`.integrations` (scikit-learn, BoTorch; also at ``gpytorch_iterncgp.sklearn`` and ``.botorch``).
 """
 
 from . import settings

@@ -204,7 +204,7 @@ LAYERS: list[tuple[str, list[set[str]]]] = [
         "core",
         [
             {"validation", "triton_kernels", "state"},
-            {"noise", "precision", "kernel_products", "policies"},
+            {"noise", "precision", "kernel_products", "policies", "sharding"},
             {"recycling", "prior", "covariance"},
             {"solver", "outer_loop"},
         ],
@@ -216,9 +216,10 @@ LAYERS: list[tuple[str, list[set[str]]]] = [
     ("strategies", [{"base"}, {"predictive"}, {"itergp", "sparse"}]),
     ("mlls", [{"itergp"}, {"sparse", "uncertain"}]),
     ("models", [{"alps", "gplvm"}, {"alps_gibbs"}]),
+    ("kernels", [{"sharded"}]),
     ("integrations", [{"sklearn", "botorch"}]),
     # The public paths: thin modules that re-export what users import (and the package's own __init__).
-    ("", [{"alps", "gplvm", "sklearn", "botorch", "uncertain", "__init__"}]),
+    ("", [{"alps", "gplvm", "sklearn", "botorch", "uncertain", "distributed", "__init__"}]),
 ]
 
 

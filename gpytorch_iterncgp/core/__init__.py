@@ -4,6 +4,7 @@ Every outer loop of the package (Laplace's Newton steps, EP's sweeps) is a seque
 core: the prior and its products with :math:`\mathbf K` (:mod:`.prior`, :mod:`.kernel_products`,
 :mod:`.triton_kernels`), the noise operators :math:`\mathbf W^{-1}` (:mod:`.noise`), IterGP and its policies
 (:mod:`.solver`, :mod:`.policies`, :mod:`.precision`), recycling across steps (:mod:`.recycling`, paper Alg. 3),
-the covariance phase (:mod:`.covariance`), the driver every outer loop runs under (:mod:`.outer_loop`) and the
+the covariance phase (:mod:`.covariance`), products split by rows over ``torch.distributed`` ranks
+(:mod:`.sharding`), the driver every outer loop runs under (:mod:`.outer_loop`) and the
 argument checks (:mod:`.validation`). Nothing here knows a likelihood.
 """

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from .. import settings
 from .kernel_products import fused_kernel_matmul
+from .sharding import RowShardedKernel, ShardedKernelMatrix
 
 SINGLE, SHARED, INDEPENDENT, MULTITASK = "single", "shared", "independent", "multitask"
 
@@ -142,6 +143,30 @@ def _chunked_matmul(covariance: LinearOperator, rhs: Tensor, chunk_rows: int) ->
     rows = covariance.shape[-2]
     blocks = [covariance[..., start : start + chunk_rows, :].to_dense() @ rhs for start in range(0, rows, chunk_rows)]
     return torch.cat(blocks, dim=-2)
+
+
+def _kernel_matmul(covariance: LinearOperator, rhs: Tensor, chunk_rows: int) -> Tensor:
+    """``covariance @ rhs``: cached (and narrow products from the left) up to the dense limit, fused for RBF and
+    Matérn kernels above it (``chunk_rows`` > 0), chunked otherwise."""
+    if not chunk_rows:
+        narrow = _narrow_symmetric_matmul(covariance, rhs)
+        return covariance.matmul(rhs) if narrow is None else narrow
+    fused = fused_kernel_matmul(covariance, rhs)  # RBF / Matérn: never forms K
+    return _chunked_matmul(covariance, rhs, chunk_rows) if fused is None else fused
+
+
+def _local_matmul(rows: LinearOperator, rhs: Tensor) -> Tensor:
+    """One rank's rows of a sharded product, by the products of one process (:func:`_kernel_matmul`)."""
+    return _kernel_matmul(rows, rhs, 0 if torch.is_grad_enabled() else _chunk_rows(rows))
+
+
+def _sharded(covariance: LinearOperator) -> ShardedKernelMatrix | None:
+    """The row-sharded matrix of a :class:`~gpytorch_iterncgp.core.sharding.RowShardedKernel` (without gradients;
+    evaluating it forms nothing), ``None`` for any other covariance."""
+    if not isinstance(covariance, LazyEvaluatedKernelTensor) or not isinstance(covariance.kernel, RowShardedKernel):
+        return None
+    evaluated = covariance.evaluate_kernel()
+    return evaluated if isinstance(evaluated, ShardedKernelMatrix) else None
 
 
 class LatentPrior:
@@ -255,11 +280,10 @@ class LatentPrior:
         num, width = self.num_latents, rhs.shape[-1]
 
         def multiply(matrix: Tensor) -> Tensor:
-            if not chunk_rows:
-                narrow = _narrow_symmetric_matmul(self.covariance, matrix)
-                return self.covariance.matmul(matrix) if narrow is None else narrow
-            fused = fused_kernel_matmul(self.covariance, matrix)  # RBF / Matérn: never forms K
-            return _chunked_matmul(self.covariance, matrix, chunk_rows) if fused is None else fused
+            sharded = _sharded(self.covariance)
+            if sharded is not None:  # each rank its rows, by the products below; then gathered
+                return sharded.sharded_matmul(_local_matmul, matrix)
+            return _kernel_matmul(self.covariance, matrix, chunk_rows)
 
         if self.layout in (SINGLE, MULTITASK):
             return multiply(rhs)
@@ -292,17 +316,24 @@ class LatentPrior:
         else:
             points, latents = indices // num, indices % num
             unique, inverse = points.unique(return_inverse=True)
-            covariance = self.covariance
-            cache = getattr(covariance, "_memoize_cache", {})
-            if isinstance(covariance, LazyEvaluatedKernelTensor) and any(key[0] == "kernel_eval" for key in cache):
-                covariance = covariance.evaluate_kernel()  # already evaluated by a product: read its columns
-            kernel = covariance[..., :, unique].to_dense()  # (N, u), or (C, N, u) for independent GPs
+            kernel = self._point_columns(unique)  # (N, u), or (C, N, u) for independent GPs
             picked = kernel[:, inverse] if self.layout != INDEPENDENT else kernel[latents, :, inverse].mT
             block = picked.new_zeros(picked.shape[0], num, len(indices))
             block[:, latents, torch.arange(len(indices), device=self.device)] = picked
             block = block.reshape(-1, len(indices))
         self.product_seconds += self._clock() - start
         return block
+
+    def _point_columns(self, points: Tensor) -> Tensor:
+        """The kernel's columns at ``points`` ``(u,)``, ``(*batch, N, u)`` (sharded by rows for a sharded kernel)."""
+        covariance = self.covariance
+        sharded = _sharded(covariance)
+        if sharded is not None:
+            return sharded.sharded_columns(points)
+        cache = getattr(covariance, "_memoize_cache", {})
+        if isinstance(covariance, LazyEvaluatedKernelTensor) and any(key[0] == "kernel_eval" for key in cache):
+            covariance = covariance.evaluate_kernel()  # already evaluated by a product: read its columns
+        return covariance[..., :, points].to_dense()
 
     def diagonal(self) -> Tensor:
         """The prior variances, data-major ``(N C,)`` (square blocks only)."""

@@ -1,0 +1,198 @@
+r"""Kernel products sharded by rows over the processes of a ``torch.distributed`` process group.
+
+With :math:`P` processes (ranks :math:`p = 0, \dots, P - 1`) the row points of :math:`\mathbf K` (``(N, M)``, or
+``(N C, M C)`` data-major for correlated outputs) are split into :math:`P` contiguous blocks
+:math:`\mathcal I_p` of :math:`\lceil N / P \rceil` points (the last ones shorter, as :func:`torch.tensor_split`).
+Rank :math:`p` evaluates its rows of the product, :math:`\mathbf K_{\mathcal I_p, :} \mathbf R`
+(:math:`|\mathcal I_p| \times M` kernel evaluations per column of :math:`\mathbf R`), and one ``all_gather``
+assembles
+
+.. math::
+    \mathbf K \mathbf R = \begin{bmatrix} \mathbf K_{\mathcal I_0, :} \mathbf R \\ \vdots \\
+    \mathbf K_{\mathcal I_{P-1}, :} \mathbf R \end{bmatrix}
+
+on every rank: the same tensor, bit for bit, so every rank continues with identical state. :math:`\mathbf K` is
+never formed nor sent; a rank sends its :math:`|\mathcal I_p| \cdot C k` entries of the product to the others
+(Wang et al. 2019, "Exact Gaussian processes on a million data points", partition :math:`\mathbf K` by rows in the
+same way in GPyTorch's ``MultiDeviceKernel``, there over the GPUs of one process).
+
+:class:`ShardedKernelMatrix` is the ``LinearOperator`` a row-sharded kernel (``gpytorch_iterncgp.distributed.
+ShardedKernel``) evaluates to; :class:`~gpytorch_iterncgp.core.prior.LatentPrior` recognises it and multiplies
+each rank's rows by the package's own products (cached dense block, or the fused tiles of
+:mod:`~gpytorch_iterncgp.core.kernel_products`), then gathers them with :meth:`ShardedKernelMatrix.gather`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from gpytorch.kernels import Kernel
+from gpytorch.lazy import LazyEvaluatedKernelTensor
+from linear_operator.operators import LinearOperator
+from torch import Tensor
+
+__all__ = ["RowShardedKernel", "ShardedKernelMatrix", "row_bounds"]
+
+
+def row_bounds(num_points: int, world_size: int) -> list[tuple[int, int]]:
+    r"""The contiguous point blocks :math:`\mathcal I_p = [\text{start}_p, \text{stop}_p)` of ``num_points`` points
+    over ``world_size`` ranks, as :func:`torch.tensor_split` splits them (sizes differ by at most one)."""
+    base, extra = divmod(num_points, world_size)
+    bounds, start = [], 0
+    for rank in range(world_size):
+        stop = start + base + (rank < extra)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+class RowShardedKernel(Kernel):
+    """A kernel whose matrix, where no gradient is recorded, is a :class:`ShardedKernelMatrix` (the base of
+    ``gpytorch_iterncgp.distributed.ShardedKernel``): what :class:`~gpytorch_iterncgp.core.prior.LatentPrior` looks
+    for before it evaluates a kernel."""
+
+
+class ShardedKernelMatrix(LinearOperator):
+    r"""The kernel matrix :math:`k(\mathbf X_1, \mathbf X_2)` ``(*batch, N C, M C)`` of ``kernel``, whose products
+    are computed by rows over the ranks of ``process_group`` (see the module docstring).
+
+    Everything but the products (entries, diagonal, dense form) is ``kernel``'s own, evaluated on every rank.
+
+    :param x1: row inputs ``(*batch, N, D)``.
+    :param x2: column inputs ``(*batch, M, D)``.
+    :param kernel: the kernel of the entries (the wrapped kernel of a ``ShardedKernel``).
+    :param process_group: the ranks sharing the products (``None``: the default group).
+    :param record: called with the bytes this rank sent after each gathered product (e.g. to count them).
+    :param params: keyword arguments of the kernel's call.
+    """
+
+    def __init__(
+        self,
+        x1: Tensor,
+        x2: Tensor,
+        kernel: Kernel,
+        process_group: dist.ProcessGroup | None = None,
+        record: Callable[[int], None] | None = None,
+        **params,
+    ):
+        super().__init__(x1, x2, kernel=kernel, process_group=process_group, record=record, **params)
+        self.x1, self.x2, self.kernel, self.process_group, self.params = x1, x2, kernel, process_group, params
+        self.record = record
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        self.bounds = row_bounds(x1.shape[-2], self.world_size)
+        start, stop = self.bounds[self.rank]
+        # this rank's rows: the kernel's own lazy tensor, evaluated (and cached) by the first product
+        self.local_rows = LazyEvaluatedKernelTensor(x1[..., start:stop, :], x2, kernel=kernel, **params)
+        self.full = LazyEvaluatedKernelTensor(x1, x2, kernel=kernel, **params)
+        self.bytes_sent = 0  # entries of products this rank sent to the others, in bytes
+        self._checked = False  # whether the ranks' inputs were found equal (check_same_inputs)
+
+    def _size(self) -> torch.Size:
+        return self.full.shape
+
+    def _transpose_nonbatch(self) -> LinearOperator:
+        return ShardedKernelMatrix(self.x2, self.x1, self.kernel, self.process_group, self.record, **self.params)
+
+    def _diagonal(self) -> Tensor:
+        return self.full._diagonal()
+
+    def _get_indices(self, row_index, col_index, *batch_indices) -> Tensor:
+        return self.full._get_indices(row_index, col_index, *batch_indices)
+
+    def _getitem(self, row_index, col_index, *batch_indices) -> LinearOperator:
+        return self.full._getitem(row_index, col_index, *batch_indices)
+
+    def to_dense(self) -> Tensor:
+        return self.full.to_dense()
+
+    def _matmul(self, rhs: Tensor) -> Tensor:
+        """``self @ rhs``: this rank's rows by the kernel's own (dense) product, then :meth:`gather`."""
+        return self.sharded_matmul(lambda rows, block: rows.to_dense() @ block, rhs)
+
+    def sharded_matmul(self, local_matmul: Callable[[LinearOperator, Tensor], Tensor], rhs: Tensor) -> Tensor:
+        r""":math:`\mathbf K \mathbf R` for ``rhs`` ``(*batch, M C, k)``: ``local_matmul(local_rows, rhs)`` on this
+        rank's rows :math:`\mathcal I_p` (:attr:`local_rows`, a lazily evaluated kernel ``(*batch, |I_p| C, M C)``),
+        then :meth:`gather`."""
+        self.check_same_inputs()
+        start, stop = self.bounds[self.rank]
+        if stop > start:
+            local = local_matmul(self.local_rows, rhs)
+        else:  # more ranks than row points: nothing to evaluate here
+            batch = torch.broadcast_shapes(self.batch_shape, rhs.shape[:-2])
+            local = rhs.new_zeros(*batch, 0, rhs.shape[-1])
+        return self.gather(local)
+
+    def check_same_inputs(self) -> None:
+        """Check once (one ``all_gather`` of a few numbers) that every rank has the same inputs and kernel
+        hyperparameters: each computes its rows with its own, so ranks that differ would assemble a product of no
+        kernel at all.
+
+        :raises ValueError: naming the fix, on every rank, if they differ.
+        """
+        if self._checked:
+            return
+        with torch.no_grad():
+            summary = [self.x1.sum(), self.x1.square().sum(), self.x2.sum(), self.x2.square().sum()]
+            summary += [parameter.sum() for parameter in self.kernel.parameters()]
+            local = torch.stack([value.to(torch.float64) for value in summary])
+        ranks = self._all_gather(local)
+        if not all(torch.allclose(other, local, rtol=1e-6, atol=0) for other in ranks):
+            raise ValueError(
+                f"ShardedKernel: the ranks differ in their inputs or kernel hyperparameters (rank {self.rank} of "
+                f"{self.world_size}). Every process must build the same model on the same data: seed the data, load "
+                "the same files and the same state_dict on every rank."
+            )
+        self._checked = True
+
+    def sharded_columns(self, points: Tensor) -> Tensor:
+        r"""The columns :math:`\mathbf K_{:, \text{points}}` ``(*batch, N C, u)`` for column points ``points`` ``(u,)``:
+        this rank's rows of them (read from its cached rows where a product has evaluated them), then :meth:`gather`."""
+        self.check_same_inputs()
+        start, stop = self.bounds[self.rank]
+        if stop > start:
+            rows = self.local_rows
+            if any(key[0] == "kernel_eval" for key in getattr(rows, "_memoize_cache", {})):
+                rows = rows.evaluate_kernel()
+            local = rows[..., :, points].to_dense()
+        else:
+            local = self.x1.new_zeros(*self.batch_shape, 0, len(points))
+        return self.gather(local)
+
+    def gather(self, local: Tensor) -> Tensor:
+        r"""The rows of all ranks, ``(*batch, N C, k)``, from this rank's ``(*batch, |I_p| C, k)``: one ``all_gather``
+        (blocks padded to :math:`\lceil N / P \rceil` points, so that every rank sends a tensor of one shape).
+
+        :raises RuntimeError: if another rank does not take part within the process group's ``timeout`` (it failed,
+            or hangs).
+        """
+        outputs = self.full.shape[-2] // max(1, self.x1.shape[-2])  # rows per point: C for correlated outputs
+        sizes = [(stop - start) * outputs for start, stop in self.bounds]
+        padded = torch.nn.functional.pad(local, (0, 0, 0, max(sizes) - local.shape[-2])).contiguous()
+        blocks = self._all_gather(padded)
+        sent = padded.numel() * padded.element_size() * (self.world_size - 1)  # its block to each other rank
+        self.bytes_sent += sent
+        if self.record is not None:
+            self.record(sent)
+        return torch.cat([block[..., :size, :] for block, size in zip(blocks, sizes, strict=True)], dim=-2)
+
+    def _all_gather(self, tensor: Tensor) -> list[Tensor]:
+        """``tensor`` of every rank (one shape on all), by ``torch.distributed.all_gather``.
+
+        :raises RuntimeError: if another rank does not take part within the process group's ``timeout``, naming the
+            rank that waited and what to do.
+        """
+        gathered = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        try:
+            dist.all_gather(gathered, tensor, group=self.process_group)
+        except Exception as error:  # gloo and NCCL raise their own types (DistBackendError, RuntimeError)
+            raise RuntimeError(
+                f"ShardedKernel: rank {self.rank} of {self.world_size} could not gather the other ranks' rows of a "
+                f"kernel product ({type(error).__name__}: {error}). Another rank failed or stopped taking part "
+                "(each waits at most the timeout= given to torch.distributed.init_process_group, or to new_group for "
+                "a process_group). Every rank must take part in every product, predictions included. The strategy "
+                "keeps the state of the last completed step: save its state_dict() and resume from it."
+            ) from error
+        return gathered

@@ -1,0 +1,108 @@
+r""":class:`ShardedKernel`: a GPyTorch kernel whose products with the training data are shared by the processes of a
+``torch.distributed`` process group, each evaluating its block of rows (:mod:`gpytorch_iterncgp.core.sharding`).
+
+The idiom is GPyTorch's ``MultiDeviceKernel`` (Wang et al. 2019), which splits the rows of :math:`\mathbf K` over
+the GPUs of one process; here they are split over processes (``torchrun``), so that they may be on several
+machines, and the blocks are assembled by ``torch.distributed.all_gather``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from gpytorch.kernels import Kernel
+from torch import Tensor
+
+from ..core.sharding import RowShardedKernel, ShardedKernelMatrix
+
+__all__ = ["ShardedKernel"]
+
+_BASE = "sharded_kernel."  # the wrapped kernel's attribute: a name no GPyTorch kernel uses for a child
+
+
+def _drop_base_prefix(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    """``state_dict`` hook: the wrapped kernel's entries under the wrapper's own prefix (``covar_module.raw_...``, as
+    in a model without the wrapper)."""
+    for key in [key for key in state_dict if key.startswith(prefix + _BASE)]:
+        state_dict[prefix + key[len(prefix + _BASE) :]] = state_dict.pop(key)
+
+
+def _add_base_prefix(state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    """``load_state_dict`` pre-hook: the entries saved without the wrapper (or by :func:`_drop_base_prefix`) given
+    to the wrapped kernel."""
+    for key in [key for key in state_dict if key.startswith(prefix) and not key.startswith(prefix + _BASE)]:
+        state_dict[prefix + _BASE + key[len(prefix) :]] = state_dict.pop(key)
+
+
+class ShardedKernel(RowShardedKernel):
+    r"""``base_kernel`` with its products by rows over the ranks of a ``torch.distributed`` process group.
+
+    Every process (``torchrun --nproc-per-node P script.py``; each calls
+    ``torch.distributed.init_process_group()``) builds the same model on the same data with its kernel wrapped:
+
+    .. code-block:: python
+
+        self.covar_module = ShardedKernel(ScaleKernel(MaternKernel(nu=1.5)))
+
+    Fitting with :class:`~gpytorch_iterncgp.IterNCGPStrategy` or :class:`~gpytorch_iterncgp.EPStrategy` then
+    splits each product :math:`\mathbf K \mathbf R` by rows: rank :math:`p` of :math:`P` evaluates its
+    :math:`\lceil N / P \rceil` rows (the fused RBF / Matérn tiles of :mod:`~gpytorch_iterncgp.core.kernel_products`
+    above :class:`~gpytorch_iterncgp.settings.dense_kernel_limit`, its cached rows of :math:`\mathbf K` below), and
+    one ``all_gather`` gives every rank the whole product, bit for bit the same; the rest of the fit is replicated,
+    so every rank holds the same posterior (that of one process, up to the order of the reductions within a row
+    block). Predictions' cross-covariance products are split by test points in the same way.
+
+    The entries, the diagonal and whatever needs gradients (hyperparameter learning, a dense evidence) are
+    ``base_kernel``'s own, evaluated on every rank. ``state_dict()`` holds ``base_kernel``'s entries under this
+    kernel's own name, so that it loads into the same model without the wrapper, and vice versa.
+
+    :param base_kernel: the kernel.
+    :param process_group: the ranks that share the products (default: torch.distributed's default group).
+    :raises RuntimeError: when a product is taken before ``torch.distributed.init_process_group()``.
+    """
+
+    def __init__(self, base_kernel: Kernel, process_group: dist.ProcessGroup | None = None):
+        super().__init__()
+        if not isinstance(base_kernel, Kernel):
+            raise TypeError(f"ShardedKernel wraps a gpytorch Kernel, got {type(base_kernel).__name__}.")
+        self.sharded_kernel = base_kernel
+        self.process_group = process_group
+        self.products = 0  # gathered products (of the training data, or predictions' cross-covariances)
+        self.bytes_sent = 0  # bytes of those products this rank sent to the others
+        self._register_state_dict_hook(_drop_base_prefix)
+        self._register_load_state_dict_pre_hook(_add_base_prefix)
+
+    @property
+    def base_kernel(self) -> Kernel:
+        """The wrapped kernel (as ``MultiDeviceKernel.base_kernel``)."""
+        return self.sharded_kernel
+
+    def num_outputs_per_input(self, x1: Tensor, x2: Tensor) -> Any:
+        return self.base_kernel.num_outputs_per_input(x1, x2)
+
+    def prediction_strategy(self, *args: Any, **kwargs: Any) -> Any:
+        return self.base_kernel.prediction_strategy(*args, **kwargs)
+
+    def _needs_gradients(self, x1: Tensor, x2: Tensor) -> bool:
+        if not torch.is_grad_enabled():
+            return False
+        return x1.requires_grad or x2.requires_grad or any(p.requires_grad for p in self.base_kernel.parameters())
+
+    def forward(self, x1: Tensor, x2: Tensor, diag: bool = False, last_dim_is_batch: bool = False, **params: Any):
+        """A :class:`~gpytorch_iterncgp.core.sharding.ShardedKernelMatrix`; ``base_kernel``'s own evaluation for the
+        diagonal, with ``last_dim_is_batch``, or where gradients are recorded."""
+        if diag or last_dim_is_batch or self._needs_gradients(x1, x2):
+            return self.base_kernel(x1, x2, diag=diag, last_dim_is_batch=last_dim_is_batch, **params)
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "ShardedKernel: torch.distributed is not initialised; call torch.distributed.init_process_group() in "
+                "every process (launched by torchrun) before fitting, or use the wrapped kernel (.base_kernel) in a "
+                "single process."
+            )
+        return ShardedKernelMatrix(x1, x2, self.base_kernel, self.process_group, self._record, **params)
+
+    def _record(self, sent: int) -> None:
+        self.products += 1
+        self.bytes_sent += sent

@@ -1,0 +1,225 @@
+"""The fits that ``test_sharded.py`` runs on two gloo processes and, as the reference, in one process.
+
+Each scenario builds the same model on the same data; with ``sharded=True`` its kernel is wrapped in
+:class:`~gpytorch_iterncgp.distributed.ShardedKernel`. :func:`worker` is the body of each spawned process: it runs
+every scenario and saves what it computed (and any error, as text) to ``<directory>/rank<r>.pt``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import time
+import traceback
+from pathlib import Path
+
+import gpytorch
+import torch
+import torch.distributed as dist
+
+from gpytorch_iterncgp import EPMarginalLogLikelihood, EPStrategy, IterNCGPStrategy, LaplaceMarginalLogLikelihood
+from gpytorch_iterncgp import settings as package_settings
+from gpytorch_iterncgp.core.prior import LatentPrior
+from gpytorch_iterncgp.distributed import ShardedKernel
+from tests.common import IterNCGPModel, binary_data, multiclass_data
+
+NUM_DATA = 240
+NUM_CLASSES = 3
+STEP_OF_SAVE = 2  # Newton steps / EP sweeps after which a state_dict is saved
+FAULT_TIMEOUT = datetime.timedelta(seconds=3)  # the faulty scenario's process group: what a rank waits for another
+SOLVER = {"policy": "cg", "max_solver_iterations": 5, "recycle": True, "compression_rank": 10}
+FIT_STEPS = {"laplace": 6, "ep": 4}  # Newton steps, EP sweeps
+COLUMNS = torch.tensor([0, 7, 8, 150, 302])  # data-major indices of kernel columns (points 0, 2, 50, 100)
+
+
+def data(kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Training inputs, targets and test inputs (float64)."""
+    if kind == "laplace":
+        x, y = multiclass_data(NUM_DATA, NUM_CLASSES, dim=2, seed=1)
+    else:
+        x, y = binary_data(NUM_DATA, dim=2, seed=1)
+    test = torch.rand(13, 2, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    return x, y, test
+
+
+def model(kind: str, sharded: bool, process_group=None) -> IterNCGPModel:
+    """Softmax Laplace (``"laplace"``, one kernel shared by the classes) or binary probit EP (``"ep"``), CG with
+    recycling."""
+    x, y, _ = data(kind)
+    if kind == "laplace":
+        likelihood = gpytorch.likelihoods.SoftmaxLikelihood(num_classes=NUM_CLASSES, mixing_weights=False)
+        built = IterNCGPModel(x, y, likelihood, kernel="matern", lengthscale=0.3, outputscale=4.0, **SOLVER)
+    else:
+        likelihood = gpytorch.likelihoods.BernoulliLikelihood()
+        built = IterNCGPModel(x, y, likelihood, kernel="matern", strategy_class=EPStrategy, **SOLVER)
+    if sharded:
+        built.covar_module = ShardedKernel(built.covar_module, process_group=process_group)
+    return built
+
+
+def fit(built: IterNCGPModel, kind: str, steps: int, callback=None):
+    strategy = built.variational_strategy
+    if isinstance(strategy, IterNCGPStrategy):
+        return strategy.fit(max_newton_steps=steps, callback=callback)
+    return strategy.fit(max_sweeps=steps, callback=callback)
+
+
+def summary(built: IterNCGPModel, kind: str) -> dict[str, torch.Tensor]:
+    """The mode (Laplace) or site parameters (EP), the posterior mean and variance at the test inputs, the evidence."""
+    strategy = built.variational_strategy
+    x, y, test = data(kind)
+    with torch.no_grad():
+        mean, variance = strategy.marginal_latent(test)
+    built.train()
+    mll_class = LaplaceMarginalLogLikelihood if kind == "laplace" else EPMarginalLogLikelihood
+    evidence = mll_class(strategy.likelihood, built)(built(x), y).detach()
+    fitted = strategy.mode if kind == "laplace" else torch.stack(strategy.sites)
+    return {"fitted": fitted.detach(), "mean": mean, "variance": variance, "evidence": evidence}
+
+
+def state_dict_bytes(built: IterNCGPModel) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(built.state_dict(), buffer)
+    return buffer.getvalue()
+
+
+def load(built: IterNCGPModel, saved: bytes) -> IterNCGPModel:
+    built.load_state_dict(torch.load(io.BytesIO(saved), weights_only=True))
+    return built
+
+
+def fit_saving(built: IterNCGPModel, kind: str) -> bytes:
+    """Fit to the end, saving the state_dict after :data:`STEP_OF_SAVE` steps; returns it."""
+    saved = {}
+
+    def save(step, state):
+        if step.step == STEP_OF_SAVE:
+            saved["state_dict"] = state_dict_bytes(built)
+
+    fit(built, kind, FIT_STEPS[kind], callback=save)
+    return saved["state_dict"]
+
+
+def products(rank: int) -> dict[str, torch.Tensor]:
+    """Products K R of sharded kernels through the fits' dispatch, cached and fused (``dense_kernel_limit`` 0),
+    for one kernel (C = 1) and independent kernels per class (batch [3])."""
+    generator = torch.Generator().manual_seed(3)
+    x = torch.rand(101, 2, generator=generator, dtype=torch.float64)
+    rhs = torch.randn(101 * 3, 4, generator=generator, dtype=torch.float64)
+    out = {}
+    for batch in (None, 3):
+        shape = torch.Size([batch]) if batch else torch.Size([])
+        kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel(batch_shape=shape), batch_shape=shape).double()
+        sharded = ShardedKernel(kernel)
+        mean = torch.zeros(*shape, 101, dtype=torch.float64)
+        for limit in (None, 0):
+            with torch.no_grad(), package_settings.fused_kernel_backend("eager"):
+                distribution = gpytorch.distributions.MultivariateNormal(mean, sharded(x))
+                prior = LatentPrior.from_distribution(distribution, batch or 3)
+                if limit is None:
+                    product = prior.matmul(rhs)
+                else:
+                    with package_settings.dense_kernel_limit(limit):
+                        product = prior.matmul(rhs)
+            out[f"product_{batch}_{limit}"] = product
+            out[f"bytes_{batch}_{limit}"] = torch.tensor(prior.covariance.evaluate_kernel().bytes_sent)
+            with torch.no_grad():  # the columns that sparse actions take, from the rows of each rank
+                out[f"columns_{batch}_{limit}"] = prior.kernel_columns(COLUMNS)
+    # correlated outputs: a multitask kernel (3 rows per point), its products by points
+    multitask = ShardedKernel(multitask_kernel())
+    distribution = gpytorch.distributions.MultitaskMultivariateNormal(
+        torch.zeros(101, 3, dtype=torch.float64), multitask(x), interleaved=True
+    )
+    with torch.no_grad():
+        out["product_multitask"] = LatentPrior.from_distribution(distribution, 3).matmul(rhs)
+    return out
+
+
+def multitask_kernel() -> gpytorch.kernels.MultitaskKernel:
+    """Three correlated outputs, task covariance B = F F^T + diag(v) with fixed F and v (GPyTorch draws both at
+    random)."""
+    kernel = gpytorch.kernels.MultitaskKernel(gpytorch.kernels.RBFKernel(), num_tasks=3, rank=1).double()
+    kernel.task_covar_module.covar_factor.data = torch.tensor([[1.0], [-0.5], [0.3]], dtype=torch.float64)
+    kernel.task_covar_module.var = torch.tensor([0.5, 0.2, 0.1], dtype=torch.float64)
+    return kernel
+
+
+def run(rank: int, directory: Path) -> dict:
+    results: dict = products(rank)
+    for kind in ("laplace", "ep"):
+        built = model(kind, sharded=True)
+        results[f"{kind}_saved"] = fit_saving(built, kind)
+        results[kind] = summary(built, kind)
+        report = built.variational_strategy.last_report
+        results[f"{kind}_products"] = (report.kernel_products, built.covar_module.products)
+        # a state_dict of one process after STEP_OF_SAVE steps, resumed on the two
+        single = model(kind, sharded=False)
+        saved = fit_saving(single, kind)
+        resumed = load(model(kind, sharded=True), saved)
+        fit(resumed, kind, FIT_STEPS[kind] - STEP_OF_SAVE)
+        results[f"{kind}_resumed"] = summary(resumed, kind)
+    results["mismatch"] = mismatch(rank)
+    results["fault"] = fault(rank, directory)
+    return results
+
+
+def mismatch(rank: int) -> str | None:
+    """Rank 1 has other training inputs than rank 0: the first product fails on both, naming the fix."""
+    built = model("ep", sharded=True)
+    if rank == 1:
+        built.variational_strategy.train_inputs = built.variational_strategy.train_inputs + 1e-3
+    try:
+        fit(built, "ep", 1)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def fault(rank: int, directory: Path) -> dict:
+    """Rank 1 raises in its second Newton step and stays alive without taking part; rank 0 must fail within the
+    group's timeout and keep its last committed state (saved for the test to resume in one process)."""
+    group = dist.new_group(backend="gloo", timeout=FAULT_TIMEOUT)
+    built = model("laplace", sharded=True, process_group=group)
+    flag = directory / "rank0_failed"
+
+    def raise_on_rank_one(step, state):
+        if rank == 1 and step.step == STEP_OF_SAVE:
+            raise KeyboardInterrupt  # as an OOM, a NaN check or Ctrl-C on one rank
+
+    started = time.monotonic()
+    outcome: dict = {}
+    try:
+        fit(built, "laplace", FIT_STEPS["laplace"], callback=raise_on_rank_one)
+        outcome["error"] = None
+    except BaseException as error:  # noqa: BLE001  # recorded for the test
+        outcome["error"] = f"{type(error).__name__}: {error}"
+    outcome["seconds"] = time.monotonic() - started
+    outcome["newton_steps"] = built.variational_strategy.state.newton_steps
+    outcome["saved"] = state_dict_bytes(built)
+    if rank == 0:
+        flag.touch()
+    else:  # the failed rank stays alive, taking no part, until rank 0 has given up (at most a minute)
+        deadline = time.monotonic() + 60
+        while not flag.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+    return outcome
+
+
+def worker(rank: int, world_size: int, port: int, directory: str) -> None:
+    """One process: join the gloo group on localhost, run the scenarios, save the results (or the error)."""
+    torch.set_num_threads(1)
+    path = Path(directory)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=60),
+        )
+        results = run(rank, path)
+    except BaseException:  # noqa: BLE001  # reported to the test
+        results = {"worker_error": traceback.format_exc()}
+    torch.save(results, path / f"rank{rank}.pt")
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,219 @@
+"""ShardedKernel on two gloo processes against one process: products, fits, resumption and a failing rank.
+
+One pair of processes (spawned once for the module, on a free localhost port, killed after
+:data:`DEADLINE_SECONDS` whatever happens) runs every scenario of :mod:`tests.distributed.scenarios`; the tests
+compare what each rank computed with the same computation in this process, without the wrapper.
+"""
+
+from __future__ import annotations
+
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+import gpytorch
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from . import scenarios
+
+WORLD_SIZE = 2
+DEADLINE_SECONDS = 180
+TOLERANCE = 1e-10
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    """What each of the two processes computed (a failure of either is this fixture's error)."""
+    if not torch.distributed.is_available():
+        pytest.skip("torch.distributed is not available")
+    with tempfile.TemporaryDirectory() as directory:
+        context = mp.start_processes(
+            scenarios.worker,
+            args=(WORLD_SIZE, _free_port(), directory),
+            nprocs=WORLD_SIZE,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + DEADLINE_SECONDS
+        try:
+            while not context.join(timeout=1):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the two processes did not finish within {DEADLINE_SECONDS} s")
+        finally:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+                process.join()
+        results = [torch.load(Path(directory) / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD_SIZE)]
+    for rank, result in enumerate(results):
+        assert "worker_error" not in result, f"rank {rank}:\n{result.get('worker_error')}"
+    return results
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, name: str) -> None:
+    torch.testing.assert_close(actual, expected, rtol=0, atol=TOLERANCE * (1 + float(expected.abs().max())), msg=name)
+
+
+@pytest.fixture(scope="module")
+def single_process() -> dict:
+    """The reference: the scenarios' fits in this process, without the wrapper."""
+    torch.set_num_threads(1)
+    out = {}
+    for kind in ("laplace", "ep"):
+        built = scenarios.model(kind, sharded=False)
+        out[f"{kind}_saved"] = scenarios.fit_saving(built, kind)
+        out[kind] = scenarios.summary(built, kind)
+    return out
+
+
+def test_sharded_products_equal_the_dense_product(ranks):
+    """K R through the fits' dispatch (cached rows; fused tiles) and the kernel columns of sparse actions, gathered on
+    both ranks, against GPyTorch's dense K; one kernel, one per class (batch [3]), and a multitask kernel."""
+    generator = torch.Generator().manual_seed(3)
+    x = torch.rand(101, 2, generator=generator, dtype=torch.float64)
+    rhs = torch.randn(101 * 3, 4, generator=generator, dtype=torch.float64)
+    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).double()
+    with torch.no_grad():
+        dense = kernel(x).to_dense()
+    expected = {None: (dense @ rhs.reshape(101, 12)).reshape(303, 4)}
+    per_class = rhs.reshape(101, 3, 4).permute(1, 0, 2)
+    expected[3] = (dense @ per_class).permute(1, 0, 2).reshape(303, 4)  # the same kernel in each batch entry
+    for result in ranks:
+        for batch in (None, 3):
+            for limit in (None, 0):
+                _assert_close(result[f"product_{batch}_{limit}"], expected[batch], f"batch {batch}, limit {limit}")
+                # each rank sends its padded block of ceil(101 / 2) points x 3 latents x 4 columns, float64, once
+                assert int(result[f"bytes_{batch}_{limit}"]) == 51 * 12 * 8 * (WORLD_SIZE - 1)
+                columns = torch.zeros(303, len(scenarios.COLUMNS), dtype=torch.float64)  # K ⊗ I_3, data-major
+                for column, index in enumerate(scenarios.COLUMNS.tolist()):
+                    columns[index % 3 :: 3, column] = dense[:, index // 3]
+                _assert_close(result[f"columns_{batch}_{limit}"], columns, f"columns, batch {batch}, limit {limit}")
+        multitask = scenarios.multitask_kernel()
+        with torch.no_grad():
+            _assert_close(result["product_multitask"], multitask(x).to_dense() @ rhs, "multitask")
+
+
+@pytest.mark.parametrize("kind", ["laplace", "ep"])
+def test_two_processes_fit_the_single_process_posterior(ranks, single_process, kind):
+    """Softmax Laplace (IterNCGPStrategy) and binary EP (EPStrategy), CG with recycling and compression: the mode
+    (sites), the posterior mean and variance at test inputs and the evidence of each rank equal one process's."""
+    for result in ranks:
+        for name, expected in single_process[kind].items():
+            _assert_close(result[kind][name], expected, f"{kind} {name}")
+        fit_products, gathered = result[f"{kind}_products"]
+        assert gathered == fit_products + 1 > 1  # every product of the fit, and the prediction's, was sharded
+
+
+@pytest.mark.parametrize("kind", ["laplace", "ep"])
+def test_state_dicts_move_between_two_processes_and_one(ranks, single_process, kind):
+    """A state_dict saved mid-fit on two processes resumes in one, and one saved in one process resumes on two: both
+    end where the uninterrupted single-process fit ends."""
+    resumed = scenarios.load(scenarios.model(kind, sharded=False), ranks[0][f"{kind}_saved"])
+    scenarios.fit(resumed, kind, scenarios.FIT_STEPS[kind] - scenarios.STEP_OF_SAVE)
+    for name, expected in single_process[kind].items():
+        _assert_close(scenarios.summary(resumed, kind)[name], expected, f"{kind} {name}, resumed in one process")
+        for result in ranks:
+            _assert_close(result[f"{kind}_resumed"][name], expected, f"{kind} {name}, resumed on two processes")
+
+
+def test_a_failing_rank_makes_the_other_fail_within_the_timeout(ranks, single_process):
+    """Rank 1 raises (KeyboardInterrupt) after two Newton steps and stays alive without taking part: rank 0 fails with
+    the error naming the timeout instead of waiting forever, keeps the state of its last completed step, and that
+    state resumes in one process to the uninterrupted fit's posterior."""
+    failed, waiting = ranks[1]["fault"], ranks[0]["fault"]
+    assert failed["error"].startswith("KeyboardInterrupt")
+    assert waiting["error"] is not None and "could not gather" in waiting["error"], waiting["error"]
+    assert "timeout=" in waiting["error"]
+    assert waiting["newton_steps"] == failed["newton_steps"] == scenarios.STEP_OF_SAVE
+    resumed = scenarios.load(scenarios.model("laplace", sharded=False), waiting["saved"])
+    assert resumed.variational_strategy.state.newton_steps == scenarios.STEP_OF_SAVE
+    scenarios.fit(resumed, "laplace", scenarios.FIT_STEPS["laplace"] - scenarios.STEP_OF_SAVE)
+    for name, expected in single_process["laplace"].items():
+        _assert_close(scenarios.summary(resumed, "laplace")[name], expected, f"laplace {name}, resumed after a fault")
+
+
+def test_ranks_with_different_data_fail_naming_the_fix(ranks):
+    for result in ranks:
+        assert result["mismatch"] is not None and "same model on the same data" in result["mismatch"]
+
+
+def test_the_wrapper_keeps_the_wrapped_kernels_state_dict_keys():
+    """``ShardedKernel(k).state_dict()`` has ``k``'s keys and values, and each loads into the other."""
+    from gpytorch_iterncgp.distributed import ShardedKernel
+
+    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=1.5)).double()
+    kernel.outputscale, kernel.base_kernel.lengthscale = 3.0, 0.2
+    wrapped = ShardedKernel(kernel)
+    saved = wrapped.state_dict()
+    assert saved.keys() == kernel.state_dict().keys()
+    plain = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=1.5)).double()
+    plain.load_state_dict(saved)
+    assert float(plain.outputscale.detach()) == pytest.approx(3.0)
+    assert float(plain.base_kernel.lengthscale.detach()) == pytest.approx(0.2)
+    other = ShardedKernel(gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=1.5)).double())
+    other.load_state_dict(kernel.state_dict())
+    assert float(other.base_kernel.outputscale.detach()) == pytest.approx(3.0)
+
+
+def test_a_product_before_init_process_group_names_the_fix():
+    from gpytorch_iterncgp.distributed import ShardedKernel
+
+    if torch.distributed.is_initialized():
+        pytest.skip("this process is in a process group")
+    kernel = ShardedKernel(gpytorch.kernels.RBFKernel())
+    with torch.no_grad(), pytest.raises(RuntimeError, match="init_process_group"):
+        kernel(torch.rand(5, 1)).to_dense()
+
+
+@pytest.mark.slow
+def test_distributed_example_runs_on_two_processes(tmp_path):
+    """``torchrun --nproc-per-node 2 examples/distributed_classification.py --smoke`` (gloo) ends with rank 0's
+    state_dict loaded into a single-process model with the same posterior means, and its figure."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(_free_port()),
+    ]
+    script = [str(root / "examples" / "distributed_classification.py"), "--smoke", "--quiet", "--out", str(tmp_path)]
+    result = subprocess.run(command + script, cwd=root, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    difference = float(result.stdout.split("max |difference of posterior means| ")[1].split()[0])
+    assert difference < 1e-10
+    assert (tmp_path / "distributed_classification.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_distributed_benchmark_smoke_run_writes_results(tmp_path):
+    """``benchmarks/distributed.py --smoke``: three configurations, the same fit in each (as many products), and each
+    of the two ranks sends its rows of one action's product: 500 points x 10 classes in float32."""
+    import json
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    command = [sys.executable, "distributed.py", "--smoke", "--out", str(tmp_path)]
+    result = subprocess.run(command, cwd=root / "benchmarks", capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    saved = json.loads((tmp_path / "distributed.json").read_text())
+    assert saved["machine"]["cpu_count"] >= 1
+    one, _, two = saved["configurations"]
+    assert two["processes"] == 2 and two["bytes_sent_per_product"] == 500 * 10 * 4
+    assert two["fit_products"] == one["fit_products"] > 0 and two["newton_steps"] == one["newton_steps"]
+    assert (tmp_path / "distributed.png").stat().st_size > 10_000
