@@ -34,7 +34,7 @@ mean relative RMSE.
 
 Writes ``results/alps_family.json`` and ``.png`` (``--quick``: tiny settings, ``alps_family_quick.*``).
 
-    python -m benchmarks.alps_family            # about 15 minutes on one CPU thread
+    python -m benchmarks.alps_family            # about 20 minutes on one unloaded CPU thread
     python -m benchmarks.alps_family --quick    # seconds: a functional check
 """
 
@@ -347,7 +347,7 @@ def plot(output: dict, path: Path) -> None:
     middle.set_yscale("log")
     middle.set_ylabel("RMSE to the noiseless signal")
     middle.set_title("(b) RMSE, one dot per seed, bar: mean", fontsize=10)
-    right.axhspan(CONFIDENT_OFF, CONFIDENT_ON, color="0.9")
+    right.axhspan(CONFIDENT_OFF, CONFIDENT_ON, color="0.9", zorder=0)
     right.set_xticks(range(len(families)), families)
     right.set_ylim(-0.02, 1.02)
     right.set_ylabel("gate probability")
