@@ -11,7 +11,8 @@ are left to the noise variance, which VI learns.
 * **VI**: :class:`~gpytorch_iterncgp.alps.GPALPS` + :class:`~gpytorch_iterncgp.alps.GPALPSELBO` (12 shared
   inducing inputs on the grid, prior activation 0.5, Adam), in two variational families: the paper's
   ``"concrete"`` (relaxed gates, 8 samples of (H, b) per step, GP-ALPS App. C) and ``"spike_and_slab"``
-  (Bernoulli gates, q(H | b = 0) the prior, the ELBO in closed form).
+  (Bernoulli gates, q(H | b = 0) the prior, the ELBO in closed form; GPALPS's default, chosen by
+  ``benchmarks/alps_family.py``).
 * **Gibbs**: :func:`~gpytorch_iterncgp.alps.gibbs_sample_model` on the exact GP prior at the data, with the
   kernels and the noise variance that each VI run ended with; two chains from different seeds, whose spread
   says how far the chains are from converged.

@@ -24,6 +24,7 @@ from gpytorch_iterncgp.datasets import gaussian_mixture
 from .reference import data_major, laplace_mode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import alps_family  # noqa: E402
 import alps_scale  # noqa: E402
 import methods  # noqa: E402
 import suite  # noqa: E402
@@ -307,3 +308,50 @@ def test_learned_smoke_run_writes_results(tmp_path):
             assert times == sorted(times) and all(math.isfinite(point["nll"]) for point in run["history"])
         best_svgp = min(row["nll"] for row in entry["summary"] if row["method"].startswith("SVGP"))
         assert any(row["seconds_vs_best_svgp"] == 1.0 and row["nll"] == best_svgp for row in entry["summary"])
+
+
+def test_alps_family_selection_criteria_by_hand():
+    """Groups of candidates for one true component each (exactly one should be on) and absent latents."""
+    score = alps_family.selection_scores(torch.tensor([0.9, 0.1, 0.85, 0.3]), [[0], [2]], [1, 3])
+    assert score["selected"] and not score["confident"]  # 0.3 is off by 1/2 but not below 0.2
+    assert score["max_off_gate"] == pytest.approx(0.3) and score["min_on_gate"] == pytest.approx(0.85)
+    duplicates = [[1, 2], [3]]
+    assert alps_family.selection_scores(torch.tensor([0.05, 0.95, 0.1, 0.9]), duplicates, [0])["confident"]
+    both_on = alps_family.selection_scores(torch.tensor([0.05, 0.95, 0.6, 0.9]), duplicates, [0])
+    assert not both_on["selected"] and both_on["max_off_gate"] == pytest.approx(0.6)
+    missing = alps_family.selection_scores(torch.tensor([0.05, 0.4, 0.3, 0.9]), duplicates, [0])
+    assert not missing["selected"] and missing["min_on_gate"] == pytest.approx(0.4)
+
+
+def test_alps_family_problems_have_the_stated_structure():
+    """The sampled square waves' Fourier amplitudes at the candidate harmonics (least squares on their cosines and
+    sines) are 4 / (pi i) for odd i and 0 for even i, up to the sampling of the jumps (at most 0.1 with 25 samples
+    per period, as the benchmark's docstring says); the mixture's groups are the candidates of each true period."""
+    for name, tolerance in (("square_0.05", 0.04), ("square_0.1", 0.1), ("square_0.35_noisy", 0.01)):
+        data = alps_family.instance(alps_family.PROBLEMS[name], seed=1)
+        frequency = alps_family.PROBLEMS[name].frequency
+        harmonics = torch.arange(1, 9, dtype=torch.float64)
+        angles = 2 * math.pi * frequency * data.train_t * harmonics
+        coefficients = torch.linalg.lstsq(torch.cat([angles.cos(), angles.sin()], -1), data.score_clean).solution
+        amplitudes = coefficients[:8, 0].hypot(coefficients[8:, 0])
+        expected = torch.where(harmonics % 2 == 1, 4 / (math.pi * harmonics), 0.0)
+        torch.testing.assert_close(amplitudes, expected, rtol=0, atol=tolerance)
+        assert data.groups == [[0], [2], [4], [6]] and data.absent == [1, 3, 5, 7]
+    mixture = alps_family.instance(alps_family.PROBLEMS["mixture_7_17_23"], seed=0)
+    assert mixture.groups == [[1, 2], [5], [7, 8]] and mixture.absent == [0, 3, 4, 6]
+    assert mixture.train_y.shape == (300, 9) and mixture.score_clean.shape == (100, 9)
+
+
+def test_alps_family_quick_run_and_merge_write_results(tmp_path):
+    arguments = ["--quick", "--quiet", "--families", "spike_and_slab", "concrete", "--out", str(tmp_path)]
+    alps_family.main([*arguments, "--problems", "square_0.1", "--name", "a"])
+    alps_family.main([*arguments, "--problems", "mixture_5_11_19", "--name", "b"])
+    output = alps_family.main(["--quiet", "--merge", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
+                               "--out", str(tmp_path), "--name", "merged"])  # fmt: skip
+    saved = json.loads((tmp_path / "merged.json").read_text())
+    assert saved["machine"]["cpu_count"] >= 1 and "torch" in saved["machine"]
+    assert saved["settings"]["problems"] == ["square_0.1", "mixture_5_11_19"] and len(saved["runs"]) == 4
+    assert output["summary"]["winner"] in ("spike_and_slab", "concrete")
+    for run in saved["runs"]:
+        assert math.isfinite(run["rmse"]) and run["checkpoints"][-1]["step"] in (10, 20)
+    assert (tmp_path / "merged.png").stat().st_size > 10_000

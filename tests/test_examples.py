@@ -63,8 +63,8 @@ def test_alps_periodic_mixture_switches_on_one_latent_per_true_period(tmp_path):
 
 @pytest.mark.slow
 def test_alps_diabetes_selection_ranks_among_the_best_subsets(tmp_path):
-    """GP-ALPS §4.3 (on diabetes): the selected features' kernel ridge regression ranks in the top 5% of all 1024
-    feature subsets by test RMSE."""
+    """GP-ALPS §4.3 (on diabetes, the paper's Concrete family, which the example pins): the selected features' kernel
+    ridge regression ranks in the top 5% of all 1024 feature subsets by test RMSE."""
     summary = run_full("alps_diabetes", tmp_path)
     rank = summary["kernel_ridge"]["rbf"]["rank"]
     assert rank <= 0.05 * 2**10, (rank, summary["selected_features"])
