@@ -60,11 +60,17 @@ class ShardedKernel(RowShardedKernel):
 
     :param base_kernel: the kernel.
     :param process_group: the ranks that share the products (default: torch.distributed's default group).
+    :param shard_state: hold :class:`~gpytorch_iterncgp.IterNCGPStrategy`'s recycled actions :math:`\mathbf S` and
+        :math:`\mathbf K \mathbf S` by rows as well (each rank :math:`\lceil N / P \rceil C` rows of them, inner
+        products by ``all_reduce``); ``state_dict()`` is then a collective (every rank calls it; it gathers them).
     :raises RuntimeError: when a product is taken before ``torch.distributed.init_process_group()``.
     """
 
-    def __init__(self, base_kernel: Kernel, process_group: dist.ProcessGroup | None = None):
+    def __init__(self, base_kernel: Kernel, process_group: dist.ProcessGroup | None = None, shard_state: bool = False):
         super().__init__()
+        if not isinstance(shard_state, bool):
+            raise TypeError(f"shard_state must be True or False, got {shard_state!r}.")
+        self.shard_state = shard_state
         if not isinstance(base_kernel, Kernel):
             raise TypeError(f"ShardedKernel wraps a gpytorch Kernel, got {type(base_kernel).__name__}.")
         self.sharded_kernel = base_kernel

@@ -42,9 +42,9 @@ def data(kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return x, y, test
 
 
-def model(kind: str, sharded: bool, process_group=None) -> IterNCGPModel:
+def model(kind: str, sharded: bool, process_group=None, shard_state: bool = False) -> IterNCGPModel:
     """Softmax Laplace (``"laplace"``, one kernel shared by the classes) or binary probit EP (``"ep"``), CG with
-    recycling."""
+    recycling; ``shard_state``: the wrapper holds the Laplace solver's recycled actions by rows too."""
     x, y, _ = data(kind)
     if kind == "laplace":
         likelihood = gpytorch.likelihoods.SoftmaxLikelihood(num_classes=NUM_CLASSES, mixing_weights=False)
@@ -53,7 +53,7 @@ def model(kind: str, sharded: bool, process_group=None) -> IterNCGPModel:
         likelihood = gpytorch.likelihoods.BernoulliLikelihood()
         built = IterNCGPModel(x, y, likelihood, kernel="matern", strategy_class=EPStrategy, **SOLVER)
     if sharded:
-        built.covar_module = ShardedKernel(built.covar_module, process_group=process_group)
+        built.covar_module = ShardedKernel(built.covar_module, process_group=process_group, shard_state=shard_state)
     return built
 
 
@@ -158,9 +158,34 @@ def run(rank: int, directory: Path) -> dict:
         resumed = load(model(kind, sharded=True), saved)
         fit(resumed, kind, FIT_STEPS[kind] - STEP_OF_SAVE)
         results[f"{kind}_resumed"] = summary(resumed, kind)
+    results["sharded_state"] = sharded_state()
     results["mismatch"] = mismatch(rank)
     results["fault"] = fault(rank, directory)
     return results
+
+
+def sharded_state() -> dict:
+    """Softmax Laplace with the recycled actions held by rows (``shard_state=True``): the posterior, the shapes of the
+    actions the rank holds after each Newton step (its state's and the loop's buffer), a state_dict after
+    :data:`STEP_OF_SAVE` steps (gathered), and a single process's state_dict resumed here."""
+    built = model("laplace", sharded=True, shard_state=True)
+    shapes: list = []
+    saved = {}
+
+    def record(step, state):
+        shapes.append([tuple(state.actions.shape), tuple(state.kernel_actions.shape)])
+        if step.step == STEP_OF_SAVE:
+            saved["state_dict"] = state_dict_bytes(built)
+
+    fit(built, "laplace", FIT_STEPS["laplace"], callback=record)
+    out: dict = {"summary": summary(built, "laplace"), "shapes": shapes, "saved": saved["state_dict"]}
+    out["final_shape"] = tuple(built.variational_strategy.state.actions.shape)
+    single = fit_saving(model("laplace", sharded=False), "laplace")
+    resumed = load(model("laplace", sharded=True, shard_state=True), single)
+    fit(resumed, "laplace", FIT_STEPS["laplace"] - STEP_OF_SAVE)
+    out["resumed"] = summary(resumed, "laplace")
+    out["resumed_shape"] = tuple(resumed.variational_strategy.state.actions.shape)
+    return out
 
 
 def mismatch(rank: int) -> str | None:

@@ -7,6 +7,7 @@ compare what each rank computed with the same computation in this process, witho
 
 from __future__ import annotations
 
+import io
 import socket
 import tempfile
 import time
@@ -139,6 +140,30 @@ def test_a_failing_rank_makes_the_other_fail_within_the_timeout(ranks, single_pr
     scenarios.fit(resumed, "laplace", scenarios.FIT_STEPS["laplace"] - scenarios.STEP_OF_SAVE)
     for name, expected in single_process["laplace"].items():
         _assert_close(scenarios.summary(resumed, "laplace")[name], expected, f"laplace {name}, resumed after a fault")
+
+
+def test_sharded_state_holds_each_ranks_rows_and_fits_the_single_process_posterior(ranks, single_process):
+    """``ShardedKernel(..., shard_state=True)``: after every Newton step each rank holds its 120 points x 3 classes of
+    the recycled actions S and K S (of 720 rows), and the posterior (mode, mean and variance at test inputs,
+    evidence) equals one process's; its state_dict (gathered, all 720 rows) resumes in one process, and one process's
+    resumes with state sharding, both to the uninterrupted fit's posterior."""
+    rows = scenarios.NUM_DATA // WORLD_SIZE * scenarios.NUM_CLASSES
+    for result in ranks:
+        state = result["sharded_state"]
+        assert len(state["shapes"]) > scenarios.STEP_OF_SAVE  # Newton steps (converged after 5 of 6)
+        for actions, kernel_actions in state["shapes"]:
+            assert actions == kernel_actions and actions[0] == rows and actions[1] > 0
+        assert state["final_shape"][0] == state["resumed_shape"][0] == rows
+        for name, expected in single_process["laplace"].items():
+            _assert_close(state["summary"][name], expected, f"sharded state: {name}")
+            _assert_close(state["resumed"][name], expected, f"sharded state: {name}, resumed on two processes")
+    saved = torch.load(io.BytesIO(ranks[0]["sharded_state"]["saved"]), weights_only=True)
+    extra = next(value for key, value in saved.items() if key.endswith("_extra_state"))
+    assert extra["state"]["actions"].shape[0] == 2 * rows  # gathered on save
+    resumed = scenarios.load(scenarios.model("laplace", sharded=False), ranks[0]["sharded_state"]["saved"])
+    scenarios.fit(resumed, "laplace", scenarios.FIT_STEPS["laplace"] - scenarios.STEP_OF_SAVE)
+    for name, expected in single_process["laplace"].items():
+        _assert_close(scenarios.summary(resumed, "laplace")[name], expected, f"sharded state: {name}, resumed in one")
 
 
 def test_ranks_with_different_data_fail_naming_the_fix(ranks):
