@@ -73,7 +73,7 @@ class RowBlock:
     :math:`\mathbf S^\top \mathbf x = \sum_p \mathbf S_{\mathcal I_p}^\top \mathbf x_{\mathcal I_p}` is a local
     product and an ``all_reduce`` (:meth:`reduce`) of :math:`B` numbers, and :math:`\mathbf S \mathbf c` the local
     :math:`\mathbf S_{\mathcal I_p} \mathbf c` and an ``all_gather`` (:meth:`gather`) of its rows. Every rank gets
-    the same result, bit for bit; one process's up to the order of the sums.
+    the same result, bit for bit (tested with gloo); one process's up to the order of the sums.
 
     :param start: first entry of this rank's rows.
     :param stop: one past the last.

@@ -172,7 +172,8 @@ def test_the_action_buffers_reductions_over_row_blocks_equal_the_dense_products(
 def test_sharded_state_holds_each_ranks_rows_and_fits_the_single_process_posterior(ranks, single_process, kind):
     """``ShardedKernel(..., shard_state=True)``, softmax Laplace and binary EP: after every Newton step (EP sweep) each
     rank holds its 120 points' rows of the recycled actions S and K S (of 240 points), and the posterior (mode or
-    sites, mean and variance at test inputs, evidence) equals one process's; its state_dict (gathered, all rows)
+    sites, mean and variance at test inputs, evidence) is the same on both ranks, bit for bit, and equals one
+    process's; its state_dict (gathered, all rows)
     resumes in one process, and one process's resumes with state sharding, both to the uninterrupted fit's
     posterior."""
     latents = scenarios.NUM_CLASSES if kind == "laplace" else 1
@@ -186,6 +187,8 @@ def test_sharded_state_holds_each_ranks_rows_and_fits_the_single_process_posteri
         for name, expected in single_process[kind].items():
             _assert_close(state["summary"][name], expected, f"{kind}, sharded state: {name}")
             _assert_close(state["resumed"][name], expected, f"{kind}, sharded state: {name}, resumed on two")
+    for name, value in ranks[0][f"{kind}_sharded_state"]["summary"].items():  # all_reduce: one result on all ranks
+        assert torch.equal(value, ranks[1][f"{kind}_sharded_state"]["summary"][name]), name
     saved = torch.load(io.BytesIO(ranks[0][f"{kind}_sharded_state"]["saved"]), weights_only=True)
     extra = next(value for key, value in saved.items() if key.endswith("_extra_state"))
     assert extra["state"]["actions"].shape[0] == WORLD_SIZE * rows  # gathered on save
