@@ -173,19 +173,30 @@ class RegressionState(ExtraState):
         r"""This state after a change of :math:`\mathbf K`: one product renews :math:`\mathbf K \mathbf a` and
         :math:`\mathbf K \mathbf S`; :math:`\mathbf Q` (valid for the old kernel only) is dropped.
 
-        With ``rows_block`` :math:`\mathbf S` may be held by rows (``(|I_p| C, B)``): it is gathered for the product
-        (transiently ``(n, B)``), and this rank keeps its rows of :math:`\mathbf S` and :math:`\mathbf K \mathbf S`.
+        With ``rows_block`` (:math:`\mathbf S` held by rows, ``(|I_p| C, B)``, or all its rows after loading) the
+        products take :math:`\lceil B / P \rceil` columns of :math:`\mathbf S` at a time, gathered, so that a rank holds
+        :math:`O(n B / P)` entries of them at any time (:math:`P` products instead of one, the same columns in all);
+        this rank keeps its rows of :math:`\mathbf S` and :math:`\mathbf K \mathbf S`.
         """
-        actions = self.actions if rows_block is None else rows_block.full(self.actions)
-        stacked = torch.cat([self.representer_weights[:, None], actions], dim=-1)
-        product = kernel_matmul(stacked)
-        empty = stacked[:, :0]
-        kernel_actions = product[:, 1:]
-        if rows_block is not None:
-            actions, kernel_actions = rows_block.local(actions), rows_block.local(kernel_actions)
+        weights = self.representer_weights[:, None]
+        if rows_block is None:
+            product = kernel_matmul(torch.cat([weights, self.actions], dim=-1))
+            kernel_weights, actions, kernel_actions = product[:, 0], self.actions, product[:, 1:]
+        else:
+            buffered = self.actions.shape[-1]
+            width = max(1, -(-buffered // len(rows_block.bounds)))
+            blocks = []
+            for start in range(0, max(buffered, 1), width):  # a with the first block
+                columns = rows_block.full(self.actions[:, start : start + width])
+                product = kernel_matmul(torch.cat([weights, columns], dim=-1) if start == 0 else columns)
+                if start == 0:
+                    kernel_weights, product = product[:, 0], product[:, 1:]
+                blocks.append(rows_block.local(product))
+            actions, kernel_actions = rows_block.rows_of(self.actions), torch.cat(blocks, dim=-1)
+        empty = weights[:, :0]
         return dataclasses.replace(
             self,
-            kernel_representer_weights=product[:, 0],
+            kernel_representer_weights=kernel_weights,
             actions=actions,
             kernel_actions=kernel_actions,
             precision_root=empty,

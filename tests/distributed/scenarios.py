@@ -166,6 +166,15 @@ def run(rank: int, directory: Path) -> dict:
     return results
 
 
+def renewed(built: IterNCGPModel, kind: str) -> dict[str, torch.Tensor]:
+    """A fitted model's posterior after its outputscale changes to 3 and it fits 2 more steps (the recycled
+    actions' products renewed for the new kernel first)."""
+    kernel = built.covar_module.base_kernel if isinstance(built.covar_module, ShardedKernel) else built.covar_module
+    kernel.outputscale = 3.0
+    fit(built, kind, 2)
+    return summary(built, kind)
+
+
 def buffer_data() -> tuple[torch.Tensor, ...]:
     """Actions ``S`` ``(303, 6)`` (101 points x 3 latents; the first three sum to zero over each point), ``T = A S``
     for a symmetric ``A``, and the Cholesky factors ``(101, 3, 3)`` of curvature blocks."""
@@ -223,6 +232,8 @@ def sharded_state(kind: str) -> dict:
     fit(built, kind, FIT_STEPS[kind], callback=record)
     out: dict = {"summary": summary(built, kind), "shapes": shapes, "saved": saved["state_dict"]}
     out["final_shape"] = tuple(built.variational_strategy.state.actions.shape)
+    out["renewed"] = renewed(built, kind)
+    out["renewed_shape"] = tuple(built.variational_strategy.state.actions.shape)
     single = fit_saving(model(kind, sharded=False), kind)
     resumed = load(model(kind, sharded=True, shard_state=True), single)
     fit(resumed, kind, FIT_STEPS[kind] - STEP_OF_SAVE)

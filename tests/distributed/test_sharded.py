@@ -173,7 +173,8 @@ def test_sharded_state_holds_each_ranks_rows_and_fits_the_single_process_posteri
     """``ShardedKernel(..., shard_state=True)``, softmax Laplace and binary EP: after every Newton step (EP sweep) each
     rank holds its 120 points' rows of the recycled actions S and K S (of 240 points), and the posterior (mode or
     sites, mean and variance at test inputs, evidence) is the same on both ranks, bit for bit, and equals one
-    process's; its state_dict (gathered, all rows)
+    process's, also after a change of outputscale (S gathered by column blocks for the renewed K S); its state_dict
+    (gathered, all rows)
     resumes in one process, and one process's resumes with state sharding, both to the uninterrupted fit's
     posterior."""
     latents = scenarios.NUM_CLASSES if kind == "laplace" else 1
@@ -183,10 +184,15 @@ def test_sharded_state_holds_each_ranks_rows_and_fits_the_single_process_posteri
         assert len(state["shapes"]) > scenarios.STEP_OF_SAVE  # steps taken (Laplace converges after 5 of 6)
         for actions, kernel_actions in state["shapes"]:
             assert actions == kernel_actions and actions[0] == rows and actions[1] > 0
-        assert state["final_shape"][0] == state["resumed_shape"][0] == rows
+        assert state["final_shape"][0] == state["resumed_shape"][0] == state["renewed_shape"][0] == rows
         for name, expected in single_process[kind].items():
             _assert_close(state["summary"][name], expected, f"{kind}, sharded state: {name}")
             _assert_close(state["resumed"][name], expected, f"{kind}, sharded state: {name}, resumed on two")
+    reference = scenarios.model(kind, sharded=False)  # the fit continued after a change of outputscale
+    scenarios.fit(reference, kind, scenarios.FIT_STEPS[kind])
+    for name, expected in scenarios.renewed(reference, kind).items():
+        for result in ranks:
+            _assert_close(result[f"{kind}_sharded_state"]["renewed"][name], expected, f"{kind} {name}, new kernel")
     for name, value in ranks[0][f"{kind}_sharded_state"]["summary"].items():  # all_reduce: one result on all ranks
         assert torch.equal(value, ranks[1][f"{kind}_sharded_state"]["summary"][name]), name
     saved = torch.load(io.BytesIO(ranks[0][f"{kind}_sharded_state"]["saved"]), weights_only=True)
