@@ -33,7 +33,7 @@ from torch import Tensor
 
 from .. import settings
 from .kernel_products import fused_kernel_matmul
-from .sharding import RowShardedKernel, ShardedKernelMatrix
+from .sharding import RowBlock, RowShardedKernel, ShardedKernelMatrix
 
 SINGLE, SHARED, INDEPENDENT, MULTITASK = "single", "shared", "independent", "multitask"
 
@@ -244,6 +244,15 @@ class LatentPrior:
         if self.layout == INDEPENDENT:
             return self._mean.mT
         return self._mean
+
+    def row_block(self) -> RowBlock | None:
+        """This rank's rows of the solver's data-major vectors where its kernel is a
+        :class:`~gpytorch_iterncgp.core.sharding.RowShardedKernel` holding the state by rows (``shard_state``); else
+        ``None`` (one process, or state replicated)."""
+        kernel = getattr(self.covariance, "kernel", None)
+        if not isinstance(self.covariance, LazyEvaluatedKernelTensor) or not isinstance(kernel, RowShardedKernel):
+            return None
+        return kernel.row_block(self.shape[0], self.num_latents)
 
     def block(self, rows: slice, cols: slice) -> LatentPrior:
         """The prior restricted to row points ``rows`` and column points ``cols`` (lazy; nothing is evaluated)."""

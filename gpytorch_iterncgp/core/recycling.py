@@ -38,6 +38,7 @@ from torch import Tensor
 
 from .noise import FactoredNoise
 from .precision import ColumnStore
+from .sharding import RowBlock
 
 # Bytes of W^{-1} S formed at once when a virtual run computes S^T W^{-1} S (column blocks of S) for a noise operator
 # without a factor; and of the whitened chunk S_chunk^T F for the package's own noise operators (NOISE_CHUNK_BYTES:
@@ -68,18 +69,26 @@ class ActionBuffer:
     :math:`\mathbf S^\top \mathbf K \mathbf S` (float64, :meth:`kernel_gram`): computed once when first needed, then
     bordered by :meth:`append` in :math:`O(N C B)`. :math:`\mathbf S^\top \mathbf S`, which only compression needs,
     is one GEMM when asked for (:meth:`action_gram`).
+
+    With a :class:`~gpytorch_iterncgp.core.sharding.RowBlock` (``rows_block``) the stores hold this rank's rows
+    :math:`\mathcal I_p` only, ``(|I_p| C, B)``; vectors given to and returned by the buffer's products stay ``(N C,)``
+    (:meth:`transpose_matmul` reduces over the ranks, :meth:`combine` gathers), and so do the Gram matrices.
     """
 
     actions: ColumnStore
     kernel_actions: ColumnStore
+    rows_block: RowBlock | None = None
     _kernel_gram: Tensor | None = field(default=None, repr=False, compare=False)
     # (block size, actions checked, whether all of them sum to zero over every block): see zero_block_sums
     _zero_sums: tuple[int, int, bool] = field(default=(0, 0, True), repr=False, compare=False)
 
     @classmethod
-    def from_tensors(cls, actions: Tensor, kernel_actions: Tensor) -> ActionBuffer:
-        """A buffer holding copies of ``actions`` and ``kernel_actions`` ``(N C, B)``."""
-        return cls(ColumnStore(actions), ColumnStore(kernel_actions))
+    def from_tensors(cls, actions: Tensor, kernel_actions: Tensor, rows_block: RowBlock | None = None) -> ActionBuffer:
+        """A buffer holding copies of ``actions`` and ``kernel_actions`` ``(N C, B)`` (with ``rows_block``: of their
+        rows on this rank, given all rows or those only)."""
+        if rows_block is not None:
+            actions, kernel_actions = rows_block.rows_of(actions), rows_block.rows_of(kernel_actions)
+        return cls(ColumnStore(actions), ColumnStore(kernel_actions), rows_block)
 
     def holds(self, actions: Tensor, kernel_actions: Tensor) -> bool:
         """Whether ``actions`` and ``kernel_actions`` are this buffer's columns, all of them: views of its storage, as
@@ -93,21 +102,55 @@ class ActionBuffer:
         )
 
     @classmethod
-    def empty(cls, size: int, dtype: torch.dtype, device: torch.device) -> ActionBuffer:
-        empty = torch.zeros(size, 0, dtype=dtype, device=device)
-        return cls.from_tensors(empty, empty.clone())
+    def empty(
+        cls, size: int, dtype: torch.dtype, device: torch.device, rows_block: RowBlock | None = None
+    ) -> ActionBuffer:
+        """A buffer of no actions of ``size`` entries (with ``rows_block``: of its rows on this rank)."""
+        local = size if rows_block is None else rows_block.local_size
+        empty = torch.zeros(local, 0, dtype=dtype, device=device)
+        return cls(ColumnStore(empty), ColumnStore(empty.clone()), rows_block)
 
     @property
     def size(self) -> int:
         """The number of actions :math:`B`."""
         return self.actions.size
 
+    @property
+    def num_rows(self) -> int:
+        """:math:`n = N C`, the length of the actions (on every rank, whatever rows it holds)."""
+        return self.actions.rows.shape[-1] if self.rows_block is None else self.rows_block.size
+
+    def reduce(self, local: Tensor) -> Tensor:
+        """The sum over the ranks of a product of this rank's rows (itself in one process)."""
+        return local if self.rows_block is None else self.rows_block.reduce(local)
+
+    def local(self, vectors: Tensor) -> Tensor:
+        """This rank's rows of ``(N C, ...)`` vectors (themselves in one process)."""
+        return vectors if self.rows_block is None else self.rows_block.local(vectors)
+
+    def gather(self, local: Tensor) -> Tensor:
+        """``(N C, ...)`` from this rank's rows (itself in one process)."""
+        return local if self.rows_block is None else self.rows_block.gather(local)
+
+    def transpose_matmul(self, vectors: Tensor) -> Tensor:
+        r""":math:`\mathbf S^\top \mathbf x` ``(B, ...)`` for ``(N C, ...)`` vectors (sharded: one ``all_reduce``)."""
+        return self.reduce(self.actions.rows @ self.local(vectors))
+
+    def combine(self, coefficients: Tensor) -> tuple[Tensor, Tensor]:
+        r""":math:`\mathbf S \mathbf c` and :math:`\mathbf T \mathbf c` ``(N C,)`` for ``(B,)`` coefficients (sharded:
+        one ``all_gather`` of both)."""
+        if self.rows_block is None:
+            return self.actions.rows.mT @ coefficients, self.kernel_actions.rows.mT @ coefficients
+        both = torch.stack([self.actions.rows.mT @ coefficients, self.kernel_actions.rows.mT @ coefficients], -1)
+        full = self.rows_block.gather(both)
+        return full[:, 0], full[:, 1]
+
     def kernel_column(self, kernel_action: Tensor) -> Tensor:
         r""":math:`\mathbf S^\top \mathbf t` ``(B,)`` for a kernel product ``(N C,)``: the kernel Gram matrix's new
         column when its action is appended (:meth:`append`), which IterGP's conjugation also uses
         (:math:`\mathbf S^\top \hat{\mathbf K} \mathbf s = \mathbf S^\top \mathbf t + \mathbf S^\top \mathbf W^{-1}
         \mathbf s`)."""
-        return self.actions.rows @ kernel_action
+        return self.transpose_matmul(kernel_action)
 
     def kernel_gram(self) -> Tensor:
         r""":math:`\mathbf S^\top \mathbf K \mathbf S`, float64 ``(B, B)``, symmetric.
@@ -122,9 +165,9 @@ class ActionBuffer:
             rows, kernel_rows = self.actions.rows, self.kernel_actions.rows
             gram = torch.zeros(self.size, self.size, dtype=torch.float64, device=rows.device)
             for index in range(self.size):
-                column = self._gram_column(index, rows[:index] @ kernel_rows[index])
+                column = self._gram_column(index, rows[:index] @ kernel_rows[index], reduce=False)
                 gram[index, : index + 1] = gram[: index + 1, index] = column
-            self._kernel_gram = gram
+            self._kernel_gram = self.reduce(gram)
         return self._kernel_gram
 
     def zero_block_sums(self, block: int) -> bool:
@@ -139,17 +182,22 @@ class ActionBuffer:
             sums = rows.reshape(len(rows), -1, block) @ rows.new_ones(block, 1)
             bound = 16 * block * torch.finfo(rows.dtype).eps * rows.abs().amax(dim=-1)
             zero = bool((sums.abs().amax(dim=(-2, -1)) <= bound).all())
+        if self.rows_block is not None:  # zero on every rank
+            zero = not bool(self.reduce(torch.tensor([float(not zero)], dtype=rows.dtype, device=rows.device)))
         self._zero_sums = (block, self.size, zero)
         return zero
 
     def action_gram(self) -> Tensor:
         r""":math:`\mathbf S^\top \mathbf S`, float64 ``(B, B)``, symmetric: one GEMM (:math:`O(N C B^2)`)."""
         rows = self.actions.rows
-        return _symmetric((rows @ rows.mT).double())
+        return _symmetric(self.reduce(rows @ rows.mT).double())
 
-    def _gram_column(self, index: int, kernel_column: Tensor) -> Tensor:
-        """Column ``index`` of the kernel Gram matrix up to the diagonal (float64), from its part above the diagonal."""
+    def _gram_column(self, index: int, kernel_column: Tensor, reduce: bool = True) -> Tensor:
+        """Column ``index`` of the kernel Gram matrix up to the diagonal (float64), from its part above the diagonal
+        (``reduce=False``: this rank's part of the diagonal, for a column of this rank's parts)."""
         diagonal = self.actions.rows[index] @ self.kernel_actions.rows[index]
+        if reduce:
+            diagonal = self.reduce(diagonal)
         return torch.cat([kernel_column, diagonal[None]]).double()
 
     def append(self, action: Tensor, kernel_action: Tensor, kernel_column: Tensor | None = None) -> None:
@@ -158,8 +206,8 @@ class ActionBuffer:
         kept = self._kernel_gram is not None and self._kernel_gram.shape[-1] == self.size
         if kept and kernel_column is None:
             kernel_column = self.kernel_column(kernel_action)
-        self.actions.append(action)
-        self.kernel_actions.append(kernel_action)
+        self.actions.append(self.local(action))
+        self.kernel_actions.append(self.local(kernel_action))
         if kept and self._kernel_gram is not None and kernel_column is not None:
             self._kernel_gram = _bordered(self._kernel_gram, self._gram_column(self.size - 1, kernel_column))
 
@@ -194,12 +242,12 @@ class ImplicitRoot:
     @property
     def precision_root(self) -> Tensor:
         r""":math:`\mathbf Q = \mathbf S \mathbf E`, ``(n, r)``: formed on each call."""
-        return combined_columns(self.buffer.actions, self.root_coefficients)
+        return self.buffer.gather(combined_columns(self.buffer.actions, self.root_coefficients))
 
     @property
     def kernel_precision_root(self) -> Tensor:
         r""":math:`\mathbf K \mathbf Q = \mathbf T \mathbf E`, ``(n, r)``: formed on each call."""
-        return combined_columns(self.buffer.kernel_actions, self.root_coefficients)
+        return self.buffer.gather(combined_columns(self.buffer.kernel_actions, self.root_coefficients))
 
 
 def noise_gram(buffer: ActionBuffer, noise_inverse: LinearOperator) -> Tensor:
@@ -218,6 +266,8 @@ def noise_gram(buffer: ActionBuffer, noise_inverse: LinearOperator) -> Tensor:
     size, num_rows = rows.shape
     if size == 0:
         return rows.new_zeros(0, 0, dtype=torch.float64)
+    if buffer.rows_block is not None:
+        return _sharded_noise_gram(buffer, noise_inverse)
     support = row_support(rows)
     if noise_inverse.dim() == 2 and isinstance(noise_inverse, FactoredNoise) and support is None:
         block = noise_inverse.entries_per_point
@@ -238,6 +288,29 @@ def noise_gram(buffer: ActionBuffer, noise_inverse: LinearOperator) -> Tensor:
         noisy = noise_inverse.matmul(rows[start : start + width].mT)
         blocks.append(rows @ noisy if support is None else rows[:, support] @ noisy[support])
     return _symmetric(torch.cat(blocks, dim=-1).double())
+
+
+def _sharded_noise_gram(buffer: ActionBuffer, noise_inverse: LinearOperator) -> Tensor:
+    r""":func:`noise_gram` of a buffer held by rows: :math:`\sum_p \mathbf S_{\mathcal I_p}^\top (\mathbf W^{-1}
+    \mathbf S)_{\mathcal I_p}`, one ``all_reduce`` of the ``(B, B)`` sum. The package's block-diagonal noise whitens
+    this rank's rows (whole points); any other noise multiplies column blocks of :math:`\mathbf S`, gathered."""
+    rows, block = buffer.actions.rows, buffer.rows_block
+    assert block is not None
+    size = rows.shape[0]
+    gram = rows.new_zeros(size, size, dtype=torch.float64)
+    if noise_inverse.dim() == 2 and isinstance(noise_inverse, FactoredNoise):
+        entries = noise_inverse.entries_per_point
+        centred = noise_inverse.centring and buffer.zero_block_sums(entries)
+        chunk = entries * max(1, NOISE_CHUNK_BYTES // (size * rows.element_size() * entries))
+        for start in range(0, rows.shape[-1], chunk):
+            whitened = noise_inverse.whiten_rows(rows[:, start : start + chunk], block.start + start, centred)
+            gram += (whitened @ whitened.mT).double()
+    else:
+        width = max(1, NOISE_BLOCK_BYTES // max(1, block.size * rows.element_size()))
+        for start in range(0, size, width):
+            noisy = block.local(noise_inverse.matmul(block.gather(rows[start : start + width].mT)))
+            gram[:, start : start + width] = (rows @ noisy).double()
+    return _symmetric(block.reduce(gram))
 
 
 def row_support(rows: Tensor) -> Tensor | None:
@@ -336,8 +409,10 @@ def virtual_solver_run(
         first = first / (first * (action_gram @ first)).sum(0).sqrt().clamp_min(torch.finfo(torch.float64).tiny)
         direction, kernel_direction = extra
         noisy_direction = kernel_direction + noise_inverse.matmul(direction[:, None])[:, 0]
-        noisy_column = torch.cat([rows @ noisy_direction, (direction @ noisy_direction)[None]]).double()
-        action_column = torch.cat([rows @ direction, (direction @ direction)[None]]).double()
+        noisy_column = torch.cat(
+            [buffer.transpose_matmul(noisy_direction), (direction @ noisy_direction)[None]]
+        ).double()
+        action_column = torch.cat([buffer.transpose_matmul(direction), (direction @ direction)[None]]).double()
         extended_gram = _bordered(gram, noisy_column)
         extended_action_gram = _bordered(action_gram, action_column)
         basis = torch.block_diag(first, torch.ones(1, 1, dtype=torch.float64, device=first.device))
@@ -350,6 +425,10 @@ def virtual_solver_run(
     norms = (coefficients * (extended_action_gram @ coefficients)).sum(0).sqrt()
     norms = norms.clamp_min(torch.finfo(dtype).tiny)
     coefficients = coefficients / norms
-    actions = _combination(rows, None if extra is None else extra[0], coefficients, spare)
-    kernel_actions = _combination(buffer.kernel_actions.rows, None if extra is None else extra[1], coefficients, spare)
-    return ImplicitRoot(ActionBuffer(actions, kernel_actions), torch.diag(norms * eigenvalues.rsqrt()).to(dtype))
+    actions = _combination(rows, None if extra is None else buffer.local(extra[0]), coefficients, spare)
+    kernel_actions = _combination(
+        buffer.kernel_actions.rows, None if extra is None else buffer.local(extra[1]), coefficients, spare
+    )
+    return ImplicitRoot(
+        ActionBuffer(actions, kernel_actions, buffer.rows_block), torch.diag(norms * eigenvalues.rsqrt()).to(dtype)
+    )

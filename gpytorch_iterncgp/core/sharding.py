@@ -33,7 +33,7 @@ from gpytorch.lazy import LazyEvaluatedKernelTensor
 from linear_operator.operators import LinearOperator
 from torch import Tensor
 
-__all__ = ["RowShardedKernel", "ShardedKernelMatrix", "row_bounds"]
+__all__ = ["RowBlock", "RowShardedKernel", "ShardedKernelMatrix", "row_bounds"]
 
 
 def row_bounds(num_points: int, world_size: int) -> list[tuple[int, int]]:
@@ -51,7 +51,82 @@ def row_bounds(num_points: int, world_size: int) -> list[tuple[int, int]]:
 class RowShardedKernel(Kernel):
     """A kernel whose matrix, where no gradient is recorded, is a :class:`ShardedKernelMatrix` (the base of
     ``gpytorch_iterncgp.distributed.ShardedKernel``): what :class:`~gpytorch_iterncgp.core.prior.LatentPrior` looks
-    for before it evaluates a kernel."""
+    for before it evaluates a kernel. Where :attr:`shard_state` is set, the solver's recycled actions are
+    held by rows too (:class:`RowBlock`)."""
+
+    process_group: dist.ProcessGroup | None = None
+    shard_state: bool = False
+
+    def row_block(self, num_points: int, num_latents: int) -> RowBlock | None:
+        """This rank's :class:`RowBlock` of data-major ``(num_points * num_latents,)`` vectors where :attr:`shard_state`
+        is set, else ``None``."""
+        if not self.shard_state:
+            return None
+        return RowBlock.of_rank(num_points, num_latents, self.process_group)
+
+
+class RowBlock:
+    r"""Rank :math:`p`'s rows :math:`\mathcal I_p` (whole points, :func:`row_bounds`) of data-major vectors of
+    :math:`n = N C` entries, and the collectives that combine row blocks.
+
+    A matrix :math:`\mathbf S` ``(n, B)`` held by rows keeps :math:`\mathbf S_{\mathcal I_p}` on rank :math:`p`;
+    :math:`\mathbf S^\top \mathbf x = \sum_p \mathbf S_{\mathcal I_p}^\top \mathbf x_{\mathcal I_p}` is a local
+    product and an ``all_reduce`` (:meth:`reduce`) of :math:`B` numbers, and :math:`\mathbf S \mathbf c` the local
+    :math:`\mathbf S_{\mathcal I_p} \mathbf c` and an ``all_gather`` (:meth:`gather`) of its rows. Every rank gets
+    the same result, bit for bit (tested with gloo); one process's up to the order of the sums.
+
+    :param start: first entry of this rank's rows.
+    :param stop: one past the last.
+    :param size: :math:`n`.
+    :param bounds: every rank's ``(start, stop)``.
+    :param process_group: the ranks (``None``: the default group).
+    """
+
+    def __init__(
+        self, start: int, stop: int, size: int, bounds: list[tuple[int, int]], process_group: dist.ProcessGroup | None
+    ):
+        self.start, self.stop, self.size, self.bounds, self.process_group = start, stop, size, bounds, process_group
+
+    @classmethod
+    def of_rank(cls, num_points: int, num_latents: int, process_group: dist.ProcessGroup | None) -> RowBlock:
+        """This rank's block: the points of :func:`row_bounds`, ``num_latents`` entries each."""
+        points = row_bounds(num_points, dist.get_world_size(process_group))
+        bounds = [(start * num_latents, stop * num_latents) for start, stop in points]
+        start, stop = bounds[dist.get_rank(process_group)]
+        return cls(start, stop, num_points * num_latents, bounds, process_group)
+
+    @property
+    def local_size(self) -> int:
+        r""":math:`|\mathcal I_p| C`, the rows this rank holds."""
+        return self.stop - self.start
+
+    def local(self, tensor: Tensor) -> Tensor:
+        """This rank's rows of a full ``(n, ...)`` tensor (a view)."""
+        return tensor[self.start : self.stop]
+
+    def reduce(self, tensor: Tensor) -> Tensor:
+        """The sum over the ranks of ``tensor`` (one ``all_reduce``), as a new tensor."""
+        total = tensor.clone().contiguous()
+        dist.all_reduce(total, group=self.process_group)
+        return total
+
+    def gather(self, local: Tensor) -> Tensor:
+        """The full ``(n, ...)`` tensor from every rank's rows ``(|I_p| C, ...)`` (one ``all_gather``, blocks padded to one
+        shape)."""
+        largest = max(stop - start for start, stop in self.bounds)
+        padded = local.new_zeros(largest, *local.shape[1:])
+        padded[: local.shape[0]] = local
+        blocks = [torch.empty_like(padded) for _ in self.bounds]
+        dist.all_gather(blocks, padded, group=self.process_group)
+        return torch.cat([block[: stop - start] for block, (start, stop) in zip(blocks, self.bounds, strict=True)])
+
+    def rows_of(self, tensor: Tensor) -> Tensor:
+        """``tensor`` ``(n, ...)`` or already this rank's rows ``(|I_p| C, ...)``: this rank's rows."""
+        return self.local(tensor) if tensor.shape[0] == self.size and self.size != self.local_size else tensor
+
+    def full(self, tensor: Tensor) -> Tensor:
+        """``tensor`` ``(n, ...)``, or its rows on every rank ``(|I_p| C, ...)`` gathered to it (a collective)."""
+        return tensor if tensor.shape[0] == self.size else self.gather(tensor)
 
 
 class ShardedKernelMatrix(LinearOperator):

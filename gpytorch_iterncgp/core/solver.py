@@ -47,6 +47,7 @@ from .noise import NoiseOperator
 from .policies import Policy
 from .precision import LowRankPrecision
 from .recycling import ActionBuffer, ImplicitRoot, virtual_solver_run
+from .sharding import RowBlock
 from .state import ExtraState
 from .validation import check_count, check_flag, check_nonnegative
 
@@ -168,18 +169,47 @@ class RegressionState(ExtraState):
         self.precision_root, self.kernel_precision_root  # noqa: B018  # reading forms them
         return self.__dict__
 
-    def with_kernel(self, kernel_matmul: Callable[[Tensor], Tensor]) -> Self:
+    def with_kernel(self, kernel_matmul: Callable[[Tensor], Tensor], rows_block: RowBlock | None = None) -> Self:
         r"""This state after a change of :math:`\mathbf K`: one product renews :math:`\mathbf K \mathbf a` and
-        :math:`\mathbf K \mathbf S`; :math:`\mathbf Q` (valid for the old kernel only) is dropped."""
-        stacked = torch.cat([self.representer_weights[:, None], self.actions], dim=-1)
-        product = kernel_matmul(stacked)
-        empty = stacked[:, :0]
+        :math:`\mathbf K \mathbf S`; :math:`\mathbf Q` (valid for the old kernel only) is dropped.
+
+        With ``rows_block`` (:math:`\mathbf S` held by rows, ``(|I_p| C, B)``, or all its rows after loading) the
+        products take :math:`\lceil B / P \rceil` columns of :math:`\mathbf S` at a time, gathered, so that a rank holds
+        :math:`O(n B / P)` entries of them at any time (:math:`P` products instead of one, the same columns in all);
+        this rank keeps its rows of :math:`\mathbf S` and :math:`\mathbf K \mathbf S`.
+        """
+        weights = self.representer_weights[:, None]
+        if rows_block is None:
+            product = kernel_matmul(torch.cat([weights, self.actions], dim=-1))
+            kernel_weights, actions, kernel_actions = product[:, 0], self.actions, product[:, 1:]
+        else:
+            buffered = self.actions.shape[-1]
+            width = max(1, -(-buffered // len(rows_block.bounds)))
+            blocks = []
+            for start in range(0, max(buffered, 1), width):  # a with the first block
+                columns = rows_block.full(self.actions[:, start : start + width])
+                product = kernel_matmul(torch.cat([weights, columns], dim=-1) if start == 0 else columns)
+                if start == 0:
+                    kernel_weights, product = product[:, 0], product[:, 1:]
+                blocks.append(rows_block.local(product))
+            actions, kernel_actions = rows_block.rows_of(self.actions), torch.cat(blocks, dim=-1)
+        empty = weights[:, :0]
         return dataclasses.replace(
             self,
-            kernel_representer_weights=product[:, 0],
-            kernel_actions=product[:, 1:],
+            kernel_representer_weights=kernel_weights,
+            actions=actions,
+            kernel_actions=kernel_actions,
             precision_root=empty,
             kernel_precision_root=empty.clone(),
+        )
+
+    def with_full_rows(self, rows_block: RowBlock | None) -> Self:
+        r"""This state with :math:`\mathbf S` and :math:`\mathbf K \mathbf S` of all ``(n, B)`` rows: gathered (a
+        collective) where they are held by rows of ``rows_block``; itself otherwise."""
+        if rows_block is None or self.actions.shape[0] == rows_block.size:
+            return self
+        return dataclasses.replace(
+            self, actions=rows_block.gather(self.actions), kernel_actions=rows_block.gather(self.kernel_actions)
         )
 
     @classmethod
@@ -220,7 +250,7 @@ def _check_solver_arguments(noise_inverse, rhs, buffer, max_solver_iterations, a
     size = rhs.shape[0]
     if tuple(noise_inverse.shape) != (size, size):
         raise ValueError(f"noise_inverse must be ({size}, {size}) to match rhs, got {tuple(noise_inverse.shape)}.")
-    if buffer.actions.value.shape[0] != size or buffer.kernel_actions.value.shape != buffer.actions.value.shape:
+    if buffer.num_rows != size or buffer.kernel_actions.value.shape != buffer.actions.value.shape:
         raise ValueError(
             f"buffer must hold actions and kernel products of shape ({size}, B), got "
             f"{tuple(buffer.actions.value.shape)} and {tuple(buffer.kernel_actions.value.shape)}."
@@ -269,23 +299,23 @@ def _conjugate(
     :return: :math:`\mathbf d`, :math:`\mathbf K \mathbf d`, :math:`\mathbf c` and
         :math:`\eta = \mathbf d^\top \hat{\mathbf K} \mathbf d`.
     """
-    rows, kernel_rows = buffer.actions.rows, buffer.kernel_actions.rows
     direction, kernel_direction = action, kernel_action
     subtracted = root_coefficients.new_zeros(root_coefficients.shape[0])  # d = s - S (subtracted)
-    projected = kernel_column + rows @ noisy_action  # S^T K̂ s
+    projected = kernel_column + buffer.transpose_matmul(noisy_action)  # S^T K̂ s
     eta = action_energy
     for _ in range(2):
         # Twice is enough (DGKS); once where little cancels, which saves three passes over S and K S. After
         # cancellation the rounding errors of d = s - S c have components in span(S) that the second pass removes.
         conjugation = root_coefficients @ (root_coefficients.mT @ projected)  # E Q^T K̂ d
-        direction = direction - rows.mT @ conjugation
-        kernel_direction = kernel_direction - kernel_rows.mT @ conjugation
+        combined, kernel_combined = buffer.combine(conjugation)  # S c, K S c
+        direction = direction - combined
+        kernel_direction = kernel_direction - kernel_combined
         subtracted = subtracted + conjugation
         noisy_direction = kernel_direction + noisy(direction)
         previous, eta = eta, float(direction @ noisy_direction)
         if not eta < REORTHOGONALIZE * previous:
             break
-        projected = rows @ noisy_direction  # S^T K̂ d
+        projected = buffer.transpose_matmul(noisy_direction)  # S^T K̂ d
     return _Conjugated(direction, kernel_direction, subtracted, eta)
 
 
@@ -500,7 +530,8 @@ def itergp_solve(
     def noisy(vector: Tensor) -> Tensor:
         return multiply_noise(vector[:, None])[:, 0]  # W^{-1} v
 
-    coefficients = root_coefficients @ (root_coefficients.mT @ (buffer.actions.rows @ rhs))  # E E^T S^T b
+    coefficients = root_coefficients @ (root_coefficients.mT @ buffer.transpose_matmul(rhs))  # E E^T S^T b
+    weights, kernel_weights = buffer.combine(coefficients)  # v = S c, K v = T c
     solver = _IterGPIterations(
         rhs,
         policy,
@@ -509,8 +540,8 @@ def itergp_solve(
         _kernel_product(kernel_matmul, kernel_columns, sparse_limit),
         buffer,
         root_coefficients,
-        weights=buffer.actions.rows.mT @ coefficients,
-        kernel_weights=buffer.kernel_actions.rows.mT @ coefficients,
+        weights=weights,
+        kernel_weights=kernel_weights,
         recycled_rank=root_coefficients.shape[-1],
     )
     tolerance = max(abs_tol, rel_tol * float(project(rhs[:, None]).norm()))

@@ -200,6 +200,7 @@ class ExpectationPropagation:
         self.num_latents = adapter.num_latents
         self.prior_mean = prior.mean.reshape(-1)
         self.prior_variance = prior.diagonal().reshape(-1)
+        self.rows_block = prior.row_block()  # this rank's rows of S and K S where they are held by rows, else None
         self.min_precision = adapter._min_curvature(self.prior_mean.dtype)
         self.prior_blocks: Tensor | None = None
         self.action_space_dimension: int | None = None
@@ -216,7 +217,7 @@ class ExpectationPropagation:
     def renew(self, state: EPState) -> EPState:
         """``state`` after a change of :math:`\\mathbf K`: products renewed (one product); the sites are kept (a warm
         start), and the next sweep first solves the regression they define for the new kernel."""
-        return dataclasses.replace(state.with_kernel(self.prior.matmul), solved=False)
+        return dataclasses.replace(state.with_kernel(self.prior.matmul, self.rows_block), solved=False)
 
     def finalize(self, state: EPState) -> EPState:
         r"""Every yielded state's precision belongs to its own sites; with ``covariance_iterations > 0`` the covariance
@@ -381,7 +382,7 @@ class ExpectationPropagation:
     def steps(self, state: EPState) -> Generator[OuterStep, None, None]:
         """Parallel EP sweeps from ``state`` until converged or stalled (the driver limits their number)."""
         options = self.options
-        buffer = ActionBuffer.from_tensors(state.actions, state.kernel_actions)
+        buffer = ActionBuffer.from_tensors(state.actions, state.kernel_actions, self.rows_block)
         extra_iterations = 0
         if not state.solved:  # the kernel changed: the marginals need the kept sites' regression first
             result = self.solve(state, buffer, state.site_precision, state.site_natural_mean)
@@ -390,7 +391,9 @@ class ExpectationPropagation:
         while True:
             update = self.update(state)
             if not options.recycle:
-                buffer = ActionBuffer.empty(len(self.prior_mean), self.prior_mean.dtype, self.prior_mean.device)
+                buffer = ActionBuffer.empty(
+                    len(self.prior_mean), self.prior_mean.dtype, self.prior_mean.device, self.rows_block
+                )
                 self.policy.reset()
             result = self.solve(state, buffer, update.site_precision, update.site_natural_mean)
             buffer = result.buffer

@@ -52,7 +52,8 @@ class ShardedKernel(RowShardedKernel):
     above :class:`~gpytorch_iterncgp.settings.dense_kernel_limit`, its cached rows of :math:`\mathbf K` below), and
     one ``all_gather`` gives every rank the whole product, bit for bit the same; the rest of the fit is replicated,
     so every rank holds the same posterior (that of one process, up to the order of the reductions within a row
-    block). Predictions' cross-covariance products are split by test points in the same way.
+    block); with ``shard_state`` the recycled actions are held by rows too. Predictions' cross-covariance products
+    are split by test points in the same way.
 
     The entries, the diagonal and whatever needs gradients (hyperparameter learning, a dense evidence) are
     ``base_kernel``'s own, evaluated on every rank. ``state_dict()`` holds ``base_kernel``'s entries under this
@@ -60,11 +61,19 @@ class ShardedKernel(RowShardedKernel):
 
     :param base_kernel: the kernel.
     :param process_group: the ranks that share the products (default: torch.distributed's default group).
+    :param shard_state: hold the solver's recycled actions :math:`\mathbf S` and :math:`\mathbf K \mathbf S`
+        (:class:`~gpytorch_iterncgp.IterNCGPStrategy`, :class:`~gpytorch_iterncgp.EPStrategy`) by rows as well: each
+        rank :math:`\lceil N / P \rceil C` rows of them, inner products by ``all_reduce``. ``state_dict()`` is then a
+        collective (every rank calls it; it gathers them).
+    :raises TypeError: if ``shard_state`` is not a bool.
     :raises RuntimeError: when a product is taken before ``torch.distributed.init_process_group()``.
     """
 
-    def __init__(self, base_kernel: Kernel, process_group: dist.ProcessGroup | None = None):
+    def __init__(self, base_kernel: Kernel, process_group: dist.ProcessGroup | None = None, shard_state: bool = False):
         super().__init__()
+        if not isinstance(shard_state, bool):
+            raise TypeError(f"shard_state must be True or False, got {shard_state!r}.")
+        self.shard_state = shard_state
         if not isinstance(base_kernel, Kernel):
             raise TypeError(f"ShardedKernel wraps a gpytorch Kernel, got {type(base_kernel).__name__}.")
         self.sharded_kernel = base_kernel

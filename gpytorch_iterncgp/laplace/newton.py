@@ -161,6 +161,7 @@ class DampedNewton:
         self.action_space_dimension = num_data * latents
         self.project = adapter.project if adapter.zero_sum_actions else None
         self.buffer: ActionBuffer | None = None  # the loop's recycled actions after its last solve
+        self.rows_block = prior.row_block()  # this rank's rows of S and K S where they are held by rows, else None
         observed = adapter.observed_coordinates(targets)
         if observed is not None:  # missing outputs: W = 0 there, so actions (and residuals) live on the others
             mask = observed.to(self.prior_mean)[:, None]
@@ -179,7 +180,7 @@ class DampedNewton:
     def renew(self, state: LaplaceState) -> LaplaceState:
         r"""``state`` after a change of :math:`\mathbf K`: its products renewed (one product), :math:`\mathbf a` kept as
         the warm start, and IterGP's tolerances start afresh (a new system)."""
-        renewed = state.with_kernel(self.prior.matmul)
+        renewed = state.with_kernel(self.prior.matmul, self.rows_block)
         return dataclasses.replace(renewed, log_posterior=-math.inf, control=NewtonControl())
 
     # -- the objective -----------------------------------------------------------------------------------------
@@ -272,7 +273,7 @@ class DampedNewton:
         current = self.point(state.representer_weights, state.kernel_representer_weights)
         if state.newton_steps > 0 and state.log_posterior == -math.inf:  # K changed since these weights
             current = self.warm_start(state.representer_weights, state.kernel_representer_weights)
-        buffer = ActionBuffer.from_tensors(state.actions, state.kernel_actions)
+        buffer = ActionBuffer.from_tensors(state.actions, state.kernel_actions, self.rows_block)
         while True:
             derivatives = self.derivatives(current.kernel_weights)
             noise_inverse = derivatives.noise_inverse
@@ -285,7 +286,9 @@ class DampedNewton:
                 yield OuterStep(None, state, LoopStatus.BREAKDOWN, message)
                 return
             if not self.options.recycle:
-                buffer = ActionBuffer.empty(len(self.prior_mean), self.prior_mean.dtype, self.prior_mean.device)
+                buffer = ActionBuffer.empty(
+                    len(self.prior_mean), self.prior_mean.dtype, self.prior_mean.device, self.rows_block
+                )
                 self.policy.reset()
             result = self._solve(current, noise_inverse, gradient_step, buffer, state.control)
             buffer = self.buffer = result.buffer
@@ -436,7 +439,7 @@ class DampedNewton:
             return state
         buffer = self.buffer  # no copy where the state holds the loop's own buffer (the run appends nothing to it)
         if buffer is None or not buffer.holds(state.actions, state.kernel_actions):
-            buffer = ActionBuffer.from_tensors(state.actions, state.kernel_actions)
+            buffer = ActionBuffer.from_tensors(state.actions, state.kernel_actions, self.rows_block)
         virtual = virtual_solver_run(buffer, final.noise_inverse)
         phase = covariance_phase(
             self.prior.matmul,

@@ -331,6 +331,10 @@ class OuterLoopStrategy(gpytorch.Module):
     def _load_loop_extra(self, extra: Mapping) -> None:
         """Restore :meth:`_loop_extra` from a saved extra state (``{}``: reset); nothing here."""
 
+    def _state_to_save(self) -> Any:
+        """The committed state as :meth:`get_extra_state` saves it; itself here."""
+        return self._state
+
     def get_extra_state(self) -> dict:
         """The committed state for ``state_dict()``: tensors, numbers and strings only (``weights_only`` loadable).
 
@@ -339,7 +343,7 @@ class OuterLoopStrategy(gpytorch.Module):
         """
         return {
             "version": 2,
-            "state": None if self._state is None else self._state.to_extra(),
+            "state": None if self._state is None else self._state_to_save().to_extra(),
             "fingerprint": self._fingerprint,
             **self._loop_extra(),
             "data": data_fingerprint(self.train_inputs, self.train_targets),

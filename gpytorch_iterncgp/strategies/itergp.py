@@ -45,6 +45,7 @@ from ..core.outer_loop import EPSweep, FitReport, NewtonStep
 from ..core.policies import Policy, make_policy
 from ..core.precision import LowRankPrecision
 from ..core.prior import LatentPrior
+from ..core.sharding import RowShardedKernel
 from ..core.solver import IterGPOptions, RegressionState
 from ..ep.sweeps import EPOptions, EPState, ExpectationPropagation
 from ..laplace.newton import DampedNewton, LaplaceState, SolverOptions
@@ -93,6 +94,14 @@ class _IterGPStrategy(PredictiveStrategy):
 
     def _rewind(self) -> None:
         self.policy.load_state(self._policy_state)
+
+    def _state_to_save(self) -> Any:
+        r"""The committed state with all rows of :math:`\mathbf S` and :math:`\mathbf K \mathbf S`: gathered where a
+        :class:`~gpytorch_iterncgp.distributed.ShardedKernel` with ``shard_state`` holds them by rows (so
+        ``state_dict()`` is a collective there, and loads into any number of processes)."""
+        sharded = next((module for module in self.model.modules() if isinstance(module, RowShardedKernel)), None)
+        rows_block = None if sharded is None else sharded.row_block(self.num_data, self.num_latents)
+        return self._state.with_full_rows(rows_block)
 
     def _loop_extra(self) -> dict:
         """The unit-vector policy's position at the committed state."""

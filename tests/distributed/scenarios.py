@@ -42,9 +42,9 @@ def data(kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return x, y, test
 
 
-def model(kind: str, sharded: bool, process_group=None) -> IterNCGPModel:
+def model(kind: str, sharded: bool, process_group=None, shard_state: bool = False) -> IterNCGPModel:
     """Softmax Laplace (``"laplace"``, one kernel shared by the classes) or binary probit EP (``"ep"``), CG with
-    recycling."""
+    recycling; ``shard_state``: the wrapper holds the Laplace solver's recycled actions by rows too."""
     x, y, _ = data(kind)
     if kind == "laplace":
         likelihood = gpytorch.likelihoods.SoftmaxLikelihood(num_classes=NUM_CLASSES, mixing_weights=False)
@@ -53,7 +53,7 @@ def model(kind: str, sharded: bool, process_group=None) -> IterNCGPModel:
         likelihood = gpytorch.likelihoods.BernoulliLikelihood()
         built = IterNCGPModel(x, y, likelihood, kernel="matern", strategy_class=EPStrategy, **SOLVER)
     if sharded:
-        built.covar_module = ShardedKernel(built.covar_module, process_group=process_group)
+        built.covar_module = ShardedKernel(built.covar_module, process_group=process_group, shard_state=shard_state)
     return built
 
 
@@ -158,9 +158,88 @@ def run(rank: int, directory: Path) -> dict:
         resumed = load(model(kind, sharded=True), saved)
         fit(resumed, kind, FIT_STEPS[kind] - STEP_OF_SAVE)
         results[f"{kind}_resumed"] = summary(resumed, kind)
+    results["buffer"] = buffer_products()
+    for kind in ("laplace", "ep"):
+        results[f"{kind}_sharded_state"] = sharded_state(kind)
     results["mismatch"] = mismatch(rank)
     results["fault"] = fault(rank, directory)
     return results
+
+
+def renewed(built: IterNCGPModel, kind: str) -> dict[str, torch.Tensor]:
+    """A fitted model's posterior after its outputscale changes to 3 and it fits 2 more steps (the recycled
+    actions' products renewed for the new kernel first)."""
+    kernel = built.covar_module.base_kernel if isinstance(built.covar_module, ShardedKernel) else built.covar_module
+    kernel.outputscale = 3.0
+    fit(built, kind, 2)
+    return summary(built, kind)
+
+
+def buffer_data() -> tuple[torch.Tensor, ...]:
+    """Actions ``S`` ``(303, 6)`` (101 points x 3 latents; the first three sum to zero over each point), ``T = A S``
+    for a symmetric ``A``, and the Cholesky factors ``(101, 3, 3)`` of curvature blocks."""
+    generator = torch.Generator().manual_seed(4)
+    actions = torch.randn(303, 6, generator=generator, dtype=torch.float64)
+    actions[:, :3] -= actions[:, :3].reshape(101, 3, 3).mean(1, keepdim=True).expand(101, 3, 3).reshape(303, 3)
+    root = torch.randn(303, 303, generator=generator, dtype=torch.float64)
+    factor = torch.randn(101, 3, 3, generator=generator, dtype=torch.float64)
+    blocks = factor @ factor.mT + torch.eye(3, dtype=torch.float64)
+    return actions, (root + root.mT) @ actions, torch.linalg.cholesky(blocks)
+
+
+def buffer_products() -> dict[str, torch.Tensor]:
+    """The action buffer's reductions with its rows split over the ranks (3 latents per point): S^T x, S c and T c,
+    S^T T, S^T S, S^T W^{-1} S for block noise (whitened rows) and for a dense noise (gathered columns), and whether
+    the actions sum to zero per point."""
+    from linear_operator.operators import DenseLinearOperator
+
+    from gpytorch_iterncgp.core.noise import BlockNoiseInverse
+    from gpytorch_iterncgp.core.recycling import ActionBuffer, noise_gram
+    from gpytorch_iterncgp.core.sharding import RowBlock
+
+    actions, kernel_actions, cholesky = buffer_data()
+    block = RowBlock.of_rank(101, 3, None)
+    buffer = ActionBuffer.from_tensors(actions, kernel_actions, block)
+    noise = BlockNoiseInverse(cholesky)
+    vector = torch.linspace(-1, 1, 303, dtype=torch.float64)
+    combined = buffer.combine(torch.arange(6, dtype=torch.float64))
+    centred = ActionBuffer.from_tensors(actions[:, :3], kernel_actions[:, :3], block)
+    return {
+        "rows": torch.tensor(buffer.actions.value.shape),
+        "transpose_matmul": buffer.transpose_matmul(vector),
+        "combine": torch.stack(combined, -1),
+        "kernel_gram": buffer.kernel_gram(),
+        "action_gram": buffer.action_gram(),
+        "noise_gram_block": noise_gram(buffer, noise),
+        "noise_gram_dense": noise_gram(buffer, DenseLinearOperator(noise.to_dense())),
+        "zero_sums": torch.tensor([centred.zero_block_sums(3), buffer.zero_block_sums(3)]),
+    }
+
+
+def sharded_state(kind: str) -> dict:
+    """Softmax Laplace or binary EP with the recycled actions held by rows (``shard_state=True``): the posterior, the
+    shapes of the actions the rank holds after each step, a state_dict after :data:`STEP_OF_SAVE` steps (gathered),
+    and a single process's state_dict resumed here."""
+    built = model(kind, sharded=True, shard_state=True)
+    shapes: list = []
+    saved = {}
+
+    def record(step, state):
+        shapes.append([tuple(state.actions.shape), tuple(state.kernel_actions.shape)])
+        if step.step == STEP_OF_SAVE:
+            saved["state_dict"] = state_dict_bytes(built)
+
+    fit(built, kind, FIT_STEPS[kind], callback=record)
+    out: dict = {"summary": summary(built, kind), "shapes": shapes, "saved": saved["state_dict"]}
+    out["final_shape"] = tuple(built.variational_strategy.state.actions.shape)
+    out["renewed"] = renewed(built, kind)
+    out["renewed_shape"] = tuple(built.variational_strategy.state.actions.shape)
+    single = fit_saving(model(kind, sharded=False), kind)
+    resumed = load(model(kind, sharded=True, shard_state=True), single)
+    fit(resumed, kind, FIT_STEPS[kind] - STEP_OF_SAVE)
+    out["resumed"] = summary(resumed, kind)
+    out["resumed_shape"] = tuple(resumed.variational_strategy.state.actions.shape)
+    return out
 
 
 def mismatch(rank: int) -> str | None:

@@ -7,6 +7,7 @@ compare what each rank computed with the same computation in this process, witho
 
 from __future__ import annotations
 
+import io
 import socket
 import tempfile
 import time
@@ -141,6 +142,70 @@ def test_a_failing_rank_makes_the_other_fail_within_the_timeout(ranks, single_pr
         _assert_close(scenarios.summary(resumed, "laplace")[name], expected, f"laplace {name}, resumed after a fault")
 
 
+def test_the_action_buffers_reductions_over_row_blocks_equal_the_dense_products(ranks):
+    """An action buffer whose rows are split over the two ranks (51 and 50 points x 3 latents): S^T x, S c, T c and
+    the Gram matrices (the noise's for block noise, whitened by rows, and for a dense noise, by gathered columns)
+    against the dense products of all rows."""
+    actions, kernel_actions, cholesky = scenarios.buffer_data()
+    from gpytorch_iterncgp.core.noise import BlockNoiseInverse
+
+    noise = BlockNoiseInverse(cholesky).to_dense()
+    vector = torch.linspace(-1, 1, 303, dtype=torch.float64)
+    coefficients = torch.arange(6, dtype=torch.float64)
+    expected = {
+        "transpose_matmul": actions.mT @ vector,
+        "combine": torch.stack([actions @ coefficients, kernel_actions @ coefficients], -1),
+        "kernel_gram": actions.mT @ kernel_actions,
+        "action_gram": actions.mT @ actions,
+        "noise_gram_block": actions.mT @ noise @ actions,
+        "noise_gram_dense": actions.mT @ noise @ actions,
+    }
+    for rank, result in enumerate(ranks):
+        buffer = result["buffer"]
+        assert buffer["rows"].tolist() == [(51 - rank) * 3, 6]
+        for name, value in expected.items():
+            _assert_close(buffer[name], value, name)
+        assert buffer["zero_sums"].tolist() == [True, False]
+
+
+@pytest.mark.parametrize("kind", ["laplace", "ep"])
+def test_sharded_state_holds_each_ranks_rows_and_fits_the_single_process_posterior(ranks, single_process, kind):
+    """``ShardedKernel(..., shard_state=True)``, softmax Laplace and binary EP: after every Newton step (EP sweep) each
+    rank holds its 120 points' rows of the recycled actions S and K S (of 240 points), and the posterior (mode or
+    sites, mean and variance at test inputs, evidence) is the same on both ranks, bit for bit, and equals one
+    process's, also after a change of outputscale (S gathered by column blocks for the renewed K S); its state_dict
+    (gathered, all rows)
+    resumes in one process, and one process's resumes with state sharding, both to the uninterrupted fit's
+    posterior."""
+    latents = scenarios.NUM_CLASSES if kind == "laplace" else 1
+    rows = scenarios.NUM_DATA // WORLD_SIZE * latents
+    for result in ranks:
+        state = result[f"{kind}_sharded_state"]
+        assert len(state["shapes"]) > scenarios.STEP_OF_SAVE  # steps taken (Laplace converges after 5 of 6)
+        for actions, kernel_actions in state["shapes"]:
+            assert actions == kernel_actions and actions[0] == rows and actions[1] > 0
+        assert state["final_shape"][0] == state["resumed_shape"][0] == state["renewed_shape"][0] == rows
+        for name, expected in single_process[kind].items():
+            _assert_close(state["summary"][name], expected, f"{kind}, sharded state: {name}")
+            _assert_close(state["resumed"][name], expected, f"{kind}, sharded state: {name}, resumed on two")
+    reference = scenarios.model(kind, sharded=False)  # the fit continued after a change of outputscale
+    scenarios.fit(reference, kind, scenarios.FIT_STEPS[kind])
+    for name, expected in scenarios.renewed(reference, kind).items():
+        for result in ranks:
+            _assert_close(result[f"{kind}_sharded_state"]["renewed"][name], expected, f"{kind} {name}, new kernel")
+    for name, value in ranks[0][f"{kind}_sharded_state"]["summary"].items():  # all_reduce: one result on all ranks
+        assert torch.equal(value, ranks[1][f"{kind}_sharded_state"]["summary"][name]), name
+    saved = torch.load(io.BytesIO(ranks[0][f"{kind}_sharded_state"]["saved"]), weights_only=True)
+    extra = next(value for key, value in saved.items() if key.endswith("_extra_state"))
+    assert extra["state"]["actions"].shape[0] == WORLD_SIZE * rows  # gathered on save
+    resumed = scenarios.load(scenarios.model(kind, sharded=False), ranks[0][f"{kind}_sharded_state"]["saved"])
+    scenarios.fit(resumed, kind, scenarios.FIT_STEPS[kind] - scenarios.STEP_OF_SAVE)
+    for name, expected in single_process[kind].items():
+        _assert_close(
+            scenarios.summary(resumed, kind)[name], expected, f"{kind}, sharded state: {name}, resumed in one"
+        )
+
+
 def test_ranks_with_different_data_fail_naming_the_fix(ranks):
     for result in ranks:
         assert result["mismatch"] is not None and "same model on the same data" in result["mismatch"]
@@ -162,6 +227,13 @@ def test_the_wrapper_keeps_the_wrapped_kernels_state_dict_keys():
     other = ShardedKernel(gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=1.5)).double())
     other.load_state_dict(kernel.state_dict())
     assert float(other.base_kernel.outputscale.detach()) == pytest.approx(3.0)
+
+
+def test_shard_state_must_be_a_bool():
+    from gpytorch_iterncgp.distributed import ShardedKernel
+
+    with pytest.raises(TypeError, match="shard_state must be True or False"):
+        ShardedKernel(gpytorch.kernels.RBFKernel(), shard_state="rows")
 
 
 def test_a_product_before_init_process_group_names_the_fix():
