@@ -16,7 +16,7 @@ scaled Matérn-5/2) with the IterNCGP Laplace strategy or EP (``inference``; the
 optionally learn the kernel's hyperparameters by maximising the evidence
 (:class:`~gpytorch_iterncgp.LaplaceMarginalLogLikelihood`, :class:`~gpytorch_iterncgp.EPMarginalLogLikelihood`;
 L-BFGS where the evidence is exact, Adam with loose fits where it is estimated, and there Laplace's evidence for EP
-too) of a stratified random subset of the data (``learning_subset``, at most 10 000 latent values by default), then
+too) of a stratified random subset of the data (``learning_subset``; by default 1000 points for 10 classes), then
 fit the posterior on all the data at the learnt hyperparameters. Everything is computed in float64.
 
 Importing this module imports scikit-learn; ``import gpytorch_iterncgp`` does not.
@@ -66,9 +66,10 @@ EXACT_SOLVE_SIZE = 1000
 #: Recycled actions kept while the hyperparameters are learnt with loose fits (``_IterNCGPEstimator._loose_fits``).
 LEARNING_COMPRESSION_RANK = 20
 #: ``learning_subset="auto"``: the hyperparameters are learnt on a random (stratified, for classifiers) subset of
-#: at most this many latent values :math:`M C`, then the posterior is fitted on all the data at them; chosen by
-#: measurement (``benchmarks/learned.py``, ``benchmarks/README.md`` §14).
-LEARNING_SUBSET_SIZE = 10_000
+#: :math:`M = \lfloor \sqrt{\text{this} / C} \rfloor` points, so that a product with the subset's kernel matrix
+#: costs at most this many multiply-adds :math:`M^2 C` (1000 points for 10 classes, 3162 for binary data), then the
+#: posterior is fitted on all the data at them; chosen by measurement (``benchmarks/README.md`` §14).
+LEARNING_SUBSET_COST = 10**7
 #: ``inference="auto"`` in :class:`IterNCGPClassifier`: the approximation chosen by measurement (``benchmarks/learned.py``,
 #: ``benchmarks/sklearn_defaults.py``; the Poisson regressor's ``"auto"`` is Laplace).
 CLASSIFIER_INFERENCE = "ep"
@@ -375,7 +376,9 @@ class _IterNCGPEstimator(BaseEstimator):
         if self.learning_subset is None:
             return None
         size = (
-            max(2, LEARNING_SUBSET_SIZE // num_latents) if self.learning_subset == "auto" else int(self.learning_subset)
+            max(2, math.isqrt(LEARNING_SUBSET_COST // num_latents))
+            if self.learning_subset == "auto"
+            else int(self.learning_subset)
         )
         if size >= num_data:
             return None
@@ -700,8 +703,8 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
     :param learning_subset: the number of training points the hyperparameters are learnt on: a random subset, drawn
         with ``random_state`` and stratified by class (every class keeps its share), whose evidence is maximised before
         the posterior is fitted on all the data at the learnt hyperparameters (subset-of-data type-II maximum likelihood,
-        R&W §8.3.3). ``"auto"`` (default): at most :data:`LEARNING_SUBSET_SIZE` (10 000) latent values
-        :math:`M C`, i.e. 1000 points for 10 classes, chosen by measurement (``benchmarks/README.md`` §14): each
+        R&W §8.3.3). ``"auto"`` (default): :math:`M = \lfloor \sqrt{10^7 / C} \rfloor` points
+        (:data:`LEARNING_SUBSET_COST`: 1000 points for 10 classes, 3162 for binary data), chosen by measurement (``benchmarks/README.md`` §14): each
         evidence evaluation costs :math:`O(M^2 C)` instead of :math:`O(N^2 C)`, and at :math:`N = 5000` the kernel
         learnt on 1000 points predicted better on average over data seeds than those learnt on 500 or 2000.
         ``None``: all the data. The rows used are ``learning_rows_``.

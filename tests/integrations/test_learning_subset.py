@@ -3,6 +3,8 @@ random subset of the rows, then the posterior is fitted on all of them at that k
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -50,19 +52,22 @@ def test_subset_learning_learns_what_a_fit_on_the_subset_learns(inference):
 
 
 def test_subset_is_stratified_and_auto_size_follows_the_latent_budget(monkeypatch):
-    """``"auto"`` takes ``LEARNING_SUBSET_SIZE // C`` points (C classes); every class keeps its share of them (to
+    """``"auto"`` takes ``isqrt(LEARNING_SUBSET_COST // C)`` points (C classes); every class keeps its share of them (to
     rounding), and the draw follows ``random_state``."""
-    monkeypatch.setattr(estimators, "LEARNING_SUBSET_SIZE", 120)
+    monkeypatch.setattr(estimators, "LEARNING_SUBSET_COST", 3 * 40**2 + 5)
     x, y = _classes(num=90, seed=1)
     first = IterNCGPClassifier(inference="laplace", optimizer_steps=1, random_state=0).fit(x, y)
     rows = first.learning_rows_
-    assert len(rows) == 120 // 3 and np.all(np.diff(rows) > 0)
+    assert len(rows) == 40 and np.all(np.diff(rows) > 0)
     expected = 40 * np.bincount(y) / len(y)
     assert np.all(np.abs(np.bincount(y[rows], minlength=3) - expected) <= 1)
     again = IterNCGPClassifier(inference="laplace", optimizer_steps=1, random_state=0).fit(x, y)
     other = IterNCGPClassifier(inference="laplace", optimizer_steps=1, random_state=1).fit(x, y)
     np.testing.assert_array_equal(again.learning_rows_, rows)
     assert not np.array_equal(other.learning_rows_, rows)
+    # binary data (C = 1): the same cost of a product buys sqrt(3) times as many points
+    binary = IterNCGPClassifier(inference="laplace", optimizer_steps=1, random_state=0).fit(x, y > 0)
+    assert len(binary.learning_rows_) == math.isqrt(3 * 40**2 + 5) == 69
     # a subset as large as the data, or no learning: all the rows, no subset
     small = IterNCGPClassifier(inference="laplace", optimizer_steps=1, learning_subset=90).fit(x, y)
     fixed = IterNCGPClassifier(optimize_hyperparameters=False).fit(x, y)
