@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gpytorch
+import linear_operator
 import torch
 from linear_operator.operators import KroneckerProductLinearOperator, RootLinearOperator, SumLinearOperator
 
@@ -197,3 +198,15 @@ def multioutput_count_data(num_data=40, num_tasks=3, dtype=torch.float64, seed=0
     if missing:
         y[torch.rand(y.shape, generator=generator, dtype=dtype) < missing] = torch.nan
     return x, y
+
+
+def settings_snapshot() -> dict:
+    """The global values of every linear_operator / GPyTorch setting (class attributes)."""
+    snapshot = {}
+    for module in (linear_operator.settings, gpytorch.settings):
+        for setting in vars(module).values():
+            if isinstance(setting, type):
+                for attribute in ("_global_value", "_default", "_state"):
+                    if attribute in vars(setting):
+                        snapshot[setting, attribute] = vars(setting)[attribute]
+    return snapshot

@@ -14,10 +14,10 @@ import signal
 import warnings
 from pathlib import Path
 
-import gpytorch
-import linear_operator
 import pytest
 import torch
+
+from tests.common import settings_snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 120
@@ -62,18 +62,6 @@ def pages() -> list[Path]:
     return [path for path in found if any(runnable for _, _, runnable in code_blocks(path.read_text()))]
 
 
-def _settings_snapshot() -> dict:
-    """The global values of every linear_operator / GPyTorch setting (class attributes)."""
-    snapshot = {}
-    for module in (linear_operator.settings, gpytorch.settings):
-        for setting in vars(module).values():
-            if isinstance(setting, type):
-                for attribute in ("_global_value", "_default", "_state"):
-                    if attribute in vars(setting):
-                        snapshot[setting, attribute] = vars(setting)[attribute]
-    return snapshot
-
-
 def _timeout(signum, frame):
     raise TimeoutError(f"a page's snippets ran longer than {TIMEOUT_S} s")
 
@@ -97,7 +85,7 @@ def test_code_blocks_finds_runnable_and_notest_blocks():
 def test_page_snippets_run(path: Path):
     blocks = [(line, code) for line, code, runnable in code_blocks(path.read_text()) if runnable]
     namespace: dict = {"__name__": "__doc_snippet__"}
-    settings = _settings_snapshot()
+    settings = settings_snapshot()
     dtype = torch.get_default_dtype()
     previous_handler = signal.signal(signal.SIGALRM, _timeout)
     signal.alarm(TIMEOUT_S)

@@ -12,22 +12,11 @@ import math
 import warnings
 
 import gpytorch
-import linear_operator
 import numpy as np
 import pytest
 import torch
 
-
-def _settings_snapshot() -> dict:
-    """The global values of every linear_operator / GPyTorch setting (class attributes)."""
-    snapshot = {}
-    for module in (linear_operator.settings, gpytorch.settings):
-        for setting in vars(module).values():
-            if isinstance(setting, type):
-                for attribute in ("_global_value", "_default", "_state"):
-                    if attribute in vars(setting):
-                        snapshot[setting, attribute] = vars(setting)[attribute]
-    return snapshot
+from tests.common import settings_snapshot
 
 
 def _restore(snapshot: dict) -> None:
@@ -38,9 +27,9 @@ def _restore(snapshot: dict) -> None:
 # Importing BoTorch changes linear_operator's global settings (max_cholesky_size 800 -> 4096, fast
 # computations off, ...). pytest imports every test module before running any test, so without this the
 # whole session would run under BoTorch's settings: they apply to this module's tests only.
-_DEFAULT_SETTINGS = _settings_snapshot()
+_DEFAULT_SETTINGS = settings_snapshot()
 pytest.importorskip("botorch")
-_BOTORCH_SETTINGS = _settings_snapshot()
+_BOTORCH_SETTINGS = settings_snapshot()
 _restore(_DEFAULT_SETTINGS)
 
 from botorch.acquisition import PosteriorMean, qExpectedImprovement  # noqa: E402
