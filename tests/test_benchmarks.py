@@ -203,6 +203,7 @@ def test_suite_quick_run_on_cuda(tmp_path):
         )
 
 
+@pytest.mark.slow  # about 70 s on one core: the quick suite runs every method of `benchmarks/suite.py`
 def test_suite_quick_run_writes_results(tmp_path):
     arguments = ["--quick", "--quiet", "--datasets", "mixture", "--settings", "sensible", "--threads", "1"]
     output = suite.main([*arguments, "--out", str(tmp_path)])
