@@ -51,8 +51,8 @@ def row_bounds(num_points: int, world_size: int) -> list[tuple[int, int]]:
 class RowShardedKernel(Kernel):
     """A kernel whose matrix, where no gradient is recorded, is a :class:`ShardedKernelMatrix` (the base of
     ``gpytorch_iterncgp.distributed.ShardedKernel``): what :class:`~gpytorch_iterncgp.core.prior.LatentPrior` looks
-    for before it evaluates a kernel. Where :attr:`shard_state` is set, the solver's recycled actions are
-    held by rows too (:class:`RowBlock`)."""
+    for before it evaluates a kernel. Where :attr:`shard_state` is set, the solver's recycled actions and precision
+    roots are held by rows too (:class:`RowBlock`)."""
 
     process_group: dist.ProcessGroup | None = None
     shard_state: bool = False

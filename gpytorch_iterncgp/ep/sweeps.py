@@ -83,7 +83,7 @@ def posterior_marginal_blocks(
     ``(N, C, C)`` (:math:`\mathbf K\mathbf Q` held by rows of ``rows_block``: each rank's blocks, gathered)."""
     num_latents = prior_mean.shape[-1]
     kernel_root = state.kernel_precision_root
-    rows = kernel_root.reshape(-1, num_latents, kernel_root.shape[-1])
+    rows = kernel_root.reshape(kernel_root.shape[0] // num_latents, num_latents, kernel_root.shape[-1])
     products = all_rows((rows @ rows.mT).reshape(-1, num_latents), rows_block).reshape(-1, num_latents, num_latents)
     covariance = prior_blocks - products
     return prior_mean + state.kernel_representer_weights.reshape(-1, num_latents), (covariance + covariance.mT) / 2

@@ -446,7 +446,7 @@ class DampedNewton:
         if buffer is None or not buffer.holds(state.actions, state.kernel_actions):
             buffer = ActionBuffer.from_tensors(state.actions, state.kernel_actions, self.rows_block)
         virtual = virtual_solver_run(buffer, final.noise_inverse)
-        if self.options.covariance_iterations == 0:  # Q = S E, K Q = T E: this rank's rows where S is held by rows
+        if self.rows_block is not None and self.options.covariance_iterations == 0:  # this rank's rows of S E, T E
             roots = virtual.local_precision_root, virtual.local_kernel_precision_root
             return dataclasses.replace(state, precision_root=roots[0], kernel_precision_root=roots[1])
         phase = covariance_phase(
