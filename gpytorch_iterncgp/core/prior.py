@@ -261,19 +261,25 @@ class LatentPrior:
             return LatentPrior(self._mean[rows], _point_block(self.covariance, rows, cols, num), self.layout, num)
         return LatentPrior(self._mean[..., rows], self.covariance[..., rows, cols], self.layout, self.num_latents)
 
-    def matmul(self, rhs: Tensor) -> Tensor:
+    def matmul(self, rhs: Tensor, rows_block: RowBlock | None = None) -> Tensor:
         r""":math:`\mathbf K \mathbf X` for data-major ``X`` of shape ``(M C, k)``; returns ``(N C, k)``.
 
         One call of the underlying kernel matmul, whatever :math:`C` and :math:`k`. Where the dense kernel would
         exceed :class:`~gpytorch_iterncgp.settings.dense_kernel_limit` (and no gradient is recorded), fused for
         RBF and Matérn kernels (:mod:`~gpytorch_iterncgp.core.kernel_products`, unless
         :class:`~gpytorch_iterncgp.settings.fused_kernel_products` is off), in row chunks otherwise.
+
+        With ``rows_block`` (the column points' rows, ``X`` held by rows: this rank's ``(|I_p| C, k)``, e.g. a state's
+        :math:`\mathbf Q` for a cross-covariance :math:`\mathbf K_{*X}`) each rank multiplies the kernel's columns of
+        its points, :math:`\mathbf K_{:, \mathcal I_p} \mathbf X_{\mathcal I_p}`, and one ``all_reduce`` sums them
+        (:meth:`~gpytorch_iterncgp.core.sharding.ShardedKernelMatrix.column_block_matmul`); where the kernel is not
+        sharded (gradients recorded) ``X`` is gathered first.
         """
         self.products += 1
         self.columns += rhs.shape[-1]
         chunk_rows = 0 if torch.is_grad_enabled() else _chunk_rows(self.covariance)
         start = self._clock()
-        product = self._matmul(rhs, chunk_rows)
+        product = self._matmul(rhs, chunk_rows, rows_block)
         self.product_seconds += self._clock() - start
         return product
 
@@ -284,12 +290,19 @@ class LatentPrior:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
-    def _matmul(self, rhs: Tensor, chunk_rows: int = 0) -> Tensor:
+    def _matmul(self, rhs: Tensor, chunk_rows: int = 0, rows_block: RowBlock | None = None) -> Tensor:
         num_rows, num_cols = self.shape
         num, width = self.num_latents, rhs.shape[-1]
+        if rows_block is not None:
+            if _sharded(self.covariance) is None:  # the wrapped kernel's own evaluation (gradients): all rows
+                rhs, rows_block = rows_block.full(rhs), None
+            else:
+                num_cols = rhs.shape[0] // num  # this rank's column points
 
         def multiply(matrix: Tensor) -> Tensor:
             sharded = _sharded(self.covariance)
+            if sharded is not None and rows_block is not None:  # each rank its columns; then summed
+                return sharded.column_block_matmul(_local_matmul, matrix, rows_block)
             if sharded is not None:  # each rank its rows, by the products below; then gathered
                 return sharded.sharded_matmul(_local_matmul, matrix)
             return _kernel_matmul(self.covariance, matrix, chunk_rows)

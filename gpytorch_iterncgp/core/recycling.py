@@ -241,13 +241,27 @@ class ImplicitRoot:
 
     @property
     def precision_root(self) -> Tensor:
-        r""":math:`\mathbf Q = \mathbf S \mathbf E`, ``(n, r)``: formed on each call."""
-        return self.buffer.gather(combined_columns(self.buffer.actions, self.root_coefficients))
+        r""":math:`\mathbf Q = \mathbf S \mathbf E`, ``(n, r)``: formed on each call (a buffer held by rows: its
+        :attr:`local_precision_root` gathered)."""
+        return self.buffer.gather(self.local_precision_root)
 
     @property
     def kernel_precision_root(self) -> Tensor:
         r""":math:`\mathbf K \mathbf Q = \mathbf T \mathbf E`, ``(n, r)``: formed on each call."""
-        return self.buffer.gather(combined_columns(self.buffer.kernel_actions, self.root_coefficients))
+        return self.buffer.gather(self.local_kernel_precision_root)
+
+    @property
+    def local_precision_root(self) -> Tensor:
+        r"""This rank's rows :math:`\mathbf Q_{\mathcal I_p} = \mathbf S_{\mathcal I_p} \mathbf E`,
+        ``(|I_p| C, r)``, of a buffer held by rows (:attr:`ActionBuffer.rows_block`), formed on each call with no
+        collective; :attr:`precision_root` otherwise."""
+        return combined_columns(self.buffer.actions, self.root_coefficients)
+
+    @property
+    def local_kernel_precision_root(self) -> Tensor:
+        r"""This rank's rows :math:`(\mathbf K \mathbf Q)_{\mathcal I_p} = \mathbf T_{\mathcal I_p} \mathbf E`,
+        ``(|I_p| C, r)`` (:attr:`local_precision_root`)."""
+        return combined_columns(self.buffer.kernel_actions, self.root_coefficients)
 
 
 def noise_gram(buffer: ActionBuffer, noise_inverse: LinearOperator) -> Tensor:

@@ -33,7 +33,7 @@ from gpytorch.lazy import LazyEvaluatedKernelTensor
 from linear_operator.operators import LinearOperator
 from torch import Tensor
 
-__all__ = ["RowBlock", "RowShardedKernel", "ShardedKernelMatrix", "row_bounds"]
+__all__ = ["RowBlock", "RowShardedKernel", "ShardedKernelMatrix", "all_rows", "own_rows", "row_bounds"]
 
 
 def row_bounds(num_points: int, world_size: int) -> list[tuple[int, int]]:
@@ -51,8 +51,8 @@ def row_bounds(num_points: int, world_size: int) -> list[tuple[int, int]]:
 class RowShardedKernel(Kernel):
     """A kernel whose matrix, where no gradient is recorded, is a :class:`ShardedKernelMatrix` (the base of
     ``gpytorch_iterncgp.distributed.ShardedKernel``): what :class:`~gpytorch_iterncgp.core.prior.LatentPrior` looks
-    for before it evaluates a kernel. Where :attr:`shard_state` is set, the solver's recycled actions are
-    held by rows too (:class:`RowBlock`)."""
+    for before it evaluates a kernel. Where :attr:`shard_state` is set, the solver's recycled actions and precision
+    roots are held by rows too (:class:`RowBlock`)."""
 
     process_group: dist.ProcessGroup | None = None
     shard_state: bool = False
@@ -129,6 +129,20 @@ class RowBlock:
         return tensor if tensor.shape[0] == self.size else self.gather(tensor)
 
 
+def all_rows(tensor: Tensor, block: RowBlock | None) -> Tensor:
+    """``tensor`` ``(n, ...)`` with all its rows: :meth:`RowBlock.full` (gathered where it holds this rank's rows of
+    ``block``, a collective); itself without a block (one process, or state replicated)."""
+    return tensor if block is None else block.full(tensor)
+
+
+def own_rows(tensor: Tensor, block: RowBlock | None) -> Tensor:
+    """This rank's rows ``(|I_p| C, ...)`` of ``tensor`` ``(n, ...)`` (or already them), as a contiguous tensor of
+    its own where they are sliced from all rows, so that the whole tensor can be freed; itself without a block."""
+    if block is None or tensor.shape[0] == block.local_size:
+        return tensor
+    return block.local(tensor).contiguous()
+
+
 class ShardedKernelMatrix(LinearOperator):
     r"""The kernel matrix :math:`k(\mathbf X_1, \mathbf X_2)` ``(*batch, N C, M C)`` of ``kernel``, whose products
     are computed by rows over the ranks of ``process_group`` (see the module docstring).
@@ -199,6 +213,26 @@ class ShardedKernelMatrix(LinearOperator):
             batch = torch.broadcast_shapes(self.batch_shape, rhs.shape[:-2])
             local = rhs.new_zeros(*batch, 0, rhs.shape[-1])
         return self.gather(local)
+
+    def column_block_matmul(
+        self, local_matmul: Callable[[LinearOperator, Tensor], Tensor], rhs_rows: Tensor, block: RowBlock
+    ) -> Tensor:
+        r""":math:`\mathbf K \mathbf R = \sum_p \mathbf K_{:, \mathcal I_p} \mathbf R_{\mathcal I_p}` for
+        :math:`\mathbf R` held by rows of ``block`` (the column points' blocks, e.g. the training points of the state;
+        ``rhs_rows`` is this rank's ``(*batch, |I_p| C, k)``): ``local_matmul`` of the kernel at all row points and this
+        rank's column points (a lazily evaluated kernel ``(*batch, N C, |I_p| C)``, :math:`N |\mathcal I_p|`
+        evaluations) by its rows, then :meth:`RowBlock.reduce` (one ``all_reduce`` of :math:`N C k` numbers).
+        Every rank gets the same sum, bit for bit; one process's up to the order of the sum over the ranks.
+        """
+        self.check_same_inputs()
+        start, stop = row_bounds(self.x2.shape[-2], self.world_size)[self.rank]
+        if stop > start:
+            columns = LazyEvaluatedKernelTensor(self.x1, self.x2[..., start:stop, :], kernel=self.kernel, **self.params)
+            local = local_matmul(columns, rhs_rows)
+        else:  # more ranks than column points: nothing to add here
+            batch = torch.broadcast_shapes(self.batch_shape, rhs_rows.shape[:-2])
+            local = rhs_rows.new_zeros(*batch, self.shape[-2], rhs_rows.shape[-1])
+        return block.reduce(local)
 
     def check_same_inputs(self) -> None:
         """Check once (one ``all_gather`` of a few numbers) that every rank has the same inputs and kernel

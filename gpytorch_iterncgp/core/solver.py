@@ -82,8 +82,10 @@ class IterGPResult(ImplicitRoot):
         return LowRankPrecision(self.precision_root)
 
     def deferred_roots(self) -> tuple[Tensor, Tensor]:
-        r""":math:`\mathbf Q` and :math:`\mathbf K \mathbf Q` for a :class:`RegressionState`, formed when first read."""
-        return deferred(lambda: self.precision_root), deferred(lambda: self.kernel_precision_root)
+        r""":math:`\mathbf Q` and :math:`\mathbf K \mathbf Q` for a :class:`RegressionState`, formed when first read:
+        this rank's rows of them where the buffer is held by rows (:attr:`local_precision_root`, no collective), as
+        :math:`\mathbf S` and :math:`\mathbf K \mathbf S` are."""
+        return deferred(lambda: self.local_precision_root), deferred(lambda: self.local_kernel_precision_root)
 
 
 @dataclass
@@ -143,14 +145,19 @@ class RegressionState(ExtraState):
     ``n = N C`` (data-major), ``r`` the rank of :math:`\mathbf C`, ``B`` the number of buffered actions. The
     posterior of the latents is :math:`\mathbf m + \mathbf K \mathbf a` and :math:`\mathbf K - \mathbf K \mathbf Q
     \mathbf Q^\top \mathbf K` whatever the outer loop (Newton, EP) that set the regression.
+
+    Where the loop holds its actions by rows (a :class:`~gpytorch_iterncgp.core.sharding.RowBlock`, ``shard_state``)
+    the matrices :math:`\mathbf Q`, :math:`\mathbf K \mathbf Q`, :math:`\mathbf S`, :math:`\mathbf K \mathbf S` hold
+    this rank's rows, ``(|I_p| C, ...)`` (all ``n`` rows after loading a ``state_dict``: readers take
+    ``RowBlock.rows_of`` or ``RowBlock.full``); the vectors :math:`\mathbf a`, :math:`\mathbf K \mathbf a` all rows.
     """
 
     representer_weights: Tensor  # a, (n,): f = m + K a
     kernel_representer_weights: Tensor  # K a, (n,)
-    precision_root: Tensor  # Q, (n, r): C = Q Q^T (may be passed as deferred(function): DeferredTensor)
-    kernel_precision_root: Tensor  # K Q, (n, r) (may be deferred)
-    actions: Tensor  # S, (n, B)
-    kernel_actions: Tensor  # K S, (n, B)
+    precision_root: Tensor  # Q, (n, r) or (|I_p| C, r): C = Q Q^T (may be passed as deferred(function): DeferredTensor)
+    kernel_precision_root: Tensor  # K Q, (n, r) or (|I_p| C, r) (may be deferred)
+    actions: Tensor  # S, (n, B) or (|I_p| C, B)
+    kernel_actions: Tensor  # K S, (n, B) or (|I_p| C, B)
 
     saved_by = "IterGP"
 
@@ -193,7 +200,7 @@ class RegressionState(ExtraState):
                     kernel_weights, product = product[:, 0], product[:, 1:]
                 blocks.append(rows_block.local(product))
             actions, kernel_actions = rows_block.rows_of(self.actions), torch.cat(blocks, dim=-1)
-        empty = weights[:, :0]
+        empty = weights[:, :0] if rows_block is None else rows_block.local(weights[:, :0])
         return dataclasses.replace(
             self,
             kernel_representer_weights=kernel_weights,
@@ -204,13 +211,13 @@ class RegressionState(ExtraState):
         )
 
     def with_full_rows(self, rows_block: RowBlock | None) -> Self:
-        r"""This state with :math:`\mathbf S` and :math:`\mathbf K \mathbf S` of all ``(n, B)`` rows: gathered (a
-        collective) where they are held by rows of ``rows_block``; itself otherwise."""
-        if rows_block is None or self.actions.shape[0] == rows_block.size:
+        r"""This state with :math:`\mathbf Q`, :math:`\mathbf K \mathbf Q` ``(n, r)`` and :math:`\mathbf S`,
+        :math:`\mathbf K \mathbf S` ``(n, B)`` of all rows: gathered (a collective, four ``all_gather``) where they are
+        held by rows of ``rows_block``; itself otherwise."""
+        if rows_block is None:
             return self
-        return dataclasses.replace(
-            self, actions=rows_block.gather(self.actions), kernel_actions=rows_block.gather(self.kernel_actions)
-        )
+        names = ("precision_root", "kernel_precision_root", "actions", "kernel_actions")
+        return dataclasses.replace(self, **{name: rows_block.full(getattr(self, name)) for name in names})
 
     @classmethod
     def expected_shapes(cls, saved: dict[str, Tensor]) -> dict[str, tuple[int, ...]]:

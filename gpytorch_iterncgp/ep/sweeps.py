@@ -55,6 +55,7 @@ from ..core.outer_loop import EPSweep, LoopStatus, OuterStep
 from ..core.policies import Policy
 from ..core.prior import LatentPrior
 from ..core.recycling import ActionBuffer
+from ..core.sharding import RowBlock, all_rows, own_rows
 from ..core.solver import IterGPOptions, IterGPResult, RegressionState, itergp_solve
 from ..core.validation import check_count, check_nonnegative
 from ..likelihoods.adapters import LikelihoodAdapter
@@ -62,24 +63,29 @@ from ..likelihoods.multinomial_probit import InnerSites
 from .sites import SiteUpdate, site_block_noise, update_site_blocks, update_sites, zero_sum_basis
 
 
-def posterior_marginals(prior_mean: Tensor, prior_variance: Tensor, state: RegressionState) -> tuple[Tensor, Tensor]:
+def posterior_marginals(
+    prior_mean: Tensor, prior_variance: Tensor, state: RegressionState, rows_block: RowBlock | None = None
+) -> tuple[Tensor, Tensor]:
     r"""Posterior means :math:`m_i + (\mathbf K\mathbf a)_i` and variances :math:`k_{ii} - \|(\mathbf K\mathbf Q)_{i,:}\|^2`
-    (including the computational uncertainty of an incomplete solve), ``(n,)`` each, from the state's buffers."""
+    (including the computational uncertainty of an incomplete solve), ``(n,)`` each, from the state's buffers
+    (:math:`\mathbf K\mathbf Q` held by rows of ``rows_block``: each rank's row norms, gathered)."""
     mean = prior_mean + state.kernel_representer_weights
-    variance = prior_variance - state.kernel_precision_root.square().sum(-1)
+    variance = prior_variance - all_rows(state.kernel_precision_root.square().sum(-1), rows_block)
     return mean, variance
 
 
 def posterior_marginal_blocks(
-    prior_mean: Tensor, prior_blocks: Tensor, state: RegressionState
+    prior_mean: Tensor, prior_blocks: Tensor, state: RegressionState, rows_block: RowBlock | None = None
 ) -> tuple[Tensor, Tensor]:
     r"""Each point's posterior mean ``(N, C)`` and :math:`C \times C` covariance
     :math:`\mathbf K_{ii} - \mathbf R_i \mathbf R_i^\top` ``(N, C, C)``, :math:`\mathbf R_i` the point's :math:`C` rows
     of :math:`\mathbf K\mathbf Q` (data-major); ``prior_mean`` ``(N, C)``, ``prior_blocks`` :math:`\mathbf K_{ii}`
-    ``(N, C, C)``."""
-    num_points, num_latents = prior_mean.shape
-    rows = state.kernel_precision_root.reshape(num_points, num_latents, state.kernel_precision_root.shape[-1])
-    covariance = prior_blocks - rows @ rows.mT
+    ``(N, C, C)`` (:math:`\mathbf K\mathbf Q` held by rows of ``rows_block``: each rank's blocks, gathered)."""
+    num_latents = prior_mean.shape[-1]
+    kernel_root = state.kernel_precision_root
+    rows = kernel_root.reshape(kernel_root.shape[0] // num_latents, num_latents, kernel_root.shape[-1])
+    products = all_rows((rows @ rows.mT).reshape(-1, num_latents), rows_block).reshape(-1, num_latents, num_latents)
+    covariance = prior_blocks - products
     return prior_mean + state.kernel_representer_weights.reshape(-1, num_latents), (covariance + covariance.mT) / 2
 
 
@@ -229,16 +235,19 @@ class ExpectationPropagation:
         noise, _ = self.noise(state.site_precision, state.site_natural_mean)
         phase = self._covariance_blocks(state, noise, self.options.covariance_iterations)
         return dataclasses.replace(
-            state, precision_root=phase.precision_root, kernel_precision_root=phase.kernel_precision_root
+            state,
+            precision_root=own_rows(phase.precision_root, self.rows_block),
+            kernel_precision_root=own_rows(phase.kernel_precision_root, self.rows_block),
         )
 
     def _covariance_blocks(self, state: EPState, noise: LinearOperator, blocks: int, seed: int = 0) -> CovariancePhase:
-        """``blocks`` blocks of the covariance phase for ``state``'s regression with the noise of its sites."""
+        r"""``blocks`` blocks of the covariance phase for ``state``'s regression with the noise of its sites (its
+        :math:`\mathbf Q`, :math:`\mathbf K \mathbf Q` whole: gathered where they are held by rows)."""
         return covariance_phase(
             self.prior.matmul,
             noise,
-            state.precision_root,
-            state.kernel_precision_root,
+            all_rows(state.precision_root, self.rows_block),
+            all_rows(state.kernel_precision_root, self.rows_block),
             self.num_latents,
             blocks,
             self.options.covariance_block_size,
@@ -293,8 +302,8 @@ class ExpectationPropagation:
             state,
             representer_weights=weights,
             kernel_representer_weights=kernel_weights,
-            precision_root=phase.precision_root,
-            kernel_precision_root=phase.kernel_precision_root,
+            precision_root=own_rows(phase.precision_root, self.rows_block),
+            kernel_precision_root=own_rows(phase.kernel_precision_root, self.rows_block),
             actions=buffer.actions.value,
             kernel_actions=buffer.kernel_actions.value,
         )
@@ -309,9 +318,10 @@ class ExpectationPropagation:
     def marginals_of(prior: LatentPrior, state: RegressionState) -> tuple[Tensor, Tensor]:
         """:func:`posterior_marginals` (``(N,)`` each) for ``prior`` at the training inputs, or for :math:`C > 1`
         :func:`posterior_marginal_blocks` (``(N, C)`` and ``(N, C, C)``)."""
+        block = prior.row_block()
         if prior.num_latents == 1:
-            return posterior_marginals(prior.mean.reshape(-1), prior.diagonal().reshape(-1), state)
-        return posterior_marginal_blocks(prior.mean.reshape(-1, prior.num_latents), prior.point_blocks(), state)
+            return posterior_marginals(prior.mean.reshape(-1), prior.diagonal().reshape(-1), state, block)
+        return posterior_marginal_blocks(prior.mean.reshape(-1, prior.num_latents), prior.point_blocks(), state, block)
 
     def update(self, state: EPState) -> SiteUpdate:
         """One parallel sweep's site update from the marginals of ``state``'s regression."""

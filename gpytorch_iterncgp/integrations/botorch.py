@@ -114,7 +114,8 @@ class IterNCGPBoTorchModel(Model):
         r""":math:`C = 1`, all batch elements at once: prior at ``[X_train; X_b]``, then the IterNCGP correction."""
         strategy = self.strategy
         state = strategy.ensure_fitted()  # refits if the hyperparameters changed
-        weights = torch.cat([state.representer_weights[:, None], state.precision_root], dim=-1)  # [a, Q]
+        root = strategy.approximate_precision.root_tensor  # Q, all rows (gathered where the state holds them by rows)
+        weights = torch.cat([state.representer_weights[:, None], root], dim=-1)  # [a, Q]
         prior_mean, cross_covariance, test_prior = strategy.joint_prior(X)
         product = cross_covariance.matmul(weights)  # K_{*X} [a, Q]: (batch, q, 1 + r)
         mean = prior_mean + product[..., 0]

@@ -52,8 +52,9 @@ class ShardedKernel(RowShardedKernel):
     above :class:`~gpytorch_iterncgp.settings.dense_kernel_limit`, its cached rows of :math:`\mathbf K` below), and
     one ``all_gather`` gives every rank the whole product, bit for bit the same; the rest of the fit is replicated,
     so every rank holds the same posterior (that of one process, up to the order of the reductions within a row
-    block); with ``shard_state`` the recycled actions are held by rows too. Predictions' cross-covariance products
-    are split by test points in the same way.
+    block); with ``shard_state`` the recycled actions and :math:`\mathbf Q`, :math:`\mathbf K \mathbf Q` are held by
+    rows too. Predictions' cross-covariance products are split by test points in the same way (with ``shard_state``
+    by training points: each rank's columns times its rows of the state, summed by ``all_reduce``).
 
     The entries, the diagonal and whatever needs gradients (hyperparameter learning, a dense evidence) are
     ``base_kernel``'s own, evaluated on every rank. ``state_dict()`` holds ``base_kernel``'s entries under this
@@ -61,8 +62,9 @@ class ShardedKernel(RowShardedKernel):
 
     :param base_kernel: the kernel.
     :param process_group: the ranks that share the products (default: torch.distributed's default group).
-    :param shard_state: hold the solver's recycled actions :math:`\mathbf S` and :math:`\mathbf K \mathbf S`
-        (:class:`~gpytorch_iterncgp.IterNCGPStrategy`, :class:`~gpytorch_iterncgp.EPStrategy`) by rows as well: each
+    :param shard_state: hold the solver's recycled actions :math:`\mathbf S`, :math:`\mathbf K \mathbf S` and the
+        precision roots :math:`\mathbf Q`, :math:`\mathbf K \mathbf Q` (also the final ones that predictions use;
+        :class:`~gpytorch_iterncgp.IterNCGPStrategy`, :class:`~gpytorch_iterncgp.EPStrategy`) by rows as well: each
         rank :math:`\lceil N / P \rceil C` rows of them, inner products by ``all_reduce``. ``state_dict()`` is then a
         collective (every rank calls it; it gathers them).
     :raises TypeError: if ``shard_state`` is not a bool.

@@ -51,6 +51,7 @@ from ..core.outer_loop import LoopStatus, NewtonStep, OuterStep, relative_norm_c
 from ..core.policies import Policy
 from ..core.prior import LatentPrior
 from ..core.recycling import ActionBuffer, virtual_solver_run
+from ..core.sharding import own_rows
 from ..core.solver import IterGPOptions, IterGPResult, RegressionState, itergp_solve
 from ..core.validation import check_count, check_nonnegative
 from ..likelihoods.adapters import LikelihoodAdapter, LikelihoodDerivatives
@@ -430,6 +431,10 @@ class DampedNewton:
         buffered action (no product with :math:`\mathbf K`), then the covariance phase's
         ``covariance_iterations`` blocks (:func:`~gpytorch_iterncgp.core.covariance.covariance_phase`, one product each).
 
+        Where the actions are held by rows (``shard_state``) the final :math:`\mathbf Q`, :math:`\mathbf K \mathbf Q`
+        are too: formed by rows without the covariance phase; the phase itself takes and enlarges them whole (its
+        Gram–Schmidt indexes them globally), and its result's rows are kept.
+
         The buffer itself is kept as the loop left it (not the re-weighted one of this run, and without the covariance
         phase's actions, which only enlarge :math:`\mathbf Q`), so that a later fit continues exactly as if this one had
         not stopped here, and repeated fits do not grow the state.
@@ -441,6 +446,9 @@ class DampedNewton:
         if buffer is None or not buffer.holds(state.actions, state.kernel_actions):
             buffer = ActionBuffer.from_tensors(state.actions, state.kernel_actions, self.rows_block)
         virtual = virtual_solver_run(buffer, final.noise_inverse)
+        if self.rows_block is not None and self.options.covariance_iterations == 0:  # this rank's rows of S E, T E
+            roots = virtual.local_precision_root, virtual.local_kernel_precision_root
+            return dataclasses.replace(state, precision_root=roots[0], kernel_precision_root=roots[1])
         phase = covariance_phase(
             self.prior.matmul,
             final.noise_inverse,
@@ -453,5 +461,7 @@ class DampedNewton:
             action_space_dimension=self.action_space_dimension,
         )
         return dataclasses.replace(
-            state, precision_root=phase.precision_root, kernel_precision_root=phase.kernel_precision_root
+            state,
+            precision_root=own_rows(phase.precision_root, self.rows_block),
+            kernel_precision_root=own_rows(phase.kernel_precision_root, self.rows_block),
         )

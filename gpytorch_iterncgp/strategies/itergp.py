@@ -45,7 +45,7 @@ from ..core.outer_loop import EPSweep, FitReport, NewtonStep
 from ..core.policies import Policy, make_policy
 from ..core.precision import LowRankPrecision
 from ..core.prior import LatentPrior
-from ..core.sharding import RowShardedKernel
+from ..core.sharding import RowBlock, RowShardedKernel, all_rows
 from ..core.solver import IterGPOptions, RegressionState
 from ..ep.sweeps import EPOptions, EPState, ExpectationPropagation
 from ..laplace.newton import DampedNewton, LaplaceState, SolverOptions
@@ -95,13 +95,18 @@ class _IterGPStrategy(PredictiveStrategy):
     def _rewind(self) -> None:
         self.policy.load_state(self._policy_state)
 
-    def _state_to_save(self) -> Any:
-        r"""The committed state with all rows of :math:`\mathbf S` and :math:`\mathbf K \mathbf S`: gathered where a
-        :class:`~gpytorch_iterncgp.distributed.ShardedKernel` with ``shard_state`` holds them by rows (so
-        ``state_dict()`` is a collective there, and loads into any number of processes)."""
+    def _rows_block(self) -> RowBlock | None:
+        """This rank's rows of the state's matrices where a :class:`~gpytorch_iterncgp.distributed.ShardedKernel` with
+        ``shard_state`` holds them by rows; ``None`` otherwise (one process, or state replicated)."""
         sharded = next((module for module in self.model.modules() if isinstance(module, RowShardedKernel)), None)
-        rows_block = None if sharded is None else sharded.row_block(self.num_data, self.num_latents)
-        return self._state.with_full_rows(rows_block)
+        return None if sharded is None else sharded.row_block(self.num_data, self.num_latents)
+
+    def _state_to_save(self) -> Any:
+        r"""The committed state with all rows of :math:`\mathbf Q`, :math:`\mathbf K \mathbf Q`, :math:`\mathbf S` and
+        :math:`\mathbf K \mathbf S`: gathered where a :class:`~gpytorch_iterncgp.distributed.ShardedKernel` with
+        ``shard_state`` holds them by rows (so ``state_dict()`` is a collective there, and loads into any number of
+        processes)."""
+        return self._state.with_full_rows(self._rows_block())
 
     def _loop_extra(self) -> dict:
         """The unit-vector policy's position at the committed state."""
@@ -160,24 +165,36 @@ class _IterGPStrategy(PredictiveStrategy):
 
     @property
     def approximate_precision(self) -> LowRankPrecision:
-        r""":math:`\mathbf C = \mathbf Q \mathbf Q^\top \approx (\mathbf K + \mathbf W^{-1})^{-1}` (EP: :math:`\tilde{\mathbf T}^{-1}`), ``(N C, N C)``."""
-        return LowRankPrecision(self.ensure_fitted().precision_root)
+        r""":math:`\mathbf C = \mathbf Q \mathbf Q^\top \approx (\mathbf K + \mathbf W^{-1})^{-1}` (EP: :math:`\tilde{\mathbf T}^{-1}`), ``(N C, N C)``
+        (:math:`\mathbf Q` gathered where the state holds it by rows: a collective)."""
+        return LowRankPrecision(all_rows(self.ensure_fitted().precision_root, self._rows_block()))
 
     def _posterior_parts(self, inputs: Tensor) -> tuple[Tensor, Tensor, LatentPrior]:
-        """Posterior mean ``(N* C,)``, :math:`\\mathbf K_{*X} \\mathbf Q` ``(N* C, r)`` and the prior at ``inputs``."""
+        r"""Posterior mean ``(N* C,)``, :math:`\mathbf K_{*X} \mathbf Q` ``(N* C, r)`` and the prior at ``inputs``.
+
+        Where the state holds :math:`\mathbf Q` by rows (``shard_state``), rank :math:`p` multiplies the
+        cross-covariance's columns of its training points, :math:`\mathbf K_{*, \mathcal I_p} [\mathbf a, \mathbf
+        Q]_{\mathcal I_p}`, and one ``all_reduce`` sums them (:meth:`LatentPrior.matmul` with a ``RowBlock``).
+        """
         state = self.ensure_fitted()
         num_train = self.num_data
+        rows_block = self._rows_block()
         if self.training and inputs.shape == self.train_inputs.shape and bool(torch.equal(inputs, self.train_inputs)):
             prior = self.train_prior()
             mean = prior.mean.reshape(-1) + state.kernel_representer_weights
-            return mean, state.kernel_precision_root, prior
+            return mean, all_rows(state.kernel_precision_root, rows_block), prior
         full = LatentPrior.from_distribution(
             self.model.forward(torch.cat([self.train_inputs, inputs], dim=-2)), self.num_latents
         )
         test_prior = full.block(slice(num_train, None), slice(num_train, None))
         cross = full.block(slice(num_train, None), slice(None, num_train))
-        weights = torch.cat([state.representer_weights[:, None], state.precision_root], dim=-1)
-        product = cross.matmul(weights)
+        if rows_block is None:
+            weights = torch.cat([state.representer_weights[:, None], state.precision_root], dim=-1)
+            product = cross.matmul(weights)
+        else:
+            local_weights = rows_block.local(state.representer_weights)[:, None]
+            weights = torch.cat([local_weights, rows_block.rows_of(state.precision_root)], dim=-1)
+            product = cross.matmul(weights, rows_block)
         mean = test_prior.mean.reshape(-1) + product[:, 0]
         return mean, product[:, 1:], test_prior
 

@@ -29,6 +29,7 @@ STEP_OF_SAVE = 2  # Newton steps / EP sweeps after which a state_dict is saved
 FAULT_TIMEOUT = datetime.timedelta(seconds=3)  # the faulty scenario's process group: what a rank waits for another
 SOLVER = {"policy": "cg", "max_solver_iterations": 5, "recycle": True, "compression_rank": 10}
 FIT_STEPS = {"laplace": 6, "ep": 4}  # Newton steps, EP sweeps
+COVARIANCE_PHASE = {"covariance_iterations": 1, "covariance_block_size": 12}  # one block after the fit
 COLUMNS = torch.tensor([0, 7, 8, 150, 302])  # data-major indices of kernel columns (points 0, 2, 50, 100)
 
 
@@ -161,6 +162,7 @@ def run(rank: int, directory: Path) -> dict:
     results["buffer"] = buffer_products()
     for kind in ("laplace", "ep"):
         results[f"{kind}_sharded_state"] = sharded_state(kind)
+        results[f"{kind}_covariance_phase"] = sharded_covariance_phase(kind)
     results["mismatch"] = mismatch(rank)
     results["fault"] = fault(rank, directory)
     return results
@@ -216,30 +218,55 @@ def buffer_products() -> dict[str, torch.Tensor]:
     }
 
 
+def shapes_of(state) -> list[tuple[int, ...]]:
+    """The shapes of a regression state's S, K S, Q and K Q (the rows this rank holds, and the columns)."""
+    names = ("actions", "kernel_actions", "precision_root", "kernel_precision_root")
+    return [tuple(getattr(state, name).shape) for name in names]
+
+
 def sharded_state(kind: str) -> dict:
-    """Softmax Laplace or binary EP with the recycled actions held by rows (``shard_state=True``): the posterior, the
-    shapes of the actions the rank holds after each step, a state_dict after :data:`STEP_OF_SAVE` steps (gathered),
-    and a single process's state_dict resumed here."""
+    """Softmax Laplace or binary EP with the solver's matrices held by rows (``shard_state=True``): the posterior, the
+    shapes of S, K S, Q, K Q the rank holds after each step and at the end of the fit, state_dicts after
+    :data:`STEP_OF_SAVE` steps and at the end (gathered), and a single process's state_dict resumed here."""
     built = model(kind, sharded=True, shard_state=True)
     shapes: list = []
     saved = {}
 
     def record(step, state):
-        shapes.append([tuple(state.actions.shape), tuple(state.kernel_actions.shape)])
+        shapes.append(shapes_of(state))
         if step.step == STEP_OF_SAVE:
             saved["state_dict"] = state_dict_bytes(built)
 
     fit(built, kind, FIT_STEPS[kind], callback=record)
     out: dict = {"summary": summary(built, kind), "shapes": shapes, "saved": saved["state_dict"]}
     out["final_shape"] = tuple(built.variational_strategy.state.actions.shape)
+    out["final_shapes"] = shapes_of(built.variational_strategy.state)
+    out["final_saved"] = state_dict_bytes(built)
     out["renewed"] = renewed(built, kind)
     out["renewed_shape"] = tuple(built.variational_strategy.state.actions.shape)
+    out["renewed_shapes"] = shapes_of(built.variational_strategy.state)
     single = fit_saving(model(kind, sharded=False), kind)
     resumed = load(model(kind, sharded=True, shard_state=True), single)
     fit(resumed, kind, FIT_STEPS[kind] - STEP_OF_SAVE)
     out["resumed"] = summary(resumed, kind)
     out["resumed_shape"] = tuple(resumed.variational_strategy.state.actions.shape)
+    out["resumed_shapes"] = shapes_of(resumed.variational_strategy.state)
     return out
+
+
+def with_covariance_phase(built: IterNCGPModel) -> IterNCGPModel:
+    """``built`` with :data:`COVARIANCE_PHASE` blocks of the covariance phase at the end of each fit."""
+    for name, value in COVARIANCE_PHASE.items():
+        setattr(built.variational_strategy.options, name, value)
+    return built
+
+
+def sharded_covariance_phase(kind: str) -> dict:
+    """A fit with state sharding and a covariance phase (its Q, K Q taken whole, enlarged, and kept by rows): the
+    posterior and the shapes of S, K S, Q, K Q at the end."""
+    built = with_covariance_phase(model(kind, sharded=True, shard_state=True))
+    fit(built, kind, FIT_STEPS[kind])
+    return {"summary": summary(built, kind), "shapes": shapes_of(built.variational_strategy.state)}
 
 
 def mismatch(rank: int) -> str | None:

@@ -182,7 +182,7 @@ def test_sharded_state_holds_each_ranks_rows_and_fits_the_single_process_posteri
     for result in ranks:
         state = result[f"{kind}_sharded_state"]
         assert len(state["shapes"]) > scenarios.STEP_OF_SAVE  # steps taken (Laplace converges after 5 of 6)
-        for actions, kernel_actions in state["shapes"]:
+        for actions, kernel_actions, *_ in state["shapes"]:
             assert actions == kernel_actions and actions[0] == rows and actions[1] > 0
         assert state["final_shape"][0] == state["resumed_shape"][0] == state["renewed_shape"][0] == rows
         for name, expected in single_process[kind].items():
@@ -204,6 +204,49 @@ def test_sharded_state_holds_each_ranks_rows_and_fits_the_single_process_posteri
         _assert_close(
             scenarios.summary(resumed, kind)[name], expected, f"{kind}, sharded state: {name}, resumed in one"
         )
+
+
+@pytest.mark.parametrize("kind", ["laplace", "ep"])
+def test_sharded_state_holds_the_final_precision_root_by_rows(ranks, single_process, kind):
+    """``shard_state=True``: the final Q and K Q (formed at the end of the fit, used by every prediction) are held by
+    rows like S and K S: each rank's 120 points' rows (of 240) after every step, at the end of the fit, after a
+    change of kernel and after resuming; the predictions from them (cross-covariance columns of each rank's points,
+    summed over the ranks) equal one process's (test_sharded_state_holds_each_ranks_rows_...). The final state_dict
+    holds all 240 points' rows (gathered on save) and predicts in one process, without refitting, the same
+    posterior."""
+    latents = scenarios.NUM_CLASSES if kind == "laplace" else 1
+    rows = scenarios.NUM_DATA // WORLD_SIZE * latents
+    for result in ranks:
+        state = result[f"{kind}_sharded_state"]
+        for shapes in [*state["shapes"], state["final_shapes"], state["renewed_shapes"], state["resumed_shapes"]]:
+            actions, kernel_actions, root, kernel_root = shapes
+            assert actions[0] == kernel_actions[0] == root[0] == kernel_root[0] == rows, shapes
+            assert root == kernel_root and root[1] > 0
+    saved = torch.load(io.BytesIO(ranks[0][f"{kind}_sharded_state"]["final_saved"]), weights_only=True)
+    extra = next(value for key, value in saved.items() if key.endswith("_extra_state"))
+    assert extra["state"]["precision_root"].shape[0] == extra["state"]["kernel_precision_root"].shape[0]
+    assert extra["state"]["precision_root"].shape[0] == WORLD_SIZE * rows
+    loaded = scenarios.load(scenarios.model(kind, sharded=False), ranks[0][f"{kind}_sharded_state"]["final_saved"])
+    for name, expected in single_process[kind].items():
+        _assert_close(scenarios.summary(loaded, kind)[name], expected, f"{kind}, final state_dict: {name}, in one")
+    assert loaded.variational_strategy.last_report is None  # predicted from the saved state, not refitted
+
+
+@pytest.mark.parametrize("kind", ["laplace", "ep"])
+def test_sharded_state_with_a_covariance_phase_fits_the_single_process_posterior(ranks, kind):
+    """``shard_state=True`` and a covariance phase after the fit (Q, K Q enlarged whole, then held by rows): each rank
+    holds its rows of the enlarged Q and K Q, and the posterior equals one process's."""
+    reference = scenarios.with_covariance_phase(scenarios.model(kind, sharded=False))
+    scenarios.fit(reference, kind, scenarios.FIT_STEPS[kind])
+    expected_rank = reference.variational_strategy.state.precision_root.shape[-1]
+    latents = scenarios.NUM_CLASSES if kind == "laplace" else 1
+    rows = scenarios.NUM_DATA // WORLD_SIZE * latents
+    for result in ranks:
+        phase = result[f"{kind}_covariance_phase"]
+        assert [shape[0] for shape in phase["shapes"]] == [rows] * 4
+        assert phase["shapes"][2] == phase["shapes"][3] == (rows, expected_rank)
+        for name, expected in scenarios.summary(reference, kind).items():
+            _assert_close(phase["summary"][name], expected, f"{kind}, covariance phase: {name}")
 
 
 def test_ranks_with_different_data_fail_naming_the_fix(ranks):
