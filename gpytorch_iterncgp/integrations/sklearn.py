@@ -29,7 +29,7 @@ import copy
 import math
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import gpytorch
@@ -166,27 +166,16 @@ class LearningReport:
     evidence_seconds: float = 0.0
     gradient_seconds: float = 0.0
     stopped: str = "not learnt"
-    #: EP learnt on Laplace's evidence: the factor its outputscale search (on EP's evidence) multiplied the
-    #: outputscale by, its evidence evaluations and seconds (0: no search)
-    outputscale_factor: float = 1.0
-    outputscale_evaluations: int = 0
-    outputscale_seconds: float = 0.0
 
     def __str__(self) -> str:
         if not self.evaluations:
             return "hyperparameters not learnt"
         subset = "" if self.data_points == self.num_data else f" of {self.data_points} of the {self.num_data} points"
-        search = (
-            f"; outputscale times {self.outputscale_factor:.3g} on the EP evidence ({self.outputscale_evaluations} "
-            f"evaluations in {self.outputscale_seconds:.2f}s)"
-            if self.outputscale_evaluations
-            else ""
-        )
         return (
             f"hyperparameters: {self.method} on the {self.evidence} evidence{subset}, {self.evaluations} evaluations in "
             f"{self.seconds:.2f}s (fits "
             f"{self.fit_seconds:.2f}s, evidence {self.evidence_seconds:.2f}s, gradients {self.gradient_seconds:.2f}s), "
-            f"stopped by {self.stopped}{search}"
+            f"stopped by {self.stopped}"
         )
 
 
@@ -209,11 +198,6 @@ class EstimatorDefaults:
     #: same learnt hyperparameters (``docs/design_notes.md``)
     learning_trace_samples: int = 5
     learning_lanczos_iterations: int = 10
-    #: EP whose kernel Laplace's evidence learnt (above ``exact_evidence_size``): the outputscale is then re-chosen on
-    #: EP's own evidence over Laplace's value times these factors (octaves), each an EP fit of
-    #: ``outputscale_search_sweeps`` sweeps on the learning rows (``benchmarks/README.md`` §14)
-    outputscale_search_factors: tuple[float, ...] = (2.0, 1.0, 1 / 2, 1 / 4, 1 / 8, 1 / 16)
-    outputscale_search_sweeps: int = 10
 
 
 ESTIMATOR_DEFAULTS = EstimatorDefaults()
@@ -427,12 +411,6 @@ class _IterNCGPEstimator(BaseEstimator):
                     self.loss_curve_, self.learning_report_ = self._learn_hyperparameters(
                         learner, learner_likelihood, learn_x, learn_y
                     )
-                if inference == "ep" and not isinstance(learner.variational_strategy, EPStrategy):
-                    self._search_outputscale(
-                        model.covar_module,
-                        lambda: self._subset_model(model, likelihood, "ep", learn_x, learn_y, seed),
-                        seed,
-                    )
                 self.learning_report_.num_data = len(X)
             model.eval()
             # the covariance phase only for the final posterior, not at every evaluation of the evidence
@@ -453,75 +431,24 @@ class _IterNCGPEstimator(BaseEstimator):
         if self.learning_rows_ is not None:
             rows = torch.as_tensor(self.learning_rows_)
             inputs, targets = inputs[rows], targets[rows]
-        learner, learner_likelihood = model, likelihood
-        if self.learning_rows_ is not None:
-            learner, learner_likelihood = self._subset_model(model, likelihood, self.inference_, inputs, targets, seed)
+        num_latents = model.variational_strategy.num_latents
+
+        def build(approximation: str):
+            learner_likelihood = likelihood if approximation == self.inference_ else _laplace_likelihood(likelihood)
+            if self.learning_rows_ is None and approximation == self.inference_:
+                return model, likelihood
+            budget = self._solver_budget(len(inputs) * num_latents)
+            strategy_type = EPStrategy if approximation == "ep" else IterNCGPStrategy
+            options = self._strategy_options(seed, budget, approximation)
+            learner = _LatentGP(
+                inputs, targets, learner_likelihood, model.covar_module, model.mean_module, strategy_type, options
+            )
+            return learner.to(_DTYPE), learner_likelihood
+
+        learner, learner_likelihood = build(self.inference_)
         if self.inference_ == "ep" and not exact_regime(learner.variational_strategy):
-            learner, learner_likelihood = self._subset_model(model, likelihood, "laplace", inputs, targets, seed)
+            learner, learner_likelihood = build("laplace")
         return learner, learner_likelihood, inputs, targets
-
-    def _subset_model(
-        self, model, likelihood, approximation: str, inputs: torch.Tensor, targets: torch.Tensor, seed: int
-    ) -> tuple:
-        """A new ``approximation`` (``"laplace"``: on the :func:`_laplace_likelihood`) model of ``inputs``, ``targets``
-        with its own solver budget, sharing ``model``'s kernel and mean modules, and its likelihood."""
-        subset_likelihood = likelihood if approximation == self.inference_ else _laplace_likelihood(likelihood)
-        budget = self._solver_budget(len(inputs) * model.variational_strategy.num_latents)
-        strategy_type = EPStrategy if approximation == "ep" else IterNCGPStrategy
-        options = self._strategy_options(seed, budget, approximation)
-        subset = _LatentGP(
-            inputs, targets, subset_likelihood, model.covar_module, model.mean_module, strategy_type, options
-        )
-        return subset.to(_DTYPE), subset_likelihood
-
-    def _search_outputscale(self, kernel, build: Callable[[], tuple], seed: int) -> None:
-        r"""Re-choose the outputscale :math:`s^2` that Laplace's evidence learnt for EP, on EP's own evidence; the
-        lengthscales stay Laplace's.
-
-        The softmax (logit) link and the multinomial probit put the latent function on different scales, and at
-        Laplace's :math:`s^2` EP's posterior is over-confident (``docs/design_notes.md``); the lengthscales, scales of
-        the inputs, carry over. Each candidate :math:`s^2 \cdot` factor (``outputscale_search_factors``, octaves) gets
-        a cold EP fit of ``outputscale_search_sweeps`` sweeps on the learning rows (``build()``: a new EP model there
-        sharing the final model's ``kernel``, and its likelihood) and its estimated evidence, all with the same probe
-        vectors (``seed``), so that candidates differ by the outputscale alone, not by the fits' histories nor by the
-        probes. The factor with the best evidence is kept (1 where every other fit or evidence fails). Kernels without an
-        ``outputscale`` (not a ``ScaleKernel``) are left as they are; ``max_time`` counts the search too.
-        """
-        if not isinstance(kernel, gpytorch.kernels.ScaleKernel):
-            return
-        defaults, report = ESTIMATOR_DEFAULTS, self.learning_report_
-        learnt = kernel.outputscale.detach().clone()
-        start = time.perf_counter()
-        deadline = None if self.max_time is None else start + float(self.max_time) - report.seconds
-        evidence: dict[float, float] = {}
-        for factor in sorted(defaults.outputscale_search_factors, key=lambda f: abs(math.log(f))):  # 1 first
-            if deadline is not None and evidence and time.perf_counter() >= deadline:
-                break
-            with torch.no_grad():
-                kernel.outputscale = learnt * factor
-            model, likelihood = build()  # every candidate's fit starts cold
-            strategy = model.variational_strategy
-            setattr(strategy.options, strategy.max_steps_option, defaults.outputscale_search_sweeps)
-            model.train()
-            torch.manual_seed(seed)  # the probe vectors: the same for every candidate
-            try:
-                with (
-                    torch.no_grad(),
-                    gpytorch.settings.num_trace_samples(defaults.learning_trace_samples),
-                    gpytorch.settings.max_lanczos_quadrature_iterations(defaults.learning_lanczos_iterations),
-                ):
-                    value = float(
-                        EPMarginalLogLikelihood(likelihood, model)(model(strategy.train_inputs), strategy.train_targets)
-                    )
-            except (FloatingPointError, ValueError, torch.linalg.LinAlgError, NanError):
-                value = -math.inf
-            evidence[factor] = value if math.isfinite(value) else -math.inf
-        best = max(evidence, key=evidence.__getitem__) if max(evidence.values()) > -math.inf else 1.0
-        with torch.no_grad():
-            kernel.outputscale = learnt * best
-        report.outputscale_factor = best
-        report.outputscale_evaluations = len(evidence)
-        report.outputscale_seconds = time.perf_counter() - start
 
     @contextlib.contextmanager
     def _loose_fits(self, strategy) -> Iterator[None]:
@@ -725,9 +652,8 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
         approximation's own evidence (:class:`~gpytorch_iterncgp.LaplaceMarginalLogLikelihood`,
         :class:`~gpytorch_iterncgp.EPMarginalLogLikelihood`) where it is exact; above ``exact_evidence_size`` EP's are
         learnt on Laplace's (EP's estimated evidence is biased by the computation-aware cavities,
-        ``docs/design_notes.md``), then the outputscale is re-chosen on EP's evidence among octaves of Laplace's
-        (at Laplace's EP is over-confident; ``outputscale_search_factors`` of :class:`EstimatorDefaults`), and the
-        posterior at them is EP's. What was used is ``inference_`` and ``learning_report_``.
+        ``docs/design_notes.md``) and the posterior at them is EP's. What was used is ``inference_`` and
+        ``learning_report_.evidence``.
     :param policy: IterGP's actions: ``"cg"`` (conjugate gradients), ``"unit"`` (a random subset of the data
         per iteration, seeded by ``random_state``), a :class:`~gpytorch_iterncgp.Policy`, or ``"auto"`` (default):
         ``"unit"`` where ``max_solver_iterations="auto"`` solves exactly (below), ``"cg"`` otherwise.

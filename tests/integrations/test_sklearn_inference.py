@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 
-import gpytorch
 import numpy as np
 import pytest
 import torch
@@ -20,7 +19,7 @@ import torch
 pytest.importorskip("sklearn", minversion="1.7")
 
 from gpytorch_iterncgp import settings  # noqa: E402
-from gpytorch_iterncgp.integrations.sklearn import CLASSIFIER_INFERENCE, ESTIMATOR_DEFAULTS, default_kernel  # noqa: E402
+from gpytorch_iterncgp.integrations.sklearn import CLASSIFIER_INFERENCE  # noqa: E402
 from gpytorch_iterncgp.sklearn import IterNCGPClassifier, IterNCGPPoissonRegressor  # noqa: E402
 from tests import reference, reference_ep  # noqa: E402
 from tests.integrations.test_sklearn import TIGHT, _binary, _matern, _multiclass  # noqa: E402
@@ -150,43 +149,6 @@ def test_ep_estimator_learns_on_the_laplace_evidence_where_eps_is_estimated():
     assert "Laplace evidence" in str(large.fit_report_)
     small = IterNCGPClassifier(inference="ep", optimizer_steps=3, random_state=0).fit(x[:60], y[:60])
     assert small.learning_report_.evidence == "EP" and small.learning_report_.method == "L-BFGS"
-
-
-def test_ep_outputscale_is_searched_on_the_ep_evidence():
-    """Where Laplace's evidence learns EP's kernel, the outputscale is then re-chosen on EP's evidence among
-    ``outputscale_search_factors`` times Laplace's: the chosen factor is the best (within the matrix-free estimate's
-    error, 2e-3 per point) of the exact EP evidence of the same candidates by the dense reference, and better than
-    Laplace's own outputscale; the final EP posterior holds it. (The start outputscale 40 is far above EP's optimum,
-    so that the optimum lies inside the factors.)"""
-    x, y, _ = _multiclass(num=60, seed=2)
-    kernel = default_kernel(2)
-    kernel.base_kernel.lengthscale, kernel.outputscale = 1.7, 40.0
-    with settings.exact_evidence_size(100):  # 180 latents: above it, so Laplace learns and EP's evidence is estimated
-        estimator = IterNCGPClassifier(kernel, inference="ep", optimizer_steps=2, random_state=0).fit(x, y)
-    report = estimator.learning_report_
-    assert report.evidence == "Laplace"
-    assert report.outputscale_evaluations == len(ESTIMATOR_DEFAULTS.outputscale_search_factors)
-    assert "on the EP evidence" in str(estimator.fit_report_)
-    lengthscale = estimator.kernel_.base_kernel.lengthscale.item()
-    laplace_outputscale = estimator.kernel_.outputscale.item() / report.outputscale_factor
-    exact = {}
-    for factor in ESTIMATOR_DEFAULTS.outputscale_search_factors:
-        prior = reference.data_major(_matern(x, x, lengthscale, laplace_outputscale * factor), 3)
-        result = reference_ep.multiclass_parallel_ep(prior, torch.as_tensor(y), 3, tol=1e-8)
-        exact[factor] = float(result.log_marginal_likelihood) / len(x)
-    assert exact[report.outputscale_factor] >= max(exact.values()) - 2e-3
-    assert exact[report.outputscale_factor] > exact[1.0] + 2e-3
-    assert estimator.model_.covar_module.outputscale.item() == estimator.kernel_.outputscale.item()
-
-
-def test_ep_outputscale_search_leaves_kernels_without_an_outputscale():
-    x, y, _ = _multiclass(num=60, seed=2)
-    kernel = gpytorch.kernels.MaternKernel(nu=2.5)
-    with settings.exact_evidence_size(100):
-        estimator = IterNCGPClassifier(kernel, inference="ep", optimizer_steps=2, random_state=0).fit(x, y)
-    assert estimator.learning_report_.outputscale_evaluations == 0
-    assert estimator.learning_report_.outputscale_factor == 1.0
-    assert "on the EP evidence" not in str(estimator.fit_report_)
 
 
 def test_inference_parameter():
