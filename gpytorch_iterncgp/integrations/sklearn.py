@@ -29,8 +29,8 @@ import copy
 import math
 import time
 import warnings
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import gpytorch
 import numpy as np
@@ -166,16 +166,28 @@ class LearningReport:
     evidence_seconds: float = 0.0
     gradient_seconds: float = 0.0
     stopped: str = "not learnt"
+    #: EP learnt on Laplace's evidence: the factor the outputscale was multiplied by (chosen by the held-out
+    #: log-loss of ``validation_points`` rows), the log-loss at each factor tried, and the seconds it took
+    outputscale_factor: float = 1.0
+    outputscale_log_loss: dict[float, float] = field(default_factory=dict)
+    validation_points: int = 0
+    outputscale_seconds: float = 0.0
 
     def __str__(self) -> str:
         if not self.evaluations:
             return "hyperparameters not learnt"
         subset = "" if self.data_points == self.num_data else f" of {self.data_points} of the {self.num_data} points"
+        outputscale = (
+            f"; EP's outputscale times {self.outputscale_factor:g} by the log-loss of {self.validation_points} held-out "
+            f"points ({len(self.outputscale_log_loss)} EP fits in {self.outputscale_seconds:.2f}s)"
+            if self.outputscale_log_loss
+            else ""
+        )
         return (
             f"hyperparameters: {self.method} on the {self.evidence} evidence{subset}, {self.evaluations} evaluations in "
             f"{self.seconds:.2f}s (fits "
             f"{self.fit_seconds:.2f}s, evidence {self.evidence_seconds:.2f}s, gradients {self.gradient_seconds:.2f}s), "
-            f"stopped by {self.stopped}"
+            f"stopped by {self.stopped}{outputscale}"
         )
 
 
@@ -198,6 +210,13 @@ class EstimatorDefaults:
     #: same learnt hyperparameters (``docs/design_notes.md``)
     learning_trace_samples: int = 5
     learning_lanczos_iterations: int = 10
+    #: EP whose kernel Laplace's evidence learnt (above ``exact_evidence_size``, on a subset): the outputscale is then
+    #: chosen among Laplace's times these factors by the log-loss, on held-out training rows, of EP fits of
+    #: ``outputscale_sweeps`` sweeps on the learning rows (``benchmarks/README.md`` §14)
+    outputscale_factors: tuple[float, ...] = (1.0, 1 / 2, 1 / 4, 1 / 8, 1 / 16, 2.0)
+    outputscale_sweeps: int = 10
+    #: fewer spare rows than this (data barely larger than the subset): no held-out choice
+    min_validation_points: int = 100
 
 
 ESTIMATOR_DEFAULTS = EstimatorDefaults()
@@ -403,13 +422,24 @@ class _IterNCGPEstimator(BaseEstimator):
             model = _LatentGP(train_x, targets, likelihood, kernel, mean, strategy_type, options).to(_DTYPE)
             self.loss_curve_: list[float] = []
             self.learning_report_ = LearningReport()
-            self.learning_rows_ = None
+            self.learning_rows_ = self.validation_rows_ = None
             if self.optimize_hyperparameters and self.optimizer_steps > 0:
                 self.learning_rows_ = self._learning_rows(len(X), num_latents, labels, seed)
                 learner, learner_likelihood, learn_x, learn_y = self._learner(model, likelihood, train_x, targets, seed)
                 with self._loose_fits(learner.variational_strategy):
                     self.loss_curve_, self.learning_report_ = self._learn_hyperparameters(
                         learner, learner_likelihood, learn_x, learn_y
+                    )
+                laplace_for_ep = inference == "ep" and not isinstance(learner.variational_strategy, EPStrategy)
+                if laplace_for_ep and isinstance(model.covar_module, gpytorch.kernels.ScaleKernel):
+                    self.validation_rows_ = self._validation_rows(len(X), labels, seed)
+                if self.validation_rows_ is not None:
+                    rows = torch.as_tensor(self.validation_rows_)
+                    self._choose_outputscale(
+                        model.covar_module,
+                        lambda: self._subset_model(model, likelihood, "ep", learn_x, learn_y, seed),
+                        train_x[rows],
+                        targets[rows],
                     )
                 self.learning_report_.num_data = len(X)
             model.eval()
@@ -431,24 +461,87 @@ class _IterNCGPEstimator(BaseEstimator):
         if self.learning_rows_ is not None:
             rows = torch.as_tensor(self.learning_rows_)
             inputs, targets = inputs[rows], targets[rows]
-        num_latents = model.variational_strategy.num_latents
-
-        def build(approximation: str):
-            learner_likelihood = likelihood if approximation == self.inference_ else _laplace_likelihood(likelihood)
-            if self.learning_rows_ is None and approximation == self.inference_:
-                return model, likelihood
-            budget = self._solver_budget(len(inputs) * num_latents)
-            strategy_type = EPStrategy if approximation == "ep" else IterNCGPStrategy
-            options = self._strategy_options(seed, budget, approximation)
-            learner = _LatentGP(
-                inputs, targets, learner_likelihood, model.covar_module, model.mean_module, strategy_type, options
-            )
-            return learner.to(_DTYPE), learner_likelihood
-
-        learner, learner_likelihood = build(self.inference_)
+        learner, learner_likelihood = model, likelihood
+        if self.learning_rows_ is not None:
+            learner, learner_likelihood = self._subset_model(model, likelihood, self.inference_, inputs, targets, seed)
         if self.inference_ == "ep" and not exact_regime(learner.variational_strategy):
-            learner, learner_likelihood = build("laplace")
+            learner, learner_likelihood = self._subset_model(model, likelihood, "laplace", inputs, targets, seed)
         return learner, learner_likelihood, inputs, targets
+
+    def _subset_model(
+        self, model, likelihood, approximation: str, inputs: torch.Tensor, targets: torch.Tensor, seed: int
+    ) -> tuple:
+        """A new ``approximation`` model (``"laplace"``: on the :func:`_laplace_likelihood`) of ``inputs``, ``targets``
+        with its own solver budget, sharing ``model``'s kernel and mean modules, and its likelihood."""
+        subset_likelihood = likelihood if approximation == self.inference_ else _laplace_likelihood(likelihood)
+        budget = self._solver_budget(len(inputs) * model.variational_strategy.num_latents)
+        strategy_type = EPStrategy if approximation == "ep" else IterNCGPStrategy
+        options = self._strategy_options(seed, budget, approximation)
+        subset = _LatentGP(
+            inputs, targets, subset_likelihood, model.covar_module, model.mean_module, strategy_type, options
+        )
+        return subset.to(_DTYPE), subset_likelihood
+
+    def _validation_rows(self, num_data: int, labels: np.ndarray | None, seed: int) -> np.ndarray | None:
+        """Training rows outside ``learning_rows_`` to choose EP's outputscale on: as many as the learning rows (or all
+        the others), stratified by ``labels``; ``None`` where all rows were learnt on or fewer than
+        ``min_validation_points`` are left."""
+        if self.learning_rows_ is None:
+            return None
+        rest = np.setdiff1d(np.arange(num_data), self.learning_rows_)
+        if len(rest) < ESTIMATOR_DEFAULTS.min_validation_points:
+            return None
+        size = min(len(rest), len(self.learning_rows_))
+        if size == len(rest):
+            return rest
+        stratify = None if labels is None else labels[rest]
+        return np.sort(resample(rest, replace=False, n_samples=size, stratify=stratify, random_state=seed))
+
+    def _choose_outputscale(
+        self, kernel, build: Callable[[], tuple], validation_x: torch.Tensor, validation_y: torch.Tensor
+    ) -> None:
+        r"""Choose EP's outputscale :math:`s^2` among Laplace's times ``outputscale_factors`` by the log-loss of held-out
+        training rows (``validation_x`` ``(V, D)``, ``validation_y`` ``(V,)``); the lengthscales stay Laplace's.
+
+        At the :math:`s^2` Laplace's evidence learns, EP's posterior is over-confident (``docs/design_notes.md``), and
+        EP's own estimated evidence is biased towards large outputscales by the computation-aware cavities; the
+        held-out log-loss (cross-validation of one hyperparameter, R&W sec. 5.3) measures what the estimator is used
+        for. Each candidate gets a cold EP fit of ``outputscale_sweeps`` sweeps on the learning rows (``build()``: a new
+        EP model there sharing the final model's ``kernel``, and its likelihood) and its predictive probabilities at
+        the held-out rows. The factor with the smallest log-loss is kept (1, Laplace's, where every fit fails).
+        ``kernel`` is a ``ScaleKernel``; ``max_time`` counts these fits too (none starts after it).
+        """
+        defaults, report = ESTIMATOR_DEFAULTS, self.learning_report_
+        learnt = kernel.outputscale.detach().clone()
+        start = time.perf_counter()
+        labels = validation_y.long()
+        for factor in defaults.outputscale_factors:
+            spent = report.seconds + time.perf_counter() - start
+            if self.max_time is not None and spent >= float(self.max_time):
+                break
+            with torch.no_grad():
+                kernel.outputscale = learnt * factor
+            model, _ = build()  # every candidate's fit starts cold
+            strategy = model.variational_strategy
+            model.eval()
+            try:
+                with torch.no_grad():
+                    strategy.fit(max_sweeps=defaults.outputscale_sweeps, show_progress=False)
+                    probabilities = strategy.predictive_probabilities(validation_x)
+            except (FloatingPointError, ValueError, torch.linalg.LinAlgError, NanError):
+                continue
+            if probabilities.dim() == 1:  # binary: p(y = 1)
+                probabilities = torch.stack([1 - probabilities, probabilities], dim=-1)
+            true_class = probabilities.gather(-1, labels[:, None])[:, 0].clamp_min(1e-15)
+            log_loss = float(-true_class.log().mean())
+            if math.isfinite(log_loss):
+                report.outputscale_log_loss[factor] = log_loss
+        losses = report.outputscale_log_loss
+        report.outputscale_factor = min(losses, key=losses.__getitem__) if losses else 1.0
+        with torch.no_grad():
+            kernel.outputscale = learnt * report.outputscale_factor
+        report.validation_points = len(validation_x)
+        report.outputscale_seconds = time.perf_counter() - start
 
     @contextlib.contextmanager
     def _loose_fits(self, strategy) -> Iterator[None]:
@@ -652,8 +745,10 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
         approximation's own evidence (:class:`~gpytorch_iterncgp.LaplaceMarginalLogLikelihood`,
         :class:`~gpytorch_iterncgp.EPMarginalLogLikelihood`) where it is exact; above ``exact_evidence_size`` EP's are
         learnt on Laplace's (EP's estimated evidence is biased by the computation-aware cavities,
-        ``docs/design_notes.md``) and the posterior at them is EP's. What was used is ``inference_`` and
-        ``learning_report_.evidence``.
+        ``docs/design_notes.md``), the outputscale then chosen among Laplace's times ``outputscale_factors``
+        (:class:`EstimatorDefaults`) by the log-loss of held-out training rows (``validation_rows_``; at Laplace's
+        outputscale EP is over-confident), and the posterior at them is EP's. What was used is ``inference_`` and
+        ``learning_report_``.
     :param policy: IterGP's actions: ``"cg"`` (conjugate gradients), ``"unit"`` (a random subset of the data
         per iteration, seeded by ``random_state``), a :class:`~gpytorch_iterncgp.Policy`, or ``"auto"`` (default):
         ``"unit"`` where ``max_solver_iterations="auto"`` solves exactly (below), ``"cg"`` otherwise.
@@ -717,7 +812,8 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
     Fitted attributes: ``classes_``, ``n_classes_``, ``n_features_in_`` (``feature_names_in_``), ``inference_``
     (``"laplace"`` or ``"ep"``), ``model_`` (the GPyTorch ``ApproximateGP``; ``model_.variational_strategy`` is the
     :class:`~gpytorch_iterncgp.IterNCGPStrategy` or :class:`~gpytorch_iterncgp.EPStrategy`), ``likelihood_``, ``kernel_`` (the fitted kernel),
-    ``learning_rows_`` (the rows of ``X`` the hyperparameters were learnt on, or ``None``: all),
+    ``learning_rows_`` (the rows of ``X`` the hyperparameters were learnt on, or ``None``: all), ``validation_rows_``
+    (the held-out rows EP's outputscale was chosen on where Laplace's evidence learnt its kernel, or ``None``),
     ``fit_report_`` (the final :class:`~gpytorch_iterncgp.FitReport`; its text also says where the learning's time went), ``learning_report_`` (a :class:`LearningReport`: evidence evaluations, seconds in fits, evidence and gradients, why it stopped), ``loss_curve_`` (``-evidence / n``
     at every evaluation of the evidence: L-BFGS iterations and line-search trials, or Adam steps), ``solver_budget_`` (a dict: the ``policy``, ``max_solver_iterations`` and ``solver_tol``
     the strategy was given, ``exact``: whether every solve ran to full rank, and the ``rule`` that chose them).

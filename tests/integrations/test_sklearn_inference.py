@@ -12,14 +12,17 @@ from __future__ import annotations
 
 import math
 
+import gpytorch
 import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("sklearn", minversion="1.7")
 
+from sklearn.metrics import log_loss  # noqa: E402
+
 from gpytorch_iterncgp import settings  # noqa: E402
-from gpytorch_iterncgp.integrations.sklearn import CLASSIFIER_INFERENCE  # noqa: E402
+from gpytorch_iterncgp.integrations.sklearn import CLASSIFIER_INFERENCE, ESTIMATOR_DEFAULTS  # noqa: E402
 from gpytorch_iterncgp.sklearn import IterNCGPClassifier, IterNCGPPoissonRegressor  # noqa: E402
 from tests import reference, reference_ep  # noqa: E402
 from tests.integrations.test_sklearn import TIGHT, _binary, _matern, _multiclass  # noqa: E402
@@ -149,6 +152,55 @@ def test_ep_estimator_learns_on_the_laplace_evidence_where_eps_is_estimated():
     assert "Laplace evidence" in str(large.fit_report_)
     small = IterNCGPClassifier(inference="ep", optimizer_steps=3, random_state=0).fit(x[:60], y[:60])
     assert small.learning_report_.evidence == "EP" and small.learning_report_.method == "L-BFGS"
+
+
+def test_ep_outputscale_is_chosen_by_the_held_out_log_loss():
+    """Where Laplace's evidence learns EP's kernel on a subset, EP's outputscale is then chosen among Laplace's times
+    ``outputscale_factors`` by the log-loss of held-out training rows (``validation_rows_``): the chosen factor and
+    every recorded log-loss are those of the dense reference (parallel EP, R&W Alg. 3.6's predictive, scikit-learn's
+    ``log_loss``) on the learning rows at each candidate; the final posterior holds the chosen outputscale."""
+    x, y, _ = _binary(num=200, seed=3)
+    with settings.exact_evidence_size(50):  # 80 learning rows: above it, so Laplace learns EP's kernel
+        classifier = IterNCGPClassifier(
+            link="probit", inference="ep", learning_subset=80, optimizer_steps=3, random_state=0
+        ).fit(x, y)
+    report = classifier.learning_report_
+    rows, held_out = classifier.learning_rows_, classifier.validation_rows_
+    assert report.evidence == "Laplace" and len(rows) == len(held_out) == report.validation_points == 80
+    assert not set(rows) & set(held_out)
+    assert "log-loss of 80 held-out points" in str(classifier.fit_report_)
+    lengthscale = classifier.kernel_.base_kernel.lengthscale.item()
+    laplace_outputscale = classifier.kernel_.outputscale.item() / report.outputscale_factor
+    expected = {}
+    for factor in ESTIMATOR_DEFAULTS.outputscale_factors:
+        outputscale = laplace_outputscale * factor
+        kernel = _matern(x[rows], x[rows], lengthscale, outputscale)
+        result = reference_ep.parallel_ep(kernel, torch.as_tensor(y[rows], dtype=torch.float64), tol=1e-10)
+        cross = _matern(x[rows], x[held_out], lengthscale, outputscale)
+        diagonal = torch.full((len(held_out),), outputscale, dtype=torch.float64)
+        _, _, probability = reference_ep.probit_predict(kernel, cross, diagonal, result)
+        expected[factor] = log_loss(y[held_out], probability.numpy(), labels=[0, 1])
+    assert report.outputscale_log_loss == pytest.approx(expected, abs=2e-4)
+    assert report.outputscale_factor == min(expected, key=expected.__getitem__)
+    assert classifier.model_.covar_module.outputscale.item() == classifier.kernel_.outputscale.item()
+
+
+def test_ep_outputscale_needs_held_out_rows_an_outputscale_and_time():
+    """No choice where every row was learnt on, the kernel has no outputscale, or ``max_time`` has passed."""
+    x, y, _ = _binary(num=200, seed=3)
+    with settings.exact_evidence_size(50):
+        everything = IterNCGPClassifier(inference="ep", learning_subset=None, optimizer_steps=2, random_state=0)
+        no_outputscale = IterNCGPClassifier(
+            gpytorch.kernels.MaternKernel(nu=2.5), inference="ep", learning_subset=80, optimizer_steps=2, random_state=0
+        )
+        out_of_time = IterNCGPClassifier(inference="ep", learning_subset=80, max_time=0.0, random_state=0)
+        for classifier in (everything.fit(x, y), no_outputscale.fit(x, y), out_of_time.fit(x, y)):
+            assert classifier.learning_report_.evidence == "Laplace"
+            assert classifier.learning_report_.outputscale_log_loss == {}
+            assert classifier.learning_report_.outputscale_factor == 1.0
+            assert "held-out" not in str(classifier.fit_report_)
+    assert everything.validation_rows_ is None and no_outputscale.validation_rows_ is None
+    assert len(out_of_time.validation_rows_) == 80 and out_of_time.learning_report_.stopped == "max_time"
 
 
 def test_inference_parameter():
