@@ -291,6 +291,7 @@ def test_learned_smoke_run_writes_results(tmp_path):
     from benchmarks import learned
 
     arguments = ["--smoke", "--datasets", "mixture5000", "binary10000", "--budget", "1", "--out", str(tmp_path)]
+    arguments += ["--methods", "estimator", "laplace", "ep", "svgp"]  # estimator_laplace / _ep: the same code path
     output = learned.main(arguments)
     saved = json.loads((tmp_path / "learned_smoke.json").read_text())
     assert saved["machine"]["cpu_count"] >= 1 and set(saved["datasets"]) == {"mixture5000", "binary10000"}
