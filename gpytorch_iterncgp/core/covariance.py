@@ -55,6 +55,7 @@ from torch import Tensor
 
 from .noise import NoiseOperator, block_pseudo_inverse_matmul
 from .precision import ColumnStore
+from .sharding import RowBlock, all_rows, own_rows
 from .validation import check_count, check_seed
 
 # A unit-norm action is kept if at least this fraction of its norm lies outside span(Q) after conjugation: the
@@ -106,8 +107,8 @@ class CovariancePhase:
     r"""The result of :func:`covariance_phase`: the enlarged :math:`\mathbf Q`, :math:`\mathbf K \mathbf Q` and the
     products with :math:`\mathbf K` it took."""
 
-    precision_root: Tensor  # Q, (n, r + added)
-    kernel_precision_root: Tensor  # K Q, (n, r + added)
+    precision_root: Tensor  # Q, (n, r + added); with a RowBlock this rank's rows (|I_p| C, r + added)
+    kernel_precision_root: Tensor  # K Q, likewise
     products: int
     added: int  # columns added to Q
 
@@ -123,6 +124,7 @@ def covariance_phase(
     project: Callable[[Tensor], Tensor] | None = None,
     action_space_dimension: int | None = None,
     seed: int = 0,
+    rows_block: RowBlock | None = None,
 ) -> CovariancePhase:
     r"""Extend :math:`\mathbf C = \mathbf Q \mathbf Q^\top \approx \hat{\mathbf K}^{-1}` by ``iterations`` blocks of
     :math:`\mathbf W`-preconditioned block Lanczos (see the module docstring), one product with :math:`\mathbf K` each.
@@ -138,20 +140,46 @@ def covariance_phase(
     :param project: projection of the actions (softmax: zero sum per point).
     :param action_space_dimension: stop when :math:`\mathbf Q` has this rank (default :math:`n`).
     :param seed: seed of the random subset :math:`Z` of the start block.
-    :return: :math:`[\mathbf Q, \mathbf D]`, :math:`[\mathbf K\mathbf Q, \mathbf K\mathbf D]` and the products taken.
+    :param rows_block: this rank's rows where :math:`\mathbf Q`, :math:`\mathbf K \mathbf Q` are held by rows
+        (``shard_state``; given as this rank's rows or all of them); ``None`` in one process.
+    :return: :math:`[\mathbf Q, \mathbf D]`, :math:`[\mathbf K\mathbf Q, \mathbf K\mathbf D]` (with ``rows_block``
+        this rank's rows ``(|I_p| C, r + added)``) and the products taken.
+
+    **By rows.** With ``rows_block`` the phase keeps :math:`\mathbf Q`, :math:`\mathbf K \mathbf Q` and the directions
+    it adds by rows, as the action buffer keeps :math:`\mathbf S`, :math:`\mathbf K \mathbf S`
+    (:class:`~gpytorch_iterncgp.core.recycling.ActionBuffer`): the conjugation :math:`\mathbf Q^\top \hat{\mathbf K}
+    \mathbf V = \sum_p (\mathbf K \mathbf Q)_{\mathcal I_p}^\top \mathbf V_{\mathcal I_p} + \mathbf Q_{\mathcal
+    I_p}^\top (\mathbf W^{-1} \mathbf V)_{\mathcal I_p}` and the block's Gram matrix :math:`\mathbf V^\top \hat{\mathbf
+    K} \mathbf V` are local products and one ``all_reduce`` each, :math:`\mathbf Q \mathbf c` a local product and one
+    ``all_gather``. The block :math:`\mathbf V` (``block_size`` columns) is whole on every rank, the same on all:
+    it is the right-hand side of the block's product with :math:`\mathbf K`, which returns it whole, and
+    :math:`\mathbf W`, :math:`\mathbf W^{-1}` and the projection act on whole vectors. A rank so holds
+    :math:`\lceil N / P \rceil C (r + \text{added})` entries of :math:`\mathbf Q` and of :math:`\mathbf K \mathbf Q`
+    and a few whole blocks, never :math:`\mathbf Q` whole. Every rank takes the same decisions (kept directions,
+    eigenvalues), from the same reduced numbers; one process's up to the order of the sums over the ranks.
     """
     check_count(iterations, "iterations")
     check_count(block_size, "block_size", minimum=1)
     check_seed(seed)
     project = project or (lambda vectors: vectors)
-    size, dtype = precision_root.shape[0], precision_root.dtype
+    size = precision_root.shape[0] if rows_block is None else rows_block.size
+    dtype = precision_root.dtype
     full_rank = size if action_space_dimension is None else action_space_dimension
     tolerance = _RELATIVE_EIGENVALUE_TOLERANCE.get(dtype, 1e-5)
     new_fraction = _NEW_FRACTION.get(dtype, 1e-2)
     rank, products = precision_root.shape[-1], 0
     if iterations == 0 or rank >= full_rank:
-        return CovariancePhase(precision_root, kernel_precision_root, 0, 0)
-    roots, kernel_roots = ColumnStore(precision_root), ColumnStore(kernel_precision_root)  # grow without copies
+        return CovariancePhase(own_rows(precision_root, rows_block), own_rows(kernel_precision_root, rows_block), 0, 0)
+    # this rank's rows of Q, K Q (all rows in one process), growing without copies
+    roots = ColumnStore(own_rows(precision_root, rows_block))
+    kernel_roots = ColumnStore(own_rows(kernel_precision_root, rows_block))
+
+    def local(vectors: Tensor) -> Tensor:  # this rank's rows of whole vectors (themselves in one process)
+        return vectors if rows_block is None else rows_block.local(vectors)
+
+    def reduce(local_product: Tensor) -> Tensor:  # the sum over the ranks of a product of their rows
+        return local_product if rows_block is None else rows_block.reduce(local_product)
+
     curvature = curvature_matmul(noise_inverse, num_latents)
     num_points = size // num_latents
     generator = torch.Generator().manual_seed(seed)
@@ -165,8 +193,9 @@ def covariance_phase(
         directions = project(block)
         directions = directions / directions.norm(dim=0).clamp_min(torch.finfo(dtype).tiny)
         for _ in range(2):  # classical Gram–Schmidt in the K̂ inner product, twice; no product with K
-            conjugation = kernel_root.mT @ directions + root.mT @ noise_inverse.matmul(directions)
-            directions = project(directions - root @ conjugation)
+            noisy_rows = local(noise_inverse.matmul(directions))
+            conjugation = reduce(kernel_root.mT @ local(directions) + root.mT @ noisy_rows)
+            directions = project(directions - all_rows(root @ conjugation, rows_block))
         directions = directions[:, directions.norm(dim=0) > new_fraction]
         if directions.shape[-1] == 0:
             break
@@ -174,7 +203,7 @@ def covariance_phase(
         kernel_directions = kernel_matmul(directions)
         products += 1
         noisy = kernel_directions + noise_inverse.matmul(directions)
-        gram = directions.double().mT @ noisy.double()
+        gram = reduce(local(directions).double().mT @ local(noisy).double())
         eigenvalues, eigenvectors = torch.linalg.eigh((gram + gram.mT) / 2)
         keep = eigenvalues > tolerance * eigenvalues[-1].clamp_min(0)
         excess = int(keep.sum()) - (full_rank - rank)
@@ -184,7 +213,7 @@ def covariance_phase(
             break
         scale = (eigenvectors[:, keep] * eigenvalues[keep].rsqrt()).to(dtype)
         new_root, new_kernel_root = directions @ scale, kernel_directions @ scale
-        for column, kernel_column in zip(new_root.mT, new_kernel_root.mT, strict=True):
+        for column, kernel_column in zip(local(new_root).mT, local(new_kernel_root).mT, strict=True):
             roots.append(column)
             kernel_roots.append(kernel_column)
         rank += new_root.shape[-1]

@@ -125,8 +125,9 @@ class ActionBuffer:
         return local if self.rows_block is None else self.rows_block.reduce(local)
 
     def local(self, vectors: Tensor) -> Tensor:
-        """This rank's rows of ``(N C, ...)`` vectors (themselves in one process)."""
-        return vectors if self.rows_block is None else self.rows_block.local(vectors)
+        """This rank's rows of ``(N C, ...)`` vectors, or the vectors if they are already this rank's rows
+        (:meth:`RowBlock.rows_of`); themselves in one process."""
+        return vectors if self.rows_block is None else self.rows_block.rows_of(vectors)
 
     def gather(self, local: Tensor) -> Tensor:
         """``(N C, ...)`` from this rank's rows (itself in one process)."""
@@ -201,7 +202,8 @@ class ActionBuffer:
         return torch.cat([kernel_column, diagonal[None]]).double()
 
     def append(self, action: Tensor, kernel_action: Tensor, kernel_column: Tensor | None = None) -> None:
-        """Append an action and its kernel product (shape ``(N C,)``); the kernel Gram matrix, if kept, is bordered
+        """Append an action and its kernel product (shape ``(N C,)``, or this rank's rows of them where the buffer is held
+        by rows, e.g. the covariance phase's new directions); the kernel Gram matrix, if kept, is bordered
         (:math:`O(N C B)`, or :math:`O(N C)` given ``kernel_column``, its :meth:`kernel_column` before appending)."""
         kept = self._kernel_gram is not None and self._kernel_gram.shape[-1] == self.size
         if kept and kernel_column is None:

@@ -153,7 +153,7 @@ class ShardedKernelMatrix(LinearOperator):
     :param x2: column inputs ``(*batch, M, D)``.
     :param kernel: the kernel of the entries (the wrapped kernel of a ``ShardedKernel``).
     :param process_group: the ranks sharing the products (``None``: the default group).
-    :param record: called with the bytes this rank sent after each gathered product (e.g. to count them).
+    :param record: called with the bytes this rank sent after each gathered or summed product (e.g. to count them).
     :param params: keyword arguments of the kernel's call.
     """
 
@@ -176,7 +176,7 @@ class ShardedKernelMatrix(LinearOperator):
         # this rank's rows: the kernel's own lazy tensor, evaluated (and cached) by the first product
         self.local_rows = LazyEvaluatedKernelTensor(x1[..., start:stop, :], x2, kernel=kernel, **params)
         self.full = LazyEvaluatedKernelTensor(x1, x2, kernel=kernel, **params)
-        self.bytes_sent = 0  # entries of products this rank sent to the others, in bytes
+        self.bytes_sent = 0  # bytes of products this rank sent to the others (gathered rows; summed columns' operand)
         self._checked = False  # whether the ranks' inputs were found equal (check_same_inputs)
 
     def _size(self) -> torch.Size:
@@ -223,6 +223,10 @@ class ShardedKernelMatrix(LinearOperator):
         rank's column points (a lazily evaluated kernel ``(*batch, N C, |I_p| C)``, :math:`N |\mathcal I_p|`
         evaluations) by its rows, then :meth:`RowBlock.reduce` (one ``all_reduce`` of :math:`N C k` numbers).
         Every rank gets the same sum, bit for bit; one process's up to the order of the sum over the ranks.
+
+        Counted as one product in :attr:`bytes_sent` (and ``record``) with the bytes this rank contributes to the sum,
+        :math:`N C k` times the element size: what an ``all_reduce`` moves per rank depends on the backend's algorithm
+        (a ring sends about twice that, in :math:`2(P - 1)` pieces), so the count is the volume of the operand.
         """
         self.check_same_inputs()
         start, stop = row_bounds(self.x2.shape[-2], self.world_size)[self.rank]
@@ -232,7 +236,9 @@ class ShardedKernelMatrix(LinearOperator):
         else:  # more ranks than column points: nothing to add here
             batch = torch.broadcast_shapes(self.batch_shape, rhs_rows.shape[:-2])
             local = rhs_rows.new_zeros(*batch, self.shape[-2], rhs_rows.shape[-1])
-        return block.reduce(local)
+        total = block.reduce(local)
+        self._count(local.numel() * local.element_size())
+        return total
 
     def check_same_inputs(self) -> None:
         """Check once (one ``all_gather`` of a few numbers) that every rank has the same inputs and kernel
@@ -281,11 +287,14 @@ class ShardedKernelMatrix(LinearOperator):
         sizes = [(stop - start) * outputs for start, stop in self.bounds]
         padded = torch.nn.functional.pad(local, (0, 0, 0, max(sizes) - local.shape[-2])).contiguous()
         blocks = self._all_gather(padded)
-        sent = padded.numel() * padded.element_size() * (self.world_size - 1)  # its block to each other rank
+        self._count(padded.numel() * padded.element_size() * (self.world_size - 1))  # its block to each other rank
+        return torch.cat([block[..., :size, :] for block, size in zip(blocks, sizes, strict=True)], dim=-2)
+
+    def _count(self, sent: int) -> None:
+        """Count one collective product of which this rank sent ``sent`` bytes (:attr:`bytes_sent`, ``record``)."""
         self.bytes_sent += sent
         if self.record is not None:
             self.record(sent)
-        return torch.cat([block[..., :size, :] for block, size in zip(blocks, sizes, strict=True)], dim=-2)
 
     def _all_gather(self, tensor: Tensor) -> list[Tensor]:
         """``tensor`` of every rank (one shape on all), by ``torch.distributed.all_gather``.

@@ -55,7 +55,7 @@ from ..core.outer_loop import EPSweep, LoopStatus, OuterStep
 from ..core.policies import Policy
 from ..core.prior import LatentPrior
 from ..core.recycling import ActionBuffer
-from ..core.sharding import RowBlock, all_rows, own_rows
+from ..core.sharding import RowBlock, all_rows
 from ..core.solver import IterGPOptions, IterGPResult, RegressionState, itergp_solve
 from ..core.validation import check_count, check_nonnegative
 from ..likelihoods.adapters import LikelihoodAdapter
@@ -236,24 +236,25 @@ class ExpectationPropagation:
         phase = self._covariance_blocks(state, noise, self.options.covariance_iterations)
         return dataclasses.replace(
             state,
-            precision_root=own_rows(phase.precision_root, self.rows_block),
-            kernel_precision_root=own_rows(phase.kernel_precision_root, self.rows_block),
+            precision_root=phase.precision_root,
+            kernel_precision_root=phase.kernel_precision_root,
         )
 
     def _covariance_blocks(self, state: EPState, noise: LinearOperator, blocks: int, seed: int = 0) -> CovariancePhase:
         r"""``blocks`` blocks of the covariance phase for ``state``'s regression with the noise of its sites (its
-        :math:`\mathbf Q`, :math:`\mathbf K \mathbf Q` whole: gathered where they are held by rows)."""
+        :math:`\mathbf Q`, :math:`\mathbf K \mathbf Q` by rows where they are held by rows, and so the result)."""
         return covariance_phase(
             self.prior.matmul,
             noise,
-            all_rows(state.precision_root, self.rows_block),
-            all_rows(state.kernel_precision_root, self.rows_block),
+            state.precision_root,
+            state.kernel_precision_root,
             self.num_latents,
             blocks,
             self.options.covariance_block_size,
             project=self.adapter.project if self.adapter.zero_sum_actions else None,
             action_space_dimension=self.action_space_dimension,
             seed=seed,
+            rows_block=self.rows_block,
         )
 
     def refine_marginals(self, state: EPState, buffer: ActionBuffer) -> tuple[EPState, ActionBuffer]:
@@ -281,29 +282,33 @@ class ExpectationPropagation:
         options = self.options
         noise, _ = self.noise(state.site_precision, state.site_natural_mean)
         phase = self._covariance_blocks(state, noise, options.marginal_iterations, seed=state.sweeps)
-        if options.recycle and phase.added > 0:
-            start = state.precision_root.shape[-1]
-            for column, kernel_column in zip(
-                phase.precision_root[:, start:].mT, phase.kernel_precision_root[:, start:].mT, strict=True
-            ):
-                norm = column.norm()
+        block = self.rows_block
+        start = state.precision_root.shape[-1]
+        new_roots, new_kernel_roots = phase.precision_root[:, start:], phase.kernel_precision_root[:, start:]  # D, K D
+        if options.recycle and phase.added > 0:  # (this rank's rows of them where the buffer holds its rows)
+            for column, kernel_column in zip(new_roots.mT, new_kernel_roots.mT, strict=True):
+                norm = column.norm() if block is None else block.reduce(column.square().sum()).sqrt()
                 buffer.append(column / norm, kernel_column / norm)
         weights, kernel_weights = state.representer_weights, state.kernel_representer_weights
         if phase.added > 0:  # the solution over the enlarged actions: a + D D^T r (D is K̂-conjugate to Q)
-            start = state.precision_root.shape[-1]
             _, rhs = self.noise(state.site_precision, state.site_natural_mean)
             residual = rhs - kernel_weights - noise.matmul(weights[:, None])[:, 0]
             if self.adapter.zero_sum_actions:
                 residual = self.adapter.project(residual[:, None])[:, 0]
-            coefficients = phase.precision_root[:, start:].mT @ residual
-            weights = weights + phase.precision_root[:, start:] @ coefficients
-            kernel_weights = kernel_weights + phase.kernel_precision_root[:, start:] @ coefficients
+            if block is None:
+                coefficients = new_roots.mT @ residual
+                weights = weights + new_roots @ coefficients
+                kernel_weights = kernel_weights + new_kernel_roots @ coefficients
+            else:  # D^T r: one all_reduce; D c and K D c: one all_gather of both
+                coefficients = block.reduce(new_roots.mT @ block.local(residual))
+                both = block.gather(torch.stack([new_roots @ coefficients, new_kernel_roots @ coefficients], -1))
+                weights, kernel_weights = weights + both[:, 0], kernel_weights + both[:, 1]
         state = dataclasses.replace(
             state,
             representer_weights=weights,
             kernel_representer_weights=kernel_weights,
-            precision_root=own_rows(phase.precision_root, self.rows_block),
-            kernel_precision_root=own_rows(phase.kernel_precision_root, self.rows_block),
+            precision_root=phase.precision_root,
+            kernel_precision_root=phase.kernel_precision_root,
             actions=buffer.actions.value,
             kernel_actions=buffer.kernel_actions.value,
         )

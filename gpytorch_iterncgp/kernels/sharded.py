@@ -63,8 +63,9 @@ class ShardedKernel(RowShardedKernel):
     :param base_kernel: the kernel.
     :param process_group: the ranks that share the products (default: torch.distributed's default group).
     :param shard_state: hold the solver's recycled actions :math:`\mathbf S`, :math:`\mathbf K \mathbf S` and the
-        precision roots :math:`\mathbf Q`, :math:`\mathbf K \mathbf Q` (also the final ones that predictions use;
-        :class:`~gpytorch_iterncgp.IterNCGPStrategy`, :class:`~gpytorch_iterncgp.EPStrategy`) by rows as well: each
+        precision roots :math:`\mathbf Q`, :math:`\mathbf K \mathbf Q` (also the final ones that predictions use, and
+        through a covariance phase; :class:`~gpytorch_iterncgp.IterNCGPStrategy`,
+        :class:`~gpytorch_iterncgp.EPStrategy`) by rows as well: each
         rank :math:`\lceil N / P \rceil C` rows of them, inner products by ``all_reduce``. ``state_dict()`` is then a
         collective (every rank calls it; it gathers them).
     :raises TypeError: if ``shard_state`` is not a bool.
@@ -80,8 +81,12 @@ class ShardedKernel(RowShardedKernel):
             raise TypeError(f"ShardedKernel wraps a gpytorch Kernel, got {type(base_kernel).__name__}.")
         self.sharded_kernel = base_kernel
         self.process_group = process_group
-        self.products = 0  # gathered products (of the training data, or predictions' cross-covariances)
-        self.bytes_sent = 0  # bytes of those products this rank sent to the others
+        # collective products: gathered (of the training data, or predictions' cross-covariances by test points) and,
+        # with shard_state, predictions' cross-covariance columns summed by all_reduce
+        self.products = 0
+        # bytes of those products this rank sent: its gathered rows to each other rank; for an all_reduce of k numbers
+        # its operand, k times the element size (what the backend moves per rank depends on its algorithm)
+        self.bytes_sent = 0
         self._register_state_dict_hook(_drop_base_prefix)
         self._register_load_state_dict_pre_hook(_add_base_prefix)
 

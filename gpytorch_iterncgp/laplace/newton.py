@@ -51,7 +51,6 @@ from ..core.outer_loop import LoopStatus, NewtonStep, OuterStep, relative_norm_c
 from ..core.policies import Policy
 from ..core.prior import LatentPrior
 from ..core.recycling import ActionBuffer, virtual_solver_run
-from ..core.sharding import own_rows
 from ..core.solver import IterGPOptions, IterGPResult, RegressionState, itergp_solve
 from ..core.validation import check_count, check_nonnegative
 from ..likelihoods.adapters import LikelihoodAdapter, LikelihoodDerivatives
@@ -432,8 +431,8 @@ class DampedNewton:
         ``covariance_iterations`` blocks (:func:`~gpytorch_iterncgp.core.covariance.covariance_phase`, one product each).
 
         Where the actions are held by rows (``shard_state``) the final :math:`\mathbf Q`, :math:`\mathbf K \mathbf Q`
-        are too: formed by rows without the covariance phase; the phase itself takes and enlarges them whole (its
-        Gram–Schmidt indexes them globally), and its result's rows are kept.
+        are too: each rank forms its rows of them from its rows of the buffer, and the covariance phase enlarges those
+        rows (:func:`~gpytorch_iterncgp.core.covariance.covariance_phase` with the ``RowBlock``).
 
         The buffer itself is kept as the loop left it (not the re-weighted one of this run, and without the covariance
         phase's actions, which only enlarge :math:`\mathbf Q`), so that a later fit continues exactly as if this one had
@@ -446,22 +445,18 @@ class DampedNewton:
         if buffer is None or not buffer.holds(state.actions, state.kernel_actions):
             buffer = ActionBuffer.from_tensors(state.actions, state.kernel_actions, self.rows_block)
         virtual = virtual_solver_run(buffer, final.noise_inverse)
-        if self.rows_block is not None and self.options.covariance_iterations == 0:  # this rank's rows of S E, T E
-            roots = virtual.local_precision_root, virtual.local_kernel_precision_root
-            return dataclasses.replace(state, precision_root=roots[0], kernel_precision_root=roots[1])
         phase = covariance_phase(
             self.prior.matmul,
             final.noise_inverse,
-            virtual.precision_root,
-            virtual.kernel_precision_root,
+            virtual.local_precision_root,  # this rank's rows of S E, T E (all rows in one process)
+            virtual.local_kernel_precision_root,
             self.adapter.num_latents,
             self.options.covariance_iterations,
             self.options.covariance_block_size,
             project=self.adapter.project if self.adapter.zero_sum_actions else None,
             action_space_dimension=self.action_space_dimension,
+            rows_block=self.rows_block,
         )
         return dataclasses.replace(
-            state,
-            precision_root=own_rows(phase.precision_root, self.rows_block),
-            kernel_precision_root=own_rows(phase.kernel_precision_root, self.rows_block),
+            state, precision_root=phase.precision_root, kernel_precision_root=phase.kernel_precision_root
         )

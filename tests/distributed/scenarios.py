@@ -30,6 +30,7 @@ FAULT_TIMEOUT = datetime.timedelta(seconds=3)  # the faulty scenario's process g
 SOLVER = {"policy": "cg", "max_solver_iterations": 5, "recycle": True, "compression_rank": 10}
 FIT_STEPS = {"laplace": 6, "ep": 4}  # Newton steps, EP sweeps
 COVARIANCE_PHASE = {"covariance_iterations": 1, "covariance_block_size": 12}  # one block after the fit
+MARGINAL_REFRESH = {"marginal_iterations": 1}  # EP: one covariance-phase block for the marginals after every sweep
 COLUMNS = torch.tensor([0, 7, 8, 150, 302])  # data-major indices of kernel columns (points 0, 2, 50, 100)
 
 
@@ -163,6 +164,7 @@ def run(rank: int, directory: Path) -> dict:
     for kind in ("laplace", "ep"):
         results[f"{kind}_sharded_state"] = sharded_state(kind)
         results[f"{kind}_covariance_phase"] = sharded_covariance_phase(kind)
+    results["covariance_phase_rows"] = covariance_phase_rows(rank)
     results["mismatch"] = mismatch(rank)
     results["fault"] = fault(rank, directory)
     return results
@@ -255,18 +257,63 @@ def sharded_state(kind: str) -> dict:
 
 
 def with_covariance_phase(built: IterNCGPModel) -> IterNCGPModel:
-    """``built`` with :data:`COVARIANCE_PHASE` blocks of the covariance phase at the end of each fit."""
+    """``built`` with :data:`COVARIANCE_PHASE` blocks of the covariance phase at the end of each fit (EP: and one
+    block for the marginals after every sweep, :data:`MARGINAL_REFRESH`)."""
+    options = built.variational_strategy.options
     for name, value in COVARIANCE_PHASE.items():
-        setattr(built.variational_strategy.options, name, value)
+        setattr(options, name, value)
+    if hasattr(options, "marginal_iterations"):
+        for name, value in MARGINAL_REFRESH.items():
+            setattr(options, name, value)
     return built
 
 
 def sharded_covariance_phase(kind: str) -> dict:
-    """A fit with state sharding and a covariance phase (its Q, K Q taken whole, enlarged, and kept by rows): the
-    posterior and the shapes of S, K S, Q, K Q at the end."""
+    """A fit with state sharding and a covariance phase (on this rank's rows of Q, K Q): the posterior, the shapes of
+    S, K S, Q, K Q at the end, and the products and bytes of one prediction at the test inputs (an all_reduce)."""
     built = with_covariance_phase(model(kind, sharded=True, shard_state=True))
     fit(built, kind, FIT_STEPS[kind])
-    return {"summary": summary(built, kind), "shapes": shapes_of(built.variational_strategy.state)}
+    kernel = built.covar_module
+    before = (kernel.products, kernel.bytes_sent)
+    with torch.no_grad():
+        built.variational_strategy.marginal_latent(data(kind)[2])
+    counted = (kernel.products - before[0], kernel.bytes_sent - before[1])
+    return {"summary": summary(built, kind), "shapes": shapes_of(built.variational_strategy.state), "counted": counted}
+
+
+def covariance_phase_rows(rank: int) -> dict[str, torch.Tensor]:
+    """The covariance phase run directly on this rank's rows (:func:`covariance_phase_data`, 101 points x 3 latents
+    over the ranks): the rows of the enlarged Q and K Q it returns, and the number of columns added."""
+    from gpytorch_iterncgp.core.covariance import covariance_phase
+    from gpytorch_iterncgp.core.sharding import RowBlock
+
+    kernel, noise, root, kernel_root, project = covariance_phase_data()
+    block = RowBlock.of_rank(101, 3, None)
+    phase = covariance_phase(
+        lambda vectors: kernel @ vectors, noise, block.local(root), block.local(kernel_root), 3, 3, 9,
+        project=project, action_space_dimension=202, seed=5, rows_block=block,
+    )  # fmt: skip
+    return {"root": phase.precision_root, "kernel_root": phase.kernel_precision_root, "added": phase.added}
+
+
+def covariance_phase_data() -> tuple:
+    """A kernel ``(303, 303)`` (RBF of 101 points, shared by 3 latents, plus a small ridge), block noise, and the
+    Q, K Q of one block of the covariance phase from nothing (in one process), zero-sum actions: the start of
+    :func:`covariance_phase_rows`."""
+    from gpytorch_iterncgp.core.covariance import covariance_phase
+    from gpytorch_iterncgp.core.noise import BlockNoiseInverse, project_to_zero_sum
+
+    _, _, cholesky = buffer_data()
+    x = torch.rand(101, 2, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    points = gpytorch.kernels.RBFKernel().double()
+    points.lengthscale = 0.3
+    with torch.no_grad():
+        kernel = torch.kron(points(x).to_dense(), torch.eye(3, dtype=torch.float64))
+    noise = BlockNoiseInverse(cholesky)
+    project = lambda vectors: project_to_zero_sum(vectors, 3)  # noqa: E731
+    empty = torch.zeros(303, 0, dtype=torch.float64)
+    first = covariance_phase(lambda v: kernel @ v, noise, empty, empty, 3, 1, 9, project=project, seed=4)
+    return kernel, noise, first.precision_root, first.kernel_precision_root, project
 
 
 def mismatch(rank: int) -> str | None:

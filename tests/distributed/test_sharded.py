@@ -234,8 +234,10 @@ def test_sharded_state_holds_the_final_precision_root_by_rows(ranks, single_proc
 
 @pytest.mark.parametrize("kind", ["laplace", "ep"])
 def test_sharded_state_with_a_covariance_phase_fits_the_single_process_posterior(ranks, kind):
-    """``shard_state=True`` and a covariance phase after the fit (Q, K Q enlarged whole, then held by rows): each rank
-    holds its rows of the enlarged Q and K Q, and the posterior equals one process's."""
+    """``shard_state=True`` and a covariance phase after the fit (EP: and one block for the marginals after every
+    sweep, whose directions join the recycled actions), run on each rank's rows of Q, K Q: each rank holds its rows of
+    the enlarged Q and K Q, and the posterior equals one process's. A prediction at the 13 test inputs is one product,
+    an all_reduce of 13 C (r + 1) numbers, counted with the 8 bytes of each (float64)."""
     reference = scenarios.with_covariance_phase(scenarios.model(kind, sharded=False))
     scenarios.fit(reference, kind, scenarios.FIT_STEPS[kind])
     expected_rank = reference.variational_strategy.state.precision_root.shape[-1]
@@ -247,6 +249,28 @@ def test_sharded_state_with_a_covariance_phase_fits_the_single_process_posterior
         assert phase["shapes"][2] == phase["shapes"][3] == (rows, expected_rank)
         for name, expected in scenarios.summary(reference, kind).items():
             _assert_close(phase["summary"][name], expected, f"{kind}, covariance phase: {name}")
+        assert phase["counted"] == (1, 13 * latents * (expected_rank + 1) * 8)
+
+
+def test_the_covariance_phase_on_rows_equals_the_phase_in_one_process(ranks):
+    """The covariance phase given each rank's rows of Q, K Q (101 points x 3 latents: 153 and 150 rows, an uneven
+    split) returns that rank's rows of the enlarged Q, K Q of the same phase in one process (3 blocks of 9 actions,
+    18 directions added after the zero-sum projection), within 1e-10."""
+    from gpytorch_iterncgp.core.covariance import covariance_phase
+    from gpytorch_iterncgp.core.sharding import row_bounds
+
+    kernel, noise, root, kernel_root, project = scenarios.covariance_phase_data()
+    expected = covariance_phase(
+        lambda vectors: kernel @ vectors, noise, root, kernel_root, 3, 3, 9,
+        project=project, action_space_dimension=202, seed=5,
+    )  # fmt: skip
+    assert expected.added == 18
+    for (start, stop), result in zip(row_bounds(101, WORLD_SIZE), ranks, strict=True):
+        phase = result["covariance_phase_rows"]
+        assert phase["added"] == expected.added
+        assert phase["root"].shape == phase["kernel_root"].shape == (3 * (stop - start), root.shape[-1] + 18)
+        _assert_close(phase["root"], expected.precision_root[3 * start : 3 * stop], "Q's rows")
+        _assert_close(phase["kernel_root"], expected.kernel_precision_root[3 * start : 3 * stop], "K Q's rows")
 
 
 def test_ranks_with_different_data_fail_naming_the_fix(ranks):
