@@ -39,7 +39,7 @@ from gpytorch.distributions import MultivariateNormal
 from linear_operator.utils.errors import NanError
 from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin
 from sklearn.exceptions import ConvergenceWarning
-from sklearn.metrics import d2_tweedie_score
+from sklearn.metrics import d2_tweedie_score, log_loss
 from sklearn.utils import check_random_state, resample
 from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import check_is_fitted, validate_data
@@ -514,7 +514,7 @@ class _IterNCGPEstimator(BaseEstimator):
         defaults, report = ESTIMATOR_DEFAULTS, self.learning_report_
         learnt = kernel.outputscale.detach().clone()
         start = time.perf_counter()
-        labels = validation_y.long()
+        labels = validation_y.long().numpy()
         for factor in defaults.outputscale_factors:
             spent = report.seconds + time.perf_counter() - start
             if self.max_time is not None and spent >= float(self.max_time):
@@ -532,10 +532,9 @@ class _IterNCGPEstimator(BaseEstimator):
                 continue
             if probabilities.dim() == 1:  # binary: p(y = 1)
                 probabilities = torch.stack([1 - probabilities, probabilities], dim=-1)
-            true_class = probabilities.gather(-1, labels[:, None])[:, 0].clamp_min(1e-15)
-            log_loss = float(-true_class.log().mean())
-            if math.isfinite(log_loss):
-                report.outputscale_log_loss[factor] = log_loss
+            if bool(torch.isfinite(probabilities).all()):
+                classes = np.arange(probabilities.shape[-1])
+                report.outputscale_log_loss[factor] = float(log_loss(labels, probabilities.numpy(), labels=classes))
         losses = report.outputscale_log_loss
         report.outputscale_factor = min(losses, key=losses.__getitem__) if losses else 1.0
         with torch.no_grad():

@@ -45,7 +45,7 @@ from ..core.outer_loop import EPSweep, FitReport, NewtonStep
 from ..core.policies import Policy, make_policy
 from ..core.precision import LowRankPrecision
 from ..core.prior import LatentPrior
-from ..core.sharding import RowBlock, RowShardedKernel, all_rows
+from ..core.sharding import RowBlock, RowShardedKernel, all_rows, own_rows
 from ..core.solver import IterGPOptions, RegressionState
 from ..ep.sweeps import EPOptions, EPState, ExpectationPropagation
 from ..laplace.newton import DampedNewton, LaplaceState, SolverOptions
@@ -188,13 +188,8 @@ class _IterGPStrategy(PredictiveStrategy):
         )
         test_prior = full.block(slice(num_train, None), slice(num_train, None))
         cross = full.block(slice(num_train, None), slice(None, num_train))
-        if rows_block is None:
-            weights = torch.cat([state.representer_weights[:, None], state.precision_root], dim=-1)
-            product = cross.matmul(weights)
-        else:
-            local_weights = rows_block.local(state.representer_weights)[:, None]
-            weights = torch.cat([local_weights, rows_block.rows_of(state.precision_root)], dim=-1)
-            product = cross.matmul(weights, rows_block)
+        weights = [own_rows(state.representer_weights, rows_block)[:, None], own_rows(state.precision_root, rows_block)]
+        product = cross.matmul(torch.cat(weights, dim=-1), rows_block)
         mean = test_prior.mean.reshape(-1) + product[:, 0]
         return mean, product[:, 1:], test_prior
 
