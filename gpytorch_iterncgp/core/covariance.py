@@ -55,7 +55,7 @@ from torch import Tensor
 
 from .noise import NoiseOperator, block_pseudo_inverse_matmul
 from .precision import ColumnStore
-from .sharding import RowBlock, all_rows, own_rows
+from .sharding import RowBlock, all_rows, own_rows, summed
 from .validation import check_count, check_seed
 
 # A unit-norm action is kept if at least this fraction of its norm lies outside span(Q) after conjugation: the
@@ -177,9 +177,6 @@ def covariance_phase(
     def local(vectors: Tensor) -> Tensor:  # this rank's rows of whole vectors (themselves in one process)
         return vectors if rows_block is None else rows_block.local(vectors)
 
-    def reduce(local_product: Tensor) -> Tensor:  # the sum over the ranks of a product of their rows
-        return local_product if rows_block is None else rows_block.reduce(local_product)
-
     curvature = curvature_matmul(noise_inverse, num_latents)
     num_points = size // num_latents
     generator = torch.Generator().manual_seed(seed)
@@ -194,7 +191,7 @@ def covariance_phase(
         directions = directions / directions.norm(dim=0).clamp_min(torch.finfo(dtype).tiny)
         for _ in range(2):  # classical Gram–Schmidt in the K̂ inner product, twice; no product with K
             noisy_rows = local(noise_inverse.matmul(directions))
-            conjugation = reduce(kernel_root.mT @ local(directions) + root.mT @ noisy_rows)
+            conjugation = summed(kernel_root.mT @ local(directions) + root.mT @ noisy_rows, rows_block)
             directions = project(directions - all_rows(root @ conjugation, rows_block))
         directions = directions[:, directions.norm(dim=0) > new_fraction]
         if directions.shape[-1] == 0:
@@ -203,7 +200,7 @@ def covariance_phase(
         kernel_directions = kernel_matmul(directions)
         products += 1
         noisy = kernel_directions + noise_inverse.matmul(directions)
-        gram = reduce(local(directions).double().mT @ local(noisy).double())
+        gram = summed(local(directions).double().mT @ local(noisy).double(), rows_block)
         eigenvalues, eigenvectors = torch.linalg.eigh((gram + gram.mT) / 2)
         keep = eigenvalues > tolerance * eigenvalues[-1].clamp_min(0)
         excess = int(keep.sum()) - (full_rank - rank)

@@ -33,7 +33,7 @@ from gpytorch.lazy import LazyEvaluatedKernelTensor
 from linear_operator.operators import LinearOperator
 from torch import Tensor
 
-__all__ = ["RowBlock", "RowShardedKernel", "ShardedKernelMatrix", "all_rows", "own_rows", "row_bounds"]
+__all__ = ["RowBlock", "RowShardedKernel", "ShardedKernelMatrix", "all_rows", "own_rows", "row_bounds", "summed"]
 
 
 def row_bounds(num_points: int, world_size: int) -> list[tuple[int, int]]:
@@ -133,6 +133,12 @@ def all_rows(tensor: Tensor, block: RowBlock | None) -> Tensor:
     """``tensor`` ``(n, ...)`` with all its rows: :meth:`RowBlock.full` (gathered where it holds this rank's rows of
     ``block``, a collective); itself without a block (one process, or state replicated)."""
     return tensor if block is None else block.full(tensor)
+
+
+def summed(local_product: Tensor, block: RowBlock | None) -> Tensor:
+    """The sum over the ranks of a product of their rows of ``block`` (:meth:`RowBlock.reduce`, a collective); itself
+    without a block."""
+    return local_product if block is None else block.reduce(local_product)
 
 
 def own_rows(tensor: Tensor, block: RowBlock | None) -> Tensor:

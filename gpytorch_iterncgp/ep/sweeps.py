@@ -55,7 +55,7 @@ from ..core.outer_loop import EPSweep, LoopStatus, OuterStep
 from ..core.policies import Policy
 from ..core.prior import LatentPrior
 from ..core.recycling import ActionBuffer
-from ..core.sharding import RowBlock, all_rows
+from ..core.sharding import RowBlock, all_rows, own_rows, summed
 from ..core.solver import IterGPOptions, IterGPResult, RegressionState, itergp_solve
 from ..core.validation import check_count, check_nonnegative
 from ..likelihoods.adapters import LikelihoodAdapter
@@ -295,14 +295,10 @@ class ExpectationPropagation:
             residual = rhs - kernel_weights - noise.matmul(weights[:, None])[:, 0]
             if self.adapter.zero_sum_actions:
                 residual = self.adapter.project(residual[:, None])[:, 0]
-            if block is None:
-                coefficients = new_roots.mT @ residual
-                weights = weights + new_roots @ coefficients
-                kernel_weights = kernel_weights + new_kernel_roots @ coefficients
-            else:  # D^T r: one all_reduce; D c and K D c: one all_gather of both
-                coefficients = block.reduce(new_roots.mT @ block.local(residual))
-                both = block.gather(torch.stack([new_roots @ coefficients, new_kernel_roots @ coefficients], -1))
-                weights, kernel_weights = weights + both[:, 0], kernel_weights + both[:, 1]
+            # D^T r (by rows: one all_reduce); D c and K D c (by rows: one all_gather of both)
+            coefficients = summed(new_roots.mT @ own_rows(residual, block), block)
+            both = all_rows(torch.stack([new_roots @ coefficients, new_kernel_roots @ coefficients], -1), block)
+            weights, kernel_weights = weights + both[:, 0], kernel_weights + both[:, 1]
         state = dataclasses.replace(
             state,
             representer_weights=weights,
