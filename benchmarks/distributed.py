@@ -17,6 +17,7 @@ and the ``all_gather``, which includes the wait for the slower rank). ``OMP_WAIT
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -31,10 +32,11 @@ import torch.multiprocessing as mp
 from common import machine
 
 RESULTS = Path(__file__).resolve().parent / "results"
-CONFIGURATIONS = (  # label, processes, threads per process
-    ("1 process, 1 thread", 1, 1),
-    ("1 process, 2 threads", 1, 2),
-    ("2 processes, 1 thread each", 2, 1),
+CONFIGURATIONS = (  # label, processes, threads per process, shard_state
+    ("1 process, 1 thread", 1, 1, False),
+    ("1 process, 2 threads", 1, 2, False),
+    ("2 processes, 1 thread each", 2, 1, False),
+    ("2 processes, shard_state=True", 2, 1, True),
 )
 
 
@@ -44,7 +46,9 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def worker(rank: int, world_size: int, port: int, threads: int, options: dict, directory: str) -> None:
+def worker(
+    rank: int, world_size: int, port: int, threads: int, shard_state: bool, options: dict, directory: str
+) -> None:
     """One process of a configuration: time products and a fit; rank 0 saves the timings."""
     import gpytorch
     import torch.distributed as dist
@@ -71,7 +75,7 @@ def worker(rank: int, world_size: int, port: int, threads: int, options: dict, d
             self.mean_module = gpytorch.means.ZeroMean()
             kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=1.5))
             kernel.base_kernel.lengthscale, kernel.outputscale = 0.3, 5.0
-            self.covar_module = ShardedKernel(kernel) if sharded else kernel
+            self.covar_module = ShardedKernel(kernel, shard_state=shard_state) if sharded else kernel
 
         def forward(self, x):
             return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
@@ -109,7 +113,13 @@ def worker(rank: int, world_size: int, port: int, threads: int, options: dict, d
                 gather_seconds.append(time.perf_counter() - middle)
         barrier()
         report = strategy.fit(max_newton_steps=options["steps"])
-    kernel = model.covar_module
+        # the covariance phase alone: no further Newton step, then the final precision with the phase's blocks
+        strategy.options = dataclasses.replace(strategy.options, covariance_iterations=options["phase_iterations"])
+        kernel = model.covar_module
+        products, sent = (kernel.products, kernel.bytes_sent) if sharded else (0, 0)
+        sent_per_product = sent / products if sharded else 0
+        barrier()
+        phase = strategy.fit(max_newton_steps=0)
     result = {
         "product_seconds": seconds,
         "product_median_seconds": statistics.median(seconds),
@@ -118,18 +128,23 @@ def worker(rank: int, world_size: int, port: int, threads: int, options: dict, d
         "fit_seconds": report.wall_time,
         "fit_product_seconds": report.kernel_product_seconds,
         "seconds_per_newton_step": report.wall_time / max(1, report.steps),
-        "bytes_sent_per_product": kernel.bytes_sent / kernel.products if sharded else 0,
+        "bytes_sent_per_product": sent_per_product,
         "local_rows_median_seconds": statistics.median(local_seconds) if sharded else None,
         "all_gather_median_seconds": statistics.median(gather_seconds) if sharded else None,
+        "phase_seconds": phase.wall_time,
+        "phase_products": phase.kernel_products,
+        "phase_columns": phase.kernel_columns,
+        "phase_bytes_sent": kernel.bytes_sent - sent if sharded else 0,
+        "phase_collective_products": kernel.products - products if sharded else 0,
     }
     (Path(directory) / f"result{rank}.json").write_text(json.dumps(result))
     if sharded:
         dist.destroy_process_group()
 
 
-def run_configuration(processes: int, threads: int, options: dict) -> dict:
+def run_configuration(processes: int, threads: int, shard_state: bool, options: dict) -> dict:
     with tempfile.TemporaryDirectory() as directory:
-        args = (processes, _free_port(), threads, options, directory)
+        args = (processes, _free_port(), threads, shard_state, options, directory)
         mp.start_processes(worker, args=args, nprocs=processes, start_method="spawn")
         ranks = [json.loads((Path(directory) / f"result{rank}.json").read_text()) for rank in range(processes)]
     result = dict(ranks[0])  # the fit's timings are rank 0's (every rank waits for the slowest in each product)
@@ -147,13 +162,15 @@ def plot(results: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     labels = [entry["label"] for entry in results["configurations"]]
-    figure, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    figure, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    phase = f"covariance phase ({results['options']['phase_iterations']} blocks)"
     for axis, key, title in (
         (axes[0], "product_median_seconds", "one product with K (1 action)"),
         (axes[1], "seconds_per_newton_step", "one Newton step (5 products)"),
+        (axes[2], "phase_seconds", phase),
     ):
         values = [entry[key] for entry in results["configurations"]]
-        axis.bar(range(len(values)), values, color=["C0", "C1", "C2"])
+        axis.bar(range(len(values)), values, color=[f"C{index}" for index in range(len(values))])
         axis.set_xticks(range(len(values)), [label.replace(", ", ",\n") for label in labels])
         axis.set(ylabel="seconds", title=title)
     options = results["options"]
@@ -171,23 +188,32 @@ def main() -> None:
     parser.add_argument("--classes", type=int, default=10)
     parser.add_argument("--products", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--phase-iterations", type=int, default=10, help="covariance_iterations of the phase timed")
     parser.add_argument("--smoke", action="store_true", help="N = 1000, 2 products, 1 Newton step")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    options = {"num_data": args.num_data, "classes": args.classes, "products": args.products, "steps": args.steps}
+    options = {
+        "num_data": args.num_data,
+        "classes": args.classes,
+        "products": args.products,
+        "steps": args.steps,
+        "phase_iterations": args.phase_iterations,
+    }
     if args.smoke:
-        options.update(num_data=1000, products=2, steps=1)
+        options.update(num_data=1000, products=2, steps=1, phase_iterations=2)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     results = {"machine": machine(), "options": options, "load_average_before": os.getloadavg(), "configurations": []}
-    for label, processes, threads in CONFIGURATIONS:
-        entry = {"label": label, "processes": processes, "threads": threads}
-        entry.update(run_configuration(processes, threads, options))
+    for label, processes, threads, shard_state in CONFIGURATIONS:
+        entry = {"label": label, "processes": processes, "threads": threads, "shard_state": shard_state}
+        entry.update(run_configuration(processes, threads, shard_state, options))
         results["configurations"].append(entry)
         print(
             f"{label:28s} product {entry['product_median_seconds']:.3f} s, Newton step "
             f"{entry['seconds_per_newton_step']:.3f} s ({entry['fit_product_seconds'] / max(1, entry['newton_steps']):.3f} s"
             f" in products), {entry['bytes_sent_per_product'] / 1024:.1f} KiB sent per product and rank; per rank "
-            f"(rows, all_gather): {[(r['local_rows_median_seconds'], r['all_gather_median_seconds']) for r in entry['per_rank']]}",
+            f"(rows, all_gather): {[(r['local_rows_median_seconds'], r['all_gather_median_seconds']) for r in entry['per_rank']]}"
+            f"; covariance phase {entry['phase_seconds']:.3f} s, {entry['phase_products']} products, "
+            f"{entry['phase_bytes_sent'] / 1024:.1f} KiB sent per rank",
             flush=True,
         )
     results["load_average_after"] = os.getloadavg()

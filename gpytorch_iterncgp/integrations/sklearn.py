@@ -716,7 +716,7 @@ class _IterNCGPEstimator(BaseEstimator):
                 value = mll(self.model_(strategy.train_inputs), strategy.train_targets)
         finally:
             self.model_.train(training)
-        return float(value) * strategy.num_data
+        return float(value) * strategy.num_data - float(mll.log_prior().detach())  # the evidence alone, without priors
 
 
 # ---------------------------------------------------------------------------------------------------

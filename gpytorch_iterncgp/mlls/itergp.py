@@ -254,14 +254,22 @@ class _StrategyEvidence(MarginalLogLikelihood):
         """The strategy's posterior mean at the training inputs, ``(N C,)`` (what ``model(train_x)`` returned)."""
         return prior.mean.detach().reshape(-1) + state.kernel_representer_weights
 
+    def log_prior(self) -> Tensor:
+        r""":math:`\sum_j \log p(\theta_j)` over the priors registered on the model and the likelihood (GPyTorch's
+        ``*_prior=`` arguments, e.g. ``ScaleKernel(..., outputscale_prior=...)``); 0 without priors."""
+        terms = [prior.log_prob(closure(module)).sum() for _, module, prior, closure, _ in self.named_priors()]
+        return torch.stack(terms).sum() if terms else torch.zeros(())
+
     def _per_point(self, evidence: Tensor, num_data: int) -> Tensor:
+        """``(evidence + log_prior()) / N``: with priors the loss of a MAP estimate, as GPyTorch's
+        ``ExactMarginalLogLikelihood`` adds them."""
         if not math.isfinite(float(evidence.detach())):
             raise NonFiniteEvidenceError(
                 f"{type(self).__name__}: the evidence is {float(evidence.detach())} at the current "
                 "hyperparameters (overflow of the likelihood, or EP sites that did not converge); lower the learning "
                 "rate, bound the hyperparameters with constraints, or fit the strategy further."
             )
-        return evidence / num_data
+        return (evidence + self.log_prior().to(evidence)) / num_data
 
 
 class LaplaceMarginalLogLikelihood(_StrategyEvidence):

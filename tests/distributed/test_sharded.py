@@ -340,8 +340,9 @@ def test_distributed_example_runs_on_two_processes(tmp_path):
 
 @pytest.mark.slow
 def test_distributed_benchmark_smoke_run_writes_results(tmp_path):
-    """``benchmarks/distributed.py --smoke``: three configurations, the same fit in each (as many products), and each
-    of the two ranks sends its rows of one action's product: 500 points x 10 classes in float32."""
+    """``benchmarks/distributed.py --smoke``: four configurations, the same fit and covariance phase in each (as many
+    products), and each of the two ranks sends its rows of one action's product: 500 points x 10 classes in float32,
+    in the phase as many per column multiplied."""
     import json
     import subprocess
     import sys
@@ -352,7 +353,11 @@ def test_distributed_benchmark_smoke_run_writes_results(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     saved = json.loads((tmp_path / "distributed.json").read_text())
     assert saved["machine"]["cpu_count"] >= 1
-    one, _, two = saved["configurations"]
+    one, _, two, sharded_state = saved["configurations"]
     assert two["processes"] == 2 and two["bytes_sent_per_product"] == 500 * 10 * 4
-    assert two["fit_products"] == one["fit_products"] > 0 and two["newton_steps"] == one["newton_steps"]
+    for other in (two, sharded_state):
+        assert other["fit_products"] == one["fit_products"] > 0 and other["newton_steps"] == one["newton_steps"]
+        assert other["phase_products"] == one["phase_products"] > 0
+        assert other["phase_columns"] == one["phase_columns"]
+    assert two["phase_bytes_sent"] == two["phase_columns"] * 500 * 10 * 4
     assert (tmp_path / "distributed.png").stat().st_size > 10_000

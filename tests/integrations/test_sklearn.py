@@ -30,7 +30,11 @@ from sklearn.gaussian_process import GaussianProcessClassifier  # noqa: E402
 from sklearn.gaussian_process.kernels import RBF, ConstantKernel, Matern  # noqa: E402
 from sklearn.utils.estimator_checks import parametrize_with_checks  # noqa: E402
 
-from gpytorch_iterncgp.integrations.sklearn import IterNCGPClassifier, IterNCGPPoissonRegressor  # noqa: E402
+from gpytorch_iterncgp.integrations.sklearn import (  # noqa: E402
+    IterNCGPClassifier,
+    IterNCGPPoissonRegressor,
+    default_kernel,
+)
 from gpytorch_iterncgp.likelihoods.adapters import softmax_gaussian
 from tests import reference  # noqa: E402
 
@@ -159,6 +163,24 @@ def test_binary_logit_matches_sklearn_gaussian_process_classifier():
     np.testing.assert_allclose(ours.predict_proba(x_test)[:, 1], expected, atol=1e-6)
     np.testing.assert_allclose(ours.predict_proba(x_test), theirs.predict_proba(x_test), atol=1e-3)
     np.testing.assert_array_equal(ours.predict(x_test), theirs.predict(x_test))
+
+
+def test_log_marginal_likelihood_leaves_out_the_kernels_priors():
+    """A kernel with a prior (GPyTorch's ``outputscale_prior=``): ``log_marginal_likelihood()`` is the evidence alone,
+    scikit-learn's number for the same fixed kernel (the prior enters only the objective of the learning)."""
+    x, y, _ = _binary()
+    kernel = default_kernel(x.shape[1])
+    kernel.register_prior(
+        "outputscale_prior",
+        gpytorch.priors.GammaPrior(3.0, 2.0),
+        lambda module: module.outputscale,
+        lambda module, value: module._set_outputscale(value),
+    )
+    ours = IterNCGPClassifier(kernel, **TIGHT).fit(x, y)
+    theirs = GaussianProcessClassifier(
+        ConstantKernel(1.0, "fixed") * Matern(math.sqrt(2), "fixed", nu=2.5), optimizer=None
+    ).fit(x, y)
+    np.testing.assert_allclose(ours.log_marginal_likelihood(), theirs.log_marginal_likelihood_value_, atol=1e-6)
 
 
 def test_binary_probit_matches_exact_laplace():
@@ -354,7 +376,11 @@ def test_hyperparameter_learning_above_the_exact_evidence_size_is_adam():
 
 @pytest.mark.parametrize(
     "regime, failure",
-    [("exact (L-BFGS)", FloatingPointError), ("matrix-free (Adam)", FloatingPointError), ("matrix-free (Adam)", NanError)],
+    [
+        ("exact (L-BFGS)", FloatingPointError),
+        ("matrix-free (Adam)", FloatingPointError),
+        ("matrix-free (Adam)", NanError),
+    ],
 )
 def test_failing_evidence_keeps_the_best_hyperparameters(monkeypatch, regime, failure):
     """If the evidence fails after some evaluations (here: forced on the 4th call; linear_operator's CG raises a

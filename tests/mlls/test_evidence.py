@@ -546,3 +546,77 @@ def test_standard_training_loop_increases_evidence(exact):
     after = reference_evidence(model, likelihood, x, y, "probit", 1)
     # measured (both regimes): -39.295 -> -38.074
     assert after > before + 0.1, (before, after)
+
+
+# ---------------------------------------------------------------------------------------------------
+# 11. Priors registered on the model count, as in GPyTorch's ExactMarginalLogLikelihood: N · mll is the evidence
+#     plus Σ log p(θ) (a MAP estimate), and the estimator's log_marginal_likelihood() leaves them out.
+# ---------------------------------------------------------------------------------------------------
+def _register_priors(model) -> None:
+    """A Gamma(3, 2) prior on the outputscale and a log-normal(0, 0.5) one on the lengthscale."""
+    kernel = model.covar_module
+    kernel.register_prior(
+        "outputscale_prior",
+        gpytorch.priors.GammaPrior(3.0, 2.0),
+        lambda module: module.outputscale,
+        lambda module, value: module._set_outputscale(value),
+    )
+    kernel.base_kernel.register_prior(
+        "lengthscale_prior",
+        gpytorch.priors.LogNormalPrior(0.0, 0.5),
+        lambda module: module.lengthscale,
+        lambda module, value: module._set_lengthscale(value),
+    )
+
+
+def _scipy_log_prior(model) -> float:
+    """The priors' log-density at the model's values, by scipy (the reference for GPyTorch's priors)."""
+    stats = pytest.importorskip("scipy.stats")
+    kernel = model.covar_module
+    outputscale, lengthscale = float(kernel.outputscale.detach()), float(kernel.base_kernel.lengthscale.detach())
+    return float(stats.gamma(3.0, scale=1 / 2.0).logpdf(outputscale) + stats.lognorm(0.5).logpdf(lengthscale))
+
+
+def test_priors_are_added_to_the_laplace_evidence():
+    model, likelihood, x, y, name, num_classes = build("probit", **TIGHT)
+    _register_priors(model)
+    objective = package_evidence(model, likelihood, x, y, backward=True)
+    expected = reference_evidence(model, likelihood, x, y, name, num_classes) + _scipy_log_prior(model)
+    assert relative_error(float(objective), expected) <= 1e-6, (float(objective), expected)
+    references = finite_difference_gradients(model, likelihood, x, y, name, num_classes)
+    step = 1e-5
+    for key, parameter in (
+        ("model.covar_module.raw_outputscale", model.covar_module.raw_outputscale),
+        ("model.covar_module.base_kernel.raw_lengthscale", model.covar_module.base_kernel.raw_lengthscale),
+    ):
+        flat, values = parameter.data.view(-1), []
+        original = float(flat[0])
+        for shift in (step, -step):
+            flat[0] = original + shift
+            values.append(_scipy_log_prior(model))
+        flat[0] = original
+        references[key] = references[key] + (values[0] - values[1]) / (2 * step)
+    assert_gradients_close(autograd_gradients(model, likelihood), references, 1e-4)
+
+
+@pytest.mark.parametrize("strategy", ["ep", "sparse-ep"])
+def test_priors_are_added_to_the_ep_evidences(strategy):
+    from gpytorch_iterncgp import EPMarginalLogLikelihood, EPStrategy, SparseEPMarginalLogLikelihood, SparseEPStrategy
+
+    x, y = binary_data(50, seed=32)
+    options = {"inducing_points": x[::5].clone()} if strategy == "sparse-ep" else {}
+    strategy_class, evidence = (
+        (SparseEPStrategy, SparseEPMarginalLogLikelihood)
+        if strategy == "sparse-ep"
+        else (EPStrategy, EPMarginalLogLikelihood)
+    )
+    values = []
+    for priors in (False, True):
+        likelihood = gpytorch.likelihoods.BernoulliLikelihood()
+        model = IterNCGPModel(x, y, likelihood, strategy_class=strategy_class, **options)
+        if priors:
+            _register_priors(model)
+        model.train()
+        with torch.no_grad():
+            values.append(float(evidence(likelihood, model)(model(x), y)) * len(x))
+    assert abs(values[1] - values[0] - _scipy_log_prior(model)) <= 1e-9 * (1 + abs(values[0]))
