@@ -133,6 +133,7 @@ def worker(
         "all_gather_median_seconds": statistics.median(gather_seconds) if sharded else None,
         "phase_seconds": phase.wall_time,
         "phase_products": phase.kernel_products,
+        "phase_product_seconds": phase.kernel_product_seconds,
         "phase_columns": phase.kernel_columns,
         "phase_bytes_sent": kernel.bytes_sent - sent if sharded else 0,
         "phase_collective_products": kernel.products - products if sharded else 0,
@@ -212,7 +213,8 @@ def main() -> None:
             f"{entry['seconds_per_newton_step']:.3f} s ({entry['fit_product_seconds'] / max(1, entry['newton_steps']):.3f} s"
             f" in products), {entry['bytes_sent_per_product'] / 1024:.1f} KiB sent per product and rank; per rank "
             f"(rows, all_gather): {[(r['local_rows_median_seconds'], r['all_gather_median_seconds']) for r in entry['per_rank']]}"
-            f"; covariance phase {entry['phase_seconds']:.3f} s, {entry['phase_products']} products, "
+            f"; covariance phase {entry['phase_seconds']:.3f} s ({entry['phase_product_seconds']:.3f} s in "
+            f"{entry['phase_products']} products), "
             f"{entry['phase_bytes_sent'] / 1024:.1f} KiB sent per rank",
             flush=True,
         )

@@ -196,6 +196,14 @@ def exact_regime(strategy: Any) -> bool:
     return strategy.num_data * strategy.num_latents <= settings.exact_evidence_size.value()
 
 
+def log_prior(mll: MarginalLogLikelihood) -> Tensor:
+    r""":math:`\sum_j \log p(\theta_j)` over the priors registered on ``mll``'s model and likelihood (GPyTorch's
+    ``*_prior=`` arguments, e.g. ``ScaleKernel(..., outputscale_prior=...)``), the term GPyTorch's
+    ``ExactMarginalLogLikelihood`` adds; a zero scalar without priors."""
+    terms = [prior.log_prob(closure(module)).sum() for _, module, prior, closure, _ in mll.named_priors()]
+    return torch.stack(terms).sum() if terms else torch.zeros(())
+
+
 class _StrategyEvidence(MarginalLogLikelihood):
     """An evidence at a strategy's fitted state: checks the model, the likelihood and the training call."""
 
@@ -255,10 +263,8 @@ class _StrategyEvidence(MarginalLogLikelihood):
         return prior.mean.detach().reshape(-1) + state.kernel_representer_weights
 
     def log_prior(self) -> Tensor:
-        r""":math:`\sum_j \log p(\theta_j)` over the priors registered on the model and the likelihood (GPyTorch's
-        ``*_prior=`` arguments, e.g. ``ScaleKernel(..., outputscale_prior=...)``); 0 without priors."""
-        terms = [prior.log_prob(closure(module)).sum() for _, module, prior, closure, _ in self.named_priors()]
-        return torch.stack(terms).sum() if terms else torch.zeros(())
+        """:func:`log_prior` of this objective's model and likelihood."""
+        return log_prior(self)
 
     def _per_point(self, evidence: Tensor, num_data: int) -> Tensor:
         """``(evidence + log_prior()) / N``: with priors the loss of a MAP estimate, as GPyTorch's

@@ -63,7 +63,7 @@ from ..likelihoods.adapters import LikelihoodAdapter, likelihood_adapter
 from ..sparse.dtc import SparseEPState
 from ..sparse.uncertain import UncertainDTCPrior, UncertainSparseEP, psi_statistics, uncertain_posterior
 from ..strategies.base import converge
-from .itergp import ep_site_terms
+from .itergp import ep_site_terms, log_prior
 
 __all__ = ["UncertainSparseEPMarginalLogLikelihood", "gaussian_kl", "uncertain_ep_bound"]
 
@@ -273,8 +273,7 @@ class UncertainSparseEPMarginalLogLikelihood(MarginalLogLikelihood):
         )
         if self.latent_prior:
             bound = bound - gaussian_kl(input_means, input_variances)
-        for _, module, prior_distribution, closure, _ in self.named_priors():
-            bound = bound + prior_distribution.log_prob(closure(module)).sum()
+        bound = bound + log_prior(self).to(bound)
         if not math.isfinite(float(bound.detach())):
             raise NonFiniteEvidenceError(
                 f"{type(self).__name__}: the bound is {float(bound.detach())} at the current parameters (EP sites "
