@@ -55,7 +55,7 @@ from ..core.outer_loop import EPSweep, LoopStatus, OuterStep
 from ..core.policies import Policy
 from ..core.prior import LatentPrior
 from ..core.recycling import ActionBuffer
-from ..core.sharding import RowBlock, all_rows, own_rows, summed
+from ..core.sharding import RowBlock, all_rows, own_points, own_rows, summed
 from ..core.solver import IterGPOptions, IterGPResult, RegressionState, itergp_solve
 from ..core.validation import check_count, check_nonnegative
 from ..likelihoods.adapters import LikelihoodAdapter
@@ -68,8 +68,9 @@ def posterior_marginals(
 ) -> tuple[Tensor, Tensor]:
     r"""Posterior means :math:`m_i + (\mathbf K\mathbf a)_i` and variances :math:`k_{ii} - \|(\mathbf K\mathbf Q)_{i,:}\|^2`
     (including the computational uncertainty of an incomplete solve), ``(n,)`` each, from the state's buffers
-    (:math:`\mathbf K\mathbf Q` held by rows of ``rows_block``: each rank's row norms, gathered)."""
-    mean = prior_mean + state.kernel_representer_weights
+    (:math:`\mathbf K\mathbf a`, :math:`\mathbf K\mathbf Q` held by rows of ``rows_block``: gathered, and each rank's
+    row norms)."""
+    mean = prior_mean + all_rows(state.kernel_representer_weights, rows_block)
     variance = prior_variance - all_rows(state.kernel_precision_root.square().sum(-1), rows_block)
     return mean, variance
 
@@ -86,7 +87,8 @@ def posterior_marginal_blocks(
     rows = kernel_root.reshape(kernel_root.shape[0] // num_latents, num_latents, kernel_root.shape[-1])
     products = all_rows((rows @ rows.mT).reshape(-1, num_latents), rows_block).reshape(-1, num_latents, num_latents)
     covariance = prior_blocks - products
-    return prior_mean + state.kernel_representer_weights.reshape(-1, num_latents), (covariance + covariance.mT) / 2
+    mean = prior_mean + all_rows(state.kernel_representer_weights, rows_block).reshape(-1, num_latents)
+    return mean, (covariance + covariance.mT) / 2
 
 
 @dataclass
@@ -232,7 +234,7 @@ class ExpectationPropagation:
         sweep takes its cavities from the enlarged precision."""
         if self.options.covariance_iterations == 0 or not state.solved:
             return state
-        noise, _ = self.noise(state.site_precision, state.site_natural_mean)
+        noise, _ = self.noise(state.site_precision, state.site_natural_mean, self.rows_block)
         phase = self._covariance_blocks(state, noise, self.options.covariance_iterations)
         return dataclasses.replace(
             state,
@@ -280,7 +282,7 @@ class ExpectationPropagation:
         EP's.
         """
         options = self.options
-        noise, _ = self.noise(state.site_precision, state.site_natural_mean)
+        noise, rhs = self.noise(state.site_precision, state.site_natural_mean, self.rows_block)
         phase = self._covariance_blocks(state, noise, options.marginal_iterations, seed=state.sweeps)
         block = self.rows_block
         start = state.precision_root.shape[-1]
@@ -291,14 +293,12 @@ class ExpectationPropagation:
                 buffer.append(column / norm, kernel_column / norm)
         weights, kernel_weights = state.representer_weights, state.kernel_representer_weights
         if phase.added > 0:  # the solution over the enlarged actions: a + D D^T r (D is K̂-conjugate to Q)
-            _, rhs = self.noise(state.site_precision, state.site_natural_mean)
-            residual = rhs - kernel_weights - noise.matmul(weights[:, None])[:, 0]
+            residual = rhs - kernel_weights - noise.matmul(weights[:, None])[:, 0]  # (by rows: this rank's)
             if self.adapter.zero_sum_actions:
                 residual = self.adapter.project(residual[:, None])[:, 0]
-            # D^T r (by rows: one all_reduce); D c and K D c (by rows: one all_gather of both)
-            coefficients = summed(new_roots.mT @ own_rows(residual, block), block)
-            both = all_rows(torch.stack([new_roots @ coefficients, new_kernel_roots @ coefficients], -1), block)
-            weights, kernel_weights = weights + both[:, 0], kernel_weights + both[:, 1]
+            coefficients = summed(new_roots.mT @ residual, block)  # D^T r (by rows: one all_reduce)
+            weights = weights + new_roots @ coefficients
+            kernel_weights = kernel_weights + new_kernel_roots @ coefficients
         state = dataclasses.replace(
             state,
             representer_weights=weights,
@@ -344,23 +344,39 @@ class ExpectationPropagation:
         self.inner_sites = update.inner_sites
         return update
 
-    def noise(self, precision: Tensor, natural_mean: Tensor) -> tuple[LinearOperator, Tensor]:
+    def noise(
+        self, precision: Tensor, natural_mean: Tensor, rows_block: RowBlock | None = None
+    ) -> tuple[LinearOperator, Tensor]:
         r"""The noise :math:`\tilde{\mathbf T}^{-1}` (bounded; pseudo-inverse blocks for :math:`C > 1`) and the
-        right-hand side :math:`\tilde{\boldsymbol\mu} - \mathbf m` of the sites' regression (see the module docstring)."""
-        if self.num_latents == 1:
+        right-hand side :math:`\tilde{\boldsymbol\mu} - \mathbf m` of the sites' regression (see the module docstring):
+        with ``rows_block``, of this rank's points (its blocks and rows, as the solver holds them)."""
+        num = self.num_latents
+        precision, natural_mean = own_points(precision, rows_block, num), own_points(natural_mean, rows_block, num)
+        prior_mean = own_rows(self.prior_mean, rows_block)
+        if num == 1:
             bounded = precision.clamp_min(self.min_precision)
-            return DiagonalNoiseInverse(bounded.reciprocal()), (natural_mean - precision * self.prior_mean) / bounded
-        prior_mean = self.prior_mean.reshape(-1, self.num_latents)
-        noise, rhs = site_block_noise(precision, natural_mean, prior_mean, self.min_precision, self.basis)
+            return DiagonalNoiseInverse(bounded.reciprocal()), (natural_mean - precision * prior_mean) / bounded
+        noise, rhs = site_block_noise(
+            precision, natural_mean, prior_mean.reshape(-1, num), self.min_precision, self.basis
+        )
         return noise, rhs.reshape(-1)
+
+    def kernel_matmul(self, rhs: Tensor) -> Tensor:
+        r""":math:`\mathbf K \mathbf X` by rows where the solver's vectors are held by rows (``LatentPrior.matmul`` with
+        ``by_rows``); the prior's product otherwise."""
+        return self.prior.matmul(rhs, by_rows=self.rows_block)
+
+    def kernel_columns(self, indices: Tensor) -> Tensor:
+        r""":math:`\mathbf K_{:, \text{indices}}` (this rank's rows of them where the vectors are held by rows)."""
+        return self.prior.kernel_columns(indices, by_rows=self.rows_block)
 
     def solve(self, state: EPState, buffer: ActionBuffer, precision: Tensor, natural_mean: Tensor) -> IterGPResult:
         r"""IterGP on :math:`(\mathbf K + \tilde{\mathbf T}^{-1}) \mathbf v = \tilde{\boldsymbol\mu} - \mathbf m` for the
         sites ``(precision, natural_mean)``, from ``buffer`` (noise bounded as in the module docstring)."""
         options, adapter = self.options, self.adapter
-        noise, rhs = self.noise(precision, natural_mean)
+        noise, rhs = self.noise(precision, natural_mean, self.rows_block)
         return itergp_solve(
-            self.prior.matmul,
+            self.kernel_matmul,
             noise,
             rhs,
             buffer,
@@ -372,7 +388,7 @@ class ExpectationPropagation:
             rel_tol=options.rel_tol,
             compression_rank=options.compression_rank,
             keep=(state.representer_weights, state.kernel_representer_weights),
-            kernel_columns=self.prior.kernel_columns,
+            kernel_columns=self.kernel_columns,
         )
 
     @staticmethod
@@ -393,6 +409,7 @@ class ExpectationPropagation:
     def steps(self, state: EPState) -> Generator[OuterStep, None, None]:
         """Parallel EP sweeps from ``state`` until converged or stalled (the driver limits their number)."""
         options = self.options
+        state = state.with_own_rows(self.rows_block)  # (a loaded state, or the prior, holds all rows)
         buffer = ActionBuffer.from_tensors(state.actions, state.kernel_actions, self.rows_block)
         extra_iterations = 0
         if not state.solved:  # the kernel changed: the marginals need the kept sites' regression first

@@ -28,7 +28,7 @@ NUM_CLASSES = 3
 STEP_OF_SAVE = 2  # Newton steps / EP sweeps after which a state_dict is saved
 FAULT_TIMEOUT = datetime.timedelta(seconds=3)  # the faulty scenario's process group: what a rank waits for another
 SOLVER = {"policy": "cg", "max_solver_iterations": 5, "recycle": True, "compression_rank": 10}
-FIT_STEPS = {"laplace": 6, "ep": 4}  # Newton steps, EP sweeps
+FIT_STEPS = {"laplace": 6, "ep": 4, "binary": 6, "unit": 6}  # Newton steps, EP sweeps
 COVARIANCE_PHASE = {"covariance_iterations": 1, "covariance_block_size": 12}  # one block after the fit
 MARGINAL_REFRESH = {"marginal_iterations": 1}  # EP: one covariance-phase block for the marginals after every sweep
 COLUMNS = torch.tensor([0, 7, 8, 150, 302])  # data-major indices of kernel columns (points 0, 2, 50, 100)
@@ -36,21 +36,28 @@ COLUMNS = torch.tensor([0, 7, 8, 150, 302])  # data-major indices of kernel colu
 
 def data(kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Training inputs, targets and test inputs (float64)."""
-    if kind == "laplace":
+    if kind in ("laplace", "unit"):
         x, y = multiclass_data(NUM_DATA, NUM_CLASSES, dim=2, seed=1)
-    else:
+    else:  # binary EP, and binary Laplace
         x, y = binary_data(NUM_DATA, dim=2, seed=1)
     test = torch.rand(13, 2, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     return x, y, test
 
 
 def model(kind: str, sharded: bool, process_group=None, shard_state: bool = False) -> IterNCGPModel:
-    """Softmax Laplace (``"laplace"``, one kernel shared by the classes) or binary probit EP (``"ep"``), CG with
-    recycling; ``shard_state``: the wrapper holds the Laplace solver's recycled actions by rows too."""
+    """Softmax Laplace (``"laplace"``, one kernel shared by the classes), binary probit EP (``"ep"``) or binary probit
+    Laplace (``"binary"``), CG with recycling; softmax Laplace with unit-vector actions (``"unit"``, 20 per Newton
+    step, recycled and compressed to 30); ``shard_state``: the wrapper holds the solver's state by rows too."""
     x, y, _ = data(kind)
-    if kind == "laplace":
+    if kind == "unit":
+        likelihood = gpytorch.likelihoods.SoftmaxLikelihood(num_classes=NUM_CLASSES, mixing_weights=False)
+        options = {**SOLVER, "policy": "unit", "max_solver_iterations": 20, "compression_rank": 30}
+        built = IterNCGPModel(x, y, likelihood, kernel="matern", lengthscale=0.3, outputscale=4.0, **options)
+    elif kind == "laplace":
         likelihood = gpytorch.likelihoods.SoftmaxLikelihood(num_classes=NUM_CLASSES, mixing_weights=False)
         built = IterNCGPModel(x, y, likelihood, kernel="matern", lengthscale=0.3, outputscale=4.0, **SOLVER)
+    elif kind == "binary":
+        built = IterNCGPModel(x, y, gpytorch.likelihoods.BernoulliLikelihood(), kernel="matern", **SOLVER)
     else:
         likelihood = gpytorch.likelihoods.BernoulliLikelihood()
         built = IterNCGPModel(x, y, likelihood, kernel="matern", strategy_class=EPStrategy, **SOLVER)
@@ -164,6 +171,8 @@ def run(rank: int, directory: Path) -> dict:
     for kind in ("laplace", "ep"):
         results[f"{kind}_sharded_state"] = sharded_state(kind)
         results[f"{kind}_covariance_phase"] = sharded_covariance_phase(kind)
+    for kind in ("laplace", "binary", "unit"):
+        results[f"{kind}_vectors"] = sharded_vectors(kind)
     results["covariance_phase_rows"] = covariance_phase_rows(rank)
     results["mismatch"] = mismatch(rank)
     results["fault"] = fault(rank, directory)
@@ -199,19 +208,20 @@ def buffer_products() -> dict[str, torch.Tensor]:
 
     from gpytorch_iterncgp.core.noise import BlockNoiseInverse
     from gpytorch_iterncgp.core.recycling import ActionBuffer, noise_gram
-    from gpytorch_iterncgp.core.sharding import RowBlock
+    from gpytorch_iterncgp.core.sharding import RowBlock, own_points
 
     actions, kernel_actions, cholesky = buffer_data()
     block = RowBlock.of_rank(101, 3, None)
     buffer = ActionBuffer.from_tensors(actions, kernel_actions, block)
-    noise = BlockNoiseInverse(cholesky)
+    noise = BlockNoiseInverse(own_points(cholesky, block, 3))  # this rank's blocks, as the solver holds W
     vector = torch.linspace(-1, 1, 303, dtype=torch.float64)
-    combined = buffer.combine(torch.arange(6, dtype=torch.float64))
+    combined = torch.stack(buffer.combine(torch.arange(6, dtype=torch.float64)), -1)  # this rank's rows
     centred = ActionBuffer.from_tensors(actions[:, :3], kernel_actions[:, :3], block)
     return {
         "rows": torch.tensor(buffer.actions.value.shape),
-        "transpose_matmul": buffer.transpose_matmul(vector),
-        "combine": torch.stack(combined, -1),
+        "transpose_matmul": buffer.transpose_matmul(block.local(vector)),
+        "combine_rows": torch.tensor(combined.shape),
+        "combine": block.gather(combined),
         "kernel_gram": buffer.kernel_gram(),
         "action_gram": buffer.action_gram(),
         "noise_gram_block": noise_gram(buffer, noise),
@@ -256,6 +266,44 @@ def sharded_state(kind: str) -> dict:
     return out
 
 
+def loop_vectors(built: IterNCGPModel) -> dict[str, torch.Tensor]:
+    """The Newton loop's vectors at a fitted model's mode, as the loop holds them (this rank's rows with
+    ``shard_state``, all rows in one process): ``a``, ``K a``, the mode ``f = m + K a``, the gradient ``g(f)``, the
+    diagonal of the noise ``W^{-1}`` built from the curvature blocks at ``f``, and that operator's shape."""
+    strategy = built.variational_strategy
+    with torch.no_grad():
+        loop = strategy._make_loop(strategy.train_prior(), strategy.options)
+        state = strategy.state.with_own_rows(loop.rows_block)
+        derivatives = loop.derivatives(state.kernel_representer_weights)
+        return {
+            "weights": state.representer_weights,
+            "kernel_weights": state.kernel_representer_weights,
+            "mode": loop.latent_of(state.kernel_representer_weights).reshape(-1),
+            "gradient": derivatives.gradient.reshape(-1),
+            "noise_diagonal": derivatives.noise_inverse.diagonal(),
+            "noise_shape": torch.tensor(derivatives.noise_inverse.shape),
+        }
+
+
+def sharded_vectors(kind: str) -> dict:
+    """Laplace (softmax or binary) with ``shard_state=True``: the shapes of ``a`` and ``K a`` this rank holds after
+    every Newton step, the loop's vectors at the end (:func:`loop_vectors`), and the state_dict after
+    :data:`STEP_OF_SAVE` steps (gathered) for the test to resume in one process."""
+    built = model(kind, sharded=True, shard_state=True)
+    shapes: list = []
+    saved = {}
+
+    def record(step, state):
+        shapes.append([tuple(state.representer_weights.shape), tuple(state.kernel_representer_weights.shape)])
+        if step.step == STEP_OF_SAVE:
+            saved["state_dict"] = state_dict_bytes(built)
+
+    fit(built, kind, FIT_STEPS[kind], callback=record)
+    final = built.variational_strategy.state
+    shapes.append([tuple(final.representer_weights.shape), tuple(final.kernel_representer_weights.shape)])
+    return {"shapes": shapes, "final": loop_vectors(built), "saved": saved["state_dict"]}
+
+
 def with_covariance_phase(built: IterNCGPModel) -> IterNCGPModel:
     """``built`` with :data:`COVARIANCE_PHASE` blocks of the covariance phase at the end of each fit (EP: and one
     block for the marginals after every sweep, :data:`MARGINAL_REFRESH`)."""
@@ -285,10 +333,12 @@ def covariance_phase_rows(rank: int) -> dict[str, torch.Tensor]:
     """The covariance phase run directly on this rank's rows (:func:`covariance_phase_data`, 101 points x 3 latents
     over the ranks): the rows of the enlarged Q and K Q it returns, and the number of columns added."""
     from gpytorch_iterncgp.core.covariance import covariance_phase
-    from gpytorch_iterncgp.core.sharding import RowBlock
+    from gpytorch_iterncgp.core.noise import BlockNoiseInverse
+    from gpytorch_iterncgp.core.sharding import RowBlock, own_points
 
     kernel, noise, root, kernel_root, project = covariance_phase_data()
     block = RowBlock.of_rank(101, 3, None)
+    noise = BlockNoiseInverse(own_points(noise.curvature_cholesky, block, 3))  # this rank's blocks of W^{-1}
     phase = covariance_phase(
         lambda vectors: kernel @ vectors, noise, block.local(root), block.local(kernel_root), 3, 3, 9,
         project=project, action_space_dimension=202, seed=5, rows_block=block,

@@ -143,9 +143,9 @@ def test_a_failing_rank_makes_the_other_fail_within_the_timeout(ranks, single_pr
 
 
 def test_the_action_buffers_reductions_over_row_blocks_equal_the_dense_products(ranks):
-    """An action buffer whose rows are split over the two ranks (51 and 50 points x 3 latents): S^T x, S c, T c and
-    the Gram matrices (the noise's for block noise, whitened by rows, and for a dense noise, by gathered columns)
-    against the dense products of all rows."""
+    """An action buffer whose rows are split over the two ranks (51 and 50 points x 3 latents): S^T x, S c, T c (each
+    rank's rows of them, gathered here) and the Gram matrices (the noise's from each rank's blocks of W^{-1}, block
+    noise whitened by rows and a dense noise by its product) against the dense products of all rows."""
     actions, kernel_actions, cholesky = scenarios.buffer_data()
     from gpytorch_iterncgp.core.noise import BlockNoiseInverse
 
@@ -163,6 +163,7 @@ def test_the_action_buffers_reductions_over_row_blocks_equal_the_dense_products(
     for rank, result in enumerate(ranks):
         buffer = result["buffer"]
         assert buffer["rows"].tolist() == [(51 - rank) * 3, 6]
+        assert buffer["combine_rows"].tolist() == [(51 - rank) * 3, 2]
         for name, value in expected.items():
             _assert_close(buffer[name], value, name)
         assert buffer["zero_sums"].tolist() == [True, False]
@@ -271,6 +272,41 @@ def test_the_covariance_phase_on_rows_equals_the_phase_in_one_process(ranks):
         assert phase["root"].shape == phase["kernel_root"].shape == (3 * (stop - start), root.shape[-1] + 18)
         _assert_close(phase["root"], expected.precision_root[3 * start : 3 * stop], "Q's rows")
         _assert_close(phase["kernel_root"], expected.kernel_precision_root[3 * start : 3 * stop], "K Q's rows")
+
+
+@pytest.mark.parametrize("kind", ["laplace", "binary", "unit"])
+def test_sharded_state_holds_the_newton_loops_vectors_by_rows(ranks, kind):
+    """``shard_state=True``, softmax and binary Laplace, CG with recycling and compression (and softmax Laplace with
+    unit-vector actions, each on the rank holding its coordinate, its kernel columns by rows): after every Newton step
+    and at the end of the fit each rank holds its rows of a and K a only (120 of 240 points), and at the end its rows
+    of a, K a, the mode f, the gradient and W^{-1} (the noise the loop builds from its points' curvature blocks, an
+    operator of its rows' size) equal the same rows of one process's fit within 1e-10. The state_dict saved by the two
+    processes after two steps (all rows) resumes in one process to the uninterrupted fit's vectors."""
+    from gpytorch_iterncgp.core.sharding import row_bounds
+
+    latents = 1 if kind == "binary" else scenarios.NUM_CLASSES
+    reference = scenarios.model(kind, sharded=False)
+    scenarios.fit(reference, kind, scenarios.FIT_STEPS[kind])
+    expected = scenarios.loop_vectors(reference)
+    size = scenarios.NUM_DATA * latents
+    assert expected["noise_shape"].tolist() == [size, size]
+    resumed = scenarios.load(scenarios.model(kind, sharded=False), ranks[0][f"{kind}_vectors"]["saved"])
+    scenarios.fit(resumed, kind, scenarios.FIT_STEPS[kind] - scenarios.STEP_OF_SAVE)
+    resumed_vectors = scenarios.loop_vectors(resumed)
+    for (start, stop), result in zip(row_bounds(scenarios.NUM_DATA, WORLD_SIZE), ranks, strict=True):
+        held, rows = result[f"{kind}_vectors"], slice(start * latents, stop * latents)
+        count = (stop - start) * latents
+        assert count == scenarios.NUM_DATA // WORLD_SIZE * latents
+        assert len(held["shapes"]) > scenarios.STEP_OF_SAVE + 1
+        assert all(shapes == [(count,), (count,)] for shapes in held["shapes"]), held["shapes"]
+        assert held["final"]["noise_shape"].tolist() == [count, count]
+        for name, value in expected.items():
+            if name == "noise_shape":
+                continue
+            assert held["final"][name].shape == (count,), name
+            _assert_close(held["final"][name], value[rows], f"{kind} {name}, rank's rows")
+    for name, value in expected.items():
+        _assert_close(resumed_vectors[name].double(), value.double(), f"{kind} {name}, resumed in one process")
 
 
 def test_ranks_with_different_data_fail_naming_the_fix(ranks):
