@@ -180,12 +180,13 @@ class RegressionState(ExtraState):
         r"""This state after a change of :math:`\mathbf K`: one product renews :math:`\mathbf K \mathbf a` and
         :math:`\mathbf K \mathbf S`; :math:`\mathbf Q` (valid for the old kernel only) is dropped.
 
-        With ``rows_block`` (the state held by rows, ``(|I_p| C, ...)``, or all its rows after loading) the products
-        take :math:`\lceil B / P \rceil` columns of :math:`\mathbf S` at a time, gathered (:math:`\mathbf a` with the
-        first), so that a rank holds :math:`O(n B / P)` entries of them at any time (:math:`P` products instead of
-        one, the same columns in all); this rank keeps its rows of every field.
+        With ``rows_block`` (the state held by rows, ``(|I_p| C, ...)``, or all its rows after loading)
+        ``kernel_matmul`` takes and returns this rank's rows (``LatentPrior.matmul(..., by_rows=rows_block)``: the
+        right-hand side gathered once), and the products take :math:`\lceil B / P \rceil` columns of :math:`\mathbf S`
+        at a time (:math:`\mathbf a` with the first), so that a rank holds :math:`O(n B / P)` entries of them at any
+        time (:math:`P` products instead of one, the same columns in all); this rank keeps its rows of every field.
         """
-        weights = all_rows(self.representer_weights, rows_block)[:, None]
+        weights = own_rows(self.representer_weights, rows_block)[:, None]
         if rows_block is None:
             product = kernel_matmul(torch.cat([weights, self.actions], dim=-1))
             kernel_weights, actions, kernel_actions = product[:, 0], self.actions, product[:, 1:]
@@ -194,17 +195,17 @@ class RegressionState(ExtraState):
             width = max(1, -(-buffered // len(rows_block.bounds)))
             blocks = []
             for start in range(0, max(buffered, 1), width):  # a with the first block
-                columns = rows_block.full(self.actions[:, start : start + width])
+                columns = own_rows(self.actions[:, start : start + width], rows_block)
                 product = kernel_matmul(torch.cat([weights, columns], dim=-1) if start == 0 else columns)
                 if start == 0:
                     kernel_weights, product = product[:, 0], product[:, 1:]
-                blocks.append(rows_block.local(product))
+                blocks.append(product)
             actions, kernel_actions = rows_block.rows_of(self.actions), torch.cat(blocks, dim=-1)
-        empty = own_rows(weights[:, :0], rows_block)
+        empty = weights[:, :0]
         return dataclasses.replace(
             self,
-            representer_weights=own_rows(self.representer_weights, rows_block),
-            kernel_representer_weights=own_rows(kernel_weights, rows_block),
+            representer_weights=weights[:, 0],
+            kernel_representer_weights=kernel_weights,
             actions=actions,
             kernel_actions=kernel_actions,
             precision_root=empty,

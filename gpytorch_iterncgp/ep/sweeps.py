@@ -225,7 +225,7 @@ class ExpectationPropagation:
     def renew(self, state: EPState) -> EPState:
         """``state`` after a change of :math:`\\mathbf K`: products renewed (one product); the sites are kept (a warm
         start), and the next sweep first solves the regression they define for the new kernel."""
-        return dataclasses.replace(state.with_kernel(self.prior.matmul, self.rows_block), solved=False)
+        return dataclasses.replace(state.with_kernel(self.kernel_matmul, self.rows_block), solved=False)
 
     def finalize(self, state: EPState) -> EPState:
         r"""Every yielded state's precision belongs to its own sites; with ``covariance_iterations > 0`` the covariance

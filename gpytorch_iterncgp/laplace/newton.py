@@ -202,7 +202,7 @@ class DampedNewton:
     def renew(self, state: LaplaceState) -> LaplaceState:
         r"""``state`` after a change of :math:`\mathbf K`: its products renewed (one product), :math:`\mathbf a` kept as
         the warm start, and IterGP's tolerances start afresh (a new system)."""
-        renewed = state.with_kernel(self.prior.matmul, self.rows_block)
+        renewed = state.with_kernel(self.kernel_matmul, self.rows_block)
         return dataclasses.replace(renewed, log_posterior=-math.inf, control=NewtonControl())
 
     # -- the objective -----------------------------------------------------------------------------------------
