@@ -51,8 +51,13 @@ def relative_norm_change(new: Tensor, old: Tensor, rows_block: RowBlock | None =
 def relative_max_change(new: Tensor, old: Tensor) -> float:
     r""":math:`\max_i |x_{\text{new}, i} - x_{\text{old}, i}| / \max_i |x_{\text{new}, i}|`, relative to the *new*
     values, the change of EP's site parameters; 0 for no change, :math:`\infty` for a change to 0."""
-    scale = float(new.abs().max())
-    difference = float((new - old).abs().max())
+    return ratio_of_change(float((new - old).abs().max()), float(new.abs().max()))
+
+
+def ratio_of_change(difference: float, scale: float) -> float:
+    r"""``difference / scale`` for a largest change :math:`\max_i |x_{\text{new}, i} - x_{\text{old}, i}|` and a largest
+    new value :math:`\max_i |x_{\text{new}, i}|` (:func:`relative_max_change`; e.g. maxima over ranks); 0 for no
+    change, :math:`\infty` for a change to 0."""
     return difference / scale if scale > 0 else (0.0 if difference == 0 else math.inf)
 
 

@@ -24,6 +24,7 @@ each rank's rows by the package's own products (cached dense block, or the fused
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -37,8 +38,10 @@ __all__ = [
     "RowBlock",
     "RowShardedKernel",
     "ShardedKernelMatrix",
+    "all_points",
     "all_rows",
     "everywhere",
+    "maximum",
     "norm",
     "own_points",
     "own_rows",
@@ -91,12 +94,20 @@ class RowBlock:
     :param size: :math:`n`.
     :param bounds: every rank's ``(start, stop)``.
     :param process_group: the ranks (``None``: the default group).
+    :param num_latents: :math:`C`, the rows of each point (whole points are never split).
     """
 
     def __init__(
-        self, start: int, stop: int, size: int, bounds: list[tuple[int, int]], process_group: dist.ProcessGroup | None
+        self,
+        start: int,
+        stop: int,
+        size: int,
+        bounds: list[tuple[int, int]],
+        process_group: dist.ProcessGroup | None,
+        num_latents: int = 1,
     ):
         self.start, self.stop, self.size, self.bounds, self.process_group = start, stop, size, bounds, process_group
+        self.num_latents = num_latents
 
     @classmethod
     def of_rank(cls, num_points: int, num_latents: int, process_group: dist.ProcessGroup | None) -> RowBlock:
@@ -104,7 +115,7 @@ class RowBlock:
         points = row_bounds(num_points, dist.get_world_size(process_group))
         bounds = [(start * num_latents, stop * num_latents) for start, stop in points]
         start, stop = bounds[dist.get_rank(process_group)]
-        return cls(start, stop, num_points * num_latents, bounds, process_group)
+        return cls(start, stop, num_points * num_latents, bounds, process_group, num_latents)
 
     @property
     def local_size(self) -> int:
@@ -115,10 +126,10 @@ class RowBlock:
         """This rank's rows of a full ``(n, ...)`` tensor (a view)."""
         return tensor[self.start : self.stop]
 
-    def reduce(self, tensor: Tensor) -> Tensor:
-        """The sum over the ranks of ``tensor`` (one ``all_reduce``), as a new tensor."""
+    def reduce(self, tensor: Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Tensor:
+        """The sum (or ``op``, e.g. the maximum) over the ranks of ``tensor`` (one ``all_reduce``), as a new tensor."""
         total = tensor.clone().contiguous()
-        dist.all_reduce(total, group=self.process_group)
+        dist.all_reduce(total, op=op, group=self.process_group)
         return total
 
     def gather(self, local: Tensor) -> Tensor:
@@ -167,6 +178,23 @@ def own_points(tensor: Tensor, block: RowBlock | None, num_latents: int) -> Tens
     if block is None or tensor.shape[0] * num_latents == block.local_size:
         return tensor
     return tensor[block.start // num_latents : block.stop // num_latents]
+
+
+def all_points(tensor: Tensor, block: RowBlock | None) -> Tensor:
+    r"""A point-major ``tensor`` ``(N, ...)`` with all its points (e.g. EP's sites ``(N,)``, ``(N, C, C)``), gathered
+    from every rank's points ``(|I_p|, ...)`` of ``block`` (one ``all_gather``; its points' :math:`C` rows each, as
+    data-major rows); itself where it holds all points already, or without a block."""
+    if block is None:
+        return tensor
+    num = block.num_latents
+    per_row = math.prod(tensor.shape[1:]) // num  # a point's entries over its C data-major rows
+    rows = tensor.reshape(tensor.shape[0] * num, per_row)
+    return block.full(rows).reshape(-1, *tensor.shape[1:])
+
+
+def maximum(tensor: Tensor, block: RowBlock | None) -> Tensor:
+    """The entrywise maximum over the ranks of ``tensor`` (one ``all_reduce``); itself without a block."""
+    return tensor if block is None else block.reduce(tensor, op=dist.ReduceOp.MAX)
 
 
 def norm(vector: Tensor, block: RowBlock | None) -> Tensor:

@@ -47,7 +47,7 @@ from .noise import NoiseOperator
 from .policies import Policy
 from .precision import LowRankPrecision
 from .recycling import ActionBuffer, ImplicitRoot, virtual_solver_run
-from .sharding import RowBlock, all_rows, everywhere, norm, own_rows, summed
+from .sharding import RowBlock, all_points, all_rows, everywhere, norm, own_points, own_rows, summed
 from .state import ExtraState
 from .validation import check_count, check_flag, check_nonnegative
 
@@ -218,10 +218,13 @@ class RegressionState(ExtraState):
         gathered (a collective, six ``all_gather``) where they are held by rows of ``rows_block``; itself otherwise."""
         if rows_block is None:
             return self
-        names = self.row_fields
-        return dataclasses.replace(self, **{name: rows_block.full(getattr(self, name)) for name in names})
+        rows = {name: rows_block.full(getattr(self, name)) for name in self.row_fields}
+        points = {name: all_points(getattr(self, name), rows_block) for name in self.point_fields}
+        return dataclasses.replace(self, **rows, **points)
 
-    # The fields held by rows where the state is (shard_state): the regression's; a subclass adds its own.
+    # The fields held by rows where the state is (shard_state): the regression's; a subclass adds its own, and its
+    # point-major fields ((N, ...): a point's entries at once, e.g. EP's sites) as point_fields.
+    point_fields: ClassVar[tuple[str, ...]] = ()
     row_fields: ClassVar[tuple[str, ...]] = (
         "representer_weights",
         "kernel_representer_weights",
@@ -237,8 +240,10 @@ class RegressionState(ExtraState):
         deferred :math:`\\mathbf Q`, :math:`\\mathbf K \\mathbf Q` are then not formed)."""
         if rows_block is None or self.representer_weights.shape[0] == rows_block.local_size:
             return self
-        names = self.row_fields
-        return dataclasses.replace(self, **{name: own_rows(getattr(self, name), rows_block) for name in names})
+        rows = {name: own_rows(getattr(self, name), rows_block) for name in self.row_fields}
+        num = rows_block.num_latents
+        points = {name: own_points(getattr(self, name), rows_block, num).clone() for name in self.point_fields}
+        return dataclasses.replace(self, **rows, **points)
 
     @classmethod
     def expected_shapes(cls, saved: dict[str, Tensor]) -> dict[str, tuple[int, ...]]:

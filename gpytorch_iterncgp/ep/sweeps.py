@@ -143,6 +143,7 @@ class EPState(RegressionState):
 
     saved_by = "EPStrategy"
     optional_entries = frozenset({"solved"})  # not saved by the first versions
+    point_fields = ("site_precision", "site_natural_mean")  # held by points where the state is held by rows
 
     @classmethod
     def initial(cls, size: int, dtype: torch.dtype, device: torch.device, num_latents: int = 1) -> EPState:
@@ -204,22 +205,27 @@ class ExpectationPropagation:
                 f"EP with C x C site blocks needs a likelihood that is flat along (1, ..., 1) with nested-EP tilted "
                 f"moments (MultinomialProbitLikelihood); {adapter.name} has C = {adapter.num_latents}."
             )
-        self.prior, self.adapter, self.targets, self.options, self.policy = prior, adapter, targets, options, policy
-        self.num_latents = adapter.num_latents
-        self.prior_mean = prior.mean.reshape(-1)
-        self.prior_variance = prior.diagonal().reshape(-1)
-        self.rows_block = prior.row_block()  # this rank's rows of S and K S where they are held by rows, else None
+        self.prior, self.adapter, self.options, self.policy = prior, adapter, options, policy
+        self.num_latents = num = adapter.num_latents
+        self.rows_block = block = prior.row_block()  # this rank's rows where the state is held by rows, else None
+        prior_mean = prior.mean.reshape(-1)
+        self.num_points = len(prior_mean) // num  # N
+        # this rank's points (all of them in one process): the loop's vectors, sites and marginals are held by rows
+        self.prior_mean = own_rows(prior_mean, block)
+        self.prior_variance = own_rows(prior.diagonal().reshape(-1), block)
+        self.targets = own_points(targets, block, num)
         self.min_precision = adapter._min_curvature(self.prior_mean.dtype)
         self.prior_blocks: Tensor | None = None
         self.action_space_dimension: int | None = None
         self.inner_sites: InnerSites | None = None  # multi-class: the nested EP's sites of the last sweep
-        if self.num_latents > 1:
-            self.prior_blocks = prior.point_blocks()
-            self.action_space_dimension = len(self.prior_mean) // self.num_latents * (self.num_latents - 1)
-            self.basis = zero_sum_basis(self.num_latents, self.prior_mean.dtype, self.prior_mean.device)
+        if num > 1:
+            self.prior_blocks = own_points(prior.point_blocks(), block, num)
+            self.action_space_dimension = self.num_points * (num - 1)
+            self.basis = zero_sum_basis(num, self.prior_mean.dtype, self.prior_mean.device)
 
     # -- states ------------------------------------------------------------------------------------------------
     def initial_state(self) -> EPState:
+        """Flat sites and :math:`\\mathbf a = \\mathbf 0` (this rank's points where the state is held by rows)."""
         return EPState.initial(len(self.prior_mean), self.prior_mean.dtype, self.prior_mean.device, self.num_latents)
 
     def renew(self, state: EPState) -> EPState:
@@ -312,8 +318,13 @@ class ExpectationPropagation:
 
     # -- one regression ------------------------------------------------------------------------------------------
     def marginals(self, state: RegressionState) -> tuple[Tensor, Tensor]:
-        """The posterior marginals at the training inputs (:meth:`marginals_of`)."""
-        return self.marginals_of(self.prior, state)
+        """The posterior marginals at the training inputs (as :meth:`marginals_of`): of this rank's points where the
+        state is held by rows (its rows of :math:`\\mathbf K \\mathbf a` and :math:`\\mathbf K \\mathbf Q`; no
+        collective)."""
+        if self.num_latents == 1:
+            return posterior_marginals(self.prior_mean, self.prior_variance, state)
+        assert self.prior_blocks is not None
+        return posterior_marginal_blocks(self.prior_mean.reshape(-1, self.num_latents), self.prior_blocks, state)
 
     @staticmethod
     def marginals_of(prior: LatentPrior, state: RegressionState) -> tuple[Tensor, Tensor]:
@@ -327,10 +338,10 @@ class ExpectationPropagation:
     def update(self, state: EPState) -> SiteUpdate:
         """One parallel sweep's site update from the marginals of ``state``'s regression."""
         mean, variance = self.marginals(state)
-        damping = self.options.damping
+        damping, block = self.options.damping, self.rows_block
         if self.num_latents == 1:
             sites = (state.site_precision, state.site_natural_mean)
-            return update_sites(self.adapter, self.targets, mean, variance, *sites, damping, self.prior_variance)
+            return update_sites(self.adapter, self.targets, mean, variance, *sites, damping, self.prior_variance, block)
         update = update_site_blocks(
             self.targets,
             mean,
@@ -340,6 +351,7 @@ class ExpectationPropagation:
             damping,
             self.prior_blocks,
             self.inner_sites,
+            block,
         )
         self.inner_sites = update.inner_sites
         return update
@@ -408,8 +420,8 @@ class ExpectationPropagation:
     # -- the loop ------------------------------------------------------------------------------------------------
     def steps(self, state: EPState) -> Generator[OuterStep, None, None]:
         """Parallel EP sweeps from ``state`` until converged or stalled (the driver limits their number)."""
-        options = self.options
-        state = state.with_own_rows(self.rows_block)  # (a loaded state, or the prior, holds all rows)
+        options, block = self.options, self.rows_block
+        state = state.with_own_rows(block)  # (a loaded state holds all rows)
         buffer = ActionBuffer.from_tensors(state.actions, state.kernel_actions, self.rows_block)
         extra_iterations = 0
         if not state.solved:  # the kernel changed: the marginals need the kept sites' regression first
@@ -425,7 +437,9 @@ class ExpectationPropagation:
                 self.policy.reset()
             result = self.solve(state, buffer, update.site_precision, update.site_natural_mean)
             buffer = result.buffer
-            skipped, bounded = int(update.skipped.sum()), int(update.bounded.sum())
+            # (by rows: the counts over all ranks, one all_reduce)
+            counts = summed(torch.stack([update.skipped.sum(), update.bounded.sum(), update.clipped.sum()]), block)
+            skipped, bounded, clipped = (int(count) for count in counts)
             state = self._solved(state, result, update.site_precision, update.site_natural_mean, state.sweeps + 1)
             if options.marginal_iterations > 0 and state.sweeps % options.marginal_every == 0:
                 state, buffer = self.refine_marginals(state, buffer)
@@ -435,7 +449,7 @@ class ExpectationPropagation:
                 damping=options.damping,
                 skipped_sites=skipped,
                 bounded_cavities=bounded,
-                clipped_sites=int(update.clipped.sum()),
+                clipped_sites=clipped,
                 solver_iterations=result.iterations + extra_iterations,
                 residual_norm=result.residual_norm,
             )
@@ -443,7 +457,7 @@ class ExpectationPropagation:
             status, message = LoopStatus.CONTINUE, ""
             if result.converged and skipped == 0 and bounded == 0 and update.change <= options.site_tol:
                 status = LoopStatus.CONVERGED
-            elif skipped == len(update.skipped) and result.iterations == 0:
+            elif skipped == self.num_points and result.iterations == 0:
                 status = LoopStatus.STALLED
                 message = (
                     "EP: every cavity precision is non-positive and the solver adds no action, so no site can be "

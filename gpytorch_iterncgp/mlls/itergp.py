@@ -44,7 +44,7 @@ from torch import Tensor
 
 from .. import settings
 from ..core.prior import LatentPrior
-from ..core.sharding import all_rows
+from ..core.sharding import all_points, all_rows
 from ..ep.sites import (
     block_cavities,
     cavities,
@@ -359,9 +359,9 @@ class EPMarginalLogLikelihood(_StrategyEvidence):
         """
         strategy, targets, state, prior, exact = self._checked_call(function_dist, target)
         marginals = None if exact else ExpectationPropagation.marginals_of(prior, state)
-        evidence = ep_evidence(
-            prior, strategy.adapter, targets, state.site_precision, state.site_natural_mean, exact, marginals
-        )
+        block = prior.row_block()  # the sites of every rank where they are held by rows (the evidence is replicated)
+        sites = all_points(state.site_precision, block), all_points(state.site_natural_mean, block)
+        evidence = ep_evidence(prior, strategy.adapter, targets, *sites, exact, marginals)
         return self._per_point(evidence, strategy.num_data)
 
 

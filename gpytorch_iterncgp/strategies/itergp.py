@@ -45,7 +45,7 @@ from ..core.outer_loop import EPSweep, FitReport, NewtonStep
 from ..core.policies import Policy, make_policy
 from ..core.precision import LowRankPrecision
 from ..core.prior import LatentPrior
-from ..core.sharding import RowBlock, RowShardedKernel, all_rows, own_rows
+from ..core.sharding import RowBlock, RowShardedKernel, all_points, all_rows, own_rows
 from ..core.solver import IterGPOptions, RegressionState
 from ..ep.sweeps import EPOptions, EPState, ExpectationPropagation
 from ..laplace.newton import DampedNewton, LaplaceState, SolverOptions
@@ -544,5 +544,5 @@ class EPStrategy(_IterGPStrategy):
         r"""The site parameters :math:`(\tilde{\boldsymbol\tau}, \tilde{\boldsymbol\nu})`, ``(N,)`` each, or for the
         multinomial probit the blocks :math:`\tilde{\mathbf T}_i` ``(N, C, C)`` and :math:`\tilde{\boldsymbol\nu}_i`
         ``(N, C)`` (fits first if needed)."""
-        state = self.ensure_fitted()
-        return state.site_precision, state.site_natural_mean
+        state, rows_block = self.ensure_fitted(), self._rows_block()  # (gathered where held by rows: a collective)
+        return all_points(state.site_precision, rows_block), all_points(state.site_natural_mean, rows_block)

@@ -274,17 +274,19 @@ def test_the_covariance_phase_on_rows_equals_the_phase_in_one_process(ranks):
         _assert_close(phase["kernel_root"], expected.kernel_precision_root[3 * start : 3 * stop], "K Q's rows")
 
 
-@pytest.mark.parametrize("kind", ["laplace", "binary", "unit"])
-def test_sharded_state_holds_the_newton_loops_vectors_by_rows(ranks, kind):
-    """``shard_state=True``, softmax and binary Laplace, CG with recycling and compression (and softmax Laplace with
-    unit-vector actions, each on the rank holding its coordinate, its kernel columns by rows): after every Newton step
-    and at the end of the fit each rank holds its rows of a and K a only (120 of 240 points), and at the end its rows
-    of a, K a, the mode f, the gradient and W^{-1} (the noise the loop builds from its points' curvature blocks, an
-    operator of its rows' size) equal the same rows of one process's fit within 1e-10. The state_dict saved by the two
-    processes after two steps (all rows) resumes in one process to the uninterrupted fit's vectors."""
+@pytest.mark.parametrize("kind", ["laplace", "binary", "unit", "ep", "mnp"])
+def test_sharded_state_holds_the_outer_loops_vectors_by_rows(ranks, kind):
+    """``shard_state=True``: softmax and binary Laplace, CG with recycling and compression, softmax Laplace with
+    unit-vector actions (each on the rank holding its coordinate, its kernel columns by rows), binary probit EP and
+    multinomial probit EP (C x C sites). After every Newton step or sweep and at the end of the fit each rank holds its
+    rows of a and K a (and its points' sites) only, 120 of 240 points, and at the end its rows of the loop's vectors
+    (Laplace: a, K a, the mode f, the gradient, W^{-1}, an operator of its rows' size built from its points' curvature
+    blocks; EP: a, K a, the sites, the marginals and the right-hand side) equal the same rows of one process's fit
+    within 1e-10, and so do the mode (sites), the predictions at test inputs and the evidence. The state_dict saved by
+    the two processes after two steps (all rows) resumes in one process to the uninterrupted fit's vectors."""
     from gpytorch_iterncgp.core.sharding import row_bounds
 
-    latents = 1 if kind == "binary" else scenarios.NUM_CLASSES
+    latents = 1 if kind in ("binary", "ep") else scenarios.NUM_CLASSES
     reference = scenarios.model(kind, sharded=False)
     scenarios.fit(reference, kind, scenarios.FIT_STEPS[kind])
     expected = scenarios.loop_vectors(reference)
@@ -294,19 +296,24 @@ def test_sharded_state_holds_the_newton_loops_vectors_by_rows(ranks, kind):
     scenarios.fit(resumed, kind, scenarios.FIT_STEPS[kind] - scenarios.STEP_OF_SAVE)
     resumed_vectors = scenarios.loop_vectors(resumed)
     for (start, stop), result in zip(row_bounds(scenarios.NUM_DATA, WORLD_SIZE), ranks, strict=True):
-        held, rows = result[f"{kind}_vectors"], slice(start * latents, stop * latents)
-        count = (stop - start) * latents
+        held, count = result[f"{kind}_vectors"], (stop - start) * latents
         assert count == scenarios.NUM_DATA // WORLD_SIZE * latents
         assert len(held["shapes"]) > scenarios.STEP_OF_SAVE + 1
-        assert all(shapes == [(count,), (count,)] for shapes in held["shapes"]), held["shapes"]
+        for shapes in held["shapes"]:  # a, K a (, sites): this rank's rows (points) only
+            assert shapes[:2] == [(count,), (count,)] and all(shape[0] * latents == count for shape in shapes[2:])
         assert held["final"]["noise_shape"].tolist() == [count, count]
         for name, value in expected.items():
             if name == "noise_shape":
                 continue
-            assert held["final"][name].shape == (count,), name
-            _assert_close(held["final"][name], value[rows], f"{kind} {name}, rank's rows")
+            # data-major vectors by rows, point-major tensors (sites, C x C marginals) by points
+            part = value[start * latents : stop * latents] if value.shape[0] == size else value[start:stop]
+            assert held["final"][name].shape == part.shape, name
+            _assert_close(held["final"][name], part, f"{kind} {name}, rank's rows")
     for name, value in expected.items():
         _assert_close(resumed_vectors[name].double(), value.double(), f"{kind} {name}, resumed in one process")
+    for name, value in scenarios.summary(reference, kind).items():  # mode or sites, predictions, evidence
+        for result in ranks:
+            _assert_close(result[f"{kind}_vectors"]["summary"][name], value, f"{kind} {name}, two processes")
 
 
 def test_ranks_with_different_data_fail_naming_the_fix(ranks):
