@@ -358,7 +358,10 @@ class ShardedKernelMatrix(LinearOperator):
             local = rows[..., :, points].to_dense()
         else:
             local = self.x1.new_zeros(*self.batch_shape, 0, len(points))
-        return self.gather(local) if gather else local
+        if gather:
+            return self.gather(local)
+        self._count(0)  # one product; its sparse right-hand side was gathered by the caller (RowBlock.gather)
+        return local
 
     def gather(self, local: Tensor) -> Tensor:
         r"""The rows of all ranks, ``(*batch, N C, k)``, from this rank's ``(*batch, |I_p| C, k)``: one ``all_gather``

@@ -329,8 +329,10 @@ def sharded_vectors(kind: str) -> dict:
 
     fit(built, kind, FIT_STEPS[kind], callback=record)
     shapes.append(held(built.variational_strategy.state))
+    products = (built.variational_strategy.last_report.kernel_products, built.covar_module.products)
     final = loop_vectors(built)
-    return {"shapes": shapes, "final": final, "saved": saved["state_dict"], "summary": summary(built, kind)}
+    out = {"shapes": shapes, "final": final, "saved": saved["state_dict"], "summary": summary(built, kind)}
+    return {**out, "products": products}
 
 
 def with_covariance_phase(built: IterNCGPModel) -> IterNCGPModel:

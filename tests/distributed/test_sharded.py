@@ -282,7 +282,8 @@ def test_sharded_state_holds_the_outer_loops_vectors_by_rows(ranks, kind):
     rows of a and K a (and its points' sites) only, 120 of 240 points, and at the end its rows of the loop's vectors
     (Laplace: a, K a, the mode f, the gradient, W^{-1}, an operator of its rows' size built from its points' curvature
     blocks; EP: a, K a, the sites, the marginals and the right-hand side) equal the same rows of one process's fit
-    within 1e-10, and so do the mode (sites), the predictions at test inputs and the evidence. The state_dict saved by
+    within 1e-10, and so do the mode (sites), the predictions at test inputs and the evidence, with as many products
+    with K as in one process, each one collective of the ShardedKernel. The state_dict saved by
     the two processes after two steps (all rows) resumes in one process to the uninterrupted fit's vectors."""
     from gpytorch_iterncgp.core.sharding import row_bounds
 
@@ -292,6 +293,9 @@ def test_sharded_state_holds_the_outer_loops_vectors_by_rows(ranks, kind):
     expected = scenarios.loop_vectors(reference)
     size = scenarios.NUM_DATA * latents
     assert expected["noise_shape"].tolist() == [size, size]
+    products = reference.variational_strategy.last_report.kernel_products
+    for result in ranks:  # as many products with K as one process (each a collective), no second one
+        assert tuple(result[f"{kind}_vectors"]["products"]) == (products, products), kind
     resumed = scenarios.load(scenarios.model(kind, sharded=False), ranks[0][f"{kind}_vectors"]["saved"])
     scenarios.fit(resumed, kind, scenarios.FIT_STEPS[kind] - scenarios.STEP_OF_SAVE)
     resumed_vectors = scenarios.loop_vectors(resumed)
