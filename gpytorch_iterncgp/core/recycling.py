@@ -385,14 +385,15 @@ def virtual_solver_run(
     :param buffer: actions and kernel products ``(N C, B)`` from earlier solves with the *same* kernel. Where nothing
         is compressed, the result's buffer *is* ``buffer`` (not re-weighted, not copied), so a solver appending to it
         extends ``buffer`` in place.
-    :param noise_inverse: the new :math:`\mathbf W^{-1}`, ``(N C, N C)``.
+    :param noise_inverse: the new :math:`\mathbf W^{-1}`, ``(N C, N C)`` (a buffer held by rows: this rank's blocks,
+        ``(|I_p| C, |I_p| C)``).
     :param compression_rank: :math:`R`, the number of eigenpairs kept (``None``: all).
     :param relative_eigenvalue_tolerance: eigenvalues :math:`\lambda \le \epsilon \lambda_1` are dropped
         (numerically dependent actions); default ``1000 * finfo(dtype).eps``. Without compression the dependent
         actions stay in the buffer (each run drops them again from :math:`\mathbf Q`).
-    :param keep: a direction and its kernel product, ``((N C,), (N C,))``, that compression must not
-        drop: the top :math:`R - 1` eigen-directions are kept, plus this one. The Newton loop passes the
-        current representer weights :math:`\mathbf a`, so that the initial solution
+    :param keep: a direction and its kernel product, ``((N C,), (N C,))`` (or this rank's rows of them), that
+        compression must not drop: the top :math:`R - 1` eigen-directions are kept, plus this one. The Newton loop
+        passes the current representer weights :math:`\mathbf a`, so that the initial solution
         :math:`\mathbf C_0 \mathbf b` is never worse than (a multiple of) :math:`\mathbf a`.
     :param spare: room for this many more columns in a re-weighted buffer before its storage grows.
     :return: the buffer (at most :math:`R` columns, unit-norm actions, if compressed) and the coefficients of

@@ -215,7 +215,8 @@ class RegressionState(ExtraState):
     def with_full_rows(self, rows_block: RowBlock | None) -> Self:
         r"""This state with :math:`\mathbf a`, :math:`\mathbf K \mathbf a` ``(n,)``, :math:`\mathbf Q`,
         :math:`\mathbf K \mathbf Q` ``(n, r)`` and :math:`\mathbf S`, :math:`\mathbf K \mathbf S` ``(n, B)`` of all rows:
-        gathered (a collective, six ``all_gather``) where they are held by rows of ``rows_block``; itself otherwise."""
+        gathered (a collective, six ``all_gather``, and one per :attr:`point_fields`, e.g. EP's sites) where they are
+        held by rows of ``rows_block``; itself otherwise."""
         if rows_block is None:
             return self
         rows = {name: rows_block.full(getattr(self, name)) for name in self.row_fields}

@@ -192,6 +192,11 @@ class ExpectationPropagation:
     :param targets: validated targets ``(N,)``.
     :param options: damping, tolerances and IterGP's budget (``max_sweeps`` is the driver's business).
     :param policy: IterGP's policy (already prepared for the problem size).
+
+    **By rows** (``prior.row_block()``, a ``ShardedKernel`` with ``shard_state``): the sites, the marginals, cavities
+    and tilted moments, :math:`\mathbf a`, :math:`\mathbf K \mathbf a` and the regression's right-hand side and
+    noise are of this rank's points; the sweep's site change and its counts are reduced over the ranks (``all_reduce``:
+    a maximum, sums), so every rank takes the same decisions. Without a block: the one-process computation.
     """
 
     name = "EP"
