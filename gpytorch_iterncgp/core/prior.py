@@ -15,7 +15,9 @@ wall time spent in them.
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 
 import gpytorch
 import torch
@@ -253,6 +255,13 @@ class LatentPrior:
         if not isinstance(self.covariance, LazyEvaluatedKernelTensor) or not isinstance(kernel, RowShardedKernel):
             return None
         return kernel.row_block(self.shape[0], self.num_latents)
+
+    def products_by_rows(self, block: RowBlock | None) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]:
+        """:meth:`matmul` and :meth:`kernel_columns` as an outer loop whose vectors are held by rows of ``block`` calls
+        them (``by_rows=block``: this rank's rows in and out); the methods themselves without a block."""
+        if block is None:
+            return self.matmul, self.kernel_columns
+        return functools.partial(self.matmul, by_rows=block), functools.partial(self.kernel_columns, by_rows=block)
 
     def block(self, rows: slice, cols: slice) -> LatentPrior:
         """The prior restricted to row points ``rows`` and column points ``cols`` (lazy; nothing is evaluated)."""

@@ -219,6 +219,7 @@ class ExpectationPropagation:
         self.prior_mean = own_rows(prior_mean, block)
         self.prior_variance = own_rows(prior.diagonal().reshape(-1), block)
         self.targets = own_points(targets, block, num)
+        self.kernel_matmul, self.kernel_columns = prior.products_by_rows(block)  # (LatentPrior.matmul's by_rows)
         self.min_precision = adapter._min_curvature(self.prior_mean.dtype)
         self.prior_blocks: Tensor | None = None
         self.action_space_dimension: int | None = None
@@ -377,15 +378,6 @@ class ExpectationPropagation:
             precision, natural_mean, prior_mean.reshape(-1, num), self.min_precision, self.basis
         )
         return noise, rhs.reshape(-1)
-
-    def kernel_matmul(self, rhs: Tensor) -> Tensor:
-        r""":math:`\mathbf K \mathbf X` by rows where the solver's vectors are held by rows (``LatentPrior.matmul`` with
-        ``by_rows``); the prior's product otherwise."""
-        return self.prior.matmul(rhs, by_rows=self.rows_block)
-
-    def kernel_columns(self, indices: Tensor) -> Tensor:
-        r""":math:`\mathbf K_{:, \text{indices}}` (this rank's rows of them where the vectors are held by rows)."""
-        return self.prior.kernel_columns(indices, by_rows=self.rows_block)
 
     def solve(self, state: EPState, buffer: ActionBuffer, precision: Tensor, natural_mean: Tensor) -> IterGPResult:
         r"""IterGP on :math:`(\mathbf K + \tilde{\mathbf T}^{-1}) \mathbf v = \tilde{\boldsymbol\mu} - \mathbf m` for the

@@ -174,6 +174,9 @@ class DampedNewton:
         self.action_space_dimension = num_data * latents
         self.project = adapter.project if adapter.zero_sum_actions else None
         self.buffer: ActionBuffer | None = None  # the loop's recycled actions after its last solve
+        # K X and the kernel columns of sparse actions: by rows where the vectors are (the right-hand side gathered
+        # once, this rank's rows of the product kept); the prior's own products otherwise
+        self.kernel_matmul, self.kernel_columns = prior.products_by_rows(block)
         observed = adapter.observed_coordinates(targets)
         if observed is not None:  # missing outputs: W = 0 there, so actions (and residuals) live on the others
             mask = own_rows(observed.to(self.prior_mean), block)[:, None]
@@ -188,16 +191,6 @@ class DampedNewton:
     def initial_state(self) -> LaplaceState:
         r"""The prior: :math:`\mathbf a = \mathbf 0`, no actions (this rank's rows where the state is held by rows)."""
         return LaplaceState.initial(len(self.prior_mean), self.prior_mean.dtype, self.prior_mean.device)
-
-    def kernel_matmul(self, rhs: Tensor) -> Tensor:
-        r""":math:`\mathbf K \mathbf X` for ``(n, k)`` ``X``: by rows where the loop's vectors are (``X`` gathered once,
-        this rank's rows of the product kept); the prior's product otherwise."""
-        return self.prior.matmul(rhs, by_rows=self.rows_block)
-
-    def kernel_columns(self, indices: Tensor) -> Tensor:
-        r"""The kernel columns :math:`\mathbf K_{:, \text{indices}}` (this rank's rows of them where the loop's vectors
-        are held by rows)."""
-        return self.prior.kernel_columns(indices, by_rows=self.rows_block)
 
     def renew(self, state: LaplaceState) -> LaplaceState:
         r"""``state`` after a change of :math:`\mathbf K`: its products renewed (one product), :math:`\mathbf a` kept as
