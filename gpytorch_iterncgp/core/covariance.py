@@ -141,7 +141,8 @@ def covariance_phase(
     :param action_space_dimension: stop when :math:`\mathbf Q` has this rank (default :math:`n`).
     :param seed: seed of the random subset :math:`Z` of the start block.
     :param rows_block: this rank's rows where :math:`\mathbf Q`, :math:`\mathbf K \mathbf Q` are held by rows
-        (``shard_state``; given as this rank's rows or all of them); ``None`` in one process.
+        (``shard_state``; given as this rank's rows or all of them); ``None`` in one process. ``noise_inverse`` is
+        then this rank's blocks of :math:`\mathbf W^{-1}`, ``(|I_p| C, |I_p| C)``.
     :return: :math:`[\mathbf Q, \mathbf D]`, :math:`[\mathbf K\mathbf Q, \mathbf K\mathbf D]` (with ``rows_block``
         this rank's rows ``(|I_p| C, r + added)``) and the products taken.
 
@@ -152,8 +153,9 @@ def covariance_phase(
     I_p}^\top (\mathbf W^{-1} \mathbf V)_{\mathcal I_p}` and the block's Gram matrix :math:`\mathbf V^\top \hat{\mathbf
     K} \mathbf V` are local products and one ``all_reduce`` each, :math:`\mathbf Q \mathbf c` a local product and one
     ``all_gather``. The block :math:`\mathbf V` (``block_size`` columns) is whole on every rank, the same on all:
-    it is the right-hand side of the block's product with :math:`\mathbf K`, which returns it whole, and
-    :math:`\mathbf W`, :math:`\mathbf W^{-1}` and the projection act on whole vectors. A rank so holds
+    it is the right-hand side of the block's product with :math:`\mathbf K`, which returns it whole;
+    :math:`\mathbf W` and :math:`\mathbf W^{-1}` act on this rank's rows (its blocks), and the next block
+    :math:`\mathbf W \hat{\mathbf K} \mathbf D` is gathered from them (one ``all_gather``). A rank so holds
     :math:`\lceil N / P \rceil C (r + \text{added})` entries of :math:`\mathbf Q` and of :math:`\mathbf K \mathbf Q`
     and a few whole blocks, never :math:`\mathbf Q` whole. Every rank takes the same decisions (kept directions,
     eigenvalues), from the same reduced numbers; one process's up to the order of the sums over the ranks.
@@ -184,13 +186,13 @@ def covariance_phase(
     coordinates = (points[:, None] * num_latents + torch.arange(num_latents)).flatten().to(precision_root.device)
     start = precision_root.new_zeros(size, len(coordinates))
     start[coordinates, torch.arange(len(coordinates), device=start.device)] = 1.0
-    block = curvature(start)
+    block = all_rows(curvature(local(start)), rows_block)
     while products < iterations and rank < full_rank:
         root, kernel_root = roots.value, kernel_roots.value
         directions = project(block)
         directions = directions / directions.norm(dim=0).clamp_min(torch.finfo(dtype).tiny)
         for _ in range(2):  # classical Gram–Schmidt in the K̂ inner product, twice; no product with K
-            noisy_rows = local(noise_inverse.matmul(directions))
+            noisy_rows = noise_inverse.matmul(local(directions))
             conjugation = summed(kernel_root.mT @ local(directions) + root.mT @ noisy_rows, rows_block)
             directions = project(directions - all_rows(root @ conjugation, rows_block))
         directions = directions[:, directions.norm(dim=0) > new_fraction]
@@ -199,8 +201,8 @@ def covariance_phase(
         directions = directions / directions.norm(dim=0)
         kernel_directions = kernel_matmul(directions)
         products += 1
-        noisy = kernel_directions + noise_inverse.matmul(directions)
-        gram = summed(local(directions).double().mT @ local(noisy).double(), rows_block)
+        noisy_rows = local(kernel_directions) + noise_inverse.matmul(local(directions))  # this rank's rows of K̂ V
+        gram = summed(local(directions).double().mT @ noisy_rows.double(), rows_block)
         eigenvalues, eigenvectors = torch.linalg.eigh((gram + gram.mT) / 2)
         keep = eigenvalues > tolerance * eigenvalues[-1].clamp_min(0)
         excess = int(keep.sum()) - (full_rank - rank)
@@ -214,6 +216,7 @@ def covariance_phase(
             roots.append(column)
             kernel_roots.append(kernel_column)
         rank += new_root.shape[-1]
-        block = curvature(new_kernel_root + noise_inverse.matmul(new_root))  # W K̂ D: the next Lanczos block
+        # W K̂ D: the next Lanczos block (by rows, gathered)
+        block = all_rows(curvature(local(new_kernel_root) + noise_inverse.matmul(local(new_root))), rows_block)
     root, kernel_root = roots.value, kernel_roots.value
     return CovariancePhase(root, kernel_root, products, root.shape[-1] - precision_root.shape[-1])

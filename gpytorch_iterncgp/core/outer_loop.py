@@ -28,6 +28,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..exceptions import NotConvergedWarning, NumericalBreakdownWarning
+from .sharding import RowBlock, norm
 
 
 class LoopStatus(enum.Enum):
@@ -39,18 +40,24 @@ class LoopStatus(enum.Enum):
     BREAKDOWN = "breakdown"  # the step could not be computed (the state is the last good one)
 
 
-def relative_norm_change(new: Tensor, old: Tensor) -> float:
+def relative_norm_change(new: Tensor, old: Tensor, rows_block: RowBlock | None = None) -> float:
     r""":math:`\|\mathbf x_{\text{new}} - \mathbf x_{\text{old}}\| / \|\mathbf x_{\text{old}}\|` (Euclidean norms), the
-    change of the Newton loop's representer weights; 0 for no change, :math:`\infty` for a change from 0."""
-    change, norm = float((new - old).norm()), float(old.norm())
-    return change / norm if norm > 0 else (0.0 if change == 0 else math.inf)
+    change of the Newton loop's representer weights; 0 for no change, :math:`\infty` for a change from 0. Vectors
+    held by rows of ``rows_block``: the norms by ``all_reduce``."""
+    change, old_norm = float(norm(new - old, rows_block)), float(norm(old, rows_block))
+    return change / old_norm if old_norm > 0 else (0.0 if change == 0 else math.inf)
 
 
 def relative_max_change(new: Tensor, old: Tensor) -> float:
     r""":math:`\max_i |x_{\text{new}, i} - x_{\text{old}, i}| / \max_i |x_{\text{new}, i}|`, relative to the *new*
     values, the change of EP's site parameters; 0 for no change, :math:`\infty` for a change to 0."""
-    scale = float(new.abs().max())
-    difference = float((new - old).abs().max())
+    return ratio_of_change(float((new - old).abs().max()), float(new.abs().max()))
+
+
+def ratio_of_change(difference: float, scale: float) -> float:
+    r"""``difference / scale`` for a largest change :math:`\max_i |x_{\text{new}, i} - x_{\text{old}, i}|` and a largest
+    new value :math:`\max_i |x_{\text{new}, i}|` (:func:`relative_max_change`; e.g. maxima over ranks); 0 for no
+    change, :math:`\infty` for a change to 0."""
     return difference / scale if scale > 0 else (0.0 if difference == 0 else math.inf)
 
 

@@ -17,7 +17,14 @@ from .validation import check_seed
 class Policy:
     """Base class. Subclasses implement :meth:`__call__`; stateful ones also :meth:`reset`."""
 
-    def prepare(self, num_data: int, num_latents: int, zero_sum_actions: bool, observed: Tensor | None = None) -> None:
+    def prepare(
+        self,
+        num_data: int,
+        num_latents: int,
+        zero_sum_actions: bool,
+        observed: Tensor | None = None,
+        rows: tuple[int, int] | None = None,
+    ) -> None:
         """Called by the solver before use with the problem's size.
 
         :param num_data: :math:`N`.
@@ -26,6 +33,9 @@ class Policy:
             point (softmax), so that only :math:`C - 1` independent directions exist per point.
         :param observed: data-major ``(N C,)`` mask of the latent coordinates with a likelihood factor (actions
             are zero elsewhere: missing outputs); ``None``: all.
+        :param rows: the data-major rows ``[start, stop)`` of the residuals and actions this process holds where the
+            solver's vectors are held by rows (``ShardedKernel(..., shard_state=True)``: the policy is called with
+            them and returns them); ``None``: all rows. Passed only where not ``None``.
         """
 
     def reset(self) -> None:
@@ -91,8 +101,17 @@ class UnitVectorPolicy(Policy):
         self.seed = int(seed)
         self.position = 0
         self._coordinates: Tensor | None = None
+        self._first_row = 0  # the data-major index of the first row of the residuals it is called with
 
-    def prepare(self, num_data: int, num_latents: int, zero_sum_actions: bool, observed: Tensor | None = None) -> None:
+    def prepare(
+        self,
+        num_data: int,
+        num_latents: int,
+        zero_sum_actions: bool,
+        observed: Tensor | None = None,
+        rows: tuple[int, int] | None = None,
+    ) -> None:
+        self._first_row = 0 if rows is None else rows[0]
         if self.order is None:
             generator = torch.Generator().manual_seed(self.seed)
             order = torch.randperm(num_data, generator=generator)
@@ -113,10 +132,11 @@ class UnitVectorPolicy(Policy):
     def __call__(self, residual: Tensor) -> Tensor:
         if self._coordinates is None:
             raise RuntimeError("UnitVectorPolicy.prepare must be called before use.")
-        coordinate = self._coordinates[self.position % len(self._coordinates)]
+        coordinate = self._coordinates[self.position % len(self._coordinates)] - self._first_row
         self.position += 1
         action = torch.zeros_like(residual)
-        action[coordinate] = 1.0
+        if 0 <= int(coordinate) < len(residual):  # (held by rows: only the rank holding it)
+            action[coordinate] = 1.0
         return action
 
     def state(self) -> dict:

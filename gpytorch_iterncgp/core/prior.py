@@ -15,7 +15,9 @@ wall time spent in them.
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 
 import gpytorch
 import torch
@@ -33,7 +35,7 @@ from torch import Tensor
 
 from .. import settings
 from .kernel_products import fused_kernel_matmul
-from .sharding import RowBlock, RowShardedKernel, ShardedKernelMatrix
+from .sharding import RowBlock, RowShardedKernel, ShardedKernelMatrix, all_rows, own_rows
 
 SINGLE, SHARED, INDEPENDENT, MULTITASK = "single", "shared", "independent", "multitask"
 
@@ -254,6 +256,13 @@ class LatentPrior:
             return None
         return kernel.row_block(self.shape[0], self.num_latents)
 
+    def products_by_rows(self, block: RowBlock | None) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]:
+        """:meth:`matmul` and :meth:`kernel_columns` as an outer loop whose vectors are held by rows of ``block`` calls
+        them (``by_rows=block``: this rank's rows in and out); the methods themselves without a block."""
+        if block is None:
+            return self.matmul, self.kernel_columns
+        return functools.partial(self.matmul, by_rows=block), functools.partial(self.kernel_columns, by_rows=block)
+
     def block(self, rows: slice, cols: slice) -> LatentPrior:
         """The prior restricted to row points ``rows`` and column points ``cols`` (lazy; nothing is evaluated)."""
         if self.layout == MULTITASK:
@@ -261,7 +270,7 @@ class LatentPrior:
             return LatentPrior(self._mean[rows], _point_block(self.covariance, rows, cols, num), self.layout, num)
         return LatentPrior(self._mean[..., rows], self.covariance[..., rows, cols], self.layout, self.num_latents)
 
-    def matmul(self, rhs: Tensor, rows_block: RowBlock | None = None) -> Tensor:
+    def matmul(self, rhs: Tensor, rows_block: RowBlock | None = None, by_rows: RowBlock | None = None) -> Tensor:
         r""":math:`\mathbf K \mathbf X` for data-major ``X`` of shape ``(M C, k)``; returns ``(N C, k)``.
 
         One call of the underlying kernel matmul, whatever :math:`C` and :math:`k`. Where the dense kernel would
@@ -274,12 +283,22 @@ class LatentPrior:
         its points, :math:`\mathbf K_{:, \mathcal I_p} \mathbf X_{\mathcal I_p}`, and one ``all_reduce`` sums them
         (:meth:`~gpytorch_iterncgp.core.sharding.ShardedKernelMatrix.column_block_matmul`); where the kernel is not
         sharded (gradients recorded) ``X`` is gathered first.
+
+        With ``by_rows`` (the square kernel of the training points, ``X`` and the product held by rows, as the solver
+        holds its vectors with ``shard_state``: this rank's ``(|I_p| C, k)``, or all rows) ``X`` is gathered once, each
+        rank multiplies its rows of :math:`\mathbf K` and keeps them, :math:`(\mathbf K \mathbf X)_{\mathcal I_p}`
+        ``(|I_p| C, k)``: no second collective. Without either block: the one-process product.
         """
         self.products += 1
         self.columns += rhs.shape[-1]
         chunk_rows = 0 if torch.is_grad_enabled() else _chunk_rows(self.covariance)
         start = self._clock()
-        product = self._matmul(rhs, chunk_rows, rows_block)
+        if by_rows is None:
+            product = self._matmul(rhs, chunk_rows, rows_block)
+        elif _sharded(self.covariance) is None:  # the wrapped kernel's own evaluation (gradients): all rows
+            product = own_rows(self._matmul(all_rows(rhs, by_rows), chunk_rows), by_rows)
+        else:
+            product = self._matmul(all_rows(rhs, by_rows), chunk_rows, own_rows_of=by_rows)
         self.product_seconds += self._clock() - start
         return product
 
@@ -290,9 +309,13 @@ class LatentPrior:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
-    def _matmul(self, rhs: Tensor, chunk_rows: int = 0, rows_block: RowBlock | None = None) -> Tensor:
+    def _matmul(
+        self, rhs: Tensor, chunk_rows: int = 0, rows_block: RowBlock | None = None, own_rows_of: RowBlock | None = None
+    ) -> Tensor:
         num_rows, num_cols = self.shape
         num, width = self.num_latents, rhs.shape[-1]
+        if own_rows_of is not None:  # a sharded kernel's rows of this rank only (not gathered)
+            num_rows = own_rows_of.local_size // num
         if rows_block is not None:
             if _sharded(self.covariance) is None:  # the wrapped kernel's own evaluation (gradients): all rows
                 rhs, rows_block = rows_block.full(rhs), None
@@ -303,8 +326,8 @@ class LatentPrior:
             sharded = _sharded(self.covariance)
             if sharded is not None and rows_block is not None:  # each rank its columns; then summed
                 return sharded.column_block_matmul(_local_matmul, matrix, rows_block)
-            if sharded is not None:  # each rank its rows, by the products below; then gathered
-                return sharded.sharded_matmul(_local_matmul, matrix)
+            if sharded is not None:  # each rank its rows, by the products below; then gathered (or kept)
+                return sharded.sharded_matmul(_local_matmul, matrix, gather=own_rows_of is None)
             return _kernel_matmul(self.covariance, matrix, chunk_rows)
 
         if self.layout in (SINGLE, MULTITASK):
@@ -316,7 +339,7 @@ class LatentPrior:
         product = multiply(per_class)  # (C, N, k)
         return product.permute(1, 0, 2).reshape(num_rows * num, width)
 
-    def kernel_columns(self, indices: Tensor) -> Tensor:
+    def kernel_columns(self, indices: Tensor, by_rows: RowBlock | None = None) -> Tensor:
         r"""The columns :math:`\mathbf K_{:, \text{indices}}` for data-major indices ``(k,)`` (latent ``c`` of point ``p`` is
         ``p C + c``); returns ``(N C, k)``.
 
@@ -324,7 +347,8 @@ class LatentPrior:
         kernel matrix if a product has already evaluated and cached it); correlated outputs (``"multitask"``) take a
         product with the one-hot columns instead. :math:`\mathbf K \mathbf s` for an action ``s`` with few non-zero
         entries is then a combination of columns, not a product with :math:`\mathbf K`; a call counts as one
-        product with ``k`` columns, and its time as time in products.
+        product with ``k`` columns, and its time as time in products. With ``by_rows``: this rank's rows
+        ``(|I_p| C, k)`` of the columns only (a sharded kernel evaluates them from its rows, with no collective).
         """
         self.products += 1
         self.columns += len(indices)
@@ -334,11 +358,11 @@ class LatentPrior:
             one_hot = torch.zeros(self.covariance.shape[-1], len(indices), dtype=self.dtype, device=self.device)
             one_hot[indices, torch.arange(len(indices), device=self.device)] = 1
             chunk_rows = 0 if torch.is_grad_enabled() else _chunk_rows(self.covariance)
-            block = self._matmul(one_hot, chunk_rows)
+            block = own_rows(self._matmul(one_hot, chunk_rows), by_rows)
         else:
             points, latents = indices // num, indices % num
             unique, inverse = points.unique(return_inverse=True)
-            kernel = self._point_columns(unique)  # (N, u), or (C, N, u) for independent GPs
+            kernel = self._point_columns(unique, by_rows)  # (N, u), or (C, N, u) for independent GPs
             picked = kernel[:, inverse] if self.layout != INDEPENDENT else kernel[latents, :, inverse].mT
             block = picked.new_zeros(picked.shape[0], num, len(indices))
             block[:, latents, torch.arange(len(indices), device=self.device)] = picked
@@ -346,12 +370,15 @@ class LatentPrior:
         self.product_seconds += self._clock() - start
         return block
 
-    def _point_columns(self, points: Tensor) -> Tensor:
-        """The kernel's columns at ``points`` ``(u,)``, ``(*batch, N, u)`` (sharded by rows for a sharded kernel)."""
+    def _point_columns(self, points: Tensor, by_rows: RowBlock | None = None) -> Tensor:
+        """The kernel's columns at ``points`` ``(u,)``, ``(*batch, N, u)`` (sharded by rows for a sharded kernel; with
+        ``by_rows`` this rank's rows ``(*batch, |I_p|, u)`` of them)."""
         covariance = self.covariance
         sharded = _sharded(covariance)
         if sharded is not None:
-            return sharded.sharded_columns(points)
+            return sharded.sharded_columns(points, gather=by_rows is None)
+        if by_rows is not None:
+            covariance = covariance[..., by_rows.start // self.num_latents : by_rows.stop // self.num_latents, :]
         cache = getattr(covariance, "_memoize_cache", {})
         if isinstance(covariance, LazyEvaluatedKernelTensor) and any(key[0] == "kernel_eval" for key in cache):
             covariance = covariance.evaluate_kernel()  # already evaluated by a product: read its columns

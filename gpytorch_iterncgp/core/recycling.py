@@ -38,7 +38,7 @@ from torch import Tensor
 
 from .noise import FactoredNoise
 from .precision import ColumnStore
-from .sharding import RowBlock
+from .sharding import RowBlock, norm, summed
 
 # Bytes of W^{-1} S formed at once when a virtual run computes S^T W^{-1} S (column blocks of S) for a noise operator
 # without a factor; and of the whitened chunk S_chunk^T F for the package's own noise operators (NOISE_CHUNK_BYTES:
@@ -71,8 +71,9 @@ class ActionBuffer:
     is one GEMM when asked for (:meth:`action_gram`).
 
     With a :class:`~gpytorch_iterncgp.core.sharding.RowBlock` (``rows_block``) the stores hold this rank's rows
-    :math:`\mathcal I_p` only, ``(|I_p| C, B)``; vectors given to and returned by the buffer's products stay ``(N C,)``
-    (:meth:`transpose_matmul` reduces over the ranks, :meth:`combine` gathers), and so do the Gram matrices.
+    :math:`\mathcal I_p` only, ``(|I_p| C, B)``, and so do the vectors given to and returned by the buffer's products
+    (the solver holds its vectors by rows too; given all ``N C`` rows, the buffer takes this rank's):
+    :meth:`transpose_matmul` and the Gram matrices reduce over the ranks, :meth:`combine` needs no collective.
     """
 
     actions: ColumnStore
@@ -138,13 +139,9 @@ class ActionBuffer:
         return self.reduce(self.actions.rows @ self.local(vectors))
 
     def combine(self, coefficients: Tensor) -> tuple[Tensor, Tensor]:
-        r""":math:`\mathbf S \mathbf c` and :math:`\mathbf T \mathbf c` ``(N C,)`` for ``(B,)`` coefficients (sharded:
-        one ``all_gather`` of both)."""
-        if self.rows_block is None:
-            return self.actions.rows.mT @ coefficients, self.kernel_actions.rows.mT @ coefficients
-        both = torch.stack([self.actions.rows.mT @ coefficients, self.kernel_actions.rows.mT @ coefficients], -1)
-        full = self.rows_block.gather(both)
-        return full[:, 0], full[:, 1]
+        r""":math:`\mathbf S \mathbf c` and :math:`\mathbf T \mathbf c` ``(N C,)`` for ``(B,)`` coefficients (held by
+        rows: this rank's rows ``(|I_p| C,)`` of them, no collective)."""
+        return self.actions.rows.mT @ coefficients, self.kernel_actions.rows.mT @ coefficients
 
     def kernel_column(self, kernel_action: Tensor) -> Tensor:
         r""":math:`\mathbf S^\top \mathbf t` ``(B,)`` for a kernel product ``(N C,)``: the kernel Gram matrix's new
@@ -308,8 +305,10 @@ def noise_gram(buffer: ActionBuffer, noise_inverse: LinearOperator) -> Tensor:
 
 def _sharded_noise_gram(buffer: ActionBuffer, noise_inverse: LinearOperator) -> Tensor:
     r""":func:`noise_gram` of a buffer held by rows: :math:`\sum_p \mathbf S_{\mathcal I_p}^\top (\mathbf W^{-1}
-    \mathbf S)_{\mathcal I_p}`, one ``all_reduce`` of the ``(B, B)`` sum. The package's block-diagonal noise whitens
-    this rank's rows (whole points); any other noise multiplies column blocks of :math:`\mathbf S`, gathered."""
+    \mathbf S)_{\mathcal I_p}`, one ``all_reduce`` of the ``(B, B)`` sum. ``noise_inverse`` holds this rank's blocks of
+    :math:`\mathbf W^{-1}` only, ``(|I_p| C, |I_p| C)`` (block diagonal by points; held by rows as the solver's
+    vectors are): the package's block-diagonal noise whitens this rank's rows, any other noise multiplies column
+    blocks of them."""
     rows, block = buffer.actions.rows, buffer.rows_block
     assert block is not None
     size = rows.shape[0]
@@ -319,12 +318,12 @@ def _sharded_noise_gram(buffer: ActionBuffer, noise_inverse: LinearOperator) -> 
         centred = noise_inverse.centring and buffer.zero_block_sums(entries)
         chunk = entries * max(1, NOISE_CHUNK_BYTES // (size * rows.element_size() * entries))
         for start in range(0, rows.shape[-1], chunk):
-            whitened = noise_inverse.whiten_rows(rows[:, start : start + chunk], block.start + start, centred)
+            whitened = noise_inverse.whiten_rows(rows[:, start : start + chunk], start, centred)
             gram += (whitened @ whitened.mT).double()
     else:
-        width = max(1, NOISE_BLOCK_BYTES // max(1, block.size * rows.element_size()))
+        width = max(1, NOISE_BLOCK_BYTES // max(1, block.local_size * rows.element_size()))
         for start in range(0, size, width):
-            noisy = block.local(noise_inverse.matmul(block.gather(rows[start : start + width].mT)))
+            noisy = noise_inverse.matmul(rows[start : start + width].mT)
             gram[:, start : start + width] = (rows @ noisy).double()
     return _symmetric(block.reduce(gram))
 
@@ -386,14 +385,15 @@ def virtual_solver_run(
     :param buffer: actions and kernel products ``(N C, B)`` from earlier solves with the *same* kernel. Where nothing
         is compressed, the result's buffer *is* ``buffer`` (not re-weighted, not copied), so a solver appending to it
         extends ``buffer`` in place.
-    :param noise_inverse: the new :math:`\mathbf W^{-1}`, ``(N C, N C)``.
+    :param noise_inverse: the new :math:`\mathbf W^{-1}`, ``(N C, N C)`` (a buffer held by rows: this rank's blocks,
+        ``(|I_p| C, |I_p| C)``).
     :param compression_rank: :math:`R`, the number of eigenpairs kept (``None``: all).
     :param relative_eigenvalue_tolerance: eigenvalues :math:`\lambda \le \epsilon \lambda_1` are dropped
         (numerically dependent actions); default ``1000 * finfo(dtype).eps``. Without compression the dependent
         actions stay in the buffer (each run drops them again from :math:`\mathbf Q`).
-    :param keep: a direction and its kernel product, ``((N C,), (N C,))``, that compression must not
-        drop: the top :math:`R - 1` eigen-directions are kept, plus this one. The Newton loop passes the
-        current representer weights :math:`\mathbf a`, so that the initial solution
+    :param keep: a direction and its kernel product, ``((N C,), (N C,))`` (or this rank's rows of them), that
+        compression must not drop: the top :math:`R - 1` eigen-directions are kept, plus this one. The Newton loop
+        passes the current representer weights :math:`\mathbf a`, so that the initial solution
         :math:`\mathbf C_0 \mathbf b` is never worse than (a multiple of) :math:`\mathbf a`.
     :param spare: room for this many more columns in a re-weighted buffer before its storage grows.
     :return: the buffer (at most :math:`R` columns, unit-norm actions, if compressed) and the coefficients of
@@ -404,10 +404,13 @@ def virtual_solver_run(
     dtype = rows.dtype
     if relative_eigenvalue_tolerance is None:
         relative_eigenvalue_tolerance = 1000 * torch.finfo(dtype).eps
+    block = buffer.rows_block  # the rows of the vectors this rank holds (None: all)
     extra: tuple[Tensor, Tensor] | None = None
-    if keep is not None and compression_rank is not None and float(keep[0].norm()) > 0:
-        norm = keep[0].norm()
-        extra = (keep[0] / norm, keep[1] / norm)
+    if keep is not None and compression_rank is not None:
+        kept = (buffer.local(keep[0]), buffer.local(keep[1]))
+        kept_norm = norm(kept[0], block)
+        if float(kept_norm) > 0:
+            extra = (kept[0] / kept_norm, kept[1] / kept_norm)
     if buffer.size == 0 and extra is None:
         return ImplicitRoot(buffer, rows.new_zeros(0, 0))
     # M = S^T K S (kept by the buffer) + S^T W^{-1} S (this W), decomposed in float64 (float32 eigh fails on it).
@@ -426,9 +429,11 @@ def virtual_solver_run(
         direction, kernel_direction = extra
         noisy_direction = kernel_direction + noise_inverse.matmul(direction[:, None])[:, 0]
         noisy_column = torch.cat(
-            [buffer.transpose_matmul(noisy_direction), (direction @ noisy_direction)[None]]
+            [buffer.transpose_matmul(noisy_direction), summed(direction @ noisy_direction, block)[None]]
         ).double()
-        action_column = torch.cat([buffer.transpose_matmul(direction), (direction @ direction)[None]]).double()
+        action_column = torch.cat(
+            [buffer.transpose_matmul(direction), summed(direction @ direction, block)[None]]
+        ).double()
         extended_gram = _bordered(gram, noisy_column)
         extended_action_gram = _bordered(action_gram, action_column)
         basis = torch.block_diag(first, torch.ones(1, 1, dtype=torch.float64, device=first.device))
@@ -441,10 +446,8 @@ def virtual_solver_run(
     norms = (coefficients * (extended_action_gram @ coefficients)).sum(0).sqrt()
     norms = norms.clamp_min(torch.finfo(dtype).tiny)
     coefficients = coefficients / norms
-    actions = _combination(rows, None if extra is None else buffer.local(extra[0]), coefficients, spare)
-    kernel_actions = _combination(
-        buffer.kernel_actions.rows, None if extra is None else buffer.local(extra[1]), coefficients, spare
-    )
+    actions = _combination(rows, None if extra is None else extra[0], coefficients, spare)
+    kernel_actions = _combination(buffer.kernel_actions.rows, None if extra is None else extra[1], coefficients, spare)
     return ImplicitRoot(
         ActionBuffer(actions, kernel_actions, buffer.rows_block), torch.diag(norms * eigenvalues.rsqrt()).to(dtype)
     )

@@ -24,6 +24,7 @@ each rank's rows by the package's own products (cached dense block, or the fused
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -33,7 +34,20 @@ from gpytorch.lazy import LazyEvaluatedKernelTensor
 from linear_operator.operators import LinearOperator
 from torch import Tensor
 
-__all__ = ["RowBlock", "RowShardedKernel", "ShardedKernelMatrix", "all_rows", "own_rows", "row_bounds", "summed"]
+__all__ = [
+    "RowBlock",
+    "RowShardedKernel",
+    "ShardedKernelMatrix",
+    "all_points",
+    "all_rows",
+    "everywhere",
+    "maximum",
+    "norm",
+    "own_points",
+    "own_rows",
+    "row_bounds",
+    "summed",
+]
 
 
 def row_bounds(num_points: int, world_size: int) -> list[tuple[int, int]]:
@@ -80,12 +94,20 @@ class RowBlock:
     :param size: :math:`n`.
     :param bounds: every rank's ``(start, stop)``.
     :param process_group: the ranks (``None``: the default group).
+    :param num_latents: :math:`C`, the rows of each point (whole points are never split).
     """
 
     def __init__(
-        self, start: int, stop: int, size: int, bounds: list[tuple[int, int]], process_group: dist.ProcessGroup | None
+        self,
+        start: int,
+        stop: int,
+        size: int,
+        bounds: list[tuple[int, int]],
+        process_group: dist.ProcessGroup | None,
+        num_latents: int = 1,
     ):
         self.start, self.stop, self.size, self.bounds, self.process_group = start, stop, size, bounds, process_group
+        self.num_latents = num_latents
 
     @classmethod
     def of_rank(cls, num_points: int, num_latents: int, process_group: dist.ProcessGroup | None) -> RowBlock:
@@ -93,7 +115,7 @@ class RowBlock:
         points = row_bounds(num_points, dist.get_world_size(process_group))
         bounds = [(start * num_latents, stop * num_latents) for start, stop in points]
         start, stop = bounds[dist.get_rank(process_group)]
-        return cls(start, stop, num_points * num_latents, bounds, process_group)
+        return cls(start, stop, num_points * num_latents, bounds, process_group, num_latents)
 
     @property
     def local_size(self) -> int:
@@ -104,10 +126,10 @@ class RowBlock:
         """This rank's rows of a full ``(n, ...)`` tensor (a view)."""
         return tensor[self.start : self.stop]
 
-    def reduce(self, tensor: Tensor) -> Tensor:
-        """The sum over the ranks of ``tensor`` (one ``all_reduce``), as a new tensor."""
+    def reduce(self, tensor: Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Tensor:
+        """The sum (or ``op``, e.g. the maximum) over the ranks of ``tensor`` (one ``all_reduce``), as a new tensor."""
         total = tensor.clone().contiguous()
-        dist.all_reduce(total, group=self.process_group)
+        dist.all_reduce(total, op=op, group=self.process_group)
         return total
 
     def gather(self, local: Tensor) -> Tensor:
@@ -147,6 +169,49 @@ def own_rows(tensor: Tensor, block: RowBlock | None) -> Tensor:
     if block is None or tensor.shape[0] == block.local_size:
         return tensor
     return block.local(tensor).contiguous()
+
+
+def own_points(tensor: Tensor, block: RowBlock | None, num_latents: int) -> Tensor:
+    r"""This rank's points ``(|I_p|, ...)`` of a point-major ``tensor`` ``(N, ...)`` (targets, ``(N, C)`` latents,
+    ``(N, C, C)`` blocks), ``num_latents`` rows of ``block`` per point (a view; ``tensor`` itself if it already has
+    :math:`|\mathcal I_p|` points); itself without a block."""
+    if block is None or tensor.shape[0] * num_latents == block.local_size:
+        return tensor
+    return tensor[block.start // num_latents : block.stop // num_latents]
+
+
+def all_points(tensor: Tensor, block: RowBlock | None) -> Tensor:
+    r"""A point-major ``tensor`` ``(N, ...)`` with all its points (e.g. EP's sites ``(N,)``, ``(N, C, C)``), gathered
+    from every rank's points ``(|I_p|, ...)`` of ``block`` (one ``all_gather``; its points' :math:`C` rows each, as
+    data-major rows); itself where it holds all points already, or without a block."""
+    if block is None:
+        return tensor
+    num = block.num_latents
+    per_row = math.prod(tensor.shape[1:]) // num  # a point's entries over its C data-major rows
+    rows = tensor.reshape(tensor.shape[0] * num, per_row)
+    return block.full(rows).reshape(-1, *tensor.shape[1:])
+
+
+def maximum(tensor: Tensor, block: RowBlock | None) -> Tensor:
+    """The entrywise maximum over the ranks of ``tensor`` (one ``all_reduce``); itself without a block."""
+    return tensor if block is None else block.reduce(tensor, op=dist.ReduceOp.MAX)
+
+
+def norm(vector: Tensor, block: RowBlock | None) -> Tensor:
+    r"""The Euclidean norm :math:`\|\mathbf x\|` of an ``(n,)`` vector held by rows of ``block``:
+    :math:`(\sum_p \|\mathbf x_{\mathcal I_p}\|^2)^{1/2}`, one ``all_reduce`` of a number; ``vector.norm()`` without a
+    block (the one-process computation)."""
+    if block is None:
+        return vector.norm()
+    return block.reduce(vector.square().sum()).sqrt()
+
+
+def everywhere(flag: bool, block: RowBlock | None, like: Tensor) -> bool:
+    """Whether ``flag`` holds on every rank (one ``all_reduce`` of a number on ``like``'s device), so that the ranks
+    take one decision from their own rows (e.g. all entries finite); ``flag`` itself without a block."""
+    if block is None:
+        return flag
+    return not bool(block.reduce(like.new_tensor([float(not flag)])))
 
 
 class ShardedKernelMatrix(LinearOperator):
@@ -207,10 +272,14 @@ class ShardedKernelMatrix(LinearOperator):
         """``self @ rhs``: this rank's rows by the kernel's own (dense) product, then :meth:`gather`."""
         return self.sharded_matmul(lambda rows, block: rows.to_dense() @ block, rhs)
 
-    def sharded_matmul(self, local_matmul: Callable[[LinearOperator, Tensor], Tensor], rhs: Tensor) -> Tensor:
+    def sharded_matmul(
+        self, local_matmul: Callable[[LinearOperator, Tensor], Tensor], rhs: Tensor, gather: bool = True
+    ) -> Tensor:
         r""":math:`\mathbf K \mathbf R` for ``rhs`` ``(*batch, M C, k)``: ``local_matmul(local_rows, rhs)`` on this
         rank's rows :math:`\mathcal I_p` (:attr:`local_rows`, a lazily evaluated kernel ``(*batch, |I_p| C, M C)``),
-        then :meth:`gather`."""
+        then :meth:`gather`; with ``gather=False`` this rank's rows ``(*batch, |I_p| C, k)`` only, for a right-hand side
+        the caller gathered from every rank's rows (counted as one product, with the bytes of this rank's rows of it
+        sent to each other rank: the same volume as the gathered product's)."""
         self.check_same_inputs()
         start, stop = self.bounds[self.rank]
         if stop > start:
@@ -218,7 +287,15 @@ class ShardedKernelMatrix(LinearOperator):
         else:  # more ranks than row points: nothing to evaluate here
             batch = torch.broadcast_shapes(self.batch_shape, rhs.shape[:-2])
             local = rhs.new_zeros(*batch, 0, rhs.shape[-1])
-        return self.gather(local)
+        if gather:
+            return self.gather(local)
+        self._count(
+            self._padded_rows(local.shape[-2])
+            * local[..., :1, :].numel()
+            * local.element_size()
+            * (self.world_size - 1)
+        )
+        return local
 
     def column_block_matmul(
         self, local_matmul: Callable[[LinearOperator, Tensor], Tensor], rhs_rows: Tensor, block: RowBlock
@@ -268,9 +345,10 @@ class ShardedKernelMatrix(LinearOperator):
             )
         self._checked = True
 
-    def sharded_columns(self, points: Tensor) -> Tensor:
+    def sharded_columns(self, points: Tensor, gather: bool = True) -> Tensor:
         r"""The columns :math:`\mathbf K_{:, \text{points}}` ``(*batch, N C, u)`` for column points ``points`` ``(u,)``:
-        this rank's rows of them (read from its cached rows where a product has evaluated them), then :meth:`gather`."""
+        this rank's rows of them (read from its cached rows where a product has evaluated them), then :meth:`gather`
+        (``gather=False``: this rank's rows ``(*batch, |I_p| C, u)``, no collective)."""
         self.check_same_inputs()
         start, stop = self.bounds[self.rank]
         if stop > start:
@@ -280,7 +358,10 @@ class ShardedKernelMatrix(LinearOperator):
             local = rows[..., :, points].to_dense()
         else:
             local = self.x1.new_zeros(*self.batch_shape, 0, len(points))
-        return self.gather(local)
+        if gather:
+            return self.gather(local)
+        self._count(0)  # one product; its sparse right-hand side was gathered by the caller (RowBlock.gather)
+        return local
 
     def gather(self, local: Tensor) -> Tensor:
         r"""The rows of all ranks, ``(*batch, N C, k)``, from this rank's ``(*batch, |I_p| C, k)``: one ``all_gather``
@@ -289,12 +370,20 @@ class ShardedKernelMatrix(LinearOperator):
         :raises RuntimeError: if another rank does not take part within the process group's ``timeout`` (it failed,
             or hangs).
         """
-        outputs = self.full.shape[-2] // max(1, self.x1.shape[-2])  # rows per point: C for correlated outputs
-        sizes = [(stop - start) * outputs for start, stop in self.bounds]
+        sizes = self._row_sizes()
         padded = torch.nn.functional.pad(local, (0, 0, 0, max(sizes) - local.shape[-2])).contiguous()
         blocks = self._all_gather(padded)
         self._count(padded.numel() * padded.element_size() * (self.world_size - 1))  # its block to each other rank
         return torch.cat([block[..., :size, :] for block, size in zip(blocks, sizes, strict=True)], dim=-2)
+
+    def _row_sizes(self) -> list[int]:
+        """The rows of every rank's block (points times the rows per point: C for correlated outputs)."""
+        outputs = self.full.shape[-2] // max(1, self.x1.shape[-2])
+        return [(stop - start) * outputs for start, stop in self.bounds]
+
+    def _padded_rows(self, rows: int) -> int:
+        """The rows of a block as :meth:`gather` sends it (padded to the largest block)."""
+        return max(rows, *self._row_sizes())
 
     def _count(self, sent: int) -> None:
         """Count one collective product of which this rank sent ``sent`` bytes (:attr:`bytes_sent`, ``record``)."""

@@ -36,7 +36,7 @@ import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple, Self, cast
+from typing import ClassVar, NamedTuple, Self, cast
 
 import torch
 from linear_operator.operators import LinearOperator
@@ -47,7 +47,7 @@ from .noise import NoiseOperator
 from .policies import Policy
 from .precision import LowRankPrecision
 from .recycling import ActionBuffer, ImplicitRoot, virtual_solver_run
-from .sharding import RowBlock
+from .sharding import RowBlock, all_points, all_rows, everywhere, norm, own_points, own_rows, summed
 from .state import ExtraState
 from .validation import check_count, check_flag, check_nonnegative
 
@@ -146,14 +146,14 @@ class RegressionState(ExtraState):
     posterior of the latents is :math:`\mathbf m + \mathbf K \mathbf a` and :math:`\mathbf K - \mathbf K \mathbf Q
     \mathbf Q^\top \mathbf K` whatever the outer loop (Newton, EP) that set the regression.
 
-    Where the loop holds its actions by rows (a :class:`~gpytorch_iterncgp.core.sharding.RowBlock`, ``shard_state``)
-    the matrices :math:`\mathbf Q`, :math:`\mathbf K \mathbf Q`, :math:`\mathbf S`, :math:`\mathbf K \mathbf S` hold
-    this rank's rows, ``(|I_p| C, ...)`` (all ``n`` rows after loading a ``state_dict``: readers take
-    ``RowBlock.rows_of`` or ``RowBlock.full``); the vectors :math:`\mathbf a`, :math:`\mathbf K \mathbf a` all rows.
+    Where the loop holds its state by rows (a :class:`~gpytorch_iterncgp.core.sharding.RowBlock`, ``shard_state``)
+    every field holds this rank's rows, ``(|I_p| C, ...)``: the vectors :math:`\mathbf a`, :math:`\mathbf K \mathbf a`
+    and the matrices :math:`\mathbf Q`, :math:`\mathbf K \mathbf Q`, :math:`\mathbf S`, :math:`\mathbf K \mathbf S`
+    (all ``n`` rows after loading a ``state_dict``: readers take ``own_rows`` or ``all_rows``).
     """
 
-    representer_weights: Tensor  # a, (n,): f = m + K a
-    kernel_representer_weights: Tensor  # K a, (n,)
+    representer_weights: Tensor  # a, (n,) or (|I_p| C,): f = m + K a
+    kernel_representer_weights: Tensor  # K a, (n,) or (|I_p| C,)
     precision_root: Tensor  # Q, (n, r) or (|I_p| C, r): C = Q Q^T (may be passed as deferred(function): DeferredTensor)
     kernel_precision_root: Tensor  # K Q, (n, r) or (|I_p| C, r) (may be deferred)
     actions: Tensor  # S, (n, B) or (|I_p| C, B)
@@ -180,12 +180,13 @@ class RegressionState(ExtraState):
         r"""This state after a change of :math:`\mathbf K`: one product renews :math:`\mathbf K \mathbf a` and
         :math:`\mathbf K \mathbf S`; :math:`\mathbf Q` (valid for the old kernel only) is dropped.
 
-        With ``rows_block`` (:math:`\mathbf S` held by rows, ``(|I_p| C, B)``, or all its rows after loading) the
-        products take :math:`\lceil B / P \rceil` columns of :math:`\mathbf S` at a time, gathered, so that a rank holds
-        :math:`O(n B / P)` entries of them at any time (:math:`P` products instead of one, the same columns in all);
-        this rank keeps its rows of :math:`\mathbf S` and :math:`\mathbf K \mathbf S`.
+        With ``rows_block`` (the state held by rows, ``(|I_p| C, ...)``, or all its rows after loading)
+        ``kernel_matmul`` takes and returns this rank's rows (``LatentPrior.matmul(..., by_rows=rows_block)``: the
+        right-hand side gathered once), and the products take :math:`\lceil B / P \rceil` columns of :math:`\mathbf S`
+        at a time (:math:`\mathbf a` with the first), so that a rank holds :math:`O(n B / P)` entries of them at any
+        time (:math:`P` products instead of one, the same columns in all); this rank keeps its rows of every field.
         """
-        weights = self.representer_weights[:, None]
+        weights = own_rows(self.representer_weights, rows_block)[:, None]
         if rows_block is None:
             product = kernel_matmul(torch.cat([weights, self.actions], dim=-1))
             kernel_weights, actions, kernel_actions = product[:, 0], self.actions, product[:, 1:]
@@ -194,15 +195,16 @@ class RegressionState(ExtraState):
             width = max(1, -(-buffered // len(rows_block.bounds)))
             blocks = []
             for start in range(0, max(buffered, 1), width):  # a with the first block
-                columns = rows_block.full(self.actions[:, start : start + width])
+                columns = own_rows(self.actions[:, start : start + width], rows_block)
                 product = kernel_matmul(torch.cat([weights, columns], dim=-1) if start == 0 else columns)
                 if start == 0:
                     kernel_weights, product = product[:, 0], product[:, 1:]
-                blocks.append(rows_block.local(product))
+                blocks.append(product)
             actions, kernel_actions = rows_block.rows_of(self.actions), torch.cat(blocks, dim=-1)
-        empty = weights[:, :0] if rows_block is None else rows_block.local(weights[:, :0])
+        empty = weights[:, :0]
         return dataclasses.replace(
             self,
+            representer_weights=weights[:, 0],
             kernel_representer_weights=kernel_weights,
             actions=actions,
             kernel_actions=kernel_actions,
@@ -211,13 +213,38 @@ class RegressionState(ExtraState):
         )
 
     def with_full_rows(self, rows_block: RowBlock | None) -> Self:
-        r"""This state with :math:`\mathbf Q`, :math:`\mathbf K \mathbf Q` ``(n, r)`` and :math:`\mathbf S`,
-        :math:`\mathbf K \mathbf S` ``(n, B)`` of all rows: gathered (a collective, four ``all_gather``) where they are
+        r"""This state with :math:`\mathbf a`, :math:`\mathbf K \mathbf a` ``(n,)``, :math:`\mathbf Q`,
+        :math:`\mathbf K \mathbf Q` ``(n, r)`` and :math:`\mathbf S`, :math:`\mathbf K \mathbf S` ``(n, B)`` of all rows:
+        gathered (a collective, six ``all_gather``, and one per :attr:`point_fields`, e.g. EP's sites) where they are
         held by rows of ``rows_block``; itself otherwise."""
         if rows_block is None:
             return self
-        names = ("precision_root", "kernel_precision_root", "actions", "kernel_actions")
-        return dataclasses.replace(self, **{name: rows_block.full(getattr(self, name)) for name in names})
+        rows = {name: rows_block.full(getattr(self, name)) for name in self.row_fields}
+        points = {name: all_points(getattr(self, name), rows_block) for name in self.point_fields}
+        return dataclasses.replace(self, **rows, **points)
+
+    # The fields held by rows where the state is (shard_state): the regression's; a subclass adds its own, and its
+    # point-major fields ((N, ...): a point's entries at once, e.g. EP's sites) as point_fields.
+    point_fields: ClassVar[tuple[str, ...]] = ()
+    row_fields: ClassVar[tuple[str, ...]] = (
+        "representer_weights",
+        "kernel_representer_weights",
+        "precision_root",
+        "kernel_precision_root",
+        "actions",
+        "kernel_actions",
+    )
+
+    def with_own_rows(self, rows_block: RowBlock | None) -> Self:
+        """This state with this rank's rows of every field in :attr:`row_fields` where it holds all rows (loaded from
+        a ``state_dict``, or the prior); itself without a block, or where it holds this rank's rows already (its
+        deferred :math:`\\mathbf Q`, :math:`\\mathbf K \\mathbf Q` are then not formed)."""
+        if rows_block is None or self.representer_weights.shape[0] == rows_block.local_size:
+            return self
+        rows = {name: own_rows(getattr(self, name), rows_block) for name in self.row_fields}
+        num = rows_block.num_latents
+        points = {name: own_points(getattr(self, name), rows_block, num).clone() for name in self.point_fields}
+        return dataclasses.replace(self, **rows, **points)
 
     @classmethod
     def expected_shapes(cls, saved: dict[str, Tensor]) -> dict[str, tuple[int, ...]]:
@@ -257,9 +284,9 @@ def _check_solver_arguments(noise_inverse, rhs, buffer, max_solver_iterations, a
     size = rhs.shape[0]
     if tuple(noise_inverse.shape) != (size, size):
         raise ValueError(f"noise_inverse must be ({size}, {size}) to match rhs, got {tuple(noise_inverse.shape)}.")
-    if buffer.num_rows != size or buffer.kernel_actions.value.shape != buffer.actions.value.shape:
+    if buffer.actions.value.shape[0] != size or buffer.kernel_actions.value.shape != buffer.actions.value.shape:
         raise ValueError(
-            f"buffer must hold actions and kernel products of shape ({size}, B), got "
+            f"buffer must hold actions and kernel products of shape ({size}, B) (the rows rhs holds), got "
             f"{tuple(buffer.actions.value.shape)} and {tuple(buffer.kernel_actions.value.shape)}."
         )
     if not bool(torch.isfinite(rhs).all()):
@@ -294,6 +321,7 @@ def _conjugate(
     :math:`\hat{\mathbf K}` inner product: :math:`\mathbf d = \mathbf s - \mathbf S \mathbf E \mathbf E^\top
     \mathbf S^\top \hat{\mathbf K} \mathbf s` (paper, Alg. 2), by classical Gram–Schmidt repeated once where the first
     pass removed more than half of the energy (:data:`REORTHOGONALIZE`; Daniel, Gragg, Kaufman & Stewart 1976).
+    Where the buffer is held by rows, so are the vectors (``(|I_p| C,)``), and :math:`\eta` is an ``all_reduce``.
 
     :param action: :math:`\mathbf s`, ``(n,)``, unit norm.
     :param kernel_action: :math:`\mathbf K \mathbf s`, ``(n,)``.
@@ -319,7 +347,7 @@ def _conjugate(
         kernel_direction = kernel_direction - kernel_combined
         subtracted = subtracted + conjugation
         noisy_direction = kernel_direction + noisy(direction)
-        previous, eta = eta, float(direction @ noisy_direction)
+        previous, eta = eta, float(summed(direction @ noisy_direction, buffer.rows_block))
         if not eta < REORTHOGONALIZE * previous:
             break
         projected = buffer.transpose_matmul(noisy_direction)  # S^T K̂ d
@@ -327,15 +355,24 @@ def _conjugate(
 
 
 def _kernel_product(
-    kernel_matmul: Callable[[Tensor], Tensor], kernel_columns: Callable[[Tensor], Tensor] | None, sparse_limit: int
+    kernel_matmul: Callable[[Tensor], Tensor],
+    kernel_columns: Callable[[Tensor], Tensor] | None,
+    sparse_limit: int,
+    rows_block: RowBlock | None = None,
 ) -> Callable[[Tensor], Tensor]:
     r""":math:`\mathbf s \mapsto \mathbf K \mathbf s` for ``(n,)`` actions: from the kernel columns at the support of an
-    action with at most ``sparse_limit`` non-zero entries (if ``kernel_columns`` is given), else by ``kernel_matmul``."""
+    action with at most ``sparse_limit`` non-zero entries (if ``kernel_columns`` is given), else by ``kernel_matmul``.
+
+    Held by rows of ``rows_block``: the action and its product are this rank's rows; the non-zero entries are counted
+    over the ranks (an ``all_reduce``), a sparse action is gathered to find its support (the same columns on every
+    rank) and ``kernel_columns`` gives this rank's rows of them.
+    """
 
     def kernel_product(action: Tensor) -> Tensor:
-        if kernel_columns is not None and int(torch.count_nonzero(action)) <= sparse_limit:
-            support = action.nonzero()[:, 0]
-            return kernel_columns(support) @ action[support]
+        if kernel_columns is not None and int(summed(torch.count_nonzero(action), rows_block)) <= sparse_limit:
+            whole = all_rows(action, rows_block)
+            support = whole.nonzero()[:, 0]
+            return kernel_columns(support) @ whole[support]
         return kernel_matmul(action[:, None])[:, 0]
 
     return kernel_product
@@ -348,6 +385,8 @@ class _IterGPIterations:
     The iterate is the buffer :math:`\mathbf S`, :math:`\mathbf K \mathbf S` ``(n, B)``, the coefficients
     :math:`\mathbf E` ``(B, r)`` of :math:`\mathbf Q = \mathbf S \mathbf E`, and the representer weights
     :math:`\mathbf v` and :math:`\mathbf K \mathbf v` ``(n,)``; each iteration multiplies by :math:`\mathbf K` once.
+    Where the buffer is held by rows (:attr:`rows_block`) every ``(n,)`` vector is this rank's rows ``(|I_p| C,)``,
+    and inner products and norms are ``all_reduce`` sums of a number, so that every rank takes the same decisions.
     """
 
     rhs: Tensor  # b, (n,)
@@ -366,6 +405,11 @@ class _IterGPIterations:
     last_skipped: Tensor | None = None
     remainder: Tensor | None = None  # the new part of a nearly dependent action, taken as the next action
 
+    @property
+    def rows_block(self) -> RowBlock | None:
+        """The rows of the vectors this rank holds (the buffer's), ``None`` for all."""
+        return self.buffer.rows_block
+
     def run(self, tolerance: float, limit: int, full_rank: int) -> float:
         r"""Iterate until :math:`\|\mathbf r\| \le` ``tolerance``, ``limit`` iterations, :math:`\mathbf C` of rank
         ``full_rank``, or a numerical breakdown (warned).
@@ -374,7 +418,7 @@ class _IterGPIterations:
         """
         while True:
             residual = self.project((self.rhs - self.kernel_weights - self.noisy(self.weights))[:, None])[:, 0]
-            residual_norm = float(residual.norm())
+            residual_norm = float(norm(residual, self.rows_block))
             if not math.isfinite(residual_norm):
                 warnings.warn("IterGP: the residual is not finite; stopping.", NumericalBreakdownWarning, stacklevel=4)
                 self.breakdown = True
@@ -399,13 +443,13 @@ class _IterGPIterations:
         proposed: Tensor = self.remainder if self.remainder is not None else self.policy(residual)
         action = self.project(proposed[:, None])[:, 0]
         self.remainder = None
-        action_norm = action.norm()
+        action_norm = norm(action, self.rows_block)
         if not action_norm > 0:
             return "IterGP: the policy returned a zero action; stopping."
         action = action / action_norm
         kernel_action = self.kernel_product(action)
         noisy_action = self.noisy(action)
-        action_energy = float(action @ (kernel_action + noisy_action))  # s^T K̂ s
+        action_energy = float(summed(action @ (kernel_action + noisy_action), self.rows_block))  # s^T K̂ s
         kernel_column = self.buffer.kernel_column(kernel_action)  # S^T t: the kernel Gram matrix's new column
         conjugated = _conjugate(
             action,
@@ -426,7 +470,7 @@ class _IterGPIterations:
             # would lose its conjugacy and the tracked K v (so the residual IterGP reports) drift from the true one.
             # Its new part d is the next action instead, multiplied by K afresh (this product counts as an iteration).
             self.iterations += 1
-            self.remainder = conjugated.direction / conjugated.direction.norm()
+            self.remainder = conjugated.direction / norm(conjugated.direction, self.rows_block)
             return None
         self._append(action, kernel_action, kernel_column, conjugated, residual)
         return None
@@ -441,6 +485,7 @@ class _IterGPIterations:
         self.iterations += 1
         self.skipped += 1
         repeated = self.last_skipped is not None and bool(torch.equal(action, self.last_skipped))
+        repeated = everywhere(repeated, self.rows_block, action)  # (a skip is decided on every rank alike)
         if repeated or self.skipped > self.recycled_rank:
             return (
                 f"IterGP: numerical breakdown (eta = {eta:.3g}, {new_fraction:.2g} of s^T K̂ s: the action lies "
@@ -458,7 +503,7 @@ class _IterGPIterations:
         [\mathbf Q, \mathbf d / \sqrt\eta]` (paper, Alg. 2)."""
         self.buffer.append(action, kernel_action, kernel_column)
         scale = conjugated.energy**-0.5
-        step = scale * float(conjugated.direction @ residual)
+        step = scale * float(summed(conjugated.direction @ residual, self.rows_block))
         self.weights = self.weights + (step * scale) * conjugated.direction
         self.kernel_weights = self.kernel_weights + (step * scale) * conjugated.kernel_direction
         # the new column of Q, q = d / sqrt(eta) = [S, s] [-subtracted; 1] / sqrt(eta), as a new row and column of E
@@ -499,6 +544,13 @@ def itergp_solve(
 ) -> IterGPResult:
     r"""Solve :math:`(\mathbf K + \mathbf W^{-1}) \mathbf v = \mathbf b` approximately, recycling ``buffer``.
 
+    **By rows.** Where ``buffer`` is held by rows (its ``rows_block``, ``shard_state``), so is every ``(n,)`` vector:
+    ``rhs``, ``keep``, the residual, the actions, the result's :math:`\mathbf v` and :math:`\mathbf K \mathbf v` are
+    this rank's rows ``(|I_p| C,)``; ``noise_inverse`` is this rank's blocks ``(|I_p| C, |I_p| C)``; ``kernel_matmul``
+    and ``kernel_columns`` map to this rank's rows (``LatentPrior.matmul(..., by_rows=...)``: the action's rows
+    gathered once for its product); the policy sees this rank's rows of the residual. Inner products and norms are
+    ``all_reduce`` sums of a number. Without a block (one process) this is the one-process computation, unchanged.
+
     :param kernel_matmul: :math:`\mathbf X \mapsto \mathbf K \mathbf X` for ``(n, k)`` inputs.
     :param noise_inverse: :math:`\mathbf W^{-1}`, ``(n, n)``.
     :param rhs: :math:`\mathbf b`, ``(n,)``.
@@ -526,7 +578,8 @@ def itergp_solve(
     """
     _check_solver_arguments(noise_inverse, rhs, buffer, max_solver_iterations, abs_tol, rel_tol, compression_rank)
     project = project or (lambda vectors: vectors)
-    num_rows = rhs.shape[0]
+    num_rows = buffer.num_rows  # n, whatever rows this rank holds
+    rows_block = buffer.rows_block
     limit = num_rows if max_solver_iterations is None else max_solver_iterations
     full_rank = num_rows if action_space_dimension is None else action_space_dimension
     virtual = virtual_solver_run(buffer, noise_inverse, compression_rank, keep=keep, spare=min(limit, 64))
@@ -544,13 +597,13 @@ def itergp_solve(
         policy,
         project,
         noisy,
-        _kernel_product(kernel_matmul, kernel_columns, sparse_limit),
+        _kernel_product(kernel_matmul, kernel_columns, sparse_limit, rows_block),
         buffer,
         root_coefficients,
         weights=weights,
         kernel_weights=kernel_weights,
         recycled_rank=root_coefficients.shape[-1],
     )
-    tolerance = max(abs_tol, rel_tol * float(project(rhs[:, None]).norm()))
+    tolerance = max(abs_tol, rel_tol * float(norm(project(rhs[:, None]), rows_block)))
     residual_norm = solver.run(tolerance, limit, full_rank)
     return solver.result(residual_norm, tolerance, full_rank)

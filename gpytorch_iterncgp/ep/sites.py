@@ -41,7 +41,8 @@ import torch
 from torch import Tensor
 
 from ..core.noise import SiteBlockNoiseInverse
-from ..core.outer_loop import relative_max_change
+from ..core.outer_loop import ratio_of_change
+from ..core.sharding import RowBlock, maximum
 from ..likelihoods.adapters import LikelihoodAdapter
 from ..likelihoods.multinomial_probit import InnerSites, multinomial_probit_moments
 from ..likelihoods.tilted import tilted_moments
@@ -91,6 +92,7 @@ def update_sites(
     site_natural_mean: Tensor,
     damping: float,
     prior_variance: Tensor | None = None,
+    rows_block: RowBlock | None = None,
 ) -> SiteUpdate:
     r"""One parallel EP sweep over all sites (see the module docstring).
 
@@ -102,6 +104,8 @@ def update_sites(
     :param damping: :math:`\delta \in (0, 1]`; 1 is undamped.
     :param prior_variance: :math:`k_{ii}` ``(N,)``, the lower bound :math:`1/k_{ii}` of the cavity precisions; ``None``:
         no bound (non-positive cavities are skipped).
+    :param rows_block: where the sites are held by rows (``shard_state``): every ``(N,)`` argument and result is this
+        rank's points, and the change is the largest over all ranks (one ``all_reduce``).
     """
     cavity_precision, cavity_natural_mean = cavities(
         marginal_mean, marginal_variance, site_precision, site_natural_mean, prior_variance
@@ -115,7 +119,7 @@ def update_sites(
     log_normalizer = torch.zeros_like(marginal_mean)
     new_precision, new_natural_mean = site_precision.clone(), site_natural_mean.clone()
     clipped = torch.zeros_like(valid)
-    change = 0.0
+    largest = marginal_mean.new_zeros(2, 2)  # no site updated: no change
     if bool(valid.any()):
         cavity_variance = cavity_precision[valid].reciprocal()
         log_z, tilted_mean, tilted_variance = tilted_moments(
@@ -126,7 +130,7 @@ def update_sites(
         target_natural_mean = tilted_mean * tilted_precision - cavity_natural_mean[valid]
         clipped[valid] = target_precision < 0
         target_precision = target_precision.clamp_min(0)
-        change = _damped_step(
+        largest = _damped_step(
             (new_precision, new_natural_mean), valid, (target_precision, target_natural_mean), damping
         )
         log_normalizer[valid] = log_z
@@ -139,18 +143,32 @@ def update_sites(
         bounded & valid,
         ~valid,
         clipped,
-        change,
+        _largest_change(largest, rows_block),
     )
 
 
-def _damped_step(sites: tuple[Tensor, Tensor], valid: Tensor, targets: tuple[Tensor, Tensor], damping: float) -> float:
+def _damped_step(sites: tuple[Tensor, Tensor], valid: Tensor, targets: tuple[Tensor, Tensor], damping: float) -> Tensor:
     r"""Move the ``valid`` rows of ``sites`` (precision, natural mean; updated in place) a fraction ``damping`` of the
-    way to ``targets`` (given for those rows only); returns the largest relative undamped change."""
-    change = 0.0
+    way to ``targets`` (given for those rows only).
+
+    :return: for the precision and the natural mean, the largest undamped difference :math:`\max_i |t_i - s_i|` and
+        the largest target :math:`\max_i |t_i|`, ``(2, 2)`` (:func:`_largest_change` makes the change of them).
+    """
+    largest = []
     for site, target in zip(sites, targets, strict=True):
         old = site[valid]
-        change = max(change, relative_max_change(target, old))
+        largest.append(torch.stack([(target - old).abs().max(), target.abs().max()]))
         site[valid] = old + damping * (target - old)
+    return torch.stack(largest)
+
+
+def _largest_change(largest: Tensor, rows_block: RowBlock | None) -> float:
+    r"""The largest relative undamped change of the sites, :math:`\max(\max_i |t_i - s_i| / \max_i |t_i|)` over the
+    precision and the natural mean (:func:`~gpytorch_iterncgp.core.outer_loop.ratio_of_change`), from
+    :func:`_damped_step`'s ``(2, 2)`` maxima; their maxima over the ranks where the sites are held by rows."""
+    change = 0.0
+    for difference, scale in maximum(largest, rows_block).tolist():
+        change = max(change, ratio_of_change(difference, scale))
     return change
 
 
@@ -255,6 +273,7 @@ def update_site_blocks(
     damping: float,
     prior_covariance: Tensor | None = None,
     inner_sites: InnerSites | None = None,
+    rows_block: RowBlock | None = None,
 ) -> SiteUpdate:
     r"""One parallel EP sweep over :math:`C \times C` multinomial probit sites (Riihimäki et al. 2013, outer EP).
 
@@ -268,7 +287,8 @@ def update_site_blocks(
     removes rounding). Eigenvalues of :math:`\tilde{\mathbf T}_i^*` below 0 are set to 0 (clipped; counted when below
     :math:`-\sqrt{\epsilon}` times the tilted precision's largest eigenvalue). Damping, skipping and the change as
     in :func:`update_sites`; shapes ``(N, C, C)`` and ``(N, C)`` for the sites and cavities, ``(N,)`` for the rest.
-    The update's ``inner_sites`` are the nested EP's sites for the next sweep's warm start.
+    The update's ``inner_sites`` are the nested EP's sites for the next sweep's warm start. With ``rows_block`` (sites
+    held by rows) every argument and result is of this rank's points, and the change the largest over all ranks.
     """
     num_classes = marginal_mean.shape[-1]
     basis = zero_sum_basis(num_classes, marginal_mean.dtype, marginal_mean.device)
@@ -281,7 +301,7 @@ def update_site_blocks(
     log_normalizer = torch.zeros(marginal_mean.shape[:-1], dtype=marginal_mean.dtype, device=marginal_mean.device)
     new_precision, new_natural_mean = site_precision.clone(), site_natural_mean.clone()
     clipped = torch.zeros_like(valid)
-    change = 0.0
+    largest = marginal_mean.new_zeros(2, 2)  # no site updated: no change
     if bool(valid.any()):
         covariance = cavity_covariance[valid]
         mean = (covariance @ cavity_natural_mean[valid].unsqueeze(-1)).squeeze(-1)
@@ -301,7 +321,7 @@ def update_site_blocks(
         scale = torch.linalg.eigvalsh(tilted_precision).abs().amax(-1)
         clipped[valid] = values.amin(-1) < -math.sqrt(torch.finfo(values.dtype).eps) * scale
         target_precision = (vectors * values.clamp_min(0).unsqueeze(-2)) @ vectors.mT
-        change = _damped_step(
+        largest = _damped_step(
             (new_precision, new_natural_mean), valid, (target_precision, target_natural_mean), damping
         )
         log_normalizer[valid] = log_z
@@ -320,7 +340,7 @@ def update_site_blocks(
         bounded & valid,
         ~valid,
         clipped,
-        change,
+        _largest_change(largest, rows_block),
         inner_sites,
     )
 

@@ -55,7 +55,7 @@ from ..core.outer_loop import EPSweep, LoopStatus, OuterStep
 from ..core.policies import Policy
 from ..core.prior import LatentPrior
 from ..core.recycling import ActionBuffer
-from ..core.sharding import RowBlock, all_rows, own_rows, summed
+from ..core.sharding import RowBlock, all_rows, own_points, own_rows, summed
 from ..core.solver import IterGPOptions, IterGPResult, RegressionState, itergp_solve
 from ..core.validation import check_count, check_nonnegative
 from ..likelihoods.adapters import LikelihoodAdapter
@@ -68,8 +68,9 @@ def posterior_marginals(
 ) -> tuple[Tensor, Tensor]:
     r"""Posterior means :math:`m_i + (\mathbf K\mathbf a)_i` and variances :math:`k_{ii} - \|(\mathbf K\mathbf Q)_{i,:}\|^2`
     (including the computational uncertainty of an incomplete solve), ``(n,)`` each, from the state's buffers
-    (:math:`\mathbf K\mathbf Q` held by rows of ``rows_block``: each rank's row norms, gathered)."""
-    mean = prior_mean + state.kernel_representer_weights
+    (:math:`\mathbf K\mathbf a`, :math:`\mathbf K\mathbf Q` held by rows of ``rows_block``: gathered, and each rank's
+    row norms)."""
+    mean = prior_mean + all_rows(state.kernel_representer_weights, rows_block)
     variance = prior_variance - all_rows(state.kernel_precision_root.square().sum(-1), rows_block)
     return mean, variance
 
@@ -86,7 +87,8 @@ def posterior_marginal_blocks(
     rows = kernel_root.reshape(kernel_root.shape[0] // num_latents, num_latents, kernel_root.shape[-1])
     products = all_rows((rows @ rows.mT).reshape(-1, num_latents), rows_block).reshape(-1, num_latents, num_latents)
     covariance = prior_blocks - products
-    return prior_mean + state.kernel_representer_weights.reshape(-1, num_latents), (covariance + covariance.mT) / 2
+    mean = prior_mean + all_rows(state.kernel_representer_weights, rows_block).reshape(-1, num_latents)
+    return mean, (covariance + covariance.mT) / 2
 
 
 @dataclass
@@ -141,6 +143,7 @@ class EPState(RegressionState):
 
     saved_by = "EPStrategy"
     optional_entries = frozenset({"solved"})  # not saved by the first versions
+    point_fields = ("site_precision", "site_natural_mean")  # held by points where the state is held by rows
 
     @classmethod
     def initial(cls, size: int, dtype: torch.dtype, device: torch.device, num_latents: int = 1) -> EPState:
@@ -189,6 +192,11 @@ class ExpectationPropagation:
     :param targets: validated targets ``(N,)``.
     :param options: damping, tolerances and IterGP's budget (``max_sweeps`` is the driver's business).
     :param policy: IterGP's policy (already prepared for the problem size).
+
+    **By rows** (``prior.row_block()``, a ``ShardedKernel`` with ``shard_state``): the sites, the marginals, cavities
+    and tilted moments, :math:`\mathbf a`, :math:`\mathbf K \mathbf a` and the regression's right-hand side and
+    noise are of this rank's points; the sweep's site change and its counts are reduced over the ranks (``all_reduce``:
+    a maximum, sums), so every rank takes the same decisions. Without a block: the one-process computation.
     """
 
     name = "EP"
@@ -202,28 +210,34 @@ class ExpectationPropagation:
                 f"EP with C x C site blocks needs a likelihood that is flat along (1, ..., 1) with nested-EP tilted "
                 f"moments (MultinomialProbitLikelihood); {adapter.name} has C = {adapter.num_latents}."
             )
-        self.prior, self.adapter, self.targets, self.options, self.policy = prior, adapter, targets, options, policy
-        self.num_latents = adapter.num_latents
-        self.prior_mean = prior.mean.reshape(-1)
-        self.prior_variance = prior.diagonal().reshape(-1)
-        self.rows_block = prior.row_block()  # this rank's rows of S and K S where they are held by rows, else None
+        self.prior, self.adapter, self.options, self.policy = prior, adapter, options, policy
+        self.num_latents = num = adapter.num_latents
+        self.rows_block = block = prior.row_block()  # this rank's rows where the state is held by rows, else None
+        prior_mean = prior.mean.reshape(-1)
+        self.num_points = len(prior_mean) // num  # N
+        # this rank's points (all of them in one process): the loop's vectors, sites and marginals are held by rows
+        self.prior_mean = own_rows(prior_mean, block)
+        self.prior_variance = own_rows(prior.diagonal().reshape(-1), block)
+        self.targets = own_points(targets, block, num)
+        self.kernel_matmul, self.kernel_columns = prior.products_by_rows(block)  # (LatentPrior.matmul's by_rows)
         self.min_precision = adapter._min_curvature(self.prior_mean.dtype)
         self.prior_blocks: Tensor | None = None
         self.action_space_dimension: int | None = None
         self.inner_sites: InnerSites | None = None  # multi-class: the nested EP's sites of the last sweep
-        if self.num_latents > 1:
-            self.prior_blocks = prior.point_blocks()
-            self.action_space_dimension = len(self.prior_mean) // self.num_latents * (self.num_latents - 1)
-            self.basis = zero_sum_basis(self.num_latents, self.prior_mean.dtype, self.prior_mean.device)
+        if num > 1:
+            self.prior_blocks = own_points(prior.point_blocks(), block, num)
+            self.action_space_dimension = self.num_points * (num - 1)
+            self.basis = zero_sum_basis(num, self.prior_mean.dtype, self.prior_mean.device)
 
     # -- states ------------------------------------------------------------------------------------------------
     def initial_state(self) -> EPState:
+        """Flat sites and :math:`\\mathbf a = \\mathbf 0` (this rank's points where the state is held by rows)."""
         return EPState.initial(len(self.prior_mean), self.prior_mean.dtype, self.prior_mean.device, self.num_latents)
 
     def renew(self, state: EPState) -> EPState:
         """``state`` after a change of :math:`\\mathbf K`: products renewed (one product); the sites are kept (a warm
         start), and the next sweep first solves the regression they define for the new kernel."""
-        return dataclasses.replace(state.with_kernel(self.prior.matmul, self.rows_block), solved=False)
+        return dataclasses.replace(state.with_kernel(self.kernel_matmul, self.rows_block), solved=False)
 
     def finalize(self, state: EPState) -> EPState:
         r"""Every yielded state's precision belongs to its own sites; with ``covariance_iterations > 0`` the covariance
@@ -232,7 +246,7 @@ class ExpectationPropagation:
         sweep takes its cavities from the enlarged precision."""
         if self.options.covariance_iterations == 0 or not state.solved:
             return state
-        noise, _ = self.noise(state.site_precision, state.site_natural_mean)
+        noise, _ = self.noise(state.site_precision, state.site_natural_mean, self.rows_block)
         phase = self._covariance_blocks(state, noise, self.options.covariance_iterations)
         return dataclasses.replace(
             state,
@@ -280,7 +294,7 @@ class ExpectationPropagation:
         EP's.
         """
         options = self.options
-        noise, _ = self.noise(state.site_precision, state.site_natural_mean)
+        noise, rhs = self.noise(state.site_precision, state.site_natural_mean, self.rows_block)
         phase = self._covariance_blocks(state, noise, options.marginal_iterations, seed=state.sweeps)
         block = self.rows_block
         start = state.precision_root.shape[-1]
@@ -291,14 +305,12 @@ class ExpectationPropagation:
                 buffer.append(column / norm, kernel_column / norm)
         weights, kernel_weights = state.representer_weights, state.kernel_representer_weights
         if phase.added > 0:  # the solution over the enlarged actions: a + D D^T r (D is K̂-conjugate to Q)
-            _, rhs = self.noise(state.site_precision, state.site_natural_mean)
-            residual = rhs - kernel_weights - noise.matmul(weights[:, None])[:, 0]
+            residual = rhs - kernel_weights - noise.matmul(weights[:, None])[:, 0]  # (by rows: this rank's)
             if self.adapter.zero_sum_actions:
                 residual = self.adapter.project(residual[:, None])[:, 0]
-            # D^T r (by rows: one all_reduce); D c and K D c (by rows: one all_gather of both)
-            coefficients = summed(new_roots.mT @ own_rows(residual, block), block)
-            both = all_rows(torch.stack([new_roots @ coefficients, new_kernel_roots @ coefficients], -1), block)
-            weights, kernel_weights = weights + both[:, 0], kernel_weights + both[:, 1]
+            coefficients = summed(new_roots.mT @ residual, block)  # D^T r (by rows: one all_reduce)
+            weights = weights + new_roots @ coefficients
+            kernel_weights = kernel_weights + new_kernel_roots @ coefficients
         state = dataclasses.replace(
             state,
             representer_weights=weights,
@@ -312,8 +324,13 @@ class ExpectationPropagation:
 
     # -- one regression ------------------------------------------------------------------------------------------
     def marginals(self, state: RegressionState) -> tuple[Tensor, Tensor]:
-        """The posterior marginals at the training inputs (:meth:`marginals_of`)."""
-        return self.marginals_of(self.prior, state)
+        """The posterior marginals at the training inputs (as :meth:`marginals_of`): of this rank's points where the
+        state is held by rows (its rows of :math:`\\mathbf K \\mathbf a` and :math:`\\mathbf K \\mathbf Q`; no
+        collective)."""
+        if self.num_latents == 1:
+            return posterior_marginals(self.prior_mean, self.prior_variance, state)
+        assert self.prior_blocks is not None
+        return posterior_marginal_blocks(self.prior_mean.reshape(-1, self.num_latents), self.prior_blocks, state)
 
     @staticmethod
     def marginals_of(prior: LatentPrior, state: RegressionState) -> tuple[Tensor, Tensor]:
@@ -327,10 +344,10 @@ class ExpectationPropagation:
     def update(self, state: EPState) -> SiteUpdate:
         """One parallel sweep's site update from the marginals of ``state``'s regression."""
         mean, variance = self.marginals(state)
-        damping = self.options.damping
+        damping, block = self.options.damping, self.rows_block
         if self.num_latents == 1:
             sites = (state.site_precision, state.site_natural_mean)
-            return update_sites(self.adapter, self.targets, mean, variance, *sites, damping, self.prior_variance)
+            return update_sites(self.adapter, self.targets, mean, variance, *sites, damping, self.prior_variance, block)
         update = update_site_blocks(
             self.targets,
             mean,
@@ -340,27 +357,35 @@ class ExpectationPropagation:
             damping,
             self.prior_blocks,
             self.inner_sites,
+            block,
         )
         self.inner_sites = update.inner_sites
         return update
 
-    def noise(self, precision: Tensor, natural_mean: Tensor) -> tuple[LinearOperator, Tensor]:
+    def noise(
+        self, precision: Tensor, natural_mean: Tensor, rows_block: RowBlock | None = None
+    ) -> tuple[LinearOperator, Tensor]:
         r"""The noise :math:`\tilde{\mathbf T}^{-1}` (bounded; pseudo-inverse blocks for :math:`C > 1`) and the
-        right-hand side :math:`\tilde{\boldsymbol\mu} - \mathbf m` of the sites' regression (see the module docstring)."""
-        if self.num_latents == 1:
+        right-hand side :math:`\tilde{\boldsymbol\mu} - \mathbf m` of the sites' regression (see the module docstring):
+        with ``rows_block``, of this rank's points (its blocks and rows, as the solver holds them)."""
+        num = self.num_latents
+        precision, natural_mean = own_points(precision, rows_block, num), own_points(natural_mean, rows_block, num)
+        prior_mean = own_rows(self.prior_mean, rows_block)
+        if num == 1:
             bounded = precision.clamp_min(self.min_precision)
-            return DiagonalNoiseInverse(bounded.reciprocal()), (natural_mean - precision * self.prior_mean) / bounded
-        prior_mean = self.prior_mean.reshape(-1, self.num_latents)
-        noise, rhs = site_block_noise(precision, natural_mean, prior_mean, self.min_precision, self.basis)
+            return DiagonalNoiseInverse(bounded.reciprocal()), (natural_mean - precision * prior_mean) / bounded
+        noise, rhs = site_block_noise(
+            precision, natural_mean, prior_mean.reshape(-1, num), self.min_precision, self.basis
+        )
         return noise, rhs.reshape(-1)
 
     def solve(self, state: EPState, buffer: ActionBuffer, precision: Tensor, natural_mean: Tensor) -> IterGPResult:
         r"""IterGP on :math:`(\mathbf K + \tilde{\mathbf T}^{-1}) \mathbf v = \tilde{\boldsymbol\mu} - \mathbf m` for the
         sites ``(precision, natural_mean)``, from ``buffer`` (noise bounded as in the module docstring)."""
         options, adapter = self.options, self.adapter
-        noise, rhs = self.noise(precision, natural_mean)
+        noise, rhs = self.noise(precision, natural_mean, self.rows_block)
         return itergp_solve(
-            self.prior.matmul,
+            self.kernel_matmul,
             noise,
             rhs,
             buffer,
@@ -372,7 +397,7 @@ class ExpectationPropagation:
             rel_tol=options.rel_tol,
             compression_rank=options.compression_rank,
             keep=(state.representer_weights, state.kernel_representer_weights),
-            kernel_columns=self.prior.kernel_columns,
+            kernel_columns=self.kernel_columns,
         )
 
     @staticmethod
@@ -392,7 +417,8 @@ class ExpectationPropagation:
     # -- the loop ------------------------------------------------------------------------------------------------
     def steps(self, state: EPState) -> Generator[OuterStep, None, None]:
         """Parallel EP sweeps from ``state`` until converged or stalled (the driver limits their number)."""
-        options = self.options
+        options, block = self.options, self.rows_block
+        state = state.with_own_rows(block)  # (a loaded state holds all rows)
         buffer = ActionBuffer.from_tensors(state.actions, state.kernel_actions, self.rows_block)
         extra_iterations = 0
         if not state.solved:  # the kernel changed: the marginals need the kept sites' regression first
@@ -408,7 +434,9 @@ class ExpectationPropagation:
                 self.policy.reset()
             result = self.solve(state, buffer, update.site_precision, update.site_natural_mean)
             buffer = result.buffer
-            skipped, bounded = int(update.skipped.sum()), int(update.bounded.sum())
+            # (by rows: the counts over all ranks, one all_reduce)
+            counts = summed(torch.stack([update.skipped.sum(), update.bounded.sum(), update.clipped.sum()]), block)
+            skipped, bounded, clipped = (int(count) for count in counts)
             state = self._solved(state, result, update.site_precision, update.site_natural_mean, state.sweeps + 1)
             if options.marginal_iterations > 0 and state.sweeps % options.marginal_every == 0:
                 state, buffer = self.refine_marginals(state, buffer)
@@ -418,7 +446,7 @@ class ExpectationPropagation:
                 damping=options.damping,
                 skipped_sites=skipped,
                 bounded_cavities=bounded,
-                clipped_sites=int(update.clipped.sum()),
+                clipped_sites=clipped,
                 solver_iterations=result.iterations + extra_iterations,
                 residual_norm=result.residual_norm,
             )
@@ -426,7 +454,7 @@ class ExpectationPropagation:
             status, message = LoopStatus.CONTINUE, ""
             if result.converged and skipped == 0 and bounded == 0 and update.change <= options.site_tol:
                 status = LoopStatus.CONVERGED
-            elif skipped == len(update.skipped) and result.iterations == 0:
+            elif skipped == self.num_points and result.iterations == 0:
                 status = LoopStatus.STALLED
                 message = (
                     "EP: every cavity precision is non-positive and the solver adds no action, so no site can be "

@@ -52,9 +52,10 @@ class ShardedKernel(RowShardedKernel):
     above :class:`~gpytorch_iterncgp.settings.dense_kernel_limit`, its cached rows of :math:`\mathbf K` below), and
     one ``all_gather`` gives every rank the whole product, bit for bit the same; the rest of the fit is replicated,
     so every rank holds the same posterior (that of one process, up to the order of the reductions within a row
-    block); with ``shard_state`` the recycled actions and :math:`\mathbf Q`, :math:`\mathbf K \mathbf Q` are held by
-    rows too. Predictions' cross-covariance products are split by test points in the same way (with ``shard_state``
-    by training points: each rank's columns times its rows of the state, summed by ``all_reduce``).
+    block); with ``shard_state`` the solver's state is held by rows too (the recycled actions, :math:`\mathbf Q`,
+    :math:`\mathbf K \mathbf Q`, and every vector of the Newton or EP loop and of IterGP). Predictions'
+    cross-covariance products are split by test points in the same way (with ``shard_state`` by training points:
+    each rank's columns times its rows of the state, summed by ``all_reduce``).
 
     The entries, the diagonal and whatever needs gradients (hyperparameter learning, a dense evidence) are
     ``base_kernel``'s own, evaluated on every rank. ``state_dict()`` holds ``base_kernel``'s entries under this
@@ -62,11 +63,13 @@ class ShardedKernel(RowShardedKernel):
 
     :param base_kernel: the kernel.
     :param process_group: the ranks that share the products (default: torch.distributed's default group).
-    :param shard_state: hold the solver's recycled actions :math:`\mathbf S`, :math:`\mathbf K \mathbf S` and the
-        precision roots :math:`\mathbf Q`, :math:`\mathbf K \mathbf Q` (also the final ones that predictions use, and
-        through a covariance phase; :class:`~gpytorch_iterncgp.IterNCGPStrategy`,
-        :class:`~gpytorch_iterncgp.EPStrategy`) by rows as well: each
-        rank :math:`\lceil N / P \rceil C` rows of them, inner products by ``all_reduce``. ``state_dict()`` is then a
+    :param shard_state: hold the solver's state by rows as well (:class:`~gpytorch_iterncgp.IterNCGPStrategy`,
+        :class:`~gpytorch_iterncgp.EPStrategy`): the recycled actions :math:`\mathbf S`, :math:`\mathbf K \mathbf S`,
+        the precision roots :math:`\mathbf Q`, :math:`\mathbf K \mathbf Q` (also the final ones that predictions use,
+        and through a covariance phase), the representer weights :math:`\mathbf a`, :math:`\mathbf K \mathbf a`, the
+        Newton loop's mode, gradient, curvature blocks and right-hand side, EP's sites and marginals, and IterGP's
+        residual, actions and directions: each rank :math:`\lceil N / P \rceil C` rows of them (its points), inner
+        products and norms by ``all_reduce``, each product's right-hand side gathered once. ``state_dict()`` is then a
         collective (every rank calls it; it gathers them).
     :raises TypeError: if ``shard_state`` is not a bool.
     :raises RuntimeError: when a product is taken before ``torch.distributed.init_process_group()``.

@@ -51,6 +51,7 @@ from ..core.outer_loop import LoopStatus, NewtonStep, OuterStep, relative_norm_c
 from ..core.policies import Policy
 from ..core.prior import LatentPrior
 from ..core.recycling import ActionBuffer, virtual_solver_run
+from ..core.sharding import everywhere, norm, own_points, own_rows, summed
 from ..core.solver import IterGPOptions, IterGPResult, RegressionState, itergp_solve
 from ..core.validation import check_count, check_nonnegative
 from ..likelihoods.adapters import LikelihoodAdapter, LikelihoodDerivatives
@@ -144,6 +145,14 @@ class DampedNewton:
     :param targets: validated targets ``(N,)``.
     :param options: tolerances and limits (``max_newton_steps`` is the driver's business).
     :param policy: IterGP's policy (already prepared for the problem size).
+
+    **By rows** (``prior.row_block()``, a ``ShardedKernel`` with ``shard_state``): every ``(N C,)`` vector of the loop
+    — :math:`\mathbf a`, :math:`\mathbf K \mathbf a`, the mode, the gradient, the right-hand side, the solver's own —
+    and the curvature's blocks (the noise :math:`\mathbf W^{-1}` is built from this rank's points) are this rank's rows
+    :math:`\mathcal I_p`; :math:`\Psi`, its slopes and the norms of the convergence tests are ``all_reduce`` sums, so
+    every rank takes the same steps. A product with :math:`\mathbf K` gathers its right-hand side once and keeps this
+    rank's rows of it (``LatentPrior.matmul(..., by_rows=...)``). Without a block every helper is the identity: the
+    one-process computation.
     """
 
     def __init__(
@@ -154,17 +163,23 @@ class DampedNewton:
         options: SolverOptions,
         policy: Policy,
     ):
-        self.prior, self.adapter, self.targets, self.options, self.policy = prior, adapter, targets, options, policy
-        self.prior_mean = prior.mean.reshape(-1)
-        num_data = len(self.prior_mean) // adapter.num_latents
+        self.prior, self.adapter, self.options, self.policy = prior, adapter, options, policy
+        self.rows_block = block = prior.row_block()  # this rank's rows where the state is held by rows, else None
+        prior_mean = prior.mean.reshape(-1)
+        self.num_rows = len(prior_mean)  # n = N C
+        self.prior_mean = own_rows(prior_mean, block)  # (this rank's rows of) m
+        self.targets = own_points(targets, block, adapter.num_latents)  # (this rank's points of) y
+        num_data = self.num_rows // adapter.num_latents
         latents = adapter.num_latents - 1 if adapter.zero_sum_actions else adapter.num_latents
         self.action_space_dimension = num_data * latents
         self.project = adapter.project if adapter.zero_sum_actions else None
         self.buffer: ActionBuffer | None = None  # the loop's recycled actions after its last solve
-        self.rows_block = prior.row_block()  # this rank's rows of S and K S where they are held by rows, else None
+        # K X and the kernel columns of sparse actions: by rows where the vectors are (the right-hand side gathered
+        # once, this rank's rows of the product kept); the prior's own products otherwise
+        self.kernel_matmul, self.kernel_columns = prior.products_by_rows(block)
         observed = adapter.observed_coordinates(targets)
         if observed is not None:  # missing outputs: W = 0 there, so actions (and residuals) live on the others
-            mask = observed.to(self.prior_mean)[:, None]
+            mask = own_rows(observed.to(self.prior_mean), block)[:, None]
             self.action_space_dimension = int(observed.sum())
             self.project = lambda vectors: vectors * mask
         self._cached: tuple[Tensor, LikelihoodDerivatives] | None = None
@@ -174,13 +189,13 @@ class DampedNewton:
 
     # -- states ------------------------------------------------------------------------------------------------
     def initial_state(self) -> LaplaceState:
-        r"""The prior: :math:`\mathbf a = \mathbf 0`, no actions."""
+        r"""The prior: :math:`\mathbf a = \mathbf 0`, no actions (this rank's rows where the state is held by rows)."""
         return LaplaceState.initial(len(self.prior_mean), self.prior_mean.dtype, self.prior_mean.device)
 
     def renew(self, state: LaplaceState) -> LaplaceState:
         r"""``state`` after a change of :math:`\mathbf K`: its products renewed (one product), :math:`\mathbf a` kept as
         the warm start, and IterGP's tolerances start afresh (a new system)."""
-        renewed = state.with_kernel(self.prior.matmul, self.rows_block)
+        renewed = state.with_kernel(self.kernel_matmul, self.rows_block)
         return dataclasses.replace(renewed, log_posterior=-math.inf, control=NewtonControl())
 
     # -- the objective -----------------------------------------------------------------------------------------
@@ -190,8 +205,9 @@ class DampedNewton:
 
     def point(self, weights: Tensor, kernel_weights: Tensor) -> _Point:
         r""":math:`\Psi(\mathbf f) = \ell(\mathbf f) - \tfrac12 \mathbf a^\top \mathbf K \mathbf a` at :math:`\mathbf a`."""
-        log_likelihood = float(self.adapter.log_likelihood(self.latent_of(kernel_weights), self.targets))
-        return _Point(weights, kernel_weights, log_likelihood - 0.5 * float(kernel_weights @ weights))
+        block = self.rows_block
+        log_likelihood = float(summed(self.adapter.log_likelihood(self.latent_of(kernel_weights), self.targets), block))
+        return _Point(weights, kernel_weights, log_likelihood - 0.5 * float(summed(kernel_weights @ weights, block)))
 
     def derivatives(self, kernel_weights: Tensor) -> LikelihoodDerivatives:
         """The likelihood's derivatives at :math:`\\mathbf m + \\mathbf K \\mathbf a` (one point cached)."""
@@ -206,7 +222,7 @@ class DampedNewton:
         :math:`(\mathbf K \boldsymbol\delta)^\top (\mathbf g - \mathbf a)`: no product with :math:`\mathbf K`.
         """
         gradient = self.derivatives(point.kernel_weights).gradient.reshape(-1)
-        return float(direction @ (gradient - point.weights))
+        return float(summed(direction @ (gradient - point.weights), self.rows_block))
 
     def warm_start(self, weights: Tensor, kernel_weights: Tensor) -> _Point:
         r"""Scale representer weights :math:`\mathbf a` kept across a change of :math:`\mathbf K`.
@@ -263,13 +279,15 @@ class DampedNewton:
         fixed point of Newton's iteration); checking it costs no product with :math:`\mathbf K`.
         """
         gradient = self.derivatives(point.kernel_weights).gradient.reshape(-1)
-        return float((gradient - point.weights).norm()) <= tolerance * float(point.weights.norm())
+        block = self.rows_block
+        return float(norm(gradient - point.weights, block)) <= tolerance * float(norm(point.weights, block))
 
     # -- the loop ------------------------------------------------------------------------------------------
     def steps(self, state: LaplaceState) -> Generator[OuterStep, None, None]:
         """Damped Newton steps from ``state`` (paper, Algorithm 1), until converged or stalled (the driver limits their
         number): each step solves its regression with IterGP (:meth:`_solve`), then halves the step until
         :math:`\\Psi` does not decrease (:meth:`_line_search`)."""
+        state = state.with_own_rows(self.rows_block)  # (a loaded state holds all rows)
         current = self.point(state.representer_weights, state.kernel_representer_weights)
         if state.newton_steps > 0 and state.log_posterior == -math.inf:  # K changed since these weights
             current = self.warm_start(state.representer_weights, state.kernel_representer_weights)
@@ -278,7 +296,8 @@ class DampedNewton:
             derivatives = self.derivatives(current.kernel_weights)
             noise_inverse = derivatives.noise_inverse
             gradient_step = noise_inverse.matmul(derivatives.gradient.reshape(-1, 1))[:, 0]
-            if not (bool(torch.isfinite(gradient_step).all()) and math.isfinite(float(derivatives.log_likelihood))):
+            finite = bool(torch.isfinite(gradient_step).all()) and math.isfinite(float(derivatives.log_likelihood))
+            if not everywhere(finite, self.rows_block, gradient_step):
                 message = (
                     "IterNCGP: the likelihood's gradient or curvature is not finite at the current latent values; "
                     "stopping with the posterior of the last completed Newton step."
@@ -287,7 +306,7 @@ class DampedNewton:
                 return
             if not self.options.recycle:
                 buffer = ActionBuffer.empty(
-                    len(self.prior_mean), self.prior_mean.dtype, self.prior_mean.device, self.rows_block
+                    self.num_rows, self.prior_mean.dtype, self.prior_mean.device, self.rows_block
                 )
                 self.policy.reset()
             result = self._solve(current, noise_inverse, gradient_step, buffer, state.control)
@@ -318,7 +337,7 @@ class DampedNewton:
         """
         options = self.options
         return itergp_solve(
-            self.prior.matmul,
+            self.kernel_matmul,
             noise_inverse,
             current.kernel_weights + gradient_step,  # pseudo-targets minus prior mean
             buffer,
@@ -330,7 +349,7 @@ class DampedNewton:
             compression_rank=None if control.same_system else options.compression_rank,
             action_space_dimension=self.action_space_dimension,
             keep=(current.weights, current.kernel_weights),
-            kernel_columns=self.prior.kernel_columns,
+            kernel_columns=self.kernel_columns,
         )
 
     def _line_search(self, current: _Point, result: IterGPResult) -> _NewtonStepTaken:
@@ -340,8 +359,8 @@ class DampedNewton:
         # Half the Newton decrement: what the full step promises to gain in Psi (exact for a quadratic).
         predicted_gain = 0.5 * self.slope(current, proposal.kernel_weights - current.kernel_weights)
         step_size, new, full_psi = self.damped_step(current, proposal)
-        relative_change = relative_norm_change(new.weights, current.weights)
-        proposed_change = relative_norm_change(proposal.weights, current.weights)
+        relative_change = relative_norm_change(new.weights, current.weights, self.rows_block)
+        proposed_change = relative_norm_change(proposal.weights, current.weights, self.rows_block)
         converged = self._converged(result, current, new, step_size, full_psi, proposed_change, predicted_gain)
         return _NewtonStepTaken(step_size, new, relative_change, converged)
 
@@ -438,8 +457,10 @@ class DampedNewton:
         phase's actions, which only enlarge :math:`\mathbf Q`), so that a later fit continues exactly as if this one had
         not stopped here, and repeated fits do not grow the state.
         """
+        state = state.with_own_rows(self.rows_block)
         final = self.derivatives(state.kernel_representer_weights)
-        if not bool(torch.isfinite(final.noise_inverse.diagonal()).all()):
+        diagonal = final.noise_inverse.diagonal()
+        if not everywhere(bool(torch.isfinite(diagonal).all()), self.rows_block, diagonal):
             return state
         buffer = self.buffer  # no copy where the state holds the loop's own buffer (the run appends nothing to it)
         if buffer is None or not buffer.holds(state.actions, state.kernel_actions):
@@ -447,7 +468,7 @@ class DampedNewton:
         virtual = virtual_solver_run(buffer, final.noise_inverse)
         phase = covariance_phase(
             self.prior.matmul,
-            final.noise_inverse,
+            final.noise_inverse,  # (this rank's blocks where the state is held by rows)
             virtual.local_precision_root,  # this rank's rows of S E, T E (all rows in one process)
             virtual.local_kernel_precision_root,
             self.adapter.num_latents,

@@ -44,6 +44,7 @@ from torch import Tensor
 
 from .. import settings
 from ..core.prior import LatentPrior
+from ..core.sharding import all_points, all_rows
 from ..ep.sites import (
     block_cavities,
     cavities,
@@ -171,8 +172,9 @@ def matrix_free_laplace_evidence(prior: LatentPrior, adapter: LikelihoodAdapter,
     :param prior: the prior at the training inputs, built *with* gradients.
     :param state: the strategy's :class:`~gpytorch_iterncgp.LaplaceState` for the same hyperparameters.
     """
-    weights = state.representer_weights.detach()
-    kernel_weights = state.kernel_representer_weights.detach()
+    block = prior.row_block()  # where the state holds its rows: all of them gathered (the evidence is replicated)
+    weights = all_rows(state.representer_weights, block).detach()
+    kernel_weights = all_rows(state.kernel_representer_weights, block).detach()
     prior_mean = prior.mean.reshape(-1)
     mode = prior_mean.detach() + kernel_weights
     _, gradient, curvature, roots, system = _whitened_system(prior, adapter, mode, targets)
@@ -260,7 +262,7 @@ class _StrategyEvidence(MarginalLogLikelihood):
 
     def _fitted_mean(self, state: Any, prior: Any) -> Tensor:
         """The strategy's posterior mean at the training inputs, ``(N C,)`` (what ``model(train_x)`` returned)."""
-        return prior.mean.detach().reshape(-1) + state.kernel_representer_weights
+        return prior.mean.detach().reshape(-1) + all_rows(state.kernel_representer_weights, prior.row_block())
 
     def log_prior(self) -> Tensor:
         """:func:`log_prior` of this objective's model and likelihood."""
@@ -320,7 +322,11 @@ class LaplaceMarginalLogLikelihood(_StrategyEvidence):
             kernel_matrix = prior.data_major_covariance().to_dense()
             prior_mean = prior.mean.reshape(-1)
             evidence = exact_laplace_evidence(
-                kernel_matrix, prior_mean, strategy.adapter, targets, state.representer_weights
+                kernel_matrix,
+                prior_mean,
+                strategy.adapter,
+                targets,
+                all_rows(state.representer_weights, prior.row_block()),
             )
         else:
             evidence = matrix_free_laplace_evidence(prior, strategy.adapter, targets, state)
@@ -367,9 +373,9 @@ class EPMarginalLogLikelihood(_StrategyEvidence):
         """
         strategy, targets, state, prior, exact = self._checked_call(function_dist, target)
         marginals = None if exact else ExpectationPropagation.marginals_of(prior, state)
-        evidence = ep_evidence(
-            prior, strategy.adapter, targets, state.site_precision, state.site_natural_mean, exact, marginals
-        )
+        block = prior.row_block()  # the sites of every rank where they are held by rows (the evidence is replicated)
+        sites = all_points(state.site_precision, block), all_points(state.site_natural_mean, block)
+        evidence = ep_evidence(prior, strategy.adapter, targets, *sites, exact, marginals)
         return self._per_point(evidence, strategy.num_data)
 
 

@@ -45,7 +45,7 @@ from ..core.outer_loop import EPSweep, FitReport, NewtonStep
 from ..core.policies import Policy, make_policy
 from ..core.precision import LowRankPrecision
 from ..core.prior import LatentPrior
-from ..core.sharding import RowBlock, RowShardedKernel, all_rows, own_rows
+from ..core.sharding import RowBlock, RowShardedKernel, all_points, all_rows, own_rows
 from ..core.solver import IterGPOptions, RegressionState
 from ..ep.sweeps import EPOptions, EPState, ExpectationPropagation
 from ..laplace.newton import DampedNewton, LaplaceState, SolverOptions
@@ -131,7 +131,11 @@ class _IterGPStrategy(PredictiveStrategy):
     def _prepare_loop(self) -> None:
         """The policy prepared for this data (its size, the latents, the observed coordinates)."""
         observed = self.adapter.observed_coordinates(self.train_targets)
-        missing = {} if observed is None else {"observed": observed}  # (a custom Policy need not know the keyword)
+        # only the keywords that apply (a custom Policy need not know them)
+        missing: dict[str, Any] = {} if observed is None else {"observed": observed}
+        rows_block = self._rows_block()  # the residuals' rows the policy is called with, where held by rows
+        if rows_block is not None:
+            missing["rows"] = (rows_block.start, rows_block.stop)
         self.policy.prepare(self.num_data, self.num_latents, self.adapter.zero_sum_actions, **missing)
 
     # -- the posterior ---------------------------------------------------------------------------
@@ -181,7 +185,7 @@ class _IterGPStrategy(PredictiveStrategy):
         rows_block = self._rows_block()
         if self.training and inputs.shape == self.train_inputs.shape and bool(torch.equal(inputs, self.train_inputs)):
             prior = self.train_prior()
-            mean = prior.mean.reshape(-1) + state.kernel_representer_weights
+            mean = prior.mean.reshape(-1) + all_rows(state.kernel_representer_weights, rows_block)
             return mean, all_rows(state.kernel_precision_root, rows_block), prior
         full = LatentPrior.from_distribution(
             self.model.forward(torch.cat([self.train_inputs, inputs], dim=-2)), self.num_latents
@@ -391,7 +395,8 @@ class IterNCGPStrategy(_IterGPStrategy):
         state = self.ensure_fitted()
         with torch.no_grad():
             mean = self.train_prior().mean
-        return mean + state.kernel_representer_weights.reshape(-1, self.num_latents)
+        kernel_weights = all_rows(state.kernel_representer_weights, self._rows_block())  # (gathered where by rows)
+        return mean + kernel_weights.reshape(-1, self.num_latents)
 
 
 class EPStrategy(_IterGPStrategy):
@@ -539,5 +544,5 @@ class EPStrategy(_IterGPStrategy):
         r"""The site parameters :math:`(\tilde{\boldsymbol\tau}, \tilde{\boldsymbol\nu})`, ``(N,)`` each, or for the
         multinomial probit the blocks :math:`\tilde{\mathbf T}_i` ``(N, C, C)`` and :math:`\tilde{\boldsymbol\nu}_i`
         ``(N, C)`` (fits first if needed)."""
-        state = self.ensure_fitted()
-        return state.site_precision, state.site_natural_mean
+        state, rows_block = self.ensure_fitted(), self._rows_block()  # (gathered where held by rows: a collective)
+        return all_points(state.site_precision, rows_block), all_points(state.site_natural_mean, rows_block)

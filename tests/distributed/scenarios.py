@@ -17,7 +17,13 @@ import gpytorch
 import torch
 import torch.distributed as dist
 
-from gpytorch_iterncgp import EPMarginalLogLikelihood, EPStrategy, IterNCGPStrategy, LaplaceMarginalLogLikelihood
+from gpytorch_iterncgp import (
+    EPMarginalLogLikelihood,
+    EPStrategy,
+    IterNCGPStrategy,
+    LaplaceMarginalLogLikelihood,
+    MultinomialProbitLikelihood,
+)
 from gpytorch_iterncgp import settings as package_settings
 from gpytorch_iterncgp.core.prior import LatentPrior
 from gpytorch_iterncgp.distributed import ShardedKernel
@@ -28,7 +34,7 @@ NUM_CLASSES = 3
 STEP_OF_SAVE = 2  # Newton steps / EP sweeps after which a state_dict is saved
 FAULT_TIMEOUT = datetime.timedelta(seconds=3)  # the faulty scenario's process group: what a rank waits for another
 SOLVER = {"policy": "cg", "max_solver_iterations": 5, "recycle": True, "compression_rank": 10}
-FIT_STEPS = {"laplace": 6, "ep": 4}  # Newton steps, EP sweeps
+FIT_STEPS = {"laplace": 6, "ep": 4, "binary": 6, "unit": 6, "mnp": 3}  # Newton steps, EP sweeps
 COVARIANCE_PHASE = {"covariance_iterations": 1, "covariance_block_size": 12}  # one block after the fit
 MARGINAL_REFRESH = {"marginal_iterations": 1}  # EP: one covariance-phase block for the marginals after every sweep
 COLUMNS = torch.tensor([0, 7, 8, 150, 302])  # data-major indices of kernel columns (points 0, 2, 50, 100)
@@ -36,21 +42,32 @@ COLUMNS = torch.tensor([0, 7, 8, 150, 302])  # data-major indices of kernel colu
 
 def data(kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Training inputs, targets and test inputs (float64)."""
-    if kind == "laplace":
+    if kind in ("laplace", "unit", "mnp"):
         x, y = multiclass_data(NUM_DATA, NUM_CLASSES, dim=2, seed=1)
-    else:
+    else:  # binary EP, and binary Laplace
         x, y = binary_data(NUM_DATA, dim=2, seed=1)
     test = torch.rand(13, 2, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     return x, y, test
 
 
 def model(kind: str, sharded: bool, process_group=None, shard_state: bool = False) -> IterNCGPModel:
-    """Softmax Laplace (``"laplace"``, one kernel shared by the classes) or binary probit EP (``"ep"``), CG with
-    recycling; ``shard_state``: the wrapper holds the Laplace solver's recycled actions by rows too."""
+    """Softmax Laplace (``"laplace"``, one kernel shared by the classes), binary probit EP (``"ep"``) or binary probit
+    Laplace (``"binary"``), CG with recycling; softmax Laplace with unit-vector actions (``"unit"``, 20 per Newton
+    step, recycled and compressed to 30); multinomial probit EP (``"mnp"``, C x C sites); ``shard_state``: the wrapper
+    holds the solver's state by rows too."""
     x, y, _ = data(kind)
-    if kind == "laplace":
+    if kind == "mnp":
+        likelihood = MultinomialProbitLikelihood(num_classes=NUM_CLASSES)
+        built = IterNCGPModel(x, y, likelihood, kernel="matern", strategy_class=EPStrategy, **SOLVER)
+    elif kind == "unit":
+        likelihood = gpytorch.likelihoods.SoftmaxLikelihood(num_classes=NUM_CLASSES, mixing_weights=False)
+        options = {**SOLVER, "policy": "unit", "max_solver_iterations": 20, "compression_rank": 30}
+        built = IterNCGPModel(x, y, likelihood, kernel="matern", lengthscale=0.3, outputscale=4.0, **options)
+    elif kind == "laplace":
         likelihood = gpytorch.likelihoods.SoftmaxLikelihood(num_classes=NUM_CLASSES, mixing_weights=False)
         built = IterNCGPModel(x, y, likelihood, kernel="matern", lengthscale=0.3, outputscale=4.0, **SOLVER)
+    elif kind == "binary":
+        built = IterNCGPModel(x, y, gpytorch.likelihoods.BernoulliLikelihood(), kernel="matern", **SOLVER)
     else:
         likelihood = gpytorch.likelihoods.BernoulliLikelihood()
         built = IterNCGPModel(x, y, likelihood, kernel="matern", strategy_class=EPStrategy, **SOLVER)
@@ -73,9 +90,10 @@ def summary(built: IterNCGPModel, kind: str) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         mean, variance = strategy.marginal_latent(test)
     built.train()
-    mll_class = LaplaceMarginalLogLikelihood if kind == "laplace" else EPMarginalLogLikelihood
+    laplace = isinstance(strategy, IterNCGPStrategy)
+    mll_class = LaplaceMarginalLogLikelihood if laplace else EPMarginalLogLikelihood
     evidence = mll_class(strategy.likelihood, built)(built(x), y).detach()
-    fitted = strategy.mode if kind == "laplace" else torch.stack(strategy.sites)
+    fitted = strategy.mode if laplace else torch.cat([site.reshape(-1) for site in strategy.sites])
     return {"fitted": fitted.detach(), "mean": mean, "variance": variance, "evidence": evidence}
 
 
@@ -164,6 +182,8 @@ def run(rank: int, directory: Path) -> dict:
     for kind in ("laplace", "ep"):
         results[f"{kind}_sharded_state"] = sharded_state(kind)
         results[f"{kind}_covariance_phase"] = sharded_covariance_phase(kind)
+    for kind in ("laplace", "binary", "unit", "ep", "mnp"):
+        results[f"{kind}_vectors"] = sharded_vectors(kind)
     results["covariance_phase_rows"] = covariance_phase_rows(rank)
     results["mismatch"] = mismatch(rank)
     results["fault"] = fault(rank, directory)
@@ -199,19 +219,20 @@ def buffer_products() -> dict[str, torch.Tensor]:
 
     from gpytorch_iterncgp.core.noise import BlockNoiseInverse
     from gpytorch_iterncgp.core.recycling import ActionBuffer, noise_gram
-    from gpytorch_iterncgp.core.sharding import RowBlock
+    from gpytorch_iterncgp.core.sharding import RowBlock, own_points
 
     actions, kernel_actions, cholesky = buffer_data()
     block = RowBlock.of_rank(101, 3, None)
     buffer = ActionBuffer.from_tensors(actions, kernel_actions, block)
-    noise = BlockNoiseInverse(cholesky)
+    noise = BlockNoiseInverse(own_points(cholesky, block, 3))  # this rank's blocks, as the solver holds W
     vector = torch.linspace(-1, 1, 303, dtype=torch.float64)
-    combined = buffer.combine(torch.arange(6, dtype=torch.float64))
+    combined = torch.stack(buffer.combine(torch.arange(6, dtype=torch.float64)), -1)  # this rank's rows
     centred = ActionBuffer.from_tensors(actions[:, :3], kernel_actions[:, :3], block)
     return {
         "rows": torch.tensor(buffer.actions.value.shape),
-        "transpose_matmul": buffer.transpose_matmul(vector),
-        "combine": torch.stack(combined, -1),
+        "transpose_matmul": buffer.transpose_matmul(block.local(vector)),
+        "combine_rows": torch.tensor(combined.shape),
+        "combine": block.gather(combined),
         "kernel_gram": buffer.kernel_gram(),
         "action_gram": buffer.action_gram(),
         "noise_gram_block": noise_gram(buffer, noise),
@@ -256,6 +277,64 @@ def sharded_state(kind: str) -> dict:
     return out
 
 
+def loop_vectors(built: IterNCGPModel) -> dict[str, torch.Tensor]:
+    """The outer loop's vectors at the end of a fit, as the loop holds them (this rank's rows or points with
+    ``shard_state``, all of them in one process): ``a``, ``K a`` and the shape of the noise ``W^{-1}``; Laplace: the
+    mode ``f = m + K a``, the gradient ``g(f)`` and the diagonal of ``W^{-1}`` built from the curvature blocks at
+    ``f``; EP: the sites, the marginals the next sweep starts from and the right-hand side of the sites' regression."""
+    strategy = built.variational_strategy
+    with torch.no_grad():
+        loop = strategy._make_loop(strategy.train_prior(), strategy.options)
+        state = strategy.state.with_own_rows(loop.rows_block)
+        if isinstance(strategy, EPStrategy):
+            mean, variance = loop.marginals(state)
+            noise, rhs = loop.noise(state.site_precision, state.site_natural_mean, loop.rows_block)
+            return {
+                "weights": state.representer_weights,
+                "kernel_weights": state.kernel_representer_weights,
+                "site_precision": state.site_precision,
+                "site_natural_mean": state.site_natural_mean,
+                "marginal_mean": mean,
+                "marginal_variance": variance,
+                "rhs": rhs,
+                "noise_shape": torch.tensor(noise.shape),
+            }
+        derivatives = loop.derivatives(state.kernel_representer_weights)
+        return {
+            "weights": state.representer_weights,
+            "kernel_weights": state.kernel_representer_weights,
+            "mode": loop.latent_of(state.kernel_representer_weights).reshape(-1),
+            "gradient": derivatives.gradient.reshape(-1),
+            "noise_diagonal": derivatives.noise_inverse.diagonal(),
+            "noise_shape": torch.tensor(derivatives.noise_inverse.shape),
+        }
+
+
+def sharded_vectors(kind: str) -> dict:
+    """A fit with ``shard_state=True``: the shapes of ``a`` and ``K a`` this rank holds after every Newton step or EP
+    sweep (and of EP's sites), the loop's vectors at the end (:func:`loop_vectors`), and the state_dict after
+    :data:`STEP_OF_SAVE` steps (gathered) for the test to resume in one process."""
+    built = model(kind, sharded=True, shard_state=True)
+    shapes: list = []
+    saved = {}
+
+    def held(state) -> list[tuple[int, ...]]:
+        names = ["representer_weights", "kernel_representer_weights", "site_precision", "site_natural_mean"]
+        return [tuple(getattr(state, name).shape) for name in names if hasattr(state, name)]
+
+    def record(step, state):
+        shapes.append(held(state))
+        if step.step == STEP_OF_SAVE:
+            saved["state_dict"] = state_dict_bytes(built)
+
+    fit(built, kind, FIT_STEPS[kind], callback=record)
+    shapes.append(held(built.variational_strategy.state))
+    products = (built.variational_strategy.last_report.kernel_products, built.covar_module.products)
+    final = loop_vectors(built)
+    out = {"shapes": shapes, "final": final, "saved": saved["state_dict"], "summary": summary(built, kind)}
+    return {**out, "products": products}
+
+
 def with_covariance_phase(built: IterNCGPModel) -> IterNCGPModel:
     """``built`` with :data:`COVARIANCE_PHASE` blocks of the covariance phase at the end of each fit (EP: and one
     block for the marginals after every sweep, :data:`MARGINAL_REFRESH`)."""
@@ -285,10 +364,12 @@ def covariance_phase_rows(rank: int) -> dict[str, torch.Tensor]:
     """The covariance phase run directly on this rank's rows (:func:`covariance_phase_data`, 101 points x 3 latents
     over the ranks): the rows of the enlarged Q and K Q it returns, and the number of columns added."""
     from gpytorch_iterncgp.core.covariance import covariance_phase
-    from gpytorch_iterncgp.core.sharding import RowBlock
+    from gpytorch_iterncgp.core.noise import BlockNoiseInverse
+    from gpytorch_iterncgp.core.sharding import RowBlock, own_points
 
     kernel, noise, root, kernel_root, project = covariance_phase_data()
     block = RowBlock.of_rank(101, 3, None)
+    noise = BlockNoiseInverse(own_points(noise.curvature_cholesky, block, 3))  # this rank's blocks of W^{-1}
     phase = covariance_phase(
         lambda vectors: kernel @ vectors, noise, block.local(root), block.local(kernel_root), 3, 3, 9,
         project=project, action_space_dimension=202, seed=5, rows_block=block,

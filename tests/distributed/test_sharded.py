@@ -143,9 +143,9 @@ def test_a_failing_rank_makes_the_other_fail_within_the_timeout(ranks, single_pr
 
 
 def test_the_action_buffers_reductions_over_row_blocks_equal_the_dense_products(ranks):
-    """An action buffer whose rows are split over the two ranks (51 and 50 points x 3 latents): S^T x, S c, T c and
-    the Gram matrices (the noise's for block noise, whitened by rows, and for a dense noise, by gathered columns)
-    against the dense products of all rows."""
+    """An action buffer whose rows are split over the two ranks (51 and 50 points x 3 latents): S^T x, S c, T c (each
+    rank's rows of them, gathered here) and the Gram matrices (the noise's from each rank's blocks of W^{-1}, block
+    noise whitened by rows and a dense noise by its product) against the dense products of all rows."""
     actions, kernel_actions, cholesky = scenarios.buffer_data()
     from gpytorch_iterncgp.core.noise import BlockNoiseInverse
 
@@ -163,6 +163,7 @@ def test_the_action_buffers_reductions_over_row_blocks_equal_the_dense_products(
     for rank, result in enumerate(ranks):
         buffer = result["buffer"]
         assert buffer["rows"].tolist() == [(51 - rank) * 3, 6]
+        assert buffer["combine_rows"].tolist() == [(51 - rank) * 3, 2]
         for name, value in expected.items():
             _assert_close(buffer[name], value, name)
         assert buffer["zero_sums"].tolist() == [True, False]
@@ -271,6 +272,52 @@ def test_the_covariance_phase_on_rows_equals_the_phase_in_one_process(ranks):
         assert phase["root"].shape == phase["kernel_root"].shape == (3 * (stop - start), root.shape[-1] + 18)
         _assert_close(phase["root"], expected.precision_root[3 * start : 3 * stop], "Q's rows")
         _assert_close(phase["kernel_root"], expected.kernel_precision_root[3 * start : 3 * stop], "K Q's rows")
+
+
+@pytest.mark.parametrize("kind", ["laplace", "binary", "unit", "ep", "mnp"])
+def test_sharded_state_holds_the_outer_loops_vectors_by_rows(ranks, kind):
+    """``shard_state=True``: softmax and binary Laplace, CG with recycling and compression, softmax Laplace with
+    unit-vector actions (each on the rank holding its coordinate, its kernel columns by rows), binary probit EP and
+    multinomial probit EP (C x C sites). After every Newton step or sweep and at the end of the fit each rank holds its
+    rows of a and K a (and its points' sites) only, 120 of 240 points, and at the end its rows of the loop's vectors
+    (Laplace: a, K a, the mode f, the gradient, W^{-1}, an operator of its rows' size built from its points' curvature
+    blocks; EP: a, K a, the sites, the marginals and the right-hand side) equal the same rows of one process's fit
+    within 1e-10, and so do the mode (sites), the predictions at test inputs and the evidence, with as many products
+    with K as in one process, each one collective of the ShardedKernel. The state_dict saved by
+    the two processes after two steps (all rows) resumes in one process to the uninterrupted fit's vectors."""
+    from gpytorch_iterncgp.core.sharding import row_bounds
+
+    latents = 1 if kind in ("binary", "ep") else scenarios.NUM_CLASSES
+    reference = scenarios.model(kind, sharded=False)
+    scenarios.fit(reference, kind, scenarios.FIT_STEPS[kind])
+    expected = scenarios.loop_vectors(reference)
+    size = scenarios.NUM_DATA * latents
+    assert expected["noise_shape"].tolist() == [size, size]
+    products = reference.variational_strategy.last_report.kernel_products
+    for result in ranks:  # as many products with K as one process (each a collective), no second one
+        assert tuple(result[f"{kind}_vectors"]["products"]) == (products, products), kind
+    resumed = scenarios.load(scenarios.model(kind, sharded=False), ranks[0][f"{kind}_vectors"]["saved"])
+    scenarios.fit(resumed, kind, scenarios.FIT_STEPS[kind] - scenarios.STEP_OF_SAVE)
+    resumed_vectors = scenarios.loop_vectors(resumed)
+    for (start, stop), result in zip(row_bounds(scenarios.NUM_DATA, WORLD_SIZE), ranks, strict=True):
+        held, count = result[f"{kind}_vectors"], (stop - start) * latents
+        assert count == scenarios.NUM_DATA // WORLD_SIZE * latents
+        assert len(held["shapes"]) > scenarios.STEP_OF_SAVE + 1
+        for shapes in held["shapes"]:  # a, K a (, sites): this rank's rows (points) only
+            assert shapes[:2] == [(count,), (count,)] and all(shape[0] * latents == count for shape in shapes[2:])
+        assert held["final"]["noise_shape"].tolist() == [count, count]
+        for name, value in expected.items():
+            if name == "noise_shape":
+                continue
+            # data-major vectors by rows, point-major tensors (sites, C x C marginals) by points
+            part = value[start * latents : stop * latents] if value.shape[0] == size else value[start:stop]
+            assert held["final"][name].shape == part.shape, name
+            _assert_close(held["final"][name], part, f"{kind} {name}, rank's rows")
+    for name, value in expected.items():
+        _assert_close(resumed_vectors[name].double(), value.double(), f"{kind} {name}, resumed in one process")
+    for name, value in scenarios.summary(reference, kind).items():  # mode or sites, predictions, evidence
+        for result in ranks:
+            _assert_close(result[f"{kind}_vectors"]["summary"][name], value, f"{kind} {name}, two processes")
 
 
 def test_ranks_with_different_data_fail_naming_the_fix(ranks):
