@@ -31,6 +31,7 @@ the exact Laplace covariance by exactly the error of having stopped the solver e
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -135,6 +136,13 @@ class _IterGPStrategy(PredictiveStrategy):
         missing: dict[str, Any] = {} if observed is None else {"observed": observed}
         rows_block = self._rows_block()  # the residuals' rows the policy is called with, where held by rows
         if rows_block is not None:
+            parameters = inspect.signature(self.policy.prepare).parameters
+            if "rows" not in parameters and not any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+                raise TypeError(
+                    f"{type(self.policy).__name__}.prepare takes no 'rows': with ShardedKernel(..., shard_state=True) "
+                    "the policy is called with this process's rows of the residual only; accept "
+                    "rows=(start, stop) in prepare (see Policy.prepare), or use shard_state=False."
+                )
             missing["rows"] = (rows_block.start, rows_block.stop)
         self.policy.prepare(self.num_data, self.num_latents, self.adapter.zero_sum_actions, **missing)
 

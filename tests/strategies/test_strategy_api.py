@@ -465,3 +465,24 @@ def test_shared_kernel_equals_batched_identical_kernels(options):
     torch.testing.assert_close(mean, mean_b, rtol=0, atol=1e-8)
     torch.testing.assert_close(variance, variance_b, rtol=0, atol=1e-8)
     torch.testing.assert_close(covariance, covariance_b, rtol=0, atol=1e-8)
+
+
+def test_custom_policy_without_rows_is_refused_where_the_state_is_held_by_rows(monkeypatch):
+    """With ``shard_state`` the policy is prepared with this rank's rows; a custom ``Policy`` whose ``prepare`` has no
+    ``rows`` gets a ``TypeError`` that names the fix (one process stands in for a rank holding all rows)."""
+    from gpytorch_iterncgp.core.policies import ConjugateGradientPolicy, Policy
+    from gpytorch_iterncgp.core.sharding import RowBlock
+
+    class OldStyle(ConjugateGradientPolicy):
+        def prepare(self, num_data, num_latents, zero_sum_actions, observed=None):
+            super().prepare(num_data, num_latents, zero_sum_actions, observed)
+
+    x, y = binary_data(30, seed=3)
+    model = IterNCGPModel(x, y, LogitBernoulliLikelihood(), policy=OldStyle())
+    strategy = model.variational_strategy
+    monkeypatch.setattr(strategy, "_rows_block", lambda: RowBlock(0, 30, 30, [(0, 30)], None))
+    with pytest.raises(TypeError, match="accept rows=\\(start, stop\\) in prepare"):
+        strategy._prepare_loop()
+    assert issubclass(OldStyle, Policy)
+    strategy.policy = ConjugateGradientPolicy()  # the package's policies take rows
+    strategy._prepare_loop()
