@@ -128,7 +128,7 @@ def gibbs(run: dict, t: torch.Tensor, y: torch.Tensor, sweeps: int, burn_in: int
 def main():
     args = _common.parse_args(__doc__.splitlines()[0])
     _common.setup(seed=0)
-    num_points, steps, sweeps, burn_in = (40, 150, 200, 50) if args.smoke else (120, 1500, 2000, 500)
+    num_points, steps, sweeps, burn_in = (40, 60, 100, 25) if args.smoke else (120, 1500, 2000, 500)
     t = torch.arange(num_points, dtype=torch.float64)[:, None] * (60.0 / num_points)
     clean = square_wave(t[:, 0])
     y = (clean + NOISE_STD * torch.randn(num_points)).unsqueeze(-1)
