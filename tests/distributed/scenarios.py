@@ -30,6 +30,7 @@ from gpytorch_iterncgp.distributed import ShardedKernel
 from gpytorch_iterncgp.likelihoods.adapters import MultitaskPoissonLikelihood
 from tests.common import (
     IterNCGPModel,
+    LMCIterNCGPModel,
     MultitaskIterNCGPModel,
     binary_data,
     multiclass_data,
@@ -232,6 +233,7 @@ def run(rank: int, directory: Path) -> dict:
     for kind in VECTOR_KINDS:
         results[f"{kind}_vectors"] = sharded_vectors(kind)
     results["covariance_phase_rows"] = covariance_phase_rows(rank)
+    results["operator_prior"] = operator_prior_refused()
     results["mismatch"] = mismatch(rank)
     results["fault"] = fault(rank, directory)
     return results
@@ -458,6 +460,23 @@ def mismatch(rank: int) -> str | None:
         fit(built, "ep", 1)
     except ValueError as error:
         return str(error)
+    return None
+
+
+def operator_prior_refused() -> str | None:
+    """A linear model of coregionalisation built in ``forward`` (a sum of Kronecker products of a batch kernel's
+    entries, :class:`~tests.common.LMCIterNCGPModel`) with that batch kernel wrapped, ``shard_state=True``, CG: its
+    products are not split by rows, and the fit refuses it (the error's text), before any product; ``None`` if it
+    fits (every rank then holds and computes all rows)."""
+    x, y, _ = data("missing")
+    mixing = torch.tensor([[1.0, 0.2], [-0.5, 0.7], [0.3, 0.4]], dtype=torch.float64)  # H, (C, Q)
+    likelihood = MultitaskPoissonLikelihood(num_tasks=NUM_CLASSES)
+    built = LMCIterNCGPModel(x, y, likelihood, mixing, [0.2, 0.5], **SOLVER)
+    built.latent_covar_module = ShardedKernel(built.latent_covar_module, shard_state=True)
+    try:
+        fit(built, "missing", 1)
+    except ValueError as error:
+        return f"{error} ({built.latent_covar_module.products} products)"
     return None
 
 

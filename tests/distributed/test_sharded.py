@@ -324,6 +324,18 @@ def test_sharded_state_holds_the_outer_loops_vectors_by_rows(ranks, kind):
             _assert_close(result[f"{kind}_vectors"]["summary"][name], value, f"{kind} {name}, two processes")
 
 
+def test_a_sharded_kernel_inside_a_covariance_built_in_forward_is_refused_with_shard_state(ranks):
+    """A linear model of coregionalisation built in ``forward`` as a sum of Kronecker products of a wrapped batch
+    kernel's entries: its products are not split by rows, so with ``shard_state=True`` the loops would hold all rows
+    while the policy and the predictions take this rank's (CG ran replicated, with no sharded product; with unit
+    vectors rank 1 stopped on a zero action while rank 0 waited for it). The fit refuses it on both ranks, naming the
+    fix, before any product."""
+    for result in ranks:
+        error = result["operator_prior"]
+        assert error is not None and "SumLinearOperator built from it" in error, error
+        assert "LCMKernel" in error and "shard_state=False" in error and error.endswith("(0 products)")
+
+
 def test_ranks_with_different_data_fail_naming_the_fix(ranks):
     for result in ranks:
         assert result["mismatch"] is not None and "same model on the same data" in result["mismatch"]
