@@ -70,7 +70,9 @@ class ShardedKernel(RowShardedKernel):
         Newton loop's mode, gradient, curvature blocks and right-hand side, EP's sites and marginals, and IterGP's
         residual, actions and directions: each rank :math:`\lceil N / P \rceil C` rows of them (its points), inner
         products and norms by ``all_reduce``, each product's right-hand side gathered once. ``state_dict()`` is then a
-        collective (every rank calls it; it gathers them).
+        collective (every rank calls it; it gathers them). The wrapper must then be the model's covariance kernel
+        (``forward`` returns the distribution of its evaluation): a fit refuses a covariance built in ``forward`` from
+        its entries (e.g. a sum of Kronecker products), whose products are not split by rows.
     :raises TypeError: if ``shard_state`` is not a bool.
     :raises RuntimeError: when a product is taken before ``torch.distributed.init_process_group()``.
     """

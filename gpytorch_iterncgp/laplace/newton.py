@@ -172,16 +172,19 @@ class DampedNewton:
         num_data = self.num_rows // adapter.num_latents
         latents = adapter.num_latents - 1 if adapter.zero_sum_actions else adapter.num_latents
         self.action_space_dimension = num_data * latents
-        self.project = adapter.project if adapter.zero_sum_actions else None
+        self.project = adapter.project if adapter.zero_sum_actions else None  # of IterGP's actions (this rank's rows)
+        self.project_whole = self.project  # of whole vectors (all rows), as the covariance phase's blocks are
         self.buffer: ActionBuffer | None = None  # the loop's recycled actions after its last solve
         # K X and the kernel columns of sparse actions: by rows where the vectors are (the right-hand side gathered
         # once, this rank's rows of the product kept); the prior's own products otherwise
         self.kernel_matmul, self.kernel_columns = prior.products_by_rows(block)
         observed = adapter.observed_coordinates(targets)
         if observed is not None:  # missing outputs: W = 0 there, so actions (and residuals) live on the others
-            mask = own_rows(observed.to(self.prior_mean), block)[:, None]
+            whole = observed.to(self.prior_mean)[:, None]
+            mask = own_rows(whole, block)
             self.action_space_dimension = int(observed.sum())
             self.project = lambda vectors: vectors * mask
+            self.project_whole = lambda vectors: vectors * whole
         self._cached: tuple[Tensor, LikelihoodDerivatives] | None = None
 
     name = "IterNCGP"
@@ -474,7 +477,7 @@ class DampedNewton:
             self.adapter.num_latents,
             self.options.covariance_iterations,
             self.options.covariance_block_size,
-            project=self.adapter.project if self.adapter.zero_sum_actions else None,
+            project=self.project_whole,
             action_space_dimension=self.action_space_dimension,
             rows_block=self.rows_block,
         )

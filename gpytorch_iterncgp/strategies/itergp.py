@@ -123,10 +123,25 @@ class _IterGPStrategy(PredictiveStrategy):
         return LatentPrior.from_distribution(self.model.forward(self.train_inputs), self.num_latents)
 
     def _prior_for_fit(self) -> LatentPrior:
-        """:meth:`train_prior`, checked against the data's device and dtype."""
+        """:meth:`train_prior`, checked against the data's device and dtype, and, where a
+        :class:`~gpytorch_iterncgp.distributed.ShardedKernel` holds the state by rows, that its covariance is that
+        kernel's evaluation.
+
+        :raises ValueError: where the model holds a ``ShardedKernel(..., shard_state=True)`` but ``forward`` returns a
+            covariance built from it (a sum of Kronecker products, an indexed batch): its products are not split by
+            rows, so the loops would hold all rows while the policy and the predictions take this rank's.
+        """
         self._check_model_device()
         prior = self.train_prior()
         self._check_prior_dtype(prior.dtype)
+        if self._rows_block() is not None and prior.row_block() is None:
+            raise ValueError(
+                "ShardedKernel(..., shard_state=True) holds the state by rows only as the model's covariance itself "
+                "(forward returns the distribution of covar_module(x)), but this model's forward returns a "
+                f"{type(prior.covariance).__name__} built from it, whose products are not split by rows. Wrap the "
+                "kernel whose evaluation forward returns (e.g. an LCMKernel instead of a sum of Kronecker products "
+                "built in forward), or use shard_state=False."
+            )
         return prior
 
     def _prepare_loop(self) -> None:

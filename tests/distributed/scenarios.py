@@ -27,42 +27,89 @@ from gpytorch_iterncgp import (
 from gpytorch_iterncgp import settings as package_settings
 from gpytorch_iterncgp.core.prior import LatentPrior
 from gpytorch_iterncgp.distributed import ShardedKernel
-from tests.common import IterNCGPModel, binary_data, multiclass_data
+from gpytorch_iterncgp.likelihoods.adapters import MultitaskPoissonLikelihood
+from tests.common import (
+    IterNCGPModel,
+    LMCIterNCGPModel,
+    MultitaskIterNCGPModel,
+    binary_data,
+    multiclass_data,
+    multioutput_count_data,
+    set_distinct_class_hyperparameters,
+)
 
 NUM_DATA = 240
 NUM_CLASSES = 3
 STEP_OF_SAVE = 2  # Newton steps / EP sweeps after which a state_dict is saved
 FAULT_TIMEOUT = datetime.timedelta(seconds=3)  # the faulty scenario's process group: what a rank waits for another
 SOLVER = {"policy": "cg", "max_solver_iterations": 5, "recycle": True, "compression_rank": 10}
+UNIT_SOLVER = {**SOLVER, "policy": "unit", "max_solver_iterations": 20, "compression_rank": 30}  # 20 unit vectors
 FIT_STEPS = {"laplace": 6, "ep": 4, "binary": 6, "unit": 6, "mnp": 3}  # Newton steps, EP sweeps
+FIT_STEPS |= {"independent": 6, "multitask": 6, "missing": 6, "mnp_independent": 3, "mnp_multitask": 3}
+FIT_STEPS |= {"independent_unit": 3, "multitask_unit": 3, "missing_unit": 3}
+# the prior's layouts besides one kernel shared by the classes: one GP per class (batch [C]), correlated latents
+# (MultitaskKernel), correlated counts with missing outputs (LCMKernel); Laplace with CG or unit vectors, and EP
+LAYOUT_KINDS = ("independent", "independent_unit", "multitask", "multitask_unit", "missing", "missing_unit")
+LAYOUT_KINDS += ("mnp_independent", "mnp_multitask")
+VECTOR_KINDS = ("laplace", "binary", "unit", "ep", "mnp", *LAYOUT_KINDS)  # sharded_vectors
+SHARDED_STATE_KINDS = ("laplace", "ep", "independent", "multitask")  # sharded_state: + resumption, a new kernel
+COVARIANCE_PHASE_KINDS = ("laplace", "ep", "independent", "multitask", "missing")  # sharded_covariance_phase
 COVARIANCE_PHASE = {"covariance_iterations": 1, "covariance_block_size": 12}  # one block after the fit
 MARGINAL_REFRESH = {"marginal_iterations": 1}  # EP: one covariance-phase block for the marginals after every sweep
 COLUMNS = torch.tensor([0, 7, 8, 150, 302])  # data-major indices of kernel columns (points 0, 2, 50, 100)
 
 
+def num_latents(kind: str) -> int:
+    """:math:`C`, the latents per point (data-major rows of the state per point)."""
+    return 1 if kind in ("binary", "ep") else NUM_CLASSES
+
+
 def data(kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Training inputs, targets and test inputs (float64)."""
-    if kind in ("laplace", "unit", "mnp"):
+    if kind in ("laplace", "unit", "mnp") or kind.startswith(("independent", "multitask", "mnp_")):
         x, y = multiclass_data(NUM_DATA, NUM_CLASSES, dim=2, seed=1)
+    elif kind.startswith("missing"):  # (N, C) counts, a fifth of them NaN, on [0, 1]
+        x, y = multioutput_count_data(NUM_DATA, NUM_CLASSES, seed=1, missing=0.2)
     else:  # binary EP, and binary Laplace
         x, y = binary_data(NUM_DATA, dim=2, seed=1)
-    test = torch.rand(13, 2, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    test = torch.rand(13, x.shape[-1], generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     return x, y, test
 
 
 def model(kind: str, sharded: bool, process_group=None, shard_state: bool = False) -> IterNCGPModel:
     """Softmax Laplace (``"laplace"``, one kernel shared by the classes), binary probit EP (``"ep"``) or binary probit
     Laplace (``"binary"``), CG with recycling; softmax Laplace with unit-vector actions (``"unit"``, 20 per Newton
-    step, recycled and compressed to 30); multinomial probit EP (``"mnp"``, C x C sites); ``shard_state``: the wrapper
-    holds the solver's state by rows too."""
+    step, recycled and compressed to 30); multinomial probit EP (``"mnp"``, C x C sites). The other layouts of the
+    prior (:data:`LAYOUT_KINDS`): softmax Laplace with one GP per class (``"independent"``, a batch [C] kernel with
+    its own lengthscale, outputscale and mean per class), with correlated latents (``"multitask"``,
+    ``MultitaskKernel`` of rank 2), and multi-output Poisson counts, a fifth of them missing (``"missing"``, NaN
+    targets, ``LCMKernel`` of two RBF kernels), by CG or with unit vectors (``"..._unit"``, as ``"unit"``);
+    multinomial probit EP with one GP per class or correlated latents (``"mnp_independent"``, ``"mnp_multitask"``).
+    ``shard_state``: the wrapper holds the solver's state by rows too."""
     x, y, _ = data(kind)
-    if kind == "mnp":
+    options = UNIT_SOLVER if kind.endswith("_unit") else SOLVER
+    if kind.startswith("mnp_"):  # multinomial probit EP with one GP per class or correlated latents
+        options = {**options, "strategy_class": EPStrategy}
+    softmax = gpytorch.likelihoods.SoftmaxLikelihood(num_classes=NUM_CLASSES, mixing_weights=False)
+    probit = MultinomialProbitLikelihood(num_classes=NUM_CLASSES)
+    if kind in ("independent", "independent_unit", "mnp_independent"):  # one GP per class, batch [C], each its own
+        likelihood = probit if kind.startswith("mnp_") else softmax  # lengthscale, outputscale and mean
+        built = IterNCGPModel(
+            x, y, likelihood, kernel="matern", batch_classes=NUM_CLASSES, constant_mean=0.0, **options
+        )
+        set_distinct_class_hyperparameters(built)
+    elif kind in ("multitask", "multitask_unit", "mnp_multitask"):  # correlated latents: MultitaskKernel, K_x ⊗ B
+        likelihood = probit if kind.startswith("mnp_") else softmax
+        built = MultitaskIterNCGPModel(x, y, likelihood, num_tasks=NUM_CLASSES, rank=2, **options)
+    elif kind in ("missing", "missing_unit"):  # correlated counts, missing outputs (NaN: no likelihood factor)
+        likelihood = MultitaskPoissonLikelihood(num_tasks=NUM_CLASSES)  # LCMKernel: sum_q K_q ⊗ B_q, q = 1, 2
+        built = MultitaskIterNCGPModel(x, y, likelihood, num_tasks=NUM_CLASSES, kernel="lcm", rank=1, **options)
+    elif kind == "mnp":
         likelihood = MultinomialProbitLikelihood(num_classes=NUM_CLASSES)
         built = IterNCGPModel(x, y, likelihood, kernel="matern", strategy_class=EPStrategy, **SOLVER)
     elif kind == "unit":
         likelihood = gpytorch.likelihoods.SoftmaxLikelihood(num_classes=NUM_CLASSES, mixing_weights=False)
-        options = {**SOLVER, "policy": "unit", "max_solver_iterations": 20, "compression_rank": 30}
-        built = IterNCGPModel(x, y, likelihood, kernel="matern", lengthscale=0.3, outputscale=4.0, **options)
+        built = IterNCGPModel(x, y, likelihood, kernel="matern", lengthscale=0.3, outputscale=4.0, **UNIT_SOLVER)
     elif kind == "laplace":
         likelihood = gpytorch.likelihoods.SoftmaxLikelihood(num_classes=NUM_CLASSES, mixing_weights=False)
         built = IterNCGPModel(x, y, likelihood, kernel="matern", lengthscale=0.3, outputscale=4.0, **SOLVER)
@@ -179,22 +226,29 @@ def run(rank: int, directory: Path) -> dict:
         fit(resumed, kind, FIT_STEPS[kind] - STEP_OF_SAVE)
         results[f"{kind}_resumed"] = summary(resumed, kind)
     results["buffer"] = buffer_products()
-    for kind in ("laplace", "ep"):
+    for kind in SHARDED_STATE_KINDS:
         results[f"{kind}_sharded_state"] = sharded_state(kind)
+    for kind in COVARIANCE_PHASE_KINDS:
         results[f"{kind}_covariance_phase"] = sharded_covariance_phase(kind)
-    for kind in ("laplace", "binary", "unit", "ep", "mnp"):
+    for kind in VECTOR_KINDS:
         results[f"{kind}_vectors"] = sharded_vectors(kind)
     results["covariance_phase_rows"] = covariance_phase_rows(rank)
+    results["operator_prior"] = operator_prior_refused()
     results["mismatch"] = mismatch(rank)
     results["fault"] = fault(rank, directory)
     return results
 
 
 def renewed(built: IterNCGPModel, kind: str) -> dict[str, torch.Tensor]:
-    """A fitted model's posterior after its outputscale changes to 3 and it fits 2 more steps (the recycled
-    actions' products renewed for the new kernel first)."""
+    """A fitted model's posterior after its outputscale changes to 3 (a multitask kernel: its task covariance's
+    factor is multiplied by 1.3) and it fits 2 more steps (the recycled actions' products renewed for the new kernel
+    first)."""
     kernel = built.covar_module.base_kernel if isinstance(built.covar_module, ShardedKernel) else built.covar_module
-    kernel.outputscale = 3.0
+    if isinstance(kernel, gpytorch.kernels.MultitaskKernel):
+        with torch.no_grad():
+            kernel.task_covar_module.covar_factor.mul_(1.3)
+    else:
+        kernel.outputscale = 3.0
     fit(built, kind, 2)
     return summary(built, kind)
 
@@ -406,6 +460,23 @@ def mismatch(rank: int) -> str | None:
         fit(built, "ep", 1)
     except ValueError as error:
         return str(error)
+    return None
+
+
+def operator_prior_refused() -> str | None:
+    """A linear model of coregionalisation built in ``forward`` (a sum of Kronecker products of a batch kernel's
+    entries, :class:`~tests.common.LMCIterNCGPModel`) with that batch kernel wrapped, ``shard_state=True``, CG: its
+    products are not split by rows, and the fit refuses it (the error's text), before any product; ``None`` if it
+    fits (every rank then holds and computes all rows)."""
+    x, y, _ = data("missing")
+    mixing = torch.tensor([[1.0, 0.2], [-0.5, 0.7], [0.3, 0.4]], dtype=torch.float64)  # H, (C, Q)
+    likelihood = MultitaskPoissonLikelihood(num_tasks=NUM_CLASSES)
+    built = LMCIterNCGPModel(x, y, likelihood, mixing, [0.2, 0.5], **SOLVER)
+    built.latent_covar_module = ShardedKernel(built.latent_covar_module, shard_state=True)
+    try:
+        fit(built, "missing", 1)
+    except ValueError as error:
+        return f"{error} ({built.latent_covar_module.products} products)"
     return None
 
 

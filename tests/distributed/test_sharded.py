@@ -69,7 +69,7 @@ def single_process() -> dict:
     """The reference: the scenarios' fits in this process, without the wrapper."""
     torch.set_num_threads(1)
     out = {}
-    for kind in ("laplace", "ep"):
+    for kind in scenarios.SHARDED_STATE_KINDS:
         built = scenarios.model(kind, sharded=False)
         out[f"{kind}_saved"] = scenarios.fit_saving(built, kind)
         out[kind] = scenarios.summary(built, kind)
@@ -169,17 +169,16 @@ def test_the_action_buffers_reductions_over_row_blocks_equal_the_dense_products(
         assert buffer["zero_sums"].tolist() == [True, False]
 
 
-@pytest.mark.parametrize("kind", ["laplace", "ep"])
+@pytest.mark.parametrize("kind", scenarios.SHARDED_STATE_KINDS)
 def test_sharded_state_holds_each_ranks_rows_and_fits_the_single_process_posterior(ranks, single_process, kind):
-    """``ShardedKernel(..., shard_state=True)``, softmax Laplace and binary EP: after every Newton step (EP sweep) each
-    rank holds its 120 points' rows of the recycled actions S and K S (of 240 points), and the posterior (mode or
-    sites, mean and variance at test inputs, evidence) is the same on both ranks, bit for bit, and equals one
-    process's, also after a change of outputscale (S gathered by column blocks for the renewed K S); its state_dict
-    (gathered, all rows)
-    resumes in one process, and one process's resumes with state sharding, both to the uninterrupted fit's
-    posterior."""
-    latents = scenarios.NUM_CLASSES if kind == "laplace" else 1
-    rows = scenarios.NUM_DATA // WORLD_SIZE * latents
+    """``ShardedKernel(..., shard_state=True)``, softmax Laplace (one kernel shared by the classes, one GP per class,
+    and correlated latents by a MultitaskKernel) and binary EP: after every Newton step (EP sweep) each rank holds its
+    120 points' rows of the recycled actions S and K S (of 240 points), and the posterior (mode or sites, mean and
+    variance at test inputs, evidence) is the same on both ranks, bit for bit, and equals one process's, also after a
+    change of outputscale (of the task covariance for the MultitaskKernel; S gathered by column blocks for the renewed
+    K S); its state_dict (gathered, all rows) resumes in one process, and one process's resumes with state sharding,
+    both to the uninterrupted fit's posterior."""
+    rows = scenarios.NUM_DATA // WORLD_SIZE * scenarios.num_latents(kind)
     for result in ranks:
         state = result[f"{kind}_sharded_state"]
         assert len(state["shapes"]) > scenarios.STEP_OF_SAVE  # steps taken (Laplace converges after 5 of 6)
@@ -189,7 +188,7 @@ def test_sharded_state_holds_each_ranks_rows_and_fits_the_single_process_posteri
         for name, expected in single_process[kind].items():
             _assert_close(state["summary"][name], expected, f"{kind}, sharded state: {name}")
             _assert_close(state["resumed"][name], expected, f"{kind}, sharded state: {name}, resumed on two")
-    reference = scenarios.model(kind, sharded=False)  # the fit continued after a change of outputscale
+    reference = scenarios.model(kind, sharded=False)  # the fit continued after a change of kernel
     scenarios.fit(reference, kind, scenarios.FIT_STEPS[kind])
     for name, expected in scenarios.renewed(reference, kind).items():
         for result in ranks:
@@ -207,7 +206,7 @@ def test_sharded_state_holds_each_ranks_rows_and_fits_the_single_process_posteri
         )
 
 
-@pytest.mark.parametrize("kind", ["laplace", "ep"])
+@pytest.mark.parametrize("kind", scenarios.SHARDED_STATE_KINDS)
 def test_sharded_state_holds_the_final_precision_root_by_rows(ranks, single_process, kind):
     """``shard_state=True``: the final Q and K Q (formed at the end of the fit, used by every prediction) are held by
     rows like S and K S: each rank's 120 points' rows (of 240) after every step, at the end of the fit, after a
@@ -215,8 +214,7 @@ def test_sharded_state_holds_the_final_precision_root_by_rows(ranks, single_proc
     summed over the ranks) equal one process's (test_sharded_state_holds_each_ranks_rows_...). The final state_dict
     holds all 240 points' rows (gathered on save) and predicts in one process, without refitting, the same
     posterior."""
-    latents = scenarios.NUM_CLASSES if kind == "laplace" else 1
-    rows = scenarios.NUM_DATA // WORLD_SIZE * latents
+    rows = scenarios.NUM_DATA // WORLD_SIZE * scenarios.num_latents(kind)
     for result in ranks:
         state = result[f"{kind}_sharded_state"]
         for shapes in [*state["shapes"], state["final_shapes"], state["renewed_shapes"], state["resumed_shapes"]]:
@@ -233,16 +231,18 @@ def test_sharded_state_holds_the_final_precision_root_by_rows(ranks, single_proc
     assert loaded.variational_strategy.last_report is None  # predicted from the saved state, not refitted
 
 
-@pytest.mark.parametrize("kind", ["laplace", "ep"])
+@pytest.mark.parametrize("kind", scenarios.COVARIANCE_PHASE_KINDS)
 def test_sharded_state_with_a_covariance_phase_fits_the_single_process_posterior(ranks, kind):
     """``shard_state=True`` and a covariance phase after the fit (EP: and one block for the marginals after every
     sweep, whose directions join the recycled actions), run on each rank's rows of Q, K Q: each rank holds its rows of
-    the enlarged Q and K Q, and the posterior equals one process's. A prediction at the 13 test inputs is one product,
-    an all_reduce of 13 C (r + 1) numbers, counted with the 8 bytes of each (float64)."""
+    the enlarged Q and K Q, and the posterior equals one process's; softmax Laplace with a shared kernel, one GP per
+    class and correlated latents, binary EP, and correlated counts with missing outputs (the phase's directions on
+    the observed coordinates, masked by each rank's rows). A prediction at the 13 test inputs is one product, an
+    all_reduce of 13 C (r + 1) numbers, counted with the 8 bytes of each (float64)."""
     reference = scenarios.with_covariance_phase(scenarios.model(kind, sharded=False))
     scenarios.fit(reference, kind, scenarios.FIT_STEPS[kind])
     expected_rank = reference.variational_strategy.state.precision_root.shape[-1]
-    latents = scenarios.NUM_CLASSES if kind == "laplace" else 1
+    latents = scenarios.num_latents(kind)
     rows = scenarios.NUM_DATA // WORLD_SIZE * latents
     for result in ranks:
         phase = result[f"{kind}_covariance_phase"]
@@ -274,11 +274,15 @@ def test_the_covariance_phase_on_rows_equals_the_phase_in_one_process(ranks):
         _assert_close(phase["kernel_root"], expected.kernel_precision_root[3 * start : 3 * stop], "K Q's rows")
 
 
-@pytest.mark.parametrize("kind", ["laplace", "binary", "unit", "ep", "mnp"])
+@pytest.mark.parametrize("kind", scenarios.VECTOR_KINDS)
 def test_sharded_state_holds_the_outer_loops_vectors_by_rows(ranks, kind):
     """``shard_state=True``: softmax and binary Laplace, CG with recycling and compression, softmax Laplace with
     unit-vector actions (each on the rank holding its coordinate, its kernel columns by rows), binary probit EP and
-    multinomial probit EP (C x C sites). After every Newton step or sweep and at the end of the fit each rank holds its
+    multinomial probit EP (C x C sites); and the prior's other layouts, by CG and by unit vectors: one GP per class
+    (a batch [3] kernel: each rank's rows of each class's columns), correlated latents (MultitaskKernel: the columns
+    are products with one-hot vectors), correlated counts with missing outputs (LCMKernel; NaN targets: the actions,
+    the unit vectors among them, on the observed coordinates of each rank's rows only), and multinomial probit EP with
+    one GP per class or correlated latents. After every Newton step or sweep and at the end of the fit each rank holds its
     rows of a and K a (and its points' sites) only, 120 of 240 points, and at the end its rows of the loop's vectors
     (Laplace: a, K a, the mode f, the gradient, W^{-1}, an operator of its rows' size built from its points' curvature
     blocks; EP: a, K a, the sites, the marginals and the right-hand side) equal the same rows of one process's fit
@@ -287,7 +291,7 @@ def test_sharded_state_holds_the_outer_loops_vectors_by_rows(ranks, kind):
     the two processes after two steps (all rows) resumes in one process to the uninterrupted fit's vectors."""
     from gpytorch_iterncgp.core.sharding import row_bounds
 
-    latents = 1 if kind in ("binary", "ep") else scenarios.NUM_CLASSES
+    latents = scenarios.num_latents(kind)
     reference = scenarios.model(kind, sharded=False)
     scenarios.fit(reference, kind, scenarios.FIT_STEPS[kind])
     expected = scenarios.loop_vectors(reference)
@@ -318,6 +322,18 @@ def test_sharded_state_holds_the_outer_loops_vectors_by_rows(ranks, kind):
     for name, value in scenarios.summary(reference, kind).items():  # mode or sites, predictions, evidence
         for result in ranks:
             _assert_close(result[f"{kind}_vectors"]["summary"][name], value, f"{kind} {name}, two processes")
+
+
+def test_a_sharded_kernel_inside_a_covariance_built_in_forward_is_refused_with_shard_state(ranks):
+    """A linear model of coregionalisation built in ``forward`` as a sum of Kronecker products of a wrapped batch
+    kernel's entries: its products are not split by rows, so with ``shard_state=True`` the loops would hold all rows
+    while the policy and the predictions take this rank's (CG ran replicated, with no sharded product; with unit
+    vectors rank 1 stopped on a zero action while rank 0 waited for it). The fit refuses it on both ranks, naming the
+    fix, before any product."""
+    for result in ranks:
+        error = result["operator_prior"]
+        assert error is not None and "SumLinearOperator built from it" in error, error
+        assert "LCMKernel" in error and "shard_state=False" in error and error.endswith("(0 products)")
 
 
 def test_ranks_with_different_data_fail_naming_the_fix(ranks):
