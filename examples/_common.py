@@ -27,11 +27,17 @@ except ImportError:
 def parse_args(
     description: str, add_arguments: Callable[[argparse.ArgumentParser], None] | None = None
 ) -> argparse.Namespace:
-    """``--smoke`` (tiny, seconds), ``--quiet`` (no progress bars), ``--out DIR`` (where to save the PNG),
+    """``--smoke`` (tiny, seconds), ``--quiet`` (no progress bars; the default when the output is not a terminal),
+    ``--out DIR`` (where to save the PNG),
     ``--threads N`` (torch and numpy BLAS threads, set here); ``add_arguments(parser)`` adds a script's own."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--smoke", action="store_true", help="run a much smaller version (a few seconds)")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    parser.add_argument(
+        "--quiet",
+        action="store_true",
+        default=not sys.stderr.isatty(),  # output to a log file: no progress bars in it
+        help="no progress bars (the default where the output is not a terminal)",
+    )
     parser.add_argument("--out", type=Path, default=FIGURE_DIR, help=f"output directory (default {FIGURE_DIR})")
     parser.add_argument(
         "--threads",

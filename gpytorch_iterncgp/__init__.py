@@ -5,7 +5,7 @@ Tatzel, Wenger, Schneider, Hennig: "Accelerating Non-Conjugate Gaussian Processe
 Computation For Uncertainty" (Algorithms 1-3). What users call is listed in ``__all__``. The subpackages are the
 layers, each importing only from those below it: :mod:`.core` (IterGP, the noise operators, recycling, the
 outer-loop driver, the prior's products), :mod:`.likelihoods`, the outer loops :mod:`.laplace` and :mod:`.ep`,
-:mod:`.sparse` (EP-DTC), :mod:`.strategies` (the GPyTorch-facing layer), :mod:`.mlls`, :mod:`.models` (GP-LVM,
+:mod:`.sparse` (EP-DTC), :mod:`.strategies` (the GPyTorch-facing layer), :mod:`.mlls`, :mod:`.learning` (:func:`fit_mll`), :mod:`.models` (GP-LVM,
 GP-ALPS), :mod:`.kernels` (``ShardedKernel`` for several processes, at ``gpytorch_iterncgp.distributed``) and
 :mod:`.integrations` (scikit-learn, BoTorch; also at ``gpytorch_iterncgp.sklearn`` and ``.botorch``).
 """
@@ -14,8 +14,16 @@ from . import settings
 from .core.outer_loop import EPSweep, FitReport, NewtonStep
 from .core.policies import ConjugateGradientPolicy, Policy, UnitVectorPolicy
 from .ep.sweeps import EPState
-from .exceptions import NonFiniteEvidenceError, NotConvergedWarning, NumericalBreakdownWarning
+from .exceptions import (
+    ConvergenceWarning,
+    EstimatedEvidenceWarning,
+    NonFiniteEvidenceError,
+    NotConvergedWarning,
+    NumericalBreakdownWarning,
+)
 from .laplace.newton import LaplaceState, SolverOptions
+from .learning.fit import fit_mll
+from .learning.recipe import LearningRecipe, LearningReport
 from .likelihoods.adapters import ExpPoissonLikelihood, LogitBernoulliLikelihood, MultitaskPoissonLikelihood
 from .likelihoods.multinomial_probit import MultinomialProbitLikelihood
 from .mlls.itergp import EPMarginalLogLikelihood, LaplaceMarginalLogLikelihood
@@ -30,10 +38,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ConjugateGradientPolicy",
+    "ConvergenceWarning",
     "EPMarginalLogLikelihood",
     "EPState",
     "EPStrategy",
     "EPSweep",
+    "EstimatedEvidenceWarning",
     "ExpPoissonLikelihood",
     "EPLatentVariableModel",
     "FitReport",
@@ -42,6 +52,8 @@ __all__ = [
     "IterNCGPStrategy",
     "LaplaceMarginalLogLikelihood",
     "LaplaceState",
+    "LearningRecipe",
+    "LearningReport",
     "LogitBernoulliLikelihood",
     "MultinomialProbitLikelihood",
     "MultitaskPoissonLikelihood",
@@ -56,5 +68,6 @@ __all__ = [
     "SparseEPState",
     "SparseEPStrategy",
     "UnitVectorPolicy",
+    "fit_mll",
     "settings",
 ]

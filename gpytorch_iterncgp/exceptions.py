@@ -8,6 +8,11 @@ each can be filtered on its own:
   result is the posterior of the last completed step (usable, finite).
 * :class:`NotConvergedWarning`: the outer loop stopped before its convergence criterion held, for a reason
   other than its step budget (no step along the search direction improves the objective).
+* :class:`ConvergenceWarning`: a fit stopped at its step limit (``max_newton_steps``, ``max_sweeps``) before its
+  convergence criterion held; the message names the limit to raise. (The scikit-learn estimators raise
+  scikit-learn's ``ConvergenceWarning`` instead.)
+* :class:`EstimatedEvidenceWarning`: EP's evidence is estimated from an incomplete solve, whose maximiser is biased
+  (towards large outputscales); :func:`~gpytorch_iterncgp.fit_mll` learns EP's hyperparameters without it.
 * :class:`MonteCarloPsiWarning`: the Ψ statistics of a kernel without a closed form are Monte Carlo estimates
   (:func:`~gpytorch_iterncgp.sparse.psi_statistics.psi_statistics`).
 
@@ -20,6 +25,8 @@ from __future__ import annotations
 from linear_operator.utils.warnings import NumericalWarning
 
 __all__ = [
+    "ConvergenceWarning",
+    "EstimatedEvidenceWarning",
     "MonteCarloPsiWarning",
     "NonFiniteEvidenceError",
     "NotConvergedWarning",
@@ -34,6 +41,14 @@ class NumericalBreakdownWarning(NumericalWarning):
 
 class NotConvergedWarning(NumericalWarning):
     """The outer loop (Newton) stopped before it converged, for a reason other than its step budget."""
+
+
+class ConvergenceWarning(NumericalWarning):
+    """A fit stopped at its step limit before it converged; the result is the posterior of the last step."""
+
+
+class EstimatedEvidenceWarning(NumericalWarning):
+    """An evidence estimated from an incomplete solve, whose maximiser is known to be biased."""
 
 
 class MonteCarloPsiWarning(NumericalWarning):

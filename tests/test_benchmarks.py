@@ -287,6 +287,8 @@ def test_learned_svgp_predictive_is_its_exact_predictive():
     assert bool(((got - reference.mean(0)).abs() <= error).all())
 
 
+# The plain EP loop is one of the methods compared: its estimated evidence says so (EstimatedEvidenceWarning), as meant.
+@pytest.mark.filterwarnings("ignore::gpytorch_iterncgp.EstimatedEvidenceWarning")
 def test_learned_smoke_run_writes_results(tmp_path):
     from benchmarks import learned
 
@@ -357,3 +359,23 @@ def test_alps_family_quick_run_and_merge_write_results(tmp_path):
     for run in saved["runs"]:
         assert math.isfinite(run["rmse"]) and run["checkpoints"][-1]["step"] in (10, 20)
     assert (tmp_path / "merged.png").stat().st_size > 10_000
+
+
+@pytest.mark.filterwarnings("ignore::gpytorch_iterncgp.EstimatedEvidenceWarning")  # the plain EP loop, as meant
+def test_gpytorch_door_smoke_run_writes_results(tmp_path):
+    """``fit_mll``, the plain loops and SVGP on two data seeds of the mixture (tiny): one point per ``fit_mll`` run, the
+    loops' and SVGP's curves, and the summary over seeds computed from the runs."""
+    from benchmarks import gpytorch_door
+
+    output = gpytorch_door.main(["--smoke", "--datasets", "mixture5000", "--seeds", "0", "1", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "gpytorch_door_smoke.json").read_text())
+    assert saved["machine"]["cpu_count"] >= 1 and (tmp_path / "gpytorch_door_smoke.png").stat().st_size > 10_000
+    entry = output["datasets"]["mixture5000"]
+    runs = entry["runs"]
+    assert set(runs) == {0, 1} and set(runs[0]) == set(gpytorch_door.METHODS)
+    assert len(runs[0]["fit_mll_ep"]["history"]) == 1 and runs[0]["fit_mll_ep"]["learning"]["evidence"] == "Laplace"
+    nlls = [runs[seed]["fit_mll_laplace"]["history"][-1]["nll"] for seed in (0, 1)]
+    summary = entry["summary"]["fit_mll_laplace"]
+    assert summary["nll"]["mean"] == pytest.approx(sum(nlls) / 2) and summary["nll"]["n"] == 2
+    assert summary["seeds_at_or_below_svgp_at_60s"] in (0, 1, 2)
+    assert gpytorch_door.nll_at({"history": [{"time": 1.0, "nll": 0.5}, {"time": 3.0, "nll": 0.4}]}, 2.0) == 0.5

@@ -228,16 +228,18 @@ def run_outer_loop(
     callback: Callable[[Any, Any], bool | None] | None = None,
     show_progress: bool = True,
     stacklevel: int = 2,
+    description: str | None = None,
 ) -> FitReport:
     """Run at most ``max_steps`` steps of ``loop`` from ``state``; commit every completed step and the final state.
 
     :param counter: the prior whose products with K are counted (totals since it was built).
     :param callback: called after every step with its record and the state; returning ``True`` stops.
     :param stacklevel: of the warnings, counted from the caller of this function.
+    :param description: the progress bar's name (``None``: the loop's).
     """
     start_time = time.perf_counter()
     report = FitReport(method=loop.name, step_name=loop.step_name)
-    progress = tqdm(total=max_steps, desc=loop.name, disable=not show_progress, leave=False)
+    progress = tqdm(total=max_steps, desc=description or loop.name, disable=not show_progress, leave=False)
     iterator = loop.steps(state)
     try:
         for _ in range(max_steps):

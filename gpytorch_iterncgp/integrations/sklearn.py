@@ -27,19 +27,17 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-import time
 import warnings
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import gpytorch
 import numpy as np
 import torch
 from gpytorch.distributions import MultivariateNormal
-from linear_operator.utils.errors import NanError
 from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin
 from sklearn.exceptions import ConvergenceWarning
-from sklearn.metrics import d2_tweedie_score, log_loss
+from sklearn.metrics import d2_tweedie_score
 from sklearn.utils import check_random_state, resample
 from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import check_is_fitted, validate_data
@@ -47,10 +45,14 @@ from torch.distributions import Poisson, constraints
 
 from ..core.policies import Policy
 from ..core.validation import check_count, check_flag, check_nonnegative
+from ..exceptions import ConvergenceWarning as PackageConvergenceWarning
 from ..laplace.newton import SolverOptions
+from ..learning.fit import fit_mll
+from ..learning.recipe import LearningRecipe, LearningReport
+from ..learning.rows import auto_subset_size
 from ..likelihoods.adapters import ExpPoissonLikelihood, LogitBernoulliLikelihood, likelihood_adapter
 from ..likelihoods.multinomial_probit import MultinomialProbitLikelihood
-from ..mlls.itergp import EPMarginalLogLikelihood, LaplaceMarginalLogLikelihood, exact_regime
+from ..mlls.itergp import EPMarginalLogLikelihood, LaplaceMarginalLogLikelihood
 from ..strategies.itergp import EPStrategy, IterNCGPStrategy
 
 __all__ = ["IterNCGPClassifier", "IterNCGPPoissonRegressor", "LearningReport"]
@@ -63,13 +65,6 @@ _PREDICT_CHUNK = 4096  # test points per kernel evaluation: bounds the (chunk, N
 #: with :math:`\mathbf K` in the first Newton step, then none, as the actions are recycled). 1000 keeps a fit with
 #: 25 evidence steps to seconds (:math:`O((N C)^3)` per step; ``docs/design_notes.md``).
 EXACT_SOLVE_SIZE = 1000
-#: Recycled actions kept while the hyperparameters are learnt with loose fits (``_IterNCGPEstimator._loose_fits``).
-LEARNING_COMPRESSION_RANK = 20
-#: ``learning_subset="auto"``: the hyperparameters are learnt on a random (stratified, for classifiers) subset of
-#: :math:`M = \lfloor \sqrt{\text{this} / C} \rfloor` points, so that a product with the subset's kernel matrix
-#: costs at most this many multiply-adds :math:`M^2 C` (1000 points for 10 classes, 3162 for binary data), then the
-#: posterior is fitted on all the data at them; chosen by measurement (``benchmarks/README.md`` §14).
-LEARNING_SUBSET_COST = 10**7
 #: ``inference="auto"`` in :class:`IterNCGPClassifier`: the approximation chosen by measurement (``benchmarks/learned.py``,
 #: ``benchmarks/sklearn_defaults.py``; the Poisson regressor's ``"auto"`` is Laplace).
 CLASSIFIER_INFERENCE = "ep"
@@ -144,79 +139,18 @@ class _QuasiSoftplusPoissonLikelihood(gpytorch.likelihoods.PoissonLikelihood):
 # ---------------------------------------------------------------------------------------------------
 # Shared machinery
 # ---------------------------------------------------------------------------------------------------
-@dataclass
-class LearningReport:
-    """Where the estimators' hyperparameter learning spent its time (``learning_report_``; also in ``str(fit_report_)``).
-
-    ``seconds`` is the wall time of the learning; of it, ``fit_seconds`` went to the strategy's fits at each evaluation
-    of the evidence (Newton steps from the previous mode, warm-started), ``evidence_seconds`` to the evidence at the
-    fitted mode and ``gradient_seconds`` to its gradient. ``stopped`` says why it ended: ``"optimizer_steps"``,
-    ``"converged"`` (L-BFGS's own tolerances), ``"max_time"`` or ``"error"`` (a ``ConvergenceWarning`` says which).
-    ``evidence`` is the approximation whose evidence was maximised (``"Laplace"`` or ``"EP"``), on ``data_points`` of
-    the ``num_data`` training points (``learning_subset``).
-    """
-
-    method: str = ""
-    evidence: str = ""
-    data_points: int = 0
-    num_data: int = 0
-    evaluations: int = 0
-    seconds: float = 0.0
-    fit_seconds: float = 0.0
-    evidence_seconds: float = 0.0
-    gradient_seconds: float = 0.0
-    stopped: str = "not learnt"
-    #: EP learnt on Laplace's evidence: the factor the outputscale was multiplied by (chosen by the held-out
-    #: log-loss of ``validation_points`` rows), the log-loss at each factor tried, and the seconds it took
-    outputscale_factor: float = 1.0
-    outputscale_log_loss: dict[float, float] = field(default_factory=dict)
-    validation_points: int = 0
-    outputscale_seconds: float = 0.0
-
-    def __str__(self) -> str:
-        if not self.evaluations:
-            return "hyperparameters not learnt"
-        subset = "" if self.data_points == self.num_data else f" of {self.data_points} of the {self.num_data} points"
-        outputscale = (
-            f"; EP's outputscale times {self.outputscale_factor:g} by the log-loss of {self.validation_points} held-out "
-            f"points ({len(self.outputscale_log_loss)} EP fits in {self.outputscale_seconds:.2f}s)"
-            if self.outputscale_log_loss
-            else ""
-        )
-        return (
-            f"hyperparameters: {self.method} on the {self.evidence} evidence{subset}, {self.evaluations} evaluations in "
-            f"{self.seconds:.2f}s (fits "
-            f"{self.fit_seconds:.2f}s, evidence {self.evidence_seconds:.2f}s, gradients {self.gradient_seconds:.2f}s), "
-            f"stopped by {self.stopped}{outputscale}"
-        )
-
-
 @dataclass(frozen=True)
 class EstimatorDefaults:
     """The estimators' own defaults, written once; the solver's (``max_newton_steps``, ``compression_rank``, ...)
-    are :class:`~gpytorch_iterncgp.SolverOptions`' fields."""
+    are :class:`~gpytorch_iterncgp.SolverOptions`' fields, the learning's (``optimizer_steps``, ``learning_rate``,
+    ``learning_fit_steps``) :class:`~gpytorch_iterncgp.LearningRecipe`'s."""
 
     inference: str = "auto"
     policy: str = "auto"
     max_solver_iterations: str = "auto"
     solver_tol: float = 1e-5
     optimize_hyperparameters: bool = True
-    optimizer_steps: int = 25
-    learning_rate: float = 0.2
-    learning_fit_steps: int = 2
     learning_subset: str = "auto"
-    #: stochastic Lanczos quadrature while learning with Adam (``gpytorch.settings.num_trace_samples`` and
-    #: ``max_lanczos_quadrature_iterations``, GPyTorch's 10 and 20 otherwise): half the products per evaluation for the
-    #: same learnt hyperparameters (``docs/design_notes.md``)
-    learning_trace_samples: int = 5
-    learning_lanczos_iterations: int = 10
-    #: EP whose kernel Laplace's evidence learnt (above ``exact_evidence_size``, on a subset): the outputscale is then
-    #: chosen among Laplace's times these factors by the log-loss, on held-out training rows, of EP fits of
-    #: ``outputscale_sweeps`` sweeps on the learning rows (``benchmarks/README.md`` §14)
-    outputscale_factors: tuple[float, ...] = (1.0, 1 / 2, 1 / 4, 1 / 8, 1 / 16, 2.0)
-    outputscale_sweeps: int = 10
-    #: fewer spare rows than this (data barely larger than the subset): no held-out choice
-    min_validation_points: int = 100
 
 
 ESTIMATOR_DEFAULTS = EstimatorDefaults()
@@ -227,16 +161,16 @@ def _evidence(strategy) -> type[LaplaceMarginalLogLikelihood] | type[EPMarginalL
     return EPMarginalLogLikelihood if isinstance(strategy, EPStrategy) else LaplaceMarginalLogLikelihood
 
 
-def _laplace_likelihood(likelihood):
-    """The likelihood Laplace learns EP's hyperparameters on: the softmax for the multinomial probit (both multi-class
-    classifiers, one latent per class), the likelihood itself otherwise."""
-    if isinstance(likelihood, MultinomialProbitLikelihood):
-        return gpytorch.likelihoods.SoftmaxLikelihood(num_classes=likelihood.num_classes, mixing_weights=False)
-    return likelihood
-
-
-class _OutOfTime(Exception):
-    """Raised inside an evidence evaluation once ``max_time`` has passed (the optimiser cannot be stopped otherwise)."""
+@contextlib.contextmanager
+def _as_scikit_learn_warnings() -> Iterator[None]:
+    """The package's :class:`~gpytorch_iterncgp.ConvergenceWarning` inside the block raised as scikit-learn's
+    ``ConvergenceWarning`` (the estimators' idiom); other warnings as they were."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    for warning in caught:
+        category = ConvergenceWarning if issubclass(warning.category, PackageConvergenceWarning) else warning.category
+        warnings.warn(str(warning.message), category, stacklevel=5)
 
 
 def _param_error(estimator, name: str, expected: str, value) -> ValueError:
@@ -265,9 +199,9 @@ class _IterNCGPEstimator(BaseEstimator):
         outer_tol=None,
         solver_tol=ESTIMATOR_DEFAULTS.solver_tol,
         optimize_hyperparameters=ESTIMATOR_DEFAULTS.optimize_hyperparameters,
-        optimizer_steps=ESTIMATOR_DEFAULTS.optimizer_steps,
-        learning_rate=ESTIMATOR_DEFAULTS.learning_rate,
-        learning_fit_steps=ESTIMATOR_DEFAULTS.learning_fit_steps,
+        optimizer_steps=LearningRecipe.optimizer_steps,
+        learning_rate=LearningRecipe.learning_rate,
+        learning_fit_steps=LearningRecipe.fit_steps,
         learning_subset=ESTIMATOR_DEFAULTS.learning_subset,
         max_time=None,
         random_state=None,
@@ -293,6 +227,11 @@ class _IterNCGPEstimator(BaseEstimator):
         self.random_state = random_state
         self.verbose = verbose
 
+    @property
+    def _link(self) -> str:
+        """``link``, where ``None`` is the estimator's default (the first of its links)."""
+        return self._links[0] if self.link is None else self.link
+
     # -- parameters ------------------------------------------------------------------------------
     def _check(self, check, name: str, *args, **kwargs) -> None:
         """Run a check of :mod:`gpytorch_iterncgp.core.validation` on a parameter; its error in scikit-learn's words."""
@@ -304,8 +243,8 @@ class _IterNCGPEstimator(BaseEstimator):
     def _validate_params(self) -> None:
         if self.kernel is not None and not isinstance(self.kernel, gpytorch.kernels.Kernel):
             raise _param_error(self, "kernel", "a gpytorch.kernels.Kernel or None", self.kernel)
-        if self.link not in self._links:
-            raise _param_error(self, "link", f"a str among {set(self._links)}", self.link)
+        if self.link is not None and self.link not in self._links:
+            raise _param_error(self, "link", f"a str among {set(self._links)} or None", self.link)
         if not (
             isinstance(self.policy, Policy) or (isinstance(self.policy, str) and self.policy in ("auto", "cg", "unit"))
         ):
@@ -379,6 +318,7 @@ class _IterNCGPEstimator(BaseEstimator):
             rel_tol=budget["solver_tol"],
             seed=seed,
             show_progress=bool(self.verbose),
+            covariance_iterations=int(self.covariance_iterations),  # the final fit's (fit_mll learns without)
         )
         tolerance = {} if self.outer_tol is None else {"site_tol" if inference == "ep" else "outer_tol": self.outer_tol}
         if inference == "ep":
@@ -394,21 +334,34 @@ class _IterNCGPEstimator(BaseEstimator):
         all ``num_data``."""
         if self.learning_subset is None:
             return None
-        size = (
-            max(2, math.isqrt(LEARNING_SUBSET_COST // num_latents))
-            if self.learning_subset == "auto"
-            else int(self.learning_subset)
-        )
+        size = auto_subset_size(num_latents) if self.learning_subset == "auto" else int(self.learning_subset)
         if size >= num_data:
             return None
         rows = resample(np.arange(num_data), replace=False, n_samples=size, stratify=labels, random_state=seed)
         return np.sort(rows)
 
+    def _validation_rows(self, num_data: int, labels: np.ndarray | None, seed: int) -> np.ndarray | None:
+        """Training rows outside ``learning_rows_`` to choose EP's outputscale on (where Laplace's evidence learns EP's
+        kernel): as many as the learning rows (or all the others), stratified by ``labels``; ``None`` where all rows
+        are learnt on or fewer than ``LearningRecipe.min_validation_points`` are left."""
+        if self.learning_rows_ is None:
+            return None
+        rest = np.setdiff1d(np.arange(num_data), self.learning_rows_)
+        if len(rest) < LearningRecipe.min_validation_points:
+            return None
+        size = min(len(rest), len(self.learning_rows_))
+        if size == len(rest):
+            return rest
+        stratify = None if labels is None else labels[rest]
+        return np.sort(resample(rest, replace=False, n_samples=size, stratify=stratify, random_state=seed))
+
     def _fit_model(
         self, X: np.ndarray, targets: torch.Tensor, likelihood, mean, inference: str, labels: np.ndarray | None = None
     ) -> None:
-        """Build the model, learn hyperparameters (optional; on ``learning_subset`` rows, stratified by ``labels``), run
-        the Newton loop or EP (``inference``) on all the data; set the fitted attributes."""
+        """Build the model, then :func:`~gpytorch_iterncgp.fit_mll`: learn the hyperparameters (optional; on the
+        ``learning_subset`` rows, stratified by ``labels``) and fit the Laplace or EP (``inference``) posterior on all
+        the data; set the fitted attributes. The learning's and the final fit's ``ConvergenceWarning`` are
+        scikit-learn's."""
         seed = int(check_random_state(self.random_state).randint(np.iinfo(np.int32).max))
         train_x = torch.tensor(X, dtype=_DTYPE)
         kernel = default_kernel(X.shape[1]) if self.kernel is None else copy.deepcopy(self.kernel).to(_DTYPE)
@@ -417,252 +370,36 @@ class _IterNCGPEstimator(BaseEstimator):
         self.solver_budget_ = self._solver_budget(len(X) * num_latents)
         options = self._strategy_options(seed, self.solver_budget_, inference)
         strategy_type = EPStrategy if inference == "ep" else IterNCGPStrategy
+        learn = bool(self.optimize_hyperparameters) and self.optimizer_steps > 0
+        self.learning_rows_ = self._learning_rows(len(X), num_latents, labels, seed) if learn else None
+        validation_rows = self._validation_rows(len(X), labels, seed)
+        recipe = LearningRecipe(
+            optimizer_steps=int(self.optimizer_steps) if learn else 0,
+            learning_rate=float(self.learning_rate),
+            fit_steps=int(self.learning_fit_steps),
+        )
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)  # probe vectors of the matrix-free evidence, random actions
             model = _LatentGP(train_x, targets, likelihood, kernel, mean, strategy_type, options).to(_DTYPE)
-            self.loss_curve_: list[float] = []
-            self.learning_report_ = LearningReport()
-            self.learning_rows_ = self.validation_rows_ = None
-            if self.optimize_hyperparameters and self.optimizer_steps > 0:
-                self.learning_rows_ = self._learning_rows(len(X), num_latents, labels, seed)
-                learner, learner_likelihood, learn_x, learn_y = self._learner(model, likelihood, train_x, targets, seed)
-                with self._loose_fits(learner.variational_strategy):
-                    self.loss_curve_, self.learning_report_ = self._learn_hyperparameters(
-                        learner, learner_likelihood, learn_x, learn_y
-                    )
-                laplace_for_ep = inference == "ep" and not isinstance(learner.variational_strategy, EPStrategy)
-                if laplace_for_ep and isinstance(model.covar_module, gpytorch.kernels.ScaleKernel):
-                    self.validation_rows_ = self._validation_rows(len(X), labels, seed)
-                if self.validation_rows_ is not None:
-                    rows = torch.as_tensor(self.validation_rows_)
-                    self._choose_outputscale(
-                        model.covar_module,
-                        lambda: self._subset_model(model, likelihood, "ep", learn_x, learn_y, seed),
-                        train_x[rows],
-                        targets[rows],
-                    )
-                self.learning_report_.num_data = len(X)
-            model.eval()
-            # the covariance phase only for the final posterior, not at every evaluation of the evidence
-            model.variational_strategy.options.covariance_iterations = int(self.covariance_iterations)
-            self.fit_report_ = model.variational_strategy.fit()
-            # str(fit_report_) says what was done, why, and where the time before the final fit went
-            self.fit_report_.budget = f"{self.solver_budget_['rule']}; {self.learning_report_}"
+            with _as_scikit_learn_warnings():
+                report = fit_mll(
+                    _evidence(model.variational_strategy)(likelihood, model),
+                    max_time=self.max_time,
+                    recipe=recipe,
+                    subset=None if self.learning_rows_ is None else torch.as_tensor(self.learning_rows_),
+                    validation_rows=None if validation_rows is None else torch.as_tensor(validation_rows),
+                    seed=seed,
+                    show_progress=bool(self.verbose),
+                )
+        self.validation_rows_ = validation_rows if report.validation_points else None
+        self.loss_curve_ = report.losses
+        self.learning_report_ = report
+        self.fit_report_ = report.fit_report
+        # str(fit_report_) says what was done, why, and where the time before the final fit went
+        self.fit_report_.budget = f"{self.solver_budget_['rule']}; {report}"
         self.model_ = model
         self.likelihood_ = likelihood
         self.kernel_ = model.covar_module
-
-    def _learner(self, model, likelihood, inputs: torch.Tensor, targets: torch.Tensor, seed: int) -> tuple:
-        """The model whose evidence the hyperparameters maximise, its likelihood, inputs and targets: ``model`` itself,
-        or one on the ``learning_rows_`` of ``inputs`` ``(N, D)`` and ``targets`` ``(N,)`` (with its own solver budget)
-        that shares ``model``'s kernel and mean modules, so what it learns is what the final fit uses. EP's
-        matrix-free evidence is biased by the computation-aware cavities (``docs/design_notes.md``): above the exact
-        regime EP's kernel is learnt on Laplace's evidence."""
-        if self.learning_rows_ is not None:
-            rows = torch.as_tensor(self.learning_rows_)
-            inputs, targets = inputs[rows], targets[rows]
-        learner, learner_likelihood = model, likelihood
-        if self.learning_rows_ is not None:
-            learner, learner_likelihood = self._subset_model(model, likelihood, self.inference_, inputs, targets, seed)
-        if self.inference_ == "ep" and not exact_regime(learner.variational_strategy):
-            learner, learner_likelihood = self._subset_model(model, likelihood, "laplace", inputs, targets, seed)
-        return learner, learner_likelihood, inputs, targets
-
-    def _subset_model(
-        self, model, likelihood, approximation: str, inputs: torch.Tensor, targets: torch.Tensor, seed: int
-    ) -> tuple:
-        """A new ``approximation`` model (``"laplace"``: on the :func:`_laplace_likelihood`) of ``inputs``, ``targets``
-        with its own solver budget, sharing ``model``'s kernel and mean modules, and its likelihood."""
-        subset_likelihood = likelihood if approximation == self.inference_ else _laplace_likelihood(likelihood)
-        budget = self._solver_budget(len(inputs) * model.variational_strategy.num_latents)
-        strategy_type = EPStrategy if approximation == "ep" else IterNCGPStrategy
-        options = self._strategy_options(seed, budget, approximation)
-        subset = _LatentGP(
-            inputs, targets, subset_likelihood, model.covar_module, model.mean_module, strategy_type, options
-        )
-        return subset.to(_DTYPE), subset_likelihood
-
-    def _validation_rows(self, num_data: int, labels: np.ndarray | None, seed: int) -> np.ndarray | None:
-        """Training rows outside ``learning_rows_`` to choose EP's outputscale on: as many as the learning rows (or all
-        the others), stratified by ``labels``; ``None`` where all rows were learnt on or fewer than
-        ``min_validation_points`` are left."""
-        if self.learning_rows_ is None:
-            return None
-        rest = np.setdiff1d(np.arange(num_data), self.learning_rows_)
-        if len(rest) < ESTIMATOR_DEFAULTS.min_validation_points:
-            return None
-        size = min(len(rest), len(self.learning_rows_))
-        if size == len(rest):
-            return rest
-        stratify = None if labels is None else labels[rest]
-        return np.sort(resample(rest, replace=False, n_samples=size, stratify=stratify, random_state=seed))
-
-    def _choose_outputscale(
-        self, kernel, build: Callable[[], tuple], validation_x: torch.Tensor, validation_y: torch.Tensor
-    ) -> None:
-        r"""Choose EP's outputscale :math:`s^2` among Laplace's times ``outputscale_factors`` by the log-loss of held-out
-        training rows (``validation_x`` ``(V, D)``, ``validation_y`` ``(V,)``); the lengthscales stay Laplace's.
-
-        At the :math:`s^2` Laplace's evidence learns, EP's posterior is over-confident (``docs/design_notes.md``), and
-        EP's own estimated evidence is biased towards large outputscales by the computation-aware cavities; the
-        held-out log-loss (cross-validation of one hyperparameter, R&W sec. 5.3) measures what the estimator is used
-        for. Each candidate gets a cold EP fit of ``outputscale_sweeps`` sweeps on the learning rows (``build()``: a new
-        EP model there sharing the final model's ``kernel``, and its likelihood) and its predictive probabilities at
-        the held-out rows. The factor with the smallest log-loss is kept (1, Laplace's, where every fit fails).
-        ``kernel`` is a ``ScaleKernel``; ``max_time`` counts these fits too (none starts after it).
-        """
-        defaults, report = ESTIMATOR_DEFAULTS, self.learning_report_
-        learnt = kernel.outputscale.detach().clone()
-        start = time.perf_counter()
-        labels = validation_y.long().numpy()
-        for factor in defaults.outputscale_factors:
-            spent = report.seconds + time.perf_counter() - start
-            if self.max_time is not None and spent >= float(self.max_time):
-                break
-            with torch.no_grad():
-                kernel.outputscale = learnt * factor
-            model, _ = build()  # every candidate's fit starts cold
-            strategy = model.variational_strategy
-            model.eval()
-            try:
-                with torch.no_grad():
-                    strategy.fit(max_sweeps=defaults.outputscale_sweeps, show_progress=False)
-                    probabilities = strategy.predictive_probabilities(validation_x)
-            except (FloatingPointError, ValueError, torch.linalg.LinAlgError, NanError):
-                continue
-            if probabilities.dim() == 1:  # binary: p(y = 1)
-                probabilities = torch.stack([1 - probabilities, probabilities], dim=-1)
-            if bool(torch.isfinite(probabilities).all()):
-                classes = np.arange(probabilities.shape[-1])
-                report.outputscale_log_loss[factor] = float(log_loss(labels, probabilities.numpy(), labels=classes))
-        losses = report.outputscale_log_loss
-        report.outputscale_factor = min(losses, key=losses.__getitem__) if losses else 1.0
-        with torch.no_grad():
-            kernel.outputscale = learnt * report.outputscale_factor
-        report.validation_points = len(validation_x)
-        report.outputscale_seconds = time.perf_counter() - start
-
-    @contextlib.contextmanager
-    def _loose_fits(self, strategy) -> Iterator[None]:
-        """While the hyperparameters are learnt by Adam (an estimated evidence), each evaluation of the evidence runs at
-        most ``learning_fit_steps`` Newton steps (EP sweeps) on from the previous posterior, instead of a whole fit,
-        and keeps at most :data:`LEARNING_COMPRESSION_RANK` recycled actions (each new kernel multiplies them all
-        once): the posterior follows the hyperparameters loosely, and the final fit converges it. L-BFGS (the exact
-        evidence) keeps whole fits: its line search compares values that must belong to converged posteriors."""
-        options = strategy.options
-        whole = {name: getattr(options, name) for name in (strategy.max_steps_option, "compression_rank")}
-        if not exact_regime(strategy):
-            setattr(options, strategy.max_steps_option, min(whole[strategy.max_steps_option], self.learning_fit_steps))
-            rank = whole["compression_rank"]
-            options.compression_rank = (
-                LEARNING_COMPRESSION_RANK if rank is None else min(rank, LEARNING_COMPRESSION_RANK)
-            )
-        try:
-            yield
-        finally:
-            for name, value in whole.items():
-                setattr(options, name, value)
-
-    def _learn_hyperparameters(self, model, likelihood, train_x, targets) -> tuple[list[float], LearningReport]:
-        """Maximise the Laplace or EP evidence; keep the parameters with the best evidence seen.
-
-        Exact evidence regime (:math:`N C \\le` ``settings.exact_evidence_size``: a deterministic value and
-        gradient): L-BFGS with a strong-Wolfe line search, at most ``optimizer_steps`` iterations, until the
-        gradient or the change of the loss vanishes. Otherwise (stochastic log-determinant): ``optimizer_steps``
-        Adam steps with ``learning_rate``. Either stops once ``max_time`` seconds have passed (after the evaluation
-        running then). Returns ``-evidence / n`` at every evaluation and the :class:`LearningReport`.
-        """
-        strategy = model.variational_strategy
-        exact = exact_regime(strategy)
-        report = LearningReport(
-            method="L-BFGS" if exact else "Adam",
-            evidence=_evidence(strategy).approximation,
-            data_points=len(train_x),
-            num_data=len(train_x),
-        )
-        parameters = [p for p in model.parameters() if p.requires_grad]
-        if not parameters:
-            return [], LearningReport()
-        mll = _evidence(strategy)(likelihood, model)
-        start = time.perf_counter()
-        deadline = None if self.max_time is None else start + float(self.max_time)
-        best: dict = {"loss": math.inf, "state": None}
-        losses: list[float] = []
-
-        def evaluate() -> torch.Tensor:
-            if deadline is not None and losses and time.perf_counter() >= deadline:
-                raise _OutOfTime
-            tic = time.perf_counter()
-            output = model(train_x)  # the strategy's fit, warm-started from the last mode
-            report.fit_seconds += time.perf_counter() - tic
-            tic = time.perf_counter()
-            loss = -mll(output, targets)
-            report.evidence_seconds += time.perf_counter() - tic
-            value = float(loss.detach())
-            losses.append(value)
-            if value < best["loss"]:
-                best["loss"] = value
-                best["state"] = {name: p.detach().clone() for name, p in model.named_parameters()}
-            return loss
-
-        def backward(loss: torch.Tensor) -> None:
-            tic = time.perf_counter()
-            loss.backward()
-            report.gradient_seconds += time.perf_counter() - tic
-
-        model.train()
-        try:
-            report.stopped = self._optimise(parameters, evaluate, backward, exact)
-        except _OutOfTime:
-            report.stopped = "max_time"
-        except (FloatingPointError, ValueError, torch.linalg.LinAlgError, NanError) as error:
-            if not losses or best["state"] is None:  # fails at the initial hyperparameters: a real error
-                raise
-            report.stopped = "error"
-            warnings.warn(
-                f"{type(self).__name__}: hyperparameter learning ({report.method}) stopped after {len(losses)} "
-                f"evidence evaluations ({error}); keeping the hyperparameters with the best evidence seen.",
-                ConvergenceWarning,
-                stacklevel=3,
-            )
-        if best["state"] is not None:
-            with torch.no_grad():
-                for name, p in model.named_parameters():
-                    p.copy_(best["state"][name])
-        report.evaluations, report.seconds = len(losses), time.perf_counter() - start
-        return losses, report
-
-    def _optimise(self, parameters, evaluate, backward, exact: bool) -> str:
-        """Run L-BFGS (``exact``) or Adam on ``evaluate()``'s loss; return why it stopped."""
-        if not exact:
-            adam = torch.optim.Adam(parameters, lr=float(self.learning_rate))
-            with (
-                gpytorch.settings.num_trace_samples(ESTIMATOR_DEFAULTS.learning_trace_samples),
-                gpytorch.settings.max_lanczos_quadrature_iterations(ESTIMATOR_DEFAULTS.learning_lanczos_iterations),
-            ):
-                for _ in range(self.optimizer_steps):
-                    adam.zero_grad()
-                    backward(evaluate())
-                    adam.step()
-            return "optimizer_steps"
-        lbfgs = torch.optim.LBFGS(
-            parameters,
-            lr=1.0,
-            max_iter=self.optimizer_steps,
-            tolerance_grad=1e-6,
-            tolerance_change=1e-10,
-            line_search_fn="strong_wolfe",
-        )
-
-        def closure() -> torch.Tensor:
-            lbfgs.zero_grad()
-            loss = evaluate()
-            backward(loss)
-            return loss
-
-        lbfgs.step(closure)
-        iterations = lbfgs.state[parameters[0]].get("n_iter", 0)
-        return "optimizer_steps" if iterations >= self.optimizer_steps else "converged"
 
     # -- predictions -----------------------------------------------------------------------------
     def _validated_test_inputs(self, X) -> torch.Tensor:
@@ -736,7 +473,8 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
         ``kernel_``). Default :func:`default_kernel`: ``ScaleKernel(MaternKernel(nu=2.5))``, lengthscale
         :math:`\sqrt{D}`, outputscale 1 (meant for standardised features). A kernel with
         ``batch_shape=[n_classes]`` gives one independent GP per class.
-    :param link: ``"logit"`` (default) or ``"probit"``: binary data's link (multi-class data: see above).
+    :param link: ``"logit"`` (default, also ``None``) or ``"probit"``: binary data's link (multi-class data: see
+        above).
     :param inference: ``"laplace"``, ``"ep"`` or ``"auto"`` (default: :data:`CLASSIFIER_INFERENCE`, chosen by
         measurement, ``benchmarks/learned.py`` and ``benchmarks/sklearn_defaults.py``). EP matches the moments of each
         likelihood factor instead of the curvature at the mode: better calibrated predictive probabilities, at the
@@ -798,7 +536,7 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
         with ``random_state`` and stratified by class (every class keeps its share), whose evidence is maximised before
         the posterior is fitted on all the data at the learnt hyperparameters (subset-of-data type-II maximum likelihood,
         R&W §8.3.3). ``"auto"`` (default): :math:`M = \lfloor \sqrt{10^7 / C} \rfloor` points
-        (:data:`LEARNING_SUBSET_COST`: 1000 points for 10 classes, 3162 for binary data), chosen by measurement (``benchmarks/README.md`` §14): each
+        (:data:`~gpytorch_iterncgp.learning.recipe.LEARNING_SUBSET_COST`: 1000 points for 10 classes, 3162 for binary data), chosen by measurement (``benchmarks/README.md`` §14): each
         evidence evaluation costs :math:`O(M^2 C)` instead of :math:`O(N^2 C)`, and at :math:`N = 5000` the kernel
         learnt on 1000 points predicted better on average over data seeds than those learnt on 500 or 2000.
         ``None``: all the data. The rows used are ``learning_rows_``.
@@ -806,7 +544,8 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
         evaluation running when they have passed, keeping the best hyperparameters seen, and the final fit follows.
     :param random_state: seeds the unit-vector policy and the probe vectors of the matrix-free evidence
         (the global torch RNG is left as it was).
-    :param verbose: show progress bars of the Newton loop.
+    :param verbose: a progress bar per phase: learning, EP's outputscale, the final fit
+        (:func:`~gpytorch_iterncgp.fit_mll`).
 
     Fitted attributes: ``classes_``, ``n_classes_``, ``n_features_in_`` (``feature_names_in_``), ``inference_``
     (``"laplace"`` or ``"ep"``), ``model_`` (the GPyTorch ``ApproximateGP``; ``model_.variational_strategy`` is the
@@ -819,51 +558,6 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
     """
 
     _links = ("logit", "probit")
-
-    def __init__(
-        self,
-        kernel=None,
-        *,
-        link="logit",
-        inference=ESTIMATOR_DEFAULTS.inference,
-        policy=ESTIMATOR_DEFAULTS.policy,
-        max_newton_steps=SolverOptions.max_newton_steps,
-        max_solver_iterations=ESTIMATOR_DEFAULTS.max_solver_iterations,
-        compression_rank=SolverOptions.compression_rank,
-        covariance_iterations=SolverOptions.covariance_iterations,
-        recycle=SolverOptions.recycle,
-        outer_tol=None,
-        solver_tol=ESTIMATOR_DEFAULTS.solver_tol,
-        optimize_hyperparameters=ESTIMATOR_DEFAULTS.optimize_hyperparameters,
-        optimizer_steps=ESTIMATOR_DEFAULTS.optimizer_steps,
-        learning_rate=ESTIMATOR_DEFAULTS.learning_rate,
-        learning_fit_steps=ESTIMATOR_DEFAULTS.learning_fit_steps,
-        learning_subset=ESTIMATOR_DEFAULTS.learning_subset,
-        max_time=None,
-        random_state=None,
-        verbose=False,
-    ):
-        super().__init__(
-            kernel,
-            link=link,
-            inference=inference,
-            policy=policy,
-            max_newton_steps=max_newton_steps,
-            max_solver_iterations=max_solver_iterations,
-            compression_rank=compression_rank,
-            covariance_iterations=covariance_iterations,
-            recycle=recycle,
-            outer_tol=outer_tol,
-            solver_tol=solver_tol,
-            optimize_hyperparameters=optimize_hyperparameters,
-            optimizer_steps=optimizer_steps,
-            learning_rate=learning_rate,
-            learning_fit_steps=learning_fit_steps,
-            learning_subset=learning_subset,
-            max_time=max_time,
-            random_state=random_state,
-            verbose=verbose,
-        )
 
     def fit(self, X, y):
         """Fit the Laplace or EP posterior (and, optionally, the kernel hyperparameters) to ``X`` ``(n, d)``, ``y``
@@ -881,11 +575,11 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
         inference = CLASSIFIER_INFERENCE if self.inference == "auto" else self.inference
         if self.n_classes_ == 2:
             likelihood = (
-                LogitBernoulliLikelihood() if self.link == "logit" else gpytorch.likelihoods.BernoulliLikelihood()
+                LogitBernoulliLikelihood() if self._link == "logit" else gpytorch.likelihoods.BernoulliLikelihood()
             )
         elif inference == "ep":
             likelihood = MultinomialProbitLikelihood(num_classes=self.n_classes_)
-        elif self.link == "probit":
+        elif self._link == "probit":
             raise ValueError(
                 f"Laplace's multi-class likelihood is the softmax, not a probit; y has {self.n_classes_} classes. Use "
                 "link='logit' (softmax), or inference='ep' (multinomial probit)."
@@ -942,7 +636,7 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
         tags = super().__sklearn_tags__()
         # multi-class data: the softmax (Laplace, link "logit") or the multinomial probit (EP)
         laplace = self.inference == "laplace" or (self.inference == "auto" and CLASSIFIER_INFERENCE == "laplace")
-        tags.classifier_tags.multi_class = self.link != "probit" or not laplace
+        tags.classifier_tags.multi_class = self._link != "probit" or not laplace
         return tags
 
 
@@ -952,7 +646,7 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
 class IterNCGPPoissonRegressor(RegressorMixin, _IterNCGPEstimator):
     r"""Gaussian process regression of counts by IterNCGP: :math:`y \sim \operatorname{Poisson}(\lambda(f(x)))`.
 
-    ``link="exp"`` (default): :math:`\lambda = e^f`; ``link="softplus"``: :math:`\lambda = \log(1 + e^f)`.
+    ``link="exp"`` (default, also ``None``): :math:`\lambda = e^f`; ``link="softplus"``: :math:`\lambda = \log(1 + e^f)`.
     The prior mean of :math:`f` is a constant, started at :math:`\lambda^{-1}(\bar y)` and learnt with the
     kernel when ``optimize_hyperparameters``. Targets must be non-negative; non-integer ones (rates,
     averages) are accepted as scikit-learn's ``PoissonRegressor`` does, with the Poisson quasi-likelihood
@@ -971,51 +665,6 @@ class IterNCGPPoissonRegressor(RegressorMixin, _IterNCGPEstimator):
 
     _links = ("exp", "softplus")
 
-    def __init__(
-        self,
-        kernel=None,
-        *,
-        link="exp",
-        inference=ESTIMATOR_DEFAULTS.inference,
-        policy=ESTIMATOR_DEFAULTS.policy,
-        max_newton_steps=SolverOptions.max_newton_steps,
-        max_solver_iterations=ESTIMATOR_DEFAULTS.max_solver_iterations,
-        compression_rank=SolverOptions.compression_rank,
-        covariance_iterations=SolverOptions.covariance_iterations,
-        recycle=SolverOptions.recycle,
-        outer_tol=None,
-        solver_tol=ESTIMATOR_DEFAULTS.solver_tol,
-        optimize_hyperparameters=ESTIMATOR_DEFAULTS.optimize_hyperparameters,
-        optimizer_steps=ESTIMATOR_DEFAULTS.optimizer_steps,
-        learning_rate=ESTIMATOR_DEFAULTS.learning_rate,
-        learning_fit_steps=ESTIMATOR_DEFAULTS.learning_fit_steps,
-        learning_subset=ESTIMATOR_DEFAULTS.learning_subset,
-        max_time=None,
-        random_state=None,
-        verbose=False,
-    ):
-        super().__init__(
-            kernel,
-            link=link,
-            inference=inference,
-            policy=policy,
-            max_newton_steps=max_newton_steps,
-            max_solver_iterations=max_solver_iterations,
-            compression_rank=compression_rank,
-            covariance_iterations=covariance_iterations,
-            recycle=recycle,
-            outer_tol=outer_tol,
-            solver_tol=solver_tol,
-            optimize_hyperparameters=optimize_hyperparameters,
-            optimizer_steps=optimizer_steps,
-            learning_rate=learning_rate,
-            learning_fit_steps=learning_fit_steps,
-            learning_subset=learning_subset,
-            max_time=max_time,
-            random_state=random_state,
-            verbose=verbose,
-        )
-
     def fit(self, X, y):
         """Fit the Laplace posterior (and, optionally, hyperparameters) to ``X`` ``(n, d)`` and counts ``y`` ``(n,)``."""
         self._validate_params()
@@ -1032,13 +681,13 @@ class IterNCGPPoissonRegressor(RegressorMixin, _IterNCGPEstimator):
                 f"{type(self).__name__}(inference='ep') needs integer counts (EP's tilted moments are those of the "
                 "Poisson likelihood); y has non-integer values. Use inference='laplace' (the quasi-likelihood)."
             )
-        if self.link == "exp":
+        if self._link == "exp":
             likelihood = ExpPoissonLikelihood() if integer else _QuasiExpPoissonLikelihood()
         else:
             likelihood = gpytorch.likelihoods.PoissonLikelihood() if integer else _QuasiSoftplusPoissonLikelihood()
         # Prior mean of f: the inverse link of the (smoothed) mean count.
         rate = max(float(y.mean()), 0.5 / len(y))
-        offset = math.log(rate) if self.link == "exp" else rate + math.log(-math.expm1(-rate))
+        offset = math.log(rate) if self._link == "exp" else rate + math.log(-math.expm1(-rate))
         batch_shape = self.kernel.batch_shape if self.kernel is not None else torch.Size([])
         mean = gpytorch.means.ConstantMean(batch_shape=batch_shape).to(_DTYPE)
         with torch.no_grad():
@@ -1047,7 +696,7 @@ class IterNCGPPoissonRegressor(RegressorMixin, _IterNCGPEstimator):
         return self
 
     def _predictive_mean(self, mean: torch.Tensor, variance: torch.Tensor) -> torch.Tensor:
-        closed_form = ExpPoissonLikelihood() if self.link == "exp" else gpytorch.likelihoods.PoissonLikelihood()
+        closed_form = ExpPoissonLikelihood() if self._link == "exp" else gpytorch.likelihoods.PoissonLikelihood()
         return likelihood_adapter(closed_form).predictive_mean(mean, variance)
 
     def predict(self, X, return_std=False):

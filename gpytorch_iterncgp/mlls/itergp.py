@@ -35,6 +35,8 @@ softmax curvature needs no eigendecomposition). Two regimes behind :class:`Lapla
 from __future__ import annotations
 
 import math
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -54,10 +56,11 @@ from ..ep.sites import (
     zero_sum_basis,
 )
 from ..ep.sweeps import ExpectationPropagation
-from ..exceptions import NonFiniteEvidenceError
+from ..exceptions import EstimatedEvidenceWarning, NonFiniteEvidenceError
 from ..likelihoods.adapters import LikelihoodAdapter
 from ..likelihoods.multinomial_probit import multinomial_probit_moments
 from ..likelihoods.tilted import tilted_moments
+from ..strategies.base import exact_regime
 from ..strategies.itergp import EPStrategy, IterNCGPStrategy
 
 
@@ -192,18 +195,31 @@ def matrix_free_laplace_evidence(prior: LatentPrior, adapter: LikelihoodAdapter,
     return log_posterior - 0.5 * new_system.logdet() + (mode_log_posterior - log_posterior).detach()
 
 
-def exact_regime(strategy: Any) -> bool:
-    r"""Whether a strategy's evidence is computed densely by default: exact and deterministic for
-    :math:`N C \le` :class:`gpytorch_iterncgp.settings.exact_evidence_size`."""
-    return strategy.num_data * strategy.num_latents <= settings.exact_evidence_size.value()
-
-
 def log_prior(mll: MarginalLogLikelihood) -> Tensor:
     r""":math:`\sum_j \log p(\theta_j)` over the priors registered on ``mll``'s model and likelihood (GPyTorch's
     ``*_prior=`` arguments, e.g. ``ScaleKernel(..., outputscale_prior=...)``), the term GPyTorch's
     ``ExactMarginalLogLikelihood`` adds; a zero scalar without priors."""
     terms = [prior.log_prob(closure(module)).sum() for _, module, prior, closure, _ in mll.named_priors()]
     return torch.stack(terms).sum() if terms else torch.zeros(())
+
+
+class BoTorchFitHook:
+    """BoTorch's hook into ``botorch.fit.fit_gpytorch_mll`` (a model's ``custom_fit``): it runs
+    :func:`~gpytorch_iterncgp.fit_mll` for this package's evidences, with the keywords ``fit_mll`` takes (others are
+    ignored, as BoTorch ignores unexpected ones), and returns the ``mll`` in eval mode, as BoTorch's fits do.
+
+    Set on a model without a ``custom_fit`` of its own when one of the evidences below is built for it; ``run`` is
+    ``fit_mll``, filled in by :mod:`gpytorch_iterncgp.learning.fit` (the layer above).
+    """
+
+    run: Callable[..., Any] | None = None
+    keywords: frozenset[str] = frozenset()
+
+    def __call__(self, mll, closure=None, closure_kwargs=None, optimizer_kwargs=None, **kwargs):
+        if type(self).run is None:
+            raise RuntimeError("gpytorch_iterncgp.learning.fit is not imported: import gpytorch_iterncgp first.")
+        type(self).run(mll, **{name: value for name, value in kwargs.items() if name in self.keywords})
+        return mll.eval()
 
 
 class _StrategyEvidence(MarginalLogLikelihood):
@@ -221,6 +237,8 @@ class _StrategyEvidence(MarginalLogLikelihood):
         if strategy.likelihood is not likelihood:
             raise ValueError(f"{name}: likelihood must be the one the model's {strategy_name} uses.")
         self.exact = exact
+        if not hasattr(model, "custom_fit"):  # botorch.fit.fit_gpytorch_mll(mll) runs fit_mll
+            object.__setattr__(model, "custom_fit", BoTorchFitHook())
 
     def _checked_call(self, function_dist, target: Tensor):
         r"""The strategy, validated targets, its state and the prior (with gradients) for ``mll(model(train_x), train_y)``.
@@ -363,6 +381,7 @@ class EPMarginalLogLikelihood(_StrategyEvidence):
 
     _strategy_type = EPStrategy
     approximation = "EP"
+    _warned = False  # EstimatedEvidenceWarning once per objective
 
     def forward(self, function_dist, target: Tensor, **kwargs) -> Tensor:
         """The EP evidence per data point of the training data.
@@ -372,6 +391,17 @@ class EPMarginalLogLikelihood(_StrategyEvidence):
             the sites did not converge).
         """
         strategy, targets, state, prior, exact = self._checked_call(function_dist, target)
+        if not exact and strategy.options.max_solver_iterations is not None and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"EPMarginalLogLikelihood is estimated here (N C = {strategy.num_data * strategy.num_latents} > "
+                f"exact_evidence_size = {settings.exact_evidence_size.value()}) from an incomplete solve "
+                f"(max_solver_iterations={strategy.options.max_solver_iterations}): its maximiser is biased towards "
+                "large outputscales (over-confident predictions). gpytorch_iterncgp.fit_mll(mll) learns EP's "
+                "hyperparameters without this bias (Laplace's evidence, then a held-out choice of the outputscale).",
+                EstimatedEvidenceWarning,
+                stacklevel=3,
+            )
         marginals = None if exact else ExpectationPropagation.marginals_of(prior, state)
         block = prior.row_block()  # the sites of every rank where they are held by rows (the evidence is replicated)
         sites = all_points(state.site_precision, block), all_points(state.site_natural_mean, block)

@@ -11,18 +11,21 @@ also serve models which are not strategies (:func:`parameter_fingerprint`, :func
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import gpytorch
 import torch
 from torch import Tensor
 
+from .. import settings
 from ..core.outer_loop import FitReport, OuterLoop, ProductCounter, run_outer_loop
 from ..core.validation import check_flag, check_inputs
+from ..exceptions import ConvergenceWarning
 from ..likelihoods.adapters import likelihood_adapter
 
 UNSET: Any = object()  # "keep the strategy's setting" for an option whose ``None`` is a value of its own
@@ -65,6 +68,12 @@ def fingerprint_matches(fingerprint: Tensor, committed: Tensor | None) -> bool:
     if committed is None:
         return False
     return fingerprint.shape == committed.shape and bool(torch.equal(fingerprint, committed))
+
+
+def exact_regime(strategy: Any) -> bool:
+    r"""Whether a strategy's evidence is computed densely by default: exact and deterministic for
+    :math:`N C \le` :class:`gpytorch_iterncgp.settings.exact_evidence_size`."""
+    return strategy.num_data * strategy.num_latents <= settings.exact_evidence_size.value()
 
 
 def converge(
@@ -153,6 +162,9 @@ class OuterLoopStrategy(gpytorch.Module):
         self.show_progress = show_progress
         self._state: Any = None  # the committed state (of _state_type)
         self._fingerprint: Tensor | None = None  # the hyperparameters it belongs to
+        self._loose = False  # the committed state is a loose fit's (train mode), not converged
+        self._quiet_budget = False  # no ConvergenceWarning for fits stopped by their step limit (loose fits)
+        self._phase: str | None = None  # what the fits are for, on their progress bar (phase())
         self.last_report: FitReport | None = None
 
     # -- sizes -----------------------------------------------------------------------------------
@@ -205,14 +217,74 @@ class OuterLoopStrategy(gpytorch.Module):
         return loop.renew(self._state)
 
     def ensure_fitted(self) -> Any:
-        """The state for the current hyperparameters: ``fit()`` (without progress bar) if it is missing or stale.
+        """The state for the current hyperparameters: fitted (without progress bar) if it is missing or stale.
 
         Every prediction calls it, so predictions before ``fit()``, or after a change of a hyperparameter, fit first.
+        In train mode (``model(train_x)`` in a training loop) a stale state is continued by a :meth:`loose_fit` where
+        the strategy takes one; in eval mode a loose state is fitted on to convergence first.
         """
-        if not self._is_current():
+        if self._is_current() and (self.training or not self._loose):
+            return self._state
+        if not (self.training and self._state is not None and self.loose_fit()):
             self.fit(show_progress=False)
         assert self._state is not None  # fit() always commits (the starting state, if no step was taken)
         return self._state
+
+    def loose_fit(self) -> bool:
+        """A fit of a few steps from the committed state (or the prior), without a ``ConvergenceWarning``, where
+        :meth:`_loose_fit_options` gives one (:class:`gpytorch_iterncgp.settings.training_fit_steps`): the posterior
+        follows the hyperparameters loosely while they are learnt. Returns whether it ran; a prediction in eval mode
+        fits the loose state on to convergence."""
+        loose = self._loose_fit_options()
+        if not loose:
+            return False
+        with self.overriding(**loose), self.without_convergence_warning():
+            self.fit(show_progress=False)
+        self._loose = True
+        return True
+
+    def _loose_fit_options(self) -> dict[str, Any]:
+        """The option changes of a loose fit in train mode (``{}``: fit whole); none here."""
+        return {}
+
+    @contextlib.contextmanager
+    def overriding(self, **changes: Any) -> Iterator[Any]:
+        """The strategy's options with ``changes`` (validated, ``None`` included as a value) inside the ``with`` block,
+        as they were after it; yields the options in force.
+
+        .. code-block:: python
+
+            with model.variational_strategy.overriding(max_newton_steps=2, compression_rank=20):
+                loss = -mll(model(train_x), train_y)
+
+        :raises ValueError: for an option out of range; :raises TypeError: for a name that is not an option.
+        """
+        saved = self.options
+        options = dataclasses.replace(saved, **changes)
+        options.validate()
+        self.options = options
+        try:
+            yield options
+        finally:
+            self.options = saved
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Fits inside the block show ``name`` on their progress bar (e.g. ``"final fit"``: ``"final fit (EP)"``)."""
+        saved, self._phase = self._phase, name
+        try:
+            yield
+        finally:
+            self._phase = saved
+
+    @contextlib.contextmanager
+    def without_convergence_warning(self) -> Iterator[None]:
+        """Fits inside the block stop at their step limit by design: no :class:`ConvergenceWarning`."""
+        saved, self._quiet_budget = self._quiet_budget, True
+        try:
+            yield
+        finally:
+            self._quiet_budget = saved
 
     def fit(self, *args: Any, **kwargs: Any) -> FitReport:
         """Run the outer loop from the committed state (each subclass defines and documents its arguments, among
@@ -297,13 +369,29 @@ class OuterLoopStrategy(gpytorch.Module):
                 callback=callback,
                 show_progress=show,
                 stacklevel=3,
+                description=None if self._phase is None else f"{self._phase} ({loop.name})",
             )
         except BaseException:
             # Interrupted (KeyboardInterrupt, an error in the callback, ...): the state is that of the last
             # completed step; put back what belongs to it.
             self._rewind()
             raise
+        self._loose = False
         self.last_report = report
+        stopped_by_limit = report.steps >= max_steps and not (
+            report.converged or report.breakdown or report.stopped_by_callback
+        )
+        own_limit = max_steps == getattr(self.options, self.max_steps_option)  # not a smaller limit of this call
+        if stopped_by_limit and own_limit and max_steps > 0 and not self._quiet_budget:
+            last = ", ".join(f"{name}={value}" for name, value in report.records[-1].progress().items())
+            warnings.warn(
+                f"{report.method} stopped at {self.max_steps_option}={max_steps} before it converged (last "
+                f"{report.step_name[:-1]}: {last}); the posterior is that of the last {report.step_name[:-1]}. Raise "
+                f"{self.max_steps_option} (fit({self.max_steps_option}=...) or the strategy's option), or call fit() "
+                "again to continue from there.",
+                ConvergenceWarning,
+                stacklevel=3,
+            )
         return report
 
     # -- predictions' inputs ---------------------------------------------------------------------

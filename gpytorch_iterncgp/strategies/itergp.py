@@ -42,6 +42,7 @@ from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNorm
 from linear_operator.operators import LinearOperator, MatmulLinearOperator
 from torch import Tensor
 
+from .. import settings
 from ..core.outer_loop import EPSweep, FitReport, NewtonStep
 from ..core.policies import Policy, make_policy
 from ..core.precision import LowRankPrecision
@@ -50,7 +51,7 @@ from ..core.sharding import RowBlock, RowShardedKernel, all_points, all_rows, ow
 from ..core.solver import IterGPOptions, RegressionState
 from ..ep.sweeps import EPOptions, EPState, ExpectationPropagation
 from ..laplace.newton import DampedNewton, LaplaceState, SolverOptions
-from .base import UNSET
+from .base import UNSET, exact_regime
 from .predictive import PredictiveStrategy, warn_lost_variance
 
 
@@ -95,6 +96,20 @@ class _IterGPStrategy(PredictiveStrategy):
 
     def _rewind(self) -> None:
         self.policy.load_state(self._policy_state)
+
+    def _loose_fit_options(self) -> dict[str, Any]:
+        """A loose fit in train mode where the evidence is estimated: at most
+        :class:`~gpytorch_iterncgp.settings.training_fit_steps` steps, at most
+        :class:`~gpytorch_iterncgp.settings.training_compression_rank` recycled actions, no covariance phase."""
+        steps = settings.training_fit_steps.value()
+        if steps is None or exact_regime(self):
+            return {}
+        rank, current = settings.training_compression_rank.value(), self.options.compression_rank
+        return {
+            self.max_steps_option: min(int(steps), getattr(self.options, self.max_steps_option)),
+            "compression_rank": current if rank is None else min(rank, current or rank),
+            "covariance_iterations": 0,
+        }
 
     def _rows_block(self) -> RowBlock | None:
         """This rank's rows of the state's matrices where a :class:`~gpytorch_iterncgp.distributed.ShardedKernel` with

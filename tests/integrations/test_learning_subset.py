@@ -11,8 +11,8 @@ import torch
 
 pytest.importorskip("sklearn", minversion="1.7")
 
-from gpytorch_iterncgp.integrations import sklearn as estimators  # noqa: E402
 from gpytorch_iterncgp.integrations.sklearn import IterNCGPClassifier, IterNCGPPoissonRegressor  # noqa: E402
+from gpytorch_iterncgp.learning import rows as learning_rows  # noqa: E402
 
 
 def _classes(num=150, seed=0, shares=(0.5, 0.3, 0.2)):
@@ -54,7 +54,7 @@ def test_subset_learning_learns_what_a_fit_on_the_subset_learns(inference):
 def test_subset_is_stratified_and_auto_size_follows_the_latent_budget(monkeypatch):
     """``"auto"`` takes ``isqrt(LEARNING_SUBSET_COST // C)`` points (C classes); every class keeps its share of them (to
     rounding), and the draw follows ``random_state``."""
-    monkeypatch.setattr(estimators, "LEARNING_SUBSET_COST", 3 * 40**2 + 5)
+    monkeypatch.setattr(learning_rows, "LEARNING_SUBSET_COST", 3 * 40**2 + 5)
     x, y = _classes(num=90, seed=1)
     first = IterNCGPClassifier(inference="laplace", optimizer_steps=1, random_state=0).fit(x, y)
     rows = first.learning_rows_

@@ -21,8 +21,8 @@ pytest.importorskip("sklearn", minversion="1.7")
 
 from sklearn.metrics import log_loss  # noqa: E402
 
-from gpytorch_iterncgp import settings  # noqa: E402
-from gpytorch_iterncgp.integrations.sklearn import CLASSIFIER_INFERENCE, ESTIMATOR_DEFAULTS  # noqa: E402
+from gpytorch_iterncgp import LearningRecipe, settings  # noqa: E402
+from gpytorch_iterncgp.integrations.sklearn import CLASSIFIER_INFERENCE  # noqa: E402
 from gpytorch_iterncgp.sklearn import IterNCGPClassifier, IterNCGPPoissonRegressor  # noqa: E402
 from tests import reference, reference_ep  # noqa: E402
 from tests.integrations.test_sklearn import TIGHT, _binary, _matern, _multiclass  # noqa: E402
@@ -85,26 +85,26 @@ def test_loose_fits_learn_the_hyperparameters_of_whole_refits():
     assert abs(loose - whole) <= 1e-2 * (whole - start)
 
 
-def test_learning_runs_loose_fits_and_the_final_fit_whole():
-    """During Adam, each evaluation runs at most ``learning_fit_steps`` Newton steps; the final fit its own budget; the
-    strategy's options are restored afterwards."""
+def test_learning_runs_loose_fits_and_the_final_fit_whole(monkeypatch):
+    """During Adam, each evaluation runs at most ``learning_fit_steps`` Newton steps and keeps at most 20 recycled
+    actions; the final fit its own budget; the strategy's options are restored afterwards."""
     from sklearn.datasets import make_classification
 
+    from gpytorch_iterncgp import IterNCGPStrategy
+
     x, y = make_classification(n_samples=1100, n_features=3, n_informative=3, n_redundant=0, random_state=1)
-    steps: list[int] = []
-    classifier = IterNCGPClassifier(inference="laplace", optimizer_steps=3, random_state=0, learning_fit_steps=2)
-    original = IterNCGPClassifier._learn_hyperparameters
+    budgets: list[tuple] = []
+    original = IterNCGPStrategy._run
 
-    def spy(self, model, *args):
-        steps.append(model.variational_strategy.options.max_newton_steps)
-        return original(self, model, *args)
+    def spy(self, prior, options, max_steps, *args):
+        budgets.append((max_steps, options.compression_rank, options.covariance_iterations))
+        return original(self, prior, options, max_steps, *args)
 
-    IterNCGPClassifier._learn_hyperparameters = spy  # type: ignore[method-assign]
-    try:
-        classifier.fit(x, y)
-    finally:
-        IterNCGPClassifier._learn_hyperparameters = original  # type: ignore[method-assign]
-    assert steps == [2]
+    monkeypatch.setattr(IterNCGPStrategy, "_run", spy)
+    classifier = IterNCGPClassifier(
+        inference="laplace", optimizer_steps=3, random_state=0, learning_fit_steps=2, covariance_iterations=2
+    ).fit(x, y)
+    assert budgets == [(2, 20, 0)] * 3 + [(20, None, 2)]
     options = classifier.model_.variational_strategy.options
     assert options.max_newton_steps == 20 and options.compression_rank is None
 
@@ -114,7 +114,12 @@ def test_ep_evidence_is_finite_with_an_incomplete_solve():
     by the prior as the sweeps do, and stays finite (unbounded, some cavity precisions are negative: NaN)."""
     import gpytorch
 
-    from gpytorch_iterncgp import EPMarginalLogLikelihood, EPStrategy, MultinomialProbitLikelihood
+    from gpytorch_iterncgp import (
+        EPMarginalLogLikelihood,
+        EPStrategy,
+        EstimatedEvidenceWarning,
+        MultinomialProbitLikelihood,
+    )
 
     x, y, _ = _multiclass(num=400)
     train_x, train_y = torch.as_tensor(x), torch.as_tensor(y, dtype=torch.float64)
@@ -135,7 +140,8 @@ def test_ep_evidence_is_finite_with_an_incomplete_solve():
     report = model.variational_strategy.fit(max_sweeps=10)
     assert report.bounded_cavities > 0
     model.train()
-    evidence = EPMarginalLogLikelihood(likelihood, model)(model(train_x), train_y)
+    with pytest.warns(EstimatedEvidenceWarning, match="fit_mll"):  # estimated from incomplete solves: biased
+        evidence = EPMarginalLogLikelihood(likelihood, model)(model(train_x), train_y)
     assert math.isfinite(float(evidence.detach()))
     evidence.backward()
     assert math.isfinite(float(model.covar_module.raw_outputscale.grad))
@@ -172,7 +178,7 @@ def test_ep_outputscale_is_chosen_by_the_held_out_log_loss():
     lengthscale = classifier.kernel_.base_kernel.lengthscale.item()
     laplace_outputscale = classifier.kernel_.outputscale.item() / report.outputscale_factor
     expected = {}
-    for factor in ESTIMATOR_DEFAULTS.outputscale_factors:
+    for factor in LearningRecipe.outputscale_factors:
         outputscale = laplace_outputscale * factor
         kernel = _matern(x[rows], x[rows], lengthscale, outputscale)
         result = reference_ep.parallel_ep(kernel, torch.as_tensor(y[rows], dtype=torch.float64), tol=1e-10)

@@ -1,0 +1,244 @@
+r"""The GPyTorch door: ``fit_mll`` and the plain training loop on a model written as in ``docs/user_guide/gpytorch_swap.md``,
+beside GPyTorch's SVGP, every method learning its kernel, in one run on one machine.
+
+    python -m benchmarks.gpytorch_door                    # the mixture (3 data seeds) and the real data sets (~1 h here)
+    python -m benchmarks.gpytorch_door --datasets mixture5000 --seeds 0
+    python -m benchmarks.gpytorch_door --smoke            # tiny sizes, seconds (the tests run it)
+
+Data: the paper's 10-class mixture in 3-D (``mixture5000``: N = 5000, 2000 test points, the samples drawn by the data
+seed) and real data sets no other file of the project uses (:mod:`benchmarks.real_data`). The model: a Matérn-5/2 kernel
+(lengthscale :math:`\sqrt D`, outputscale 1 to start) and a constant mean per class, one latent for binary data
+(``benchmarks.learned.ExactInferenceModel``), with the strategy's defaults. Methods:
+
+* ``fit_mll_laplace``, ``fit_mll_ep``: ``fit_mll(mll)`` with its defaults, :class:`~gpytorch_iterncgp.IterNCGPStrategy`
+  (softmax; logit for binary data) or :class:`~gpytorch_iterncgp.EPStrategy` (multinomial probit; probit), scored once
+  after it returns (learning, outputscale choice and final fit counted);
+* ``loop_laplace``, ``loop_ep``: the plain GPyTorch loop of ``docs/user_guide/hyperparameters.md`` (Adam, learning rate
+  0.05, on ``-mll(model(train_x), train_y)``) for ``--budget`` seconds, scored ten times along the way;
+* ``svgp``: GPyTorch's SVGP, 100 learnt inducing inputs per latent, Adam (learning rate 0.01) on the ELBO in batches
+  of 1024, for ``--budget`` seconds (``benchmarks.learned.run_svgp``).
+
+Test NLL of each method's own predictive against its wall time (evaluations not counted), one thread unless
+``--threads``. Writes ``results/gpytorch_door.json`` (with the machine) and ``results/gpytorch_door.png``, and prints
+a table per data set: mean ± standard deviation over the seeds of SVGP's NLL at 30, 60 and 120 s, of ``fit_mll``'s
+NLL and seconds, and of the plain loop's NLL at 30, 60 and 120 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import gpytorch
+import numpy as np
+import torch
+
+from benchmarks import real_data
+from benchmarks.common import machine
+from benchmarks.learned import Clock, Data, ExactInferenceModel, load, run_gpytorch_path, run_svgp
+from gpytorch_iterncgp import (
+    EPMarginalLogLikelihood,
+    EPStrategy,
+    IterNCGPStrategy,
+    LaplaceMarginalLogLikelihood,
+    LogitBernoulliLikelihood,
+    MultinomialProbitLikelihood,
+    fit_mll,
+)
+
+RESULTS = Path(__file__).resolve().parent / "results"
+DATASETS = ("mixture5000", *real_data.DATASETS)
+METHODS = ("svgp", "fit_mll_laplace", "fit_mll_ep", "loop_laplace", "loop_ep")
+MARKS = (30.0, 60.0, 120.0)
+
+
+def load_data(name: str, smoke: bool, seed: int) -> Data:
+    """``mixture<N>`` (the data seed draws the samples) or a real data set (the seed draws the split)."""
+    if name in real_data.DATASETS:
+        return real_data.load(name, smoke, seed)
+    return load(name, smoke, seed)
+
+
+def run_fit_mll(data: Data, inference: str, seed: int) -> dict:
+    """``fit_mll`` with its defaults on the docs' model; one score after it returns."""
+    torch.manual_seed(seed)
+    multiclass = data.num_classes > 2
+    if inference == "laplace":
+        likelihood = (
+            gpytorch.likelihoods.SoftmaxLikelihood(num_classes=data.num_classes, mixing_weights=False)
+            if multiclass
+            else LogitBernoulliLikelihood()
+        )
+        strategy, evidence = IterNCGPStrategy, LaplaceMarginalLogLikelihood
+    else:
+        likelihood = (
+            MultinomialProbitLikelihood(num_classes=data.num_classes)
+            if multiclass
+            else gpytorch.likelihoods.BernoulliLikelihood()
+        )
+        strategy, evidence = EPStrategy, EPMarginalLogLikelihood
+    targets = data.train_y if multiclass else data.train_y.to(data.train_x)
+    clock, history = Clock(), []
+    model = ExactInferenceModel(dataclasses.replace(data, train_y=targets), strategy, likelihood)
+    report = fit_mll(evidence(likelihood, model), seed=seed)
+    clock.evaluate(history, lambda: model.variational_strategy.predictive_probabilities(data.test_x), data.test_y)
+    learning = {key: value for key, value in dataclasses.asdict(report).items() if key != "fit_report"}
+    return {
+        "label": f"fit_mll ({inference})",
+        "history": history,
+        "learning": learning,
+        "final_fit": str(report.fit_report),
+        "kernel": {
+            "lengthscale": model.covar_module.base_kernel.lengthscale.detach().reshape(-1).tolist(),
+            "outputscale": model.covar_module.outputscale.detach().reshape(-1).tolist(),
+        },
+    }
+
+
+def nll_at(run: dict, seconds: float) -> float:
+    """The run's test NLL at its last evaluation within ``seconds`` (NaN if none)."""
+    entries = [entry for entry in run["history"] if entry["time"] <= seconds]
+    return entries[-1]["nll"] if entries else math.nan
+
+
+def run_one(data: Data, method: str, budget: float, seed: int) -> dict:
+    if method == "svgp":
+        latents = data.num_classes if data.num_classes > 2 else 1
+        return run_svgp(data, 100 * latents, 0.01, budget, seed)
+    approach, _, inference = method.rpartition("_")
+    if approach == "fit_mll":
+        return run_fit_mll(data, inference, seed)
+    return run_gpytorch_path(data, inference, budget, seed)
+
+
+def aggregate(runs_by_seed: dict[int, dict[str, dict]], marks: tuple[float, ...]) -> dict:
+    """Mean and standard deviation over seeds: NLL at each mark for SVGP and the loops, NLL and seconds for fit_mll."""
+
+    def spread(values: list[float]) -> dict:
+        values = [value for value in values if not math.isnan(value)]
+        if not values:
+            return {"mean": math.nan, "std": math.nan, "n": 0}
+        return {"mean": statistics.fmean(values), "std": statistics.pstdev(values), "n": len(values)}
+
+    methods = sorted({method for runs in runs_by_seed.values() for method in runs})
+    table: dict = {}
+    for method in methods:
+        runs = [runs[method] for runs in runs_by_seed.values() if method in runs]
+        if method.startswith("fit_mll"):
+            table[method] = {
+                "nll": spread([run["history"][-1]["nll"] for run in runs]),
+                "seconds": spread([run["history"][-1]["time"] for run in runs]),
+            }
+        else:
+            table[method] = {f"nll_at_{mark:g}s": spread([nll_at(run, mark) for run in runs]) for mark in marks}
+    svgp = [runs["svgp"] for runs in runs_by_seed.values() if "svgp" in runs]
+    for method in methods:
+        if method.startswith("fit_mll") and svgp:
+            paired = [
+                runs[method]["history"][-1]["nll"] - nll_at(runs["svgp"], 60.0)
+                for runs in runs_by_seed.values()
+                if method in runs and "svgp" in runs
+            ]
+            table[method]["minus_svgp_at_60s"] = spread(paired)
+            table[method]["seeds_at_or_below_svgp_at_60s"] = sum(value <= 0 for value in paired)
+    return table
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results["datasets"])
+    figure, axes = plt.subplots(1, len(names), figsize=(5.5 * len(names), 4), squeeze=False)
+    colors = dict(zip(METHODS, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
+    for axis, name in zip(axes[0], names, strict=True):
+        for seed, runs in results["datasets"][name]["runs"].items():
+            for method, run in runs.items():
+                times = [max(entry["time"], 1e-1) for entry in run["history"]]
+                label = run["label"] if seed == next(iter(results["datasets"][name]["runs"])) else None
+                style = "o" if method.startswith("fit_mll") else "-"
+                axis.plot(times, [e["nll"] for e in run["history"]], style, color=colors[method], label=label, ms=6)
+        axis.set(xscale="log", xlabel="wall time [s] (one thread)", ylabel="test NLL", title=name)
+        axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=DATASETS)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--seeds", nargs="+", type=int, default=None, help="default: 0 1 2 (mixture), 0 (real data)")
+    parser.add_argument("--budget", type=float, default=120.0, help="seconds for SVGP and the plain loops")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes and budgets (seconds)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.budget = min(args.budget, 2.0)
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    marks = tuple(min(mark, args.budget) for mark in MARKS) if args.smoke else MARKS
+    results: dict = {
+        "machine": machine(),
+        "command": "python -m benchmarks.gpytorch_door " + " ".join(sys.argv[1:] if argv is None else argv),
+        "budget_seconds": args.budget,
+        "threads": args.threads,
+        "datasets": {},
+    }
+    start = time.perf_counter()
+    for name in args.datasets:
+        seeds = args.seeds if args.seeds is not None else ([0, 1, 2] if name.startswith("mixture") else [0])
+        runs_by_seed: dict[int, dict[str, dict]] = {}
+        for seed in seeds:
+            data = load_data(name, args.smoke, seed)
+            runs_by_seed[seed] = {}
+            for method in args.methods:
+                run = run_one(data, method, args.budget, seed)
+                runs_by_seed[seed][method] = run
+                final = run["history"][-1]
+                print(
+                    f"{name:>12} seed {seed} {run['label']:<36} NLL {final['nll']:.4f} acc {final['accuracy']:.4f} "
+                    f"{final['time']:7.1f} s  [{time.perf_counter() - start:6.0f} s]",
+                    flush=True,
+                )
+        results["datasets"][name] = {
+            "num_train": len(data.train_y),
+            "num_test": len(data.test_y),
+            "num_features": data.train_x.shape[-1],
+            "num_classes": data.num_classes,
+            "seeds": seeds,
+            "runs": runs_by_seed,
+            "summary": aggregate(runs_by_seed, marks),
+        }
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = "gpytorch_door_smoke" if args.smoke else "gpytorch_door"
+    (args.out / f"{stem}.json").write_text(json.dumps(results, indent=1, default=float))
+    plot(results, args.out / f"{stem}.png")
+    for name, entry in results["datasets"].items():
+        print(f"\n{name} (N = {entry['num_train']}, C = {entry['num_classes']}, seeds {entry['seeds']})")
+        for method, row in entry["summary"].items():
+            cells = ", ".join(
+                f"{key} {value['mean']:.4f} ± {value['std']:.4f}" if isinstance(value, dict) else f"{key} {value}"
+                for key, value in row.items()
+            )
+            print(f"  {method:<16} {cells}")
+    return results
+
+
+if __name__ == "__main__":
+    np.seterr(all="ignore")
+    main()

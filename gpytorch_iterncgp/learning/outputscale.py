@@ -1,0 +1,76 @@
+r"""EP's outputscale by held-out rows, where Laplace's evidence learnt EP's kernel (cross-validation of one
+hyperparameter, R&W sec. 5.3).
+
+At the outputscale :math:`s^2` Laplace's evidence learns, EP's posterior is over-confident (``docs/design_notes.md``),
+and EP's own estimated evidence is biased towards large outputscales by the computation-aware cavities; the held-out
+log-loss measures what the classifier is used for.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import gpytorch
+import torch
+from linear_operator.utils.errors import NanError
+from torch import Tensor
+
+from .recipe import LearningRecipe, LearningReport
+
+__all__ = ["choose_outputscale", "log_loss"]
+
+
+def log_loss(probabilities: Tensor, labels: Tensor) -> float:
+    r"""The mean negative log probability of ``labels`` ``(V,)`` (class indices) under ``probabilities``: ``(V,)``
+    of class 1 (binary) or ``(V, C)``; each clipped at the dtype's machine epsilon, as scikit-learn's ``log_loss``."""
+    if probabilities.dim() == 1:
+        probabilities = torch.stack([1 - probabilities, probabilities], dim=-1)
+    chosen = probabilities.gather(-1, labels.long()[:, None])[:, 0]
+    return float(-chosen.clamp_min(torch.finfo(chosen.dtype).eps).log().mean())
+
+
+def choose_outputscale(
+    kernel: gpytorch.kernels.ScaleKernel,
+    build: Callable[[], gpytorch.models.ApproximateGP],
+    validation_x: Tensor,
+    validation_y: Tensor,
+    recipe: LearningRecipe,
+    report: LearningReport,
+    deadline: float | None,
+    tick: Callable[[], None],
+) -> None:
+    r"""Set ``kernel``'s outputscale :math:`s^2` to Laplace's times the factor of ``recipe.outputscale_factors`` with the
+    smallest log-loss at the held-out rows ``validation_x`` ``(V, D)``, ``validation_y`` ``(V,)``; the lengthscales stay.
+
+    Each candidate gets a cold EP fit of ``recipe.outputscale_sweeps`` sweeps (``build()``: a new EP model on the
+    learning rows sharing ``kernel``) and its predictive probabilities at the held-out rows. No candidate starts after
+    ``deadline`` (``time.perf_counter()`` seconds); where every fit fails the factor is 1 (Laplace's). Fills
+    ``report``'s outputscale fields; ``tick()`` after each candidate (the progress bar).
+    """
+    learnt = kernel.outputscale.detach().clone()
+    start = time.perf_counter()
+    for factor in recipe.outputscale_factors:
+        if deadline is not None and time.perf_counter() >= deadline:
+            break
+        with torch.no_grad():
+            kernel.outputscale = learnt * factor
+        model = build()  # every candidate's fit starts cold
+        strategy = model.variational_strategy
+        model.eval()
+        try:
+            with torch.no_grad(), strategy.without_convergence_warning():
+                strategy.fit(max_sweeps=recipe.outputscale_sweeps, show_progress=False)
+                probabilities = strategy.predictive_probabilities(validation_x)
+        except (FloatingPointError, ValueError, torch.linalg.LinAlgError, NanError):
+            continue
+        finally:
+            tick()
+        if bool(torch.isfinite(probabilities).all()):
+            report.outputscale_log_loss[factor] = log_loss(probabilities, validation_y)
+    losses = report.outputscale_log_loss
+    report.outputscale_factor = min(losses, key=losses.__getitem__) if losses else 1.0
+    with torch.no_grad():
+        kernel.outputscale = learnt * report.outputscale_factor
+    report.validation_points = len(validation_x)
+    report.outputscale_seconds = time.perf_counter() - start

@@ -1,0 +1,111 @@
+r"""What :func:`~gpytorch_iterncgp.fit_mll` does (:class:`LearningRecipe`) and what it did (:class:`LearningReport`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..core.validation import check_count, check_nonnegative
+
+__all__ = ["LEARNING_SUBSET_COST", "LearningRecipe", "LearningReport"]
+
+#: ``subset="auto"``: the hyperparameters are learnt on a random (stratified by class, for classifiers) subset of
+#: :math:`M = \lfloor \sqrt{\text{this} / C} \rfloor` points, so that a product with the subset's kernel matrix costs
+#: at most this many multiply-adds :math:`M^2 C` (1000 points for 10 classes, 3162 for binary data); chosen by
+#: measurement (``benchmarks/README.md`` §14).
+LEARNING_SUBSET_COST = 10**7
+
+
+@dataclass(frozen=True)
+class LearningRecipe:
+    r"""How :func:`~gpytorch_iterncgp.fit_mll` learns the hyperparameters (each default measured, ``benchmarks/``).
+
+    :param optimizer_steps: where the evidence is exact (:math:`N C \le` ``settings.exact_evidence_size``), the most
+        L-BFGS iterations (strong-Wolfe line search; whole fits at every evaluation); above it, the number of Adam
+        steps, each on a loose fit. ``0``: no learning, only the final fit.
+    :param learning_rate: Adam's learning rate.
+    :param fit_steps: with Adam, the Newton steps (EP sweeps) each evaluation runs on from the previous posterior
+        (:class:`gpytorch_iterncgp.settings.training_fit_steps`).
+    :param compression_rank: with Adam, the recycled actions kept
+        (:class:`gpytorch_iterncgp.settings.training_compression_rank`).
+    :param trace_samples: stochastic Lanczos quadrature while learning with Adam
+        (``gpytorch.settings.num_trace_samples``; GPyTorch's default 10): half the products per evaluation for the
+        same learnt hyperparameters (``docs/design_notes.md``).
+    :param lanczos_iterations: ``gpytorch.settings.max_lanczos_quadrature_iterations`` while learning with Adam (20).
+    :param outputscale_factors: EP whose kernel Laplace's evidence learnt: the outputscale is chosen among Laplace's
+        times these factors by the log-loss of held-out training rows (``benchmarks/README.md`` §14).
+    :param outputscale_sweeps: EP sweeps of each candidate's fit on the learning rows.
+    :param min_validation_points: fewer spare rows than this: no held-out choice.
+    """
+
+    optimizer_steps: int = 25
+    learning_rate: float = 0.2
+    fit_steps: int = 2
+    compression_rank: int = 20
+    trace_samples: int = 5
+    lanczos_iterations: int = 10
+    outputscale_factors: tuple[float, ...] = (1.0, 1 / 2, 1 / 4, 1 / 8, 1 / 16, 2.0)
+    outputscale_sweeps: int = 10
+    min_validation_points: int = 100
+
+    def validate(self) -> None:
+        """:raises ValueError: naming the field that is out of range."""
+        check_count(self.optimizer_steps, "optimizer_steps")
+        for name in ("fit_steps", "compression_rank", "trace_samples", "lanczos_iterations", "outputscale_sweeps"):
+            check_count(getattr(self, name), name, minimum=1)
+        check_count(self.min_validation_points, "min_validation_points")
+        check_nonnegative(self.learning_rate, "learning_rate", positive=True)
+        if not self.outputscale_factors or any(not factor > 0 for factor in self.outputscale_factors):
+            raise ValueError(f"outputscale_factors must be positive numbers, got {self.outputscale_factors!r}.")
+
+
+@dataclass
+class LearningReport:
+    """What :func:`~gpytorch_iterncgp.fit_mll` did, phase by phase (also the estimators' ``learning_report_``).
+
+    Learning: ``seconds`` is its wall time; of it, ``fit_seconds`` went to the strategy's fits at each evaluation of
+    the evidence (warm-started), ``evidence_seconds`` to the evidence at the fitted posterior and ``gradient_seconds``
+    to its gradient. ``stopped`` says why it ended: ``"optimizer_steps"``, ``"converged"`` (L-BFGS's own tolerances),
+    ``"max_time"`` or ``"error"`` (a warning says which). ``evidence`` is the approximation whose evidence was
+    maximised (``"Laplace"`` or ``"EP"``), on ``data_points`` of the ``num_data`` training points; ``losses`` is
+    ``-evidence / n`` at every evaluation.
+
+    Outputscale (EP learnt on Laplace's evidence): the factor the outputscale was multiplied by (chosen by the held-out
+    log-loss of ``validation_points`` rows), the log-loss at each factor tried, and the seconds it took.
+
+    Final fit: ``fit_report``, the :class:`~gpytorch_iterncgp.FitReport` of the fit on all the data.
+    """
+
+    method: str = ""
+    evidence: str = ""
+    data_points: int = 0
+    num_data: int = 0
+    evaluations: int = 0
+    seconds: float = 0.0
+    fit_seconds: float = 0.0
+    evidence_seconds: float = 0.0
+    gradient_seconds: float = 0.0
+    stopped: str = "not learnt"
+    losses: list[float] = field(default_factory=list)
+    outputscale_factor: float = 1.0
+    outputscale_log_loss: dict[float, float] = field(default_factory=dict)
+    validation_points: int = 0
+    outputscale_seconds: float = 0.0
+    fit_report: Any = None
+
+    def __str__(self) -> str:
+        if not self.evaluations:
+            return "hyperparameters not learnt"
+        subset = "" if self.data_points == self.num_data else f" of {self.data_points} of the {self.num_data} points"
+        outputscale = (
+            f"; EP's outputscale times {self.outputscale_factor:g} by the log-loss of {self.validation_points} held-out "
+            f"points ({len(self.outputscale_log_loss)} EP fits in {self.outputscale_seconds:.2f}s)"
+            if self.outputscale_log_loss
+            else ""
+        )
+        return (
+            f"hyperparameters: {self.method} on the {self.evidence} evidence{subset}, {self.evaluations} evaluations in "
+            f"{self.seconds:.2f}s (fits "
+            f"{self.fit_seconds:.2f}s, evidence {self.evidence_seconds:.2f}s, gradients {self.gradient_seconds:.2f}s), "
+            f"stopped by {self.stopped}{outputscale}"
+        )

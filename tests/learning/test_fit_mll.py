@@ -1,0 +1,255 @@
+"""``fit_mll``: the learning function of every model with an IterNCGP or EP strategy (``gpytorch_iterncgp.learning``),
+its rows, the learner on them, BoTorch's dispatch, the loose fits of the plain training loop, the warnings and the
+progress of every phase."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import gpytorch
+import numpy as np
+import pytest
+import torch
+
+from gpytorch_iterncgp import (
+    ConvergenceWarning,
+    EPMarginalLogLikelihood,
+    EPStrategy,
+    EstimatedEvidenceWarning,
+    IterNCGPStrategy,
+    LaplaceMarginalLogLikelihood,
+    LearningRecipe,
+    LogitBernoulliLikelihood,
+    fit_mll,
+    settings,
+)
+from gpytorch_iterncgp.learning.learner import LearnerModel
+from gpytorch_iterncgp.learning.rows import draw_rows, held_out_rows
+from tests.common import IterNCGPModel, binary_data, multiclass_data, softmax_likelihood
+
+
+def _kernel_parameters(model) -> list[torch.Tensor]:
+    return [parameter.detach().clone() for parameter in model.covar_module.parameters()]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rows and the learner
+# ---------------------------------------------------------------------------------------------------
+def test_rows_are_stratified_sorted_and_held_out_rows_disjoint():
+    labels = torch.tensor([0] * 50 + [1] * 30 + [2] * 20)
+    generator = torch.Generator().manual_seed(0)
+    rows = draw_rows(torch.arange(100), 40, labels, generator)
+    assert len(rows) == 40 and len(rows.unique()) == 40 and bool((rows.diff() > 0).all())
+    assert torch.bincount(labels[rows], minlength=3).tolist() == [20, 12, 8]  # the shares 0.5, 0.3, 0.2 of 40
+    held_out = held_out_rows(100, rows, labels, minimum=10, generator=generator)
+    assert held_out is not None and len(held_out) == 40 and not set(held_out.tolist()) & set(rows.tolist())
+    assert held_out_rows(100, torch.arange(95), labels, minimum=10, generator=generator) is None  # 5 left < 10
+    with pytest.raises(ValueError, match="cannot draw"):
+        draw_rows(torch.arange(5), 6, None, generator)
+
+
+def test_the_learners_evidence_is_that_of_a_model_on_its_rows():
+    """A ``LearnerModel`` on rows of the data, sharing the model's kernel, has the evidence and the gradient of a model
+    built on those rows alone (the exact regime: deterministic), and its gradient reaches the model's parameters."""
+    x, y = binary_data(80, seed=1)
+    rows = torch.arange(0, 80, 2)
+    options = dict(policy="unit", max_solver_iterations=None, abs_tol=0.0, rel_tol=0.0)
+    model = IterNCGPModel(x, y, LogitBernoulliLikelihood(), **options)
+    learner = LearnerModel(model, IterNCGPStrategy, x[rows], y[rows], model.variational_strategy.likelihood)
+    alone = IterNCGPModel(x[rows], y[rows], LogitBernoulliLikelihood(), **options)
+    values, gradients = [], []
+    for subject in (learner, alone):
+        subject.train()
+        strategy = subject.variational_strategy
+        evidence = LaplaceMarginalLogLikelihood(strategy.likelihood, subject)(subject(x[rows]), y[rows])
+        evidence.backward()
+        values.append(float(evidence.detach()))
+        parameters = model.covar_module if subject is learner else alone.covar_module
+        gradients.append(torch.stack([p.grad.reshape(()) for p in parameters.parameters()]))
+    assert values[0] == pytest.approx(values[1], rel=1e-9)
+    torch.testing.assert_close(gradients[0], gradients[1], rtol=1e-7, atol=1e-10)
+
+
+# ---------------------------------------------------------------------------------------------------
+# fit_mll: the estimator's recipe, on GPyTorch models
+# ---------------------------------------------------------------------------------------------------
+def _estimator_model(estimator, x, y, likelihood, inference):
+    """The model the estimator builds before it learns (``_fit_model``), and the seed it draws."""
+    from gpytorch_iterncgp.integrations.sklearn import _LatentGP, default_kernel
+
+    seed = int(np.random.RandomState(estimator.random_state).randint(np.iinfo(np.int32).max))
+    options = estimator._strategy_options(seed, estimator._solver_budget(len(x) * 1), inference)
+    strategy_type = EPStrategy if inference == "ep" else IterNCGPStrategy
+    train_x, train_y = torch.as_tensor(x), torch.as_tensor(y, dtype=torch.float64)
+    mean = gpytorch.means.ZeroMean()
+    model = _LatentGP(train_x, train_y, likelihood, default_kernel(x.shape[1]), mean, strategy_type, options)
+    return model.double(), seed
+
+
+@pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")  # EP's 20 sweeps, the same in both
+@pytest.mark.filterwarnings("ignore::gpytorch_iterncgp.ConvergenceWarning")
+@pytest.mark.parametrize("inference", ["laplace", "ep"])
+def test_fit_mll_on_the_estimators_model_gives_the_estimators_hyperparameters(inference):
+    """The estimator is validation, the default model and ``fit_mll``: on its model, ``fit_mll`` learns its
+    hyperparameters (N = 1100 binary points: Adam on loose fits, and for EP Laplace's evidence) and its posterior."""
+    from sklearn.datasets import make_classification
+
+    from gpytorch_iterncgp.sklearn import IterNCGPClassifier
+
+    x, y = make_classification(n_samples=1100, n_features=3, n_informative=3, n_redundant=0, random_state=2)
+    estimator = IterNCGPClassifier(inference=inference, learning_subset=None, optimizer_steps=4, random_state=0)
+    estimator.fit(x, y)
+    model, seed = _estimator_model(estimator, x, y, LogitBernoulliLikelihood(), inference)
+    evidence = EPMarginalLogLikelihood if inference == "ep" else LaplaceMarginalLogLikelihood
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        report = fit_mll(
+            evidence(model.variational_strategy.likelihood, model), recipe=LearningRecipe(optimizer_steps=4)
+        )
+    assert report.evidence == "Laplace" and report.method == "Adam" and report.evaluations == 4
+    for ours, theirs in zip(_kernel_parameters(model), estimator.kernel_.parameters(), strict=True):
+        torch.testing.assert_close(ours, theirs.detach(), rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(report.losses, estimator.loss_curve_, rtol=1e-10)
+    test_x = torch.as_tensor(x[:50])
+    with torch.no_grad():
+        probabilities = model.variational_strategy.predictive_probabilities(test_x).numpy()
+    np.testing.assert_allclose(probabilities, estimator.predict_proba(x[:50])[:, 1], rtol=1e-8, atol=1e-10)
+
+
+def test_fit_mll_learns_a_batch_of_class_kernels_on_a_stratified_subset():
+    """One GP per class (``batch_shape=[C]``, softmax Laplace) on a subset of 90 of 240 rows: every class keeps its
+    share, the evidence rises, the model's own parameters move, and the final fit on all the rows converges."""
+    x, y = multiclass_data(240, seed=3)
+    model = IterNCGPModel(x, y, softmax_likelihood(3), batch_classes=3, max_solver_iterations=None)
+    before = _kernel_parameters(model)
+    mll = LaplaceMarginalLogLikelihood(model.variational_strategy.likelihood, model)
+    report = fit_mll(mll, subset=90, seed=0, recipe=LearningRecipe(optimizer_steps=10))
+    assert report.data_points == 90 and report.num_data == 240 and report.method == "L-BFGS"
+    assert report.losses[-1] < report.losses[0] - 1e-3
+    assert any(not torch.equal(a, b) for a, b in zip(before, _kernel_parameters(model), strict=True))
+    assert report.fit_report.converged and not model.training
+    assert model.variational_strategy.num_data == 240
+
+
+def test_fit_mll_chooses_eps_outputscale_on_held_out_rows_and_every_phase_shows_progress(capsys):
+    """EP learnt on Laplace's evidence (above ``exact_evidence_size``) on a subset: the outputscale is chosen on held-out
+    rows among Laplace's times the factors, and ``show_progress`` draws one bar per phase, each named."""
+    x, y = binary_data(240, seed=4)
+    model = IterNCGPModel(x, y, LogitBernoulliLikelihood(), strategy_class=EPStrategy, max_solver_iterations=10)
+    mll = EPMarginalLogLikelihood(model.variational_strategy.likelihood, model)
+    recipe = LearningRecipe(optimizer_steps=3, outputscale_factors=(1.0, 0.25), outputscale_sweeps=5)
+    with settings.exact_evidence_size(50), warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConvergenceWarning)
+        report = fit_mll(mll, subset=100, seed=0, recipe=recipe, show_progress=True)
+    assert report.evidence == "Laplace" and report.data_points == 100 and report.validation_points == 100
+    assert set(report.outputscale_log_loss) == {1.0, 0.25}
+    assert report.outputscale_factor == min(report.outputscale_log_loss, key=report.outputscale_log_loss.__getitem__)
+    errors = capsys.readouterr().err
+    assert "learning: Adam on the Laplace evidence of 100 points" in errors
+    assert "EP's outputscale" in errors and "2/2" in errors
+    assert "final fit (EP)" in errors
+
+
+def test_fit_mll_refuses_other_objectives_and_bad_subsets():
+    x, y = binary_data(30)
+    model = IterNCGPModel(x, y, LogitBernoulliLikelihood())
+    elbo = gpytorch.mlls.VariationalELBO(model.variational_strategy.likelihood, model, num_data=30)
+    with pytest.raises(TypeError, match="LaplaceMarginalLogLikelihood"):
+        fit_mll(elbo)
+    mll = LaplaceMarginalLogLikelihood(model.variational_strategy.likelihood, model)
+    for subset in ("half", 1, True):
+        with pytest.raises(ValueError, match="subset"):
+            fit_mll(mll, subset=subset)
+    with pytest.raises(ValueError, match="optimizer_steps"):
+        fit_mll(mll, recipe=LearningRecipe(optimizer_steps=-1))
+
+
+def test_botorch_fit_gpytorch_mll_runs_fit_mll():
+    """``botorch.fit.fit_gpytorch_mll(mll)`` on one of the package's evidences runs ``fit_mll`` (the model's
+    ``custom_fit`` hook), forwards the keywords ``fit_mll`` takes and returns the objective in eval mode."""
+    fit = pytest.importorskip("botorch.fit")
+    x, y = binary_data(60, seed=5)
+    learnt = []
+    for run in ("botorch", "fit_mll"):
+        model = IterNCGPModel(x, y, LogitBernoulliLikelihood(), max_solver_iterations=None)
+        mll = LaplaceMarginalLogLikelihood(model.variational_strategy.likelihood, model)
+        if run == "botorch":
+            returned = fit.fit_gpytorch_mll(mll, seed=0, optimizer_kwargs={"ignored": True})
+            assert returned is mll and not mll.training and not model.training
+        else:
+            fit_mll(mll, seed=0)
+        learnt.append(_kernel_parameters(model))
+    for ours, theirs in zip(*learnt, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    assert not torch.equal(learnt[0][0], IterNCGPModel(x, y, LogitBernoulliLikelihood()).covar_module.raw_outputscale)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The plain loop, and the warnings
+# ---------------------------------------------------------------------------------------------------
+def test_the_plain_loop_runs_loose_fits_in_train_mode_and_converges_to_predict():
+    """Above ``exact_evidence_size``, ``model(train_x)`` in train mode fits whole from the prior, then, after each change
+    of the hyperparameters, at most ``training_fit_steps`` steps with at most ``training_compression_rank`` recycled
+    actions (each step adds 3); a prediction in eval mode continues the loose state to convergence;
+    ``training_fit_steps(None)`` fits whole."""
+    x, y = binary_data(200, seed=6)
+    model = IterNCGPModel(x, y, LogitBernoulliLikelihood(), max_solver_iterations=3, compression_rank=None)
+    strategy = model.variational_strategy
+    mll = LaplaceMarginalLogLikelihood(strategy.likelihood, model)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    model.train()
+    with settings.exact_evidence_size(50), warnings.catch_warnings():
+        warnings.simplefilter("error", ConvergenceWarning)  # loose fits stop at their limit by design: no warning
+        for step in range(4):
+            optimizer.zero_grad()
+            output = model(x)
+            if step == 0:  # the first fit, from the prior, is whole: the first evidence is at a converged mode
+                assert strategy.last_report.converged and strategy.last_report.steps > 2
+            else:  # after an optimiser step: loose, warm-started
+                assert strategy.last_report.steps <= 2 and strategy.state.actions.shape[-1] <= 20 + 2 * 3
+            (-mll(output, y)).backward()
+            optimizer.step()
+        model(x)
+        loose = strategy.state.representer_weights.clone()
+        model.eval()
+        model(x[:5])
+        assert strategy.last_report.converged and strategy.last_report.steps >= 1
+        assert not torch.equal(strategy.state.representer_weights, loose)
+        model.train()
+        with torch.no_grad():
+            model.covar_module.outputscale = 3.0
+        with settings.training_fit_steps(None):
+            model(x)
+        assert strategy.last_report.converged
+
+
+def test_a_fit_stopped_by_its_step_limit_warns_which_limit_to_raise():
+    """A fit stopped by the strategy's step limit warns, naming it; a smaller limit asked for in the call (stepping
+    through a fit) and a converged fit do not."""
+    x, y = binary_data(100, seed=7)
+    model = IterNCGPModel(
+        x, y, LogitBernoulliLikelihood(), strategy_class=EPStrategy, max_solver_iterations=None, max_sweeps=2
+    )
+    strategy = model.variational_strategy
+    with pytest.warns(ConvergenceWarning, match=r"max_sweeps=2 before it converged.*Raise max_sweeps"):
+        report = strategy.fit()
+    assert not report.converged
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConvergenceWarning)
+        assert not strategy.fit(max_sweeps=1).converged  # asked for one sweep: no warning
+        assert strategy.fit(max_sweeps=100).converged  # continued to convergence: no warning
+
+
+def test_eps_estimated_evidence_warns_once_and_names_fit_mll():
+    x, y = binary_data(120, seed=8)
+    model = IterNCGPModel(x, y, LogitBernoulliLikelihood(), strategy_class=EPStrategy, max_solver_iterations=5)
+    mll = EPMarginalLogLikelihood(model.variational_strategy.likelihood, model)
+    model.train()
+    with settings.exact_evidence_size(50), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            value = mll(model(x), y)
+    assert math.isfinite(float(value.detach()))
+    estimated = [w for w in caught if issubclass(w.category, EstimatedEvidenceWarning)]
+    assert len(estimated) == 1 and "fit_mll" in str(estimated[0].message)
