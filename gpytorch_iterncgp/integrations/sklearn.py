@@ -38,7 +38,7 @@ from gpytorch.distributions import MultivariateNormal
 from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin
 from sklearn.exceptions import ConvergenceWarning
 from sklearn.metrics import d2_tweedie_score
-from sklearn.utils import check_random_state, resample
+from sklearn.utils import check_random_state
 from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import check_is_fitted, validate_data
 from torch.distributions import Poisson, constraints
@@ -49,7 +49,6 @@ from ..exceptions import ConvergenceWarning as PackageConvergenceWarning
 from ..laplace.newton import SolverOptions
 from ..learning.fit import fit_mll
 from ..learning.recipe import LearningRecipe, LearningReport
-from ..learning.rows import auto_subset_size
 from ..likelihoods.adapters import ExpPoissonLikelihood, LogitBernoulliLikelihood, likelihood_adapter
 from ..likelihoods.multinomial_probit import MultinomialProbitLikelihood
 from ..mlls.itergp import EPMarginalLogLikelihood, LaplaceMarginalLogLikelihood
@@ -326,40 +325,9 @@ class _IterNCGPEstimator(BaseEstimator):
         return {**options, "max_newton_steps": self.max_newton_steps, **tolerance}
 
     # -- fitting ---------------------------------------------------------------------------------
-    def _learning_rows(
-        self, num_data: int, num_latents: int, labels: np.ndarray | None, seed: int
-    ) -> np.ndarray | None:
-        """The rows the hyperparameters are learnt on (``learning_subset``), sorted, drawn without replacement and
-        stratified by ``labels`` (classifiers: every class keeps its share, :func:`sklearn.utils.resample`); ``None``:
-        all ``num_data``."""
-        if self.learning_subset is None:
-            return None
-        size = auto_subset_size(num_latents) if self.learning_subset == "auto" else int(self.learning_subset)
-        if size >= num_data:
-            return None
-        rows = resample(np.arange(num_data), replace=False, n_samples=size, stratify=labels, random_state=seed)
-        return np.sort(rows)
-
-    def _validation_rows(self, num_data: int, labels: np.ndarray | None, seed: int) -> np.ndarray | None:
-        """Training rows outside ``learning_rows_`` to choose EP's outputscale on (where Laplace's evidence learns EP's
-        kernel): as many as the learning rows (or all the others), stratified by ``labels``; ``None`` where all rows
-        are learnt on or fewer than ``LearningRecipe.min_validation_points`` are left."""
-        if self.learning_rows_ is None:
-            return None
-        rest = np.setdiff1d(np.arange(num_data), self.learning_rows_)
-        if len(rest) < LearningRecipe.min_validation_points:
-            return None
-        size = min(len(rest), len(self.learning_rows_))
-        if size == len(rest):
-            return rest
-        stratify = None if labels is None else labels[rest]
-        return np.sort(resample(rest, replace=False, n_samples=size, stratify=stratify, random_state=seed))
-
-    def _fit_model(
-        self, X: np.ndarray, targets: torch.Tensor, likelihood, mean, inference: str, labels: np.ndarray | None = None
-    ) -> None:
-        """Build the model, then :func:`~gpytorch_iterncgp.fit_mll`: learn the hyperparameters (optional; on the
-        ``learning_subset`` rows, stratified by ``labels``) and fit the Laplace or EP (``inference``) posterior on all
+    def _fit_model(self, X: np.ndarray, targets: torch.Tensor, likelihood, mean, inference: str) -> None:
+        """Build the model, then :func:`~gpytorch_iterncgp.fit_mll`: learn the hyperparameters (optional; on
+        ``learning_subset`` rows, stratified by class for classifiers) and fit the Laplace or EP (``inference``) posterior on all
         the data; set the fitted attributes. The learning's and the final fit's ``ConvergenceWarning`` are
         scikit-learn's."""
         seed = int(check_random_state(self.random_state).randint(np.iinfo(np.int32).max))
@@ -371,8 +339,6 @@ class _IterNCGPEstimator(BaseEstimator):
         options = self._strategy_options(seed, self.solver_budget_, inference)
         strategy_type = EPStrategy if inference == "ep" else IterNCGPStrategy
         learn = bool(self.optimize_hyperparameters) and self.optimizer_steps > 0
-        self.learning_rows_ = self._learning_rows(len(X), num_latents, labels, seed) if learn else None
-        validation_rows = self._validation_rows(len(X), labels, seed)
         recipe = LearningRecipe(
             optimizer_steps=int(self.optimizer_steps) if learn else 0,
             learning_rate=float(self.learning_rate),
@@ -386,12 +352,14 @@ class _IterNCGPEstimator(BaseEstimator):
                     _evidence(model.variational_strategy)(likelihood, model),
                     max_time=self.max_time,
                     recipe=recipe,
-                    subset=None if self.learning_rows_ is None else torch.as_tensor(self.learning_rows_),
-                    validation_rows=None if validation_rows is None else torch.as_tensor(validation_rows),
+                    subset=self.learning_subset
+                    if self.learning_subset in (None, "auto")
+                    else int(self.learning_subset),
                     seed=seed,
                     show_progress=bool(self.verbose),
                 )
-        self.validation_rows_ = validation_rows if report.validation_points else None
+        self.learning_rows_ = None if report.learning_rows is None else np.asarray(report.learning_rows)
+        self.validation_rows_ = None if report.validation_rows is None else np.asarray(report.validation_rows)
         self.loss_curve_ = report.losses
         self.learning_report_ = report
         self.fit_report_ = report.fit_report
@@ -589,7 +557,7 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
         targets = torch.tensor(encoded, dtype=_DTYPE)
         batch_shape = self.kernel.batch_shape if self.kernel is not None else torch.Size([])
         mean = gpytorch.means.ZeroMean(batch_shape=batch_shape)
-        self._fit_model(X, targets, likelihood, mean, inference, labels=encoded)
+        self._fit_model(X, targets, likelihood, mean, inference)
         return self
 
     def predict_proba(self, X, return_std=False):

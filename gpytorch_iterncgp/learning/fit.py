@@ -97,10 +97,12 @@ def fit_mll(
     generator = _RowGenerator(seed)
     model, likelihood = mll.model, mll.likelihood
     labels = strategy.train_targets.cpu() if strategy.adapter.classification else None
-    rows = _learning_rows(strategy, subset, labels, generator)
-    report = LearningReport(num_data=strategy.num_data, data_points=strategy.num_data if rows is None else len(rows))
     parameters = [parameter for parameter in model.parameters() if parameter.requires_grad]
-    if recipe.optimizer_steps > 0 and parameters:
+    learn = recipe.optimizer_steps > 0 and bool(parameters)
+    rows = _learning_rows(strategy, subset, labels, generator) if learn else None
+    report = LearningReport(num_data=strategy.num_data, data_points=strategy.num_data if rows is None else len(rows))
+    report.learning_rows = None if rows is None else rows.tolist()
+    if learn:
         inputs, targets = _rows_of(strategy, rows)
         learner = _learner(model, strategy, inputs, targets, subset_model=rows is not None)
         _learn(learner, recipe, report, deadline, show)
@@ -108,6 +110,7 @@ def fit_mll(
         kernel = getattr(model, "covar_module", None)
         laplace_for_ep = isinstance(strategy, EPStrategy) and not isinstance(learner.variational_strategy, EPStrategy)
         if laplace_for_ep and isinstance(kernel, gpytorch.kernels.ScaleKernel) and held_out is not None:
+            report.validation_rows = held_out.tolist()
             validation_x, validation_y = _rows_of(strategy, held_out)
             with tqdm(total=len(recipe.outputscale_factors), desc="EP's outputscale", disable=not show) as bar:
                 choose_outputscale(

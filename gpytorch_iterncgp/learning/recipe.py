@@ -67,11 +67,12 @@ class LearningReport:
     the evidence (warm-started), ``evidence_seconds`` to the evidence at the fitted posterior and ``gradient_seconds``
     to its gradient. ``stopped`` says why it ended: ``"optimizer_steps"``, ``"converged"`` (L-BFGS's own tolerances),
     ``"max_time"`` or ``"error"`` (a warning says which). ``evidence`` is the approximation whose evidence was
-    maximised (``"Laplace"`` or ``"EP"``), on ``data_points`` of the ``num_data`` training points; ``losses`` is
-    ``-evidence / n`` at every evaluation.
+    maximised (``"Laplace"`` or ``"EP"``), on ``data_points`` of the ``num_data`` training points (``learning_rows``,
+    sorted; ``None``: all); ``losses`` is ``-evidence / n`` at every evaluation.
 
     Outputscale (EP learnt on Laplace's evidence): the factor the outputscale was multiplied by (chosen by the held-out
-    log-loss of ``validation_points`` rows), the log-loss at each factor tried, and the seconds it took.
+    log-loss of the ``validation_points`` rows ``validation_rows``), the log-loss at each factor tried, and the seconds
+    it took.
 
     Final fit: ``fit_report``, the :class:`~gpytorch_iterncgp.FitReport` of the fit on all the data.
     """
@@ -87,9 +88,11 @@ class LearningReport:
     gradient_seconds: float = 0.0
     stopped: str = "not learnt"
     losses: list[float] = field(default_factory=list)
+    learning_rows: list[int] | None = None
     outputscale_factor: float = 1.0
     outputscale_log_loss: dict[float, float] = field(default_factory=dict)
     validation_points: int = 0
+    validation_rows: list[int] | None = None
     outputscale_seconds: float = 0.0
     fit_report: Any = None
 
