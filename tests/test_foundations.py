@@ -215,7 +215,7 @@ LAYERS: list[tuple[str, list[set[str]]]] = [
     ("sparse", [{"psi_statistics"}, {"dtc"}, {"uncertain", "uncertain_prediction"}]),
     ("strategies", [{"base"}, {"predictive"}, {"itergp", "sparse"}]),
     ("mlls", [{"itergp"}, {"sparse", "uncertain"}]),
-    ("learning", [{"recipe"}, {"rows", "learner", "outputscale"}, {"fit"}]),
+    ("learning", [{"recipe", "scale"}, {"rows", "learner", "outputscale"}, {"fit"}]),
     ("models", [{"alps", "gplvm"}, {"alps_gibbs"}]),
     ("kernels", [{"sharded"}]),
     ("integrations", [{"sklearn", "botorch"}]),

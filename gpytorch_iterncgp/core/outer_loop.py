@@ -78,6 +78,10 @@ class NewtonStep:
         """What the progress bar shows after this step."""
         return {"log_posterior": f"{self.log_posterior:.5g}", "residual": f"{self.residual_norm:.2g}"}
 
+    def details(self, report: FitReport) -> str:
+        """What ``str(report)`` says of a fit that ended with this step."""
+        return f"log posterior={self.log_posterior:.6g}"
+
 
 @dataclass
 class EPSweep:
@@ -101,6 +105,13 @@ class EPSweep:
             "bounded": str(self.bounded_cavities),
             "residual": f"{self.residual_norm:.2g}",
         }
+
+    def details(self, report: FitReport) -> str:
+        """What ``str(report)`` says of a fit that ended with this sweep."""
+        return (
+            f"bounded cavities={report.bounded_cavities}, skipped site updates={report.skipped_sites}, "
+            f"site change={self.site_change:.3g}"
+        )
 
 
 StepRecord = NewtonStep | EPSweep
@@ -126,7 +137,7 @@ class OuterStep:
 class OuterLoop(Protocol):
     """An outer loop over GP regressions solved by IterGP (damped Newton; EP)."""
 
-    name: str  # "IterNCGP", "EP": shown on the progress bar and in the report
+    name: str  # "Laplace", "EP": shown on the progress bar and in the report
     step_name: str  # what the loop calls its steps in the report, plural: "Newton steps", "sweeps"
 
     def initial_state(self) -> Any:
@@ -171,7 +182,7 @@ class FitReport:
     wall_time: float = 0.0
     records: list[Any] = field(default_factory=list)  # NewtonStep or EPSweep records, one per step
     budget: str = ""  # how the solver budget was chosen (set by callers that choose it, e.g. the estimators)
-    method: str = "IterNCGP"  # the outer loop: "IterNCGP" (Laplace by damped Newton), "EP" or "EP-DTC" (sparse EP)
+    method: str = "Laplace"  # the outer loop: "Laplace" (IterNCGP's damped Newton), "EP" or "EP-DTC" (sparse EP)
     step_name: str = "Newton steps"  # what the loop calls its steps (OuterLoop.step_name), e.g. "sweeps" for EP
 
     @property
@@ -186,7 +197,8 @@ class FitReport:
 
     @property
     def log_posteriors(self) -> list[float]:
-        return [record.log_posterior for record in self.records]
+        r"""Newton: :math:`\Psi` after every step (empty for EP's sweeps, whose records have no :math:`\Psi`)."""
+        return [record.log_posterior for record in self.records if isinstance(record, NewtonStep)]
 
     @property
     def residual_norms(self) -> list[float]:
@@ -194,17 +206,17 @@ class FitReport:
 
     @property
     def step_sizes(self) -> list[float]:
-        return [record.step_size for record in self.records]
+        """Newton: the damping of every step (empty for EP's sweeps: see their ``damping``)."""
+        return [record.step_size for record in self.records if isinstance(record, NewtonStep)]
+
+    @property
+    def site_changes(self) -> list[float]:
+        """EP: the largest relative site change every sweep proposed (empty for Newton steps)."""
+        return [record.site_change for record in self.records if isinstance(record, EPSweep)]
 
     def __str__(self) -> str:
         last = self.records[-1] if self.records else None
-        if self.method.startswith("EP"):
-            details = (
-                f"bounded cavities={self.bounded_cavities}, skipped site updates={self.skipped_sites}, "
-                f"site change={last.site_change if last else float('nan'):.3g}"
-            )
-        else:
-            details = f"log posterior={last.log_posterior if last else float('nan'):.6g}"
+        details = last.details(self) if last is not None else "no step taken"
         return (
             f"{self.method} fit: {self.steps} {self.step_name}, {self.solver_iterations} solver iterations, "
             f"{self.kernel_products} products with K ({self.kernel_product_seconds:.2f}s), "

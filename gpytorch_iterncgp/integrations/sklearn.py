@@ -450,10 +450,11 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
         approximation's own evidence (:class:`~gpytorch_iterncgp.LaplaceMarginalLogLikelihood`,
         :class:`~gpytorch_iterncgp.EPMarginalLogLikelihood`) where it is exact; above ``exact_evidence_size`` EP's are
         learnt on Laplace's (EP's estimated evidence is biased by the computation-aware cavities,
-        ``docs/design_notes.md``), the outputscale then chosen among Laplace's times ``outputscale_factors``
-        (:class:`EstimatorDefaults`) by the log-loss of held-out training rows (``validation_rows_``; at Laplace's
-        outputscale EP is over-confident), and the posterior at them is EP's. What was used is ``inference_`` and
-        ``learning_report_``.
+        ``docs/design_notes.md``), and the posterior at them is EP's. Where the kernel was learnt on a subset, the
+        outputscale is then chosen among the learnt one times ``outputscale_factors``
+        (:class:`~gpytorch_iterncgp.LearningRecipe`) by the log-loss of held-out training rows (``validation_rows_``:
+        at the learnt outputscale EP is over-confident, and Laplace's softmax predictive poor). This is
+        :func:`~gpytorch_iterncgp.fit_mll`'s recipe; what was used is ``inference_`` and ``learning_report_``.
     :param policy: IterGP's actions: ``"cg"`` (conjugate gradients), ``"unit"`` (a random subset of the data
         per iteration, seeded by ``random_state``), a :class:`~gpytorch_iterncgp.Policy`, or ``"auto"`` (default):
         ``"unit"`` where ``max_solver_iterations="auto"`` solves exactly (below), ``"cg"`` otherwise.
@@ -512,14 +513,14 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
         evaluation running when they have passed, keeping the best hyperparameters seen, and the final fit follows.
     :param random_state: seeds the unit-vector policy and the probe vectors of the matrix-free evidence
         (the global torch RNG is left as it was).
-    :param verbose: a progress bar per phase: learning, EP's outputscale, the final fit
+    :param verbose: a progress bar per phase: learning, the outputscale, the final fit
         (:func:`~gpytorch_iterncgp.fit_mll`).
 
     Fitted attributes: ``classes_``, ``n_classes_``, ``n_features_in_`` (``feature_names_in_``), ``inference_``
     (``"laplace"`` or ``"ep"``), ``model_`` (the GPyTorch ``ApproximateGP``; ``model_.variational_strategy`` is the
     :class:`~gpytorch_iterncgp.IterNCGPStrategy` or :class:`~gpytorch_iterncgp.EPStrategy`), ``likelihood_``, ``kernel_`` (the fitted kernel),
     ``learning_rows_`` (the rows of ``X`` the hyperparameters were learnt on, or ``None``: all), ``validation_rows_``
-    (the held-out rows EP's outputscale was chosen on where Laplace's evidence learnt its kernel, or ``None``),
+    (the held-out rows the outputscale was chosen on where the kernel was learnt on a subset, or ``None``),
     ``fit_report_`` (the final :class:`~gpytorch_iterncgp.FitReport`; its text also says where the learning's time went), ``learning_report_`` (a :class:`LearningReport`: evidence evaluations, seconds in fits, evidence and gradients, why it stopped), ``loss_curve_`` (``-evidence / n``
     at every evaluation of the evidence: L-BFGS iterations and line-search trials, or Adam steps), ``solver_budget_`` (a dict: the ``policy``, ``max_solver_iterations`` and ``solver_tol``
     the strategy was given, ``exact``: whether every solve ran to full rank, and the ``rule`` that chose them).

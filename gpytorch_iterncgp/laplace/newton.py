@@ -187,7 +187,7 @@ class DampedNewton:
             self.project_whole = lambda vectors: vectors * whole
         self._cached: tuple[Tensor, LikelihoodDerivatives] | None = None
 
-    name = "IterNCGP"
+    name = "Laplace"
     step_name = "Newton steps"
 
     # -- states ------------------------------------------------------------------------------------------------

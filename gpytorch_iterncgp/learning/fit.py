@@ -13,8 +13,9 @@ The recipe, in three phases (each a progress bar with ``show_progress``):
    stratified by class; R&W §8.3.3), L-BFGS where the evidence is exact, otherwise Adam with loose warm-started fits
    (:class:`gpytorch_iterncgp.settings.training_fit_steps`). EP's hyperparameters are learnt on Laplace's evidence
    where EP's would be estimated from incomplete solves (its maximiser is biased, ``docs/design_notes.md``);
-2. **outputscale** (EP learnt on Laplace's evidence, a ``ScaleKernel`` as ``covar_module``): the outputscale by the
-   log-loss of held-out rows (:mod:`.outputscale`);
+2. **outputscale** (classifiers learnt on a subset, a ``ScaleKernel`` as ``covar_module``): the outputscale by the
+   log-loss of held-out rows (:mod:`.outputscale`): the evidence's maximiser is over-confident at large N (Laplace's
+   softmax, and EP learnt on it);
 3. **final fit**: the strategy's own ``fit()`` on all the data, at its own options (with its covariance phase).
 """
 
@@ -44,6 +45,7 @@ from .learner import LearnerModel, laplace_likelihood
 from .outputscale import choose_outputscale
 from .recipe import LearningRecipe, LearningReport
 from .rows import auto_subset_size, draw_rows, held_out_rows
+from .scale import LogScale
 
 __all__ = ["fit_mll"]
 
@@ -76,8 +78,8 @@ def fit_mll(
     :param subset: the rows the hyperparameters are learnt on: ``"auto"`` (:math:`\lfloor\sqrt{10^7/C}\rfloor` rows,
         stratified by class for classifiers; all of them for smaller data), a number of rows, the row indices
         ``(M,)``, or ``None`` (all).
-    :param validation_rows: the held-out rows for EP's outputscale: ``"auto"`` (as many others as the subset,
-        stratified), the row indices, or ``None`` (no choice).
+    :param validation_rows: the held-out rows for the outputscale (classifiers): ``"auto"`` (as many others as the
+        subset, stratified), the row indices, or ``None`` (no choice).
     :param seed: seeds the rows drawn (``None``: drawn from torch's global generator).
     :param show_progress: a progress bar per phase (``None``: the strategy's ``show_progress``).
     :return: the :class:`~gpytorch_iterncgp.learning.recipe.LearningReport` (its ``fit_report``: the final fit's).
@@ -108,14 +110,14 @@ def fit_mll(
         _learn(learner, recipe, report, deadline, show)
         held_out = _held_out(strategy, rows, validation_rows, labels, recipe, generator)
         kernel = getattr(model, "covar_module", None)
-        laplace_for_ep = isinstance(strategy, EPStrategy) and not isinstance(learner.variational_strategy, EPStrategy)
-        if laplace_for_ep and isinstance(kernel, gpytorch.kernels.ScaleKernel) and held_out is not None:
+        if labels is not None and isinstance(kernel, gpytorch.kernels.ScaleKernel) and held_out is not None:
             report.validation_rows = held_out.tolist()
             validation_x, validation_y = _rows_of(strategy, held_out)
-            with tqdm(total=len(recipe.outputscale_factors), desc="EP's outputscale", disable=not show) as bar:
+            name = f"outputscale ({'EP' if isinstance(strategy, EPStrategy) else 'Laplace'})"
+            with tqdm(total=len(recipe.outputscale_factors), desc=name, disable=not show) as bar:
                 choose_outputscale(
                     kernel,
-                    lambda: LearnerModel(model, EPStrategy, inputs, targets, likelihood),
+                    lambda: LearnerModel(model, type(strategy), inputs, targets, likelihood),
                     validation_x,
                     validation_y,
                     recipe,
@@ -221,7 +223,8 @@ def _learn(learner: Any, recipe: LearningRecipe, report: LearningReport, deadlin
     """Maximise ``learner``'s evidence, keeping the parameters with the best evidence seen; fills ``report``.
 
     Exact regime (a deterministic value and gradient): L-BFGS with a strong-Wolfe line search and whole fits.
-    Otherwise (stochastic log-determinant): Adam, each evaluation on a loose fit from the previous posterior.
+    Otherwise (stochastic log-determinant): Adam, each evaluation on a loose fit from the previous posterior. Either
+    works on positive hyperparameters' logarithms (:class:`~.scale.LogScale`).
     """
     strategy = learner.variational_strategy
     exact = exact_regime(strategy)
@@ -229,6 +232,7 @@ def _learn(learner: Any, recipe: LearningRecipe, report: LearningReport, deadlin
     mll = evidence(strategy.likelihood, learner)
     report.method, report.evidence = ("L-BFGS" if exact else "Adam"), evidence.approximation
     parameters = [parameter for parameter in learner.parameters() if parameter.requires_grad]
+    scale = LogScale(learner, parameters)  # positive hyperparameters on the log scale, whatever their constraint
     inputs, targets = strategy.train_inputs, strategy.train_targets
     best: dict[str, Any] = {"loss": math.inf, "state": None}
     start = time.perf_counter()
@@ -238,6 +242,7 @@ def _learn(learner: Any, recipe: LearningRecipe, report: LearningReport, deadlin
     def evaluate() -> Tensor:
         if deadline is not None and report.losses and time.perf_counter() >= deadline:
             raise _OutOfTime
+        scale.push()
         tic = time.perf_counter()
         output = learner(inputs)  # the strategy's fit, warm-started from the last posterior
         report.fit_seconds += time.perf_counter() - tic
@@ -255,14 +260,20 @@ def _learn(learner: Any, recipe: LearningRecipe, report: LearningReport, deadlin
     def backward(loss: Tensor) -> None:
         tic = time.perf_counter()
         loss.backward()
+        scale.pull_gradients()
         report.gradient_seconds += time.perf_counter() - tic
 
     learner.train()
     try:
-        with strategy.overriding(covariance_iterations=0), _loose_fits(recipe, exact):
+        # the fits at each evaluation follow the hyperparameters; only the final fit's convergence is reported
+        with (
+            strategy.overriding(covariance_iterations=0),
+            _loose_fits(recipe, exact),
+            strategy.without_convergence_warning(),
+        ):
             if strategy.state is None:  # the first evaluation's fit starts loose from the prior, as the later ones
                 strategy.loose_fit()
-            report.stopped = _optimise(parameters, evaluate, backward, exact, recipe)
+            report.stopped = _optimise(scale.variables, evaluate, backward, exact, recipe)
     except _OutOfTime:
         report.stopped = "max_time"
     except _RECOVERABLE as error:

@@ -1,9 +1,10 @@
-r"""EP's outputscale by held-out rows, where Laplace's evidence learnt EP's kernel (cross-validation of one
+r"""A classifier's outputscale by held-out rows, after its kernel was learnt on a subset (cross-validation of one
 hyperparameter, R&W sec. 5.3).
 
-At the outputscale :math:`s^2` Laplace's evidence learns, EP's posterior is over-confident (``docs/design_notes.md``),
-and EP's own estimated evidence is biased towards large outputscales by the computation-aware cavities; the held-out
-log-loss measures what the classifier is used for.
+At the outputscale :math:`s^2` Laplace's evidence learns on thousands of points, EP's posterior is over-confident
+(``docs/design_notes.md``) and Laplace's own predictive poor (the softmax's Laplace approximation; measured in
+``benchmarks/README.md`` §16), and EP's own estimated evidence is biased towards large outputscales by the
+computation-aware cavities; the held-out log-loss measures what the classifier is used for.
 """
 
 from __future__ import annotations
@@ -43,8 +44,9 @@ def choose_outputscale(
     r"""Set ``kernel``'s outputscale :math:`s^2` to Laplace's times the factor of ``recipe.outputscale_factors`` with the
     smallest log-loss at the held-out rows ``validation_x`` ``(V, D)``, ``validation_y`` ``(V,)``; the lengthscales stay.
 
-    Each candidate gets a cold EP fit of ``recipe.outputscale_sweeps`` sweeps (``build()``: a new EP model on the
-    learning rows sharing ``kernel``) and its predictive probabilities at the held-out rows. No candidate starts after
+    Each candidate gets a cold fit of ``recipe.outputscale_fit_steps`` EP sweeps or Newton steps (``build()``: a new
+    model of the final approximation on the learning rows sharing ``kernel``) and its predictive probabilities at the
+    held-out rows. No candidate starts after
     ``deadline`` (``time.perf_counter()`` seconds); where every fit fails the factor is 1 (Laplace's). Fills
     ``report``'s outputscale fields; ``tick()`` after each candidate (the progress bar).
     """
@@ -60,7 +62,7 @@ def choose_outputscale(
         model.eval()
         try:
             with torch.no_grad(), strategy.without_convergence_warning():
-                strategy.fit(max_sweeps=recipe.outputscale_sweeps, show_progress=False)
+                strategy.fit(**{strategy.max_steps_option: recipe.outputscale_fit_steps}, show_progress=False)
                 probabilities = strategy.predictive_probabilities(validation_x)
         except (FloatingPointError, ValueError, torch.linalg.LinAlgError, NanError):
             continue

@@ -32,9 +32,9 @@ class LearningRecipe:
         (``gpytorch.settings.num_trace_samples``; GPyTorch's default 10): half the products per evaluation for the
         same learnt hyperparameters (``docs/design_notes.md``).
     :param lanczos_iterations: ``gpytorch.settings.max_lanczos_quadrature_iterations`` while learning with Adam (20).
-    :param outputscale_factors: EP whose kernel Laplace's evidence learnt: the outputscale is chosen among Laplace's
-        times these factors by the log-loss of held-out training rows (``benchmarks/README.md`` §14).
-    :param outputscale_sweeps: EP sweeps of each candidate's fit on the learning rows.
+    :param outputscale_factors: classifiers whose kernel was learnt on a subset: the outputscale is chosen among the
+        learnt one times these factors by the log-loss of held-out training rows (``benchmarks/README.md`` §14, §16).
+    :param outputscale_fit_steps: EP sweeps or Newton steps of each candidate's fit on the learning rows.
     :param min_validation_points: fewer spare rows than this: no held-out choice.
     """
 
@@ -45,13 +45,13 @@ class LearningRecipe:
     trace_samples: int = 5
     lanczos_iterations: int = 10
     outputscale_factors: tuple[float, ...] = (1.0, 1 / 2, 1 / 4, 1 / 8, 1 / 16, 2.0)
-    outputscale_sweeps: int = 10
+    outputscale_fit_steps: int = 10
     min_validation_points: int = 100
 
     def validate(self) -> None:
         """:raises ValueError: naming the field that is out of range."""
         check_count(self.optimizer_steps, "optimizer_steps")
-        for name in ("fit_steps", "compression_rank", "trace_samples", "lanczos_iterations", "outputscale_sweeps"):
+        for name in ("fit_steps", "compression_rank", "trace_samples", "lanczos_iterations", "outputscale_fit_steps"):
             check_count(getattr(self, name), name, minimum=1)
         check_count(self.min_validation_points, "min_validation_points")
         check_nonnegative(self.learning_rate, "learning_rate", positive=True)
@@ -101,7 +101,7 @@ class LearningReport:
             return "hyperparameters not learnt"
         subset = "" if self.data_points == self.num_data else f" of {self.data_points} of the {self.num_data} points"
         outputscale = (
-            f"; EP's outputscale times {self.outputscale_factor:g} by the log-loss of {self.validation_points} held-out "
+            f"; outputscale times {self.outputscale_factor:g} by the log-loss of {self.validation_points} held-out "
             f"points ({len(self.outputscale_log_loss)} EP fits in {self.outputscale_seconds:.2f}s)"
             if self.outputscale_log_loss
             else ""

@@ -138,7 +138,7 @@ def test_fit_mll_chooses_eps_outputscale_on_held_out_rows_and_every_phase_shows_
     x, y = binary_data(240, seed=4)
     model = IterNCGPModel(x, y, LogitBernoulliLikelihood(), strategy_class=EPStrategy, max_solver_iterations=10)
     mll = EPMarginalLogLikelihood(model.variational_strategy.likelihood, model)
-    recipe = LearningRecipe(optimizer_steps=3, outputscale_factors=(1.0, 0.25), outputscale_sweeps=5)
+    recipe = LearningRecipe(optimizer_steps=3, outputscale_factors=(1.0, 0.25), outputscale_fit_steps=5)
     with settings.exact_evidence_size(50), warnings.catch_warnings():
         warnings.simplefilter("ignore", ConvergenceWarning)
         report = fit_mll(mll, subset=100, seed=0, recipe=recipe, show_progress=True)
@@ -147,7 +147,7 @@ def test_fit_mll_chooses_eps_outputscale_on_held_out_rows_and_every_phase_shows_
     assert report.outputscale_factor == min(report.outputscale_log_loss, key=report.outputscale_log_loss.__getitem__)
     errors = capsys.readouterr().err
     assert "learning: Adam on the Laplace evidence of 100 points" in errors
-    assert "EP's outputscale" in errors and "2/2" in errors
+    assert "outputscale (EP)" in errors and "2/2" in errors
     assert "final fit (EP)" in errors
 
 
@@ -253,3 +253,40 @@ def test_eps_estimated_evidence_warns_once_and_names_fit_mll():
     assert math.isfinite(float(value.detach()))
     estimated = [w for w in caught if issubclass(w.category, EstimatedEvidenceWarning)]
     assert len(estimated) == 1 and "fit_mll" in str(estimated[0].message)
+
+
+def test_positive_hyperparameters_are_optimised_on_the_log_scale():
+    """``LogScale``: softplus-constrained parameters become log(value - lower bound) (round trip to rounding), their
+    gradients by the chain rule (dL/dlog v = v dL/dv, checked against the closed form); exp-parametrised and
+    unconstrained parameters are the variables themselves."""
+    from gpytorch_iterncgp.learning.scale import LogScale
+
+    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=2.5)).double()
+    mean = gpytorch.means.ConstantMean().double()
+    likelihood = gpytorch.likelihoods.GaussianLikelihood().double()  # noise: GreaterThan(1e-4)
+    exp_kernel = gpytorch.kernels.RBFKernel(
+        lengthscale_constraint=gpytorch.constraints.Positive(transform=torch.exp, inv_transform=torch.log)
+    ).double()
+    modules = gpytorch.Module()
+    modules.kernel, modules.mean, modules.likelihood, modules.exp_kernel = kernel, mean, likelihood, exp_kernel
+    kernel.outputscale, kernel.base_kernel.lengthscale, likelihood.noise = 30.0, 0.2, 0.5
+    parameters = list(modules.parameters())
+    scale = LogScale(modules, parameters)
+    variables = dict(zip([id(raw) for raw, _, _ in scale.entries], scale.variables, strict=True))
+    assert variables[id(mean.raw_constant)] is mean.raw_constant
+    assert variables[id(exp_kernel.raw_lengthscale)] is exp_kernel.raw_lengthscale
+    log_outputscale = variables[id(kernel.raw_outputscale)]
+    assert float(log_outputscale) == pytest.approx(math.log(30.0), rel=1e-12)
+    assert float(variables[id(likelihood.noise_covar.raw_noise)]) == pytest.approx(math.log(0.5 - 1e-4), rel=1e-9)
+    with torch.no_grad():
+        log_outputscale.add_(0.5)
+    scale.push()
+    assert float(kernel.outputscale) == pytest.approx(30.0 * math.exp(0.5), rel=1e-10)
+    loss = (kernel.outputscale - 3.0).square().sum() + likelihood.noise.sum() * 2.0 + mean.constant.sum()
+    loss.backward()
+    scale.pull_gradients()
+    value = float(kernel.outputscale)
+    assert float(log_outputscale.grad) == pytest.approx(2 * (value - 3.0) * value, rel=1e-9)
+    noise = float(likelihood.noise)
+    assert float(variables[id(likelihood.noise_covar.raw_noise)].grad) == pytest.approx(2.0 * (noise - 1e-4), rel=1e-9)
+    assert float(mean.raw_constant.grad) == 1.0 and kernel.raw_outputscale.grad is None
