@@ -126,6 +126,18 @@ def test_state_dicts_move_between_two_processes_and_one(ranks, single_process, k
             _assert_close(result[f"{kind}_resumed"][name], expected, f"{kind} {name}, resumed on two processes")
 
 
+def test_fit_mll_on_two_processes_learns_what_one_process_learns(ranks):
+    """``fit_mll`` with a ``ShardedKernel`` (state replicated, or held by rows): both ranks draw the same rows and learn
+    the kernel, the mode and the predictions of one process."""
+    single = scenarios.learnt_by_fit_mll(sharded=False)
+    for result in ranks:
+        for shard_state in (False, True):
+            learnt = result[f"fit_mll_{shard_state}"]
+            assert torch.equal(learnt["rows"], single["rows"]) and int(learnt["evaluations"]) >= 2
+            for name in ("parameters", "mode", "mean", "variance"):  # L-BFGS amplifies the reductions' rounding
+                torch.testing.assert_close(learnt[name], single[name], rtol=1e-7, atol=1e-9, msg=name)
+
+
 def test_a_failing_rank_makes_the_other_fail_within_the_timeout(ranks, single_process):
     """Rank 1 raises (KeyboardInterrupt) after two Newton steps and stays alive without taking part: rank 0 fails with
     the error naming the timeout instead of waiting forever, keeps the state of its last completed step, and that

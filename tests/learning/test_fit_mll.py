@@ -26,7 +26,14 @@ from gpytorch_iterncgp import (
 )
 from gpytorch_iterncgp.learning.learner import LearnerModel
 from gpytorch_iterncgp.learning.rows import draw_rows, held_out_rows
-from tests.common import IterNCGPModel, binary_data, multiclass_data, softmax_likelihood
+from tests.common import (
+    IterNCGPModel,
+    MultitaskIterNCGPModel,
+    binary_data,
+    multiclass_data,
+    multioutput_count_data,
+    softmax_likelihood,
+)
 
 
 def _kernel_parameters(model) -> list[torch.Tensor]:
@@ -130,6 +137,21 @@ def test_fit_mll_learns_a_batch_of_class_kernels_on_a_stratified_subset():
     assert any(not torch.equal(a, b) for a, b in zip(before, _kernel_parameters(model), strict=True))
     assert report.fit_report.converged and not model.training
     assert model.variational_strategy.num_data == 240
+
+
+def test_fit_mll_learns_correlated_counts_with_missing_outputs_on_a_subset():
+    """Correlated counts (an ``LCMKernel``, a fifth of the outputs missing): ``fit_mll`` learns on an unstratified subset
+    (counts have no classes), the evidence rises, no outputscale is chosen (not a classifier), and the final fit on all
+    the rows converges."""
+    from gpytorch_iterncgp.likelihoods.adapters import MultitaskPoissonLikelihood
+
+    x, y = multioutput_count_data(120, 3, seed=2, missing=0.2)
+    model = MultitaskIterNCGPModel(x, y, MultitaskPoissonLikelihood(num_tasks=3), num_tasks=3, kernel="lcm")
+    mll = LaplaceMarginalLogLikelihood(model.variational_strategy.likelihood, model)
+    report = fit_mll(mll, subset=80, seed=1, recipe=LearningRecipe(optimizer_steps=6))
+    assert report.data_points == 80 and len(report.learning_rows) == 80 and report.validation_rows is None
+    assert report.losses[-1] < report.losses[0] - 1e-3 and report.outputscale_log_loss == {}
+    assert report.fit_report.converged and model.variational_strategy.num_data == 120
 
 
 def test_fit_mll_chooses_eps_outputscale_on_held_out_rows_and_every_phase_shows_progress(capsys):
