@@ -8,7 +8,8 @@ whether the loop converged or cannot go on. :func:`run_outer_loop` drains it and
 * counts products with :math:`\mathbf K` per step and in total (from :class:`~gpytorch_iterncgp.core.prior.LatentPrior`'s
   counters, which only ever increase),
 * shows progress (tqdm), calls the user's callback, and
-* turns the loop's outcome and the solver's warnings into warnings at the caller's line.
+* turns the loop's outcome and the solver's warnings into warnings at the caller's line (and a fit stopped by its
+  step limit into a ``ConvergenceWarning``).
 
 The loop itself (probnum's ``solve_iterator`` pattern) knows nothing of these.
 """
@@ -27,7 +28,7 @@ from typing import Any, Protocol
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from ..exceptions import NotConvergedWarning, NumericalBreakdownWarning
+from ..exceptions import ConvergenceWarning, NotConvergedWarning, NumericalBreakdownWarning
 from .sharding import RowBlock, norm
 
 
@@ -241,6 +242,7 @@ def run_outer_loop(
     show_progress: bool = True,
     stacklevel: int = 2,
     description: str | None = None,
+    limit_name: str | None = None,
 ) -> FitReport:
     """Run at most ``max_steps`` steps of ``loop`` from ``state``; commit every completed step and the final state.
 
@@ -248,6 +250,9 @@ def run_outer_loop(
     :param callback: called after every step with its record and the state; returning ``True`` stops.
     :param stacklevel: of the warnings, counted from the caller of this function.
     :param description: the progress bar's name (``None``: the loop's).
+    :param limit_name: the option that set ``max_steps`` (e.g. ``"max_sweeps"``): a fit it stops before convergence
+        raises a :class:`~gpytorch_iterncgp.ConvergenceWarning` naming it; ``None``: no warning (fits stopped early by
+        design).
     """
     start_time = time.perf_counter()
     report = FitReport(method=loop.name, step_name=loop.step_name)
@@ -295,4 +300,17 @@ def run_outer_loop(
     report.kernel_columns = counter.columns
     report.kernel_product_seconds = counter.product_seconds
     report.wall_time = time.perf_counter() - start_time
+    stopped_by_limit = report.steps >= max_steps > 0 and not (
+        report.converged or report.breakdown or report.stopped_by_callback
+    )
+    if stopped_by_limit and limit_name is not None:
+        step = report.step_name[:-1]
+        last = ", ".join(f"{name}={value}" for name, value in report.records[-1].progress().items())
+        warnings.warn(
+            f"{report.method} stopped at {limit_name}={max_steps} before it converged (last {step}: {last}); the "
+            f"posterior is that of the last {step}. Raise {limit_name} (fit({limit_name}=...) or the strategy's "
+            "option), or call fit() again to continue from there.",
+            ConvergenceWarning,
+            stacklevel=stacklevel + 1,
+        )
     return report

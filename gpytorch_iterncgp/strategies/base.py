@@ -25,7 +25,6 @@ from torch import Tensor
 from .. import settings
 from ..core.outer_loop import FitReport, OuterLoop, ProductCounter, run_outer_loop
 from ..core.validation import check_flag, check_inputs
-from ..exceptions import ConvergenceWarning
 from ..likelihoods.adapters import likelihood_adapter
 
 UNSET: Any = object()  # "keep the strategy's setting" for an option whose ``None`` is a value of its own
@@ -370,6 +369,10 @@ class OuterLoopStrategy(gpytorch.Module):
                 show_progress=show,
                 stacklevel=3,
                 description=None if self._phase is None else f"{self._phase} ({loop.name})",
+                # a fit stopped by the strategy's own step limit warns (not one asked for fewer steps, nor a loose fit)
+                limit_name=None
+                if self._quiet_budget or max_steps != getattr(self.options, self.max_steps_option)
+                else self.max_steps_option,
             )
         except BaseException:
             # Interrupted (KeyboardInterrupt, an error in the callback, ...): the state is that of the last
@@ -378,20 +381,6 @@ class OuterLoopStrategy(gpytorch.Module):
             raise
         self._loose = False
         self.last_report = report
-        stopped_by_limit = report.steps >= max_steps and not (
-            report.converged or report.breakdown or report.stopped_by_callback
-        )
-        own_limit = max_steps == getattr(self.options, self.max_steps_option)  # not a smaller limit of this call
-        if stopped_by_limit and own_limit and max_steps > 0 and not self._quiet_budget:
-            last = ", ".join(f"{name}={value}" for name, value in report.records[-1].progress().items())
-            warnings.warn(
-                f"{report.method} stopped at {self.max_steps_option}={max_steps} before it converged (last "
-                f"{report.step_name[:-1]}: {last}); the posterior is that of the last {report.step_name[:-1]}. Raise "
-                f"{self.max_steps_option} (fit({self.max_steps_option}=...) or the strategy's option), or call fit() "
-                "again to continue from there.",
-                ConvergenceWarning,
-                stacklevel=3,
-            )
         return report
 
     # -- predictions' inputs ---------------------------------------------------------------------
