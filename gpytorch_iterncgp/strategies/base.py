@@ -27,7 +27,24 @@ from ..core.outer_loop import FitReport, OuterLoop, ProductCounter, run_outer_lo
 from ..core.validation import check_flag, check_inputs
 from ..likelihoods.adapters import likelihood_adapter
 
-UNSET: Any = object()  # "keep the strategy's setting" for an option whose ``None`` is a value of its own
+
+def replaced_options(options: Any, changes: Mapping[str, Any], caller: str) -> Any:
+    """A validated copy of the dataclass ``options`` with ``changes``.
+
+    :param caller: named in the error (e.g. ``"IterNCGPStrategy"``, ``"EPStrategy.fit"``).
+    :raises TypeError: naming the changes that are not fields of ``options``, and the fields there are.
+    :raises ValueError: for a value out of range (the options' ``validate``).
+    """
+    names = {field.name for field in dataclasses.fields(options)}
+    unknown = sorted(set(changes) - names)
+    if unknown:
+        raise TypeError(
+            f"{caller} got unknown option(s) {', '.join(map(repr, unknown))}; the options of "
+            f"{type(options).__name__} are: {', '.join(sorted(names))}."
+        )
+    replaced = dataclasses.replace(options, **changes)
+    replaced.validate()
+    return replaced
 
 
 def data_fingerprint(inputs: Tensor, targets: Tensor) -> str:
@@ -102,8 +119,9 @@ class OuterLoopStrategy(gpytorch.Module):
     It knows no particular loop. A subclass
 
     * sets :attr:`_state_type` (a state class with ``to_extra()`` and the classmethod
-      ``from_extra(saved, reference)``) and :attr:`options` (a dataclass with ``validate()``),
-    * builds its loop in :meth:`_make_loop` and defines ``fit(...)``, which calls :meth:`_run`,
+      ``from_extra(saved, reference)``) and :attr:`options` (a dataclass with ``validate()``: every option is one of
+      its fields, given to the constructor and overridden in :meth:`fit` by name),
+    * builds its prior in :meth:`_prior_for_fit` and its loop in :meth:`_make_loop`,
     * defines the predictions.
 
     :param model: the ``ApproximateGP`` that owns the strategy (not a submodule of it).
@@ -120,7 +138,6 @@ class OuterLoopStrategy(gpytorch.Module):
     _state_type: Any = None
     #: the option of :attr:`options` that limits the outer loop's steps in a fit (``"max_newton_steps"``, ``"max_sweeps"``)
     max_steps_option: str = "max_sweeps"
-    _none_is_a_value: frozenset[str] = frozenset()  # options of ``fit`` whose "keep" is :data:`UNSET`, not ``None``
     options: Any
 
     def __init__(
@@ -259,8 +276,7 @@ class OuterLoopStrategy(gpytorch.Module):
         :raises ValueError: for an option out of range; :raises TypeError: for a name that is not an option.
         """
         saved = self.options
-        options = dataclasses.replace(saved, **changes)
-        options.validate()
+        options = replaced_options(saved, changes, f"{type(self).__name__}.overriding")
         self.options = options
         try:
             yield options
@@ -285,28 +301,54 @@ class OuterLoopStrategy(gpytorch.Module):
         finally:
             self._quiet_budget = saved
 
-    def fit(self, *args: Any, **kwargs: Any) -> FitReport:
-        """Run the outer loop from the committed state (each subclass defines and documents its arguments, among
-        them ``show_progress``)."""
+    def fit(
+        self, callback: Callable[[Any, Any], bool | None] | None = None, show_progress: bool | None = None, **overrides
+    ) -> FitReport:
+        """Run the outer loop from the committed state until it converges or reaches its step limit.
+
+        Calling it again continues where the last call stopped (the committed state, its recycled actions). The
+        ``overrides`` change the strategy's options for this call only: any field of :attr:`options` (e.g.
+        ``max_newton_steps=5``, ``max_sweeps=10``, ``max_solver_iterations=None`` for solves to the tolerances,
+        ``site_tol=1e-6``).
+
+        :param callback: called after every step with its record (:class:`~gpytorch_iterncgp.NewtonStep`,
+            :class:`~gpytorch_iterncgp.EPSweep`) and the state; returning ``True`` stops.
+        :param show_progress: a progress bar (``None``: the strategy's ``show_progress``).
+        :return: a :class:`~gpytorch_iterncgp.FitReport` (steps, solver iterations, products with K, time).
+
+        Interruption: the state is replaced only after each completed step. A fit stopped by the callback, or by an
+        exception such as ``KeyboardInterrupt`` (also one raised inside the callback), keeps the state of the last
+        completed step (and the unit-vector policy its position there), so that ``fit()`` resumes from it, and a
+        ``state_dict()`` saved then (or inside the callback) resumes in a fresh model exactly as the uninterrupted
+        fit continues. A fit stopped by the strategy's own step limit raises a
+        :class:`~gpytorch_iterncgp.ConvergenceWarning`.
+
+        :raises TypeError: for an unknown option, a callback that is not callable, or a model computing in another
+            dtype.
+        :raises ValueError: for an option out of range, or model parameters on another device than the data.
+        """
+        options = self._call_options(**overrides)
+        show = self._check_callback(callback, show_progress)
+        with torch.no_grad():
+            prior = self._prior_for_fit()
+            self._check_fit(options, prior)
+            return self._run(prior, options, getattr(options, self.max_steps_option), callback, show)
+
+    def _prior_for_fit(self) -> Any:
+        """The prior at the training inputs the loop runs on, checked."""
         raise NotImplementedError
+
+    def _check_fit(self, options: Any, prior: Any) -> None:
+        """Checks of a fit's options against its prior (warnings); none here."""
 
     # -- driving a fit ---------------------------------------------------------------------------
     def _call_options(self, **overrides: Any) -> Any:
         """The strategy's options with one call's ``overrides``, validated.
 
-        An override of ``None`` keeps the strategy's setting, except for the options in :attr:`_none_is_a_value`,
-        which keep it for :data:`UNSET`.
-
+        :raises TypeError: naming an override that is not an option, and the options there are.
         :raises ValueError: for an option out of range.
         """
-        changes = {
-            name: value
-            for name, value in overrides.items()
-            if value is not UNSET and (value is not None or name in self._none_is_a_value)
-        }
-        options = dataclasses.replace(self.options, **changes)
-        options.validate()
-        return options
+        return replaced_options(self.options, overrides, f"{type(self).__name__}.fit")
 
     def _check_callback(self, callback: Callable | None, show_progress: bool | None) -> bool:
         """Check ``fit``'s ``callback`` and ``show_progress``; return whether to show progress.

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import gpytorch
@@ -43,7 +43,6 @@ from linear_operator.operators import LinearOperator, MatmulLinearOperator
 from torch import Tensor
 
 from .. import settings
-from ..core.outer_loop import EPSweep, FitReport, NewtonStep
 from ..core.policies import Policy, make_policy
 from ..core.precision import LowRankPrecision
 from ..core.prior import LatentPrior
@@ -51,7 +50,7 @@ from ..core.sharding import RowBlock, RowShardedKernel, all_points, all_rows, ow
 from ..core.solver import IterGPOptions, RegressionState
 from ..ep.sweeps import EPOptions, EPState, ExpectationPropagation
 from ..laplace.newton import DampedNewton, LaplaceState, SolverOptions
-from .base import UNSET, exact_regime
+from .base import exact_regime, replaced_options
 from .predictive import PredictiveStrategy, warn_lost_variance
 
 
@@ -66,11 +65,14 @@ class _IterGPStrategy(PredictiveStrategy):
 
     :param policy: ``"cg"``, ``"unit"`` or a :class:`Policy`; its position is committed with the state.
     :param seed: seed of the unit-vector policy's random order.
+    :param options: by name, the fields of the subclass's options dataclass (:attr:`_options_type`:
+        :class:`~gpytorch_iterncgp.SolverOptions`, :class:`~gpytorch_iterncgp.ep.sweeps.EPOptions`), its defaults for
+        the others; :meth:`fit` overrides them by the same names.
     (The other parameters: :class:`~gpytorch_iterncgp.strategies.base.OuterLoopStrategy`.)
     """
 
     _state_type: Any = RegressionState
-    _none_is_a_value = frozenset({"max_solver_iterations"})  # None: until abs_tol/rel_tol
+    _options_type: Any = IterGPOptions  # the dataclass of the strategy's options (every constructor keyword option)
     options: IterGPOptions
 
     def __init__(
@@ -79,13 +81,15 @@ class _IterGPStrategy(PredictiveStrategy):
         train_inputs: Tensor,
         train_targets: Tensor,
         likelihood: gpytorch.likelihoods.Likelihood,
-        policy: str | Policy,
-        options: IterGPOptions,
-        min_curvature: float | None,
-        seed: int,
-        show_progress: bool,
+        policy: str | Policy = "cg",
+        *,
+        min_curvature: float | None = None,
+        seed: int = 0,
+        show_progress: bool = True,
+        **options: Any,
     ):
-        super().__init__(model, train_inputs, train_targets, likelihood, options, min_curvature, show_progress)
+        options_object = replaced_options(self._options_type(), options, type(self).__name__)
+        super().__init__(model, train_inputs, train_targets, likelihood, options_object, min_curvature, show_progress)
         self.policy = make_policy(policy, seed)
         self._policy_state: dict = self.policy.state()  # the policy's position at the committed state
 
@@ -334,95 +338,22 @@ class IterNCGPStrategy(_IterGPStrategy):
     """
 
     _state_type = LaplaceState
+    _options_type = SolverOptions
     max_steps_option = "max_newton_steps"
     options: SolverOptions
 
-    def __init__(
-        self,
-        model: gpytorch.models.ApproximateGP,
-        train_inputs: Tensor,
-        train_targets: Tensor,
-        likelihood: gpytorch.likelihoods.Likelihood,
-        policy: str | Policy = "cg",
-        max_newton_steps: int = SolverOptions.max_newton_steps,
-        max_solver_iterations: int | None = SolverOptions.max_solver_iterations,
-        compression_rank: int | None = SolverOptions.compression_rank,
-        recycle: bool = SolverOptions.recycle,
-        outer_tol: float = SolverOptions.outer_tol,
-        abs_tol: float = SolverOptions.abs_tol,
-        rel_tol: float = SolverOptions.rel_tol,
-        min_curvature: float | None = None,
-        seed: int = 0,
-        show_progress: bool = True,
-        covariance_iterations: int = SolverOptions.covariance_iterations,
-        covariance_block_size: int = SolverOptions.covariance_block_size,
-    ):
-        options = SolverOptions(
-            covariance_iterations=covariance_iterations,
-            covariance_block_size=covariance_block_size,
-            max_newton_steps=max_newton_steps,
-            max_solver_iterations=max_solver_iterations,
-            outer_tol=outer_tol,
-            abs_tol=abs_tol,
-            rel_tol=rel_tol,
-            compression_rank=compression_rank,
-            recycle=recycle,
-        )
-        super().__init__(
-            model, train_inputs, train_targets, likelihood, policy, options, min_curvature, seed, show_progress
-        )
-
-    def fit(
-        self,
-        max_newton_steps: int | None = None,
-        max_solver_iterations=UNSET,
-        outer_tol: float | None = None,
-        abs_tol: float | None = None,
-        rel_tol: float | None = None,
-        callback: Callable[[NewtonStep, LaplaceState], bool | None] | None = None,
-        show_progress: bool | None = None,
-    ) -> FitReport:
-        r"""Run Newton steps from the current state until the stopping criteria (or a limit) are met.
-
-        Calling it again continues where the last call stopped, reusing the recycled actions. Arguments
-        override the strategy's settings for this call only.
-
-        :param callback: called after every Newton step with its :class:`NewtonStep` record and the
-            :class:`LaplaceState`; return ``True`` to stop.
-        :return: a :class:`FitReport` (Newton steps, solver iterations, products with K, residuals, time).
-
-        Interruption: the strategy's state is replaced only after each completed Newton step. If the fit is
-        stopped by the callback, or by an exception such as ``KeyboardInterrupt`` (also one raised inside the
-        callback), the strategy keeps the state of the last completed step (and the unit-vector policy its
-        position there), so that ``fit()`` resumes from it, and a ``state_dict()`` saved then (or inside the
-        callback) resumes in a fresh model exactly as the uninterrupted fit continues. After an exception the
-        precision :math:`\mathbf Q` is that of the last completed solve, not yet updated to :math:`\mathbf W`
-        at its mode (the next ``fit()`` does that).
-
-        :raises ValueError: for an option out of range, or model parameters on another device than the data.
-        :raises TypeError: for a callback that is not callable, or a model computing in another dtype.
-        """
-        options = self._call_options(
-            max_solver_iterations=max_solver_iterations,
-            max_newton_steps=max_newton_steps,
-            outer_tol=outer_tol,
-            abs_tol=abs_tol,
-            rel_tol=rel_tol,
-        )
-        show = self._check_callback(callback, show_progress)
-        with torch.no_grad():
-            prior = self._prior_for_fit()
-            resolution = 10 * torch.finfo(prior.dtype).eps
-            if 0 < options.outer_tol < resolution:
-                warnings.warn(
-                    f"outer_tol={options.outer_tol:g} is below what {prior.dtype} resolves (10 eps = {resolution:.2g}): "
-                    "the relative change of the representer weights stays at rounding level above it, so the fit "
-                    "will likely run to max_newton_steps without reporting convergence. Use float64 or a larger "
-                    "outer_tol.",
-                    UserWarning,
-                    stacklevel=2,
-                )
-            return self._run(prior, options, options.max_newton_steps, callback, show)
+    def _check_fit(self, options: SolverOptions, prior: LatentPrior) -> None:
+        """:class:`UserWarning` for an ``outer_tol`` below what the prior's dtype resolves."""
+        resolution = 10 * torch.finfo(prior.dtype).eps
+        if 0 < options.outer_tol < resolution:
+            warnings.warn(
+                f"outer_tol={options.outer_tol:g} is below what {prior.dtype} resolves (10 eps = {resolution:.2g}): "
+                "the relative change of the representer weights stays at rounding level above it, so the fit "
+                "will likely run to max_newton_steps without reporting convergence. Use float64 or a larger "
+                "outer_tol.",
+                UserWarning,
+                stacklevel=4,
+            )
 
     def _make_loop(self, prior: LatentPrior, options: SolverOptions) -> DampedNewton:
         return DampedNewton(prior, self.adapter, self.train_targets, options, self.policy)
@@ -488,91 +419,18 @@ class EPStrategy(_IterGPStrategy):
     """
 
     _state_type = EPState
+    _options_type = EPOptions
     options: EPOptions
 
-    def __init__(
-        self,
-        model: gpytorch.models.ApproximateGP,
-        train_inputs: Tensor,
-        train_targets: Tensor,
-        likelihood: gpytorch.likelihoods.Likelihood,
-        policy: str | Policy = "cg",
-        max_sweeps: int = EPOptions.max_sweeps,
-        max_solver_iterations: int | None = EPOptions.max_solver_iterations,
-        compression_rank: int | None = EPOptions.compression_rank,
-        recycle: bool = EPOptions.recycle,
-        damping: float = EPOptions.damping,
-        site_tol: float = EPOptions.site_tol,
-        abs_tol: float = EPOptions.abs_tol,
-        rel_tol: float = EPOptions.rel_tol,
-        min_curvature: float | None = None,
-        seed: int = 0,
-        show_progress: bool = True,
-        covariance_iterations: int = EPOptions.covariance_iterations,
-        covariance_block_size: int = EPOptions.covariance_block_size,
-        marginal_iterations: int = EPOptions.marginal_iterations,
-        marginal_every: int = EPOptions.marginal_every,
-    ):
-        options = EPOptions(
-            covariance_iterations=covariance_iterations,
-            covariance_block_size=covariance_block_size,
-            marginal_iterations=marginal_iterations,
-            marginal_every=marginal_every,
-            max_sweeps=max_sweeps,
-            max_solver_iterations=max_solver_iterations,
-            damping=damping,
-            site_tol=site_tol,
-            abs_tol=abs_tol,
-            rel_tol=rel_tol,
-            compression_rank=compression_rank,
-            recycle=recycle,
-        )
-        super().__init__(
-            model, train_inputs, train_targets, likelihood, policy, options, min_curvature, seed, show_progress
-        )
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
         if not self.adapter.supports_ep:
             raise TypeError(
                 f"EPStrategy needs a likelihood with tilted moments: BernoulliLikelihood (probit), "
                 f"LogitBernoulliLikelihood, PoissonLikelihood, ExpPoissonLikelihood or MultinomialProbitLikelihood "
-                f"(multi-class); got {type(likelihood).__name__}. Use IterNCGPStrategy (Laplace) for other likelihoods."
+                f"(multi-class); got {type(self.likelihood).__name__}. Use IterNCGPStrategy (Laplace) for other "
+                "likelihoods."
             )
-
-    def fit(
-        self,
-        max_sweeps: int | None = None,
-        max_solver_iterations=UNSET,
-        damping: float | None = None,
-        site_tol: float | None = None,
-        abs_tol: float | None = None,
-        rel_tol: float | None = None,
-        callback: Callable[[EPSweep, EPState], bool | None] | None = None,
-        show_progress: bool | None = None,
-    ) -> FitReport:
-        """Run EP sweeps from the current sites until converged (or a limit); arguments override the strategy's
-        settings for this call only. Calling it again continues from the committed sites and recycled actions.
-
-        :param callback: called after every sweep with its :class:`EPSweep` record and the :class:`EPState`;
-            return ``True`` to stop.
-        :return: a :class:`FitReport` (sweeps, solver iterations, products with K, skipped sites, time).
-
-        Interruption and resumption behave as for :meth:`IterNCGPStrategy.fit`: the committed state is that of the
-        last completed sweep, and a ``state_dict()`` saved then resumes exactly.
-
-        :raises ValueError: for an option out of range, or model parameters on another device than the data.
-        :raises TypeError: for a callback that is not callable, or a model computing in another dtype.
-        """
-        options = self._call_options(
-            max_solver_iterations=max_solver_iterations,
-            max_sweeps=max_sweeps,
-            damping=damping,
-            site_tol=site_tol,
-            abs_tol=abs_tol,
-            rel_tol=rel_tol,
-        )
-        show = self._check_callback(callback, show_progress)
-        with torch.no_grad():
-            prior = self._prior_for_fit()
-            return self._run(prior, options, options.max_sweeps, callback, show)
 
     def _make_loop(self, prior: LatentPrior, options: EPOptions) -> ExpectationPropagation:
         return ExpectationPropagation(prior, self.adapter, self.train_targets, options, self.policy)

@@ -19,7 +19,7 @@ r""":class:`SparseEPStrategy`: sparse EP-DTC (:mod:`~gpytorch_iterncgp.sparse.dt
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Any
 
 import gpytorch
 import torch
@@ -27,10 +27,10 @@ from gpytorch.distributions import MultivariateNormal
 from linear_operator.operators import LinearOperator, MatmulLinearOperator
 from torch import Tensor
 
-from ..core.outer_loop import EPSweep, FitReport
 from ..core.validation import check_flag, check_inputs
 from ..ep.sweeps import SweepOptions
 from ..sparse.dtc import DTCPrior, SparseEP, SparseEPState, inducing_cholesky
+from .base import replaced_options
 from .predictive import PredictiveStrategy, warn_lost_variance
 
 
@@ -81,13 +81,12 @@ class SparseEPStrategy(PredictiveStrategy):
         likelihood: gpytorch.likelihoods.Likelihood,
         inducing_points: Tensor,
         learn_inducing_locations: bool = True,
-        max_sweeps: int = SweepOptions.max_sweeps,
-        damping: float = SweepOptions.damping,
-        site_tol: float = SweepOptions.site_tol,
+        *,
         show_progress: bool = True,
+        **options: Any,
     ):
-        options = SweepOptions(max_sweeps=max_sweeps, damping=damping, site_tol=site_tol)
-        super().__init__(model, train_inputs, train_targets, likelihood, options, None, show_progress)
+        options_object = replaced_options(SweepOptions(), options, type(self).__name__)
+        super().__init__(model, train_inputs, train_targets, likelihood, options_object, None, show_progress)
         if not self.adapter.has_tilted_moments:
             raise TypeError(
                 f"SparseEPStrategy needs a likelihood with tilted moments: BernoulliLikelihood (probit), "
@@ -151,27 +150,6 @@ class SparseEPStrategy(PredictiveStrategy):
         prior = self.dtc_prior()
         self._check_prior_dtype(prior.mean.dtype)
         return prior
-
-    def fit(
-        self,
-        max_sweeps: int | None = None,
-        damping: float | None = None,
-        site_tol: float | None = None,
-        callback: Callable[[EPSweep, SparseEPState], bool | None] | None = None,
-        show_progress: bool | None = None,
-    ) -> FitReport:
-        """Run EP-DTC sweeps from the committed sites until converged (or ``max_sweeps``); arguments override the
-        strategy's settings for this call only. Interruption, resumption and the callback behave as for
-        :meth:`EPStrategy.fit <gpytorch_iterncgp.EPStrategy.fit>`; the report's ``method`` is ``"EP-DTC"``.
-
-        :raises ValueError: for an option out of range, or model parameters on another device than the data.
-        :raises TypeError: for a callback that is not callable, or a model computing in another dtype.
-        """
-        options = self._call_options(max_sweeps=max_sweeps, damping=damping, site_tol=site_tol)
-        show = self._check_callback(callback, show_progress)
-        with torch.no_grad():
-            prior = self._prior_for_fit()
-            return self._run(prior, options, options.max_sweeps, callback, show)
 
     def _make_loop(self, prior: DTCPrior, options: SweepOptions) -> SparseEP:
         return SparseEP(prior, self.adapter, self.train_targets, options.damping, options.site_tol)

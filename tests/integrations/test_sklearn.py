@@ -513,12 +513,10 @@ def test_default_solver_budget_gives_the_exact_laplace_posterior_on_small_proble
 
 def test_default_solver_budget_above_the_exact_size_is_the_strategys_default():
     """N C > EXACT_SOLVE_SIZE: CG with the strategy's default budget; explicit settings are kept as given."""
-    import inspect
-
-    from gpytorch_iterncgp import IterNCGPStrategy
+    from gpytorch_iterncgp import SolverOptions
     from gpytorch_iterncgp.integrations.sklearn import DEFAULT_SOLVER_ITERATIONS, EXACT_SOLVE_SIZE
 
-    assert DEFAULT_SOLVER_ITERATIONS == inspect.signature(IterNCGPStrategy).parameters["max_solver_iterations"].default
+    assert DEFAULT_SOLVER_ITERATIONS == SolverOptions().max_solver_iterations  # the strategy's default option
     x, y, _ = _multiclass(num=EXACT_SOLVE_SIZE // 3 + 1)  # N C = 3 (EXACT_SOLVE_SIZE // 3 + 1) > EXACT_SOLVE_SIZE
     fast = dict(optimize_hyperparameters=False, max_newton_steps=2, random_state=0)
     budget = IterNCGPClassifier(**fast).fit(x, y).solver_budget_

@@ -299,7 +299,7 @@ def test_positive_hyperparameters_are_optimised_on_the_log_scale():
     assert variables[id(exp_kernel.raw_lengthscale)] is exp_kernel.raw_lengthscale
     log_outputscale = variables[id(kernel.raw_outputscale)]
     assert float(log_outputscale.detach()) == pytest.approx(math.log(30.0), rel=1e-12)
-    assert float(variables[id(likelihood.noise_covar.raw_noise)]) == pytest.approx(math.log(0.5 - 1e-4), rel=1e-9)
+    assert float(variables[id(likelihood.noise_covar.raw_noise)].detach()) == pytest.approx(math.log(0.5 - 1e-4), rel=1e-9)
     with torch.no_grad():
         log_outputscale.add_(0.5)
     scale.push()
