@@ -299,16 +299,18 @@ def test_positive_hyperparameters_are_optimised_on_the_log_scale():
     assert variables[id(exp_kernel.raw_lengthscale)] is exp_kernel.raw_lengthscale
     log_outputscale = variables[id(kernel.raw_outputscale)]
     assert float(log_outputscale.detach()) == pytest.approx(math.log(30.0), rel=1e-12)
-    assert float(variables[id(likelihood.noise_covar.raw_noise)].detach()) == pytest.approx(math.log(0.5 - 1e-4), rel=1e-9)
+    assert float(variables[id(likelihood.noise_covar.raw_noise)].detach()) == pytest.approx(
+        math.log(0.5 - 1e-4), rel=1e-9
+    )
     with torch.no_grad():
         log_outputscale.add_(0.5)
     scale.push()
-    assert float(kernel.outputscale) == pytest.approx(30.0 * math.exp(0.5), rel=1e-10)
+    assert float(kernel.outputscale.detach()) == pytest.approx(30.0 * math.exp(0.5), rel=1e-10)
     loss = (kernel.outputscale - 3.0).square().sum() + likelihood.noise.sum() * 2.0 + mean.constant.sum()
     loss.backward()
     scale.pull_gradients()
-    value = float(kernel.outputscale)
+    value = float(kernel.outputscale.detach())
     assert float(log_outputscale.grad) == pytest.approx(2 * (value - 3.0) * value, rel=1e-9)
-    noise = float(likelihood.noise)
+    noise = float(likelihood.noise.detach())
     assert float(variables[id(likelihood.noise_covar.raw_noise)].grad) == pytest.approx(2.0 * (noise - 1e-4), rel=1e-9)
     assert float(mean.raw_constant.grad) == 1.0 and kernel.raw_outputscale.grad is None
