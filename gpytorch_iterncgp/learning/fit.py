@@ -126,8 +126,11 @@ def fit_mll(
                     lambda: bar.update(1),
                 )
     model.eval()
-    with strategy.phase("final fit"):
+    with strategy.phase("final fit"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         report.fit_report = strategy.fit(show_progress=show)
+    for warning in caught:  # at the line that called fit_mll
+        warnings.warn(warning.message, warning.category, stacklevel=2)
     return report
 
 
