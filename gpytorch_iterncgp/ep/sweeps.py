@@ -205,7 +205,7 @@ class ExpectationPropagation:
     def __init__(
         self, prior: LatentPrior, adapter: LikelihoodAdapter, targets: Tensor, options: EPOptions, policy: Policy
     ):
-        if adapter.num_latents > 1 and not adapter.zero_sum_actions:
+        if adapter.num_latents > 1 and not adapter.has_block_tilted_moments:
             raise ValueError(
                 f"EP with C x C site blocks needs a likelihood that is flat along (1, ..., 1) with nested-EP tilted "
                 f"moments (MultinomialProbitLikelihood); {adapter.name} has C = {adapter.num_latents}."

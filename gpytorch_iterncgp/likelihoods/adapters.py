@@ -228,7 +228,10 @@ class LikelihoodAdapter:
     """
 
     num_latents: int = 1
-    zero_sum_actions: bool = False  # softmax: actions restricted to range(W)
+    zero_sum_actions: bool = (
+        False  # flat along (1, ..., 1) at every point (softmax, multinomial probit): actions in range(W)
+    )
+    softmax: bool = False  # the softmax: W from the class probabilities (its block root needs no factorisation)
     name: str = "likelihood"
     classification: bool = False  # labels: predictive_mean gives class probabilities
     predictive_needs_blocks: bool = False  # predictive_mean takes each point's C x C latent covariance
@@ -637,6 +640,7 @@ class SoftmaxAdapter(LikelihoodAdapter):
     """
 
     zero_sum_actions = True
+    softmax = True
     name = "Softmax"
     classification = True
     predictive_needs_blocks = True

@@ -115,7 +115,7 @@ def exact_laplace_evidence(
 
 
 def _probabilities_if_softmax(adapter: LikelihoodAdapter, latent: Tensor) -> Tensor | None:
-    return torch.softmax(latent, dim=-1) if adapter.zero_sum_actions else None
+    return torch.softmax(latent, dim=-1) if adapter.softmax else None
 
 
 class WhitenedKernel(LinearOperator):
