@@ -282,9 +282,9 @@ def main(argv: list[str] | None = None) -> dict:
             "runs": runs_by_seed,
             "summary": aggregate(runs_by_seed, marks),
         }
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = "gpytorch_door_smoke" if args.smoke else "gpytorch_door"
-    (args.out / f"{stem}.json").write_text(json.dumps(results, indent=1, default=float))
+        args.out.mkdir(parents=True, exist_ok=True)  # after every data set: a long run keeps what it measured
+        stem = "gpytorch_door_smoke" if args.smoke else "gpytorch_door"
+        (args.out / f"{stem}.json").write_text(json.dumps(results, indent=1, default=float))
     plot(results, args.out / f"{stem}.png")
     for name, entry in results["datasets"].items():
         print(f"\n{name} (N = {entry['num_train']}, C = {entry['num_classes']}, seeds {entry['seeds']})")
