@@ -16,7 +16,9 @@ default constraints), with the strategy's defaults. Methods:
 * ``loop_laplace``, ``loop_ep``: the same model in the plain GPyTorch loop of ``docs/user_guide/hyperparameters.md`` (Adam, learning rate
   0.05, on ``-mll(model(train_x), train_y)``) for ``--budget`` seconds, scored ten times along the way;
 * ``svgp``: GPyTorch's SVGP, 100 learnt inducing inputs per latent, Adam (learning rate 0.01) on the ELBO in batches
-  of 1024, for ``--budget`` seconds (``benchmarks.learned.run_svgp``).
+  of 1024, for ``--budget`` seconds (``benchmarks.learned.run_svgp``);
+* ``logistic``, ``boosting``: scikit-learn's ``LogisticRegression`` and ``HistGradientBoostingClassifier`` with their
+  defaults, what a practitioner would pick instead.
 
 Test NLL of each method's own predictive against its wall time (evaluations not counted), one thread unless
 ``--threads``. Writes ``results/gpytorch_door.json`` (with the machine) and ``results/gpytorch_door.png``, and prints
@@ -57,7 +59,7 @@ from gpytorch_iterncgp import (
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DATASETS = ("mixture5000", *real_data.DATASETS)
-METHODS = ("svgp", "fit_mll_laplace", "fit_mll_ep", "loop_laplace", "loop_ep")
+METHODS = ("svgp", "fit_mll_laplace", "fit_mll_ep", "loop_laplace", "loop_ep", "logistic", "boosting")
 MARKS = (30.0, 60.0, 120.0)
 
 
@@ -153,6 +155,23 @@ def run_loop(data: Data, inference: str, budget: float, seed: int, learning_rate
     return {"label": f"plain loop ({inference}, Adam lr {learning_rate})", "history": history}
 
 
+def run_sklearn(data: Data, method: str, seed: int) -> dict:
+    """What a practitioner would pick instead: scikit-learn's ``LogisticRegression`` (L2, its defaults, 1000 iterations)
+    or ``HistGradientBoostingClassifier`` (its defaults, early stopping on 10% of the training rows); one score."""
+    from sklearn.ensemble import HistGradientBoostingClassifier
+    from sklearn.linear_model import LogisticRegression
+
+    estimator = (
+        LogisticRegression(max_iter=1000)
+        if method == "logistic"
+        else HistGradientBoostingClassifier(early_stopping=True, random_state=seed)
+    )
+    clock, history = Clock(), []
+    estimator.fit(data.train_x.numpy(), data.train_y.numpy())
+    clock.evaluate(history, lambda: torch.as_tensor(estimator.predict_proba(data.test_x.numpy())), data.test_y)
+    return {"label": type(estimator).__name__, "history": history}
+
+
 def nll_at(run: dict, seconds: float) -> float:
     """The run's test NLL at its last evaluation within ``seconds`` (NaN if none)."""
     entries = [entry for entry in run["history"] if entry["time"] <= seconds]
@@ -160,6 +179,8 @@ def nll_at(run: dict, seconds: float) -> float:
 
 
 def run_one(data: Data, method: str, budget: float, seed: int) -> dict:
+    if method in ("logistic", "boosting"):
+        return run_sklearn(data, method, seed)
     if method == "svgp":
         latents = data.num_classes if data.num_classes > 2 else 1
         return run_svgp(data, 100 * latents, 0.01, budget, seed)
@@ -182,7 +203,7 @@ def aggregate(runs_by_seed: dict[int, dict[str, dict]], marks: tuple[float, ...]
     table: dict = {}
     for method in methods:
         runs = [runs[method] for runs in runs_by_seed.values() if method in runs]
-        if method.startswith("fit_mll"):
+        if method.startswith("fit_mll") or method in ("logistic", "boosting"):
             table[method] = {
                 "nll": spread([run["history"][-1]["nll"] for run in runs]),
                 "seconds": spread([run["history"][-1]["time"] for run in runs]),
