@@ -378,4 +378,5 @@ def test_gpytorch_door_smoke_run_writes_results(tmp_path):
     summary = entry["summary"]["fit_mll_laplace"]
     assert summary["nll"]["mean"] == pytest.approx(sum(nlls) / 2) and summary["nll"]["n"] == 2
     assert summary["seeds_at_or_below_svgp_at_60s"] in (0, 1, 2)
-    assert gpytorch_door.nll_at({"history": [{"time": 1.0, "nll": 0.5}, {"time": 3.0, "nll": 0.4}]}, 2.0) == 0.5
+    history = {"history": [{"time": 1.0, "nll": 0.5}, {"time": 2.05, "nll": 0.45}, {"time": 3.0, "nll": 0.4}]}
+    assert gpytorch_door.nll_at(history, 2.0) == 0.45 and gpytorch_door.nll_at(history, 1.5) == 0.5
