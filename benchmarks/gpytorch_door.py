@@ -240,12 +240,16 @@ def plot(results: dict, path: Path) -> None:
     figure, axes = plt.subplots(1, len(names), figsize=(5.5 * len(names), 4), squeeze=False)
     colors = dict(zip(METHODS, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
     for axis, name in zip(axes[0], names, strict=True):
+        finals = []
         for seed, runs in results["datasets"][name]["runs"].items():
             for method, run in runs.items():
-                times = [max(entry["time"], 1e-1) for entry in run["history"]]
+                times = [max(entry["time"], 1e-2) for entry in run["history"]]
                 label = run["label"] if seed == next(iter(results["datasets"][name]["runs"])) else None
-                style = "o" if method.startswith("fit_mll") else "-"
+                style = "o" if len(run["history"]) == 1 else "-"  # fit_mll and the baselines: one score each
                 axis.plot(times, [e["nll"] for e in run["history"]], style, color=colors[method], label=label, ms=6)
+                finals.append(run["history"][-1]["nll"])
+        low, high = min(finals), max(finals)
+        axis.set_ylim(low - 0.1 * (high - low) - 0.01, high + 0.5 * (high - low) + 0.01)  # the end of the curves
         axis.set(xscale="log", xlabel="wall time [s] (one thread)", ylabel="test NLL", title=name)
         axis.legend(fontsize=7)
     figure.tight_layout()
