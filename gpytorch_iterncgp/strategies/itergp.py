@@ -352,7 +352,7 @@ class IterNCGPStrategy(_IterGPStrategy):
                 "will likely run to max_newton_steps without reporting convergence. Use float64 or a larger "
                 "outer_tol.",
                 UserWarning,
-                stacklevel=4,
+                stacklevel=3,
             )
 
     def _make_loop(self, prior: LatentPrior, options: SolverOptions) -> DampedNewton:
