@@ -314,3 +314,28 @@ def test_positive_hyperparameters_are_optimised_on_the_log_scale():
     noise = float(likelihood.noise.detach())
     assert float(variables[id(likelihood.noise_covar.raw_noise)].grad) == pytest.approx(2.0 * (noise - 1e-4), rel=1e-9)
     assert float(mean.raw_constant.grad) == 1.0 and kernel.raw_outputscale.grad is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fit_mll_in_float32_and_float64_learns_the_same_kernel(dtype):
+    """The exact regime's L-BFGS in either precision: finite, the evidence rises, and float32 learns float64's kernel
+    to float32's resolution of the optimum (1e-2 relative: a flat optimum amplifies rounding)."""
+    x, y = (tensor.to(dtype) for tensor in binary_data(50, seed=9))  # the same data in either precision
+    model = IterNCGPModel(x, y, LogitBernoulliLikelihood(), max_solver_iterations=None)
+    report = fit_mll(LaplaceMarginalLogLikelihood(model.variational_strategy.likelihood, model), seed=0)
+    assert all(math.isfinite(loss) for loss in report.losses) and report.losses[-1] < report.losses[0]
+    reference = IterNCGPModel(*binary_data(50, seed=9), LogitBernoulliLikelihood(), max_solver_iterations=None)
+    fit_mll(LaplaceMarginalLogLikelihood(reference.variational_strategy.likelihood, reference), seed=0)
+    for ours, theirs in zip(_kernel_parameters(model), _kernel_parameters(reference), strict=True):
+        assert ours.dtype == dtype
+        torch.testing.assert_close(ours.double(), theirs, rtol=1e-2, atol=1e-3)
+
+
+def test_fit_mll_without_trainable_parameters_only_fits():
+    x, y = binary_data(40, seed=10)
+    model = IterNCGPModel(x, y, LogitBernoulliLikelihood())
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    report = fit_mll(LaplaceMarginalLogLikelihood(model.variational_strategy.likelihood, model))
+    assert report.evaluations == 0 and report.learning_rows is None and report.fit_report.steps >= 1
+    assert str(report) == "hyperparameters not learnt"
