@@ -161,15 +161,20 @@ def _evidence(strategy) -> type[LaplaceMarginalLogLikelihood] | type[EPMarginalL
 
 
 @contextlib.contextmanager
-def _as_scikit_learn_warnings() -> Iterator[None]:
+def _as_scikit_learn_warnings(estimator: str) -> Iterator[None]:
     """The package's :class:`~gpytorch_iterncgp.ConvergenceWarning` inside the block raised as scikit-learn's
-    ``ConvergenceWarning`` (the estimators' idiom); other warnings as they were."""
+    ``ConvergenceWarning`` (the estimators' idiom), naming the ``estimator``'s parameter that sets a step limit; other
+    warnings as they were."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         yield
     for warning in caught:
-        category = ConvergenceWarning if issubclass(warning.category, PackageConvergenceWarning) else warning.category
-        warnings.warn(str(warning.message), category, stacklevel=5)
+        message, category = str(warning.message), warning.category
+        if issubclass(category, PackageConvergenceWarning):
+            category = ConvergenceWarning
+            if "stopped at max_" in message:  # the strategy's option is the estimator's max_newton_steps
+                message += f" In {estimator}, the parameter max_newton_steps sets this limit (EP's sweeps too)."
+        warnings.warn(message, category, stacklevel=5)
 
 
 def _param_error(estimator, name: str, expected: str, value) -> ValueError:
@@ -347,7 +352,7 @@ class _IterNCGPEstimator(BaseEstimator):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)  # probe vectors of the matrix-free evidence, random actions
             model = _LatentGP(train_x, targets, likelihood, kernel, mean, strategy_type, options).to(_DTYPE)
-            with _as_scikit_learn_warnings():
+            with _as_scikit_learn_warnings(type(self).__name__):
                 report = fit_mll(
                     _evidence(model.variational_strategy)(likelihood, model),
                     max_time=self.max_time,

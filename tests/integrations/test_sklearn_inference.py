@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import gpytorch
 import numpy as np
@@ -224,3 +225,18 @@ def test_inference_parameter():
     assert IterNCGPPoissonRegressor(optimize_hyperparameters=False).fit(x, counts).inference_ == "laplace"
     with pytest.raises(ValueError, match="integer counts"):
         IterNCGPPoissonRegressor(inference="ep").fit(x, counts + 0.5)
+
+
+def test_a_final_fit_stopped_by_its_limit_raises_scikit_learns_convergence_warning():
+    """The estimators raise scikit-learn's ``ConvergenceWarning`` (the package's, converted) at the caller's line,
+    naming their own parameter; a fit that converges raises none."""
+    from sklearn.datasets import make_moons
+    from sklearn.exceptions import ConvergenceWarning
+
+    x, y = make_moons(200, noise=0.3, random_state=0)
+    with pytest.warns(ConvergenceWarning, match="max_newton_steps sets this limit") as caught:
+        IterNCGPClassifier(max_newton_steps=1, optimize_hyperparameters=False).fit(x, y)
+    assert caught[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConvergenceWarning)
+        IterNCGPClassifier(inference="laplace", optimize_hyperparameters=False).fit(x, y)
