@@ -22,6 +22,7 @@ The recipe, in three phases (each a progress bar with ``show_progress``):
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import time
 import warnings
@@ -349,4 +350,4 @@ def _optimise(
 
 
 BoTorchFitHook.run = fit_mll
-BoTorchFitHook.keywords = frozenset({"max_time", "recipe", "subset", "validation_rows", "seed", "show_progress"})
+BoTorchFitHook.keywords = frozenset(inspect.signature(fit_mll).parameters) - {"mll"}

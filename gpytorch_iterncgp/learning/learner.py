@@ -48,17 +48,14 @@ class LearnerModel(gpytorch.models.ApproximateGP):
         likelihood: gpytorch.likelihoods.Likelihood,
     ):
         source = model.variational_strategy
-        strategy = strategy_type(
-            self, inputs, targets, likelihood, policy=copy.deepcopy(source.policy), show_progress=False
-        )
-        carried: dict[str, Any] = {
-            field.name: getattr(source.options, field.name)
-            for field in dataclasses.fields(strategy.options)
-            if hasattr(source.options, field.name)
+        fields = {field.name for field in dataclasses.fields(strategy_type._options_type)}
+        options: dict[str, Any] = {
+            name: getattr(source.options, name) for name in fields if hasattr(source.options, name)
         }
-        carried[strategy.max_steps_option] = getattr(source.options, source.max_steps_option)
-        strategy.options = dataclasses.replace(strategy.options, **carried)
-        strategy.options.validate()
+        options[strategy_type.max_steps_option] = getattr(source.options, source.max_steps_option)
+        strategy = strategy_type(
+            self, inputs, targets, likelihood, policy=copy.deepcopy(source.policy), show_progress=False, **options
+        )
         super().__init__(strategy)
         self.prior_model = model
 
