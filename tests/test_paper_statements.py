@@ -19,6 +19,7 @@ import torch
 from gpytorch_iterncgp import ConjugateGradientPolicy, ExpPoissonLikelihood, NumericalBreakdownWarning, UnitVectorPolicy
 from gpytorch_iterncgp.core.noise import DiagonalNoiseInverse, SoftmaxPseudoInverse
 from gpytorch_iterncgp.core.recycling import ActionBuffer, virtual_solver_run
+from gpytorch_iterncgp.core.sharding import RowBlock
 from gpytorch_iterncgp.core.solver import itergp_solve
 from tests import reference
 from tests.common import IterNCGPModel, binary_data, count_data, multiclass_data
@@ -179,7 +180,7 @@ def test_marginal_variance_non_increasing(policy_name):
             lambda v: kernel @ v,
             DiagonalNoiseInverse(noise),
             rhs,
-            ActionBuffer.empty(num, DTYPE, CPU),
+            ActionBuffer.empty(RowBlock.single(num), DTYPE, CPU),
             make_policy(policy_name, num),
             max_solver_iterations=iterations,
             abs_tol=0.0,
@@ -223,7 +224,7 @@ def test_virtual_run_residual_orthogonal_to_actions(kind):
         lambda v: kernel @ v,
         old_noise,
         old_rhs,
-        ActionBuffer.empty(size, DTYPE, CPU),
+        ActionBuffer.empty(RowBlock.single(size), DTYPE, CPU),
         make_policy("cg", num_data, num_latents),
         max_solver_iterations=8,
         abs_tol=0.0,
@@ -278,7 +279,7 @@ def filled_buffer(kernel, noise, rhs, iterations: int):
         lambda v: kernel @ v,
         DiagonalNoiseInverse(noise),
         rhs,
-        ActionBuffer.empty(num, DTYPE, CPU),
+        ActionBuffer.empty(RowBlock.single(num), DTYPE, CPU),
         make_policy("cg", num),
         max_solver_iterations=iterations,
         abs_tol=0.0,
@@ -411,7 +412,7 @@ def test_itergp_solve_counts_kernel_products(policy_name):
         return kernel @ vectors
 
     # from scratch, and again from a recycled buffer (the virtual run costs no product)
-    buffer = ActionBuffer.empty(40, DTYPE, CPU)
+    buffer = ActionBuffer.empty(RowBlock.single(40), DTYPE, CPU)
     policy = make_policy(policy_name, 40)
     for noise_now, limit in ((noise, 7), (noise.flip(0), 5), (noise, None)):
         calls.clear()

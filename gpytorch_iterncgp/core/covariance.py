@@ -55,7 +55,7 @@ from torch import Tensor
 
 from .noise import NoiseOperator, block_pseudo_inverse_matmul
 from .precision import ColumnStore
-from .sharding import RowBlock, all_rows, own_rows, summed
+from .sharding import RowBlock
 from .validation import check_count, check_seed
 
 # A unit-norm action is kept if at least this fraction of its norm lies outside span(Q) after conjugation: the
@@ -107,7 +107,7 @@ class CovariancePhase:
     r"""The result of :func:`covariance_phase`: the enlarged :math:`\mathbf Q`, :math:`\mathbf K \mathbf Q` and the
     products with :math:`\mathbf K` it took."""
 
-    precision_root: Tensor  # Q, (n, r + added); with a RowBlock this rank's rows (|I_p| C, r + added)
+    precision_root: Tensor  # Q, (n, r + added); sharded: this rank's rows (|I_p| C, r + added)
     kernel_precision_root: Tensor  # K Q, likewise
     products: int
     added: int  # columns added to Q
@@ -124,7 +124,8 @@ def covariance_phase(
     project: Callable[[Tensor], Tensor] | None = None,
     action_space_dimension: int | None = None,
     seed: int = 0,
-    rows_block: RowBlock | None = None,
+    *,
+    rows_block: RowBlock,
 ) -> CovariancePhase:
     r"""Extend :math:`\mathbf C = \mathbf Q \mathbf Q^\top \approx \hat{\mathbf K}^{-1}` by ``iterations`` blocks of
     :math:`\mathbf W`-preconditioned block Lanczos (see the module docstring), one product with :math:`\mathbf K` each.
@@ -140,13 +141,13 @@ def covariance_phase(
     :param project: projection of the actions (softmax: zero sum per point).
     :param action_space_dimension: stop when :math:`\mathbf Q` has this rank (default :math:`n`).
     :param seed: seed of the random subset :math:`Z` of the start block.
-    :param rows_block: this rank's rows where :math:`\mathbf Q`, :math:`\mathbf K \mathbf Q` are held by rows
-        (``shard_state``; given as this rank's rows or all of them); ``None`` in one process. ``noise_inverse`` is
-        then this rank's blocks of :math:`\mathbf W^{-1}`, ``(|I_p| C, |I_p| C)``.
-    :return: :math:`[\mathbf Q, \mathbf D]`, :math:`[\mathbf K\mathbf Q, \mathbf K\mathbf D]` (with ``rows_block``
-        this rank's rows ``(|I_p| C, r + added)``) and the products taken.
+    :param rows_block: the rows of :math:`\mathbf Q`, :math:`\mathbf K \mathbf Q` this process holds (all in one
+        process; this rank's where sharded, ``shard_state``, given as this rank's rows or all of them).
+        ``noise_inverse`` is then this rank's blocks of :math:`\mathbf W^{-1}`, ``(|I_p| C, |I_p| C)``.
+    :return: :math:`[\mathbf Q, \mathbf D]`, :math:`[\mathbf K\mathbf Q, \mathbf K\mathbf D]` (sharded: this
+        rank's rows ``(|I_p| C, r + added)``) and the products taken.
 
-    **By rows.** With ``rows_block`` the phase keeps :math:`\mathbf Q`, :math:`\mathbf K \mathbf Q` and the directions
+    **By rows.** With a sharded ``rows_block`` the phase keeps :math:`\mathbf Q`, :math:`\mathbf K \mathbf Q` and the directions
     it adds by rows, as the action buffer keeps :math:`\mathbf S`, :math:`\mathbf K \mathbf S`
     (:class:`~gpytorch_iterncgp.core.recycling.ActionBuffer`): the conjugation :math:`\mathbf Q^\top \hat{\mathbf K}
     \mathbf V = \sum_p (\mathbf K \mathbf Q)_{\mathcal I_p}^\top \mathbf V_{\mathcal I_p} + \mathbf Q_{\mathcal
@@ -164,20 +165,18 @@ def covariance_phase(
     check_count(block_size, "block_size", minimum=1)
     check_seed(seed)
     project = project or (lambda vectors: vectors)
-    size = precision_root.shape[0] if rows_block is None else rows_block.size
+    size = rows_block.size
     dtype = precision_root.dtype
     full_rank = size if action_space_dimension is None else action_space_dimension
     tolerance = _RELATIVE_EIGENVALUE_TOLERANCE.get(dtype, 1e-5)
     new_fraction = _NEW_FRACTION.get(dtype, 1e-2)
     rank, products = precision_root.shape[-1], 0
     if iterations == 0 or rank >= full_rank:
-        return CovariancePhase(own_rows(precision_root, rows_block), own_rows(kernel_precision_root, rows_block), 0, 0)
+        return CovariancePhase(rows_block.own_rows(precision_root), rows_block.own_rows(kernel_precision_root), 0, 0)
     # this rank's rows of Q, K Q (all rows in one process), growing without copies
-    roots = ColumnStore(own_rows(precision_root, rows_block))
-    kernel_roots = ColumnStore(own_rows(kernel_precision_root, rows_block))
-
-    def local(vectors: Tensor) -> Tensor:  # this rank's rows of whole vectors (themselves in one process)
-        return vectors if rows_block is None else rows_block.local(vectors)
+    roots = ColumnStore(rows_block.own_rows(precision_root))
+    kernel_roots = ColumnStore(rows_block.own_rows(kernel_precision_root))
+    local = rows_block.local  # this rank's rows of whole vectors (themselves in one process)
 
     curvature = curvature_matmul(noise_inverse, num_latents)
     num_points = size // num_latents
@@ -186,15 +185,15 @@ def covariance_phase(
     coordinates = (points[:, None] * num_latents + torch.arange(num_latents)).flatten().to(precision_root.device)
     start = precision_root.new_zeros(size, len(coordinates))
     start[coordinates, torch.arange(len(coordinates), device=start.device)] = 1.0
-    block = all_rows(curvature(local(start)), rows_block)
+    block = rows_block.all_rows(curvature(local(start)))
     while products < iterations and rank < full_rank:
         root, kernel_root = roots.value, kernel_roots.value
         directions = project(block)
         directions = directions / directions.norm(dim=0).clamp_min(torch.finfo(dtype).tiny)
         for _ in range(2):  # classical Gram–Schmidt in the K̂ inner product, twice; no product with K
             noisy_rows = noise_inverse.matmul(local(directions))
-            conjugation = summed(kernel_root.mT @ local(directions) + root.mT @ noisy_rows, rows_block)
-            directions = project(directions - all_rows(root @ conjugation, rows_block))
+            conjugation = rows_block.summed(kernel_root.mT @ local(directions) + root.mT @ noisy_rows)
+            directions = project(directions - rows_block.all_rows(root @ conjugation))
         directions = directions[:, directions.norm(dim=0) > new_fraction]
         if directions.shape[-1] == 0:
             break
@@ -202,7 +201,7 @@ def covariance_phase(
         kernel_directions = kernel_matmul(directions)
         products += 1
         noisy_rows = local(kernel_directions) + noise_inverse.matmul(local(directions))  # this rank's rows of K̂ V
-        gram = summed(local(directions).double().mT @ noisy_rows.double(), rows_block)
+        gram = rows_block.summed(local(directions).double().mT @ noisy_rows.double())
         eigenvalues, eigenvectors = torch.linalg.eigh((gram + gram.mT) / 2)
         keep = eigenvalues > tolerance * eigenvalues[-1].clamp_min(0)
         excess = int(keep.sum()) - (full_rank - rank)
@@ -217,6 +216,6 @@ def covariance_phase(
             kernel_roots.append(kernel_column)
         rank += new_root.shape[-1]
         # W K̂ D: the next Lanczos block (by rows, gathered)
-        block = all_rows(curvature(local(new_kernel_root) + noise_inverse.matmul(local(new_root))), rows_block)
+        block = rows_block.all_rows(curvature(local(new_kernel_root) + noise_inverse.matmul(local(new_root))))
     root, kernel_root = roots.value, kernel_roots.value
     return CovariancePhase(root, kernel_root, products, root.shape[-1] - precision_root.shape[-1])

@@ -29,7 +29,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..exceptions import ConvergenceWarning, NotConvergedWarning, NumericalBreakdownWarning
-from .sharding import RowBlock, norm
+from .sharding import RowBlock
 
 
 class LoopStatus(enum.Enum):
@@ -41,11 +41,11 @@ class LoopStatus(enum.Enum):
     BREAKDOWN = "breakdown"  # the step could not be computed (the state is the last good one)
 
 
-def relative_norm_change(new: Tensor, old: Tensor, rows_block: RowBlock | None = None) -> float:
+def relative_norm_change(new: Tensor, old: Tensor, rows_block: RowBlock) -> float:
     r""":math:`\|\mathbf x_{\text{new}} - \mathbf x_{\text{old}}\| / \|\mathbf x_{\text{old}}\|` (Euclidean norms), the
     change of the Newton loop's representer weights; 0 for no change, :math:`\infty` for a change from 0. Vectors
     held by rows of ``rows_block``: the norms by ``all_reduce``."""
-    change, old_norm = float(norm(new - old, rows_block)), float(norm(old, rows_block))
+    change, old_norm = float(rows_block.norm(new - old)), float(rows_block.norm(old))
     return change / old_norm if old_norm > 0 else (0.0 if change == 0 else math.inf)
 
 

@@ -35,9 +35,7 @@ from torch import Tensor
 
 from .. import settings
 from .kernel_products import fused_kernel_matmul
-from .sharding import RowBlock, RowShardedKernel, ShardedKernelMatrix, all_rows, own_rows
-
-SINGLE, SHARED, INDEPENDENT, MULTITASK = "single", "shared", "independent", "multitask"
+from .sharding import RowBlock, RowShardedKernel, ShardedKernelMatrix
 
 
 def _uses_keops(kernel: gpytorch.kernels.Kernel) -> bool:
@@ -174,17 +172,23 @@ def _sharded(covariance: LinearOperator) -> ShardedKernelMatrix | None:
 class LatentPrior:
     r"""Prior mean ``(N, C)`` and covariance :math:`\mathbf K` (``(N C, M C)``, data-major) of the latents.
 
-    :param mean: prior mean in the layout of ``layout`` (see :meth:`from_distribution`).
-    :param covariance: the kernel matrix as GPyTorch returned it (``(N, M)``, ``(C, N, M)`` or
-        ``(N C, M C)``).
-    :param layout: one of ``"single"``, ``"shared"``, ``"independent"``, ``"multitask"``.
+    One subclass per layout of the model's output (:meth:`from_distribution`): :class:`OneLatentPrior` (one GP),
+    :class:`SharedKernelPrior` (:math:`\mathbf K_x \otimes \mathbf I_C`), :class:`IndependentPrior` (``batch_shape=[C]``)
+    and :class:`MultitaskPrior` (a data-major ``(N C, M C)`` covariance). Each says how a data-major block
+    ``(M C, k)`` becomes the kernel's right-hand side and back (:meth:`_layout_matmul`), its mean, its diagonal and
+    its point blocks; the products themselves (cached, fused, chunked, or by rows of a
+    :class:`~gpytorch_iterncgp.core.sharding.RowShardedKernel`) are this class's.
+
+    :param mean: prior mean as the model returned it (``(N,)``, ``(C, N)`` or ``(N, C)``).
+    :param covariance: the kernel matrix as GPyTorch returned it (``(N, M)``, ``(C, N, M)`` or ``(N C, M C)``).
     :param num_latents: :math:`C`.
     """
 
-    def __init__(self, mean: Tensor, covariance: LinearOperator, layout: str, num_latents: int):
+    layout = ""  # the name of the layout ("single", "shared", "independent", "multitask")
+
+    def __init__(self, mean: Tensor, covariance: LinearOperator, num_latents: int):
         self._mean = mean
         self.covariance = covariance
-        self.layout = layout
         self.num_latents = num_latents
         self.products = 0  # calls of the kernel's matmul
         self.columns = 0  # columns multiplied in those calls
@@ -192,7 +196,7 @@ class LatentPrior:
 
     @classmethod
     def from_distribution(cls, distribution: MultivariateNormal, num_latents: int) -> LatentPrior:
-        """Read the layout from the output of a model's ``forward``.
+        """The prior of the layout of the output of a model's ``forward``.
 
         :raises ValueError: if its shape does not fit ``num_latents`` (e.g. a batch model for C = 1).
         """
@@ -205,29 +209,60 @@ class LatentPrior:
             covariance = distribution.lazy_covariance_matrix
             if not distribution._interleaved:
                 raise ValueError("IterNCGP needs an interleaved MultitaskMultivariateNormal (data-major order).")
-            return cls(distribution.mean, covariance, MULTITASK, num_latents)
+            return MultitaskPrior(distribution.mean, covariance, num_latents)
         if not isinstance(distribution, MultivariateNormal):
             raise TypeError(f"The model's forward must return a MultivariateNormal, got {type(distribution).__name__}.")
         batch_shape = tuple(distribution.batch_shape)
         if batch_shape == ():
-            layout = SINGLE if num_latents == 1 else SHARED
-            return cls(distribution.mean, distribution.lazy_covariance_matrix, layout, num_latents)
+            layout = OneLatentPrior if num_latents == 1 else SharedKernelPrior
+            return layout(distribution.mean, distribution.lazy_covariance_matrix, num_latents)
         if batch_shape == (num_latents,) and num_latents > 1:
-            return cls(distribution.mean, distribution.lazy_covariance_matrix, INDEPENDENT, num_latents)
+            return IndependentPrior(distribution.mean, distribution.lazy_covariance_matrix, num_latents)
         raise ValueError(
             f"The model's forward returns batch_shape {list(batch_shape)}; with {num_latents} latent function(s) "
             f"IterNCGP expects batch_shape [] (one kernel{' shared by all classes' if num_latents > 1 else ''})"
             + (f" or [{num_latents}] (one GP per class)." if num_latents > 1 else ".")
         )
 
+    # -- the layout (one subclass each) ------------------------------------------------------------------------
     @property
     def shape(self) -> tuple[int, int]:
         """``(N, M)``: the number of row and column points."""
         rows, cols = self.covariance.shape[-2:]
-        if self.layout == MULTITASK:
-            return rows // self.num_latents, cols // self.num_latents
         return rows, cols
 
+    @property
+    def mean(self) -> Tensor:
+        """Prior mean at the row points, ``(N, C)``."""
+        raise NotImplementedError
+
+    def _layout_matmul(self, multiply: Callable[[Tensor], Tensor], rhs: Tensor, num_rows: int, num_cols: int) -> Tensor:
+        """``multiply`` (the kernel's product) applied to data-major ``rhs`` ``(num_cols C, k)`` in the kernel's own
+        layout, and its result ``(num_rows C, k)`` data-major again: the covariance is data-major already here."""
+        return multiply(rhs)
+
+    def diagonal(self) -> Tensor:
+        """The prior variances, data-major ``(N C,)`` (square blocks only)."""
+        return self.covariance.diagonal(dim1=-2, dim2=-1)
+
+    def point_blocks(self) -> Tensor:
+        r"""The :math:`C \times C` prior covariance of each point's latents, ``(N, C, C)`` (square blocks only)."""
+        return torch.diag_embed(self.diagonal().reshape(-1, self.num_latents))
+
+    def data_major_covariance(self) -> LinearOperator:
+        r"""The square covariance as one data-major ``(N C, N C)`` LinearOperator (lazy)."""
+        return self.covariance
+
+    def block(self, rows: slice, cols: slice) -> LatentPrior:
+        """The prior restricted to row points ``rows`` and column points ``cols`` (lazy; nothing is evaluated)."""
+        return type(self)(self._mean[..., rows], self.covariance[..., rows, cols], self.num_latents)
+
+    def _pick_columns(self, kernel: Tensor, inverse: Tensor, latents: Tensor) -> Tensor:
+        """The columns ``(N, k)`` of point ``inverse[j]`` (of the kernel's columns ``(N, u)`` at the unique points)
+        for the data-major indices of latents ``latents``."""
+        return kernel[:, inverse]
+
+    # -- common -----------------------------------------------------------------------------------------------
     @property
     def dtype(self) -> torch.dtype:
         return self._mean.dtype
@@ -236,71 +271,86 @@ class LatentPrior:
     def device(self) -> torch.device:
         return self._mean.device
 
-    @property
-    def mean(self) -> Tensor:
-        """Prior mean at the row points, ``(N, C)``."""
-        if self.layout == SINGLE:
-            return self._mean[:, None]
-        if self.layout == SHARED:
-            return self._mean[:, None].expand(-1, self.num_latents)
-        if self.layout == INDEPENDENT:
-            return self._mean.mT
-        return self._mean
-
-    def row_block(self) -> RowBlock | None:
-        """This rank's rows of the solver's data-major vectors where its kernel is a
-        :class:`~gpytorch_iterncgp.core.sharding.RowShardedKernel` holding the state by rows (``shard_state``); else
-        ``None`` (one process, or state replicated)."""
+    @functools.cached_property
+    def rows(self) -> RowBlock:
+        """The rows of the solver's data-major vectors this process holds: this rank's where the kernel is a
+        :class:`~gpytorch_iterncgp.core.sharding.RowShardedKernel` holding the state by rows (``shard_state``), else
+        all of them (:meth:`~gpytorch_iterncgp.core.sharding.RowBlock.single`)."""
         kernel = getattr(self.covariance, "kernel", None)
-        if not isinstance(self.covariance, LazyEvaluatedKernelTensor) or not isinstance(kernel, RowShardedKernel):
-            return None
-        return kernel.row_block(self.shape[0], self.num_latents)
+        if isinstance(self.covariance, LazyEvaluatedKernelTensor) and isinstance(kernel, RowShardedKernel):
+            return kernel.row_block(self.shape[0], self.num_latents)
+        return RowBlock.single(self.shape[0], self.num_latents)
 
-    def products_by_rows(self, block: RowBlock | None) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]:
-        """:meth:`matmul` and :meth:`kernel_columns` as an outer loop whose vectors are held by rows of ``block`` calls
-        them (``by_rows=block``: this rank's rows in and out); the methods themselves without a block."""
-        if block is None:
-            return self.matmul, self.kernel_columns
-        return functools.partial(self.matmul, by_rows=block), functools.partial(self.kernel_columns, by_rows=block)
-
-    def block(self, rows: slice, cols: slice) -> LatentPrior:
-        """The prior restricted to row points ``rows`` and column points ``cols`` (lazy; nothing is evaluated)."""
-        if self.layout == MULTITASK:
-            num = self.num_latents
-            return LatentPrior(self._mean[rows], _point_block(self.covariance, rows, cols, num), self.layout, num)
-        return LatentPrior(self._mean[..., rows], self.covariance[..., rows, cols], self.layout, self.num_latents)
-
-    def matmul(self, rhs: Tensor, rows_block: RowBlock | None = None, by_rows: RowBlock | None = None) -> Tensor:
+    def matmul(self, rhs: Tensor) -> Tensor:
         r""":math:`\mathbf K \mathbf X` for data-major ``X`` of shape ``(M C, k)``; returns ``(N C, k)``.
 
         One call of the underlying kernel matmul, whatever :math:`C` and :math:`k`. Where the dense kernel would
         exceed :class:`~gpytorch_iterncgp.settings.dense_kernel_limit` (and no gradient is recorded), fused for
         RBF and Matérn kernels (:mod:`~gpytorch_iterncgp.core.kernel_products`, unless
-        :class:`~gpytorch_iterncgp.settings.fused_kernel_products` is off), in row chunks otherwise.
-
-        With ``rows_block`` (the column points' rows, ``X`` held by rows: this rank's ``(|I_p| C, k)``, e.g. a state's
-        :math:`\mathbf Q` for a cross-covariance :math:`\mathbf K_{*X}`) each rank multiplies the kernel's columns of
-        its points, :math:`\mathbf K_{:, \mathcal I_p} \mathbf X_{\mathcal I_p}`, and one ``all_reduce`` sums them
-        (:meth:`~gpytorch_iterncgp.core.sharding.ShardedKernelMatrix.column_block_matmul`); where the kernel is not
-        sharded (gradients recorded) ``X`` is gathered first.
-
-        With ``by_rows`` (the square kernel of the training points, ``X`` and the product held by rows, as the solver
-        holds its vectors with ``shard_state``: this rank's ``(|I_p| C, k)``, or all rows) ``X`` is gathered once, each
-        rank multiplies its rows of :math:`\mathbf K` and keeps them, :math:`(\mathbf K \mathbf X)_{\mathcal I_p}`
-        ``(|I_p| C, k)``: no second collective. Without either block: the one-process product.
+        :class:`~gpytorch_iterncgp.settings.fused_kernel_products` is off), in row chunks otherwise; a row-sharded
+        kernel multiplies each rank's rows and gathers them.
         """
-        self.products += 1
-        self.columns += rhs.shape[-1]
+        return self._counted(rhs.shape[-1], lambda: self._layout_matmul(self._product(), rhs, *self.shape))
+
+    def matmul_by_rows(self, rhs: Tensor) -> Tensor:
+        r""":math:`\mathbf K \mathbf X` for the square kernel of the training points, ``X`` and the product held by
+        :attr:`rows` (as the solver holds its vectors: this rank's ``(|I_p| C, k)``, or all rows of ``X``).
+
+        ``X`` is gathered once, each rank multiplies its rows of :math:`\mathbf K` and keeps them,
+        :math:`(\mathbf K \mathbf X)_{\mathcal I_p}` ``(|I_p| C, k)``: no second collective. All rows in one
+        process: :meth:`matmul`.
+        """
+        rows = self.rows
+        if not rows.is_sharded:
+            return self.matmul(rhs)
+        whole, sharded = rows.all_rows(rhs), _sharded(self.covariance)
+        if sharded is None:  # the wrapped kernel's own evaluation (gradients): all rows, then this rank's
+            return rows.own_rows(
+                self._counted(rhs.shape[-1], lambda: self._layout_matmul(self._product(), whole, *self.shape))
+            )
+
+        def own(matrix: Tensor) -> Tensor:  # each rank its rows, by the products of one process; not gathered
+            return sharded.sharded_matmul(_local_matmul, matrix, gather=False)
+
+        num_rows = rows.local_size // self.num_latents
+        return self._counted(rhs.shape[-1], lambda: self._layout_matmul(own, whole, num_rows, self.shape[1]))
+
+    def matmul_by_columns(self, rhs: Tensor, columns: RowBlock) -> Tensor:
+        r""":math:`\mathbf K \mathbf X` ``(N C, k)`` for ``X`` held by rows of ``columns`` (the column points' rows:
+        this rank's ``(|I_p| C, k)``, e.g. a state's :math:`\mathbf Q` for a cross-covariance :math:`\mathbf K_{*X}`).
+
+        Each rank multiplies the kernel's columns of its points, :math:`\mathbf K_{:, \mathcal I_p} \mathbf
+        X_{\mathcal I_p}`, and one ``all_reduce`` sums them
+        (:meth:`~gpytorch_iterncgp.core.sharding.ShardedKernelMatrix.column_block_matmul`). Where the kernel is not
+        sharded (gradients recorded), or ``columns`` holds all rows: ``X`` gathered, then :meth:`matmul`.
+        """
+        sharded = _sharded(self.covariance)
+        if sharded is None or not columns.is_sharded:
+            return self.matmul(columns.all_rows(rhs))
+
+        def summed(matrix: Tensor) -> Tensor:  # each rank its columns; then summed
+            return sharded.column_block_matmul(_local_matmul, matrix, columns)
+
+        num_cols = rhs.shape[0] // self.num_latents  # this rank's column points
+        return self._counted(rhs.shape[-1], lambda: self._layout_matmul(summed, rhs, self.shape[0], num_cols))
+
+    def _product(self) -> Callable[[Tensor], Tensor]:
+        """The kernel's product with a right-hand side in its own layout: by rows of a row-sharded kernel, gathered;
+        else cached, fused or chunked (:func:`_kernel_matmul`)."""
+        sharded = _sharded(self.covariance)
+        if sharded is not None:
+            return functools.partial(sharded.sharded_matmul, _local_matmul)
         chunk_rows = 0 if torch.is_grad_enabled() else _chunk_rows(self.covariance)
+        return functools.partial(_kernel_matmul, self.covariance, chunk_rows=chunk_rows)
+
+    def _counted(self, columns: int, product: Callable[[], Tensor]) -> Tensor:
+        """``product()``, counted as one product with ``columns`` columns and timed."""
+        self.products += 1
+        self.columns += columns
         start = self._clock()
-        if by_rows is None:
-            product = self._matmul(rhs, chunk_rows, rows_block)
-        elif _sharded(self.covariance) is None:  # the wrapped kernel's own evaluation (gradients): all rows
-            product = own_rows(self._matmul(all_rows(rhs, by_rows), chunk_rows), by_rows)
-        else:
-            product = self._matmul(all_rows(rhs, by_rows), chunk_rows, own_rows_of=by_rows)
+        result = product()
         self.product_seconds += self._clock() - start
-        return product
+        return result
 
     def _clock(self) -> float:
         """Wall time, after the device's queued work (CUDA runs asynchronously: without this, a product's time would
@@ -309,102 +359,136 @@ class LatentPrior:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
-    def _matmul(
-        self, rhs: Tensor, chunk_rows: int = 0, rows_block: RowBlock | None = None, own_rows_of: RowBlock | None = None
-    ) -> Tensor:
-        num_rows, num_cols = self.shape
-        num, width = self.num_latents, rhs.shape[-1]
-        if own_rows_of is not None:  # a sharded kernel's rows of this rank only (not gathered)
-            num_rows = own_rows_of.local_size // num
-        if rows_block is not None:
-            if _sharded(self.covariance) is None:  # the wrapped kernel's own evaluation (gradients): all rows
-                rhs, rows_block = rows_block.full(rhs), None
-            else:
-                num_cols = rhs.shape[0] // num  # this rank's column points
-
-        def multiply(matrix: Tensor) -> Tensor:
-            sharded = _sharded(self.covariance)
-            if sharded is not None and rows_block is not None:  # each rank its columns; then summed
-                return sharded.column_block_matmul(_local_matmul, matrix, rows_block)
-            if sharded is not None:  # each rank its rows, by the products below; then gathered (or kept)
-                return sharded.sharded_matmul(_local_matmul, matrix, gather=own_rows_of is None)
-            return _kernel_matmul(self.covariance, matrix, chunk_rows)
-
-        if self.layout in (SINGLE, MULTITASK):
-            return multiply(rhs)
-        if self.layout == SHARED:
-            product = multiply(rhs.reshape(num_cols, num * width))
-            return product.reshape(num_rows * num, width)
-        per_class = rhs.reshape(num_cols, num, width).permute(1, 0, 2)
-        product = multiply(per_class)  # (C, N, k)
-        return product.permute(1, 0, 2).reshape(num_rows * num, width)
-
-    def kernel_columns(self, indices: Tensor, by_rows: RowBlock | None = None) -> Tensor:
+    def kernel_columns(self, indices: Tensor) -> Tensor:
         r"""The columns :math:`\mathbf K_{:, \text{indices}}` for data-major indices ``(k,)`` (latent ``c`` of point ``p`` is
         ``p C + c``); returns ``(N C, k)``.
 
         The kernel is evaluated at the rows and the indexed points only, :math:`O(N D)` per point (or read from the
-        kernel matrix if a product has already evaluated and cached it); correlated outputs (``"multitask"``) take a
-        product with the one-hot columns instead. :math:`\mathbf K \mathbf s` for an action ``s`` with few non-zero
-        entries is then a combination of columns, not a product with :math:`\mathbf K`; a call counts as one
-        product with ``k`` columns, and its time as time in products. With ``by_rows``: this rank's rows
-        ``(|I_p| C, k)`` of the columns only (a sharded kernel evaluates them from its rows, with no collective).
+        kernel matrix if a product has already evaluated and cached it); correlated outputs (:class:`MultitaskPrior`)
+        take a product with the one-hot columns instead. :math:`\mathbf K \mathbf s` for an action ``s`` with few
+        non-zero entries is then a combination of columns, not a product with :math:`\mathbf K`; a call counts as one
+        product with ``k`` columns, and its time as time in products.
         """
-        self.products += 1
-        self.columns += len(indices)
-        start = self._clock()
-        num = self.num_latents
-        if self.layout == MULTITASK:
-            one_hot = torch.zeros(self.covariance.shape[-1], len(indices), dtype=self.dtype, device=self.device)
-            one_hot[indices, torch.arange(len(indices), device=self.device)] = 1
-            chunk_rows = 0 if torch.is_grad_enabled() else _chunk_rows(self.covariance)
-            block = own_rows(self._matmul(one_hot, chunk_rows), by_rows)
-        else:
-            points, latents = indices // num, indices % num
-            unique, inverse = points.unique(return_inverse=True)
-            kernel = self._point_columns(unique, by_rows)  # (N, u), or (C, N, u) for independent GPs
-            picked = kernel[:, inverse] if self.layout != INDEPENDENT else kernel[latents, :, inverse].mT
-            block = picked.new_zeros(picked.shape[0], num, len(indices))
-            block[:, latents, torch.arange(len(indices), device=self.device)] = picked
-            block = block.reshape(-1, len(indices))
-        self.product_seconds += self._clock() - start
-        return block
+        return self._counted(len(indices), lambda: self._columns(indices, own_rows=False))
 
-    def _point_columns(self, points: Tensor, by_rows: RowBlock | None = None) -> Tensor:
+    def kernel_columns_by_rows(self, indices: Tensor) -> Tensor:
+        r""":meth:`kernel_columns`, this rank's rows ``(|I_p| C, k)`` of them where :attr:`rows` are sharded (a sharded
+        kernel evaluates them from its rows, with no collective)."""
+        if not self.rows.is_sharded:
+            return self.kernel_columns(indices)
+        return self._counted(len(indices), lambda: self._columns(indices, own_rows=True))
+
+    def _columns(self, indices: Tensor, own_rows: bool) -> Tensor:
+        """:meth:`kernel_columns` (``own_rows``: this rank's rows of them)."""
+        num = self.num_latents
+        points, latents = indices // num, indices % num
+        unique, inverse = points.unique(return_inverse=True)
+        kernel = self._point_columns(unique, own_rows)  # (N, u), or (C, N, u) for independent GPs
+        picked = self._pick_columns(kernel, inverse, latents)
+        block = picked.new_zeros(picked.shape[0], num, len(indices))
+        block[:, latents, torch.arange(len(indices), device=self.device)] = picked
+        return block.reshape(-1, len(indices))
+
+    def _point_columns(self, points: Tensor, own_rows: bool) -> Tensor:
         """The kernel's columns at ``points`` ``(u,)``, ``(*batch, N, u)`` (sharded by rows for a sharded kernel; with
-        ``by_rows`` this rank's rows ``(*batch, |I_p|, u)`` of them)."""
+        ``own_rows`` this rank's rows ``(*batch, |I_p|, u)`` of them)."""
         covariance = self.covariance
         sharded = _sharded(covariance)
         if sharded is not None:
-            return sharded.sharded_columns(points, gather=by_rows is None)
-        if by_rows is not None:
-            covariance = covariance[..., by_rows.start // self.num_latents : by_rows.stop // self.num_latents, :]
+            return sharded.sharded_columns(points, gather=not own_rows)
+        if own_rows:
+            rows = self.rows
+            covariance = covariance[..., rows.start // self.num_latents : rows.stop // self.num_latents, :]
         cache = getattr(covariance, "_memoize_cache", {})
         if isinstance(covariance, LazyEvaluatedKernelTensor) and any(key[0] == "kernel_eval" for key in cache):
             covariance = covariance.evaluate_kernel()  # already evaluated by a product: read its columns
         return covariance[..., :, points].to_dense()
 
-    def diagonal(self) -> Tensor:
-        """The prior variances, data-major ``(N C,)`` (square blocks only)."""
-        diagonal = self.covariance.diagonal(dim1=-2, dim2=-1)
-        if self.layout == SHARED:
-            return diagonal[:, None].expand(-1, self.num_latents).reshape(-1)
-        if self.layout == INDEPENDENT:
-            return diagonal.mT.reshape(-1)
-        return diagonal
 
-    def point_blocks(self) -> Tensor:
-        """The :math:`C \times C` prior covariance of each point's latents, ``(N, C, C)`` (square blocks only)."""
-        num = self.num_latents
-        if self.layout != MULTITASK:
-            return torch.diag_embed(self.diagonal().reshape(-1, num))
-        return _point_blocks(self.covariance, num)
+class OneLatentPrior(LatentPrior):
+    """One GP (:math:`C = 1`): the mean ``(N,)``, the covariance ``(N, M)``."""
+
+    layout = "single"
+
+    @property
+    def mean(self) -> Tensor:
+        return self._mean[:, None]
+
+
+class SharedKernelPrior(LatentPrior):
+    r"""One kernel shared by all :math:`C` latents, :math:`\mathbf K = \mathbf K_x \otimes \mathbf I_C`: the mean
+    ``(N,)``, the covariance ``(N, M)``; a data-major block ``(M C, k)`` is one ``(M, C k)`` right-hand side."""
+
+    layout = "shared"
+
+    @property
+    def mean(self) -> Tensor:
+        return self._mean[:, None].expand(-1, self.num_latents)
+
+    def _layout_matmul(self, multiply: Callable[[Tensor], Tensor], rhs: Tensor, num_rows: int, num_cols: int) -> Tensor:
+        num, width = self.num_latents, rhs.shape[-1]
+        return multiply(rhs.reshape(num_cols, num * width)).reshape(num_rows * num, width)
+
+    def diagonal(self) -> Tensor:
+        return super().diagonal()[:, None].expand(-1, self.num_latents).reshape(-1)
 
     def data_major_covariance(self) -> LinearOperator:
-        r"""The square covariance as one data-major ``(N C, N C)`` LinearOperator (lazy)."""
-        if self.layout in (SINGLE, MULTITASK):
-            return self.covariance
-        if self.layout == SHARED:
-            identity = IdentityLinearOperator(self.num_latents, dtype=self.dtype, device=self.device)
-            return KroneckerProductLinearOperator(self.covariance, identity)
+        identity = IdentityLinearOperator(self.num_latents, dtype=self.dtype, device=self.device)
+        return KroneckerProductLinearOperator(self.covariance, identity)
+
+
+class IndependentPrior(LatentPrior):
+    r"""One GP per latent (``batch_shape=[C]``): the mean ``(C, N)``, the covariance ``(C, N, M)``; a data-major block
+    ``(M C, k)`` is the batch ``(C, M, k)`` of one batched product."""
+
+    layout = "independent"
+
+    @property
+    def mean(self) -> Tensor:
+        return self._mean.mT
+
+    def _layout_matmul(self, multiply: Callable[[Tensor], Tensor], rhs: Tensor, num_rows: int, num_cols: int) -> Tensor:
+        num, width = self.num_latents, rhs.shape[-1]
+        per_class = rhs.reshape(num_cols, num, width).permute(1, 0, 2)
+        product = multiply(per_class)  # (C, N, k)
+        return product.permute(1, 0, 2).reshape(num_rows * num, width)
+
+    def _pick_columns(self, kernel: Tensor, inverse: Tensor, latents: Tensor) -> Tensor:
+        return kernel[latents, :, inverse].mT
+
+    def diagonal(self) -> Tensor:
+        return super().diagonal().mT.reshape(-1)
+
+    def data_major_covariance(self) -> LinearOperator:
         return BlockInterleavedLinearOperator(self.covariance, block_dim=-3)
+
+
+class MultitaskPrior(LatentPrior):
+    r"""Correlated latents (a ``MultitaskMultivariateNormal``, interleaved): the mean ``(N, C)``, the covariance
+    data-major ``(N C, M C)`` (e.g. :math:`\mathbf K_x \otimes \mathbf B`, or :math:`\sum_q \mathbf K_q \otimes
+    \mathbf B_q`)."""
+
+    layout = "multitask"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        rows, cols = self.covariance.shape[-2:]
+        return rows // self.num_latents, cols // self.num_latents
+
+    @property
+    def mean(self) -> Tensor:
+        return self._mean
+
+    def block(self, rows: slice, cols: slice) -> LatentPrior:
+        num = self.num_latents
+        return MultitaskPrior(self._mean[rows], _point_block(self.covariance, rows, cols, num), num)
+
+    def point_blocks(self) -> Tensor:
+        return _point_blocks(self.covariance, self.num_latents)
+
+    def _columns(self, indices: Tensor, own_rows: bool) -> Tensor:
+        """The product with the one-hot columns (``own_rows``: this rank's rows of it)."""
+        one_hot = torch.zeros(self.covariance.shape[-1], len(indices), dtype=self.dtype, device=self.device)
+        one_hot[indices, torch.arange(len(indices), device=self.device)] = 1
+        product = self._layout_matmul(self._product(), one_hot, *self.shape)
+        return self.rows.own_rows(product) if own_rows else product

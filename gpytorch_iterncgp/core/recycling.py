@@ -38,7 +38,7 @@ from torch import Tensor
 
 from .noise import FactoredNoise
 from .precision import ColumnStore
-from .sharding import RowBlock, norm, summed
+from .sharding import RowBlock
 
 # Bytes of W^{-1} S formed at once when a virtual run computes S^T W^{-1} S (column blocks of S) for a noise operator
 # without a factor; and of the whitened chunk S_chunk^T F for the package's own noise operators (NOISE_CHUNK_BYTES:
@@ -70,25 +70,25 @@ class ActionBuffer:
     bordered by :meth:`append` in :math:`O(N C B)`. :math:`\mathbf S^\top \mathbf S`, which only compression needs,
     is one GEMM when asked for (:meth:`action_gram`).
 
-    With a :class:`~gpytorch_iterncgp.core.sharding.RowBlock` (``rows_block``) the stores hold this rank's rows
-    :math:`\mathcal I_p` only, ``(|I_p| C, B)``, and so do the vectors given to and returned by the buffer's products
-    (the solver holds its vectors by rows too; given all ``N C`` rows, the buffer takes this rank's):
-    :meth:`transpose_matmul` and the Gram matrices reduce over the ranks, :meth:`combine` needs no collective.
+    The stores hold the rows of ``rows_block`` (a :class:`~gpytorch_iterncgp.core.sharding.RowBlock`): all ``N C`` in
+    one process; where it is sharded this rank's rows :math:`\mathcal I_p` only, ``(|I_p| C, B)``, and so do the
+    vectors given to and returned by the buffer's products (the solver holds its vectors by rows too; given all
+    ``N C`` rows, the buffer takes this rank's): :meth:`transpose_matmul` and the Gram matrices reduce over the ranks,
+    :meth:`combine` needs no collective.
     """
 
     actions: ColumnStore
     kernel_actions: ColumnStore
-    rows_block: RowBlock | None = None
+    rows_block: RowBlock
     _kernel_gram: Tensor | None = field(default=None, repr=False, compare=False)
     # (block size, actions checked, whether all of them sum to zero over every block): see zero_block_sums
     _zero_sums: tuple[int, int, bool] = field(default=(0, 0, True), repr=False, compare=False)
 
     @classmethod
-    def from_tensors(cls, actions: Tensor, kernel_actions: Tensor, rows_block: RowBlock | None = None) -> ActionBuffer:
-        """A buffer holding copies of ``actions`` and ``kernel_actions`` ``(N C, B)`` (with ``rows_block``: of their
-        rows on this rank, given all rows or those only)."""
-        if rows_block is not None:
-            actions, kernel_actions = rows_block.rows_of(actions), rows_block.rows_of(kernel_actions)
+    def from_tensors(cls, actions: Tensor, kernel_actions: Tensor, rows_block: RowBlock) -> ActionBuffer:
+        """A buffer holding copies of the rows of ``rows_block`` of ``actions`` and ``kernel_actions`` ``(N C, B)``
+        (given all rows or those only)."""
+        actions, kernel_actions = rows_block.own_rows(actions), rows_block.own_rows(kernel_actions)
         return cls(ColumnStore(actions), ColumnStore(kernel_actions), rows_block)
 
     def holds(self, actions: Tensor, kernel_actions: Tensor) -> bool:
@@ -103,12 +103,9 @@ class ActionBuffer:
         )
 
     @classmethod
-    def empty(
-        cls, size: int, dtype: torch.dtype, device: torch.device, rows_block: RowBlock | None = None
-    ) -> ActionBuffer:
-        """A buffer of no actions of ``size`` entries (with ``rows_block``: of its rows on this rank)."""
-        local = size if rows_block is None else rows_block.local_size
-        empty = torch.zeros(local, 0, dtype=dtype, device=device)
+    def empty(cls, rows_block: RowBlock, dtype: torch.dtype, device: torch.device) -> ActionBuffer:
+        """A buffer of no actions of the rows of ``rows_block``."""
+        empty = torch.zeros(rows_block.local_size, 0, dtype=dtype, device=device)
         return cls(ColumnStore(empty), ColumnStore(empty.clone()), rows_block)
 
     @property
@@ -119,20 +116,20 @@ class ActionBuffer:
     @property
     def num_rows(self) -> int:
         """:math:`n = N C`, the length of the actions (on every rank, whatever rows it holds)."""
-        return self.actions.rows.shape[-1] if self.rows_block is None else self.rows_block.size
+        return self.rows_block.size
 
     def reduce(self, local: Tensor) -> Tensor:
         """The sum over the ranks of a product of this rank's rows (itself in one process)."""
-        return local if self.rows_block is None else self.rows_block.reduce(local)
+        return self.rows_block.reduce(local)
 
     def local(self, vectors: Tensor) -> Tensor:
         """This rank's rows of ``(N C, ...)`` vectors, or the vectors if they are already this rank's rows
-        (:meth:`RowBlock.rows_of`); themselves in one process."""
-        return vectors if self.rows_block is None else self.rows_block.rows_of(vectors)
+        (:meth:`RowBlock.own_rows`); themselves in one process."""
+        return self.rows_block.own_rows(vectors)
 
     def gather(self, local: Tensor) -> Tensor:
         """``(N C, ...)`` from this rank's rows (itself in one process)."""
-        return local if self.rows_block is None else self.rows_block.gather(local)
+        return self.rows_block.gather(local)
 
     def transpose_matmul(self, vectors: Tensor) -> Tensor:
         r""":math:`\mathbf S^\top \mathbf x` ``(B, ...)`` for ``(N C, ...)`` vectors (sharded: one ``all_reduce``)."""
@@ -180,8 +177,7 @@ class ActionBuffer:
             sums = rows.reshape(len(rows), -1, block) @ rows.new_ones(block, 1)
             bound = 16 * block * torch.finfo(rows.dtype).eps * rows.abs().amax(dim=-1)
             zero = bool((sums.abs().amax(dim=(-2, -1)) <= bound).all())
-        if self.rows_block is not None:  # zero on every rank
-            zero = not bool(self.reduce(torch.tensor([float(not zero)], dtype=rows.dtype, device=rows.device)))
+        zero = self.rows_block.everywhere(zero, rows)  # zero on every rank
         self._zero_sums = (block, self.size, zero)
         return zero
 
@@ -274,17 +270,21 @@ def noise_gram(buffer: ActionBuffer, noise_inverse: LinearOperator) -> Tensor:
     the working dtype, their sum in float64); the softmax's centring is left out where the actions have zero class
     sums (:meth:`ActionBuffer.zero_block_sums`: IterGP projects them). Any other noise, and sparse actions, form
     :math:`\mathbf W^{-1} \mathbf S` in blocks of columns of at most ``NOISE_BLOCK_BYTES``.
+
+    A buffer held by rows (sharded :attr:`ActionBuffer.rows_block`) sums :math:`\sum_p \mathbf S_{\mathcal I_p}^\top
+    (\mathbf W^{-1} \mathbf S)_{\mathcal I_p}` by one ``all_reduce`` of the ``(B, B)`` sum; ``noise_inverse`` then holds
+    this rank's blocks of :math:`\mathbf W^{-1}` only, ``(|I_p| C, |I_p| C)`` (block diagonal by points).
     """
     rows = buffer.actions.rows
     size, num_rows = rows.shape
     if size == 0:
         return rows.new_zeros(0, 0, dtype=torch.float64)
-    if buffer.rows_block is not None:
-        return _sharded_noise_gram(buffer, noise_inverse)
+    factored = noise_inverse.dim() == 2 and isinstance(noise_inverse, FactoredNoise)
+    # (decided before the support, which may differ between ranks: the class sums are checked on every rank alike)
+    centred = factored and noise_inverse.centring and buffer.zero_block_sums(noise_inverse.entries_per_point)
     support = row_support(rows)
-    if noise_inverse.dim() == 2 and isinstance(noise_inverse, FactoredNoise) and support is None:
+    if factored and support is None:
         block = noise_inverse.entries_per_point
-        centred = noise_inverse.centring and buffer.zero_block_sums(block)
         chunk = block * max(1, NOISE_CHUNK_BYTES // (size * rows.element_size() * block))
         gram = rows.new_zeros(size, size, dtype=torch.float64)
         half = size // 2 if size >= 96 else 0  # above ~100 actions, the two lower blocks only: 3/4 of the flops
@@ -294,38 +294,13 @@ def noise_gram(buffer: ActionBuffer, noise_inverse: LinearOperator) -> Tensor:
             if half:
                 gram[:half, :half] += (whitened[:half] @ whitened[:half].mT).double()
         gram[:half, half:] = gram[half:, :half].mT
-        return _symmetric(gram)
+        return _symmetric(buffer.reduce(gram))
     width = max(1, NOISE_BLOCK_BYTES // max(1, num_rows * rows.element_size()))
     blocks = []
     for start in range(0, size, width):
         noisy = noise_inverse.matmul(rows[start : start + width].mT)
         blocks.append(rows @ noisy if support is None else rows[:, support] @ noisy[support])
-    return _symmetric(torch.cat(blocks, dim=-1).double())
-
-
-def _sharded_noise_gram(buffer: ActionBuffer, noise_inverse: LinearOperator) -> Tensor:
-    r""":func:`noise_gram` of a buffer held by rows: :math:`\sum_p \mathbf S_{\mathcal I_p}^\top (\mathbf W^{-1}
-    \mathbf S)_{\mathcal I_p}`, one ``all_reduce`` of the ``(B, B)`` sum. ``noise_inverse`` holds this rank's blocks of
-    :math:`\mathbf W^{-1}` only, ``(|I_p| C, |I_p| C)`` (block diagonal by points; held by rows as the solver's
-    vectors are): the package's block-diagonal noise whitens this rank's rows, any other noise multiplies column
-    blocks of them."""
-    rows, block = buffer.actions.rows, buffer.rows_block
-    assert block is not None
-    size = rows.shape[0]
-    gram = rows.new_zeros(size, size, dtype=torch.float64)
-    if noise_inverse.dim() == 2 and isinstance(noise_inverse, FactoredNoise):
-        entries = noise_inverse.entries_per_point
-        centred = noise_inverse.centring and buffer.zero_block_sums(entries)
-        chunk = entries * max(1, NOISE_CHUNK_BYTES // (size * rows.element_size() * entries))
-        for start in range(0, rows.shape[-1], chunk):
-            whitened = noise_inverse.whiten_rows(rows[:, start : start + chunk], start, centred)
-            gram += (whitened @ whitened.mT).double()
-    else:
-        width = max(1, NOISE_BLOCK_BYTES // max(1, block.local_size * rows.element_size()))
-        for start in range(0, size, width):
-            noisy = noise_inverse.matmul(rows[start : start + width].mT)
-            gram[:, start : start + width] = (rows @ noisy).double()
-    return _symmetric(block.reduce(gram))
+    return _symmetric(buffer.reduce(torch.cat(blocks, dim=-1).double()))
 
 
 def row_support(rows: Tensor) -> Tensor | None:
@@ -404,11 +379,11 @@ def virtual_solver_run(
     dtype = rows.dtype
     if relative_eigenvalue_tolerance is None:
         relative_eigenvalue_tolerance = 1000 * torch.finfo(dtype).eps
-    block = buffer.rows_block  # the rows of the vectors this rank holds (None: all)
+    block = buffer.rows_block  # the rows of the vectors this rank holds
     extra: tuple[Tensor, Tensor] | None = None
     if keep is not None and compression_rank is not None:
         kept = (buffer.local(keep[0]), buffer.local(keep[1]))
-        kept_norm = norm(kept[0], block)
+        kept_norm = block.norm(kept[0])
         if float(kept_norm) > 0:
             extra = (kept[0] / kept_norm, kept[1] / kept_norm)
     if buffer.size == 0 and extra is None:
@@ -429,10 +404,10 @@ def virtual_solver_run(
         direction, kernel_direction = extra
         noisy_direction = kernel_direction + noise_inverse.matmul(direction[:, None])[:, 0]
         noisy_column = torch.cat(
-            [buffer.transpose_matmul(noisy_direction), summed(direction @ noisy_direction, block)[None]]
+            [buffer.transpose_matmul(noisy_direction), block.summed(direction @ noisy_direction)[None]]
         ).double()
         action_column = torch.cat(
-            [buffer.transpose_matmul(direction), summed(direction @ direction, block)[None]]
+            [buffer.transpose_matmul(direction), block.summed(direction @ direction)[None]]
         ).double()
         extended_gram = _bordered(gram, noisy_column)
         extended_action_gram = _bordered(action_gram, action_column)

@@ -34,20 +34,7 @@ from gpytorch.lazy import LazyEvaluatedKernelTensor
 from linear_operator.operators import LinearOperator
 from torch import Tensor
 
-__all__ = [
-    "RowBlock",
-    "RowShardedKernel",
-    "ShardedKernelMatrix",
-    "all_points",
-    "all_rows",
-    "everywhere",
-    "maximum",
-    "norm",
-    "own_points",
-    "own_rows",
-    "row_bounds",
-    "summed",
-]
+__all__ = ["RowBlock", "RowShardedKernel", "ShardedKernelMatrix", "ShardedRowBlock", "row_bounds"]
 
 
 def row_bounds(num_points: int, world_size: int) -> list[tuple[int, int]]:
@@ -66,28 +53,108 @@ class RowShardedKernel(Kernel):
     """A kernel whose matrix, where no gradient is recorded, is a :class:`ShardedKernelMatrix` (the base of
     ``gpytorch_iterncgp.distributed.ShardedKernel``): what :class:`~gpytorch_iterncgp.core.prior.LatentPrior` looks
     for before it evaluates a kernel. Where :attr:`shard_state` is set, the solver's recycled actions and precision
-    roots are held by rows too (:class:`RowBlock`)."""
+    roots are held by rows too (:class:`ShardedRowBlock`)."""
 
     process_group: dist.ProcessGroup | None = None
     shard_state: bool = False
 
-    def row_block(self, num_points: int, num_latents: int) -> RowBlock | None:
-        """This rank's :class:`RowBlock` of data-major ``(num_points * num_latents,)`` vectors where :attr:`shard_state`
-        is set, else ``None``."""
+    def row_block(self, num_points: int, num_latents: int) -> RowBlock:
+        """The rows of data-major ``(num_points * num_latents,)`` vectors this rank holds: its
+        :class:`ShardedRowBlock` where :attr:`shard_state` is set, else all of them (:meth:`RowBlock.single`: the
+        state replicated on every rank)."""
         if not self.shard_state:
-            return None
-        return RowBlock.of_rank(num_points, num_latents, self.process_group)
+            return RowBlock.single(num_points, num_latents)
+        return ShardedRowBlock.of_rank(num_points, num_latents, self.process_group)
 
 
 class RowBlock:
-    r"""Rank :math:`p`'s rows :math:`\mathcal I_p` (whole points, :func:`row_bounds`) of data-major vectors of
-    :math:`n = N C` entries, and the collectives that combine row blocks.
+    r"""The rows of data-major vectors of :math:`n = N C` entries (whole points, :math:`C` rows each) that this process
+    holds, and the collectives that combine the processes' rows: here all :math:`n` rows in one process (or the state
+    replicated on every rank), so every reduction and gather is the identity and returns its argument itself (no
+    collective, no copy: results are those of the one-process computation, bit for bit).
+    :class:`ShardedRowBlock` is rank :math:`p`'s rows :math:`\mathcal I_p` of :math:`P` ranks.
 
     A matrix :math:`\mathbf S` ``(n, B)`` held by rows keeps :math:`\mathbf S_{\mathcal I_p}` on rank :math:`p`;
     :math:`\mathbf S^\top \mathbf x = \sum_p \mathbf S_{\mathcal I_p}^\top \mathbf x_{\mathcal I_p}` is a local
-    product and an ``all_reduce`` (:meth:`reduce`) of :math:`B` numbers, and :math:`\mathbf S \mathbf c` the local
-    :math:`\mathbf S_{\mathcal I_p} \mathbf c` and an ``all_gather`` (:meth:`gather`) of its rows. Every rank gets
+    product and a sum over the ranks (:meth:`reduce`), and :math:`\mathbf S \mathbf c` the local
+    :math:`\mathbf S_{\mathcal I_p} \mathbf c`, whose rows every rank gathers (:meth:`gather`).
+
+    :param size: :math:`n`.
+    :param num_latents: :math:`C`, the rows of each point.
+    """
+
+    is_sharded = False  # whether the rows are split over the ranks of a process group (the one source of truth)
+    process_group: dist.ProcessGroup | None = None
+
+    def __init__(self, size: int, num_latents: int = 1):
+        self.start, self.stop, self.size, self.num_latents = 0, size, size, num_latents
+        self.bounds = [(0, size)]
+
+    @classmethod
+    def single(cls, num_points: int, num_latents: int = 1) -> RowBlock:
+        """All rows of ``num_points`` points of ``num_latents`` entries each, in one process."""
+        return cls(num_points * num_latents, num_latents)
+
+    @property
+    def local_size(self) -> int:
+        r""":math:`|\mathcal I_p| C`, the rows this process holds (:math:`n` here)."""
+        return self.stop - self.start
+
+    def local(self, tensor: Tensor) -> Tensor:
+        """This process's rows of a full ``(n, ...)`` tensor: ``tensor`` itself."""
+        return tensor
+
+    def reduce(self, tensor: Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Tensor:
+        """The sum (or ``op``, e.g. the maximum) over the processes of ``tensor``: ``tensor`` itself."""
+        return tensor
+
+    def gather(self, local: Tensor) -> Tensor:
+        """The full ``(n, ...)`` tensor from every process's rows: ``local`` itself."""
+        return local
+
+    def own_rows(self, tensor: Tensor) -> Tensor:
+        """This process's rows ``(|I_p| C, ...)`` of ``tensor``, given all its rows ``(n, ...)`` or those already:
+        ``tensor`` itself."""
+        return tensor
+
+    def all_rows(self, tensor: Tensor) -> Tensor:
+        """``tensor`` ``(n, ...)`` with all its rows, given this process's rows or all of them: ``tensor`` itself."""
+        return tensor
+
+    def own_points(self, tensor: Tensor) -> Tensor:
+        """This process's points ``(|I_p|, ...)`` of a point-major ``tensor`` ``(N, ...)`` (targets, ``(N, C)``
+        latents, ``(N, C, C)`` blocks), or those already: ``tensor`` itself."""
+        return tensor
+
+    def all_points(self, tensor: Tensor) -> Tensor:
+        """A point-major ``tensor`` ``(N, ...)`` with all its points, given this process's or all: ``tensor`` itself."""
+        return tensor
+
+    def summed(self, local_product: Tensor) -> Tensor:
+        """The sum over the processes of a product of their rows (:meth:`reduce`)."""
+        return self.reduce(local_product)
+
+    def maximum(self, tensor: Tensor) -> Tensor:
+        """The entrywise maximum over the processes of ``tensor`` (:meth:`reduce` with ``MAX``)."""
+        return self.reduce(tensor, op=dist.ReduceOp.MAX)
+
+    def norm(self, vector: Tensor) -> Tensor:
+        r"""The Euclidean norm :math:`\|\mathbf x\|` of an ``(n,)`` vector held by these rows: ``vector.norm()``."""
+        return vector.norm()
+
+    def everywhere(self, flag: bool, like: Tensor) -> bool:
+        """Whether ``flag`` holds in every process (so that the processes take one decision from their own rows, e.g.
+        all entries finite): ``flag`` itself."""
+        return flag
+
+
+class ShardedRowBlock(RowBlock):
+    r"""Rank :math:`p`'s rows :math:`\mathcal I_p` (whole points, :func:`row_bounds`) of data-major vectors of
+    :math:`n = N C` entries, and the collectives of ``process_group`` that combine the ranks' rows. Every rank gets
     the same result, bit for bit (tested with gloo); one process's up to the order of the sums.
+
+    A tensor given to :meth:`own_rows`, :meth:`all_rows`, :meth:`own_points` or :meth:`all_points` may hold all rows
+    (a state loaded from a ``state_dict``, the prior) or this rank's; its length says which.
 
     :param start: first entry of this rank's rows.
     :param stop: one past the last.
@@ -96,6 +163,8 @@ class RowBlock:
     :param process_group: the ranks (``None``: the default group).
     :param num_latents: :math:`C`, the rows of each point (whole points are never split).
     """
+
+    is_sharded = True
 
     def __init__(
         self,
@@ -106,21 +175,16 @@ class RowBlock:
         process_group: dist.ProcessGroup | None,
         num_latents: int = 1,
     ):
-        self.start, self.stop, self.size, self.bounds, self.process_group = start, stop, size, bounds, process_group
-        self.num_latents = num_latents
+        super().__init__(size, num_latents)
+        self.start, self.stop, self.bounds, self.process_group = start, stop, bounds, process_group
 
     @classmethod
-    def of_rank(cls, num_points: int, num_latents: int, process_group: dist.ProcessGroup | None) -> RowBlock:
+    def of_rank(cls, num_points: int, num_latents: int, process_group: dist.ProcessGroup | None) -> ShardedRowBlock:
         """This rank's block: the points of :func:`row_bounds`, ``num_latents`` entries each."""
         points = row_bounds(num_points, dist.get_world_size(process_group))
         bounds = [(start * num_latents, stop * num_latents) for start, stop in points]
         start, stop = bounds[dist.get_rank(process_group)]
         return cls(start, stop, num_points * num_latents, bounds, process_group, num_latents)
-
-    @property
-    def local_size(self) -> int:
-        r""":math:`|\mathcal I_p| C`, the rows this rank holds."""
-        return self.stop - self.start
 
     def local(self, tensor: Tensor) -> Tensor:
         """This rank's rows of a full ``(n, ...)`` tensor (a view)."""
@@ -133,8 +197,8 @@ class RowBlock:
         return total
 
     def gather(self, local: Tensor) -> Tensor:
-        """The full ``(n, ...)`` tensor from every rank's rows ``(|I_p| C, ...)`` (one ``all_gather``, blocks padded to one
-        shape)."""
+        """The full ``(n, ...)`` tensor from every rank's rows ``(|I_p| C, ...)`` (one ``all_gather``, blocks padded to
+        one shape)."""
         largest = max(stop - start for start, stop in self.bounds)
         padded = local.new_zeros(largest, *local.shape[1:])
         padded[: local.shape[0]] = local
@@ -142,76 +206,40 @@ class RowBlock:
         dist.all_gather(blocks, padded, group=self.process_group)
         return torch.cat([block[: stop - start] for block, (start, stop) in zip(blocks, self.bounds, strict=True)])
 
-    def rows_of(self, tensor: Tensor) -> Tensor:
-        """``tensor`` ``(n, ...)`` or already this rank's rows ``(|I_p| C, ...)``: this rank's rows."""
-        return self.local(tensor) if tensor.shape[0] == self.size and self.size != self.local_size else tensor
+    def own_rows(self, tensor: Tensor) -> Tensor:
+        """This rank's rows ``(|I_p| C, ...)`` of ``tensor`` ``(n, ...)`` (or already them), as a contiguous tensor
+        where they are sliced from all rows."""
+        return tensor if tensor.shape[0] == self.local_size else self.local(tensor).contiguous()
 
-    def full(self, tensor: Tensor) -> Tensor:
+    def all_rows(self, tensor: Tensor) -> Tensor:
         """``tensor`` ``(n, ...)``, or its rows on every rank ``(|I_p| C, ...)`` gathered to it (a collective)."""
         return tensor if tensor.shape[0] == self.size else self.gather(tensor)
 
+    def own_points(self, tensor: Tensor) -> Tensor:
+        """This rank's points ``(|I_p|, ...)`` of a point-major ``tensor`` ``(N, ...)`` (a view), or ``tensor`` if it
+        holds them already."""
+        num = self.num_latents
+        if tensor.shape[0] * num == self.local_size:
+            return tensor
+        return tensor[self.start // num : self.stop // num]
 
-def all_rows(tensor: Tensor, block: RowBlock | None) -> Tensor:
-    """``tensor`` ``(n, ...)`` with all its rows: :meth:`RowBlock.full` (gathered where it holds this rank's rows of
-    ``block``, a collective); itself without a block (one process, or state replicated)."""
-    return tensor if block is None else block.full(tensor)
+    def all_points(self, tensor: Tensor) -> Tensor:
+        r"""A point-major ``tensor`` ``(N, ...)`` (e.g. EP's sites ``(N,)``, ``(N, C, C)``) gathered from every rank's
+        points ``(|I_p|, ...)`` (one ``all_gather``; a point's entries over its :math:`C` data-major rows); itself
+        where it holds all points already."""
+        num = self.num_latents
+        per_row = math.prod(tensor.shape[1:]) // num  # a point's entries over its C data-major rows
+        rows = tensor.reshape(tensor.shape[0] * num, per_row)
+        return self.all_rows(rows).reshape(-1, *tensor.shape[1:])
 
+    def norm(self, vector: Tensor) -> Tensor:
+        r""":math:`\|\mathbf x\| = (\sum_p \|\mathbf x_{\mathcal I_p}\|^2)^{1/2}` for an ``(n,)`` vector held by rows,
+        one ``all_reduce`` of a number."""
+        return self.reduce(vector.square().sum()).sqrt()
 
-def summed(local_product: Tensor, block: RowBlock | None) -> Tensor:
-    """The sum over the ranks of a product of their rows of ``block`` (:meth:`RowBlock.reduce`, a collective); itself
-    without a block."""
-    return local_product if block is None else block.reduce(local_product)
-
-
-def own_rows(tensor: Tensor, block: RowBlock | None) -> Tensor:
-    """This rank's rows ``(|I_p| C, ...)`` of ``tensor`` ``(n, ...)`` (or already them), as a contiguous tensor of
-    its own where they are sliced from all rows, so that the whole tensor can be freed; itself without a block."""
-    if block is None or tensor.shape[0] == block.local_size:
-        return tensor
-    return block.local(tensor).contiguous()
-
-
-def own_points(tensor: Tensor, block: RowBlock | None, num_latents: int) -> Tensor:
-    r"""This rank's points ``(|I_p|, ...)`` of a point-major ``tensor`` ``(N, ...)`` (targets, ``(N, C)`` latents,
-    ``(N, C, C)`` blocks), ``num_latents`` rows of ``block`` per point (a view; ``tensor`` itself if it already has
-    :math:`|\mathcal I_p|` points); itself without a block."""
-    if block is None or tensor.shape[0] * num_latents == block.local_size:
-        return tensor
-    return tensor[block.start // num_latents : block.stop // num_latents]
-
-
-def all_points(tensor: Tensor, block: RowBlock | None) -> Tensor:
-    r"""A point-major ``tensor`` ``(N, ...)`` with all its points (e.g. EP's sites ``(N,)``, ``(N, C, C)``), gathered
-    from every rank's points ``(|I_p|, ...)`` of ``block`` (one ``all_gather``; its points' :math:`C` rows each, as
-    data-major rows); itself where it holds all points already, or without a block."""
-    if block is None:
-        return tensor
-    num = block.num_latents
-    per_row = math.prod(tensor.shape[1:]) // num  # a point's entries over its C data-major rows
-    rows = tensor.reshape(tensor.shape[0] * num, per_row)
-    return block.full(rows).reshape(-1, *tensor.shape[1:])
-
-
-def maximum(tensor: Tensor, block: RowBlock | None) -> Tensor:
-    """The entrywise maximum over the ranks of ``tensor`` (one ``all_reduce``); itself without a block."""
-    return tensor if block is None else block.reduce(tensor, op=dist.ReduceOp.MAX)
-
-
-def norm(vector: Tensor, block: RowBlock | None) -> Tensor:
-    r"""The Euclidean norm :math:`\|\mathbf x\|` of an ``(n,)`` vector held by rows of ``block``:
-    :math:`(\sum_p \|\mathbf x_{\mathcal I_p}\|^2)^{1/2}`, one ``all_reduce`` of a number; ``vector.norm()`` without a
-    block (the one-process computation)."""
-    if block is None:
-        return vector.norm()
-    return block.reduce(vector.square().sum()).sqrt()
-
-
-def everywhere(flag: bool, block: RowBlock | None, like: Tensor) -> bool:
-    """Whether ``flag`` holds on every rank (one ``all_reduce`` of a number on ``like``'s device), so that the ranks
-    take one decision from their own rows (e.g. all entries finite); ``flag`` itself without a block."""
-    if block is None:
-        return flag
-    return not bool(block.reduce(like.new_tensor([float(not flag)])))
+    def everywhere(self, flag: bool, like: Tensor) -> bool:
+        """Whether ``flag`` holds on every rank (one ``all_reduce`` of a number on ``like``'s device)."""
+        return not bool(self.reduce(like.new_tensor([float(not flag)])))
 
 
 class ShardedKernelMatrix(LinearOperator):

@@ -47,7 +47,7 @@ from .noise import NoiseOperator
 from .policies import Policy
 from .precision import LowRankPrecision
 from .recycling import ActionBuffer, ImplicitRoot, virtual_solver_run
-from .sharding import RowBlock, all_points, all_rows, everywhere, norm, own_points, own_rows, summed
+from .sharding import RowBlock
 from .state import ExtraState
 from .validation import check_count, check_flag, check_nonnegative
 
@@ -146,10 +146,11 @@ class RegressionState(ExtraState):
     posterior of the latents is :math:`\mathbf m + \mathbf K \mathbf a` and :math:`\mathbf K - \mathbf K \mathbf Q
     \mathbf Q^\top \mathbf K` whatever the outer loop (Newton, EP) that set the regression.
 
-    Where the loop holds its state by rows (a :class:`~gpytorch_iterncgp.core.sharding.RowBlock`, ``shard_state``)
-    every field holds this rank's rows, ``(|I_p| C, ...)``: the vectors :math:`\mathbf a`, :math:`\mathbf K \mathbf a`
-    and the matrices :math:`\mathbf Q`, :math:`\mathbf K \mathbf Q`, :math:`\mathbf S`, :math:`\mathbf K \mathbf S`
-    (all ``n`` rows after loading a ``state_dict``: readers take ``own_rows`` or ``all_rows``).
+    Where the loop holds its state by rows (a sharded :class:`~gpytorch_iterncgp.core.sharding.RowBlock`,
+    ``shard_state``) every field holds this rank's rows, ``(|I_p| C, ...)``: the vectors :math:`\mathbf a`,
+    :math:`\mathbf K \mathbf a` and the matrices :math:`\mathbf Q`, :math:`\mathbf K \mathbf Q`, :math:`\mathbf S`,
+    :math:`\mathbf K \mathbf S` (all ``n`` rows after loading a ``state_dict``: readers take the block's
+    ``own_rows`` or ``all_rows``).
     """
 
     representer_weights: Tensor  # a, (n,) or (|I_p| C,): f = m + K a
@@ -176,31 +177,28 @@ class RegressionState(ExtraState):
         self.precision_root, self.kernel_precision_root  # noqa: B018  # reading forms them
         return self.__dict__
 
-    def with_kernel(self, kernel_matmul: Callable[[Tensor], Tensor], rows_block: RowBlock | None = None) -> Self:
-        r"""This state after a change of :math:`\mathbf K`: one product renews :math:`\mathbf K \mathbf a` and
+    def with_kernel(self, kernel_matmul: Callable[[Tensor], Tensor], rows_block: RowBlock) -> Self:
+        r"""This state after a change of :math:`\mathbf K`: products renew :math:`\mathbf K \mathbf a` and
         :math:`\mathbf K \mathbf S`; :math:`\mathbf Q` (valid for the old kernel only) is dropped.
 
-        With ``rows_block`` (the state held by rows, ``(|I_p| C, ...)``, or all its rows after loading)
-        ``kernel_matmul`` takes and returns this rank's rows (``LatentPrior.matmul(..., by_rows=rows_block)``: the
-        right-hand side gathered once), and the products take :math:`\lceil B / P \rceil` columns of :math:`\mathbf S`
-        at a time (:math:`\mathbf a` with the first), so that a rank holds :math:`O(n B / P)` entries of them at any
-        time (:math:`P` products instead of one, the same columns in all); this rank keeps its rows of every field.
+        The state and ``kernel_matmul``'s vectors are held by ``rows_block`` (``LatentPrior.matmul_by_rows``; a loaded
+        state may hold all rows). The products take :math:`\lceil B / P \rceil` columns of :math:`\mathbf S` at a
+        time (:math:`\mathbf a` with the first), :math:`P` the ranks of ``rows_block``: one product in one process;
+        sharded, a rank so holds :math:`O(n B / P)` entries of them at any time (:math:`P` products, the same columns in
+        all, each right-hand side gathered once) and keeps its rows of every field.
         """
-        weights = own_rows(self.representer_weights, rows_block)[:, None]
-        if rows_block is None:
-            product = kernel_matmul(torch.cat([weights, self.actions], dim=-1))
-            kernel_weights, actions, kernel_actions = product[:, 0], self.actions, product[:, 1:]
-        else:
-            buffered = self.actions.shape[-1]
-            width = max(1, -(-buffered // len(rows_block.bounds)))
-            blocks = []
-            for start in range(0, max(buffered, 1), width):  # a with the first block
-                columns = own_rows(self.actions[:, start : start + width], rows_block)
-                product = kernel_matmul(torch.cat([weights, columns], dim=-1) if start == 0 else columns)
-                if start == 0:
-                    kernel_weights, product = product[:, 0], product[:, 1:]
-                blocks.append(product)
-            actions, kernel_actions = rows_block.rows_of(self.actions), torch.cat(blocks, dim=-1)
+        weights = rows_block.own_rows(self.representer_weights)[:, None]
+        buffered = self.actions.shape[-1]
+        width = max(1, -(-buffered // len(rows_block.bounds)))
+        blocks = []
+        for start in range(0, max(buffered, 1), width):  # a with the first block
+            columns = rows_block.own_rows(self.actions[:, start : start + width])
+            product = kernel_matmul(torch.cat([weights, columns], dim=-1) if start == 0 else columns)
+            if start == 0:
+                kernel_weights, product = product[:, 0], product[:, 1:]
+            blocks.append(product)
+        actions = rows_block.own_rows(self.actions)
+        kernel_actions = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=-1)  # (one product: no copy)
         empty = weights[:, :0]
         return dataclasses.replace(
             self,
@@ -212,15 +210,16 @@ class RegressionState(ExtraState):
             kernel_precision_root=empty.clone(),
         )
 
-    def with_full_rows(self, rows_block: RowBlock | None) -> Self:
+    def with_full_rows(self, rows_block: RowBlock) -> Self:
         r"""This state with :math:`\mathbf a`, :math:`\mathbf K \mathbf a` ``(n,)``, :math:`\mathbf Q`,
         :math:`\mathbf K \mathbf Q` ``(n, r)`` and :math:`\mathbf S`, :math:`\mathbf K \mathbf S` ``(n, B)`` of all rows:
-        gathered (a collective, six ``all_gather``, and one per :attr:`point_fields`, e.g. EP's sites) where they are
-        held by rows of ``rows_block``; itself otherwise."""
-        if rows_block is None:
+        gathered (a collective, six ``all_gather``, and one per :attr:`point_fields`, e.g. EP's sites) where
+        ``rows_block`` is sharded; itself where it holds all rows (its deferred :math:`\mathbf Q`,
+        :math:`\mathbf K \mathbf Q` are then not formed)."""
+        if not rows_block.is_sharded:
             return self
-        rows = {name: rows_block.full(getattr(self, name)) for name in self.row_fields}
-        points = {name: all_points(getattr(self, name), rows_block) for name in self.point_fields}
+        rows = {name: rows_block.all_rows(getattr(self, name)) for name in self.row_fields}
+        points = {name: rows_block.all_points(getattr(self, name)) for name in self.point_fields}
         return dataclasses.replace(self, **rows, **points)
 
     # The fields held by rows where the state is (shard_state): the regression's; a subclass adds its own, and its
@@ -235,15 +234,15 @@ class RegressionState(ExtraState):
         "kernel_actions",
     )
 
-    def with_own_rows(self, rows_block: RowBlock | None) -> Self:
+    def with_own_rows(self, rows_block: RowBlock) -> Self:
         """This state with this rank's rows of every field in :attr:`row_fields` where it holds all rows (loaded from
-        a ``state_dict``, or the prior); itself without a block, or where it holds this rank's rows already (its
-        deferred :math:`\\mathbf Q`, :math:`\\mathbf K \\mathbf Q` are then not formed)."""
-        if rows_block is None or self.representer_weights.shape[0] == rows_block.local_size:
+        a ``state_dict``, or the prior) of a sharded ``rows_block``; itself where it holds the block's rows already
+        (always in one process; its deferred :math:`\\mathbf Q`, :math:`\\mathbf K \\mathbf Q` are then not
+        formed)."""
+        if self.representer_weights.shape[0] == rows_block.local_size:
             return self
-        rows = {name: own_rows(getattr(self, name), rows_block) for name in self.row_fields}
-        num = rows_block.num_latents
-        points = {name: own_points(getattr(self, name), rows_block, num).clone() for name in self.point_fields}
+        rows = {name: rows_block.own_rows(getattr(self, name)) for name in self.row_fields}
+        points = {name: rows_block.own_points(getattr(self, name)).clone() for name in self.point_fields}
         return dataclasses.replace(self, **rows, **points)
 
     @classmethod
@@ -347,7 +346,7 @@ def _conjugate(
         kernel_direction = kernel_direction - kernel_combined
         subtracted = subtracted + conjugation
         noisy_direction = kernel_direction + noisy(direction)
-        previous, eta = eta, float(summed(direction @ noisy_direction, buffer.rows_block))
+        previous, eta = eta, float(buffer.rows_block.summed(direction @ noisy_direction))
         if not eta < REORTHOGONALIZE * previous:
             break
         projected = buffer.transpose_matmul(noisy_direction)  # S^T K̂ d
@@ -358,7 +357,7 @@ def _kernel_product(
     kernel_matmul: Callable[[Tensor], Tensor],
     kernel_columns: Callable[[Tensor], Tensor] | None,
     sparse_limit: int,
-    rows_block: RowBlock | None = None,
+    rows_block: RowBlock,
 ) -> Callable[[Tensor], Tensor]:
     r""":math:`\mathbf s \mapsto \mathbf K \mathbf s` for ``(n,)`` actions: from the kernel columns at the support of an
     action with at most ``sparse_limit`` non-zero entries (if ``kernel_columns`` is given), else by ``kernel_matmul``.
@@ -369,8 +368,8 @@ def _kernel_product(
     """
 
     def kernel_product(action: Tensor) -> Tensor:
-        if kernel_columns is not None and int(summed(torch.count_nonzero(action), rows_block)) <= sparse_limit:
-            whole = all_rows(action, rows_block)
+        if kernel_columns is not None and int(rows_block.summed(torch.count_nonzero(action))) <= sparse_limit:
+            whole = rows_block.all_rows(action)
             support = whole.nonzero()[:, 0]
             return kernel_columns(support) @ whole[support]
         return kernel_matmul(action[:, None])[:, 0]
@@ -406,8 +405,8 @@ class _IterGPIterations:
     remainder: Tensor | None = None  # the new part of a nearly dependent action, taken as the next action
 
     @property
-    def rows_block(self) -> RowBlock | None:
-        """The rows of the vectors this rank holds (the buffer's), ``None`` for all."""
+    def rows_block(self) -> RowBlock:
+        """The rows of the vectors this rank holds (the buffer's)."""
         return self.buffer.rows_block
 
     def run(self, tolerance: float, limit: int, full_rank: int) -> float:
@@ -418,7 +417,7 @@ class _IterGPIterations:
         """
         while True:
             residual = self.project((self.rhs - self.kernel_weights - self.noisy(self.weights))[:, None])[:, 0]
-            residual_norm = float(norm(residual, self.rows_block))
+            residual_norm = float(self.rows_block.norm(residual))
             if not math.isfinite(residual_norm):
                 warnings.warn("IterGP: the residual is not finite; stopping.", NumericalBreakdownWarning, stacklevel=4)
                 self.breakdown = True
@@ -443,13 +442,13 @@ class _IterGPIterations:
         proposed: Tensor = self.remainder if self.remainder is not None else self.policy(residual)
         action = self.project(proposed[:, None])[:, 0]
         self.remainder = None
-        action_norm = norm(action, self.rows_block)
+        action_norm = self.rows_block.norm(action)
         if not action_norm > 0:
             return "IterGP: the policy returned a zero action; stopping."
         action = action / action_norm
         kernel_action = self.kernel_product(action)
         noisy_action = self.noisy(action)
-        action_energy = float(summed(action @ (kernel_action + noisy_action), self.rows_block))  # s^T K̂ s
+        action_energy = float(self.rows_block.summed(action @ (kernel_action + noisy_action)))  # s^T K̂ s
         kernel_column = self.buffer.kernel_column(kernel_action)  # S^T t: the kernel Gram matrix's new column
         conjugated = _conjugate(
             action,
@@ -470,7 +469,7 @@ class _IterGPIterations:
             # would lose its conjugacy and the tracked K v (so the residual IterGP reports) drift from the true one.
             # Its new part d is the next action instead, multiplied by K afresh (this product counts as an iteration).
             self.iterations += 1
-            self.remainder = conjugated.direction / norm(conjugated.direction, self.rows_block)
+            self.remainder = conjugated.direction / self.rows_block.norm(conjugated.direction)
             return None
         self._append(action, kernel_action, kernel_column, conjugated, residual)
         return None
@@ -485,7 +484,7 @@ class _IterGPIterations:
         self.iterations += 1
         self.skipped += 1
         repeated = self.last_skipped is not None and bool(torch.equal(action, self.last_skipped))
-        repeated = everywhere(repeated, self.rows_block, action)  # (a skip is decided on every rank alike)
+        repeated = self.rows_block.everywhere(repeated, action)  # (a skip is decided on every rank alike)
         if repeated or self.skipped > self.recycled_rank:
             return (
                 f"IterGP: numerical breakdown (eta = {eta:.3g}, {new_fraction:.2g} of s^T K̂ s: the action lies "
@@ -503,7 +502,7 @@ class _IterGPIterations:
         [\mathbf Q, \mathbf d / \sqrt\eta]` (paper, Alg. 2)."""
         self.buffer.append(action, kernel_action, kernel_column)
         scale = conjugated.energy**-0.5
-        step = scale * float(summed(conjugated.direction @ residual, self.rows_block))
+        step = scale * float(self.rows_block.summed(conjugated.direction @ residual))
         self.weights = self.weights + (step * scale) * conjugated.direction
         self.kernel_weights = self.kernel_weights + (step * scale) * conjugated.kernel_direction
         # the new column of Q, q = d / sqrt(eta) = [S, s] [-subtracted; 1] / sqrt(eta), as a new row and column of E
@@ -547,7 +546,7 @@ def itergp_solve(
     **By rows.** Where ``buffer`` is held by rows (its ``rows_block``, ``shard_state``), so is every ``(n,)`` vector:
     ``rhs``, ``keep``, the residual, the actions, the result's :math:`\mathbf v` and :math:`\mathbf K \mathbf v` are
     this rank's rows ``(|I_p| C,)``; ``noise_inverse`` is this rank's blocks ``(|I_p| C, |I_p| C)``; ``kernel_matmul``
-    and ``kernel_columns`` map to this rank's rows (``LatentPrior.matmul(..., by_rows=...)``: the action's rows
+    and ``kernel_columns`` map to this rank's rows (``LatentPrior.matmul_by_rows``: the action's rows
     gathered once for its product); the policy sees this rank's rows of the residual. Inner products and norms are
     ``all_reduce`` sums of a number. Without a block (one process) this is the one-process computation, unchanged.
 
@@ -604,6 +603,6 @@ def itergp_solve(
         kernel_weights=kernel_weights,
         recycled_rank=root_coefficients.shape[-1],
     )
-    tolerance = max(abs_tol, rel_tol * float(norm(project(rhs[:, None]), rows_block)))
+    tolerance = max(abs_tol, rel_tol * float(rows_block.norm(project(rhs[:, None]))))
     residual_norm = solver.run(tolerance, limit, full_rank)
     return solver.result(residual_norm, tolerance, full_rank)

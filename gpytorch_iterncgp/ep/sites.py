@@ -42,7 +42,7 @@ from torch import Tensor
 
 from ..core.noise import SiteBlockNoiseInverse
 from ..core.outer_loop import ratio_of_change
-from ..core.sharding import RowBlock, maximum
+from ..core.sharding import RowBlock
 from ..likelihoods.adapters import LikelihoodAdapter
 from ..likelihoods.multinomial_probit import InnerSites, multinomial_probit_moments
 from ..likelihoods.tilted import tilted_moments
@@ -92,7 +92,8 @@ def update_sites(
     site_natural_mean: Tensor,
     damping: float,
     prior_variance: Tensor | None = None,
-    rows_block: RowBlock | None = None,
+    *,
+    rows_block: RowBlock,
 ) -> SiteUpdate:
     r"""One parallel EP sweep over all sites (see the module docstring).
 
@@ -104,8 +105,9 @@ def update_sites(
     :param damping: :math:`\delta \in (0, 1]`; 1 is undamped.
     :param prior_variance: :math:`k_{ii}` ``(N,)``, the lower bound :math:`1/k_{ii}` of the cavity precisions; ``None``:
         no bound (non-positive cavities are skipped).
-    :param rows_block: where the sites are held by rows (``shard_state``): every ``(N,)`` argument and result is this
-        rank's points, and the change is the largest over all ranks (one ``all_reduce``).
+    :param rows_block: the points whose sites this process holds: all in one process; where sharded
+        (``shard_state``) every ``(N,)`` argument and result is this rank's points, and the change is the largest over
+        all ranks (one ``all_reduce``).
     """
     cavity_precision, cavity_natural_mean = cavities(
         marginal_mean, marginal_variance, site_precision, site_natural_mean, prior_variance
@@ -162,12 +164,12 @@ def _damped_step(sites: tuple[Tensor, Tensor], valid: Tensor, targets: tuple[Ten
     return torch.stack(largest)
 
 
-def _largest_change(largest: Tensor, rows_block: RowBlock | None) -> float:
+def _largest_change(largest: Tensor, rows_block: RowBlock) -> float:
     r"""The largest relative undamped change of the sites, :math:`\max(\max_i |t_i - s_i| / \max_i |t_i|)` over the
     precision and the natural mean (:func:`~gpytorch_iterncgp.core.outer_loop.ratio_of_change`), from
     :func:`_damped_step`'s ``(2, 2)`` maxima; their maxima over the ranks where the sites are held by rows."""
     change = 0.0
-    for difference, scale in maximum(largest, rows_block).tolist():
+    for difference, scale in rows_block.maximum(largest).tolist():
         change = max(change, ratio_of_change(difference, scale))
     return change
 
@@ -273,7 +275,8 @@ def update_site_blocks(
     damping: float,
     prior_covariance: Tensor | None = None,
     inner_sites: InnerSites | None = None,
-    rows_block: RowBlock | None = None,
+    *,
+    rows_block: RowBlock,
 ) -> SiteUpdate:
     r"""One parallel EP sweep over :math:`C \times C` multinomial probit sites (Riihimäki et al. 2013, outer EP).
 
@@ -287,8 +290,9 @@ def update_site_blocks(
     removes rounding). Eigenvalues of :math:`\tilde{\mathbf T}_i^*` below 0 are set to 0 (clipped; counted when below
     :math:`-\sqrt{\epsilon}` times the tilted precision's largest eigenvalue). Damping, skipping and the change as
     in :func:`update_sites`; shapes ``(N, C, C)`` and ``(N, C)`` for the sites and cavities, ``(N,)`` for the rest.
-    The update's ``inner_sites`` are the nested EP's sites for the next sweep's warm start. With ``rows_block`` (sites
-    held by rows) every argument and result is of this rank's points, and the change the largest over all ranks.
+    The update's ``inner_sites`` are the nested EP's sites for the next sweep's warm start. With a sharded
+    ``rows_block`` (sites held by rows) every argument and result is of this rank's points, and the change the largest
+    over all ranks.
     """
     num_classes = marginal_mean.shape[-1]
     basis = zero_sum_basis(num_classes, marginal_mean.dtype, marginal_mean.device)

@@ -55,7 +55,7 @@ from ..core.outer_loop import EPSweep, LoopStatus, OuterStep
 from ..core.policies import Policy
 from ..core.prior import LatentPrior
 from ..core.recycling import ActionBuffer
-from ..core.sharding import RowBlock, all_rows, own_points, own_rows, summed
+from ..core.sharding import RowBlock
 from ..core.solver import IterGPOptions, IterGPResult, RegressionState, itergp_solve
 from ..core.validation import check_count, check_nonnegative
 from ..likelihoods.adapters import LikelihoodAdapter
@@ -64,19 +64,19 @@ from .sites import SiteUpdate, site_block_noise, update_site_blocks, update_site
 
 
 def posterior_marginals(
-    prior_mean: Tensor, prior_variance: Tensor, state: RegressionState, rows_block: RowBlock | None = None
+    prior_mean: Tensor, prior_variance: Tensor, state: RegressionState, rows_block: RowBlock
 ) -> tuple[Tensor, Tensor]:
     r"""Posterior means :math:`m_i + (\mathbf K\mathbf a)_i` and variances :math:`k_{ii} - \|(\mathbf K\mathbf Q)_{i,:}\|^2`
     (including the computational uncertainty of an incomplete solve), ``(n,)`` each, from the state's buffers
     (:math:`\mathbf K\mathbf a`, :math:`\mathbf K\mathbf Q` held by rows of ``rows_block``: gathered, and each rank's
     row norms)."""
-    mean = prior_mean + all_rows(state.kernel_representer_weights, rows_block)
-    variance = prior_variance - all_rows(state.kernel_precision_root.square().sum(-1), rows_block)
+    mean = prior_mean + rows_block.all_rows(state.kernel_representer_weights)
+    variance = prior_variance - rows_block.all_rows(state.kernel_precision_root.square().sum(-1))
     return mean, variance
 
 
 def posterior_marginal_blocks(
-    prior_mean: Tensor, prior_blocks: Tensor, state: RegressionState, rows_block: RowBlock | None = None
+    prior_mean: Tensor, prior_blocks: Tensor, state: RegressionState, rows_block: RowBlock
 ) -> tuple[Tensor, Tensor]:
     r"""Each point's posterior mean ``(N, C)`` and :math:`C \times C` covariance
     :math:`\mathbf K_{ii} - \mathbf R_i \mathbf R_i^\top` ``(N, C, C)``, :math:`\mathbf R_i` the point's :math:`C` rows
@@ -85,9 +85,9 @@ def posterior_marginal_blocks(
     num_latents = prior_mean.shape[-1]
     kernel_root = state.kernel_precision_root
     rows = kernel_root.reshape(kernel_root.shape[0] // num_latents, num_latents, kernel_root.shape[-1])
-    products = all_rows((rows @ rows.mT).reshape(-1, num_latents), rows_block).reshape(-1, num_latents, num_latents)
+    products = rows_block.all_rows((rows @ rows.mT).reshape(-1, num_latents)).reshape(-1, num_latents, num_latents)
     covariance = prior_blocks - products
-    mean = prior_mean + all_rows(state.kernel_representer_weights, rows_block).reshape(-1, num_latents)
+    mean = prior_mean + rows_block.all_rows(state.kernel_representer_weights).reshape(-1, num_latents)
     return mean, (covariance + covariance.mT) / 2
 
 
@@ -193,10 +193,10 @@ class ExpectationPropagation:
     :param options: damping, tolerances and IterGP's budget (``max_sweeps`` is the driver's business).
     :param policy: IterGP's policy (already prepared for the problem size).
 
-    **By rows** (``prior.row_block()``, a ``ShardedKernel`` with ``shard_state``): the sites, the marginals, cavities
+    **By rows** (``prior.rows`` sharded, a ``ShardedKernel`` with ``shard_state``): the sites, the marginals, cavities
     and tilted moments, :math:`\mathbf a`, :math:`\mathbf K \mathbf a` and the regression's right-hand side and
     noise are of this rank's points; the sweep's site change and its counts are reduced over the ranks (``all_reduce``:
-    a maximum, sums), so every rank takes the same decisions. Without a block: the one-process computation.
+    a maximum, sums), so every rank takes the same decisions. In one process the block's reductions are identities.
     """
 
     name = "EP"
@@ -212,20 +212,22 @@ class ExpectationPropagation:
             )
         self.prior, self.adapter, self.options, self.policy = prior, adapter, options, policy
         self.num_latents = num = adapter.num_latents
-        self.rows_block = block = prior.row_block()  # this rank's rows where the state is held by rows, else None
+        self.rows_block = block = prior.rows  # this rank's rows where the state is held by rows, else all
         prior_mean = prior.mean.reshape(-1)
         self.num_points = len(prior_mean) // num  # N
         # this rank's points (all of them in one process): the loop's vectors, sites and marginals are held by rows
-        self.prior_mean = own_rows(prior_mean, block)
-        self.prior_variance = own_rows(prior.diagonal().reshape(-1), block)
-        self.targets = own_points(targets, block, num)
-        self.kernel_matmul, self.kernel_columns = prior.products_by_rows(block)  # (LatentPrior.matmul's by_rows)
+        self.prior_mean = block.own_rows(prior_mean)
+        # this rank's rows read as all there are: the marginals of its own points, with no collective
+        self.own_rows = RowBlock(block.local_size, num)
+        self.prior_variance = block.own_rows(prior.diagonal().reshape(-1))
+        self.targets = block.own_points(targets)
+        self.kernel_matmul, self.kernel_columns = prior.matmul_by_rows, prior.kernel_columns_by_rows
         self.min_precision = adapter._min_curvature(self.prior_mean.dtype)
         self.prior_blocks: Tensor | None = None
         self.action_space_dimension: int | None = None
         self.inner_sites: InnerSites | None = None  # multi-class: the nested EP's sites of the last sweep
         if num > 1:
-            self.prior_blocks = own_points(prior.point_blocks(), block, num)
+            self.prior_blocks = block.own_points(prior.point_blocks())
             self.action_space_dimension = self.num_points * (num - 1)
             self.basis = zero_sum_basis(num, self.prior_mean.dtype, self.prior_mean.device)
 
@@ -301,14 +303,14 @@ class ExpectationPropagation:
         new_roots, new_kernel_roots = phase.precision_root[:, start:], phase.kernel_precision_root[:, start:]  # D, K D
         if options.recycle and phase.added > 0:  # (this rank's rows of them where the buffer holds its rows)
             for column, kernel_column in zip(new_roots.mT, new_kernel_roots.mT, strict=True):
-                norm = column.norm() if block is None else block.reduce(column.square().sum()).sqrt()
+                norm = block.norm(column)
                 buffer.append(column / norm, kernel_column / norm)
         weights, kernel_weights = state.representer_weights, state.kernel_representer_weights
         if phase.added > 0:  # the solution over the enlarged actions: a + D D^T r (D is K̂-conjugate to Q)
             residual = rhs - kernel_weights - noise.matmul(weights[:, None])[:, 0]  # (by rows: this rank's)
             if self.adapter.zero_sum_actions:
                 residual = self.adapter.project(residual[:, None])[:, 0]
-            coefficients = summed(new_roots.mT @ residual, block)  # D^T r (by rows: one all_reduce)
+            coefficients = block.summed(new_roots.mT @ residual)  # D^T r (by rows: one all_reduce)
             weights = weights + new_roots @ coefficients
             kernel_weights = kernel_weights + new_kernel_roots @ coefficients
         state = dataclasses.replace(
@@ -328,15 +330,16 @@ class ExpectationPropagation:
         state is held by rows (its rows of :math:`\\mathbf K \\mathbf a` and :math:`\\mathbf K \\mathbf Q`; no
         collective)."""
         if self.num_latents == 1:
-            return posterior_marginals(self.prior_mean, self.prior_variance, state)
+            return posterior_marginals(self.prior_mean, self.prior_variance, state, self.own_rows)
         assert self.prior_blocks is not None
-        return posterior_marginal_blocks(self.prior_mean.reshape(-1, self.num_latents), self.prior_blocks, state)
+        prior_mean = self.prior_mean.reshape(-1, self.num_latents)
+        return posterior_marginal_blocks(prior_mean, self.prior_blocks, state, self.own_rows)
 
     @staticmethod
     def marginals_of(prior: LatentPrior, state: RegressionState) -> tuple[Tensor, Tensor]:
         """:func:`posterior_marginals` (``(N,)`` each) for ``prior`` at the training inputs, or for :math:`C > 1`
         :func:`posterior_marginal_blocks` (``(N, C)`` and ``(N, C, C)``)."""
-        block = prior.row_block()
+        block = prior.rows
         if prior.num_latents == 1:
             return posterior_marginals(prior.mean.reshape(-1), prior.diagonal().reshape(-1), state, block)
         return posterior_marginal_blocks(prior.mean.reshape(-1, prior.num_latents), prior.point_blocks(), state, block)
@@ -347,7 +350,9 @@ class ExpectationPropagation:
         damping, block = self.options.damping, self.rows_block
         if self.num_latents == 1:
             sites = (state.site_precision, state.site_natural_mean)
-            return update_sites(self.adapter, self.targets, mean, variance, *sites, damping, self.prior_variance, block)
+            return update_sites(
+                self.adapter, self.targets, mean, variance, *sites, damping, self.prior_variance, rows_block=block
+            )
         update = update_site_blocks(
             self.targets,
             mean,
@@ -357,20 +362,18 @@ class ExpectationPropagation:
             damping,
             self.prior_blocks,
             self.inner_sites,
-            block,
+            rows_block=block,
         )
         self.inner_sites = update.inner_sites
         return update
 
-    def noise(
-        self, precision: Tensor, natural_mean: Tensor, rows_block: RowBlock | None = None
-    ) -> tuple[LinearOperator, Tensor]:
+    def noise(self, precision: Tensor, natural_mean: Tensor, rows_block: RowBlock) -> tuple[LinearOperator, Tensor]:
         r"""The noise :math:`\tilde{\mathbf T}^{-1}` (bounded; pseudo-inverse blocks for :math:`C > 1`) and the
         right-hand side :math:`\tilde{\boldsymbol\mu} - \mathbf m` of the sites' regression (see the module docstring):
-        with ``rows_block``, of this rank's points (its blocks and rows, as the solver holds them)."""
+        of the points of ``rows_block`` (this rank's where sharded: its blocks and rows, as the solver holds them)."""
         num = self.num_latents
-        precision, natural_mean = own_points(precision, rows_block, num), own_points(natural_mean, rows_block, num)
-        prior_mean = own_rows(self.prior_mean, rows_block)
+        precision, natural_mean = rows_block.own_points(precision), rows_block.own_points(natural_mean)
+        prior_mean = rows_block.own_rows(self.prior_mean)
         if num == 1:
             bounded = precision.clamp_min(self.min_precision)
             return DiagonalNoiseInverse(bounded.reciprocal()), (natural_mean - precision * prior_mean) / bounded
@@ -428,14 +431,12 @@ class ExpectationPropagation:
         while True:
             update = self.update(state)
             if not options.recycle:
-                buffer = ActionBuffer.empty(
-                    len(self.prior_mean), self.prior_mean.dtype, self.prior_mean.device, self.rows_block
-                )
+                buffer = ActionBuffer.empty(self.rows_block, self.prior_mean.dtype, self.prior_mean.device)
                 self.policy.reset()
             result = self.solve(state, buffer, update.site_precision, update.site_natural_mean)
             buffer = result.buffer
             # (by rows: the counts over all ranks, one all_reduce)
-            counts = summed(torch.stack([update.skipped.sum(), update.bounded.sum(), update.clipped.sum()]), block)
+            counts = block.summed(torch.stack([update.skipped.sum(), update.bounded.sum(), update.clipped.sum()]))
             skipped, bounded, clipped = (int(count) for count in counts)
             state = self._solved(state, result, update.site_precision, update.site_natural_mean, state.sweeps + 1)
             if options.marginal_iterations > 0 and state.sweeps % options.marginal_every == 0:

@@ -30,7 +30,6 @@ from botorch.posteriors import GPyTorchPosterior
 from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
 from torch import Tensor
 
-from ..core.sharding import all_rows
 from ..strategies.itergp import EPStrategy, IterNCGPStrategy
 
 __all__ = ["IterNCGPBoTorchModel"]
@@ -116,7 +115,7 @@ class IterNCGPBoTorchModel(Model):
         strategy = self.strategy
         state = strategy.ensure_fitted()  # refits if the hyperparameters changed
         root = strategy.approximate_precision.root_tensor  # Q, all rows (gathered where the state holds them by rows)
-        weights = torch.cat([all_rows(state.representer_weights, strategy._rows_block())[:, None], root], dim=-1)
+        weights = torch.cat([strategy._rows_block().all_rows(state.representer_weights)[:, None], root], dim=-1)
         prior_mean, cross_covariance, test_prior = strategy.joint_prior(X)
         product = cross_covariance.matmul(weights)  # K_{*X} [a, Q]: (batch, q, 1 + r)
         mean = prior_mean + product[..., 0]

@@ -51,7 +51,6 @@ from ..core.outer_loop import LoopStatus, NewtonStep, OuterStep, relative_norm_c
 from ..core.policies import Policy
 from ..core.prior import LatentPrior
 from ..core.recycling import ActionBuffer, virtual_solver_run
-from ..core.sharding import everywhere, norm, own_points, own_rows, summed
 from ..core.solver import IterGPOptions, IterGPResult, RegressionState, itergp_solve
 from ..core.validation import check_count, check_nonnegative
 from ..likelihoods.adapters import LikelihoodAdapter, LikelihoodDerivatives
@@ -146,12 +145,12 @@ class DampedNewton:
     :param options: tolerances and limits (``max_newton_steps`` is the driver's business).
     :param policy: IterGP's policy (already prepared for the problem size).
 
-    **By rows** (``prior.row_block()``, a ``ShardedKernel`` with ``shard_state``): every ``(N C,)`` vector of the loop
+    **By rows** (``prior.rows`` sharded, a ``ShardedKernel`` with ``shard_state``): every ``(N C,)`` vector of the loop
     — :math:`\mathbf a`, :math:`\mathbf K \mathbf a`, the mode, the gradient, the right-hand side, the solver's own —
     and the curvature's blocks (the noise :math:`\mathbf W^{-1}` is built from this rank's points) are this rank's rows
     :math:`\mathcal I_p`; :math:`\Psi`, its slopes and the norms of the convergence tests are ``all_reduce`` sums, so
     every rank takes the same steps. A product with :math:`\mathbf K` gathers its right-hand side once and keeps this
-    rank's rows of it (``LatentPrior.matmul(..., by_rows=...)``). Without a block every helper is the identity: the
+    rank's rows of it (``LatentPrior.matmul_by_rows``). In one process the block's reductions are identities: the
     one-process computation.
     """
 
@@ -164,11 +163,11 @@ class DampedNewton:
         policy: Policy,
     ):
         self.prior, self.adapter, self.options, self.policy = prior, adapter, options, policy
-        self.rows_block = block = prior.row_block()  # this rank's rows where the state is held by rows, else None
+        self.rows_block = block = prior.rows  # this rank's rows where the state is held by rows, else all
         prior_mean = prior.mean.reshape(-1)
         self.num_rows = len(prior_mean)  # n = N C
-        self.prior_mean = own_rows(prior_mean, block)  # (this rank's rows of) m
-        self.targets = own_points(targets, block, adapter.num_latents)  # (this rank's points of) y
+        self.prior_mean = block.own_rows(prior_mean)  # (this rank's rows of) m
+        self.targets = block.own_points(targets)  # (this rank's points of) y
         num_data = self.num_rows // adapter.num_latents
         latents = adapter.num_latents - 1 if adapter.zero_sum_actions else adapter.num_latents
         self.action_space_dimension = num_data * latents
@@ -177,11 +176,11 @@ class DampedNewton:
         self.buffer: ActionBuffer | None = None  # the loop's recycled actions after its last solve
         # K X and the kernel columns of sparse actions: by rows where the vectors are (the right-hand side gathered
         # once, this rank's rows of the product kept); the prior's own products otherwise
-        self.kernel_matmul, self.kernel_columns = prior.products_by_rows(block)
+        self.kernel_matmul, self.kernel_columns = prior.matmul_by_rows, prior.kernel_columns_by_rows
         observed = adapter.observed_coordinates(targets)
         if observed is not None:  # missing outputs: W = 0 there, so actions (and residuals) live on the others
             whole = observed.to(self.prior_mean)[:, None]
-            mask = own_rows(whole, block)
+            mask = block.own_rows(whole)
             self.action_space_dimension = int(observed.sum())
             self.project = lambda vectors: vectors * mask
             self.project_whole = lambda vectors: vectors * whole
@@ -209,8 +208,8 @@ class DampedNewton:
     def point(self, weights: Tensor, kernel_weights: Tensor) -> _Point:
         r""":math:`\Psi(\mathbf f) = \ell(\mathbf f) - \tfrac12 \mathbf a^\top \mathbf K \mathbf a` at :math:`\mathbf a`."""
         block = self.rows_block
-        log_likelihood = float(summed(self.adapter.log_likelihood(self.latent_of(kernel_weights), self.targets), block))
-        return _Point(weights, kernel_weights, log_likelihood - 0.5 * float(summed(kernel_weights @ weights, block)))
+        log_likelihood = float(block.summed(self.adapter.log_likelihood(self.latent_of(kernel_weights), self.targets)))
+        return _Point(weights, kernel_weights, log_likelihood - 0.5 * float(block.summed(kernel_weights @ weights)))
 
     def derivatives(self, kernel_weights: Tensor) -> LikelihoodDerivatives:
         """The likelihood's derivatives at :math:`\\mathbf m + \\mathbf K \\mathbf a` (one point cached)."""
@@ -225,7 +224,7 @@ class DampedNewton:
         :math:`(\mathbf K \boldsymbol\delta)^\top (\mathbf g - \mathbf a)`: no product with :math:`\mathbf K`.
         """
         gradient = self.derivatives(point.kernel_weights).gradient.reshape(-1)
-        return float(summed(direction @ (gradient - point.weights), self.rows_block))
+        return float(self.rows_block.summed(direction @ (gradient - point.weights)))
 
     def warm_start(self, weights: Tensor, kernel_weights: Tensor) -> _Point:
         r"""Scale representer weights :math:`\mathbf a` kept across a change of :math:`\mathbf K`.
@@ -283,7 +282,7 @@ class DampedNewton:
         """
         gradient = self.derivatives(point.kernel_weights).gradient.reshape(-1)
         block = self.rows_block
-        return float(norm(gradient - point.weights, block)) <= tolerance * float(norm(point.weights, block))
+        return float(block.norm(gradient - point.weights)) <= tolerance * float(block.norm(point.weights))
 
     # -- the loop ------------------------------------------------------------------------------------------
     def steps(self, state: LaplaceState) -> Generator[OuterStep, None, None]:
@@ -300,7 +299,7 @@ class DampedNewton:
             noise_inverse = derivatives.noise_inverse
             gradient_step = noise_inverse.matmul(derivatives.gradient.reshape(-1, 1))[:, 0]
             finite = bool(torch.isfinite(gradient_step).all()) and math.isfinite(float(derivatives.log_likelihood))
-            if not everywhere(finite, self.rows_block, gradient_step):
+            if not self.rows_block.everywhere(finite, gradient_step):
                 message = (
                     "IterNCGP: the likelihood's gradient or curvature is not finite at the current latent values; "
                     "stopping with the posterior of the last completed Newton step."
@@ -308,9 +307,7 @@ class DampedNewton:
                 yield OuterStep(None, state, LoopStatus.BREAKDOWN, message)
                 return
             if not self.options.recycle:
-                buffer = ActionBuffer.empty(
-                    self.num_rows, self.prior_mean.dtype, self.prior_mean.device, self.rows_block
-                )
+                buffer = ActionBuffer.empty(self.rows_block, self.prior_mean.dtype, self.prior_mean.device)
                 self.policy.reset()
             result = self._solve(current, noise_inverse, gradient_step, buffer, state.control)
             buffer = self.buffer = result.buffer
@@ -454,7 +451,7 @@ class DampedNewton:
 
         Where the actions are held by rows (``shard_state``) the final :math:`\mathbf Q`, :math:`\mathbf K \mathbf Q`
         are too: each rank forms its rows of them from its rows of the buffer, and the covariance phase enlarges those
-        rows (:func:`~gpytorch_iterncgp.core.covariance.covariance_phase` with the ``RowBlock``).
+        rows (:func:`~gpytorch_iterncgp.core.covariance.covariance_phase` with the sharded ``RowBlock``).
 
         The buffer itself is kept as the loop left it (not the re-weighted one of this run, and without the covariance
         phase's actions, which only enlarge :math:`\mathbf Q`), so that a later fit continues exactly as if this one had
@@ -463,7 +460,7 @@ class DampedNewton:
         state = state.with_own_rows(self.rows_block)
         final = self.derivatives(state.kernel_representer_weights)
         diagonal = final.noise_inverse.diagonal()
-        if not everywhere(bool(torch.isfinite(diagonal).all()), self.rows_block, diagonal):
+        if not self.rows_block.everywhere(bool(torch.isfinite(diagonal).all()), diagonal):
             return state
         buffer = self.buffer  # no copy where the state holds the loop's own buffer (the run appends nothing to it)
         if buffer is None or not buffer.holds(state.actions, state.kernel_actions):

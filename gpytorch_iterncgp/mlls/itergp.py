@@ -46,7 +46,6 @@ from torch import Tensor
 
 from .. import settings
 from ..core.prior import LatentPrior
-from ..core.sharding import all_points, all_rows
 from ..ep.sites import (
     block_cavities,
     cavities,
@@ -175,9 +174,9 @@ def matrix_free_laplace_evidence(prior: LatentPrior, adapter: LikelihoodAdapter,
     :param prior: the prior at the training inputs, built *with* gradients.
     :param state: the strategy's :class:`~gpytorch_iterncgp.LaplaceState` for the same hyperparameters.
     """
-    block = prior.row_block()  # where the state holds its rows: all of them gathered (the evidence is replicated)
-    weights = all_rows(state.representer_weights, block).detach()
-    kernel_weights = all_rows(state.kernel_representer_weights, block).detach()
+    block = prior.rows  # where the state holds its rows: all of them gathered (the evidence is replicated)
+    weights = block.all_rows(state.representer_weights).detach()
+    kernel_weights = block.all_rows(state.kernel_representer_weights).detach()
     prior_mean = prior.mean.reshape(-1)
     mode = prior_mean.detach() + kernel_weights
     _, gradient, curvature, roots, system = _whitened_system(prior, adapter, mode, targets)
@@ -280,7 +279,7 @@ class _StrategyEvidence(MarginalLogLikelihood):
 
     def _fitted_mean(self, state: Any, prior: Any) -> Tensor:
         """The strategy's posterior mean at the training inputs, ``(N C,)`` (what ``model(train_x)`` returned)."""
-        return prior.mean.detach().reshape(-1) + all_rows(state.kernel_representer_weights, prior.row_block())
+        return prior.mean.detach().reshape(-1) + prior.rows.all_rows(state.kernel_representer_weights)
 
     def log_prior(self) -> Tensor:
         """:func:`log_prior` of this objective's model and likelihood."""
@@ -344,7 +343,7 @@ class LaplaceMarginalLogLikelihood(_StrategyEvidence):
                 prior_mean,
                 strategy.adapter,
                 targets,
-                all_rows(state.representer_weights, prior.row_block()),
+                prior.rows.all_rows(state.representer_weights),
             )
         else:
             evidence = matrix_free_laplace_evidence(prior, strategy.adapter, targets, state)
@@ -403,8 +402,8 @@ class EPMarginalLogLikelihood(_StrategyEvidence):
                 stacklevel=3,
             )
         marginals = None if exact else ExpectationPropagation.marginals_of(prior, state)
-        block = prior.row_block()  # the sites of every rank where they are held by rows (the evidence is replicated)
-        sites = all_points(state.site_precision, block), all_points(state.site_natural_mean, block)
+        block = prior.rows  # the sites of every rank where they are held by rows (the evidence is replicated)
+        sites = block.all_points(state.site_precision), block.all_points(state.site_natural_mean)
         evidence = ep_evidence(prior, strategy.adapter, targets, *sites, exact, marginals)
         return self._per_point(evidence, strategy.num_data)
 

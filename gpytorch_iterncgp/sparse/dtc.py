@@ -48,6 +48,7 @@ from linear_operator import settings as linop_settings
 from torch import Tensor
 
 from ..core.outer_loop import EPSweep, LoopStatus, OuterStep
+from ..core.sharding import RowBlock
 from ..core.state import ExtraState
 from ..ep.sites import update_sites
 from ..likelihoods.adapters import LikelihoodAdapter
@@ -245,6 +246,7 @@ class SparseEP:
                 state.site_natural_mean[active],
                 self.damping,
                 self.prior_variance,
+                rows_block=RowBlock.single(int(active.sum())),
             )
             precision, natural_mean = state.site_precision.clone(), state.site_natural_mean.clone()
             precision[active], natural_mean[active] = update.site_precision, update.site_natural_mean

@@ -81,6 +81,7 @@ import torch
 from torch import Tensor
 
 from ..core.outer_loop import EPSweep, LoopStatus, OuterStep
+from ..core.sharding import RowBlock
 from ..ep.sites import update_sites
 from ..likelihoods.adapters import LikelihoodAdapter
 from .dtc import DTCPrior, SparseEP, SparseEPState, inducing_cholesky, whitened_posterior
@@ -277,7 +278,15 @@ def sequential_sweep(
             mean, variance = factors.marginal(index)
             sl = slice(index, index + 1)
             update = update_sites(
-                adapter, targets[sl], mean[None], variance[None], tau[sl], nu[sl], damping, prior_variance[sl]
+                adapter,
+                targets[sl],
+                mean[None],
+                variance[None],
+                tau[sl],
+                nu[sl],
+                damping,
+                prior_variance[sl],
+                rows_block=RowBlock.single(1),
             )
             if bool(update.skipped[0]):
                 skipped += 1

@@ -46,7 +46,7 @@ from .. import settings
 from ..core.policies import Policy, make_policy
 from ..core.precision import LowRankPrecision
 from ..core.prior import LatentPrior
-from ..core.sharding import RowBlock, RowShardedKernel, all_points, all_rows, own_rows
+from ..core.sharding import RowBlock, RowShardedKernel
 from ..core.solver import IterGPOptions, RegressionState
 from ..ep.sweeps import EPOptions, EPState, ExpectationPropagation
 from ..laplace.newton import DampedNewton, LaplaceState, SolverOptions
@@ -115,11 +115,14 @@ class _IterGPStrategy(PredictiveStrategy):
             "covariance_iterations": 0,
         }
 
-    def _rows_block(self) -> RowBlock | None:
-        """This rank's rows of the state's matrices where a :class:`~gpytorch_iterncgp.distributed.ShardedKernel` with
-        ``shard_state`` holds them by rows; ``None`` otherwise (one process, or state replicated)."""
+    def _rows_block(self) -> RowBlock:
+        """The rows of the state's matrices this process holds: this rank's where a
+        :class:`~gpytorch_iterncgp.distributed.ShardedKernel` with ``shard_state`` holds them by rows; all of them
+        otherwise (one process, or state replicated: :meth:`RowBlock.single`)."""
         sharded = next((module for module in self.model.modules() if isinstance(module, RowShardedKernel)), None)
-        return None if sharded is None else sharded.row_block(self.num_data, self.num_latents)
+        if sharded is None:
+            return RowBlock.single(self.num_data, self.num_latents)
+        return sharded.row_block(self.num_data, self.num_latents)
 
     def _state_to_save(self) -> Any:
         r"""The committed state with all rows of :math:`\mathbf Q`, :math:`\mathbf K \mathbf Q`, :math:`\mathbf S` and
@@ -153,7 +156,7 @@ class _IterGPStrategy(PredictiveStrategy):
         self._check_model_device()
         prior = self.train_prior()
         self._check_prior_dtype(prior.dtype)
-        if self._rows_block() is not None and prior.row_block() is None:
+        if self._rows_block().is_sharded and not prior.rows.is_sharded:
             raise ValueError(
                 "ShardedKernel(..., shard_state=True) holds the state by rows only as the model's covariance itself "
                 "(forward returns the distribution of covar_module(x)), but this model's forward returns a "
@@ -169,7 +172,7 @@ class _IterGPStrategy(PredictiveStrategy):
         # only the keywords that apply (a custom Policy need not know them)
         missing: dict[str, Any] = {} if observed is None else {"observed": observed}
         rows_block = self._rows_block()  # the residuals' rows the policy is called with, where held by rows
-        if rows_block is not None:
+        if rows_block.is_sharded:
             parameters = inspect.signature(self.policy.prepare).parameters
             if "rows" not in parameters and not any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
                 raise TypeError(
@@ -213,29 +216,29 @@ class _IterGPStrategy(PredictiveStrategy):
     def approximate_precision(self) -> LowRankPrecision:
         r""":math:`\mathbf C = \mathbf Q \mathbf Q^\top \approx (\mathbf K + \mathbf W^{-1})^{-1}` (EP: :math:`\tilde{\mathbf T}^{-1}`), ``(N C, N C)``
         (:math:`\mathbf Q` gathered where the state holds it by rows: a collective)."""
-        return LowRankPrecision(all_rows(self.ensure_fitted().precision_root, self._rows_block()))
+        return LowRankPrecision(self._rows_block().all_rows(self.ensure_fitted().precision_root))
 
     def _posterior_parts(self, inputs: Tensor) -> tuple[Tensor, Tensor, LatentPrior]:
         r"""Posterior mean ``(N* C,)``, :math:`\mathbf K_{*X} \mathbf Q` ``(N* C, r)`` and the prior at ``inputs``.
 
         Where the state holds :math:`\mathbf Q` by rows (``shard_state``), rank :math:`p` multiplies the
         cross-covariance's columns of its training points, :math:`\mathbf K_{*, \mathcal I_p} [\mathbf a, \mathbf
-        Q]_{\mathcal I_p}`, and one ``all_reduce`` sums them (:meth:`LatentPrior.matmul` with a ``RowBlock``).
+        Q]_{\mathcal I_p}`, and one ``all_reduce`` sums them (:meth:`LatentPrior.matmul_by_columns`).
         """
         state = self.ensure_fitted()
         num_train = self.num_data
         rows_block = self._rows_block()
         if self.training and inputs.shape == self.train_inputs.shape and bool(torch.equal(inputs, self.train_inputs)):
             prior = self.train_prior()
-            mean = prior.mean.reshape(-1) + all_rows(state.kernel_representer_weights, rows_block)
-            return mean, all_rows(state.kernel_precision_root, rows_block), prior
+            mean = prior.mean.reshape(-1) + rows_block.all_rows(state.kernel_representer_weights)
+            return mean, rows_block.all_rows(state.kernel_precision_root), prior
         full = LatentPrior.from_distribution(
             self.model.forward(torch.cat([self.train_inputs, inputs], dim=-2)), self.num_latents
         )
         test_prior = full.block(slice(num_train, None), slice(num_train, None))
         cross = full.block(slice(num_train, None), slice(None, num_train))
-        weights = [own_rows(state.representer_weights, rows_block)[:, None], own_rows(state.precision_root, rows_block)]
-        product = cross.matmul(torch.cat(weights, dim=-1), rows_block)
+        weights = [rows_block.own_rows(state.representer_weights)[:, None], rows_block.own_rows(state.precision_root)]
+        product = cross.matmul_by_columns(torch.cat(weights, dim=-1), rows_block)
         mean = test_prior.mean.reshape(-1) + product[:, 0]
         return mean, product[:, 1:], test_prior
 
@@ -364,7 +367,7 @@ class IterNCGPStrategy(_IterGPStrategy):
         state = self.ensure_fitted()
         with torch.no_grad():
             mean = self.train_prior().mean
-        kernel_weights = all_rows(state.kernel_representer_weights, self._rows_block())  # (gathered where by rows)
+        kernel_weights = self._rows_block().all_rows(state.kernel_representer_weights)  # (gathered where by rows)
         return mean + kernel_weights.reshape(-1, self.num_latents)
 
 
@@ -441,4 +444,4 @@ class EPStrategy(_IterGPStrategy):
         multinomial probit the blocks :math:`\tilde{\mathbf T}_i` ``(N, C, C)`` and :math:`\tilde{\boldsymbol\nu}_i`
         ``(N, C)`` (fits first if needed)."""
         state, rows_block = self.ensure_fitted(), self._rows_block()  # (gathered where held by rows: a collective)
-        return all_points(state.site_precision, rows_block), all_points(state.site_natural_mean, rows_block)
+        return rows_block.all_points(state.site_precision), rows_block.all_points(state.site_natural_mean)

@@ -14,6 +14,7 @@ import torch
 from gpytorch_iterncgp import EPStrategy, MultinomialProbitLikelihood
 from gpytorch_iterncgp.core.covariance import covariance_phase, curvature_matmul
 from gpytorch_iterncgp.core.noise import DiagonalNoiseInverse, SiteBlockNoiseInverse, SoftmaxPseudoInverse
+from gpytorch_iterncgp.core.sharding import RowBlock
 from tests.common import IterNCGPModel, binary_data, multiclass_data
 from tests.test_exact_laplace import (
     EXACT,
@@ -148,11 +149,15 @@ def test_phase_counts_products_and_stops_at_the_action_space():
         return kernel @ vectors
 
     empty = torch.zeros(20, 0, dtype=torch.float64)
-    phase = covariance_phase(kernel_matmul, noise, empty, empty, 1, iterations=10, block_size=8)
+    rows = RowBlock.single(20)
+    phase = covariance_phase(kernel_matmul, noise, empty, empty, 1, iterations=10, block_size=8, rows_block=rows)
     assert phase.products == len(calls) <= 10 and phase.precision_root.shape[-1] == 20
     precision = phase.precision_root @ phase.precision_root.mT
     assert_relative(precision, torch.linalg.inv(kernel + 0.5 * torch.eye(20, dtype=torch.float64)), tol=1e-8)
-    assert covariance_phase(kernel_matmul, noise, empty, empty, 1, iterations=0, block_size=8).products == 0
+    assert (
+        covariance_phase(kernel_matmul, noise, empty, empty, 1, iterations=0, block_size=8, rows_block=rows).products
+        == 0
+    )
     with pytest.raises(ValueError, match="covariance_iterations"):
         build("probit", covariance_iterations=-1)
     with pytest.raises(ValueError, match="covariance_block_size"):

@@ -19,6 +19,7 @@ from gpytorch_iterncgp.core.noise import (
 )
 from gpytorch_iterncgp.core.prior import NARROW_PRODUCT_COLUMNS, LatentPrior
 from gpytorch_iterncgp.core.recycling import ActionBuffer, noise_gram, virtual_solver_run
+from gpytorch_iterncgp.core.sharding import RowBlock
 from gpytorch_iterncgp.core.solver import itergp_solve
 from gpytorch_iterncgp.settings import dense_kernel_limit
 from tests.common import IterNCGPModel
@@ -94,7 +95,7 @@ def test_noise_gram_equals_the_dense_quadratic_form(kind, dtype, size, monkeypat
     actions = torch.randn(num_data * num_latents, size, generator=torch.Generator().manual_seed(1)).to(dtype)
     if kind == "softmax-zero-sum":
         actions = project_to_zero_sum(actions, num_latents)
-    buffer = ActionBuffer.from_tensors(actions, actions)
+    buffer = ActionBuffer.from_tensors(actions, actions, RowBlock.single(len(actions)))
     gram = noise_gram(buffer, noise)
     assert buffer.zero_block_sums(num_latents) == (kind == "softmax-zero-sum")
     expected = actions.double().mT @ noise.to_dense().double() @ actions.double()
@@ -107,7 +108,7 @@ def test_zero_block_sums_checks_only_new_actions():
     """The buffer's zero-class-sum check covers every action, incrementally: an appended action with a non-zero sum
     turns it off for good, and another block size starts over."""
     actions = project_to_zero_sum(torch.randn(12, 3, dtype=DTYPE), 4)
-    buffer = ActionBuffer.from_tensors(actions, actions)
+    buffer = ActionBuffer.from_tensors(actions, actions, RowBlock.single(len(actions)))
     assert buffer.zero_block_sums(4) and not buffer.zero_block_sums(3)
     assert buffer.zero_block_sums(4)
     buffer.append(project_to_zero_sum(torch.randn(12, 1, dtype=DTYPE), 4)[:, 0], torch.zeros(12, dtype=DTYPE))
@@ -135,7 +136,7 @@ def test_incremental_gram_matrices_equal_recomputed_ones_over_newton_like_steps(
     kernel, rhs, generator = _spd_problem(size, seed=3)
     policy = ConjugateGradientPolicy() if policy_name == "cg" else UnitVectorPolicy(seed=1)
     policy.prepare(size, 1, False)
-    buffer = ActionBuffer.empty(size, DTYPE, CPU)
+    buffer = ActionBuffer.empty(RowBlock.single(size), DTYPE, CPU)
     for _ in range(6):
         noise = DiagonalNoiseInverse(0.05 + torch.rand(size, dtype=DTYPE, generator=generator))
         if buffer.size:
@@ -164,7 +165,7 @@ def test_uncompressed_virtual_run_neither_reweights_nor_copies_the_buffer():
         kernel.matmul,
         noise,
         rhs,
-        ActionBuffer.empty(size, DTYPE, CPU),
+        ActionBuffer.empty(RowBlock.single(size), DTYPE, CPU),
         ConjugateGradientPolicy(),
         max_solver_iterations=4,
     )
@@ -210,7 +211,7 @@ def test_unit_vector_actions_take_kernel_columns_not_products(projected):
                 kernel_matmul,
                 noise,
                 rhs,
-                ActionBuffer.empty(size, DTYPE, CPU),
+                ActionBuffer.empty(RowBlock.single(size), DTYPE, CPU),
                 policy,
                 project=project,
                 max_solver_iterations=12,
@@ -280,7 +281,7 @@ def test_solver_keeps_the_root_implicit_and_its_columns_conjugate():
     size = 30
     kernel, rhs, generator = _spd_problem(size, seed=6)
     noise = DiagonalNoiseInverse(0.05 + torch.rand(size, dtype=DTYPE, generator=generator))
-    buffer = ActionBuffer.empty(size, DTYPE, CPU)
+    buffer = ActionBuffer.empty(RowBlock.single(size), DTYPE, CPU)
     for _ in range(3):  # the second and third solves start from a virtual run over the recycled actions
         result = itergp_solve(kernel.matmul, noise, rhs, buffer, ConjugateGradientPolicy(), max_solver_iterations=4)
         buffer = result.buffer

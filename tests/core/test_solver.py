@@ -17,11 +17,12 @@ def test_itergp_solve_checks_its_arguments():
     from gpytorch_iterncgp import ConjugateGradientPolicy
     from gpytorch_iterncgp.core.noise import DiagonalNoiseInverse
     from gpytorch_iterncgp.core.recycling import ActionBuffer
+    from gpytorch_iterncgp.core.sharding import RowBlock
     from gpytorch_iterncgp.core.solver import itergp_solve
 
     kernel = torch.eye(5, dtype=torch.float64)
     noise = DiagonalNoiseInverse(torch.ones(5, dtype=torch.float64))
-    buffer = ActionBuffer.empty(5, torch.float64, torch.device("cpu"))
+    buffer = ActionBuffer.empty(RowBlock.single(5), torch.float64, torch.device("cpu"))
     policy = ConjugateGradientPolicy()
     rhs = torch.ones(5, dtype=torch.float64)
     itergp_solve(kernel.matmul, noise, rhs, buffer, policy)  # valid
@@ -32,7 +33,13 @@ def test_itergp_solve_checks_its_arguments():
     with pytest.raises(ValueError, match="rhs contains NaN or inf"):
         itergp_solve(kernel.matmul, noise, rhs * float("nan"), buffer, policy)
     with pytest.raises(ValueError, match=r"buffer must hold actions and kernel products of shape \(5, B\)"):
-        itergp_solve(kernel.matmul, noise, rhs, ActionBuffer.empty(4, torch.float64, torch.device("cpu")), policy)
+        itergp_solve(
+            kernel.matmul,
+            noise,
+            rhs,
+            ActionBuffer.empty(RowBlock.single(4), torch.float64, torch.device("cpu")),
+            policy,
+        )
     with pytest.raises(ValueError, match="max_solver_iterations"):
         itergp_solve(kernel.matmul, noise, rhs, buffer, policy, max_solver_iterations=-1)
     with pytest.raises(ValueError, match="rel_tol"):
@@ -54,12 +61,13 @@ def test_action_in_the_span_of_recycled_ones_is_skipped():
     """A unit vector that a recycled action already covers carries no new direction: IterGP skips it (its
     product with K counts as an iteration) and goes on; the result is the exact solve."""
     from gpytorch_iterncgp.core.recycling import ActionBuffer
+    from gpytorch_iterncgp.core.sharding import RowBlock
     from gpytorch_iterncgp.core.solver import itergp_solve
 
     kernel, noise, rhs = _spd_problem()
     recycled = torch.zeros(6, 1, dtype=torch.float64)
     recycled[2] = 1.0
-    buffer = ActionBuffer.from_tensors(recycled, kernel @ recycled)
+    buffer = ActionBuffer.from_tensors(recycled, kernel @ recycled, RowBlock.single(len(recycled)))
     policy = UnitVectorPolicy(order=[2, 0, 1, 3, 4, 5])
     policy.prepare(6, 1, False)
     with warnings.catch_warnings():
@@ -73,6 +81,7 @@ def test_action_in_the_span_of_recycled_ones_is_skipped():
 def test_policy_repeating_a_dependent_action_stops_with_a_warning():
     from gpytorch_iterncgp import NumericalBreakdownWarning, Policy
     from gpytorch_iterncgp.core.recycling import ActionBuffer
+    from gpytorch_iterncgp.core.sharding import RowBlock
     from gpytorch_iterncgp.core.solver import itergp_solve
 
     class Always(Policy):
@@ -82,7 +91,7 @@ def test_policy_repeating_a_dependent_action_stops_with_a_warning():
             return action
 
     kernel, noise, rhs = _spd_problem()
-    buffer = ActionBuffer.empty(6, torch.float64, torch.device("cpu"))
+    buffer = ActionBuffer.empty(RowBlock.single(6), torch.float64, torch.device("cpu"))
     with pytest.warns(NumericalBreakdownWarning, match="lies numerically in the span of the previous ones"):
         result = itergp_solve(kernel.matmul, noise, rhs, buffer, Always())
     assert result.breakdown and result.precision.rank == 1 and result.iterations == 2

@@ -298,12 +298,12 @@ def buffer_products() -> dict[str, torch.Tensor]:
 
     from gpytorch_iterncgp.core.noise import BlockNoiseInverse
     from gpytorch_iterncgp.core.recycling import ActionBuffer, noise_gram
-    from gpytorch_iterncgp.core.sharding import RowBlock, own_points
+    from gpytorch_iterncgp.core.sharding import ShardedRowBlock
 
     actions, kernel_actions, cholesky = buffer_data()
-    block = RowBlock.of_rank(101, 3, None)
+    block = ShardedRowBlock.of_rank(101, 3, None)
     buffer = ActionBuffer.from_tensors(actions, kernel_actions, block)
-    noise = BlockNoiseInverse(own_points(cholesky, block, 3))  # this rank's blocks, as the solver holds W
+    noise = BlockNoiseInverse(block.own_points(cholesky))  # this rank's blocks, as the solver holds W
     vector = torch.linspace(-1, 1, 303, dtype=torch.float64)
     combined = torch.stack(buffer.combine(torch.arange(6, dtype=torch.float64)), -1)  # this rank's rows
     centred = ActionBuffer.from_tensors(actions[:, :3], kernel_actions[:, :3], block)
@@ -444,11 +444,11 @@ def covariance_phase_rows(rank: int) -> dict[str, torch.Tensor]:
     over the ranks): the rows of the enlarged Q and K Q it returns, and the number of columns added."""
     from gpytorch_iterncgp.core.covariance import covariance_phase
     from gpytorch_iterncgp.core.noise import BlockNoiseInverse
-    from gpytorch_iterncgp.core.sharding import RowBlock, own_points
+    from gpytorch_iterncgp.core.sharding import ShardedRowBlock
 
     kernel, noise, root, kernel_root, project = covariance_phase_data()
-    block = RowBlock.of_rank(101, 3, None)
-    noise = BlockNoiseInverse(own_points(noise.curvature_cholesky, block, 3))  # this rank's blocks of W^{-1}
+    block = ShardedRowBlock.of_rank(101, 3, None)
+    noise = BlockNoiseInverse(block.own_points(noise.curvature_cholesky))  # this rank's blocks of W^{-1}
     phase = covariance_phase(
         lambda vectors: kernel @ vectors, noise, block.local(root), block.local(kernel_root), 3, 3, 9,
         project=project, action_space_dimension=202, seed=5, rows_block=block,
@@ -462,6 +462,7 @@ def covariance_phase_data() -> tuple:
     :func:`covariance_phase_rows`."""
     from gpytorch_iterncgp.core.covariance import covariance_phase
     from gpytorch_iterncgp.core.noise import BlockNoiseInverse, project_to_zero_sum
+    from gpytorch_iterncgp.core.sharding import RowBlock
 
     _, _, cholesky = buffer_data()
     x = torch.rand(101, 2, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
@@ -472,7 +473,9 @@ def covariance_phase_data() -> tuple:
     noise = BlockNoiseInverse(cholesky)
     project = lambda vectors: project_to_zero_sum(vectors, 3)  # noqa: E731
     empty = torch.zeros(303, 0, dtype=torch.float64)
-    first = covariance_phase(lambda v: kernel @ v, noise, empty, empty, 3, 1, 9, project=project, seed=4)
+    first = covariance_phase(
+        lambda v: kernel @ v, noise, empty, empty, 3, 1, 9, project=project, seed=4, rows_block=RowBlock.single(101, 3)
+    )
     return kernel, noise, first.precision_root, first.kernel_precision_root, project
 
 

@@ -270,12 +270,12 @@ def test_the_covariance_phase_on_rows_equals_the_phase_in_one_process(ranks):
     split) returns that rank's rows of the enlarged Q, K Q of the same phase in one process (3 blocks of 9 actions,
     18 directions added after the zero-sum projection), within 1e-10."""
     from gpytorch_iterncgp.core.covariance import covariance_phase
-    from gpytorch_iterncgp.core.sharding import row_bounds
+    from gpytorch_iterncgp.core.sharding import RowBlock, row_bounds
 
     kernel, noise, root, kernel_root, project = scenarios.covariance_phase_data()
     expected = covariance_phase(
         lambda vectors: kernel @ vectors, noise, root, kernel_root, 3, 3, 9,
-        project=project, action_space_dimension=202, seed=5,
+        project=project, action_space_dimension=202, seed=5, rows_block=RowBlock.single(101, 3),
     )  # fmt: skip
     assert expected.added == 18
     for (start, stop), result in zip(row_bounds(101, WORLD_SIZE), ranks, strict=True):

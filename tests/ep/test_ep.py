@@ -205,6 +205,7 @@ def test_compressed_incomplete_solves_keep_every_site_finite():
 
 def test_site_update_bounds_cavities_by_the_prior_and_skips_non_finite_ones():
     """Direct check of the local step against hand-computed cavities (R&W eq. 3.56)."""
+    from gpytorch_iterncgp.core.sharding import RowBlock
     from gpytorch_iterncgp.ep.sites import update_sites
     from gpytorch_iterncgp.likelihoods.adapters import likelihood_adapter
 
@@ -215,13 +216,13 @@ def test_site_update_bounds_cavities_by_the_prior_and_skips_non_finite_ones():
     tau = torch.tensor([1.0, 1.0, 1.0], dtype=torch.float64)
     nu = torch.tensor([0.3, -0.1, 0.2], dtype=torch.float64)
     prior_variance = torch.tensor([2.0, 2.0, 2.0], dtype=torch.float64)
-    update = update_sites(adapter, targets, mean, variance, tau, nu, 1.0, prior_variance)
+    update = update_sites(adapter, targets, mean, variance, tau, nu, 1.0, prior_variance, rows_block=RowBlock.single(3))
     assert update.bounded.tolist() == [False, True, False] and update.skipped.tolist() == [False, False, True]
     torch.testing.assert_close(update.cavity_precision[:2], torch.tensor([1 / 0.5 - 1, 1 / 2.0], dtype=torch.float64))
     # the raised cavity keeps the marginal mean: nu_cav = mu (tau_cav + tau) - nu
     assert math.isclose(float(update.cavity_natural_mean[1]), -0.2 * (0.5 + 1.0) + 0.1, rel_tol=1e-14)
     assert update.site_precision[2] == tau[2] and update.site_natural_mean[2] == nu[2]
-    without_bound = update_sites(adapter, targets, mean, variance, tau, nu, 1.0)
+    without_bound = update_sites(adapter, targets, mean, variance, tau, nu, 1.0, rows_block=RowBlock.single(3))
     assert without_bound.skipped.tolist() == [False, True, True]
 
 

@@ -471,7 +471,7 @@ def test_custom_policy_without_rows_is_refused_where_the_state_is_held_by_rows(m
     """With ``shard_state`` the policy is prepared with this rank's rows; a custom ``Policy`` whose ``prepare`` has no
     ``rows`` gets a ``TypeError`` that names the fix (one process stands in for a rank holding all rows)."""
     from gpytorch_iterncgp.core.policies import ConjugateGradientPolicy, Policy
-    from gpytorch_iterncgp.core.sharding import RowBlock
+    from gpytorch_iterncgp.core.sharding import ShardedRowBlock
 
     class OldStyle(ConjugateGradientPolicy):
         def prepare(self, num_data, num_latents, zero_sum_actions, observed=None):
@@ -480,7 +480,7 @@ def test_custom_policy_without_rows_is_refused_where_the_state_is_held_by_rows(m
     x, y = binary_data(30, seed=3)
     model = IterNCGPModel(x, y, LogitBernoulliLikelihood(), policy=OldStyle())
     strategy = model.variational_strategy
-    monkeypatch.setattr(strategy, "_rows_block", lambda: RowBlock(0, 30, 30, [(0, 30)], None))
+    monkeypatch.setattr(strategy, "_rows_block", lambda: ShardedRowBlock(0, 30, 30, [(0, 30)], None))
     with pytest.raises(TypeError, match="accept rows=\\(start, stop\\) in prepare"):
         strategy._prepare_loop()
     assert issubclass(OldStyle, Policy)
