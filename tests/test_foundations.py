@@ -210,7 +210,7 @@ LAYERS: list[tuple[str, list[set[str]]]] = [
         ],
     ),
     ("likelihoods", [{"multinomial_probit", "tilted"}, {"adapters"}]),
-    ("laplace", [{"newton"}]),
+    ("laplace", [{"line_search"}, {"newton"}]),
     ("ep", [{"sites"}, {"sweeps"}]),
     ("sparse", [{"psi_statistics"}, {"dtc"}, {"uncertain", "uncertain_prediction"}]),
     ("strategies", [{"base"}, {"predictive"}, {"itergp", "sparse"}]),

@@ -53,7 +53,8 @@ from ..core.prior import LatentPrior
 from ..core.recycling import ActionBuffer, virtual_solver_run
 from ..core.solver import IterGPOptions, IterGPResult, RegressionState, itergp_solve
 from ..core.validation import check_count, check_nonnegative
-from ..likelihoods.adapters import LikelihoodAdapter, LikelihoodDerivatives
+from ..likelihoods.adapters import LikelihoodAdapter
+from .line_search import LogPosterior, Point
 
 
 @dataclass
@@ -109,26 +110,12 @@ class LaplaceState(RegressionState):
         return cls(*cls.prior_tensors(size, dtype, device))
 
 
-# Halvings that only bring an overflowing candidate back to a finite log posterior are free down to this step
-# size, so that a long first step from the prior that overflows (an exponential link) is damped, not rejected.
-_OVERFLOW_MIN_STEP_SIZE = 2.0**-60
-
-
-@dataclass
-class _Point:
-    r"""A point :math:`\mathbf f = \mathbf m + \mathbf K \mathbf a` of the Newton iteration and :math:`\Psi` there."""
-
-    weights: Tensor  # a
-    kernel_weights: Tensor  # K a
-    log_posterior: float  # Psi
-
-
 class _NewtonStepTaken(NamedTuple):
     r"""A damped Newton step: its size (0: rejected), the point it reaches, the relative change
     :math:`\|\Delta\mathbf a\| / \|\mathbf a\|` and whether the loop has converged with it."""
 
     step_size: float
-    new: _Point
+    new: Point
     relative_change: float
     converged: bool
 
@@ -167,7 +154,6 @@ class DampedNewton:
         prior_mean = prior.mean.reshape(-1)
         self.num_rows = len(prior_mean)  # n = N C
         self.prior_mean = block.own_rows(prior_mean)  # (this rank's rows of) m
-        self.targets = block.own_points(targets)  # (this rank's points of) y
         num_data = self.num_rows // adapter.num_latents
         latents = adapter.num_latents - 1 if adapter.zero_sum_actions else adapter.num_latents
         self.action_space_dimension = num_data * latents
@@ -184,7 +170,8 @@ class DampedNewton:
             self.action_space_dimension = int(observed.sum())
             self.project = lambda vectors: vectors * mask
             self.project_whole = lambda vectors: vectors * whole
-        self._cached: tuple[Tensor, LikelihoodDerivatives] | None = None
+        # Psi, its slopes and the damped step, on this rank's points of y
+        self.objective = LogPosterior(adapter, self.prior_mean, block.own_points(targets), block, options.min_step_size)
 
     name = "Laplace"
     step_name = "Newton steps"
@@ -200,102 +187,18 @@ class DampedNewton:
         renewed = state.with_kernel(self.kernel_matmul, self.rows_block)
         return dataclasses.replace(renewed, log_posterior=-math.inf, control=NewtonControl())
 
-    # -- the objective -----------------------------------------------------------------------------------------
-    def latent_of(self, kernel_weights: Tensor) -> Tensor:
-        """:math:`\\mathbf m + \\mathbf K \\mathbf a`, ``(N, C)``."""
-        return (self.prior_mean + kernel_weights).reshape(-1, self.adapter.num_latents)
-
-    def point(self, weights: Tensor, kernel_weights: Tensor) -> _Point:
-        r""":math:`\Psi(\mathbf f) = \ell(\mathbf f) - \tfrac12 \mathbf a^\top \mathbf K \mathbf a` at :math:`\mathbf a`."""
-        block = self.rows_block
-        log_likelihood = float(block.summed(self.adapter.log_likelihood(self.latent_of(kernel_weights), self.targets)))
-        return _Point(weights, kernel_weights, log_likelihood - 0.5 * float(block.summed(kernel_weights @ weights)))
-
-    def derivatives(self, kernel_weights: Tensor) -> LikelihoodDerivatives:
-        """The likelihood's derivatives at :math:`\\mathbf m + \\mathbf K \\mathbf a` (one point cached)."""
-        if self._cached is None or self._cached[0] is not kernel_weights:
-            self._cached = (kernel_weights, self.adapter.derivatives(self.latent_of(kernel_weights), self.targets))
-        return self._cached[1]
-
-    def slope(self, point: _Point, direction: Tensor) -> float:
-        r""":math:`\mathrm d\Psi(\mathbf a + t \boldsymbol\delta)/\mathrm dt` at ``point``, with ``direction`` :math:`= \mathbf K \boldsymbol\delta`.
-
-        :math:`\nabla_{\mathbf a} \Psi = \mathbf K (\mathbf g - \mathbf a)`, so the slope is
-        :math:`(\mathbf K \boldsymbol\delta)^\top (\mathbf g - \mathbf a)`: no product with :math:`\mathbf K`.
-        """
-        gradient = self.derivatives(point.kernel_weights).gradient.reshape(-1)
-        return float(self.rows_block.summed(direction @ (gradient - point.weights)))
-
-    def warm_start(self, weights: Tensor, kernel_weights: Tensor) -> _Point:
-        r"""Scale representer weights :math:`\mathbf a` kept across a change of :math:`\mathbf K`.
-
-        :math:`\mathbf m + \mathbf K_{\text{new}} \mathbf a` can be far worse than the prior after a large
-        hyperparameter step (e.g. overflow of an exponential link); keep the best of :math:`\alpha \mathbf a`,
-        :math:`\alpha \in \{1, \tfrac12, \dots, 2^{-10}, 0\}` by the log posterior (no product with K).
-        """
-        best = self.point(0 * weights, 0 * kernel_weights)
-        for scale in [2.0**-k for k in range(11)]:
-            candidate = self.point(scale * weights, scale * kernel_weights)
-            if math.isfinite(candidate.log_posterior) and candidate.log_posterior > best.log_posterior:
-                best = candidate
-        return best
-
-    def damped_step(self, current: _Point, proposal: _Point) -> tuple[float, _Point, float]:
-        r"""Halve the step from ``current`` towards ``proposal`` until :math:`\Psi` does not decrease.
-
-        A candidate is accepted if its :math:`\Psi` is not below the current one (up to rounding), or if
-        :math:`\Psi` still increases at the candidate along the step: :math:`\Psi` is concave in
-        :math:`\mathbf a` (a log-concave likelihood plus a Gaussian prior), so a non-negative slope at the
-        end of the step means :math:`\Psi` rose all along it. The second test decides where the change of
-        :math:`\Psi` is below the rounding of :math:`\Psi` itself (large counts: sum terms far larger than
-        :math:`\Psi`), where comparing values depends on the CPU's rounding.
-        ``min_step_size`` counts from the largest step at which :math:`\Psi` is finite.
-
-        :return: the step size (0: rejected), the new point, and :math:`\Psi` at the full step.
-        """
-        eps = torch.finfo(current.weights.dtype).eps
-        step_size, first_finite, candidate = 1.0, None, proposal
-        direction = proposal.kernel_weights - current.kernel_weights
-        while True:
-            finite = math.isfinite(candidate.log_posterior)
-            if finite and (
-                candidate.log_posterior >= current.log_posterior - 100 * eps * max(1.0, abs(current.log_posterior))
-                or self.slope(candidate, direction) >= 0
-            ):
-                return step_size, candidate, proposal.log_posterior
-            if first_finite is None and finite:
-                first_finite = step_size
-            step_size /= 2
-            floor = _OVERFLOW_MIN_STEP_SIZE if first_finite is None else first_finite * self.options.min_step_size
-            if step_size < floor:
-                return 0.0, current, proposal.log_posterior
-            candidate = self.point(
-                current.weights + step_size * (proposal.weights - current.weights),
-                current.kernel_weights + step_size * direction,
-            )
-
-    def first_order_condition(self, point: _Point, tolerance: float) -> bool:
-        r"""Whether :math:`\|\nabla \log p(\mathbf y \mid \mathbf f) - \mathbf a\| \le \text{tolerance}\,\|\mathbf a\|`.
-
-        :math:`\mathbf a = \nabla \log p(\mathbf y \mid \mathbf f)` is the first-order condition of the mode (the
-        fixed point of Newton's iteration); checking it costs no product with :math:`\mathbf K`.
-        """
-        gradient = self.derivatives(point.kernel_weights).gradient.reshape(-1)
-        block = self.rows_block
-        return float(block.norm(gradient - point.weights)) <= tolerance * float(block.norm(point.weights))
-
     # -- the loop ------------------------------------------------------------------------------------------
     def steps(self, state: LaplaceState) -> Generator[OuterStep, None, None]:
         """Damped Newton steps from ``state`` (paper, Algorithm 1), until converged or stalled (the driver limits their
         number): each step solves its regression with IterGP (:meth:`_solve`), then halves the step until
         :math:`\\Psi` does not decrease (:meth:`_line_search`)."""
         state = state.with_own_rows(self.rows_block)  # (a loaded state holds all rows)
-        current = self.point(state.representer_weights, state.kernel_representer_weights)
+        current = self.objective.point(state.representer_weights, state.kernel_representer_weights)
         if state.newton_steps > 0 and state.log_posterior == -math.inf:  # K changed since these weights
-            current = self.warm_start(state.representer_weights, state.kernel_representer_weights)
+            current = self.objective.warm_start(state.representer_weights, state.kernel_representer_weights)
         buffer = ActionBuffer.from_tensors(state.actions, state.kernel_actions, self.rows_block)
         while True:
-            derivatives = self.derivatives(current.kernel_weights)
+            derivatives = self.objective.derivatives(current.kernel_weights)
             noise_inverse = derivatives.noise_inverse
             gradient_step = noise_inverse.matmul(derivatives.gradient.reshape(-1, 1))[:, 0]
             finite = bool(torch.isfinite(gradient_step).all()) and math.isfinite(float(derivatives.log_likelihood))
@@ -320,7 +223,7 @@ class DampedNewton:
 
     def _solve(
         self,
-        current: _Point,
+        current: Point,
         noise_inverse: LinearOperator,
         gradient_step: Tensor,
         buffer: ActionBuffer,
@@ -352,13 +255,14 @@ class DampedNewton:
             kernel_columns=self.kernel_columns,
         )
 
-    def _line_search(self, current: _Point, result: IterGPResult) -> _NewtonStepTaken:
-        r"""The damped step from ``current`` towards the solver's :math:`\mathbf v` (:meth:`damped_step`) and whether
-        the loop has converged with it (:meth:`_converged`)."""
-        proposal = self.point(result.representer_weights, result.kernel_representer_weights)
+    def _line_search(self, current: Point, result: IterGPResult) -> _NewtonStepTaken:
+        r"""The damped step from ``current`` towards the solver's :math:`\mathbf v`
+        (:meth:`~gpytorch_iterncgp.laplace.line_search.LogPosterior.damped_step`) and whether the loop has converged
+        with it (:meth:`_converged`)."""
+        proposal = self.objective.point(result.representer_weights, result.kernel_representer_weights)
         # Half the Newton decrement: what the full step promises to gain in Psi (exact for a quadratic).
-        predicted_gain = 0.5 * self.slope(current, proposal.kernel_weights - current.kernel_weights)
-        step_size, new, full_psi = self.damped_step(current, proposal)
+        predicted_gain = 0.5 * self.objective.slope(current, proposal.kernel_weights - current.kernel_weights)
+        step_size, new, full_psi = self.objective.damped_step(current, proposal)
         relative_change = relative_norm_change(new.weights, current.weights, self.rows_block)
         proposed_change = relative_norm_change(proposal.weights, current.weights, self.rows_block)
         converged = self._converged(result, current, new, step_size, full_psi, proposed_change, predicted_gain)
@@ -433,7 +337,7 @@ class DampedNewton:
         root_eps = math.sqrt(eps)
         scale = max(1.0, abs(new.log_posterior))
         if proposed_change <= self.options.outer_tol and (
-            result.converged or self.first_order_condition(new, self.options.outer_tol)
+            result.converged or self.objective.first_order_condition(new, self.options.outer_tol)
         ):
             return True
         if self.options.outer_tol > 0 and result.converged and step_size > 0 and predicted_gain <= eps * scale:
@@ -441,7 +345,7 @@ class DampedNewton:
         return (
             step_size == 0.0
             and abs(full_psi - new.log_posterior) <= root_eps * scale
-            and self.first_order_condition(new, root_eps)
+            and self.objective.first_order_condition(new, root_eps)
         )
 
     def finalize(self, state: LaplaceState) -> LaplaceState:
@@ -458,7 +362,7 @@ class DampedNewton:
         not stopped here, and repeated fits do not grow the state.
         """
         state = state.with_own_rows(self.rows_block)
-        final = self.derivatives(state.kernel_representer_weights)
+        final = self.objective.derivatives(state.kernel_representer_weights)
         diagonal = final.noise_inverse.diagonal()
         if not self.rows_block.everywhere(bool(torch.isfinite(diagonal).all()), diagonal):
             return state

@@ -378,11 +378,11 @@ def loop_vectors(built: IterNCGPModel) -> dict[str, torch.Tensor]:
                 "rhs": rhs,
                 "noise_shape": torch.tensor(noise.shape),
             }
-        derivatives = loop.derivatives(state.kernel_representer_weights)
+        derivatives = loop.objective.derivatives(state.kernel_representer_weights)
         return {
             "weights": state.representer_weights,
             "kernel_weights": state.kernel_representer_weights,
-            "mode": loop.latent_of(state.kernel_representer_weights).reshape(-1),
+            "mode": loop.objective.latent_of(state.kernel_representer_weights).reshape(-1),
             "gradient": derivatives.gradient.reshape(-1),
             "noise_diagonal": derivatives.noise_inverse.diagonal(),
             "noise_shape": torch.tensor(derivatives.noise_inverse.shape),
