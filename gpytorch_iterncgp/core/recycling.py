@@ -118,22 +118,9 @@ class ActionBuffer:
         """:math:`n = N C`, the length of the actions (on every rank, whatever rows it holds)."""
         return self.rows_block.size
 
-    def reduce(self, local: Tensor) -> Tensor:
-        """The sum over the ranks of a product of this rank's rows (itself in one process)."""
-        return self.rows_block.reduce(local)
-
-    def local(self, vectors: Tensor) -> Tensor:
-        """This rank's rows of ``(N C, ...)`` vectors, or the vectors if they are already this rank's rows
-        (:meth:`RowBlock.own_rows`); themselves in one process."""
-        return self.rows_block.own_rows(vectors)
-
-    def gather(self, local: Tensor) -> Tensor:
-        """``(N C, ...)`` from this rank's rows (itself in one process)."""
-        return self.rows_block.gather(local)
-
     def transpose_matmul(self, vectors: Tensor) -> Tensor:
         r""":math:`\mathbf S^\top \mathbf x` ``(B, ...)`` for ``(N C, ...)`` vectors (sharded: one ``all_reduce``)."""
-        return self.reduce(self.actions.rows @ self.local(vectors))
+        return self.rows_block.summed(self.actions.rows @ self.rows_block.own_rows(vectors))
 
     def combine(self, coefficients: Tensor) -> tuple[Tensor, Tensor]:
         r""":math:`\mathbf S \mathbf c` and :math:`\mathbf T \mathbf c` ``(N C,)`` for ``(B,)`` coefficients (held by
@@ -162,7 +149,7 @@ class ActionBuffer:
             for index in range(self.size):
                 column = self._gram_column(index, rows[:index] @ kernel_rows[index], reduce=False)
                 gram[index, : index + 1] = gram[: index + 1, index] = column
-            self._kernel_gram = self.reduce(gram)
+            self._kernel_gram = self.rows_block.summed(gram)
         return self._kernel_gram
 
     def zero_block_sums(self, block: int) -> bool:
@@ -184,14 +171,14 @@ class ActionBuffer:
     def action_gram(self) -> Tensor:
         r""":math:`\mathbf S^\top \mathbf S`, float64 ``(B, B)``, symmetric: one GEMM (:math:`O(N C B^2)`)."""
         rows = self.actions.rows
-        return _symmetric(self.reduce(rows @ rows.mT).double())
+        return _symmetric(self.rows_block.summed(rows @ rows.mT).double())
 
     def _gram_column(self, index: int, kernel_column: Tensor, reduce: bool = True) -> Tensor:
         """Column ``index`` of the kernel Gram matrix up to the diagonal (float64), from its part above the diagonal
         (``reduce=False``: this rank's part of the diagonal, for a column of this rank's parts)."""
         diagonal = self.actions.rows[index] @ self.kernel_actions.rows[index]
         if reduce:
-            diagonal = self.reduce(diagonal)
+            diagonal = self.rows_block.summed(diagonal)
         return torch.cat([kernel_column, diagonal[None]]).double()
 
     def append(self, action: Tensor, kernel_action: Tensor, kernel_column: Tensor | None = None) -> None:
@@ -201,8 +188,8 @@ class ActionBuffer:
         kept = self._kernel_gram is not None and self._kernel_gram.shape[-1] == self.size
         if kept and kernel_column is None:
             kernel_column = self.kernel_column(kernel_action)
-        self.actions.append(self.local(action))
-        self.kernel_actions.append(self.local(kernel_action))
+        self.actions.append(self.rows_block.own_rows(action))
+        self.kernel_actions.append(self.rows_block.own_rows(kernel_action))
         if kept and self._kernel_gram is not None and kernel_column is not None:
             self._kernel_gram = _bordered(self._kernel_gram, self._gram_column(self.size - 1, kernel_column))
 
@@ -238,12 +225,12 @@ class ImplicitRoot:
     def precision_root(self) -> Tensor:
         r""":math:`\mathbf Q = \mathbf S \mathbf E`, ``(n, r)``: formed on each call (a buffer held by rows: its
         :attr:`local_precision_root` gathered)."""
-        return self.buffer.gather(self.local_precision_root)
+        return self.buffer.rows_block.all_rows(self.local_precision_root)
 
     @property
     def kernel_precision_root(self) -> Tensor:
         r""":math:`\mathbf K \mathbf Q = \mathbf T \mathbf E`, ``(n, r)``: formed on each call."""
-        return self.buffer.gather(self.local_kernel_precision_root)
+        return self.buffer.rows_block.all_rows(self.local_kernel_precision_root)
 
     @property
     def local_precision_root(self) -> Tensor:
@@ -294,13 +281,13 @@ def noise_gram(buffer: ActionBuffer, noise_inverse: LinearOperator) -> Tensor:
             if half:
                 gram[:half, :half] += (whitened[:half] @ whitened[:half].mT).double()
         gram[:half, half:] = gram[half:, :half].mT
-        return _symmetric(buffer.reduce(gram))
+        return _symmetric(buffer.rows_block.summed(gram))
     width = max(1, NOISE_BLOCK_BYTES // max(1, num_rows * rows.element_size()))
     blocks = []
     for start in range(0, size, width):
         noisy = noise_inverse.matmul(rows[start : start + width].mT)
         blocks.append(rows @ noisy if support is None else rows[:, support] @ noisy[support])
-    return _symmetric(buffer.reduce(torch.cat(blocks, dim=-1).double()))
+    return _symmetric(buffer.rows_block.summed(torch.cat(blocks, dim=-1).double()))
 
 
 def row_support(rows: Tensor) -> Tensor | None:
@@ -382,7 +369,7 @@ def virtual_solver_run(
     block = buffer.rows_block  # the rows of the vectors this rank holds
     extra: tuple[Tensor, Tensor] | None = None
     if keep is not None and compression_rank is not None:
-        kept = (buffer.local(keep[0]), buffer.local(keep[1]))
+        kept = (buffer.rows_block.own_rows(keep[0]), buffer.rows_block.own_rows(keep[1]))
         kept_norm = block.norm(kept[0])
         if float(kept_norm) > 0:
             extra = (kept[0] / kept_norm, kept[1] / kept_norm)
