@@ -305,9 +305,7 @@ class LatentPrior:
             return self.matmul(rhs)
         whole, sharded = rows.all_rows(rhs), _sharded(self.covariance)
         if sharded is None:  # the wrapped kernel's own evaluation (gradients): all rows, then this rank's
-            return rows.own_rows(
-                self._counted(rhs.shape[-1], lambda: self._layout_matmul(self._product(), whole, *self.shape))
-            )
+            return rows.own_rows(self.matmul(whole))
 
         def own(matrix: Tensor) -> Tensor:  # each rank its rows, by the products of one process; not gathered
             return sharded.sharded_matmul(_local_matmul, matrix, gather=False)
