@@ -34,12 +34,12 @@ from linear_operator.operators import DiagLinearOperator
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from ..core.state import fingerprint_matches, parameter_fingerprint
 from ..core.validation import check_count, check_flag, check_nonnegative
 from ..ep.sweeps import SweepOptions
 from ..mlls.uncertain import UncertainSparseEPMarginalLogLikelihood
 from ..sparse.uncertain import uncertain_posterior
 from ..sparse.uncertain_prediction import uncertain_predictive
-from ..strategies.base import fingerprint_matches, parameter_fingerprint
 
 __all__ = ["EPLatentVariableModel", "NoisyInputGPClassifier", "pca_initialisation"]
 
@@ -119,7 +119,7 @@ class _UncertainInputGP(gpytorch.models.GP):
 
     def _fingerprint(self) -> Tensor:
         """Every parameter and the training inputs' distribution, flattened (what the sites depend on), in the
-        sites' dtype (:func:`~gpytorch_iterncgp.strategies.base.parameter_fingerprint`)."""
+        sites' dtype (:func:`~gpytorch_iterncgp.core.state.parameter_fingerprint`)."""
         means, variances = self.train_inputs_distribution()
         return parameter_fingerprint([*self.parameters(), means, variances], self.site_precision)
 

@@ -97,6 +97,11 @@ class DTCPrior:
         return cls(mean, diagonal, cholesky, torch.linalg.solve_triangular(cholesky, cross, upper=False))
 
     @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the prior is computed in."""
+        return self.mean.dtype
+
+    @property
     def dtc_variance(self) -> Tensor:
         r""":math:`q_{ii} = \|\mathbf V_{:, i}\|^2`, ``(N,)``."""
         return self.whitened_cross.square().sum(0)
