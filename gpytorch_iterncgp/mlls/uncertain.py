@@ -61,9 +61,10 @@ from ..ep.sweeps import SweepOptions
 from ..exceptions import NonFiniteEvidenceError
 from ..likelihoods.adapters import LikelihoodAdapter, likelihood_adapter
 from ..sparse.dtc import SparseEPState
-from ..sparse.uncertain import UncertainDTCPrior, UncertainSparseEP, psi_statistics, uncertain_posterior
+from ..sparse.uncertain import UncertainDTCPrior, UncertainSparseEP, psi_statistics
 from ..strategies.base import converge
-from .itergp import ep_site_terms, log_prior
+from .itergp import log_prior
+from .sparse import ep_dtc_bound
 
 __all__ = ["UncertainSparseEPMarginalLogLikelihood", "gaussian_kl", "uncertain_ep_bound"]
 
@@ -75,7 +76,8 @@ def uncertain_ep_bound(
     site_precision: Tensor,
     site_natural_mean: Tensor,
 ) -> Tensor:
-    r""":math:`\mathcal L_H` without the KL term (eq. S.35; module docstring) at fixed sites, differentiable in ``prior``.
+    r""":math:`\mathcal L_H` without the KL term (eq. S.35; module docstring) at fixed sites, differentiable in ``prior``:
+    :func:`~gpytorch_iterncgp.mlls.sparse.ep_dtc_bound` under the expected DTC prior.
 
     :param prior: the expected DTC prior, built *with* gradients (:meth:`UncertainDTCPrior.from_statistics
         <gpytorch_iterncgp.uncertain.UncertainDTCPrior.from_statistics>`).
@@ -86,22 +88,7 @@ def uncertain_ep_bound(
 
     :return: A scalar; NaN only if the sites are not at a fixed point (a cavity precision :math:`\le 0`).
     """
-    tau, nu = site_precision.detach(), site_natural_mean.detach()
-    cross, mean, spread = prior.whitened_cross, prior.mean, prior.spread
-    positive = tau > 0
-    ratio = 1 + tau * spread  # r_i
-    residual = torch.where(positive, nu - tau * mean, 0.0)  # sqrt(tau) b
-    rooted = cross * (tau.sqrt() / ratio.sqrt())
-    system = rooted @ rooted.mT + torch.eye(len(cross), dtype=cross.dtype, device=cross.device)
-    cholesky = torch.linalg.cholesky(system)
-    whitened = torch.linalg.solve_triangular(cholesky, (cross @ (residual / ratio))[:, None], upper=False)[:, 0]
-    quadratic = (residual.square() / (torch.where(positive, tau, 1) * ratio)).sum() - whitened.square().sum()
-    log_det = 2 * cholesky.diagonal().log().sum() + ratio.log().sum()
-    trace = (tau * (prior.diagonal - prior.dtc_variance)).sum()
-    with torch.no_grad():
-        _, _, marginal_mean, marginal_variance = uncertain_posterior(prior.detached(), tau, nu)
-    site_terms = ep_site_terms(adapter, targets, marginal_mean, marginal_variance, tau, nu)
-    return -0.5 * log_det - 0.5 * quadratic - 0.5 * trace + site_terms
+    return ep_dtc_bound(prior, adapter, targets, site_precision, site_natural_mean)
 
 
 def gaussian_kl(means: Tensor, variances: Tensor) -> Tensor:

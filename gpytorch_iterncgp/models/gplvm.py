@@ -38,6 +38,8 @@ from ..core.state import fingerprint_matches, parameter_fingerprint
 from ..core.validation import check_count, check_flag, check_nonnegative
 from ..ep.sweeps import SweepOptions
 from ..mlls.uncertain import UncertainSparseEPMarginalLogLikelihood
+from ..sparse.dtc import WhitenedInducing
+from ..sparse.psi_statistics import psi_statistics
 from ..sparse.uncertain import uncertain_posterior
 from ..sparse.uncertain_prediction import uncertain_predictive
 
@@ -210,17 +212,13 @@ class _UncertainInputGP(gpytorch.models.GP):
         variances = torch.zeros_like(means) if variances is None else variances.to(means)
         cholesky, weights = self._posterior()
         with torch.no_grad():
-            return uncertain_predictive(
-                self.covar_module,
-                self.inducing_points,
-                self.mean_module.constant.reshape(()),
-                cholesky,
-                weights,
-                means,
-                variances,
-                self.mll.psi_method,
-                self.mll.num_samples,
+            inducing = self.inducing_points
+            statistics = psi_statistics(
+                self.covar_module, means, variances, inducing, self.mll.psi_method, self.mll.num_samples
             )
+            whitening = WhitenedInducing.from_covariance(self.covar_module(inducing).to_dense())
+            constant = self.mean_module.constant.reshape(())
+            return uncertain_predictive(statistics, whitening, constant, cholesky, weights)
 
     def _probabilities(self, mean: Tensor, variance: Tensor) -> Tensor:
         marginal = self.likelihood(MultivariateNormal(mean.reshape(-1), DiagLinearOperator(variance.reshape(-1))))

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from ..core.validation import check_flag, check_inputs
 from ..ep.sweeps import SweepOptions
-from ..sparse.dtc import DTCPrior, SparseEP, SparseEPState, inducing_cholesky
+from ..sparse.dtc import DTCPrior, SparseEP, SparseEPState, WhitenedInducing
 from .predictive import PredictiveStrategy, warn_lost_variance
 
 
@@ -112,10 +112,9 @@ class SparseEPStrategy(PredictiveStrategy):
         if not isinstance(distribution, MultivariateNormal) or distribution.batch_shape != torch.Size([]):
             raise ValueError("SparseEPStrategy needs a model whose forward returns a MultivariateNormal without batch.")
         covariance = distribution.lazy_covariance_matrix
-        cholesky = inducing_cholesky(covariance[:num_inducing, :num_inducing].to_dense())
-        cross = covariance[:num_inducing, num_inducing:].to_dense()
-        whitened = torch.linalg.solve_triangular(cholesky, cross, upper=False)
-        return distribution.mean[num_inducing:], covariance[num_inducing:, num_inducing:], cholesky, whitened
+        whitening = WhitenedInducing.from_covariance(covariance[:num_inducing, :num_inducing].to_dense())
+        whitened = whitening.whiten(covariance[:num_inducing, num_inducing:].to_dense())
+        return distribution.mean[num_inducing:], covariance[num_inducing:, num_inducing:], whitening.cholesky, whitened
 
     def dtc_prior(self) -> DTCPrior:
         r"""The DTC prior at the training inputs (with gradients where autograd records them): :math:`O(M^2 N)`."""
