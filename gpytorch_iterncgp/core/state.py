@@ -149,15 +149,14 @@ class ExtraState:
         return cls(**values)
 
 
-def data_fingerprint(inputs: Tensor, targets: Tensor) -> str:
+def data_fingerprint(*tensors: Tensor) -> str:
     """A hash of the training data (rounded to float32, so a float32 copy of float64 data matches).
 
-    :param inputs: the training inputs ``(N, D)``.
-    :param targets: the training targets ``(N,)`` or ``(N, P)``.
-    :return: the SHA-256 hex digest of both tensors' shapes and values.
+    :param tensors: the training data, e.g. the inputs ``(N, D)`` and the targets ``(N,)`` or ``(N, P)``.
+    :return: the SHA-256 hex digest of the tensors' shapes and values.
     """
     digest = hashlib.sha256()
-    for tensor in (inputs, targets):
+    for tensor in tensors:
         values = tensor.detach().to(device="cpu", dtype=torch.float32).contiguous()
         digest.update(str(tuple(values.shape)).encode())
         digest.update(values.numpy().tobytes())
@@ -226,9 +225,9 @@ class CommittedState:
         """Whether a state is committed and belongs to the parameters of ``fingerprint``."""
         return self.state is not None and fingerprint_matches(fingerprint, self.fingerprint)
 
-    def commit(self, state: Any, fingerprint: Tensor) -> None:
-        """Make ``state`` the committed state, for the parameters of ``fingerprint``, and keep the companion's
-        position."""
+    def commit(self, state: Any, fingerprint: Tensor | None) -> None:
+        """Make ``state`` the committed state, for the parameters of ``fingerprint`` (``None``: for none), and keep the
+        companion's position."""
         self.state, self.fingerprint = state, fingerprint
         if self.companion is not None:
             self.companion_state = self.companion.state()
@@ -265,13 +264,13 @@ class CommittedState:
         extra["data"] = data
         return extra
 
-    def load_extra(self, extra: Any, inputs: Tensor, targets: Tensor, expected_size: int, saved_by: str) -> None:
+    def load_extra(self, extra: Any, reference: Tensor, expected_size: int, data: str, saved_by: str) -> None:
         """Restore :meth:`to_extra`. A state of other training data (another number of latent values, or another
         :func:`data_fingerprint`) is discarded with a ``UserWarning``: nothing is committed then.
 
-        :param inputs: this model's training inputs (also the dtype and device the tensors are restored to).
-        :param targets: its training targets.
-        :param expected_size: the number of latent values of this model's data (:math:`N C`).
+        :param reference: a tensor of the dtype and device to restore to (e.g. the training inputs).
+        :param expected_size: the number of latent values of this model's data (:meth:`ExtraState.num_latent_values`).
+        :param data: the :func:`data_fingerprint` of this model's data.
         :param saved_by: named in errors and warnings.
         :raises ValueError: if the dict is malformed (missing entries, shapes that disagree).
         """
@@ -285,10 +284,10 @@ class CommittedState:
             raise ValueError(
                 f"{saved_by} extra state is malformed: its state must be a dict, got {type(saved).__name__}."
             )
-        state = self.state_type.from_extra(saved, inputs)
+        state = self.state_type.from_extra(saved, reference)
         size = state.num_latent_values()
-        data = extra.get("data")
-        if size != expected_size or (data is not None and data != data_fingerprint(inputs, targets)):
+        saved_data = extra.get("data")
+        if size != expected_size or (saved_data is not None and saved_data != data):
             warnings.warn(
                 f"The saved {saved_by} solver state belongs to other training data ({size} latent values, this model "
                 f"has {expected_size}, or different values): it is discarded, and the next fit() or prediction "
@@ -300,7 +299,7 @@ class CommittedState:
             return
         fingerprint = extra.get("fingerprint")
         self.state = state
-        self.fingerprint = None if fingerprint is None else fingerprint.to(inputs)
+        self.fingerprint = None if fingerprint is None else fingerprint.to(reference)
         self._load_companion(extra)
 
     def apply(self, fn: Callable[[Tensor], Tensor]) -> None:

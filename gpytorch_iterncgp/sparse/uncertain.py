@@ -81,12 +81,14 @@ import torch
 from torch import Tensor
 
 from ..core.outer_loop import EPSweep, LoopStatus, OuterStep
+from ..core.state import ExtraState
 from ..ep.sites import update_sites
 from ..likelihoods.adapters import LikelihoodAdapter
 from .dtc import DTCPrior, SparseEP, SparseEPState, WhitenedInducing
 from .psi_statistics import MonteCarloPsiWarning, PsiStatistics, psi_statistics
 
 __all__ = [
+    "ColumnSites",
     "MonteCarloPsiWarning",
     "PsiStatistics",
     "RankOneFactors",
@@ -162,6 +164,28 @@ class UncertainDTCPrior(DTCPrior):
     def independent_variance(self) -> Tensor:
         r""":math:`\operatorname{diag}\boldsymbol\Lambda` ``(N,)``."""
         return self.spread
+
+
+@dataclass
+class ColumnSites(ExtraState):
+    r"""The committed state of an uncertain-input model (:class:`~gpytorch_iterncgp.core.state.CommittedState`): the
+    EP sites :math:`\tilde{\boldsymbol\tau}, \tilde{\boldsymbol\nu}` of its output columns, ``(N,)`` each for one
+    output, ``(P, N)`` for :math:`P` columns sharing the expected DTC prior."""
+
+    site_precision: Tensor
+    site_natural_mean: Tensor
+
+    saved_by = "UncertainSparseEPMarginalLogLikelihood"
+
+    @classmethod
+    def expected_shapes(cls, saved: dict[str, Tensor]) -> dict[str, tuple[int, ...]]:
+        """Both of the shape of ``site_precision``."""
+        shape = tuple(saved["site_precision"].shape)
+        return {"site_precision": shape, "site_natural_mean": shape}
+
+    def num_latent_values(self) -> int:
+        """:math:`N P`, one site per point and column."""
+        return self.site_precision.numel()
 
 
 def uncertain_posterior(
