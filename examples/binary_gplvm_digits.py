@@ -128,7 +128,7 @@ def main() -> None:
         losses = model.fit(num_steps=ep_steps, lr=0.05, show_progress=not args.quiet)
         embeddings["EP GP-LVM (probit)"] = model.embedding().numpy()
     seconds["EP GP-LVM (probit)"] = timer.seconds
-    assert all(report.converged for report in model.mll.last_reports), "EP did not converge in some column"
+    assert all(report.converged for report in model.last_reports), "EP did not converge in some column"
     probabilities = model.predict_proba(model.embedding(), model.latent_variances().detach())
     train_nll = float(-torch.distributions.Bernoulli(probs=probabilities).log_prob(data).mean())
 

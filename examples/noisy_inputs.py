@@ -71,7 +71,7 @@ def main() -> None:
         )
         with _common.Timer() as timer:
             losses = model.fit(num_steps=steps, lr=0.05, show_progress=not args.quiet)
-        assert all(report.converged for report in model.mll.last_reports), f"{name}: EP did not converge"
+        assert all(report.converged for report in model.last_reports), f"{name}: EP did not converge"
         probabilities = model.predict_proba(test["observed"], test_variances)
         nll, accuracy = evaluate(probabilities, test["labels"])
         split = {}

@@ -214,7 +214,7 @@ LAYERS: list[tuple[str, list[set[str]]]] = [
     ("ep", [{"sites"}, {"sweeps"}]),
     ("sparse", [{"psi_statistics"}, {"dtc"}, {"uncertain", "uncertain_prediction"}]),
     ("strategies", [{"base"}, {"predictive"}, {"itergp", "sparse"}]),
-    ("mlls", [{"itergp"}, {"sparse", "uncertain"}]),
+    ("mlls", [{"itergp"}, {"sparse"}, {"uncertain"}]),
     ("learning", [{"recipe", "scale"}, {"rows", "learner", "outputscale"}, {"fit"}]),
     ("models", [{"alps", "gplvm"}, {"alps_gibbs"}]),
     ("kernels", [{"sharded"}]),

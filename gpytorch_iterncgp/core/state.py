@@ -12,14 +12,22 @@ Every outer loop (damped Newton, EP, EP-DTC) keeps a dataclass state that a stra
 
 Entries added in a later version of a state (:attr:`ExtraState.optional_entries`) may be missing from a dict saved
 by an earlier one; they take the field's default.
+
+:class:`CommittedState` is the one component that holds such a state for a model: the state of the last completed
+step, the *fingerprint* of the parameters it was fitted at (:func:`parameter_fingerprint`), the position of a stateful
+companion (a policy) at that step; it commits, rewinds, tells whether the state is current, and saves and loads all
+of it as one extra-state dict (as GPyTorch's ``_VariationalStrategy`` keeps its variational distribution in a
+module of its own).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import hashlib
+import warnings
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Self, TypeGuard, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self, TypeGuard, cast
 
 import torch
 from torch import Tensor
@@ -90,6 +98,10 @@ class ExtraState:
         """
         raise NotImplementedError
 
+    def num_latent_values(self) -> int:
+        """The number of latent values the state belongs to (:math:`N C`): the length of its first tensor field."""
+        return getattr(self, self.tensor_fields()[0]).shape[0]
+
     def tensors(self) -> dict[str, Tensor]:
         """Every tensor of the state, by field name (forming any that are deferred)."""
         return {name: getattr(self, name) for name in self.tensor_fields()}
@@ -135,3 +147,165 @@ class ExtraState:
             for field in dataclasses.fields(cls)
         }
         return cls(**values)
+
+
+def data_fingerprint(*tensors: Tensor) -> str:
+    """A hash of the training data (rounded to float32, so a float32 copy of float64 data matches).
+
+    :param tensors: the training data, e.g. the inputs ``(N, D)`` and the targets ``(N,)`` or ``(N, P)``.
+    :return: the SHA-256 hex digest of the tensors' shapes and values.
+    """
+    digest = hashlib.sha256()
+    for tensor in tensors:
+        values = tensor.detach().to(device="cpu", dtype=torch.float32).contiguous()
+        digest.update(str(tuple(values.shape)).encode())
+        digest.update(values.numpy().tobytes())
+    return digest.hexdigest()
+
+
+def parameter_fingerprint(tensors: Iterable[Tensor], like: Tensor) -> Tensor:
+    """The values a fitted state depends on, detached and flattened into one vector.
+
+    :param tensors: the parameters (and any other tensors the fit depends on), of any shapes.
+    :param like: the dtype and device of the fingerprint.
+    :return: a copy of all their entries, ``(sum of their sizes,)`` (empty without tensors).
+    """
+    parts = [tensor.detach().reshape(-1).to(like) for tensor in tensors]
+    if not parts:
+        return like.new_zeros(0)
+    return torch.cat(parts).clone()
+
+
+def fingerprint_matches(fingerprint: Tensor, committed: Tensor | None) -> bool:
+    """Whether ``fingerprint`` equals the ``committed`` one exactly (``None``: nothing committed).
+
+    :param fingerprint: the current parameters' :func:`parameter_fingerprint`.
+    :param committed: that of the parameters the committed state was fitted at.
+    """
+    if committed is None:
+        return False
+    return fingerprint.shape == committed.shape and bool(torch.equal(fingerprint, committed))
+
+
+class Companion(Protocol):
+    """What moves with the state and is committed beside it (a :class:`~gpytorch_iterncgp.core.policies.Policy`)."""
+
+    def state(self) -> dict:  # pragma: no cover - a protocol
+        """Its position, a dict of numbers."""
+        ...
+
+    def load_state(self, state: dict) -> None:  # pragma: no cover - a protocol
+        """Inverse of :meth:`state`."""
+        ...
+
+
+class CommittedState:
+    r"""The committed state of an outer loop, the fingerprint of the parameters it belongs to, and the position of a
+    companion at that commit (module docstring).
+
+    A model commits after every completed step (:meth:`commit`), puts the companion back after an interrupted fit
+    (:meth:`rewind`), asks whether the state belongs to the current parameters (:meth:`is_current`), and saves and
+    restores all of it as one extra-state dict (:meth:`to_extra`, :meth:`load_extra`)::
+
+        {"version": 2, "state": state.to_extra() or None, "fingerprint": Tensor or None,
+         "policy": companion position (only with a companion), "data": data_fingerprint(inputs, targets)}
+
+    :param state_type: the :class:`ExtraState` subclass of the states.
+    :param companion: an object whose position belongs to the state (``state()``, ``load_state(dict)``: a policy),
+        or ``None``.
+    """
+
+    def __init__(self, state_type: type[ExtraState], companion: Companion | None = None):
+        self.state_type, self.companion = state_type, companion
+        self.state: Any = None  # of state_type, or None before the first commit
+        self.fingerprint: Tensor | None = None  # the parameters the state belongs to
+        self.companion_state: dict = {} if companion is None else companion.state()
+
+    def is_current(self, fingerprint: Tensor) -> bool:
+        """Whether a state is committed and belongs to the parameters of ``fingerprint``."""
+        return self.state is not None and fingerprint_matches(fingerprint, self.fingerprint)
+
+    def commit(self, state: Any, fingerprint: Tensor | None) -> None:
+        """Make ``state`` the committed state, for the parameters of ``fingerprint`` (``None``: for none), and keep the
+        companion's position."""
+        self.state, self.fingerprint = state, fingerprint
+        if self.companion is not None:
+            self.companion_state = self.companion.state()
+
+    def rewind(self) -> None:
+        """Put the companion back to its position at the last commit (after an interrupted fit)."""
+        if self.companion is not None:
+            self.companion.load_state(self.companion_state)
+
+    def reset(self, extra: Mapping) -> None:
+        """Nothing committed; the companion at the position saved in ``extra`` (``{}``: its start)."""
+        self.state, self.fingerprint = None, None
+        self._load_companion(extra)
+
+    def _load_companion(self, extra: Mapping) -> None:
+        if self.companion is not None:
+            self.companion.load_state(extra.get("policy", {}))
+            self.companion_state = self.companion.state()
+
+    def to_extra(self, data: str, saved_state: Any = None) -> dict:
+        """The committed state as an extra-state dict (module docstring): tensors, numbers and strings only.
+
+        :param data: the :func:`data_fingerprint` of the training data.
+        :param saved_state: the state as saved (e.g. with all rows gathered); default the committed one.
+        """
+        state = self.state if saved_state is None else saved_state
+        extra: dict[str, Any] = {
+            "version": 2,
+            "state": None if state is None else state.to_extra(),
+            "fingerprint": self.fingerprint,
+        }
+        if self.companion is not None:
+            extra["policy"] = dict(self.companion_state)
+        extra["data"] = data
+        return extra
+
+    def load_extra(self, extra: Any, reference: Tensor, expected_size: int, data: str, saved_by: str) -> None:
+        """Restore :meth:`to_extra`. A state of other training data (another number of latent values, or another
+        :func:`data_fingerprint`) is discarded with a ``UserWarning``: nothing is committed then.
+
+        :param reference: a tensor of the dtype and device to restore to (e.g. the training inputs).
+        :param expected_size: the number of latent values of this model's data (:meth:`ExtraState.num_latent_values`).
+        :param data: the :func:`data_fingerprint` of this model's data.
+        :param saved_by: named in errors and warnings.
+        :raises ValueError: if the dict is malformed (missing entries, shapes that disagree).
+        """
+        if not isinstance(extra, dict):
+            raise ValueError(f"{saved_by} extra state must be a dict, got {type(extra).__name__}.")
+        saved = extra.get("state")
+        if saved is None:
+            self.reset(extra)
+            return
+        if not isinstance(saved, dict):
+            raise ValueError(
+                f"{saved_by} extra state is malformed: its state must be a dict, got {type(saved).__name__}."
+            )
+        state = self.state_type.from_extra(saved, reference)
+        size = state.num_latent_values()
+        saved_data = extra.get("data")
+        if size != expected_size or (saved_data is not None and saved_data != data):
+            warnings.warn(
+                f"The saved {saved_by} solver state belongs to other training data ({size} latent values, this model "
+                f"has {expected_size}, or different values): it is discarded, and the next fit() or prediction "
+                "starts from the prior.",
+                UserWarning,
+                stacklevel=3,
+            )
+            self.reset({})
+            return
+        fingerprint = extra.get("fingerprint")
+        self.state = state
+        self.fingerprint = None if fingerprint is None else fingerprint.to(reference)
+        self._load_companion(extra)
+
+    def apply(self, fn: Callable[[Tensor], Tensor]) -> None:
+        """Apply ``fn`` (a module's ``_apply``: a device or dtype move) to every tensor held."""
+        if self.state is not None:
+            converted = {name: fn(tensor) for name, tensor in self.state.tensors().items()}
+            self.state = dataclasses.replace(self.state, **converted)
+        if self.fingerprint is not None:
+            self.fingerprint = fn(self.fingerprint)

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from ..likelihoods.adapters import LikelihoodAdapter
-from ..sparse.dtc import DTCPrior, SparseEPState, dtc_posterior, whitened_system_cholesky
+from ..sparse.dtc import DTCPrior, SparseEPState, WhitenedInducing
 from ..strategies.sparse import SparseEPStrategy
 from .itergp import _StrategyEvidence, ep_site_terms
 
@@ -40,24 +40,31 @@ from .itergp import _StrategyEvidence, ep_site_terms
 def ep_dtc_bound(
     prior: DTCPrior, adapter: LikelihoodAdapter, targets: Tensor, site_precision: Tensor, site_natural_mean: Tensor
 ) -> Tensor:
-    r""":math:`\mathcal L_E` (eq. S.21; module docstring) at fixed sites, differentiable in ``prior``.
+    r""":math:`\mathcal L_E` (eq. S.21; module docstring) at fixed sites, differentiable in ``prior``; under the
+    expected DTC prior of uncertain inputs (an :class:`~gpytorch_iterncgp.sparse.uncertain.UncertainDTCPrior`, with
+    its independent variances :math:`\boldsymbol\Lambda`) it is :math:`\mathcal L_H` without the KL term
+    (:func:`~gpytorch_iterncgp.mlls.uncertain.uncertain_ep_bound`): with :math:`r_i = 1 + \tilde\tau_i\Lambda_{ii}`
+    (1 for the DTC prior) the log-determinant gains :math:`\sum_i \log r_i` and the quadratic form divides by
+    :math:`\mathbf R`, both through :math:`\mathbf B` of
+    :meth:`WhitenedInducing.system_cholesky <gpytorch_iterncgp.sparse.dtc.WhitenedInducing.system_cholesky>`.
 
     :param prior: the DTC prior at the training inputs, built *with* gradients
         (:meth:`SparseEPStrategy.dtc_prior <gpytorch_iterncgp.SparseEPStrategy.dtc_prior>`).
     :param site_precision: :math:`\tilde{\boldsymbol\tau}` ``(N,)``; ``site_natural_mean``: :math:`\tilde{\boldsymbol\nu}`.
+    :return: A scalar; NaN only if the sites are not at a fixed point (a cavity precision :math:`\le 0`).
     """
     tau, nu = site_precision.detach(), site_natural_mean.detach()
-    cross, mean = prior.whitened_cross, prior.mean
+    cross, mean, spread = prior.whitened_cross, prior.mean, prior.independent_variance()
     positive = tau > 0
+    ratio = 1 + tau * spread  # r_i
     residual = torch.where(positive, nu - tau * mean, 0.0)  # sqrt(tau) b
-    cholesky = whitened_system_cholesky(cross, tau.sqrt())
-    whitened = torch.linalg.solve_triangular(cholesky, (cross @ residual)[:, None], upper=False)[:, 0]
-    quadratic = (residual.square() / torch.where(positive, tau, 1)).sum() - whitened.square().sum()
-    log_det = 2 * cholesky.diagonal().log().sum()
-    trace = (tau * (prior.diagonal - cross.square().sum(0))).sum()
+    cholesky = WhitenedInducing.system_cholesky(cross, tau, ratio)
+    whitened = torch.linalg.solve_triangular(cholesky, (cross @ (residual / ratio))[:, None], upper=False)[:, 0]
+    quadratic = (residual.square() / (torch.where(positive, tau, 1) * ratio)).sum() - whitened.square().sum()
+    log_det = 2 * cholesky.diagonal().log().sum() + ratio.log().sum()
+    trace = (tau * (prior.diagonal - prior.dtc_variance)).sum()
     with torch.no_grad():
-        detached = DTCPrior(prior.mean.detach(), prior.diagonal.detach(), prior.cholesky.detach(), cross.detach())
-        _, _, marginal_mean, marginal_variance = dtc_posterior(detached, tau, nu)
+        _, _, marginal_mean, marginal_variance = prior.detached().posterior(tau, nu)
     site_terms = ep_site_terms(adapter, targets, marginal_mean, marginal_variance, tau, nu)
     return -0.5 * log_det - 0.5 * quadratic - 0.5 * trace + site_terms
 

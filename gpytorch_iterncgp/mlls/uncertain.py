@@ -56,14 +56,16 @@ from gpytorch.mlls import MarginalLogLikelihood
 from torch import Tensor
 
 from ..core.outer_loop import FitReport
+from ..core.state import CommittedState, parameter_fingerprint
 from ..core.validation import check_count
 from ..ep.sweeps import SweepOptions
 from ..exceptions import NonFiniteEvidenceError
 from ..likelihoods.adapters import LikelihoodAdapter, likelihood_adapter
 from ..sparse.dtc import SparseEPState
-from ..sparse.uncertain import UncertainDTCPrior, UncertainSparseEP, psi_statistics, uncertain_posterior
-from ..strategies.base import converge
-from .itergp import ep_site_terms, log_prior
+from ..sparse.uncertain import ColumnSites, UncertainDTCPrior, UncertainSparseEP, psi_statistics
+from ..strategies.base import converge, replaced_options
+from .itergp import log_prior
+from .sparse import ep_dtc_bound
 
 __all__ = ["UncertainSparseEPMarginalLogLikelihood", "gaussian_kl", "uncertain_ep_bound"]
 
@@ -75,7 +77,8 @@ def uncertain_ep_bound(
     site_precision: Tensor,
     site_natural_mean: Tensor,
 ) -> Tensor:
-    r""":math:`\mathcal L_H` without the KL term (eq. S.35; module docstring) at fixed sites, differentiable in ``prior``.
+    r""":math:`\mathcal L_H` without the KL term (eq. S.35; module docstring) at fixed sites, differentiable in ``prior``:
+    :func:`~gpytorch_iterncgp.mlls.sparse.ep_dtc_bound` under the expected DTC prior.
 
     :param prior: the expected DTC prior, built *with* gradients (:meth:`UncertainDTCPrior.from_statistics
         <gpytorch_iterncgp.uncertain.UncertainDTCPrior.from_statistics>`).
@@ -86,22 +89,7 @@ def uncertain_ep_bound(
 
     :return: A scalar; NaN only if the sites are not at a fixed point (a cavity precision :math:`\le 0`).
     """
-    tau, nu = site_precision.detach(), site_natural_mean.detach()
-    cross, mean, spread = prior.whitened_cross, prior.mean, prior.spread
-    positive = tau > 0
-    ratio = 1 + tau * spread  # r_i
-    residual = torch.where(positive, nu - tau * mean, 0.0)  # sqrt(tau) b
-    rooted = cross * (tau.sqrt() / ratio.sqrt())
-    system = rooted @ rooted.mT + torch.eye(len(cross), dtype=cross.dtype, device=cross.device)
-    cholesky = torch.linalg.cholesky(system)
-    whitened = torch.linalg.solve_triangular(cholesky, (cross @ (residual / ratio))[:, None], upper=False)[:, 0]
-    quadratic = (residual.square() / (torch.where(positive, tau, 1) * ratio)).sum() - whitened.square().sum()
-    log_det = 2 * cholesky.diagonal().log().sum() + ratio.log().sum()
-    trace = (tau * (prior.diagonal - prior.dtc_variance)).sum()
-    with torch.no_grad():
-        _, _, marginal_mean, marginal_variance = uncertain_posterior(prior.detached(), tau, nu)
-    site_terms = ep_site_terms(adapter, targets, marginal_mean, marginal_variance, tau, nu)
-    return -0.5 * log_det - 0.5 * quadratic - 0.5 * trace + site_terms
+    return ep_dtc_bound(prior, adapter, targets, site_precision, site_natural_mean)
 
 
 def gaussian_kl(means: Tensor, variances: Tensor) -> Tensor:
@@ -131,10 +119,12 @@ class UncertainSparseEPMarginalLogLikelihood(MarginalLogLikelihood):
     optionally a ``mean_module`` (``ZeroMean`` or ``ConstantMean``: their expectation under :math:`q(\mathbf X)` is
     the constant). Every call computes the Ψ statistics (closed form for RBF and linear kernels; see
     :func:`~gpytorch_iterncgp.sparse.psi_statistics.psi_statistics`), re-converges the EP sites for the current parameters
-    (warm-started from the previous call's sites, which this module keeps: :attr:`sites`, :attr:`last_reports`),
-    then evaluates :math:`\mathcal L_H` at those sites with gradients for the kernel, the inducing inputs, the mean
-    and the input means and variances (sites fixed). Targets ``(N, P)`` are :math:`P` outputs sharing
-    :math:`q(\mathbf X)` and the prior (the sum over columns of eq. S.33): one EP per column.
+    (warm-started from the committed sites: :attr:`sites`, and :attr:`last_reports`), commits them with the
+    fingerprint of the parameters and :math:`q(\mathbf X)` they belong to (a
+    :class:`~gpytorch_iterncgp.core.state.CommittedState` of :class:`~gpytorch_iterncgp.sparse.uncertain.ColumnSites`,
+    the model's own where it passes one), then evaluates :math:`\mathcal L_H` at those sites with gradients for the
+    kernel, the inducing inputs, the mean and the input means and variances (sites fixed). Targets ``(N, P)`` are
+    :math:`P` outputs sharing :math:`q(\mathbf X)` and the prior (the sum over columns of eq. S.33): one EP per column.
 
     Example:
         >>> mll = UncertainSparseEPMarginalLogLikelihood(likelihood, model, latent_prior=True)
@@ -144,12 +134,12 @@ class UncertainSparseEPMarginalLogLikelihood(MarginalLogLikelihood):
     :param likelihood: a :math:`C = 1` likelihood with tilted moments (probit, logit, Poisson).
     :param model: the GP (see above).
     :param latent_prior: subtract :math:`\operatorname{KL}(q(\mathbf X)\,\|\,\mathcal N(\mathbf 0, \mathbf I))`.
-    :param damping: EP damping :math:`\delta \in (0, 1]`.
-    :param site_tol: EP converged when no site moves by more than this (relative).
-    :param max_sweeps: most EP sweeps per call.
     :param schedule: ``"parallel"`` or ``"sequential"`` (rank-one updates, eq. S.26-S.32).
     :param psi_method: ``method`` of :func:`~gpytorch_iterncgp.sparse.psi_statistics.psi_statistics`.
     :param num_samples: its Monte Carlo draws (kernels without a closed form).
+    :param sites: where the sites are committed (a model's, which saves them); default one of its own.
+    :param options: by name, the fields of :class:`~gpytorch_iterncgp.ep.sweeps.SweepOptions` (its defaults for the
+        others: ``max_sweeps``, ``damping``, ``site_tol``).
     """
 
     def __init__(
@@ -157,12 +147,11 @@ class UncertainSparseEPMarginalLogLikelihood(MarginalLogLikelihood):
         likelihood,
         model,
         latent_prior: bool = False,
-        damping: float = SweepOptions.damping,
-        site_tol: float = 1e-6,
-        max_sweeps: int = 200,
         schedule: str = "parallel",
         psi_method: str = "auto",
         num_samples: int | None = None,
+        sites: CommittedState | None = None,
+        **options,
     ):
         super().__init__(likelihood, model)
         for attribute in ("covar_module", "inducing_points"):
@@ -179,14 +168,24 @@ class UncertainSparseEPMarginalLogLikelihood(MarginalLogLikelihood):
             )
         if not isinstance(latent_prior, bool):
             raise TypeError(f"latent_prior must be True or False, got {latent_prior!r}.")
-        check_count(max_sweeps, "max_sweeps", minimum=1)  # at least one sweep: the sites follow every call
-        SweepOptions(max_sweeps=max_sweeps, damping=damping, site_tol=site_tol).validate()
+        self.options: SweepOptions = replaced_options(SweepOptions(), options, type(self).__name__)
+        check_count(self.options.max_sweeps, "max_sweeps", minimum=1)  # at least one sweep: the sites follow every call
         if schedule not in ("parallel", "sequential"):
             raise ValueError(f"schedule must be 'parallel' or 'sequential', got {schedule!r}.")
-        self.latent_prior, self.damping, self.site_tol, self.max_sweeps = latent_prior, damping, site_tol, max_sweeps
-        self.schedule, self.psi_method, self.num_samples = schedule, psi_method, num_samples
-        self.sites: tuple[Tensor, Tensor] | None = None  # (N,) each, or (P, N) for P output columns
+        self.latent_prior, self.schedule, self.psi_method, self.num_samples = latent_prior, schedule, psi_method, num_samples
+        self.committed = CommittedState(ColumnSites) if sites is None else sites
         self.last_reports: list[FitReport] = []
+
+    @property
+    def sites(self) -> tuple[Tensor, Tensor] | None:
+        """The committed sites, ``(N,)`` each (or ``(P, N)`` for :math:`P` output columns); ``None`` before a fit."""
+        state = self.committed.state
+        return None if state is None else (state.site_precision, state.site_natural_mean)
+
+    def fingerprint(self, input_means: Tensor, input_variances: Tensor) -> Tensor:
+        """What the sites depend on: every parameter of the model and :math:`q(\\mathbf X)`, flattened
+        (:func:`~gpytorch_iterncgp.core.state.parameter_fingerprint`)."""
+        return parameter_fingerprint([*self.model.parameters(), input_means, input_variances], input_means)
 
     def prior(self, input_means: Tensor, input_variances: Tensor) -> UncertainDTCPrior:
         """The expected DTC prior at the current parameters, with gradients."""
@@ -207,33 +206,36 @@ class UncertainSparseEPMarginalLogLikelihood(MarginalLogLikelihood):
             )
         return UncertainDTCPrior.from_statistics(mean, statistics, model.covar_module(inducing).to_dense())
 
-    def fit(self, prior: UncertainDTCPrior, targets: Tensor) -> list[SparseEPState]:
+    def fit(self, prior: UncertainDTCPrior, targets: Tensor, fingerprint: Tensor | None = None) -> list[SparseEPState]:
         """Converge the sites of every output column under ``prior`` (one EP per column, the prior shared),
-        warm-started from :attr:`sites`; sets :attr:`sites` and :attr:`last_reports`.
+        warm-started from :attr:`sites`; commits them (for the parameters of ``fingerprint``; ``None``: for none)
+        and sets :attr:`last_reports`.
 
         :param prior: the expected DTC prior (its autograd history is not used).
         :param targets: validated targets ``(N,)`` or ``(N, P)``.
+        :param fingerprint: :meth:`fingerprint` of the parameters ``prior`` was computed at.
 
         :return: The fitted state of each column.
         """
         fixed = prior.detached()
         columns = targets.unsqueeze(-1) if targets.dim() == 1 else targets
-        warm = None
+        warm, options = None, self.options
         if self.sites is not None and self.sites[0].reshape(-1, len(targets)).shape == columns.mT.shape:
             warm = tuple(site.reshape(columns.mT.shape).to(targets) for site in self.sites)
         states, reports = [], []
         for column in range(columns.shape[-1]):
             loop = UncertainSparseEP(
-                fixed, self.adapter, columns[:, column], self.damping, self.site_tol, self.schedule
+                fixed, self.adapter, columns[:, column], options.damping, options.site_tol, self.schedule
             )
             start = loop.initial_state() if warm is None else loop.posterior(warm[0][column], warm[1][column], 0)
             with torch.no_grad():
-                state, report = converge(loop, start, fixed, self.max_sweeps, stacklevel=3)
+                state, report = converge(loop, start, fixed, options.max_sweeps, stacklevel=3)
             states.append(state)
             reports.append(report)
         precision = torch.stack([state.site_precision for state in states])
         natural_mean = torch.stack([state.site_natural_mean for state in states])
-        self.sites = (precision[0], natural_mean[0]) if targets.dim() == 1 else (precision, natural_mean)
+        sites = (precision[0], natural_mean[0]) if targets.dim() == 1 else (precision, natural_mean)
+        self.committed.commit(ColumnSites(*sites), fingerprint)
         self.last_reports = reports
         return states
 
@@ -262,7 +264,7 @@ class UncertainSparseEPMarginalLogLikelihood(MarginalLogLikelihood):
             raise ValueError(f"target has {len(targets)} rows but input_means {len(input_means)}: one per point.")
         targets = targets[:, 0] if target.dim() == 1 else targets
         prior = self.prior(input_means, input_variances)
-        states = self.fit(prior, targets)
+        states = self.fit(prior, targets, self.fingerprint(input_means, input_variances))
         columns = targets.unsqueeze(-1) if targets.dim() == 1 else targets
         bound = sum(
             (

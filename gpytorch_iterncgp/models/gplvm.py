@@ -25,7 +25,9 @@ distribution (no KL term) and only the kernel, the mean and :math:`\mathbf Z` ar
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import gpytorch
 import torch
@@ -34,12 +36,16 @@ from linear_operator.operators import DiagLinearOperator
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from ..core.outer_loop import FitReport
+from ..core.state import CommittedState, data_fingerprint
 from ..core.validation import check_count, check_flag, check_nonnegative
 from ..ep.sweeps import SweepOptions
 from ..mlls.uncertain import UncertainSparseEPMarginalLogLikelihood
-from ..sparse.uncertain import uncertain_posterior
+from ..sparse.dtc import WhitenedInducing
+from ..sparse.psi_statistics import psi_statistics
+from ..sparse.uncertain import ColumnSites, uncertain_posterior
 from ..sparse.uncertain_prediction import uncertain_predictive
-from ..strategies.base import fingerprint_matches, parameter_fingerprint
+from ..strategies.base import replaced_options
 
 __all__ = ["EPLatentVariableModel", "NoisyInputGPClassifier", "pca_initialisation"]
 
@@ -55,7 +61,16 @@ def pca_initialisation(data: Tensor, latent_dim: int) -> Tensor:
 
 
 class _UncertainInputGP(gpytorch.models.GP):
-    """What both models share: the kernel, the mean, the inducing inputs, the sites, training and the predictive."""
+    """What both models share: the kernel, the mean, the inducing inputs, the sites, training and the predictive.
+
+    The sites of every output column are the model's committed state (a
+    :class:`~gpytorch_iterncgp.core.state.CommittedState` of :class:`~gpytorch_iterncgp.sparse.uncertain.ColumnSites`,
+    with the fingerprint of the parameters and :math:`q(\\mathbf X)` they were converged at), which its bound
+    (:attr:`mll`) warm-starts from and commits to, and which its ``state_dict`` saves as its extra state.
+
+    :param options: by name, the fields of :class:`~gpytorch_iterncgp.ep.sweeps.SweepOptions` (``max_sweeps``,
+        ``damping``, ``site_tol``; its defaults for the others).
+    """
 
     def __init__(
         self,
@@ -65,14 +80,12 @@ class _UncertainInputGP(gpytorch.models.GP):
         kernel: gpytorch.kernels.Kernel | None,
         latent_prior: bool,
         learn_inducing_locations: bool,
-        damping: float,
-        site_tol: float,
-        max_sweeps: int,
+        options: dict,
     ):
         super().__init__()
+        self._committed = CommittedState(ColumnSites)  # the sites, and the parameters they were converged at
         check_flag(learn_inducing_locations, "learn_inducing_locations")
         dtype = inducing_points.dtype
-        columns = targets.unsqueeze(-1) if targets.dim() == 1 else targets
         self.likelihood = likelihood
         self.mean_module = gpytorch.means.ConstantMean()
         dims = inducing_points.shape[-1]
@@ -85,21 +98,41 @@ class _UncertainInputGP(gpytorch.models.GP):
         else:
             self.register_buffer("inducing_points", inducing)
         self.register_buffer("train_targets", targets.detach().clone())
-        # the EP sites of every column (P, N); flat (0) is EP's initial state
-        self.register_buffer("site_precision", torch.zeros(columns.shape[-1], columns.shape[0], dtype=dtype))
-        self.register_buffer("site_natural_mean", torch.zeros(columns.shape[-1], columns.shape[0], dtype=dtype))
         self.to(dtype)
-        # the parameters at which the sites were last converged (NaN: never): predictions reuse them when unchanged
-        self.register_buffer("site_fingerprint", torch.full((0,), float("nan"), dtype=dtype))
-        mll = UncertainSparseEPMarginalLogLikelihood(
-            self.likelihood, self, latent_prior=latent_prior, damping=damping, site_tol=site_tol, max_sweeps=max_sweeps
-        )
-        object.__setattr__(self, "_mll", mll)  # not a submodule: the MLL holds this model (no cycle in state_dict)
+        self.options = replaced_options(SweepOptions(), options, type(self).__name__)
+        self._latent_prior = latent_prior
+        self.last_reports: list[FitReport] = []  # of the last convergence of the sites, one per column
+        _ = self.mll  # checks the likelihood and the model
 
     @property
     def mll(self) -> UncertainSparseEPMarginalLogLikelihood:
-        """The bound :math:`\\mathcal L_H / N` this model is trained by (it keeps the last sites it converged)."""
-        return self._mll  # type: ignore[return-value]
+        """The bound :math:`\\mathcal L_H / N` this model is trained by; it commits the sites to the model's state."""
+        options = dataclasses.asdict(self.options)
+        return UncertainSparseEPMarginalLogLikelihood(
+            self.likelihood, self, latent_prior=self._latent_prior, sites=self._committed, **options
+        )
+
+    @property
+    def _num_columns(self) -> int:
+        return 1 if self.train_targets.dim() == 1 else self.train_targets.shape[-1]
+
+    @property
+    def site_precision(self) -> Tensor:
+        r""":math:`\tilde{\boldsymbol\tau}` of every column ``(P, N)`` (0 before a fit)."""
+        return self._sites()[0]
+
+    @property
+    def site_natural_mean(self) -> Tensor:
+        r""":math:`\tilde{\boldsymbol\nu}` of every column ``(P, N)`` (0 before a fit)."""
+        return self._sites()[1]
+
+    def _sites(self) -> tuple[Tensor, Tensor]:
+        shape = (self._num_columns, len(self.train_targets))
+        state = self._committed.state
+        if state is None:  # flat sites: EP's initial state
+            zeros = torch.zeros(shape, dtype=self.inducing_points.dtype, device=self.inducing_points.device)
+            return zeros, zeros
+        return state.site_precision.reshape(shape), state.site_natural_mean.reshape(shape)
 
     def train_inputs_distribution(self) -> tuple[Tensor, Tensor]:
         """Means and variances ``(N, D)`` of the training inputs' :math:`q(\\mathbf X)` (differentiable)."""
@@ -111,34 +144,43 @@ class _UncertainInputGP(gpytorch.models.GP):
 
     def loss(self) -> Tensor:
         r""":math:`-\mathcal L_H / N` at the current parameters (the sites re-converged, warm-started), differentiable."""
-        self.mll.sites = (self.site_precision, self.site_natural_mean)
         means, variances = self.train_inputs_distribution()
-        value = -self.mll(means, variances, self.train_targets)
-        self._store_sites()
+        mll = self.mll
+        value = -mll(means, variances, self.train_targets)
+        self.last_reports = mll.last_reports
         return value
 
-    def _fingerprint(self) -> Tensor:
-        """Every parameter and the training inputs' distribution, flattened (what the sites depend on), in the
-        sites' dtype (:func:`~gpytorch_iterncgp.strategies.base.parameter_fingerprint`)."""
-        means, variances = self.train_inputs_distribution()
-        return parameter_fingerprint([*self.parameters(), means, variances], self.site_precision)
+    def get_extra_state(self) -> dict:
+        """The committed sites and their fingerprint, for ``state_dict()``
+        (:meth:`~gpytorch_iterncgp.core.state.CommittedState.to_extra`)."""
+        return self._committed.to_extra(data_fingerprint(self.train_targets))
 
-    def _sites_are_current(self) -> bool:
-        """Whether the stored sites were converged at the current parameters."""
-        return fingerprint_matches(self._fingerprint(), self.site_fingerprint)
-
-    def _store_sites(self) -> None:
-        assert self.mll.sites is not None
-        with torch.no_grad():
-            self.site_precision.copy_(self.mll.sites[0].reshape(self.site_precision.shape))
-            self.site_natural_mean.copy_(self.mll.sites[1].reshape(self.site_natural_mean.shape))
-            self.site_fingerprint = self._fingerprint()
+    def set_extra_state(self, extra: dict) -> None:
+        """Restore :meth:`get_extra_state` (sites of other data are discarded with a ``UserWarning``)."""
+        expected = self.train_targets.numel()
+        data = data_fingerprint(self.train_targets)
+        self._committed.load_extra(extra, self.inducing_points, expected, data, type(self).__name__)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # type: ignore[no-untyped-def]
-        key = prefix + "site_fingerprint"
-        if key in state_dict:  # its length is the number of parameters' entries, known only once they exist
-            self.site_fingerprint = torch.empty_like(state_dict[key])
+        # state_dicts of earlier versions hold the sites as buffers (P, N) and their fingerprint (NaN: none)
+        old = [prefix + name for name in ("site_precision", "site_natural_mean", "site_fingerprint")]
+        if all(key in state_dict for key in old) and prefix + "_extra_state" not in state_dict:
+            precision, natural_mean, fingerprint = (state_dict.pop(key) for key in old)
+            shape = self.train_targets.shape if self.train_targets.dim() == 1 else precision.shape
+            sites = ColumnSites(precision.reshape(shape), natural_mean.reshape(shape))
+            state_dict[prefix + "_extra_state"] = self._committed_extra(sites, fingerprint)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _committed_extra(self, sites: ColumnSites, fingerprint: Tensor) -> dict:
+        """The extra state of ``sites`` converged at ``fingerprint`` (an empty or NaN one: at none)."""
+        saved = CommittedState(ColumnSites)
+        saved.commit(sites, fingerprint if fingerprint.numel() and not bool(fingerprint.isnan().any()) else None)
+        return saved.to_extra(data_fingerprint(self.train_targets))
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        super()._apply(fn, recurse)
+        self._committed.apply(fn)
+        return self
 
     def fit(
         self,
@@ -177,13 +219,14 @@ class _UncertainInputGP(gpytorch.models.GP):
 
     def _posterior(self) -> tuple[Tensor, Tensor]:
         r""":math:`\mathbf L_B` ``(P, M, M)`` and :math:`\bar{\mathbf z}` ``(P, M)`` of every column at the current
-        parameters: from the stored sites if they were converged at these parameters, else after re-converging them
+        parameters: from the committed sites if they were converged at these parameters, else after re-converging them
         (warm-started)."""
         with torch.no_grad():
             means, variances = self.train_inputs_distribution()
-            self.mll.sites = (self.site_precision, self.site_natural_mean)
-            prior = self.mll.prior(means, variances)
-            if self._sites_are_current():
+            mll = self.mll
+            prior = mll.prior(means, variances)
+            fingerprint = mll.fingerprint(means, variances)
+            if self._committed.is_current(fingerprint):
                 parts = [
                     uncertain_posterior(prior.detached(), tau, nu)[:2]
                     for tau, nu in zip(self.site_precision, self.site_natural_mean, strict=True)
@@ -191,9 +234,9 @@ class _UncertainInputGP(gpytorch.models.GP):
                 return torch.stack([part[0] for part in parts]), torch.stack([part[1] for part in parts])
             targets = self.train_targets
             for column in targets.unsqueeze(-1).unbind(-1) if targets.dim() == 1 else targets.unbind(-1):
-                self.mll.adapter.check_targets(column, means.dtype)
-            states = self.mll.fit(prior, targets)
-            self._store_sites()
+                mll.adapter.check_targets(column, means.dtype)
+            states = mll.fit(prior, targets, fingerprint)
+            self.last_reports = mll.last_reports
             return (
                 torch.stack([state.posterior_cholesky for state in states]),
                 torch.stack([state.whitened_mean for state in states]),
@@ -210,17 +253,11 @@ class _UncertainInputGP(gpytorch.models.GP):
         variances = torch.zeros_like(means) if variances is None else variances.to(means)
         cholesky, weights = self._posterior()
         with torch.no_grad():
-            return uncertain_predictive(
-                self.covar_module,
-                self.inducing_points,
-                self.mean_module.constant.reshape(()),
-                cholesky,
-                weights,
-                means,
-                variances,
-                self.mll.psi_method,
-                self.mll.num_samples,
-            )
+            inducing = self.inducing_points
+            statistics = psi_statistics(self.covar_module, means, variances, inducing)
+            whitening = WhitenedInducing.from_covariance(self.covar_module(inducing).to_dense())
+            constant = self.mean_module.constant.reshape(())
+            return uncertain_predictive(statistics, whitening, constant, cholesky, weights)
 
     def _probabilities(self, mean: Tensor, variance: Tensor) -> Tensor:
         marginal = self.likelihood(MultivariateNormal(mean.reshape(-1), DiagLinearOperator(variance.reshape(-1))))
@@ -249,11 +286,8 @@ class EPLatentVariableModel(_UncertainInputGP):
     :param kernel: default ``ScaleKernel(RBFKernel(ard_num_dims=Q))`` (closed-form Ψ statistics).
     :param initial_means: :math:`\boldsymbol\mu` ``(N, Q)`` to start from (default: :func:`pca_initialisation`).
     :param initial_variance: the initial :math:`s_{iq}` (all equal).
-    :param damping: EP damping :math:`\delta \in (0, 1]`
-        (:class:`~gpytorch_iterncgp.mlls.uncertain.UncertainSparseEPMarginalLogLikelihood`).
-    :param site_tol: EP converged when no site moves by more than this (relative).
-    :param max_sweeps: most EP sweeps per call.
     :param seed: the seed of the inducing inputs' subset.
+    :param options: the EP sweeps' options by name (:class:`~gpytorch_iterncgp.ep.sweeps.SweepOptions`).
     """
 
     def __init__(
@@ -265,10 +299,8 @@ class EPLatentVariableModel(_UncertainInputGP):
         kernel: gpytorch.kernels.Kernel | None = None,
         initial_means: Tensor | None = None,
         initial_variance: float = 0.1,
-        damping: float = SweepOptions.damping,
-        site_tol: float = 1e-4,
-        max_sweeps: int = 100,
         seed: int = 0,
+        **options: Any,
     ):
         if not torch.is_tensor(data) or not data.is_floating_point() or data.dim() not in (1, 2) or len(data) < 2:
             raise ValueError(
@@ -304,9 +336,7 @@ class EPLatentVariableModel(_UncertainInputGP):
             kernel,
             latent_prior=True,
             learn_inducing_locations=True,
-            damping=damping,
-            site_tol=site_tol,
-            max_sweeps=max_sweeps,
+            options=options,
         )
         self.q_mu = torch.nn.Parameter(initial_means.detach().to(data).clone())
         self.q_log_variance = torch.nn.Parameter(
@@ -361,11 +391,8 @@ class NoisyInputGPClassifier(_UncertainInputGP):
     :param inducing_points: :math:`\mathbf Z` ``(M, D)``, or an int :math:`M` (a random subset of ``train_means``).
     :param kernel: default ``ScaleKernel(RBFKernel(ard_num_dims=D))``.
     :param learn_inducing_locations: learn :math:`\mathbf Z` (else a buffer).
-    :param damping: EP damping :math:`\delta \in (0, 1]`
-        (:class:`~gpytorch_iterncgp.mlls.uncertain.UncertainSparseEPMarginalLogLikelihood`).
-    :param site_tol: EP converged when no site moves by more than this (relative).
-    :param max_sweeps: most EP sweeps per call.
     :param seed: the seed of the inducing inputs' subset.
+    :param options: the EP sweeps' options by name (:class:`~gpytorch_iterncgp.ep.sweeps.SweepOptions`).
     """
 
     def __init__(
@@ -377,10 +404,8 @@ class NoisyInputGPClassifier(_UncertainInputGP):
         inducing_points: Tensor | int = 20,
         kernel: gpytorch.kernels.Kernel | None = None,
         learn_inducing_locations: bool = True,
-        damping: float = SweepOptions.damping,
-        site_tol: float = 1e-6,
-        max_sweeps: int = 200,
         seed: int = 0,
+        **options: Any,
     ):
         for name, value in (("train_means", train_means), ("train_variances", train_variances)):
             if not torch.is_tensor(value) or not value.is_floating_point() or value.dim() != 2:
@@ -422,9 +447,7 @@ class NoisyInputGPClassifier(_UncertainInputGP):
             kernel,
             latent_prior=False,
             learn_inducing_locations=learn_inducing_locations,
-            damping=damping,
-            site_tol=site_tol,
-            max_sweeps=max_sweeps,
+            options=options,
         )
         self.register_buffer("train_means", train_means.detach().clone())
         self.register_buffer("train_variances", train_variances.detach().clone())

@@ -54,24 +54,109 @@ from ..ep.sites import update_sites
 from ..likelihoods.adapters import LikelihoodAdapter
 
 
-def inducing_cholesky(inducing_covariance: Tensor) -> Tensor:
-    r""":math:`\mathbf L` with :math:`\mathbf L \mathbf L^\top = \mathbf K_{uu} + \epsilon \bar k \mathbf I` (see the module docstring).
+@dataclass
+class WhitenedInducing:
+    r"""The whitened inducing space of the DTC family (module docstring): :math:`\mathbf L` with :math:`\mathbf L
+    \mathbf L^\top = \mathbf K_{uu} + \epsilon \bar k \mathbf I`, the coordinates :math:`\mathbf z = \mathbf L^{-1}
+    (\mathbf u - \mathbf m_u) \sim \mathcal N(\mathbf 0, \mathbf I_M)` a priori, and in them the system
+    :math:`\mathbf B = \mathbf I_M + \mathbf V \tilde{\mathbf T} \mathbf R^{-1} \mathbf V^\top` of Gaussian sites and the
+    posterior :math:`q(\mathbf z) = \mathcal N(\bar{\mathbf z}, \mathbf B^{-1})`.
 
-    :raises ValueError: if even the jittered :math:`\mathbf K_{uu}` is not positive definite (duplicate inducing
-        inputs with a very long lengthscale, or non-finite kernel values).
+    EP-DTC (:class:`SparseEP`), its uncertain-input variant (:mod:`~gpytorch_iterncgp.sparse.uncertain`), both bounds
+    (:mod:`~gpytorch_iterncgp.mlls.sparse`, :mod:`~gpytorch_iterncgp.mlls.uncertain`) and the predictions
+    (:class:`~gpytorch_iterncgp.SparseEPStrategy`, :mod:`~gpytorch_iterncgp.sparse.uncertain_prediction`) all work in
+    it. The sites may be those of any subset of the points (a minibatch): :meth:`whiten` takes the cross-covariance
+    of any batch of points, :meth:`system_cholesky` any sites with their whitened cross-covariances.
+
+    :param cholesky: :math:`\mathbf L` ``(M, M)``.
     """
-    dtype = inducing_covariance.dtype
-    scale = inducing_covariance.diagonal(dim1=-2, dim2=-1).mean()
-    jitter = linop_settings.cholesky_jitter.value(dtype) * scale
-    eye = torch.eye(inducing_covariance.shape[-1], dtype=dtype, device=inducing_covariance.device)
-    cholesky, info = torch.linalg.cholesky_ex(inducing_covariance + jitter * eye)
-    if bool(info.any()):
-        raise ValueError(
-            "EP-DTC: K_uu (the kernel at the inducing points) is not positive definite even with a relative jitter "
-            f"of {linop_settings.cholesky_jitter.value(dtype):g}; remove duplicate inducing points or raise "
-            "linear_operator.settings.cholesky_jitter."
-        )
-    return cholesky
+
+    cholesky: Tensor
+
+    @classmethod
+    def from_covariance(cls, inducing_covariance: Tensor) -> WhitenedInducing:
+        r"""From :math:`\mathbf K_{uu}` ``(M, M)``, jittered by :math:`\epsilon \bar k` (module docstring).
+
+        :raises ValueError: if even the jittered :math:`\mathbf K_{uu}` is not positive definite (duplicate inducing
+            inputs with a very long lengthscale, or non-finite kernel values).
+        """
+        dtype = inducing_covariance.dtype
+        scale = inducing_covariance.diagonal(dim1=-2, dim2=-1).mean()
+        jitter = linop_settings.cholesky_jitter.value(dtype) * scale
+        eye = torch.eye(inducing_covariance.shape[-1], dtype=dtype, device=inducing_covariance.device)
+        cholesky, info = torch.linalg.cholesky_ex(inducing_covariance + jitter * eye)
+        if bool(info.any()):
+            raise ValueError(
+                "EP-DTC: K_uu (the kernel at the inducing points) is not positive definite even with a relative "
+                f"jitter of {linop_settings.cholesky_jitter.value(dtype):g}; remove duplicate inducing points or raise "
+                "linear_operator.settings.cholesky_jitter."
+            )
+        return cls(cholesky)
+
+    def whiten(self, cross: Tensor) -> Tensor:
+        r""":math:`\mathbf V = \mathbf L^{-1}\mathbf K_{u*}`: the whitened cross-covariance of a batch of points,
+        ``(M, N*)`` for ``cross`` ``(M, N*)`` (or batched ``(..., M, K)``)."""
+        return torch.linalg.solve_triangular(self.cholesky, cross, upper=False)
+
+    def whiten_symmetric(self, matrices: Tensor) -> Tensor:
+        r""":math:`\mathbf L^{-1}\mathbf C\mathbf L^{-\top}` for symmetric ``matrices`` :math:`\mathbf C` ``(..., M, M)``."""
+        return self.whiten(self.whiten(matrices).mT)
+
+    def precision(self) -> Tensor:
+        r""":math:`(\mathbf L\mathbf L^\top)^{-1}` ``(M, M)``, the jittered :math:`\mathbf K_{uu}^{-1}`."""
+        return torch.cholesky_inverse(self.cholesky)
+
+    @staticmethod
+    def system_cholesky(whitened_cross: Tensor, site_precision: Tensor, ratio: Tensor | None = None) -> Tensor:
+        r""":math:`\mathbf L_B` ``(M, M)``, the Cholesky factor of :math:`\mathbf B = \mathbf I_M + \mathbf V
+        \tilde{\mathbf T}\mathbf R^{-1}\mathbf V^\top`: B from the site precisions :math:`\tilde{\boldsymbol\tau} \ge 0`
+        ``(N,)`` at points of whitened cross-covariance :math:`\mathbf V` ``(M, N)`` (:meth:`whiten`), with
+        ``ratio`` :math:`r_i = 1 + \tilde\tau_i s_i` ``(N,)`` for a prior with independent variances :math:`\mathbf s`
+        (``None``: :math:`\mathbf R = \mathbf I`, the DTC prior)."""
+        root = site_precision.sqrt()
+        if ratio is not None:  # sqrt(tau) / sqrt(r), not sqrt(tau / r): the latter's slope is infinite at tau = 0
+            root = root / ratio.sqrt()
+        rooted = whitened_cross * root
+        eye = torch.eye(len(whitened_cross), dtype=whitened_cross.dtype, device=whitened_cross.device)
+        return torch.linalg.cholesky(rooted @ rooted.mT + eye)
+
+    @classmethod
+    def posterior(
+        cls,
+        prior_mean: Tensor,
+        whitened_cross: Tensor,
+        site_precision: Tensor,
+        site_natural_mean: Tensor,
+        spread: Tensor,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        r"""The posterior of Gaussian sites under a whitened low-rank prior with an independent part: the prior
+        :math:`\mathbf f \sim \mathcal N(\mathbf m, \mathbf V^\top \mathbf V + \operatorname{diag}(\mathbf s))`, the
+        sites :math:`\tilde{\boldsymbol\tau}, \tilde{\boldsymbol\nu}` ``(N,)``. With :math:`r_i = 1 + \tilde\tau_i s_i`,
+        :math:`\mathbf B = \mathbf L_B \mathbf L_B^\top` (:meth:`system_cholesky`), :math:`\bar{\mathbf z} =
+        \mathbf B^{-1} \mathbf V \mathbf R^{-1}(\tilde{\boldsymbol\nu} - \tilde{\mathbf T}\mathbf m)`, the marginal means
+        :math:`\mathbf m + \mathbf R^{-1}\mathbf V^\top \bar{\mathbf z} + \mathbf s \odot \mathbf R^{-1}
+        (\tilde{\boldsymbol\nu} - \tilde{\mathbf T}\mathbf m)` and variances :math:`s_i / r_i + \|(\mathbf L_B^{-1}
+        \mathbf V)_{:, i}\|^2 / r_i^2`. The DTC prior is :math:`\mathbf s = \mathbf 0` (module docstring,
+        :math:`\mathbf R = \mathbf I` exactly); uncertain inputs add the spread of their expected prior
+        (:mod:`~gpytorch_iterncgp.sparse.uncertain`). Differentiable in the prior.
+
+        :return: :math:`\mathbf L_B` ``(M, M)``, :math:`\bar{\mathbf z}` ``(M,)``, the marginal means and variances
+            ``(N,)``.
+        """
+        ratio = 1 + site_precision * spread  # r_i
+        cholesky = cls.system_cholesky(whitened_cross, site_precision, ratio)
+        projected = torch.linalg.solve_triangular(cholesky, whitened_cross, upper=False)  # L_B^{-1} V
+        residual = (site_natural_mean - site_precision * prior_mean) / ratio  # R^{-1}(nu - T m)
+        inner = projected @ residual
+        whitened_mean = torch.linalg.solve_triangular(cholesky.mT, inner[:, None], upper=True)[:, 0]
+        mean = prior_mean + (whitened_cross.mT @ whitened_mean) / ratio + spread * residual
+        variance = spread / ratio + projected.square().sum(0) / ratio.square()
+        return cholesky, whitened_mean, mean, variance
+
+
+def inducing_cholesky(inducing_covariance: Tensor) -> Tensor:
+    r""":math:`\mathbf L` of :meth:`WhitenedInducing.from_covariance` (see there)."""
+    return WhitenedInducing.from_covariance(inducing_covariance).cholesky
 
 
 @dataclass
@@ -94,8 +179,33 @@ class DTCPrior:
     @classmethod
     def from_blocks(cls, mean: Tensor, diagonal: Tensor, inducing_covariance: Tensor, cross: Tensor) -> DTCPrior:
         """From :math:`\\mathbf m`, :math:`\\operatorname{diag}\\mathbf K_{ff}`, :math:`\\mathbf K_{uu}` and :math:`\\mathbf K_{uf}`."""
-        cholesky = inducing_cholesky(inducing_covariance)
-        return cls(mean, diagonal, cholesky, torch.linalg.solve_triangular(cholesky, cross, upper=False))
+        whitening = WhitenedInducing.from_covariance(inducing_covariance)
+        return cls(mean, diagonal, whitening.cholesky, whitening.whiten(cross))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the prior is computed in."""
+        return self.mean.dtype
+
+    @property
+    def whitening(self) -> WhitenedInducing:
+        r"""The whitened inducing space of :math:`\\mathbf L`."""
+        return WhitenedInducing(self.cholesky)
+
+    def independent_variance(self) -> Tensor:
+        r"""The prior's independent variances :math:`\\mathbf s` ``(N,)`` beside :math:`\\mathbf V^\\top\\mathbf V`: 0 here
+        (:class:`~gpytorch_iterncgp.sparse.uncertain.UncertainDTCPrior`: :math:`\\operatorname{diag}\\boldsymbol\\Lambda`)."""
+        return torch.zeros_like(self.mean)
+
+    def posterior(self, site_precision: Tensor, site_natural_mean: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        r"""The posterior of the sites ``(N,)`` under this prior (:meth:`WhitenedInducing.posterior`): :math:`\\mathbf L_B`
+        ``(M, M)``, :math:`\\bar{\\mathbf z}` ``(M,)``, the marginal means and variances ``(N,)``; differentiable."""
+        spread = self.independent_variance()
+        return WhitenedInducing.posterior(self.mean, self.whitened_cross, site_precision, site_natural_mean, spread)
+
+    def detached(self) -> DTCPrior:
+        """The same prior without autograd history (for the EP fit; the bounds are differentiated at fixed sites)."""
+        return DTCPrior(self.mean.detach(), self.diagonal.detach(), self.cholesky.detach(), self.whitened_cross.detach())
 
     @property
     def dtc_variance(self) -> Tensor:
@@ -103,56 +213,15 @@ class DTCPrior:
         return self.whitened_cross.square().sum(0)
 
 
-def whitened_system_cholesky(whitened_cross: Tensor, root_weights: Tensor) -> Tensor:
-    r""":math:`\mathbf L_B` ``(M, M)``, the Cholesky factor of :math:`\mathbf B = \mathbf I_M + \mathbf V
-    \operatorname{diag}(\mathbf w)^2 \mathbf V^\top` (module docstring), for ``whitened_cross`` :math:`\mathbf V`
-    ``(M, N)`` and ``root_weights`` :math:`\mathbf w \ge 0` ``(N,)``: the square roots of the site precisions, or of
-    their expected-prior scaling (:func:`~gpytorch_iterncgp.sparse.uncertain.uncertain_posterior`)."""
-    rooted = whitened_cross * root_weights
-    system = rooted @ rooted.mT + torch.eye(
-        len(whitened_cross), dtype=whitened_cross.dtype, device=whitened_cross.device
-    )
-    return torch.linalg.cholesky(system)
-
-
-def whitened_posterior(
-    prior_mean: Tensor, whitened_cross: Tensor, site_precision: Tensor, site_natural_mean: Tensor, spread: Tensor
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    r"""The posterior of Gaussian sites under a whitened low-rank prior with an independent part: the prior
-    :math:`\mathbf f \sim \mathcal N(\mathbf m, \mathbf V^\top \mathbf V + \operatorname{diag}(\mathbf s))`, the
-    sites :math:`\tilde{\boldsymbol\tau}, \tilde{\boldsymbol\nu}` ``(N,)``. With :math:`r_i = 1 + \tilde\tau_i s_i`,
-    :math:`\mathbf B = \mathbf I + \mathbf V \tilde{\mathbf T} \mathbf R^{-1} \mathbf V^\top = \mathbf L_B
-    \mathbf L_B^\top`, :math:`\bar{\mathbf z} = \mathbf B^{-1} \mathbf V \mathbf R^{-1}(\tilde{\boldsymbol\nu} -
-    \tilde{\mathbf T}\mathbf m)`, the marginal means :math:`\mathbf m + \mathbf R^{-1}\mathbf V^\top \bar{\mathbf z}
-    + \mathbf s \odot \mathbf R^{-1}(\tilde{\boldsymbol\nu} - \tilde{\mathbf T}\mathbf m)` and variances
-    :math:`s_i / r_i + \|(\mathbf L_B^{-1}\mathbf V)_{:, i}\|^2 / r_i^2`. The DTC prior is :math:`\mathbf s = \mathbf 0`
-    (module docstring, :math:`\mathbf R = \mathbf I` exactly); uncertain inputs add the spread of their expected prior
-    (:mod:`~gpytorch_iterncgp.sparse.uncertain`). Differentiable in the prior.
-
-    :return: :math:`\mathbf L_B` ``(M, M)``, :math:`\bar{\mathbf z}` ``(M,)``, the marginal means and variances ``(N,)``.
-    """
-    ratio = 1 + site_precision * spread  # r_i
-    # sqrt(tau) / sqrt(r), not sqrt(tau / r): the latter's slope is infinite at tau = 0
-    cholesky = whitened_system_cholesky(whitened_cross, site_precision.sqrt() / ratio.sqrt())
-    projected = torch.linalg.solve_triangular(cholesky, whitened_cross, upper=False)  # L_B^{-1} V
-    residual = (site_natural_mean - site_precision * prior_mean) / ratio  # R^{-1}(nu - T m)
-    inner = projected @ residual
-    whitened_mean = torch.linalg.solve_triangular(cholesky.mT, inner[:, None], upper=True)[:, 0]
-    mean = prior_mean + (whitened_cross.mT @ whitened_mean) / ratio + spread * residual
-    variance = spread / ratio + projected.square().sum(0) / ratio.square()
-    return cholesky, whitened_mean, mean, variance
-
-
 def dtc_posterior(
     prior: DTCPrior, site_precision: Tensor, site_natural_mean: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    r"""The posterior of the sites under the DTC prior (module docstring; :func:`whitened_posterior` with no
-    spread), differentiable in ``prior``.
+    r"""The posterior of the sites under the DTC prior (module docstring; :meth:`DTCPrior.posterior`),
+    differentiable in ``prior``.
 
     :return: :math:`\mathbf L_B` ``(M, M)``, :math:`\bar{\mathbf z}` ``(M,)``, the marginal means and variances ``(N,)``.
     """
-    no_spread = torch.zeros_like(site_precision)
-    return whitened_posterior(prior.mean, prior.whitened_cross, site_precision, site_natural_mean, no_spread)
+    return prior.posterior(site_precision, site_natural_mean)
 
 
 @dataclass
@@ -213,8 +282,8 @@ class SparseEP:
         self.prior_variance = dtc_variance[self.active]
 
     def posterior(self, site_precision: Tensor, site_natural_mean: Tensor, sweeps: int) -> SparseEPState:
-        """The state of these sites (their DTC posterior)."""
-        parts = dtc_posterior(self.prior, site_precision, site_natural_mean)
+        """The state of these sites (their posterior under the loop's prior: :meth:`DTCPrior.posterior`)."""
+        parts = self.prior.posterior(site_precision, site_natural_mean)
         return SparseEPState(site_precision, site_natural_mean, *parts, sweeps=sweeps, solved=True)
 
     def initial_state(self) -> SparseEPState:

@@ -73,6 +73,12 @@ class PsiStatistics(NamedTuple):
     psi1: Tensor
     psi2: Tensor
 
+    def cross_covariance(self) -> Tensor:
+        r""":math:`\operatorname{Cov}_q \mathbf k_u(\mathbf x_i) = (\boldsymbol\Psi_2)_i - (\boldsymbol\Psi_1)_i
+        (\boldsymbol\Psi_1)_i^\top` ``(..., N, M, M)``, formed first (no cancellation between two :math:`O(k)` terms
+        later)."""
+        return self.psi2 - self.psi1.unsqueeze(-1) * self.psi1.unsqueeze(-2)
+
 
 def _check_arguments(kernel: Kernel, means: Tensor, variances: Tensor, inducing_points: Tensor) -> None:
     if not isinstance(kernel, Kernel):

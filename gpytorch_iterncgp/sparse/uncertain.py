@@ -16,7 +16,7 @@ the Ψ statistics of :mod:`.psi_statistics` (:math:`\boldsymbol\Psi_1` ``(N, M)`
 (off the diagonal the :math:`\mathbf x_i` are independent, so the expectation factorises; :math:`\Lambda_{ii}` is
 :math:`\operatorname{tr}(\mathbf K_{uu}^{-1}\operatorname{Cov}_q \mathbf k_u(\mathbf x_i))`, the "diagonal matrix
 :math:`\boldsymbol\Lambda`" of eq. S.35), with :math:`\mathbf L\mathbf L^\top = \mathbf K_{uu} + \epsilon\bar k
-\mathbf I` (jittered as in :func:`~gpytorch_iterncgp.sparse.dtc.inducing_cholesky`) and :math:`\mathbf V =
+\mathbf I` (jittered as in :class:`~gpytorch_iterncgp.sparse.dtc.WhitenedInducing`) and :math:`\mathbf V =
 \mathbf L^{-1}\boldsymbol\Psi_1^\top` ``(M, N)``. This is the prior of eq. S.22: low rank plus diagonal.
 
 **Posterior** of the sites :math:`\tilde{\mathbf T} = \operatorname{diag}\tilde{\boldsymbol\tau}`,
@@ -82,12 +82,14 @@ from torch import Tensor
 
 from ..core.outer_loop import EPSweep, LoopStatus, OuterStep
 from ..core.sharding import RowBlock
+from ..core.state import ExtraState
 from ..ep.sites import update_sites
 from ..likelihoods.adapters import LikelihoodAdapter
-from .dtc import DTCPrior, SparseEP, SparseEPState, inducing_cholesky, whitened_posterior
+from .dtc import DTCPrior, SparseEP, SparseEPState, WhitenedInducing
 from .psi_statistics import MonteCarloPsiWarning, PsiStatistics, psi_statistics
 
 __all__ = [
+    "ColumnSites",
     "MonteCarloPsiWarning",
     "PsiStatistics",
     "RankOneFactors",
@@ -139,12 +141,11 @@ class UncertainDTCPrior(DTCPrior):
                 f"K_uu (M, M); got {tuple(psi0.shape)=}, {tuple(psi1.shape)=}, {tuple(psi2.shape)=}, "
                 f"{tuple(mean.shape)=}, {tuple(inducing_covariance.shape)=}."
             )
-        cholesky = inducing_cholesky(inducing_covariance)
-        whitened_cross = torch.linalg.solve_triangular(cholesky, psi1.mT, upper=False)
-        precision = torch.cholesky_inverse(cholesky)
-        covariance = psi2 - psi1.unsqueeze(-1) * psi1.unsqueeze(-2)
-        spread = torch.einsum("mk,nmk->n", precision, covariance).clamp_min(0)
-        return cls(mean, psi0, cholesky, whitened_cross, spread=spread)
+        whitening = WhitenedInducing.from_covariance(inducing_covariance)
+        whitened_cross = whitening.whiten(psi1.mT)
+        precision = whitening.precision()
+        spread = torch.einsum("mk,nmk->n", precision, statistics.cross_covariance()).clamp_min(0)
+        return cls(mean, psi0, whitening.cholesky, whitened_cross, spread=spread)
 
     def detached(self) -> UncertainDTCPrior:
         """The same prior without autograd history (for the EP fit; the bound is differentiated at fixed sites)."""
@@ -161,6 +162,32 @@ class UncertainDTCPrior(DTCPrior):
         r""":math:`\langle q_{ii}\rangle = \|\mathbf V_{:, i}\|^2 + \Lambda_{ii}`, ``(N,)``."""
         return self.whitened_cross.square().sum(0) + self.spread
 
+    def independent_variance(self) -> Tensor:
+        r""":math:`\operatorname{diag}\boldsymbol\Lambda` ``(N,)``."""
+        return self.spread
+
+
+@dataclass
+class ColumnSites(ExtraState):
+    r"""The committed state of an uncertain-input model (:class:`~gpytorch_iterncgp.core.state.CommittedState`): the
+    EP sites :math:`\tilde{\boldsymbol\tau}, \tilde{\boldsymbol\nu}` of its output columns, ``(N,)`` each for one
+    output, ``(P, N)`` for :math:`P` columns sharing the expected DTC prior."""
+
+    site_precision: Tensor
+    site_natural_mean: Tensor
+
+    saved_by = "UncertainSparseEPMarginalLogLikelihood"
+
+    @classmethod
+    def expected_shapes(cls, saved: dict[str, Tensor]) -> dict[str, tuple[int, ...]]:
+        """Both of the shape of ``site_precision``."""
+        shape = tuple(saved["site_precision"].shape)
+        return {"site_precision": shape, "site_natural_mean": shape}
+
+    def num_latent_values(self) -> int:
+        """:math:`N P`, one site per point and column."""
+        return self.site_precision.numel()
+
 
 def uncertain_posterior(
     prior: UncertainDTCPrior, site_precision: Tensor, site_natural_mean: Tensor
@@ -172,7 +199,7 @@ def uncertain_posterior(
     :return: :math:`\mathbf L_B` ``(M, M)``, :math:`\bar{\mathbf z}` ``(M,)``, the marginal means and variances
         ``(N,)``.
     """
-    return whitened_posterior(prior.mean, prior.whitened_cross, site_precision, site_natural_mean, prior.spread)
+    return prior.posterior(site_precision, site_natural_mean)
 
 
 @dataclass
@@ -328,11 +355,6 @@ class UncertainSparseEP(SparseEP):
             raise ValueError(f"schedule must be 'parallel' or 'sequential', got {schedule!r}.")
         super().__init__(prior, adapter, targets, damping, site_tol)
         self.uncertain_prior, self.schedule = prior, schedule
-
-    def posterior(self, site_precision: Tensor, site_natural_mean: Tensor, sweeps: int) -> SparseEPState:
-        """The state of these sites (their posterior under the expected DTC prior)."""
-        parts = uncertain_posterior(self.uncertain_prior, site_precision, site_natural_mean)
-        return SparseEPState(site_precision, site_natural_mean, *parts, sweeps=sweeps, solved=True)
 
     def steps(self, state: SparseEPState) -> Generator[OuterStep, None, None]:
         """Sweeps from ``state`` until converged (the driver limits their number)."""

@@ -3,7 +3,7 @@ r"""The predictive of sparse EP at *uncertain* test inputs :math:`\mathbf x_* \s
 
 The EP posterior of :mod:`gpytorch_iterncgp.sparse.uncertain` lives in the whitened inducing space: with :math:`\mathbf u = \mathbf L
 \mathbf z` (:math:`\mathbf L\mathbf L^\top = \mathbf K_{uu}`, jittered as in
-:func:`~gpytorch_iterncgp.sparse.dtc.inducing_cholesky`), :math:`q(\mathbf z) = \mathcal N(\bar{\mathbf z},
+:class:`~gpytorch_iterncgp.sparse.dtc.WhitenedInducing`), :math:`q(\mathbf z) = \mathcal N(\bar{\mathbf z},
 \mathbf B^{-1})`, :math:`\mathbf B = \mathbf L_B\mathbf L_B^\top` (eq. S.22-S.25). At a *known* test input the
 predictive of the latent is the variational (exact-conditional) one of
 :class:`~gpytorch_iterncgp.strategies.sparse.SparseEPStrategy`: with :math:`\mathbf v(\mathbf x) = \mathbf L^{-1}
@@ -48,73 +48,51 @@ output probability is the likelihood's marginal of the moment-matched Gaussian, 
 from __future__ import annotations
 
 import torch
-from gpytorch.kernels import Kernel
 from torch import Tensor
 
-from .dtc import inducing_cholesky
-from .psi_statistics import psi_statistics
+from .dtc import WhitenedInducing
+from .psi_statistics import PsiStatistics
 
 __all__ = ["uncertain_predictive"]
 
 
 def uncertain_predictive(
-    kernel: Kernel,
-    inducing_points: Tensor,
+    statistics: PsiStatistics,
+    whitening: WhitenedInducing,
     prior_mean: Tensor | float,
     posterior_cholesky: Tensor,
     whitened_mean: Tensor,
-    means: Tensor,
-    variances: Tensor,
-    psi_method: str = "auto",
-    num_samples: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     r"""Mean and variance of the latent :math:`f_*` at test inputs :math:`\mathcal N(\boldsymbol\mu_*,
     \operatorname{diag}\mathbf s_*)` under the sparse EP posterior :math:`q(\mathbf z) = \mathcal N(\bar{\mathbf z},
     (\mathbf L_B\mathbf L_B^\top)^{-1})` (module docstring), for :math:`P` output columns at once.
 
-    :param kernel: the GPyTorch kernel of the model (closed-form Ψ statistics for RBF and linear kernels).
-    :param inducing_points: :math:`\mathbf Z` ``(M, D)``.
+    :param statistics: the Ψ statistics of the test inputs, un-batched: ``(N*,)``, ``(N*, M)``, ``(N*, M, M)``
+        (:func:`~gpytorch_iterncgp.sparse.psi_statistics.psi_statistics` of the model's kernel).
+    :param whitening: the whitened inducing space of the model's :math:`\mathbf K_{uu}` (as for its training prior).
     :param prior_mean: the constant prior mean :math:`m_0` (a number or a 0-d tensor).
     :param posterior_cholesky: :math:`\mathbf L_B` ``(M, M)`` or ``(P, M, M)`` (``SparseEPState.posterior_cholesky``).
     :param whitened_mean: :math:`\bar{\mathbf z}` ``(M,)`` or ``(P, M)`` (``SparseEPState.whitened_mean``).
-    :param means: :math:`\boldsymbol\mu_*` ``(N*, D)``.
-    :param variances: :math:`\mathbf s_* \ge 0` ``(N*, D)``; 0 is a known test input.
-    :param psi_method: ``method`` of :func:`~gpytorch_iterncgp.sparse.psi_statistics.psi_statistics`.
-    :param num_samples: its Monte Carlo draws (kernels without a closed form).
 
     :return: ``(mean, variance)``, each ``(N*,)`` for an unbatched posterior, ``(P, N*)`` for ``P`` columns; the
         variance is clamped at 0 against rounding.
 
-    :raises ValueError: for negative variances or shapes that disagree (through ``psi_statistics`` for the test inputs).
+    :raises ValueError: for shapes that disagree.
     """
-    if inducing_points.dim() != 2:
-        raise ValueError(f"inducing_points must have shape (M, D), got {tuple(inducing_points.shape)}.")
-    num_inducing = inducing_points.shape[0]
+    psi0, psi1, _ = statistics
+    num_inducing = whitening.cholesky.shape[-1]
     batched = whitened_mean.dim() == 2
     cholesky_b = posterior_cholesky if batched else posterior_cholesky.unsqueeze(0)
     weights = whitened_mean if batched else whitened_mean.unsqueeze(0)
-    if (
-        weights.dim() != 2
-        or weights.shape[-1] != num_inducing
-        or cholesky_b.shape
-        != (
-            len(weights),
-            num_inducing,
-            num_inducing,
-        )
-    ):
+    if weights.dim() != 2 or weights.shape[-1] != num_inducing or cholesky_b.shape != (len(weights), *2 * [num_inducing]):
         raise ValueError(
             f"posterior_cholesky must be (M, M) or (P, M, M) and whitened_mean (M,) or (P, M) with M = "
             f"{num_inducing} inducing points; got {tuple(posterior_cholesky.shape)=} and {tuple(whitened_mean.shape)=}."
         )
-    if means.dim() != 2:
-        raise ValueError(f"means must have shape (N*, D), got {tuple(means.shape)}.")
-    psi0, psi1, psi2 = psi_statistics(kernel, means, variances, inducing_points, psi_method, num_samples)
-    cholesky = inducing_cholesky(kernel(inducing_points).to_dense())  # L, as for the training prior
-    cross = torch.linalg.solve_triangular(cholesky, psi1.mT, upper=False)  # (M, N*): L^-1 psi1
-    covariance = psi2 - psi1.unsqueeze(-1) * psi1.unsqueeze(-2)  # (N*, M, M): Cov k_u(x*), formed first
-    half = torch.linalg.solve_triangular(cholesky, covariance, upper=False)  # L^-1 C
-    whitened = torch.linalg.solve_triangular(cholesky, half.mT, upper=False)  # L^-1 C L^-T (C symmetric)
+    if psi1.dim() != 2 or psi1.shape[-1] != num_inducing:
+        raise ValueError(f"the statistics must be un-batched with psi1 (N*, {num_inducing}), got {tuple(psi1.shape)}.")
+    cross = whitening.whiten(psi1.mT)  # (M, N*): L^-1 psi1
+    whitened = whitening.whiten_symmetric(statistics.cross_covariance())  # (N*, M, M): L^-1 C L^-T
     projected = torch.linalg.solve_triangular(cholesky_b, cross.expand(len(weights), -1, -1), upper=False)
     inverse = torch.cholesky_inverse(cholesky_b)  # (P, M, M): B^-1
     mean = prior_mean + weights @ cross  # (P, N*)

@@ -4,18 +4,17 @@ committed state of a fit.
 A strategy fits by running an outer loop (damped Newton, EP, EP-DTC; see :mod:`~gpytorch_iterncgp.core.outer_loop`)
 through :func:`~gpytorch_iterncgp.core.outer_loop.run_outer_loop`, which hands it every completed step's state to
 commit. The committed state belongs to the hyperparameters it was fitted at: their *fingerprint* (every parameter,
-flattened) is stored with it, and :meth:`OuterLoopStrategy.ensure_fitted` refits when they changed. The pieces that
-also serve models which are not strategies (:func:`parameter_fingerprint`, :func:`fingerprint_matches`,
-:func:`converge`) are functions.
+flattened) is stored with it, and :meth:`OuterLoopStrategy.ensure_fitted` refits when they changed. Commit, rewind,
+fingerprint, save and load are one component, :class:`~gpytorch_iterncgp.core.state.CommittedState`, that the
+strategy holds (and models that are not strategies hold too); :func:`converge` runs a loop for a caller that keeps
+only its final state.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
-import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import gpytorch
@@ -24,6 +23,7 @@ from torch import Tensor
 
 from .. import settings
 from ..core.outer_loop import FitReport, OuterLoop, ProductCounter, run_outer_loop
+from ..core.state import CommittedState, Companion, data_fingerprint, parameter_fingerprint
 from ..core.validation import check_flag, check_inputs
 from ..likelihoods.adapters import likelihood_adapter
 
@@ -45,45 +45,6 @@ def replaced_options(options: Any, changes: Mapping[str, Any], caller: str) -> A
     replaced = dataclasses.replace(options, **changes)
     replaced.validate()
     return replaced
-
-
-def data_fingerprint(inputs: Tensor, targets: Tensor) -> str:
-    """A hash of the training data (rounded to float32, so a float32 copy of float64 data matches).
-
-    :param inputs: the training inputs ``(N, D)``.
-    :param targets: the training targets ``(N,)`` or ``(N, P)``.
-    :return: the SHA-256 hex digest of both tensors' shapes and values.
-    """
-    digest = hashlib.sha256()
-    for tensor in (inputs, targets):
-        values = tensor.detach().to(device="cpu", dtype=torch.float32).contiguous()
-        digest.update(str(tuple(values.shape)).encode())
-        digest.update(values.numpy().tobytes())
-    return digest.hexdigest()
-
-
-def parameter_fingerprint(tensors: Iterable[Tensor], like: Tensor) -> Tensor:
-    """The values a fitted state depends on, detached and flattened into one vector.
-
-    :param tensors: the parameters (and any other tensors the fit depends on), of any shapes.
-    :param like: the dtype and device of the fingerprint.
-    :return: a copy of all their entries, ``(sum of their sizes,)`` (empty without tensors).
-    """
-    parts = [tensor.detach().reshape(-1).to(like) for tensor in tensors]
-    if not parts:
-        return like.new_zeros(0)
-    return torch.cat(parts).clone()
-
-
-def fingerprint_matches(fingerprint: Tensor, committed: Tensor | None) -> bool:
-    """Whether ``fingerprint`` equals the ``committed`` one exactly (``None``: nothing committed).
-
-    :param fingerprint: the current parameters' :func:`parameter_fingerprint`.
-    :param committed: that of the parameters the committed state was fitted at.
-    """
-    if committed is None:
-        return False
-    return fingerprint.shape == committed.shape and bool(torch.equal(fingerprint, committed))
 
 
 def exact_regime(strategy: Any) -> bool:
@@ -112,30 +73,79 @@ def converge(
     return committed[-1], report
 
 
+def checked_training_data(adapter: Any, train_inputs: Tensor, train_targets: Tensor) -> tuple[Tensor, Tensor]:
+    """The training inputs ``(N, D)`` and the targets checked by the likelihood's ``adapter``, of one length and device.
+
+    :raises ValueError: for data of different lengths or devices (or targets outside the likelihood's support).
+    """
+    if torch.is_tensor(train_inputs) and torch.is_tensor(train_targets):
+        if train_targets.device != train_inputs.device:
+            raise ValueError(
+                f"train_targets are on {train_targets.device} but train_inputs on {train_inputs.device}: "
+                "put both on one device."
+            )
+    train_inputs = check_inputs(train_inputs, "train_inputs")
+    targets = adapter.check_targets(train_targets, train_inputs.dtype)
+    if len(targets) != len(train_inputs):
+        raise ValueError(
+            f"train_inputs has {len(train_inputs)} points but train_targets has {len(targets)}: they must match."
+        )
+    return train_inputs, targets
+
+
+@contextlib.contextmanager
+def _swapped(owner: Any, name: str, value: Any) -> Iterator[Any]:
+    """``owner.name`` is ``value`` inside the ``with`` block (which it yields), as it was after it."""
+    saved = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield value
+    finally:
+        setattr(owner, name, saved)
+
+
+def _show_progress(callback: Callable | None, show_progress: bool | None, default: bool) -> bool:
+    """Check ``fit``'s ``callback`` and ``show_progress``; return whether to show progress (``None``: ``default``).
+
+    :raises TypeError: for a callback that is not callable.
+    """
+    if callback is not None and not callable(callback):
+        raise TypeError(f"callback must be callable (step, state) -> bool | None, got {type(callback).__name__}.")
+    if show_progress is not None:
+        check_flag(show_progress, "show_progress")
+    return default if show_progress is None else show_progress
+
+
 class OuterLoopStrategy(gpytorch.Module):
-    r"""A ``VariationalStrategy`` replacement that fits by an outer loop: the committed state, the fingerprint of the
-    hyperparameters it belongs to, refitting when stale, driving a fit, its report, ``state_dict`` and devices.
+    r"""A ``VariationalStrategy`` replacement that fits by an outer loop: the committed state (a
+    :class:`~gpytorch_iterncgp.core.state.CommittedState`), refitting when it is stale, driving a fit, its report,
+    ``state_dict`` and devices.
 
     It knows no particular loop. A subclass
 
-    * sets :attr:`_state_type` (a state class with ``to_extra()`` and the classmethod
-      ``from_extra(saved, reference)``) and :attr:`options` (a dataclass with ``validate()``: every option is one of
-      its fields, given to the constructor and overridden in :meth:`fit` by name),
+    * sets :attr:`_state_type` (an :class:`~gpytorch_iterncgp.core.state.ExtraState`), :attr:`_options_type` (a
+      dataclass with ``validate()``: every option is one of its fields, given to the constructor by name and
+      overridden in :meth:`fit` by the same name) and :attr:`max_steps_option`,
     * builds its prior in :meth:`_prior_for_fit` and its loop in :meth:`_make_loop`,
-    * defines the predictions.
+    * defines the predictions,
+
+    and may name what the state depends on besides the parameters of model and likelihood
+    (:meth:`_fingerprint_tensors`).
 
     :param model: the ``ApproximateGP`` that owns the strategy (not a submodule of it).
     :param train_inputs: :math:`\mathbf X`, ``(N, D)`` (or ``(N,)``).
     :param train_targets: ``(N,)`` (or ``(N, C)``), checked by the likelihood's adapter.
     :param likelihood: the GPyTorch likelihood.
-    :param options: the loop's options (validated here).
     :param min_curvature: the adapter's lower bound on the curvature (``None``: its default).
     :param show_progress: show a tqdm progress bar in ``fit``.
+    :param companion: what is committed beside the state (a policy), or ``None``.
+    :param options: by name, fields of :attr:`_options_type` (its defaults for the others; validated here).
     :raises ValueError: for data of different lengths or devices, or an option out of range.
-    :raises TypeError: for a ``model`` that is not a ``torch.nn.Module``.
+    :raises TypeError: for a ``model`` that is not a ``torch.nn.Module``, or an unknown option.
     """
 
     _state_type: Any = None
+    _options_type: Any = None  # the dataclass of the strategy's options (every constructor keyword option)
     #: the option of :attr:`options` that limits the outer loop's steps in a fit (``"max_newton_steps"``, ``"max_sweeps"``)
     max_steps_option: str = "max_sweeps"
     options: Any
@@ -146,10 +156,13 @@ class OuterLoopStrategy(gpytorch.Module):
         train_inputs: Tensor,
         train_targets: Tensor,
         likelihood: gpytorch.likelihoods.Likelihood,
-        options: Any,
-        min_curvature: float | None,
-        show_progress: bool,
+        *,
+        min_curvature: float | None = None,
+        show_progress: bool = True,
+        companion: Companion | None = None,
+        **options: Any,
     ):
+        options_object = replaced_options(self._options_type(), options, type(self).__name__)
         super().__init__()
         if not isinstance(model, torch.nn.Module):
             raise TypeError(
@@ -158,26 +171,13 @@ class OuterLoopStrategy(gpytorch.Module):
         object.__setattr__(self, "model", model)  # not a submodule: the model owns the strategy
         object.__setattr__(self, "likelihood", likelihood)
         self.adapter = likelihood_adapter(likelihood, min_curvature)
-        if torch.is_tensor(train_inputs) and torch.is_tensor(train_targets):
-            if train_targets.device != train_inputs.device:
-                raise ValueError(
-                    f"train_targets are on {train_targets.device} but train_inputs on {train_inputs.device}: "
-                    "put both on one device."
-                )
-        train_inputs = check_inputs(train_inputs, "train_inputs")
-        targets = self.adapter.check_targets(train_targets, train_inputs.dtype)
-        if len(targets) != len(train_inputs):
-            raise ValueError(
-                f"train_inputs has {len(train_inputs)} points but train_targets has {len(targets)}: they must match."
-            )
+        train_inputs, targets = checked_training_data(self.adapter, train_inputs, train_targets)
         check_flag(show_progress, "show_progress")
         self.register_buffer("train_inputs", train_inputs, persistent=False)
         self.register_buffer("train_targets", targets, persistent=False)
-        options.validate()
-        self.options = options
+        self.options = options_object
         self.show_progress = show_progress
-        self._state: Any = None  # the committed state (of _state_type)
-        self._fingerprint: Tensor | None = None  # the hyperparameters it belongs to
+        self._committed = CommittedState(self._state_type, companion)  # the state, its fingerprint, the companion's
         self._loose = False  # the committed state is a loose fit's (train mode), not converged
         self._quiet_budget = False  # no ConvergenceWarning for fits stopped by their step limit (loose fits)
         self._phase: str | None = None  # what the fits are for, on their progress bar (phase())
@@ -197,40 +197,28 @@ class OuterLoopStrategy(gpytorch.Module):
     @property
     def state(self) -> Any:
         """The committed state of the outer loop, or ``None`` before fitting."""
-        return self._state
+        return self._committed.state
 
     # -- the committed state ---------------------------------------------------------------------
     def _fingerprint_tensors(self) -> list[Tensor]:
         """What the state depends on besides the data: the parameters of model and likelihood."""
         return [*self.model.parameters(), *self.likelihood.parameters()]
 
-    def _hyperparameter_fingerprint(self) -> Tensor:
-        """:func:`parameter_fingerprint` of :meth:`_fingerprint_tensors`: the solver state is valid for these only."""
-        return parameter_fingerprint(self._fingerprint_tensors(), self.train_inputs)
-
     def _is_current(self) -> bool:
         """Whether a state is committed and belongs to the current hyperparameters."""
-        if self._state is None or self._fingerprint is None:
-            return False
-        return fingerprint_matches(self._hyperparameter_fingerprint(), self._fingerprint)
+        return self._committed.is_current(parameter_fingerprint(self._fingerprint_tensors(), self.train_inputs))
 
     def _commit(self, state: Any) -> None:
         """Make ``state`` the committed state, for the current hyperparameters (every completed step)."""
-        self._state = state
-        self._fingerprint = self._hyperparameter_fingerprint()
-
-    def _rewind(self) -> None:
-        """Put back what a subclass keeps beside the state to where it was at the last commit (after an
-        interrupted fit); nothing here."""
+        self._committed.commit(state, parameter_fingerprint(self._fingerprint_tensors(), self.train_inputs))
 
     def _starting_state(self, loop: OuterLoop) -> Any:
         """The state to continue from: the loop's initial state, the committed one, or (if the hyperparameters
         changed) the committed one renewed by the loop."""
-        if self._state is None:
+        state = self._committed.state
+        if state is None:
             return loop.initial_state()
-        if self._is_current():
-            return self._state
-        return loop.renew(self._state)
+        return state if self._is_current() else loop.renew(state)
 
     def ensure_fitted(self) -> Any:
         """The state for the current hyperparameters: fitted (without progress bar) if it is missing or stale.
@@ -240,11 +228,11 @@ class OuterLoopStrategy(gpytorch.Module):
         the strategy takes one; in eval mode a loose state is fitted on to convergence first.
         """
         if self._is_current() and (self.training or not self._loose):
-            return self._state
-        if not (self.training and self._state is not None and self.loose_fit()):
+            return self._committed.state
+        if not (self.training and self._committed.state is not None and self.loose_fit()):
             self.fit(show_progress=False)
-        assert self._state is not None  # fit() always commits (the starting state, if no step was taken)
-        return self._state
+        assert self._committed.state is not None  # fit() always commits (the starting state, if no step was taken)
+        return self._committed.state
 
     def loose_fit(self) -> bool:
         """A fit of a few steps from the committed state (or the prior), without a ``ConvergenceWarning``, where
@@ -275,31 +263,20 @@ class OuterLoopStrategy(gpytorch.Module):
 
         :raises ValueError: for an option out of range; :raises TypeError: for a name that is not an option.
         """
-        saved = self.options
-        options = replaced_options(saved, changes, f"{type(self).__name__}.overriding")
-        self.options = options
-        try:
-            yield options
-        finally:
-            self.options = saved
+        with _swapped(self, "options", replaced_options(self.options, changes, f"{type(self).__name__}.overriding")):
+            yield self.options
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Fits inside the block show ``name`` on their progress bar (e.g. ``"final fit"``: ``"final fit (EP)"``)."""
-        saved, self._phase = self._phase, name
-        try:
+        with _swapped(self, "_phase", name):
             yield
-        finally:
-            self._phase = saved
 
     @contextlib.contextmanager
     def without_convergence_warning(self) -> Iterator[None]:
         """Fits inside the block stop at their step limit by design: no :class:`ConvergenceWarning`."""
-        saved, self._quiet_budget = self._quiet_budget, True
-        try:
+        with _swapped(self, "_quiet_budget", True):
             yield
-        finally:
-            self._quiet_budget = saved
 
     def fit(
         self, callback: Callable[[Any, Any], bool | None] | None = None, show_progress: bool | None = None, **overrides
@@ -327,40 +304,27 @@ class OuterLoopStrategy(gpytorch.Module):
             dtype.
         :raises ValueError: for an option out of range, or model parameters on another device than the data.
         """
-        options = self._call_options(**overrides)
-        show = self._check_callback(callback, show_progress)
+        options = replaced_options(self.options, overrides, f"{type(self).__name__}.fit")
+        show = _show_progress(callback, show_progress, self.show_progress)
         with torch.no_grad():
+            self._check_model_device()
             prior = self._prior_for_fit()
+            if prior.dtype != self.train_inputs.dtype:
+                raise TypeError(
+                    f"The model computes in {prior.dtype} but train_inputs are {self.train_inputs.dtype}: "
+                    "convert the model and the data to one dtype."
+                )
             self._check_fit(options, prior)
             return self._run(prior, options, getattr(options, self.max_steps_option), callback, show)
 
     def _prior_for_fit(self) -> Any:
-        """The prior at the training inputs the loop runs on, checked."""
+        """The prior at the training inputs the loop runs on (with a ``dtype``; the model is on the data's device)."""
         raise NotImplementedError
 
     def _check_fit(self, options: Any, prior: Any) -> None:
         """Checks of a fit's options against its prior (warnings); none here."""
 
     # -- driving a fit ---------------------------------------------------------------------------
-    def _call_options(self, **overrides: Any) -> Any:
-        """The strategy's options with one call's ``overrides``, validated.
-
-        :raises TypeError: naming an override that is not an option, and the options there are.
-        :raises ValueError: for an option out of range.
-        """
-        return replaced_options(self.options, overrides, f"{type(self).__name__}.fit")
-
-    def _check_callback(self, callback: Callable | None, show_progress: bool | None) -> bool:
-        """Check ``fit``'s ``callback`` and ``show_progress``; return whether to show progress.
-
-        :raises TypeError: for a callback that is not callable.
-        """
-        if callback is not None and not callable(callback):
-            raise TypeError(f"callback must be callable (step, state) -> bool | None, got {type(callback).__name__}.")
-        if show_progress is not None:
-            check_flag(show_progress, "show_progress")
-        return self.show_progress if show_progress is None else show_progress
-
     def _check_model_device(self) -> None:
         """:raises ValueError: for a parameter of model or likelihood on another device than the data."""
         device = self.train_inputs.device
@@ -370,14 +334,6 @@ class OuterLoopStrategy(gpytorch.Module):
                     f"The model's parameter {name} is on {parameter.device} but train_inputs on {device}: move the "
                     "model (model.to(device)) and the likelihood to the device of the data."
                 )
-
-    def _check_prior_dtype(self, dtype: torch.dtype) -> None:
-        """:raises TypeError: if the model computes in another dtype than the training inputs'."""
-        if dtype != self.train_inputs.dtype:
-            raise TypeError(
-                f"The model computes in {dtype} but train_inputs are {self.train_inputs.dtype}: "
-                "convert the model and the data to one dtype."
-            )
 
     def _prepare_loop(self) -> None:
         """Whatever a subclass sets up before it makes a loop; nothing here."""
@@ -419,54 +375,26 @@ class OuterLoopStrategy(gpytorch.Module):
         except BaseException:
             # Interrupted (KeyboardInterrupt, an error in the callback, ...): the state is that of the last
             # completed step; put back what belongs to it.
-            self._rewind()
+            self._committed.rewind()
             raise
         self._loose = False
         self.last_report = report
         return report
 
-    # -- predictions' inputs ---------------------------------------------------------------------
-    def _check_test_inputs(self, inputs: Tensor) -> Tensor:
-        """``inputs`` ``(N*, D)`` checked against the training inputs (features, dtype, device).
-
-        :raises ValueError: for another number of features, or a model on another device.
-        :raises TypeError: for another dtype.
-        """
-        inputs = check_inputs(inputs, "inputs", device=self.train_inputs.device)
-        if inputs.shape[-1] != self.train_inputs.shape[-1]:
-            raise ValueError(
-                f"inputs have {inputs.shape[-1]} features but the training inputs have {self.train_inputs.shape[-1]}."
-            )
-        if inputs.dtype != self.train_inputs.dtype:
-            raise TypeError(f"inputs are {inputs.dtype} but the model's training data {self.train_inputs.dtype}.")
-        self._check_model_device()
-        return inputs
-
     # -- state_dict and devices ------------------------------------------------------------------
-    def _loop_extra(self) -> dict:
-        """What a subclass saves beside the state in :meth:`get_extra_state`; nothing here."""
-        return {}
-
-    def _load_loop_extra(self, extra: Mapping) -> None:
-        """Restore :meth:`_loop_extra` from a saved extra state (``{}``: reset); nothing here."""
-
     def _state_to_save(self) -> Any:
-        """The committed state as :meth:`get_extra_state` saves it; itself here."""
-        return self._state
+        """The committed state (not ``None``) as :meth:`get_extra_state` saves it; itself here."""
+        return self._committed.state
 
     def get_extra_state(self) -> dict:
         """The committed state for ``state_dict()``: tensors, numbers and strings only (``weights_only`` loadable).
 
         Holds the state of the last completed step (also when saved inside a ``fit`` callback), the fingerprint of
-        the hyperparameters it belongs to, and a hash of the training data.
+        the hyperparameters it belongs to, the companion's position, and a hash of the training data
+        (:meth:`CommittedState.to_extra <gpytorch_iterncgp.core.state.CommittedState.to_extra>`).
         """
-        return {
-            "version": 2,
-            "state": None if self._state is None else self._state_to_save().to_extra(),
-            "fingerprint": self._fingerprint,
-            **self._loop_extra(),
-            "data": data_fingerprint(self.train_inputs, self.train_targets),
-        }
+        saved = None if self._committed.state is None else self._state_to_save()
+        return self._committed.to_extra(data_fingerprint(self.train_inputs, self.train_targets), saved)
 
     def set_extra_state(self, extra: dict) -> None:
         """Restore :meth:`get_extra_state`.
@@ -477,49 +405,10 @@ class OuterLoopStrategy(gpytorch.Module):
 
         :raises ValueError: if the saved state is malformed (missing entries, shapes that disagree).
         """
-        name = type(self).__name__
-        if not isinstance(extra, dict):
-            raise ValueError(f"{name} extra state must be a dict, got {type(extra).__name__}.")
-        saved = extra.get("state")
-        if saved is None:
-            self._reset_state(extra)
-            return
-        if not isinstance(saved, dict):
-            raise ValueError(f"{name} extra state is malformed: its state must be a dict, got {type(saved).__name__}.")
-        state = self._state_type.from_extra(saved, self.train_inputs)
-        size = self._saved_size(state)
-        expected_size = self.num_data * self.num_latents
-        data = extra.get("data")
-        if size != expected_size or (
-            data is not None and data != data_fingerprint(self.train_inputs, self.train_targets)
-        ):
-            warnings.warn(
-                f"The saved {name} solver state belongs to other training data ({size} latent values, this model "
-                f"has {expected_size}, or different values): it is discarded, and the next fit() or prediction "
-                "starts from the prior.",
-                UserWarning,
-                stacklevel=2,
-            )
-            self._reset_state({})
-            return
-        self._state = state
-        fingerprint = extra.get("fingerprint")
-        self._fingerprint = None if fingerprint is None else fingerprint.to(self.train_inputs)
-        self._load_loop_extra(extra)
-
-    def _saved_size(self, state: Any) -> int:
-        """The number of latent values a (loaded) state belongs to."""
-        return state.representer_weights.shape[0]
-
-    def _reset_state(self, extra: Mapping) -> None:
-        self._state, self._fingerprint = None, None
-        self._load_loop_extra(extra)
+        data = data_fingerprint(self.train_inputs, self.train_targets)
+        self._committed.load_extra(extra, self.train_inputs, self.num_data * self.num_latents, data, type(self).__name__)
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
-        if self._state is not None:
-            converted = {name: fn(tensor) for name, tensor in self._state.tensors().items()}
-            self._state = dataclasses.replace(self._state, **converted)
-        if self._fingerprint is not None:
-            self._fingerprint = fn(self._fingerprint)
+        self._committed.apply(fn)
         return self

@@ -33,10 +33,8 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from collections.abc import Mapping
 from typing import Any
 
-import gpytorch
 import torch
 from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
 from linear_operator.operators import LinearOperator, MatmulLinearOperator
@@ -50,7 +48,7 @@ from ..core.sharding import RowBlock, RowShardedKernel
 from ..core.solver import IterGPOptions, RegressionState
 from ..ep.sweeps import EPOptions, EPState, ExpectationPropagation
 from ..laplace.newton import DampedNewton, LaplaceState, SolverOptions
-from .base import exact_regime, replaced_options
+from .base import exact_regime
 from .predictive import PredictiveStrategy, warn_lost_variance
 
 
@@ -76,30 +74,11 @@ class _IterGPStrategy(PredictiveStrategy):
     options: IterGPOptions
 
     def __init__(
-        self,
-        model: gpytorch.models.ApproximateGP,
-        train_inputs: Tensor,
-        train_targets: Tensor,
-        likelihood: gpytorch.likelihoods.Likelihood,
-        policy: str | Policy = "cg",
-        *,
-        min_curvature: float | None = None,
-        seed: int = 0,
-        show_progress: bool = True,
-        **options: Any,
+        self, model, train_inputs, train_targets, likelihood, policy: str | Policy = "cg", *, seed: int = 0, **kwargs
     ):
-        options_object = replaced_options(self._options_type(), options, type(self).__name__)
-        super().__init__(model, train_inputs, train_targets, likelihood, options_object, min_curvature, show_progress)
-        self.policy = make_policy(policy, seed)
-        self._policy_state: dict = self.policy.state()  # the policy's position at the committed state
-
-    # -- the policy beside the committed state ---------------------------------------------------
-    def _commit(self, state: Any) -> None:
-        super()._commit(state)
-        self._policy_state = self.policy.state()
-
-    def _rewind(self) -> None:
-        self.policy.load_state(self._policy_state)
+        made = make_policy(policy, seed)  # its position is committed with the state (the companion)
+        super().__init__(model, train_inputs, train_targets, likelihood, companion=made, **kwargs)
+        self.policy = made
 
     def _loose_fit_options(self) -> dict[str, Any]:
         """A loose fit in train mode where the evidence is estimated: at most
@@ -129,15 +108,7 @@ class _IterGPStrategy(PredictiveStrategy):
         :math:`\mathbf K \mathbf S`: gathered where a :class:`~gpytorch_iterncgp.distributed.ShardedKernel` with
         ``shard_state`` holds them by rows (so ``state_dict()`` is a collective there, and loads into any number of
         processes)."""
-        return self._state.with_full_rows(self._rows_block())
-
-    def _loop_extra(self) -> dict:
-        """The unit-vector policy's position at the committed state."""
-        return {"policy": dict(self._policy_state)}
-
-    def _load_loop_extra(self, extra: Mapping) -> None:
-        self.policy.load_state(extra.get("policy", {}))
-        self._policy_state = self.policy.state()
+        return self._committed.state.with_full_rows(self._rows_block())
 
     # -- fitting ---------------------------------------------------------------------------------
     def train_prior(self) -> LatentPrior:
@@ -145,7 +116,7 @@ class _IterGPStrategy(PredictiveStrategy):
         return LatentPrior.from_distribution(self.model.forward(self.train_inputs), self.num_latents)
 
     def _prior_for_fit(self) -> LatentPrior:
-        """:meth:`train_prior`, checked against the data's device and dtype, and, where a
+        """:meth:`train_prior`, checked, where a
         :class:`~gpytorch_iterncgp.distributed.ShardedKernel` holds the state by rows, that its covariance is that
         kernel's evaluation.
 
@@ -153,9 +124,7 @@ class _IterGPStrategy(PredictiveStrategy):
             covariance built from it (a sum of Kronecker products, an indexed batch): its products are not split by
             rows, so the loops would hold all rows while the policy and the predictions take this rank's.
         """
-        self._check_model_device()
         prior = self.train_prior()
-        self._check_prior_dtype(prior.dtype)
         if self._rows_block().is_sharded and not prior.rows.is_sharded:
             raise ValueError(
                 "ShardedKernel(..., shard_state=True) holds the state by rows only as the model's covariance itself "
@@ -184,12 +153,6 @@ class _IterGPStrategy(PredictiveStrategy):
         self.policy.prepare(self.num_data, self.num_latents, self.adapter.zero_sum_actions, **missing)
 
     # -- the posterior ---------------------------------------------------------------------------
-    @property
-    def state(self) -> Any:
-        """The solver state (representer weights, precision root, action buffers, and the loop's own), or ``None``
-        before fitting."""
-        return self._state
-
     def joint_prior(self, inputs: Tensor) -> tuple[Tensor, LinearOperator, LinearOperator]:
         r"""The prior at ``inputs`` ``(..., q, D)`` jointly with the training inputs, for :math:`C = 1`, lazily.
 

@@ -9,6 +9,7 @@ import torch
 from gpytorch.utils.warnings import NumericalWarning
 from torch import Tensor
 
+from ..core.validation import check_inputs
 from .base import OuterLoopStrategy
 
 
@@ -37,6 +38,22 @@ class PredictiveStrategy(OuterLoopStrategy):
     A subclass defines :meth:`marginal_latent` (means and variances ``(N*, C)``) and :meth:`marginal_latent_blocks`
     (means ``(N*, C)`` and each point's :math:`C \times C` covariance ``(N*, C, C)``).
     """
+
+    def _check_test_inputs(self, inputs: Tensor) -> Tensor:
+        """``inputs`` ``(N*, D)`` checked against the training inputs (features, dtype, device).
+
+        :raises ValueError: for another number of features, or a model on another device.
+        :raises TypeError: for another dtype.
+        """
+        inputs = check_inputs(inputs, "inputs", device=self.train_inputs.device)
+        if inputs.shape[-1] != self.train_inputs.shape[-1]:
+            raise ValueError(
+                f"inputs have {inputs.shape[-1]} features but the training inputs have {self.train_inputs.shape[-1]}."
+            )
+        if inputs.dtype != self.train_inputs.dtype:
+            raise TypeError(f"inputs are {inputs.dtype} but the model's training data {self.train_inputs.dtype}.")
+        self._check_model_device()
+        return inputs
 
     def marginal_latent(self, inputs: Tensor) -> tuple[Tensor, Tensor]:
         """Posterior means and variances of the latents at ``inputs`` ``(N*, D)``, ``(N*, C)`` each."""

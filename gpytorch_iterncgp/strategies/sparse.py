@@ -19,9 +19,6 @@ r""":class:`SparseEPStrategy`: sparse EP-DTC (:mod:`~gpytorch_iterncgp.sparse.dt
 
 from __future__ import annotations
 
-from typing import Any
-
-import gpytorch
 import torch
 from gpytorch.distributions import MultivariateNormal
 from linear_operator.operators import LinearOperator, MatmulLinearOperator
@@ -29,8 +26,7 @@ from torch import Tensor
 
 from ..core.validation import check_flag, check_inputs
 from ..ep.sweeps import SweepOptions
-from ..sparse.dtc import DTCPrior, SparseEP, SparseEPState, inducing_cholesky
-from .base import replaced_options
+from ..sparse.dtc import DTCPrior, SparseEP, SparseEPState, WhitenedInducing
 from .predictive import PredictiveStrategy, warn_lost_variance
 
 
@@ -71,22 +67,13 @@ class SparseEPStrategy(PredictiveStrategy):
     """
 
     _state_type = SparseEPState
+    _options_type = SweepOptions
     options: SweepOptions
 
     def __init__(
-        self,
-        model: gpytorch.models.ApproximateGP,
-        train_inputs: Tensor,
-        train_targets: Tensor,
-        likelihood: gpytorch.likelihoods.Likelihood,
-        inducing_points: Tensor,
-        learn_inducing_locations: bool = True,
-        *,
-        show_progress: bool = True,
-        **options: Any,
+        self, model, train_inputs, train_targets, likelihood, inducing_points: Tensor, learn_inducing_locations=True, **kw
     ):
-        options_object = replaced_options(SweepOptions(), options, type(self).__name__)
-        super().__init__(model, train_inputs, train_targets, likelihood, options_object, None, show_progress)
+        super().__init__(model, train_inputs, train_targets, likelihood, **kw)
         if not self.adapter.has_tilted_moments:
             raise TypeError(
                 f"SparseEPStrategy needs a likelihood with tilted moments: BernoulliLikelihood (probit), "
@@ -125,10 +112,9 @@ class SparseEPStrategy(PredictiveStrategy):
         if not isinstance(distribution, MultivariateNormal) or distribution.batch_shape != torch.Size([]):
             raise ValueError("SparseEPStrategy needs a model whose forward returns a MultivariateNormal without batch.")
         covariance = distribution.lazy_covariance_matrix
-        cholesky = inducing_cholesky(covariance[:num_inducing, :num_inducing].to_dense())
-        cross = covariance[:num_inducing, num_inducing:].to_dense()
-        whitened = torch.linalg.solve_triangular(cholesky, cross, upper=False)
-        return distribution.mean[num_inducing:], covariance[num_inducing:, num_inducing:], cholesky, whitened
+        whitening = WhitenedInducing.from_covariance(covariance[:num_inducing, :num_inducing].to_dense())
+        whitened = whitening.whiten(covariance[:num_inducing, num_inducing:].to_dense())
+        return distribution.mean[num_inducing:], covariance[num_inducing:, num_inducing:], whitening.cholesky, whitened
 
     def dtc_prior(self) -> DTCPrior:
         r"""The DTC prior at the training inputs (with gradients where autograd records them): :math:`O(M^2 N)`."""
@@ -141,21 +127,15 @@ class SparseEPStrategy(PredictiveStrategy):
 
     # -- fitting ---------------------------------------------------------------------------------
     def _prior_for_fit(self) -> DTCPrior:
-        """:meth:`dtc_prior`, checked against the data's device and dtype."""
-        self._check_model_device()
+        """:meth:`dtc_prior`, with the inducing inputs checked against the data's device."""
         if self.inducing_points.device != self.train_inputs.device:
             raise ValueError(
                 f"inducing_points are on {self.inducing_points.device}, the data on {self.train_inputs.device}."
             )
-        prior = self.dtc_prior()
-        self._check_prior_dtype(prior.mean.dtype)
-        return prior
+        return self.dtc_prior()
 
     def _make_loop(self, prior: DTCPrior, options: SweepOptions) -> SparseEP:
         return SparseEP(prior, self.adapter, self.train_targets, options.damping, options.site_tol)
-
-    def _saved_size(self, state: SparseEPState) -> int:
-        return state.site_precision.shape[0]
 
     @property
     def sites(self) -> tuple[Tensor, Tensor]:

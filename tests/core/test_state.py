@@ -10,6 +10,7 @@ import torch
 
 from gpytorch_iterncgp.core.outer_loop import relative_max_change, relative_norm_change
 from gpytorch_iterncgp.core.sharding import RowBlock
+from gpytorch_iterncgp.core.state import CommittedState, data_fingerprint
 from gpytorch_iterncgp.ep.sweeps import EPState
 from gpytorch_iterncgp.laplace.newton import LaplaceState, NewtonControl
 from gpytorch_iterncgp.sparse.dtc import SparseEPState
@@ -100,3 +101,41 @@ def test_relative_changes_use_their_own_metrics():
         and relative_norm_change(new, zero, RowBlock.single(len(new))) == math.inf
     )
     assert relative_max_change(zero, zero) == 0.0 and relative_max_change(zero, new) == math.inf
+
+
+class _Counter:
+    """A companion with a position (as the unit-vector policy)."""
+
+    def __init__(self):
+        self.position = 0
+
+    def state(self) -> dict:
+        return {"position": self.position}
+
+    def load_state(self, state: dict) -> None:
+        self.position = state.get("position", 0)
+
+
+def test_committed_state_commits_rewinds_saves_and_loads():
+    companion = _Counter()
+    committed = CommittedState(SparseEPState, companion)
+    fingerprint = torch.tensor([1.0, 2.0], dtype=torch.float64)
+    assert not committed.is_current(fingerprint)
+    state = _sparse_state()
+    companion.position = 3
+    committed.commit(state, fingerprint)
+    assert committed.is_current(fingerprint.clone()) and not committed.is_current(fingerprint + 1)
+    companion.position = 7  # an interrupted step moved it on
+    committed.rewind()
+    assert companion.position == 3
+    data = data_fingerprint(torch.zeros(5, 1), torch.ones(5))
+    extra = committed.to_extra(data)
+    assert list(extra) == ["version", "state", "fingerprint", "policy", "data"] and extra["policy"] == {"position": 3}
+    restored = CommittedState(SparseEPState, _Counter())
+    restored.load_extra(extra, torch.zeros(1, dtype=torch.float32), 5, data, "test")
+    assert restored.is_current(fingerprint.float()) and restored.companion.position == 3
+    assert restored.state.site_precision.dtype == torch.float32
+    with pytest.warns(UserWarning, match="belongs to other training data"):
+        restored.load_extra(extra, torch.zeros(1), 5, data_fingerprint(torch.ones(5, 1), torch.ones(5)), "test")
+    assert restored.state is None and restored.companion.position == 0
+    assert "policy" not in CommittedState(SparseEPState).to_extra(data)

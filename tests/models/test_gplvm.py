@@ -164,6 +164,26 @@ def test_gplvm_state_dict_round_trip():
     torch.testing.assert_close(restored.predict_proba(points), expected, rtol=0, atol=0)
 
 
+def test_gplvm_state_dict_of_earlier_versions_loads():
+    """Earlier versions saved the sites as buffers (P, N) beside their fingerprint: they load as the committed
+    state, current for the saved parameters (predictions without refitting)."""
+    data = _binary_columns()
+    model = EPLatentVariableModel(data, latent_dim=2, num_inducing=8)
+    model.fit(num_steps=3, show_progress=False)
+    with torch.no_grad():
+        model.loss()  # the sites converged at the final parameters
+        fingerprint = model.mll.fingerprint(*model.train_inputs_distribution())
+    saved = {key: value for key, value in model.state_dict().items() if key != "_extra_state"}
+    saved.update(site_precision=model.site_precision, site_natural_mean=model.site_natural_mean)
+    saved["site_fingerprint"] = fingerprint
+    points = torch.randn(6, 2, dtype=DTYPE, generator=torch.Generator().manual_seed(3))
+    restored = EPLatentVariableModel(data, latent_dim=2, num_inducing=8, seed=5)
+    restored.load_state_dict(saved)
+    torch.testing.assert_close(restored.site_precision, model.site_precision, rtol=0, atol=0)
+    torch.testing.assert_close(restored.predict_proba(points), model.predict_proba(points), rtol=0, atol=0)
+    assert restored.last_reports == [], "current sites: no refit"
+
+
 def test_pca_initialisation_is_the_principal_subspace():
     data = _binary_columns(num=40, columns=6)
     scores = pca_initialisation(data, 2)
