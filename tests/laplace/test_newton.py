@@ -94,7 +94,7 @@ def scipy_laplace(name: str, x: np.ndarray, y: np.ndarray, outputscale: float, l
     return mode, evidence, result
 
 
-# name: likelihood, data, (outputscale, lengthscale), where the gradients compared are not small (0.2 to 35)
+# name: likelihood, data, (outputscale, lengthscale), where the gradients compared are not small (0.13 to 35)
 CASES = {
     "probit": (gpytorch.likelihoods.BernoulliLikelihood, lambda: binary_data(40, seed=41), (1.7, 0.35)),
     "logit": (LogitBernoulliLikelihood, lambda: binary_data(40, seed=42), (1.7, 0.35)),
