@@ -147,7 +147,29 @@ class TestBlockNoiseInverseBatch(TestBlockNoiseInverse):
 # ---------------------------------------------------------------------------------------------------
 # SoftmaxPseudoInverse
 # ---------------------------------------------------------------------------------------------------
-class TestSoftmaxPseudoInverse(RectangularLinearOperatorTestCase, unittest.TestCase):
+class _SingularBlockChecks:
+    """The symmetric-operator checks that apply to operators whose blocks are singular (null space 1), which the
+    rectangular mixin leaves out: the diagonal, and eigvalsh in float64 (the null-space eigenvalues are 0 only to
+    rounding: ``zero``), one zero eigenvalue per data point and the others positive."""
+
+    eigvalsh_tolerances = (1e-8, 1e-10)  # rtol, atol
+    zero = 1e-10
+
+    def test_diagonal(self):
+        linear_op = self.create_linear_op()
+        self.assertAllClose(linear_op.diagonal(), self.evaluate_linear_op(linear_op).diagonal(dim1=-2, dim2=-1))
+
+    def test_eigvalsh(self):
+        linear_op = self.create_linear_op().double()
+        evals = torch.linalg.eigvalsh(linear_op)
+        rtol, atol = self.eigvalsh_tolerances
+        self.assertAllClose(evals, torch.linalg.eigvalsh(self.evaluate_linear_op(linear_op)), rtol=rtol, atol=atol)
+        num_points = linear_op.shape[-1] // self.block_size(linear_op) * linear_op.shape[:-2].numel()
+        self.assertEqual(int((evals.abs() < self.zero).sum()), num_points)
+        self.assertTrue(bool((evals > -self.zero).all()))
+
+
+class TestSoftmaxPseudoInverse(_SingularBlockChecks, RectangularLinearOperatorTestCase, unittest.TestCase):
     """Singular (each block has the null space 1), so solve / logdet / Cholesky tests of
     ``LinearOperatorTestCase`` do not apply; the symmetric-operator checks that do apply (diagonal,
     eigvalsh) are added by hand."""
@@ -161,18 +183,8 @@ class TestSoftmaxPseudoInverse(RectangularLinearOperatorTestCase, unittest.TestC
     def evaluate_linear_op(self, linear_op):
         return _block_diag(_softmax_blocks(linear_op.probabilities))
 
-    def test_diagonal(self):
-        linear_op = self.create_linear_op()
-        self.assertAllClose(linear_op.diagonal(), self.evaluate_linear_op(linear_op).diagonal(dim1=-2, dim2=-1))
-
-    def test_eigvalsh(self):
-        # In float64 throughout: the null-space eigenvalues are exactly 0 only up to rounding.
-        linear_op = self.create_linear_op().double()
-        evals = torch.linalg.eigvalsh(linear_op)
-        self.assertAllClose(evals, torch.linalg.eigvalsh(self.evaluate_linear_op(linear_op)), rtol=1e-8, atol=1e-10)
-        # One zero eigenvalue per data point (null space 1), the others positive.
-        num_data = linear_op.probabilities.shape[-2]
-        self.assertEqual(int((evals.abs() < 1e-10).sum()), num_data * linear_op.probabilities[..., 0, 0].numel())
+    def block_size(self, linear_op) -> int:
+        return linear_op.probabilities.shape[-1]
 
     def test_from_probabilities_clamps(self):
         probabilities = torch.tensor([[0.5, 0.5 - 1e-12, 1e-12]], dtype=torch.float64)
@@ -205,11 +217,14 @@ def _site_noise(site_precision: torch.Tensor, min_precision: float) -> SiteBlock
     return SiteBlockNoiseInverse.from_site_spectrum(*site_block_spectrum(site_precision, basis), min_precision)
 
 
-class TestSiteBlockNoiseInverse(RectangularLinearOperatorTestCase, unittest.TestCase):
+class TestSiteBlockNoiseInverse(_SingularBlockChecks, RectangularLinearOperatorTestCase, unittest.TestCase):
     """Singular (each block has the null space 1), so solve / logdet / Cholesky tests of
-    ``LinearOperatorTestCase`` do not apply; diagonal and eigvalsh are added by hand."""
+    ``LinearOperatorTestCase`` do not apply; diagonal and eigvalsh are added by hand (blocks formed in float32:
+    looser tolerances)."""
 
     seed = 0
+    eigvalsh_tolerances = (1e-6, 1e-7)
+    zero = 1e-6
 
     def create_linear_op(self):
         return _site_noise(_site_precisions(num_data=4, num_classes=3), min_precision=1e-3)
@@ -217,18 +232,8 @@ class TestSiteBlockNoiseInverse(RectangularLinearOperatorTestCase, unittest.Test
     def evaluate_linear_op(self, linear_op):
         return _block_diag(linear_op.blocks)
 
-    def test_diagonal(self):
-        linear_op = self.create_linear_op()
-        self.assertAllClose(linear_op.diagonal(), self.evaluate_linear_op(linear_op).diagonal(dim1=-2, dim2=-1))
-
-    def test_eigvalsh(self):
-        linear_op = self.create_linear_op().double()
-        evals = torch.linalg.eigvalsh(linear_op)
-        self.assertAllClose(evals, torch.linalg.eigvalsh(self.evaluate_linear_op(linear_op)), rtol=1e-6, atol=1e-7)
-        # One zero eigenvalue per data point (null space 1), the others positive.
-        num_points = linear_op.blocks[..., 0, 0].numel()
-        self.assertEqual(int((evals.abs() < 1e-6).sum()), num_points)
-        self.assertTrue(bool((evals > -1e-6).all()))
+    def block_size(self, linear_op) -> int:
+        return linear_op.blocks.shape[-1]
 
 
 class TestSiteBlockNoiseInverseBatch(TestSiteBlockNoiseInverse):
