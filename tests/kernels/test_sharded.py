@@ -26,8 +26,7 @@ def _kernel() -> gpytorch.kernels.Kernel:
 
 def test_the_wrapper_keeps_the_wrapped_kernels_state_dict_keys():
     """``ShardedKernel(k).state_dict()`` has ``k``'s keys and values, and each loads into the other."""
-    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=1.5)).double()
-    kernel.outputscale, kernel.base_kernel.lengthscale = 3.0, 0.2
+    kernel = _kernel()
     wrapped = ShardedKernel(kernel)
     saved = wrapped.state_dict()
     assert saved.keys() == kernel.state_dict().keys()
