@@ -1,4 +1,4 @@
-"""The shared core: the outer-loop driver, the settings, the evidence's cost and its gradients at extremes, and the
+"""The shared core: the settings, the evidence's cost and its gradients at extremes, and the
 one-way import graph."""
 
 from __future__ import annotations
@@ -13,85 +13,12 @@ import pytest
 import torch
 
 import gpytorch_iterncgp
-from gpytorch_iterncgp import LaplaceMarginalLogLikelihood, LogitBernoulliLikelihood, NotConvergedWarning, settings
-from gpytorch_iterncgp.core.outer_loop import (
-    LoopStatus,
-    NewtonStep,
-    OuterStep,
-    run_outer_loop,
-)
+from gpytorch_iterncgp import LaplaceMarginalLogLikelihood, LogitBernoulliLikelihood, settings
 from gpytorch_iterncgp.core.prior import LatentPrior
-from gpytorch_iterncgp.exceptions import NumericalBreakdownWarning
 from tests import reference
 from tests.common import IterNCGPModel, binary_data
 
 PACKAGE = pathlib.Path(gpytorch_iterncgp.__file__).parent
-
-
-# ---------------------------------------------------------------------------------------------------
-# The driver observes any outer loop: commits, counts, progress, callback, warnings.
-# ---------------------------------------------------------------------------------------------------
-class _Counter:
-    products, columns, product_seconds = 0, 0, 0.0
-
-
-class _ScriptedLoop:
-    """Yields the given statuses; each step 'multiplies by K' ``step`` times."""
-
-    name = "scripted"
-    step_name = "scripted steps"
-
-    def __init__(self, statuses, counter):
-        self.statuses, self.counter, self.finalized = statuses, counter, []
-
-    def steps(self, state):
-        for index, status in enumerate(self.statuses, start=1):
-            state = state + index
-            self.counter.products += index
-            if status is LoopStatus.BREAKDOWN:
-                yield OuterStep(None, state - index, LoopStatus.BREAKDOWN, "scripted breakdown")
-                return
-            warnings.warn("inner solver trouble", NumericalBreakdownWarning, stacklevel=2)
-            record = NewtonStep(index, -1.0 / index, 1.0, index, 0.0, 0.0)
-            yield OuterStep(record, state, status, "scripted stall" if status is LoopStatus.STALLED else "")
-            if status is not LoopStatus.CONTINUE:
-                return
-
-    def finalize(self, state):
-        self.finalized.append(state)
-        return -state
-
-
-def _drive(statuses, max_steps=10, callback=None):
-    counter, committed = _Counter(), []
-    loop = _ScriptedLoop(statuses, counter)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        report = run_outer_loop(loop, 0, committed.append, counter, max_steps, callback, show_progress=False)
-    return report, committed, loop, caught
-
-
-def test_driver_commits_every_step_then_the_final_state_and_counts_products_per_step():
-    report, committed, loop, caught = _drive([LoopStatus.CONTINUE, LoopStatus.CONTINUE, LoopStatus.CONVERGED])
-    assert committed == [1, 3, 6, -6] and loop.finalized == [6]
-    assert report.converged and report.steps == 3 and report.solver_iterations == 6
-    assert str(report).startswith("scripted fit: 3 scripted steps,")  # the loop's own word for its steps
-    assert [step.kernel_products for step in report.records] == [1, 2, 3] and report.kernel_products == 6
-    # the loop's own warnings reach the caller's line (this file), once per step
-    inner = [w for w in caught if issubclass(w.category, NumericalBreakdownWarning)]
-    assert len(inner) == 3 and all(w.filename == __file__ for w in inner)
-
-
-def test_driver_stops_at_the_budget_on_a_stall_on_a_breakdown_and_on_the_callback():
-    report, committed, _, _ = _drive([LoopStatus.CONTINUE] * 5, max_steps=2)
-    assert report.steps == 2 and not report.converged and committed == [1, 3, -3]
-    report, _, _, caught = _drive([LoopStatus.CONTINUE, LoopStatus.STALLED])
-    assert not report.converged and any(issubclass(w.category, NotConvergedWarning) for w in caught)
-    report, committed, _, caught = _drive([LoopStatus.CONTINUE, LoopStatus.BREAKDOWN])
-    assert report.breakdown and committed == [1, -1]
-    assert any("scripted breakdown" in str(w.message) for w in caught)
-    report, committed, _, _ = _drive([LoopStatus.CONTINUE] * 5, callback=lambda record, state: record.step == 2)
-    assert report.stopped_by_callback and committed == [1, 3, -3]
 
 
 # ---------------------------------------------------------------------------------------------------

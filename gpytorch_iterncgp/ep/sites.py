@@ -65,6 +65,27 @@ class SiteUpdate:
     change: float  # max_i of |tau* - tau| / max|tau*| and |nu* - nu| / max|nu*| (undamped; over updated sites)
     inner_sites: InnerSites | None = None  # site blocks: the nested EP's sites, for the next sweep's warm start
 
+    @classmethod
+    def of_sweep(
+        cls,
+        sites: tuple[Tensor, Tensor],
+        cavity: tuple[Tensor, Tensor],
+        log_normalizer: Tensor,
+        valid: Tensor,
+        bounded: Tensor,
+        clipped: Tensor,
+        change: float,
+        inner_sites: InnerSites | None = None,
+    ) -> SiteUpdate:
+        r"""The update of a sweep that moved the ``valid`` sites (bool, ``(N,)``) and kept the others.
+
+        :param sites: the damped :math:`(\tilde\tau, \tilde\nu)` after the sweep.
+        :param cavity: :math:`(\tau_{-i}, \nu_{-i})` from the marginals the sweep started from.
+        :param bounded: whether each cavity precision was raised to the prior precision; counted at valid sites only.
+        :return: the update, whose ``skipped`` sites are those not ``valid``.
+        """
+        return cls(*sites, *cavity, log_normalizer, bounded & valid, ~valid, clipped, change, inner_sites)
+
 
 def cavities(
     marginal_mean: Tensor,
@@ -119,7 +140,7 @@ def update_sites(
     )
     valid = torch.isfinite(cavity_precision) & (cavity_precision > 0) & torch.isfinite(cavity_natural_mean)
     log_normalizer = torch.zeros_like(marginal_mean)
-    new_precision, new_natural_mean = site_precision.clone(), site_natural_mean.clone()
+    sites = (site_precision.clone(), site_natural_mean.clone())  # updated in place at the valid sites
     clipped = torch.zeros_like(valid)
     largest = marginal_mean.new_zeros(2, 2)  # no site updated: no change
     if bool(valid.any()):
@@ -132,20 +153,11 @@ def update_sites(
         target_natural_mean = tilted_mean * tilted_precision - cavity_natural_mean[valid]
         clipped[valid] = target_precision < 0
         target_precision = target_precision.clamp_min(0)
-        largest = _damped_step(
-            (new_precision, new_natural_mean), valid, (target_precision, target_natural_mean), damping
-        )
+        largest = _damped_step(sites, valid, (target_precision, target_natural_mean), damping)
         log_normalizer[valid] = log_z
-    return SiteUpdate(
-        new_precision,
-        new_natural_mean,
-        cavity_precision,
-        cavity_natural_mean,
-        log_normalizer,
-        bounded & valid,
-        ~valid,
-        clipped,
-        _largest_change(largest, rows_block),
+    change = _largest_change(largest, rows_block)
+    return SiteUpdate.of_sweep(
+        sites, (cavity_precision, cavity_natural_mean), log_normalizer, valid, bounded, clipped, change
     )
 
 
@@ -303,7 +315,7 @@ def update_site_blocks(
     cavity_covariance, positive = _inverse(cavity_precision)
     valid = positive & torch.isfinite(cavity_natural_mean).all(-1)
     log_normalizer = torch.zeros(marginal_mean.shape[:-1], dtype=marginal_mean.dtype, device=marginal_mean.device)
-    new_precision, new_natural_mean = site_precision.clone(), site_natural_mean.clone()
+    sites = (site_precision.clone(), site_natural_mean.clone())  # updated in place at the valid sites
     clipped = torch.zeros_like(valid)
     largest = marginal_mean.new_zeros(2, 2)  # no site updated: no change
     if bool(valid.any()):
@@ -325,9 +337,7 @@ def update_site_blocks(
         scale = torch.linalg.eigvalsh(tilted_precision).abs().amax(-1)
         clipped[valid] = values.amin(-1) < -math.sqrt(torch.finfo(values.dtype).eps) * scale
         target_precision = (vectors * values.clamp_min(0).unsqueeze(-2)) @ vectors.mT
-        largest = _damped_step(
-            (new_precision, new_natural_mean), valid, (target_precision, target_natural_mean), damping
-        )
+        largest = _damped_step(sites, valid, (target_precision, target_natural_mean), damping)
         log_normalizer[valid] = log_z
         inner_sites = (
             InnerSites(*(found.precision.new_zeros(len(valid), num_classes - 1) for _ in range(2)))
@@ -335,17 +345,9 @@ def update_site_blocks(
             else InnerSites(inner_sites.precision.clone(), inner_sites.natural_mean.clone())
         )
         inner_sites.precision[valid], inner_sites.natural_mean[valid] = found.precision, found.natural_mean
-    return SiteUpdate(
-        new_precision,
-        new_natural_mean,
-        cavity_precision,
-        cavity_natural_mean,
-        log_normalizer,
-        bounded & valid,
-        ~valid,
-        clipped,
-        _largest_change(largest, rows_block),
-        inner_sites,
+    change = _largest_change(largest, rows_block)
+    return SiteUpdate.of_sweep(
+        sites, (cavity_precision, cavity_natural_mean), log_normalizer, valid, bounded, clipped, change, inner_sites
     )
 
 

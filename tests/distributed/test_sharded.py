@@ -353,41 +353,6 @@ def test_ranks_with_different_data_fail_naming_the_fix(ranks):
         assert result["mismatch"] is not None and "same model on the same data" in result["mismatch"]
 
 
-def test_the_wrapper_keeps_the_wrapped_kernels_state_dict_keys():
-    """``ShardedKernel(k).state_dict()`` has ``k``'s keys and values, and each loads into the other."""
-    from gpytorch_iterncgp.distributed import ShardedKernel
-
-    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=1.5)).double()
-    kernel.outputscale, kernel.base_kernel.lengthscale = 3.0, 0.2
-    wrapped = ShardedKernel(kernel)
-    saved = wrapped.state_dict()
-    assert saved.keys() == kernel.state_dict().keys()
-    plain = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=1.5)).double()
-    plain.load_state_dict(saved)
-    assert float(plain.outputscale.detach()) == pytest.approx(3.0)
-    assert float(plain.base_kernel.lengthscale.detach()) == pytest.approx(0.2)
-    other = ShardedKernel(gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=1.5)).double())
-    other.load_state_dict(kernel.state_dict())
-    assert float(other.base_kernel.outputscale.detach()) == pytest.approx(3.0)
-
-
-def test_shard_state_must_be_a_bool():
-    from gpytorch_iterncgp.distributed import ShardedKernel
-
-    with pytest.raises(TypeError, match="shard_state must be True or False"):
-        ShardedKernel(gpytorch.kernels.RBFKernel(), shard_state="rows")
-
-
-def test_a_product_before_init_process_group_names_the_fix():
-    from gpytorch_iterncgp.distributed import ShardedKernel
-
-    if torch.distributed.is_initialized():
-        pytest.skip("this process is in a process group")
-    kernel = ShardedKernel(gpytorch.kernels.RBFKernel())
-    with torch.no_grad(), pytest.raises(RuntimeError, match="init_process_group"):
-        kernel(torch.rand(5, 1)).to_dense()
-
-
 @pytest.mark.slow
 def test_distributed_example_runs_on_two_processes(tmp_path):
     """``torchrun --nproc-per-node 2 examples/distributed_classification.py --smoke`` (gloo) ends with rank 0's

@@ -5,6 +5,8 @@
   fixed kernel: latent mean and variance, log evidence), the dense exact Laplace implementation of
   ``tests/reference.py`` on kernel matrices built by scikit-learn's ``Matern`` (probit, softmax,
   Poisson with integer and with non-integer targets), and the underlying strategy's own predictions;
+* a kernel with priors: ``log_marginal_likelihood()`` is scikit-learn's evidence, the learning's objective adds the
+  log prior (scipy.stats), and the hyperparameters learnt are the MAP estimate of scikit-learn's evidence;
 * label mapping, validation errors, hyperparameter learning, seeding, and that ``import gpytorch_iterncgp``
   leaves scikit-learn unimported.
 """
@@ -30,6 +32,7 @@ from sklearn.gaussian_process import GaussianProcessClassifier  # noqa: E402
 from sklearn.gaussian_process.kernels import RBF, ConstantKernel, Matern  # noqa: E402
 from sklearn.utils.estimator_checks import parametrize_with_checks  # noqa: E402
 
+from gpytorch_iterncgp import LaplaceMarginalLogLikelihood  # noqa: E402
 from gpytorch_iterncgp.integrations.sklearn import (  # noqa: E402
     IterNCGPClassifier,
     IterNCGPPoissonRegressor,
@@ -168,22 +171,86 @@ def test_binary_logit_matches_sklearn_gaussian_process_classifier():
     np.testing.assert_array_equal(ours.predict(x_test), theirs.predict(x_test))
 
 
-def test_log_marginal_likelihood_leaves_out_the_kernels_priors():
-    """A kernel with a prior (GPyTorch's ``outputscale_prior=``): ``log_marginal_likelihood()`` is the evidence alone,
-    scikit-learn's number for the same fixed kernel (the prior enters only the objective of the learning)."""
-    x, y, _ = _binary()
-    kernel = default_kernel(x.shape[1])
+def _kernel_with_priors(num_features: int):
+    """The default kernel with a Gamma(3, 2) prior on the outputscale and a log-normal(0, 0.5) one on the
+    lengthscale (GPyTorch's ``register_prior``), and their log-density by scipy.stats at ``(outputscale, lengthscale)``."""
+    from scipy import stats
+
+    kernel = default_kernel(num_features)
     kernel.register_prior(
         "outputscale_prior",
         gpytorch.priors.GammaPrior(3.0, 2.0),
         lambda module: module.outputscale,
         lambda module, value: module._set_outputscale(value),
     )
+    kernel.base_kernel.register_prior(
+        "lengthscale_prior",
+        gpytorch.priors.LogNormalPrior(0.0, 0.5),
+        lambda module: module.lengthscale,
+        lambda module, value: module._set_lengthscale(value),
+    )
+
+    def log_prior(outputscale: float, lengthscale: float) -> float:
+        return float(stats.gamma(3.0, scale=1 / 2.0).logpdf(outputscale) + stats.lognorm(0.5).logpdf(lengthscale))
+
+    return kernel, log_prior
+
+
+def _sklearn_evidence_at(estimator, x, y) -> tuple[float, float, float]:
+    """scikit-learn's Laplace evidence (``log_marginal_likelihood(theta)``) for Constant * Matérn-5/2 at the fitted
+    estimator's outputscale and lengthscale, and those two."""
+    outputscale = float(estimator.kernel_.outputscale.detach())
+    lengthscale = float(estimator.kernel_.base_kernel.lengthscale.detach())
+    kernel = ConstantKernel(1.0, (1e-5, 1e5)) * Matern(1.0, (1e-5, 1e5), nu=2.5)
+    theirs = GaussianProcessClassifier(kernel, optimizer=None).fit(x, y)
+    return theirs.log_marginal_likelihood(np.log([outputscale, lengthscale])), outputscale, lengthscale
+
+
+def test_log_marginal_likelihood_with_priors_is_sklearns_evidence_and_the_objective_adds_the_log_prior():
+    """A kernel with priors, fixed: ``log_marginal_likelihood()`` is the evidence alone, scikit-learn's number at the
+    same kernel; the objective the learning maximises (``N`` times the model's evidence object) is that plus the log
+    prior by scipy.stats."""
+    x, y, _ = _binary()
+    kernel, log_prior = _kernel_with_priors(x.shape[1])
     ours = IterNCGPClassifier(kernel, **TIGHT).fit(x, y)
-    theirs = GaussianProcessClassifier(
-        ConstantKernel(1.0, "fixed") * Matern(math.sqrt(2), "fixed", nu=2.5), optimizer=None
+    expected, outputscale, lengthscale = _sklearn_evidence_at(ours, x, y)
+    assert (outputscale, lengthscale) == pytest.approx((1.0, math.sqrt(2)), rel=1e-7)  # the default kernel, fixed
+    np.testing.assert_allclose(ours.log_marginal_likelihood(), expected, atol=1e-6)
+    model = ours.model_
+    mll = LaplaceMarginalLogLikelihood(ours.likelihood_, model)
+    model.train()
+    strategy = model.variational_strategy
+    with torch.no_grad():
+        objective = float(mll(model(strategy.train_inputs), strategy.train_targets)) * len(x)
+    np.testing.assert_allclose(objective, expected + log_prior(outputscale, lengthscale), atol=1e-6)
+    assert abs(log_prior(outputscale, lengthscale)) > 0.1  # the two differ
+
+
+def test_hyperparameters_learnt_with_priors_are_the_map_estimate_of_sklearns_evidence():
+    """Learnt with the priors (L-BFGS on the exact evidence): the maximum of scikit-learn's evidence plus the log
+    prior (scipy.stats), found by scipy's L-BFGS-B over the log hyperparameters; at it, ``log_marginal_likelihood()``
+    is scikit-learn's evidence alone. Not the maximum of the evidence alone (scikit-learn's own optimum)."""
+    from scipy.optimize import minimize
+
+    x, y, _ = _binary(num=80, seed=5)
+    kernel, log_prior = _kernel_with_priors(x.shape[1])
+    learnt = IterNCGPClassifier(kernel, **{**TIGHT, "optimize_hyperparameters": True}, optimizer_steps=60).fit(x, y)
+    evidence, outputscale, lengthscale = _sklearn_evidence_at(learnt, x, y)
+    np.testing.assert_allclose(learnt.log_marginal_likelihood(), evidence, atol=1e-6)
+    theirs = GaussianProcessClassifier(ConstantKernel() * Matern(nu=2.5), optimizer=None).fit(x, y)
+
+    def negative_log_posterior(theta):
+        return -(theirs.log_marginal_likelihood(theta) + log_prior(*np.exp(theta)))
+
+    optimum = minimize(negative_log_posterior, np.log([1.0, math.sqrt(2)]), method="L-BFGS-B", options={"ftol": 1e-14})
+    expected = np.exp(optimum.x)
+    np.testing.assert_allclose([outputscale, lengthscale], expected, rtol=1e-2)
+    assert -negative_log_posterior(np.log([outputscale, lengthscale])) >= -optimum.fun - 1e-4
+    unregularised = GaussianProcessClassifier(
+        ConstantKernel(1.0, (1e-3, 1e4)) * Matern(math.sqrt(2), (1e-2, 1e3), nu=2.5), random_state=0
     ).fit(x, y)
-    np.testing.assert_allclose(ours.log_marginal_likelihood(), theirs.log_marginal_likelihood_value_, atol=1e-6)
+    no_prior = [unregularised.kernel_.k1.constant_value, unregularised.kernel_.k2.length_scale]
+    assert np.abs(np.log(no_prior) - np.log(expected)).max() > 0.1  # the priors move the optimum
 
 
 def test_binary_probit_matches_exact_laplace():

@@ -22,11 +22,11 @@ pytest.importorskip("sklearn", minversion="1.7")
 
 from sklearn.metrics import log_loss  # noqa: E402
 
-from gpytorch_iterncgp import LearningRecipe, settings  # noqa: E402
+from gpytorch_iterncgp import EPMarginalLogLikelihood, LearningRecipe, settings  # noqa: E402
 from gpytorch_iterncgp.integrations.sklearn import CLASSIFIER_INFERENCE  # noqa: E402
 from gpytorch_iterncgp.sklearn import IterNCGPClassifier, IterNCGPPoissonRegressor  # noqa: E402
 from tests import reference, reference_ep  # noqa: E402
-from tests.integrations.test_sklearn import TIGHT, _binary, _matern, _multiclass  # noqa: E402
+from tests.integrations.test_sklearn import TIGHT, _binary, _kernel_with_priors, _matern, _multiclass  # noqa: E402
 
 # Exact EP: the Laplace tests' exact solves (unit-vector actions to full rank in every sweep, sites to 1e-12), the
 # default kernel fixed.
@@ -46,6 +46,25 @@ def test_binary_ep_is_dense_ep():
         kernel, _matern(x, x_test, lengthscale), torch.ones(len(x_test), dtype=torch.float64), expected
     )
     np.testing.assert_allclose(classifier.predict_proba(x_test)[:, 1], probability.numpy(), rtol=1e-7, atol=1e-9)
+
+
+def test_binary_ep_with_priors_leaves_them_out_of_the_evidence_and_adds_them_to_the_objective():
+    """Probit EP, a kernel with priors: ``log_marginal_likelihood()`` is dense EP's evidence at the same kernel, and the
+    objective of the learning (``N`` times the model's EP evidence object) that plus the log prior by scipy.stats."""
+    x, y, _ = _binary()
+    kernel, log_prior = _kernel_with_priors(x.shape[1])
+    classifier = IterNCGPClassifier(kernel, link="probit", **EXACT_EP).fit(x, y)
+    outputscale, lengthscale = 1.0, float(classifier.kernel_.base_kernel.lengthscale.detach())
+    dense = _matern(x, x, lengthscale, outputscale)
+    expected = reference_ep.parallel_ep(dense, torch.as_tensor(y, dtype=torch.float64), damping=0.5, tol=1e-12)
+    evidence = float(expected.log_marginal_likelihood)
+    np.testing.assert_allclose(classifier.log_marginal_likelihood(), evidence, rtol=1e-8)
+    model, strategy = classifier.model_, classifier.model_.variational_strategy
+    model.train()
+    with torch.no_grad():
+        mll = EPMarginalLogLikelihood(classifier.likelihood_, model)
+        objective = float(mll(model(strategy.train_inputs), strategy.train_targets)) * len(x)
+    np.testing.assert_allclose(objective, evidence + log_prior(outputscale, lengthscale), rtol=1e-8)
 
 
 def test_multiclass_ep_is_dense_multinomial_probit_ep():

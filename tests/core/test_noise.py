@@ -1,17 +1,18 @@
-"""Every LinearOperator of the package against its dense matrix.
+r"""The noise operators of ``gpytorch_iterncgp.core.noise`` against their dense matrices.
 
 The bulk of the checks comes from linear_operator's own mixins (``LinearOperatorTestCase`` for the
 positive definite noise operators, ``RectangularLinearOperatorTestCase`` for the singular ones), each
 test class supplying ``create_linear_op`` and an ``evaluate_linear_op`` that builds the dense matrix
 independently of the operator's ``_matmul``. Mixin tests whose assumptions do not hold for an operator
 are overridden with a comment saying why. Constructors (``from_curvature``, ``from_probabilities``),
-Lemma A.7, ``project_to_zero_sum``, ``ColumnStore`` and ``LowRankPrecision.append`` are tested
-separately against dense references.
+Lemma A.7 and ``project_to_zero_sum`` are tested separately against dense references, and so are the products
+the solver and the covariance phase take outside linear_operator: ``apply`` (:math:`\mathbf W^{-1} \mathbf X`),
+``whiten_rows`` (:math:`\mathbf X \mathbf F` with :math:`\mathbf W^{-1} = \mathbf F \mathbf F^\top`) and
+``curvature_matmul`` (:math:`\mathbf W \mathbf V`, the pseudo-inverse of the noise).
 """
 
 from __future__ import annotations
 
-import pickle
 import unittest
 
 import pytest
@@ -26,9 +27,9 @@ from gpytorch_iterncgp.core.noise import (
     DiagonalNoiseInverse,
     SiteBlockNoiseInverse,
     SoftmaxPseudoInverse,
+    block_pseudo_inverse_matmul,
     project_to_zero_sum,
 )
-from gpytorch_iterncgp.core.precision import ColumnStore, LowRankPrecision
 from gpytorch_iterncgp.ep.sites import site_block_spectrum, zero_sum_basis
 
 
@@ -146,7 +147,29 @@ class TestBlockNoiseInverseBatch(TestBlockNoiseInverse):
 # ---------------------------------------------------------------------------------------------------
 # SoftmaxPseudoInverse
 # ---------------------------------------------------------------------------------------------------
-class TestSoftmaxPseudoInverse(RectangularLinearOperatorTestCase, unittest.TestCase):
+class _SingularBlockChecks:
+    """The symmetric-operator checks that apply to operators whose blocks are singular (null space 1), which the
+    rectangular mixin leaves out: the diagonal, and eigvalsh in float64 (the null-space eigenvalues are 0 only to
+    rounding: ``zero``), one zero eigenvalue per data point and the others positive."""
+
+    eigvalsh_tolerances = (1e-8, 1e-10)  # rtol, atol
+    zero = 1e-10
+
+    def test_diagonal(self):
+        linear_op = self.create_linear_op()
+        self.assertAllClose(linear_op.diagonal(), self.evaluate_linear_op(linear_op).diagonal(dim1=-2, dim2=-1))
+
+    def test_eigvalsh(self):
+        linear_op = self.create_linear_op().double()
+        evals = torch.linalg.eigvalsh(linear_op)
+        rtol, atol = self.eigvalsh_tolerances
+        self.assertAllClose(evals, torch.linalg.eigvalsh(self.evaluate_linear_op(linear_op)), rtol=rtol, atol=atol)
+        num_points = linear_op.shape[-1] // self.block_size(linear_op) * linear_op.shape[:-2].numel()
+        self.assertEqual(int((evals.abs() < self.zero).sum()), num_points)
+        self.assertTrue(bool((evals > -self.zero).all()))
+
+
+class TestSoftmaxPseudoInverse(_SingularBlockChecks, RectangularLinearOperatorTestCase, unittest.TestCase):
     """Singular (each block has the null space 1), so solve / logdet / Cholesky tests of
     ``LinearOperatorTestCase`` do not apply; the symmetric-operator checks that do apply (diagonal,
     eigvalsh) are added by hand."""
@@ -160,18 +183,8 @@ class TestSoftmaxPseudoInverse(RectangularLinearOperatorTestCase, unittest.TestC
     def evaluate_linear_op(self, linear_op):
         return _block_diag(_softmax_blocks(linear_op.probabilities))
 
-    def test_diagonal(self):
-        linear_op = self.create_linear_op()
-        self.assertAllClose(linear_op.diagonal(), self.evaluate_linear_op(linear_op).diagonal(dim1=-2, dim2=-1))
-
-    def test_eigvalsh(self):
-        # In float64 throughout: the null-space eigenvalues are exactly 0 only up to rounding.
-        linear_op = self.create_linear_op().double()
-        evals = torch.linalg.eigvalsh(linear_op)
-        self.assertAllClose(evals, torch.linalg.eigvalsh(self.evaluate_linear_op(linear_op)), rtol=1e-8, atol=1e-10)
-        # One zero eigenvalue per data point (null space 1), the others positive.
-        num_data = linear_op.probabilities.shape[-2]
-        self.assertEqual(int((evals.abs() < 1e-10).sum()), num_data * linear_op.probabilities[..., 0, 0].numel())
+    def block_size(self, linear_op) -> int:
+        return linear_op.probabilities.shape[-1]
 
     def test_from_probabilities_clamps(self):
         probabilities = torch.tensor([[0.5, 0.5 - 1e-12, 1e-12]], dtype=torch.float64)
@@ -204,11 +217,14 @@ def _site_noise(site_precision: torch.Tensor, min_precision: float) -> SiteBlock
     return SiteBlockNoiseInverse.from_site_spectrum(*site_block_spectrum(site_precision, basis), min_precision)
 
 
-class TestSiteBlockNoiseInverse(RectangularLinearOperatorTestCase, unittest.TestCase):
+class TestSiteBlockNoiseInverse(_SingularBlockChecks, RectangularLinearOperatorTestCase, unittest.TestCase):
     """Singular (each block has the null space 1), so solve / logdet / Cholesky tests of
-    ``LinearOperatorTestCase`` do not apply; diagonal and eigvalsh are added by hand."""
+    ``LinearOperatorTestCase`` do not apply; diagonal and eigvalsh are added by hand (blocks formed in float32:
+    looser tolerances)."""
 
     seed = 0
+    eigvalsh_tolerances = (1e-6, 1e-7)
+    zero = 1e-6
 
     def create_linear_op(self):
         return _site_noise(_site_precisions(num_data=4, num_classes=3), min_precision=1e-3)
@@ -216,18 +232,8 @@ class TestSiteBlockNoiseInverse(RectangularLinearOperatorTestCase, unittest.Test
     def evaluate_linear_op(self, linear_op):
         return _block_diag(linear_op.blocks)
 
-    def test_diagonal(self):
-        linear_op = self.create_linear_op()
-        self.assertAllClose(linear_op.diagonal(), self.evaluate_linear_op(linear_op).diagonal(dim1=-2, dim2=-1))
-
-    def test_eigvalsh(self):
-        linear_op = self.create_linear_op().double()
-        evals = torch.linalg.eigvalsh(linear_op)
-        self.assertAllClose(evals, torch.linalg.eigvalsh(self.evaluate_linear_op(linear_op)), rtol=1e-6, atol=1e-7)
-        # One zero eigenvalue per data point (null space 1), the others positive.
-        num_points = linear_op.blocks[..., 0, 0].numel()
-        self.assertEqual(int((evals.abs() < 1e-6).sum()), num_points)
-        self.assertTrue(bool((evals > -1e-6).all()))
+    def block_size(self, linear_op) -> int:
+        return linear_op.blocks.shape[-1]
 
 
 class TestSiteBlockNoiseInverseBatch(TestSiteBlockNoiseInverse):
@@ -303,74 +309,96 @@ def test_project_to_zero_sum(num_classes):
 
 
 # ---------------------------------------------------------------------------------------------------
-# LowRankPrecision
+# The products outside linear_operator: apply, whiten_rows, curvature_matmul
 # ---------------------------------------------------------------------------------------------------
-# The mixin's test_add adds a matrix to Q Q^T, which is singular (rank j < n): linear_operator's Cholesky then adds
-# jitter and says so.
-@pytest.mark.filterwarnings("ignore:A not p.d., added jitter:linear_operator.utils.warnings.NumericalWarning")
-class TestLowRankPrecision(RectangularLinearOperatorTestCase, unittest.TestCase):
-    """Q Q^T with Q (n, j), j < n: singular, hence the rectangular mixin (as upstream tests
-    LowRankRootLinearOperator)."""
-
-    seed = 0
-
-    def create_linear_op(self):
-        return LowRankPrecision(torch.randn(6, 2))
-
-    def evaluate_linear_op(self, linear_op):
-        root = linear_op.root.tensor
-        return root @ root.mT
-
-    def test_rank_and_root(self):
-        root = torch.randn(6, 2)
-        op = LowRankPrecision(root)
-        self.assertEqual(op.rank, 2)
-        self.assertEqual(op.root_tensor, root)
+def _operator_and_curvature(kind: str, num_data: int = 6, generator=None):
+    """A noise operator ``(N C, N C)`` in float64 and its dense curvature :math:`\\mathbf W` (whose (pseudo-)inverse
+    the operator is), built without the operator's code: the reference of the products below."""
+    if kind == "diagonal":
+        curvature = torch.rand(num_data, dtype=torch.float64, generator=generator) + 0.05
+        curvature[1] = 0.01  # below the bound: W^{-1} = 1 / 0.1 there
+        operator = DiagonalNoiseInverse.from_curvature(curvature, min_curvature=0.1)
+        return operator, torch.diag(curvature.clamp_min(0.1))
+    if kind == "block":
+        factor = torch.randn(num_data, 3, 3, dtype=torch.float64, generator=generator)
+        blocks = factor @ factor.mT / 3 + 0.2 * torch.eye(3, dtype=torch.float64)
+        operator = BlockNoiseInverse.from_curvature(blocks, min_curvature=0.05)
+        return operator, _block_diag(blocks + 0.05 * torch.eye(3, dtype=torch.float64))
+    if kind == "softmax":
+        probabilities = _random_probabilities(num_data, 4, generator=generator)
+        curvature = torch.diag_embed(probabilities) - probabilities[..., :, None] * probabilities[..., None, :]
+        return SoftmaxPseudoInverse(probabilities), _block_diag(curvature)
+    sites = _site_precisions(num_data=num_data, num_classes=4, dtype=torch.float64, generator=generator)
+    return _site_noise(sites, min_precision=1e-3), _block_diag(sites)  # eigenvalues >= 0.5 > the bound
 
 
-class TestLowRankPrecisionBatch(TestLowRankPrecision):
-    seed = 1
-
-    def create_linear_op(self):
-        return LowRankPrecision(torch.randn(3, 5, 2))
-
-    def test_rank_and_root(self):
-        root = torch.randn(3, 5, 2)
-        op = LowRankPrecision(root)
-        self.assertEqual(op.rank, 2)
-        self.assertEqual(op.root_tensor, root)
+NOISE_KINDS = ["diagonal", "block", "softmax", "site-block"]
 
 
-def test_low_rank_precision_pickles():
-    root = torch.randn(4, 2, dtype=torch.float64)
-    op = LowRankPrecision(root)
-    restored = pickle.loads(pickle.dumps(op))
-    torch.testing.assert_close(restored.to_dense(), op.to_dense(), rtol=0, atol=0)
+@pytest.mark.parametrize("kind", NOISE_KINDS)
+def test_apply_is_the_dense_pseudo_inverse_of_the_curvature(kind):
+    """``apply(X)`` (and linear_operator's ``matmul``) equal :math:`\\mathbf W^+ \\mathbf X` with the dense
+    pseudo-inverse (the inverse for the positive definite noises), for columns stored either way."""
+    generator = torch.Generator().manual_seed(11)
+    operator, curvature = _operator_and_curvature(kind, generator=generator)
+    dense = torch.linalg.pinv(curvature, hermitian=True)
+    vectors = torch.randn(operator.shape[-1], 3, dtype=torch.float64, generator=generator)
+    for layout in (vectors, vectors.mT.contiguous().mT):  # columns contiguous, or stored as rows
+        torch.testing.assert_close(operator.apply(layout), dense @ vectors, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(operator.matmul(layout), dense @ vectors, rtol=1e-10, atol=1e-10)
 
 
-# ---------------------------------------------------------------------------------------------------
-# ColumnStore
-# ---------------------------------------------------------------------------------------------------
-def test_column_store_matches_cat():
-    generator = torch.Generator().manual_seed(2)
-    initial = torch.randn(5, 3, dtype=torch.float64, generator=generator)
-    initial_copy = initial.clone()
-    store = ColumnStore(initial)
-    columns = torch.randn(5, 30, dtype=torch.float64, generator=generator)
-    views = []
-    for k in range(30):
-        store.append(columns[:, k])
-        views.append(store.value)
-        assert store.size == 4 + k
-    torch.testing.assert_close(store.value, torch.cat([initial_copy, columns], -1), rtol=0, atol=0)
-    # Views handed out earlier keep their values; the caller's initial tensor is not written to.
-    for k, view in enumerate(views):
-        torch.testing.assert_close(view, torch.cat([initial_copy, columns[:, : k + 1]], -1), rtol=0, atol=0)
-    torch.testing.assert_close(initial, initial_copy, rtol=0, atol=0)
+@pytest.mark.parametrize("kind", NOISE_KINDS)
+def test_curvature_matmul_is_the_curvature(kind):
+    """``curvature_matmul()`` multiplies by :math:`\\mathbf W` (the site blocks, for EP's noise): the pseudo-inverse
+    of the noise, which the covariance phase preconditions with."""
+    generator = torch.Generator().manual_seed(12)
+    operator, curvature = _operator_and_curvature(kind, generator=generator)
+    vectors = torch.randn(operator.shape[-1], 2, dtype=torch.float64, generator=generator)
+    torch.testing.assert_close(operator.curvature_matmul()(vectors), curvature @ vectors, rtol=1e-9, atol=1e-10)
 
 
-def test_column_store_from_empty():
-    store = ColumnStore(torch.zeros(3, 0))
-    assert store.size == 0 and store.value.shape == (3, 0)
-    store.append(torch.tensor([1.0, 2.0, 3.0]))
-    torch.testing.assert_close(store.value, torch.tensor([[1.0], [2.0], [3.0]]), rtol=0, atol=0)
+def test_diagonal_curvature_matmul_is_zero_where_the_noise_is():
+    operator = DiagonalNoiseInverse(torch.tensor([2.0, 0.0, 0.5], dtype=torch.float64))
+    vectors = torch.ones(3, 1, dtype=torch.float64)
+    torch.testing.assert_close(operator.curvature_matmul()(vectors), torch.tensor([[0.5], [0.0], [2.0]]).double())
+
+
+@pytest.mark.parametrize("kind", ["diagonal", "block", "softmax"])
+@pytest.mark.parametrize("points_per_chunk", [1, 4, 6])
+def test_whitened_rows_give_the_dense_quadratic_form(kind, points_per_chunk):
+    """:math:`\\sum_\\text{chunks} (\\mathbf X \\mathbf F)(\\mathbf X \\mathbf F)^\\top = \\mathbf X \\mathbf W^+
+    \\mathbf X^\\top` over chunks of whole points (the last one shorter); with ``centred`` for rows whose blocks sum
+    to zero, the same without the softmax's centring."""
+    generator = torch.Generator().manual_seed(13)
+    operator, curvature = _operator_and_curvature(kind, generator=generator)
+    dense = torch.linalg.pinv(curvature, hermitian=True)
+    size = operator.entries_per_point
+    rows = torch.randn(5, operator.shape[-1], dtype=torch.float64, generator=generator)
+    centred_rows = project_to_zero_sum(rows.mT, size).mT.contiguous() if size > 1 else rows
+
+    def quadratic_form(vectors, centred):
+        chunk, total = size * points_per_chunk, torch.zeros(5, 5, dtype=torch.float64)
+        for start in range(0, vectors.shape[-1], chunk):
+            whitened = operator.whiten_rows(vectors[:, start : start + chunk], start, centred)
+            assert whitened.shape == vectors[:, start : start + chunk].shape
+            total += whitened @ whitened.mT
+        return total
+
+    torch.testing.assert_close(quadratic_form(rows, False), rows @ dense @ rows.mT, rtol=1e-10, atol=1e-10)
+    expected = centred_rows @ dense @ centred_rows.mT
+    torch.testing.assert_close(quadratic_form(centred_rows, True), expected, rtol=1e-10, atol=1e-10)
+    if operator.centring:  # the factor P diag(π)^{-1/2} centres: the flag may leave P out only for centred rows
+        assert not torch.allclose(quadratic_form(rows, True), rows @ dense @ rows.mT, rtol=1e-6)
+
+
+def test_block_pseudo_inverse_matmul_of_singular_blocks():
+    """Blocks of rank 1 and 2 (and a zero block): products with their Moore–Penrose pseudo-inverses."""
+    generator = torch.Generator().manual_seed(14)
+    factors = torch.randn(3, 3, 2, dtype=torch.float64, generator=generator)
+    factors[0, :, 1] = 0  # rank 1
+    factors[2] = 0  # zero
+    blocks = factors @ factors.mT
+    vectors = torch.randn(9, 2, dtype=torch.float64, generator=generator)
+    expected = torch.block_diag(*[torch.linalg.pinv(block, hermitian=True) for block in blocks]) @ vectors
+    torch.testing.assert_close(block_pseudo_inverse_matmul(blocks)(vectors), expected, rtol=1e-9, atol=1e-10)

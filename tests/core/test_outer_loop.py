@@ -1,0 +1,155 @@
+r"""The driver of the outer loops, :func:`~gpytorch_iterncgp.core.outer_loop.run_outer_loop`, on a loop of its
+protocol written here: Heron's iteration :math:`x \leftarrow (x + a / x) / 2` for :math:`\sqrt a` (the reference:
+``math.sqrt``), which "multiplies by K" a known number of times per step. What the driver adds: every step's state
+and the final one committed, products counted per step, the callback, the loop's outcome (converged, stalled,
+breakdown) and a fit stopped by its step limit turned into warnings at the caller's line."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+
+import pytest
+
+from gpytorch_iterncgp import ConvergenceWarning, NotConvergedWarning, NumericalBreakdownWarning
+from gpytorch_iterncgp.core.outer_loop import FitReport, LoopStatus, NewtonStep, OuterStep, run_outer_loop
+
+
+@dataclass
+class Counter:
+    products: int = 0
+    columns: int = 0
+    product_seconds: float = 0.0
+
+
+class Heron:
+    """Steps towards :math:`\\sqrt a`; step ``k`` (from 1) takes ``k`` products of 2 columns; converged when the step
+    changes :math:`x` by less than ``tol``. ``stall_at``, ``break_at``: the step that stalls or cannot be taken;
+    ``warn_at``: a step that warns of a breakdown inside it (and is still taken)."""
+
+    name = "Heron"
+    step_name = "Heron steps"
+
+    def __init__(
+        self, counter: Counter, a: float = 2.0, tol: float = 1e-12, stall_at=None, break_at=None, warn_at=None
+    ):
+        self.counter, self.a, self.tol = counter, a, tol
+        self.stall_at, self.break_at, self.warn_at = stall_at, break_at, warn_at
+        self.closed = False
+
+    def initial_state(self) -> float:
+        return 1.0
+
+    def renew(self, state: float) -> float:
+        return state
+
+    def finalize(self, state: float) -> tuple[str, float]:
+        return ("final", state)
+
+    def steps(self, state: float):
+        step = 0
+        try:
+            while True:
+                step += 1
+                if step == self.break_at:
+                    yield OuterStep(None, state, LoopStatus.BREAKDOWN, "step could not be computed")
+                    return
+                self.counter.products += step
+                self.counter.columns += 2 * step
+                if step == self.warn_at:
+                    warnings.warn("breakdown inside the solve", NumericalBreakdownWarning, stacklevel=2)
+                new = (state + self.a / state) / 2
+                record = NewtonStep(step, -abs(new * new - self.a), 1.0, 3, abs(new - state), 0.0)
+                status = LoopStatus.CONVERGED if abs(new - state) < self.tol else LoopStatus.CONTINUE
+                if step == self.stall_at:
+                    status = LoopStatus.STALLED
+                state = new
+                yield OuterStep(record, state, status, "no progress possible", breakdown=step == self.warn_at)
+        finally:
+            self.closed = True
+
+
+def _run(loop: Heron, max_steps: int = 50, **options) -> tuple[FitReport, list]:
+    committed: list = []
+    report = run_outer_loop(
+        loop, loop.initial_state(), committed.append, loop.counter, max_steps, show_progress=False, **options
+    )
+    return report, committed
+
+
+def _caught(function):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = function()
+    return result, caught
+
+
+def test_converged_loop_commits_every_state_and_counts_products_per_step():
+    loop = Heron(Counter())
+    (report, committed), caught = _caught(lambda: _run(loop, limit_name="max_steps"))
+    assert not caught
+    assert report.converged and not report.breakdown and not report.stopped_by_callback and loop.closed
+    assert report.steps == len(report.records) == len(committed) - 1 == 6
+    assert committed[-1] == ("final", committed[-2])
+    assert committed[-2] == pytest.approx(math.sqrt(2.0), rel=1e-15)
+    assert [record.kernel_products for record in report.records] == list(range(1, 7))
+    assert (report.kernel_products, report.kernel_columns) == (21, 42)
+    assert report.solver_iterations == 18
+    assert report.log_posteriors == [record.log_posterior for record in report.records]
+    assert str(report).startswith("Heron fit: 6 Heron steps, 18 solver iterations, 21 products with K")
+
+
+def test_callback_sees_every_step_and_stops_the_loop():
+    seen = []
+
+    def callback(record, state):
+        seen.append((record.step, state))
+        return record.step == 2
+
+    loop = Heron(Counter())
+    (report, committed), caught = _caught(lambda: _run(loop, callback=callback, limit_name="max_steps"))
+    assert not caught  # stopped by the callback, not by the limit
+    assert report.stopped_by_callback and not report.converged and loop.closed
+    assert seen == [(1, 1.5), (2, 1.5 + (2 / 1.5 - 1.5) / 2)]
+    assert committed == [seen[0][1], seen[1][1], ("final", seen[1][1])]
+
+
+def test_step_limit_warns_at_the_callers_line_naming_the_option():
+    loop = Heron(Counter())
+    (report, committed), caught = _caught(lambda: _run(loop, max_steps=2, limit_name="max_newton_steps"))
+    assert report.steps == 2 and not report.converged and len(committed) == 3
+    assert [warning.category for warning in caught] == [ConvergenceWarning]
+    assert "stopped at max_newton_steps=2 before it converged (last Heron step: log_posterior=" in str(
+        caught[0].message
+    )
+    assert caught[0].filename == __file__  # the caller of run_outer_loop (here: _run)
+    (_, _), silent = _caught(lambda: _run(Heron(Counter()), max_steps=2))  # no limit_name: stopped early by design
+    assert not silent
+
+
+def test_no_step_commits_the_finalised_starting_state():
+    loop = Heron(Counter())
+    (report, committed), caught = _caught(lambda: _run(loop, max_steps=0, limit_name="max_steps"))
+    assert report.steps == 0 and committed == [("final", 1.0)] and not caught
+    assert str(report).startswith("Heron fit: 0 Heron steps") and "no step taken" in str(report)
+
+
+def test_stalled_loop_warns_and_keeps_its_last_state():
+    loop = Heron(Counter(), stall_at=3)
+    (report, committed), caught = _caught(lambda: _run(loop, limit_name="max_steps"))
+    assert report.steps == 3 and not report.converged
+    assert [warning.category for warning in caught] == [NotConvergedWarning]
+    assert str(caught[0].message) == "no progress possible" and caught[0].filename == __file__
+    assert committed[-1] == ("final", committed[-2])
+
+
+def test_breakdowns_are_reported_and_their_warnings_reemitted_at_the_callers_line():
+    loop = Heron(Counter(), warn_at=2, break_at=4)
+    (report, committed), caught = _caught(lambda: _run(loop, limit_name="max_steps"))
+    assert report.breakdown and report.steps == 3 and loop.closed
+    assert [warning.category for warning in caught] == [NumericalBreakdownWarning, NumericalBreakdownWarning]
+    assert str(caught[0].message) == "breakdown inside the solve"
+    assert str(caught[1].message) == "step could not be computed"
+    assert all(warning.filename == __file__ for warning in caught)
+    assert committed[-1] == ("final", committed[-2]) and len(committed) == 4  # the last good state

@@ -1,0 +1,1 @@
+"""Tests of ``gpytorch_iterncgp.kernels``."""
