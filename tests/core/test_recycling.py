@@ -18,6 +18,7 @@ import torch
 
 from gpytorch_iterncgp.core.noise import DiagonalNoiseInverse
 from gpytorch_iterncgp.core.recycling import ActionBuffer, virtual_solver_run
+from gpytorch_iterncgp.core.sharding import RowBlock
 
 DTYPE = torch.float64
 
@@ -53,7 +54,7 @@ def test_compression_keeps_the_given_direction(rank):
     multiple of :math:`\\mathbf a`."""
     kernel, noise, actions, generator = _problem(seed=rank)
     direction = torch.randn(len(kernel), dtype=DTYPE, generator=generator)
-    buffer = ActionBuffer.from_tensors(actions, kernel @ actions)
+    buffer = ActionBuffer.from_tensors(actions, kernel @ actions, RowBlock.single(len(kernel)))
     virtual = virtual_solver_run(buffer, noise, compression_rank=rank, keep=(direction, kernel @ direction))
     kept = virtual.buffer.actions.value
     assert kept.shape == (len(kernel), rank) and virtual.rank == rank
@@ -85,7 +86,7 @@ def test_numerically_dependent_actions_are_left_out_of_the_root():
     the span of the independent actions; without compression the buffer keeps them all."""
     kernel, noise, actions, _ = _problem(num_actions=6, seed=5)
     dependent = torch.cat([actions, actions[:, 2:3] * (1 + 1e-15)], dim=-1)
-    buffer = ActionBuffer.from_tensors(dependent, kernel @ dependent)
+    buffer = ActionBuffer.from_tensors(dependent, kernel @ dependent, RowBlock.single(len(kernel)))
     virtual = virtual_solver_run(buffer, noise)
     assert virtual.rank == 6 and virtual.buffer is buffer and buffer.size == 7
     root = virtual.precision_root
@@ -100,7 +101,9 @@ def test_unit_vector_actions_are_compressed_as_dense_ones(rank):
     kernel, noise, _, generator = _problem(size=40, seed=6)
     indices = torch.randperm(40, generator=generator)[:6]
     actions = torch.eye(40, dtype=DTYPE)[:, indices]
-    virtual = virtual_solver_run(ActionBuffer.from_tensors(actions, kernel @ actions), noise, compression_rank=rank)
+    virtual = virtual_solver_run(
+        ActionBuffer.from_tensors(actions, kernel @ actions, RowBlock.single(len(kernel))), noise, compression_rank=rank
+    )
     system = kernel + noise.to_dense()
     eigenvalues, eigenvectors = torch.linalg.eigh(actions.mT @ system @ actions)
     keep = slice(None) if rank is None else slice(-rank, None)
@@ -115,7 +118,7 @@ def test_action_buffer_products_equal_dense_ones():
     """:math:`\\mathbf S^\\top \\mathbf x`, :math:`(\\mathbf S \\mathbf c, \\mathbf T \\mathbf c)`, the kernel Gram
     matrix bordered by each appended action, and whether given tensors are the buffer's own columns."""
     kernel, _, actions, generator = _problem(num_actions=5, seed=7)
-    buffer = ActionBuffer.from_tensors(actions[:, :3], kernel @ actions[:, :3])
+    buffer = ActionBuffer.from_tensors(actions[:, :3], kernel @ actions[:, :3], RowBlock.single(len(kernel)))
     torch.testing.assert_close(buffer.kernel_gram(), actions[:, :3].mT @ kernel @ actions[:, :3], rtol=1e-12, atol=0)
     for index in (3, 4):
         buffer.append(actions[:, index], kernel @ actions[:, index])
