@@ -20,6 +20,11 @@ same way in GPyTorch's ``MultiDeviceKernel``, there over the GPUs of one process
 ShardedKernel``) evaluates to; :class:`~gpytorch_iterncgp.core.prior.LatentPrior` recognises it and multiplies
 each rank's rows by the package's own products (cached dense block, or the fused tiles of
 :mod:`~gpytorch_iterncgp.core.kernel_products`), then gathers them with :meth:`ShardedKernelMatrix.gather`.
+
+The rows of the solver's vectors a process holds are a :class:`RowBlock`, always present: all rows in one process
+(or the state replicated on every rank), whose sums, maxima, norms and gathers are the identity, so that the loops
+run one code for one process and for :math:`P` ranks; and :class:`ShardedRowBlock`, rank :math:`p`'s rows
+:math:`\mathcal I_p`, whose are collectives (``ShardedKernel(..., shard_state=True)``).
 """
 
 from __future__ import annotations
