@@ -335,9 +335,6 @@ class OuterLoopStrategy(gpytorch.Module):
                     "model (model.to(device)) and the likelihood to the device of the data."
                 )
 
-    def _prepare_loop(self) -> None:
-        """Whatever a subclass sets up before it makes a loop; nothing here."""
-
     def _make_loop(self, prior: Any, options: Any) -> OuterLoop:
         """The outer loop for ``prior`` (the model's prior at the training inputs) and ``options``."""
         raise NotImplementedError
@@ -353,7 +350,6 @@ class OuterLoopStrategy(gpytorch.Module):
         :param show: show a progress bar.
         :return: the report, also kept as :attr:`last_report`.
         """
-        self._prepare_loop()
         loop = self._make_loop(prior, options)
         state = self._starting_state(loop)
         try:

@@ -56,8 +56,8 @@ class _IterGPStrategy(PredictiveStrategy):
     r"""What IterNCGP (Laplace) and EP share: an outer loop of GP regressions solved by IterGP with a policy, and the
     posterior of such a regression for predictions.
 
-    A subclass sets :attr:`_state_type` (a :class:`~gpytorch_iterncgp.core.solver.RegressionState`) and builds its
-    outer loop in :meth:`_make_loop`; the posterior at inputs :math:`\mathbf X_*` is
+    A subclass sets :attr:`_state_type` (a :class:`~gpytorch_iterncgp.core.solver.RegressionState`), its options
+    (:attr:`_options_type`) and its outer loop (:attr:`_loop_type`); the posterior at inputs :math:`\mathbf X_*` is
     :math:`\mathbf m(\mathbf X_*) + \mathbf K_{*X} \mathbf a` and
     :math:`\mathbf K_{**} - \mathbf K_{*X} \mathbf Q \mathbf Q^\top \mathbf K_{X*}` for either.
 
@@ -71,6 +71,7 @@ class _IterGPStrategy(PredictiveStrategy):
 
     _state_type: Any = RegressionState
     _options_type: Any = IterGPOptions  # the dataclass of the strategy's options (every constructor keyword option)
+    _loop_type: Any = None  # the outer loop: (prior, adapter, targets, options, policy) -> OuterLoop
     options: IterGPOptions
 
     def __init__(
@@ -78,7 +79,15 @@ class _IterGPStrategy(PredictiveStrategy):
     ):
         made = make_policy(policy, seed)  # its position is committed with the state (the companion)
         super().__init__(model, train_inputs, train_targets, likelihood, companion=made, **kwargs)
-        self.policy = made
+
+    @property
+    def policy(self) -> Policy:
+        """The policy of every solve; its position is committed with the state."""
+        return self._committed.companion  # type: ignore[return-value]
+
+    @policy.setter
+    def policy(self, policy: Policy) -> None:
+        self._committed.companion = policy
 
     def _loose_fit_options(self) -> dict[str, Any]:
         """A loose fit in train mode where the evidence is estimated: at most
@@ -134,6 +143,11 @@ class _IterGPStrategy(PredictiveStrategy):
                 "built in forward), or use shard_state=False."
             )
         return prior
+
+    def _make_loop(self, prior: LatentPrior, options: Any) -> Any:
+        """The subclass's :attr:`_loop_type` for ``prior`` and ``options``, with the policy prepared for this data."""
+        self._prepare_loop()
+        return self._loop_type(prior, self.adapter, self.train_targets, options, self.policy)
 
     def _prepare_loop(self) -> None:
         """The policy prepared for this data (its size, the latents, the observed coordinates)."""
@@ -305,6 +319,7 @@ class IterNCGPStrategy(_IterGPStrategy):
 
     _state_type = LaplaceState
     _options_type = SolverOptions
+    _loop_type = DampedNewton
     max_steps_option = "max_newton_steps"
     options: SolverOptions
 
@@ -321,8 +336,6 @@ class IterNCGPStrategy(_IterGPStrategy):
                 stacklevel=3,
             )
 
-    def _make_loop(self, prior: LatentPrior, options: SolverOptions) -> DampedNewton:
-        return DampedNewton(prior, self.adapter, self.train_targets, options, self.policy)
 
     @property
     def mode(self) -> Tensor:
@@ -386,6 +399,7 @@ class EPStrategy(_IterGPStrategy):
 
     _state_type = EPState
     _options_type = EPOptions
+    _loop_type = ExpectationPropagation
     options: EPOptions
 
     def __init__(self, *args: Any, **kwargs: Any):
@@ -398,8 +412,6 @@ class EPStrategy(_IterGPStrategy):
                 "likelihoods."
             )
 
-    def _make_loop(self, prior: LatentPrior, options: EPOptions) -> ExpectationPropagation:
-        return ExpectationPropagation(prior, self.adapter, self.train_targets, options, self.policy)
 
     @property
     def sites(self) -> tuple[Tensor, Tensor]:
