@@ -172,7 +172,12 @@ class UncertainSparseEPMarginalLogLikelihood(MarginalLogLikelihood):
         check_count(self.options.max_sweeps, "max_sweeps", minimum=1)  # at least one sweep: the sites follow every call
         if schedule not in ("parallel", "sequential"):
             raise ValueError(f"schedule must be 'parallel' or 'sequential', got {schedule!r}.")
-        self.latent_prior, self.schedule, self.psi_method, self.num_samples = latent_prior, schedule, psi_method, num_samples
+        self.latent_prior, self.schedule, self.psi_method, self.num_samples = (
+            latent_prior,
+            schedule,
+            psi_method,
+            num_samples,
+        )
         self.committed = CommittedState(ColumnSites) if sites is None else sites
         self.last_reports: list[FitReport] = []
 

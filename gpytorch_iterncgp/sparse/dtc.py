@@ -205,7 +205,9 @@ class DTCPrior:
 
     def detached(self) -> DTCPrior:
         """The same prior without autograd history (for the EP fit; the bounds are differentiated at fixed sites)."""
-        return DTCPrior(self.mean.detach(), self.diagonal.detach(), self.cholesky.detach(), self.whitened_cross.detach())
+        return DTCPrior(
+            self.mean.detach(), self.diagonal.detach(), self.cholesky.detach(), self.whitened_cross.detach()
+        )
 
     @property
     def dtc_variance(self) -> Tensor:

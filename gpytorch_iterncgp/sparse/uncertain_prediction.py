@@ -84,7 +84,11 @@ def uncertain_predictive(
     batched = whitened_mean.dim() == 2
     cholesky_b = posterior_cholesky if batched else posterior_cholesky.unsqueeze(0)
     weights = whitened_mean if batched else whitened_mean.unsqueeze(0)
-    if weights.dim() != 2 or weights.shape[-1] != num_inducing or cholesky_b.shape != (len(weights), *2 * [num_inducing]):
+    if (
+        weights.dim() != 2
+        or weights.shape[-1] != num_inducing
+        or cholesky_b.shape != (len(weights), *2 * [num_inducing])
+    ):
         raise ValueError(
             f"posterior_cholesky must be (M, M) or (P, M, M) and whitened_mean (M,) or (P, M) with M = "
             f"{num_inducing} inducing points; got {tuple(posterior_cholesky.shape)=} and {tuple(whitened_mean.shape)=}."

@@ -402,7 +402,9 @@ class OuterLoopStrategy(gpytorch.Module):
         :raises ValueError: if the saved state is malformed (missing entries, shapes that disagree).
         """
         data = data_fingerprint(self.train_inputs, self.train_targets)
-        self._committed.load_extra(extra, self.train_inputs, self.num_data * self.num_latents, data, type(self).__name__)
+        self._committed.load_extra(
+            extra, self.train_inputs, self.num_data * self.num_latents, data, type(self).__name__
+        )
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)

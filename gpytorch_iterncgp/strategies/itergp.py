@@ -336,7 +336,6 @@ class IterNCGPStrategy(_IterGPStrategy):
                 stacklevel=3,
             )
 
-
     @property
     def mode(self) -> Tensor:
         r"""The (approximate) posterior mode :math:`\hat{\mathbf f} = \mathbf m + \mathbf K \mathbf a`, ``(N, C)``."""
@@ -411,7 +410,6 @@ class EPStrategy(_IterGPStrategy):
                 f"(multi-class); got {type(self.likelihood).__name__}. Use IterNCGPStrategy (Laplace) for other "
                 "likelihoods."
             )
-
 
     @property
     def sites(self) -> tuple[Tensor, Tensor]:

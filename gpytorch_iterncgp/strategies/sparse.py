@@ -71,7 +71,14 @@ class SparseEPStrategy(PredictiveStrategy):
     options: SweepOptions
 
     def __init__(
-        self, model, train_inputs, train_targets, likelihood, inducing_points: Tensor, learn_inducing_locations=True, **kw
+        self,
+        model,
+        train_inputs,
+        train_targets,
+        likelihood,
+        inducing_points: Tensor,
+        learn_inducing_locations=True,
+        **kw,
     ):
         super().__init__(model, train_inputs, train_targets, likelihood, **kw)
         if not self.adapter.has_tilted_moments:
