@@ -65,23 +65,25 @@ def _mills_ratio(x: Tensor) -> Tensor:
 # ---------------------------------------------------------------------------------------------------
 # The likelihood
 # ---------------------------------------------------------------------------------------------------
-def _integrand_mode(differences: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+def _integrand_mode(differences: Tensor, mask: Tensor, slopes: Tensor | float = 1.0) -> tuple[Tensor, Tensor]:
     r"""Mode :math:`\hat u` and width :math:`(-h''(\hat u))^{-1/2}` of
-    :math:`h(u) = -u^2/2 + \sum_{j \ne c} \log\Phi(u + d_j)`, :math:`d_j = f_c - f_j`.
+    :math:`h(u) = -u^2/2 + \sum_{j \ne c} \log\Phi(b_j u + d_j)`, :math:`d_j = f_c - f_j` and :math:`b_j = 1` for the
+    likelihood (other :math:`d_j, b_j > 0` for :mod:`~gpytorch_iterncgp.likelihoods.factorised`).
 
-    :math:`h` is strictly concave (:math:`-C \le h'' \le -1`) and :math:`h'(u) = -u + \sum_j \rho(u + d_j)` with the
-    decreasing Mills ratio :math:`\rho`, so the mode lies in :math:`[0, \sum_j \rho(d_j)]`; Newton's method inside that
-    bracket, bisecting where a step would leave it. ``differences`` ``(..., C, C)`` (row :math:`c`, column :math:`j`),
-    ``mask`` is 0 on the diagonal; returns ``(..., C)`` each.
+    :math:`h` is strictly concave (:math:`h'' \le -1`) and :math:`h'(u) = -u + \sum_j b_j \rho(b_j u + d_j)` with the
+    decreasing Mills ratio :math:`\rho`, so the mode lies in :math:`[0, \sum_j b_j \rho(d_j)]`; Newton's method inside
+    that bracket, bisecting where a step would leave it. ``differences`` ``(..., C, C)`` (row :math:`c`, column
+    :math:`j`), ``mask`` is 0 on the diagonal, ``slopes`` :math:`b` broadcasts with them; returns
+    ``(..., C)`` each.
     """
     low = torch.zeros(differences.shape[:-1], dtype=differences.dtype, device=differences.device)
-    high = (_mills_ratio(differences) * mask).sum(-1)
+    high = (slopes * _mills_ratio(differences) * mask).sum(-1)
     mode = high / 2
     for _ in range(_MODE_STEPS):
-        x = mode.unsqueeze(-1) + differences
+        x = slopes * mode.unsqueeze(-1) + differences
         ratio = _mills_ratio(x)
-        slope = -mode + (ratio * mask).sum(-1)
-        curvature = 1 + (ratio * (x + ratio) * mask).sum(-1)  # -h'' >= 1
+        slope = -mode + (slopes * ratio * mask).sum(-1)
+        curvature = 1 + (slopes * slopes * ratio * (x + ratio) * mask).sum(-1)  # -h'' >= 1
         low = torch.where(slope > 0, mode, low)
         high = torch.where(slope < 0, mode, high)
         candidate = mode + slope / curvature
@@ -90,9 +92,9 @@ def _integrand_mode(differences: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
         mode = mode + step
         if not bool((step.abs() > 1e-9 * curvature.rsqrt()).any()):
             break
-    x = mode.unsqueeze(-1) + differences
+    x = slopes * mode.unsqueeze(-1) + differences
     ratio = _mills_ratio(x)
-    curvature = 1 + (ratio * (x + ratio) * mask).sum(-1)
+    curvature = 1 + (slopes * slopes * ratio * (x + ratio) * mask).sum(-1)
     return mode, curvature.rsqrt()
 
 

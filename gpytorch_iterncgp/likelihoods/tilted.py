@@ -250,7 +250,7 @@ def quadrature_moments(
 
     # the interval: where psi first falls 40 below its peak, searching outwards geometrically
     cap = math.sqrt(2 * _TAIL) * cavity_variance.sqrt()
-    ratio = float((cap / width).max().clamp_min(1))
+    ratio = float((cap / width).detach().max().clamp_min(1))
     num_search = max(1, math.ceil(math.log(ratio) / math.log(_SEARCH_RATIO)) + 1)
     factors = _SEARCH_RATIO ** torch.arange(num_search, dtype=mode.dtype, device=mode.device)
     distances = torch.minimum(width[:, None] * factors, cap[:, None])  # (N, J), last column = cap

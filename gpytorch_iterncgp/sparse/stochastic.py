@@ -1,0 +1,241 @@
+r"""Stochastic expectation propagation (SEP) with inducing inputs: memory :math:`O(C M^2)` whatever :math:`N`.
+
+The model (Hernández-Lobato & Hernández-Lobato 2016, "Scalable Gaussian process classification via expectation
+propagation", AISTATS; Villacampa-Calvo & Hernández-Lobato 2017 for :math:`C` classes): :math:`C` latent processes
+:math:`f_c`, each with :math:`M` inducing inputs :math:`\mathbf Z` and whitened inducing values
+:math:`\mathbf z_c = \mathbf L^{-1}(\mathbf u_c - \mathbf m_{u})`, :math:`\mathbf L \mathbf L^\top = \mathbf K_{uu}`
+(:func:`~gpytorch_iterncgp.sparse.dtc.inducing_cholesky`), prior :math:`\mathbf z_c \sim \mathcal N(\mathbf 0,
+\mathbf I_M)`, and the FITC conditional of each latent value,
+
+.. math::
+    f_{ic} \mid \mathbf z_c \sim \mathcal N(m_{ic} + \mathbf v_i^\top \mathbf z_c,\; s_i), \qquad
+    \mathbf v_i = \mathbf L^{-1}\mathbf k_{u i}, \quad s_i = k_{ii} - \|\mathbf v_i\|^2 \ (\ge 0).
+
+**Sites.** SEP (Li, Hernández-Lobato & Turner 2015) ties the :math:`N` sites of each class into one:
+:math:`q(\mathbf z_c) \propto \mathcal N(\mathbf z_c \mid \mathbf 0, \mathbf I)\,\bar t_c(\mathbf z_c)^N` with
+:math:`\bar t_c(\mathbf z) = \exp(-\tfrac12 \mathbf z^\top \tilde{\boldsymbol\Lambda}_c \mathbf z / N +
+\tilde{\boldsymbol\eta}_c^\top \mathbf z / N)`, so the state is :math:`\tilde{\boldsymbol\Lambda}_c` ``(M, M)`` and
+:math:`\tilde{\boldsymbol\eta}_c` ``(M,)`` per class (:class:`TiedSite`). With :math:`\mathbf B_c(\phi) = \mathbf I
++ \phi\tilde{\boldsymbol\Lambda}_c` the posterior is :math:`q = \mathcal N(\mathbf B_c(1)^{-1}\tilde{\boldsymbol
+\eta}_c, \mathbf B_c(1)^{-1})` and every point's cavity is the same, :math:`q_{\setminus} = \mathcal N(\phi\,
+\mathbf B_c(\phi)^{-1}\tilde{\boldsymbol\eta}_c, \mathbf B_c(\phi)^{-1})` with :math:`\phi = 1 - 1/N`
+(:func:`tied_gaussian`): one :math:`M \times M` Cholesky factor per class for a whole minibatch.
+
+**A step on a minibatch** :math:`\mathcal B` (:meth:`StochasticEP.step`):
+
+1. the cavity's marginals at the batch, :math:`\mu_{ic} = m_{ic} + \mathbf v_i^\top \bar{\mathbf z}_{\setminus c}`,
+   :math:`\sigma_{ic}^2 = s_i + \|\mathbf L_{\setminus c}^{-1}\mathbf v_i\|^2` (:func:`batch_marginals`);
+2. the tilted moments of each point (:func:`tilted`): a :math:`C = 1` likelihood's
+   (:func:`~gpytorch_iterncgp.likelihoods.tilted.tilted_moments`), or the multinomial probit's projected on the
+   factorised family (:func:`~gpytorch_iterncgp.likelihoods.factorised.factorised_moments`);
+3. the new site of each point in :math:`f` (R&W eq. 3.59 with the cavity given): :math:`\tau_{ic} =
+   \hat\sigma_{ic}^{-2} - \sigma_{ic}^{-2}`, :math:`\nu_{ic} = \hat\mu_{ic}\hat\sigma_{ic}^{-2} - \mu_{ic}
+   \sigma_{ic}^{-2}` (a negative :math:`\tau`, impossible for a log-concave likelihood in exact arithmetic, is
+   clipped to 0), and through the conditional in :math:`\mathbf z_c`, with :math:`r_{ic} = 1 + \tau_{ic} s_i`: the
+   rank-one precision :math:`(\tau_{ic}/r_{ic})\,\mathbf v_i \mathbf v_i^\top` and natural mean
+   :math:`((\nu_{ic} - \tau_{ic} m_{ic})/r_{ic})\,\mathbf v_i` (:func:`lifted_sites`);
+4. the tied site moves a fraction :math:`\epsilon` towards :math:`N` times the batch's average site,
+   :math:`\tilde{\boldsymbol\Lambda}_c \leftarrow (1 - \epsilon)\tilde{\boldsymbol\Lambda}_c + \epsilon
+   \tfrac{N}{|\mathcal B|}\sum_{i \in \mathcal B} (\tau_{ic}/r_{ic})\mathbf v_i\mathbf v_i^\top`, likewise
+   :math:`\tilde{\boldsymbol\eta}_c`, with :math:`\epsilon_t = \max(|\mathcal B| / N, 1/(t + 1))` at the
+   :math:`t`-th step (:func:`step_fraction`): the plain average of the batches seen while they cover less than the
+   data, then SEP's own :math:`|\mathcal B|/N` (each point's site replaces a :math:`1/N` share, Li et al. 2015).
+
+Steps 1-4 cost :math:`O(C(M^3 + |\mathcal B| M^2))`. Projecting each tilted distribution in :math:`f` and moving
+the conditional gives the moment-matched projection in :math:`\mathbf z_c` (the tilted distribution of
+:math:`(\mathbf z_c, f_{ic})` keeps the cavity's conditional of :math:`\mathbf z_c` given :math:`f_{ic}`).
+
+**Energy.** With the tied site held fixed in the whitened coordinates, the terms of SEP's approximation of
+:math:`\log p(\mathbf y)` that involve only :math:`q`, :math:`q_\setminus` and the prior
+:math:`\mathcal N(\mathbf 0, \mathbf I)` do not depend on the kernel, the mean or :math:`\mathbf Z`; what does is
+:math:`\sum_i \log\hat Z_i`, :math:`\hat Z_i = \int p(y_i \mid \mathbf f_i)\, q_\setminus(\mathbf f_i)\,
+d\mathbf f_i`, whose minibatch estimate :math:`\frac{N}{|\mathcal B|}\sum_{i \in \mathcal B}\log\hat Z_i` is
+unbiased (:meth:`StochasticEP.log_normalizers` gives the terms, differentiable in the prior).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..core.state import ExtraState
+from ..likelihoods.adapters import LikelihoodAdapter
+from ..likelihoods.factorised import factorised_log_normalizer, factorised_moments
+from ..likelihoods.tilted import tilted_moments
+from .dtc import inducing_cholesky
+
+
+@dataclass
+class WhitenedBatch:
+    r"""The prior at a batch of :math:`B` points in the whitened inducing coordinates (module docstring):
+    :math:`\mathbf m` ``(C, B)``, :math:`\mathbf V` ``(K, M, B)`` and :math:`\mathbf s` ``(K, B)`` with :math:`K = 1`
+    for a kernel shared by the :math:`C` latents, :math:`K = C` for one per latent."""
+
+    mean: Tensor
+    whitened_cross: Tensor
+    spread: Tensor
+
+    @classmethod
+    def from_blocks(cls, mean: Tensor, inducing_covariance: Tensor, cross: Tensor, diagonal: Tensor) -> WhitenedBatch:
+        r"""From :math:`\mathbf m` ``(C, B)``, :math:`\mathbf K_{uu}` ``(K, M, M)``, :math:`\mathbf K_{ub}` ``(K, M, B)``
+        and :math:`\operatorname{diag}\mathbf K_{bb}` ``(K, B)``; differentiable in all of them."""
+        cholesky = inducing_cholesky(inducing_covariance)
+        whitened = torch.linalg.solve_triangular(cholesky, cross, upper=False)
+        return cls(mean, whitened, (diagonal - whitened.square().sum(-2)).clamp_min(0))
+
+
+@dataclass
+class TiedSite(ExtraState):
+    r"""SEP's tied site (module docstring): :math:`\tilde{\boldsymbol\Lambda}` ``(C, M, M)``, symmetric positive
+    semi-definite, and :math:`\tilde{\boldsymbol\eta}` ``(C, M)``, :math:`N` times the average site in the whitened
+    inducing coordinates; ``steps``: the minibatch steps taken."""
+
+    precision: Tensor
+    natural_mean: Tensor
+    steps: int = 0
+
+    saved_by = "StochasticEPStrategy"
+
+    @classmethod
+    def flat(cls, num_latents: int, num_inducing: int, like: Tensor) -> TiedSite:
+        """No information yet: :math:`q` is the prior."""
+        zeros = like.new_zeros(num_latents, num_inducing)
+        return cls(like.new_zeros(num_latents, num_inducing, num_inducing), zeros)
+
+    @classmethod
+    def expected_shapes(cls, saved: dict[str, Tensor]) -> dict[str, tuple[int, ...]]:
+        """``(C, M, M)`` and ``(C, M)``, from ``natural_mean``."""
+        num_latents, num_inducing = saved["natural_mean"].shape
+        return {"precision": (num_latents, num_inducing, num_inducing), "natural_mean": (num_latents, num_inducing)}
+
+
+def tied_gaussian(site: TiedSite, fraction: float) -> tuple[Tensor, Tensor]:
+    r"""The Gaussian :math:`\mathcal N(\phi\mathbf B(\phi)^{-1}\tilde{\boldsymbol\eta}, \mathbf B(\phi)^{-1})`,
+    :math:`\mathbf B(\phi) = \mathbf I + \phi\tilde{\boldsymbol\Lambda}`, of the prior times the tied site to the
+    power :math:`\phi N`: the posterior for :math:`\phi = 1`, the cavity for :math:`\phi = 1 - 1/N`.
+
+    :return: the Cholesky factor of :math:`\mathbf B(\phi)` ``(C, M, M)`` and the mean ``(C, M)``.
+    """
+    precision = site.precision
+    eye = torch.eye(precision.shape[-1], dtype=precision.dtype, device=precision.device)
+    cholesky = torch.linalg.cholesky(eye + fraction * (precision + precision.mT) / 2)
+    mean = torch.cholesky_solve(fraction * site.natural_mean.unsqueeze(-1), cholesky).squeeze(-1)
+    return cholesky, mean
+
+
+def batch_marginals(cholesky: Tensor, mean: Tensor, batch: WhitenedBatch) -> tuple[Tensor, Tensor]:
+    r"""The marginals of :math:`f_{ic}` under :math:`\mathcal N(\bar{\mathbf z}_c, \mathbf L_c^{-\top}\mathbf
+    L_c^{-1})` and the conditional: means :math:`m_{ic} + \mathbf v_i^\top\bar{\mathbf z}_c` and variances
+    :math:`s_i + \|\mathbf L_c^{-1}\mathbf v_i\|^2`, ``(C, B)`` each; differentiable in ``batch``.
+
+    :param cholesky: :math:`\mathbf L_c` ``(C, M, M)``; ``mean``: :math:`\bar{\mathbf z}_c` ``(C, M)``
+        (:func:`tied_gaussian`).
+    """
+    projected = torch.linalg.solve_triangular(cholesky, batch.whitened_cross, upper=False)  # (C, M, B)
+    latent_mean = batch.mean + (batch.whitened_cross * mean.unsqueeze(-1)).sum(-2)
+    return latent_mean, batch.spread + projected.square().sum(-2)
+
+
+def tilted(
+    adapter: LikelihoodAdapter, targets: Tensor, cavity_mean: Tensor, cavity_variance: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    r"""Tilted moments of each point under a factorised cavity: :math:`\log\hat Z` ``(B,)`` and the means and
+    variances ``(C, B)`` (module docstring, step 2); without gradient."""
+    if adapter.num_latents == 1:
+        log_z, means, variances = tilted_moments(adapter, targets, cavity_mean[0], cavity_variance[0])
+        return log_z, means.unsqueeze(0), variances.unsqueeze(0)
+    log_z, means, variances = factorised_moments(targets, cavity_mean.mT, cavity_variance.mT)
+    return log_z, means.mT, variances.mT
+
+
+def lifted_sites(
+    batch: WhitenedBatch, cavity_mean: Tensor, cavity_variance: Tensor, tilted_mean: Tensor, tilted_variance: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    r"""The batch's new sites in :math:`f` and their sum in :math:`\mathbf z_c` (module docstring, step 3).
+
+    :return: :math:`\sum_{i} (\tau_{ic}/r_{ic})\mathbf v_i\mathbf v_i^\top` ``(C, M, M)``, :math:`\sum_i ((\nu_{ic} -
+        \tau_{ic} m_{ic})/r_{ic})\mathbf v_i` ``(C, M)``, and which sites were clipped ``(C, B)``.
+    """
+    precision = tilted_variance.reciprocal() - cavity_variance.reciprocal()
+    natural_mean = tilted_mean / tilted_variance - cavity_mean / cavity_variance
+    clipped = precision < 0
+    precision = precision.clamp_min(0)
+    ratio = 1 + precision * batch.spread
+    cross = batch.whitened_cross
+    site_precision = (cross * (precision / ratio).unsqueeze(-2)) @ cross.mT
+    site_natural_mean = cross @ ((natural_mean - precision * batch.mean) / ratio).unsqueeze(-1)
+    return site_precision, site_natural_mean.squeeze(-1), clipped
+
+
+def step_fraction(step: int, batch_size: int, num_data: int) -> float:
+    r""":math:`\epsilon_t = \max(|\mathcal B| / N, 1 / (t + 1))` (module docstring, step 4), at most 1."""
+    return min(1.0, max(batch_size / num_data, 1.0 / (step + 1)))
+
+
+@dataclass
+class SEPStepRecord:
+    r"""What one minibatch step saw: the batch's mean :math:`\log\hat Z_i` at the cavity, the fraction
+    :math:`\epsilon` the tied site moved, its relative change (Frobenius norms), and the clipped sites."""
+
+    step: int
+    mean_log_normalizer: float
+    fraction: float
+    site_change: float
+    clipped_sites: int
+
+
+class StochasticEP:
+    r"""SEP's minibatch steps and energy terms (module docstring) for a likelihood and :math:`N` data points.
+
+    :param adapter: a :math:`C = 1` likelihood with tilted moments, or the multinomial probit over :math:`C` classes.
+    :param num_data: :math:`N`, the number of training points the tied site stands for.
+    """
+
+    def __init__(self, adapter: LikelihoodAdapter, num_data: int):
+        if not (adapter.has_tilted_moments or adapter.has_block_tilted_moments):
+            raise TypeError(
+                f"stochastic EP needs a likelihood with tilted moments (probit, logit, Poisson, or the multinomial "
+                f"probit for C classes); got {type(adapter).__name__}."
+            )
+        self.adapter, self.num_data = adapter, int(num_data)
+        self.cavity_fraction = 1.0 - 1.0 / self.num_data
+
+    def step(self, site: TiedSite, batch: WhitenedBatch, targets: Tensor) -> tuple[TiedSite, SEPStepRecord]:
+        """One minibatch step (module docstring, steps 1-4) from ``site``; ``batch`` at the points of ``targets``."""
+        with torch.no_grad():
+            batch = WhitenedBatch(batch.mean.detach(), batch.whitened_cross.detach(), batch.spread.detach())
+            cholesky, mean = tied_gaussian(site, self.cavity_fraction)
+            cavity_mean, cavity_variance = batch_marginals(cholesky, mean, batch)
+            log_z, tilted_mean, tilted_variance = tilted(self.adapter, targets, cavity_mean, cavity_variance)
+            precision, natural_mean, clipped = lifted_sites(
+                batch, cavity_mean, cavity_variance, tilted_mean, tilted_variance
+            )
+            size = len(targets)
+            fraction = step_fraction(site.steps, size, self.num_data)
+            scale = self.num_data / size
+            new_precision = (1 - fraction) * site.precision + fraction * scale * precision
+            new_natural_mean = (1 - fraction) * site.natural_mean + fraction * scale * natural_mean
+            change = float(torch.linalg.matrix_norm(new_precision - site.precision).max()) / max(
+                float(torch.linalg.matrix_norm(new_precision).max()), math.ulp(1.0)
+            )
+        new = TiedSite(new_precision, new_natural_mean, site.steps + 1)
+        record = SEPStepRecord(new.steps, float(log_z.mean()), fraction, change, int(clipped.sum()))
+        return new, record
+
+    def log_normalizers(self, site: TiedSite, batch: WhitenedBatch, targets: Tensor) -> Tensor:
+        r""":math:`\log\hat Z_i` ``(B,)`` at the cavity of ``site`` (held fixed), differentiable in ``batch``: the
+        terms of the energy that depend on the prior (module docstring)."""
+        with torch.no_grad():
+            cholesky, mean = tied_gaussian(site, self.cavity_fraction)
+        cavity_mean, cavity_variance = batch_marginals(cholesky, mean, batch)
+        if self.adapter.num_latents == 1:
+            return tilted_moments(self.adapter, targets, cavity_mean[0], cavity_variance[0])[0]
+        return factorised_log_normalizer(targets, cavity_mean.mT, cavity_variance.mT)
+
+    def posterior_marginals(self, site: TiedSite, batch: WhitenedBatch) -> tuple[Tensor, Tensor]:
+        """The posterior's marginals of the latents at ``batch`` ``(C, B)`` each (the predictive's latent part)."""
+        cholesky, mean = tied_gaussian(site, 1.0)
+        return batch_marginals(cholesky, mean, batch)

@@ -1,0 +1,179 @@
+r"""Stochastic EP with inducing inputs (``sparse/stochastic.py``) against independent references.
+
+* **One point** (:math:`N = 1`: the cavity is the prior and one step of fraction 1 is EP's exact update): the
+  posterior of the whitened inducing values equals the moment-matched posterior of the joint Gaussian
+  :math:`(\mathbf z, f)`, :math:`\operatorname{Cov} = [[\mathbf I, \mathbf v], [\mathbf v^\top, \mathbf v^\top
+  \mathbf v + s]]`, computed by Gaussian conditioning on :math:`f` with the tilted moments of :math:`f` under its
+  prior marginal (R&W eq. 3.58 for the probit; the factorised multinomial probit per class) — with inducing inputs
+  away from the point (FITC spread :math:`s > 0`).
+* **The energy's minibatch estimate is unbiased**: over a partition of the data into batches, the average of
+  :math:`\frac{N}{|\mathcal B|}\sum_{i \in \mathcal B}\nabla\log\hat Z_i` is the full-data gradient.
+* **Fixed point**: full-batch steps at a fixed kernel converge, and SEP's predictive probabilities are close to dense
+  EP's (``tests/reference_ep.py``) where :math:`N` is large against the sites' spread (Li et al. 2015).
+* The tied site's saved form round-trips.
+"""
+
+from __future__ import annotations
+
+import math
+
+import gpytorch
+import pytest
+import torch
+
+from gpytorch_iterncgp.likelihoods.adapters import likelihood_adapter
+from gpytorch_iterncgp.likelihoods.factorised import factorised_moments
+from gpytorch_iterncgp.likelihoods.multinomial_probit import MultinomialProbitLikelihood
+from gpytorch_iterncgp.sparse.stochastic import StochasticEP, TiedSite, WhitenedBatch, step_fraction, tied_gaussian
+from tests import reference_ep
+from tests.common import binary_data
+
+F64 = torch.float64
+
+
+def _kernel(lengthscale=0.7, outputscale=2.0):
+    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.RBFKernel()).to(F64)
+    kernel.base_kernel.lengthscale = lengthscale
+    kernel.outputscale = outputscale
+    return kernel
+
+
+def _batch(kernel, inducing, inputs, num_latents=1, mean=None):
+    prior_mean = torch.zeros(num_latents, len(inputs), dtype=F64) if mean is None else mean
+    return WhitenedBatch.from_blocks(
+        prior_mean,
+        kernel(inducing).to_dense()[None],
+        kernel(inducing, inputs).to_dense()[None],
+        kernel(inputs, diag=True)[None],
+    )
+
+
+def _joint_posterior(batch, prior_mean, tilted_mean, tilted_variance):
+    r"""The moment-matched posterior of :math:`\mathbf z` given the tilted moments of the one point's :math:`f`
+    (prior mean ``prior_mean``)."""
+    v = batch.whitened_cross[0, :, 0]
+    prior_variance = v @ v + batch.spread[0, 0]
+    gain = v / prior_variance  # Cov(z, f) / Var(f)
+    mean = gain * (tilted_mean - prior_mean)
+    covariance = torch.eye(len(v), dtype=F64) - torch.outer(v, gain) + tilted_variance * torch.outer(gain, gain)
+    return mean, covariance
+
+
+def _posterior_moments(site):
+    cholesky, mean = tied_gaussian(site, 1.0)
+    return mean, torch.cholesky_inverse(cholesky)
+
+
+def test_one_probit_point_is_the_moment_matched_posterior():
+    kernel = _kernel()
+    inducing = torch.tensor([[-1.0], [0.4], [1.5]], dtype=F64)
+    point, label = torch.tensor([[0.1]], dtype=F64), torch.tensor([1.0])
+    batch = _batch(kernel, inducing, point, mean=torch.tensor([[0.3]], dtype=F64))
+    assert float(batch.spread.detach().min()) > 1e-2  # FITC's conditional variance matters here
+    sep = StochasticEP(likelihood_adapter(gpytorch.likelihoods.BernoulliLikelihood()), num_data=1)
+    site, record = sep.step(TiedSite.flat(1, 3, point), batch, label)
+    assert record.fraction == 1.0
+    prior_variance = batch.whitened_cross[0, :, 0].square().sum() + batch.spread[0, 0]
+    _, tilted_mean, tilted_variance = reference_ep.probit_moments(
+        torch.tensor([1.0], dtype=F64), batch.mean[0], prior_variance.reshape(1)
+    )
+    expected_mean, expected_covariance = _joint_posterior(batch, 0.3, tilted_mean[0], tilted_variance[0])
+    mean, covariance = _posterior_moments(site)
+    torch.testing.assert_close(mean[0], expected_mean, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(covariance[0], expected_covariance, rtol=1e-10, atol=1e-12)
+
+
+def test_one_multiclass_point_is_the_factorised_moment_matched_posterior():
+    num_classes = 3
+    kernel = _kernel(lengthscale=0.5)
+    inducing = torch.tensor([[-1.0], [0.2], [1.1], [2.0]], dtype=F64)
+    point, label = torch.tensor([[0.6]], dtype=F64), torch.tensor([2])
+    prior_mean = torch.tensor([[0.5], [-0.2], [0.1]], dtype=F64)
+    batch = _batch(kernel, inducing, point, num_latents=num_classes, mean=prior_mean)
+    sep = StochasticEP(likelihood_adapter(MultinomialProbitLikelihood(num_classes)), num_data=1)
+    site, _ = sep.step(TiedSite.flat(num_classes, 4, point), batch, label)
+    prior_variance = batch.whitened_cross[0, :, 0].square().sum() + batch.spread[0, 0]
+    _, tilted_mean, tilted_variance = factorised_moments(label, prior_mean.mT, prior_variance.expand(1, num_classes))
+    mean, covariance = _posterior_moments(site)
+    for c in range(num_classes):
+        expected_mean, expected_covariance = _joint_posterior(
+            batch, prior_mean[c, 0], tilted_mean[0, c], tilted_variance[0, c]
+        )
+        torch.testing.assert_close(mean[c], expected_mean, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(covariance[c], expected_covariance, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("likelihood", ["probit", "multinomial_probit"])
+def test_minibatch_energy_is_unbiased_over_a_partition(likelihood):
+    x, y = binary_data(48, seed=4)
+    if likelihood == "probit":
+        adapter, num_latents, targets = likelihood_adapter(gpytorch.likelihoods.BernoulliLikelihood()), 1, y
+    else:
+        adapter, num_latents = likelihood_adapter(MultinomialProbitLikelihood(3)), 3
+        targets = (x[:, 0] > 0.33).long() + (x[:, 0] > 0.66).long()
+    kernel = _kernel()
+    inducing = torch.nn.Parameter(x[::6].clone())
+    sep = StochasticEP(adapter, num_data=len(x))
+    site = TiedSite.flat(num_latents, len(inducing), x)
+    for _ in range(3):  # a site away from flat
+        site, _ = sep.step(site, _batch(kernel, inducing, x, num_latents), targets)
+    parameters = [*kernel.parameters(), inducing]
+
+    def gradient(rows):
+        energy = (
+            len(x)
+            / len(rows)
+            * sep.log_normalizers(site, _batch(kernel, inducing, x[rows], num_latents), targets[rows]).sum()
+        )
+        return torch.cat([g.flatten() for g in torch.autograd.grad(energy, parameters)])
+
+    full = gradient(torch.arange(len(x)))
+    batches = torch.randperm(len(x), generator=torch.Generator().manual_seed(0)).reshape(6, 8)
+    average = torch.stack([gradient(rows) for rows in batches]).mean(0)
+    torch.testing.assert_close(average, full, rtol=1e-10, atol=1e-10)
+    assert float(full.abs().max()) > 1e-3  # the energy does depend on the hyperparameters
+
+
+@torch.no_grad()
+def test_full_batch_fixed_point_is_close_to_dense_ep():
+    x, y = binary_data(200, seed=2)
+    kernel = _kernel(lengthscale=0.6, outputscale=3.0)
+    adapter = likelihood_adapter(gpytorch.likelihoods.BernoulliLikelihood())
+    sep = StochasticEP(adapter, num_data=len(x))
+    batch = _batch(kernel, x, x)  # M = N inducing inputs at the data: the dense prior
+    site = TiedSite.flat(1, len(x), x)
+    for _ in range(60):
+        site, record = sep.step(site, batch, y)
+    assert record.fraction == 1.0 and record.site_change < 1e-8  # converged (full batches move all the way)
+    dense = reference_ep.sequential_ep(kernel(x).to_dense(), y, "probit", tol=1e-12, max_sweeps=200)
+    test_x = torch.rand(41, 2, generator=torch.Generator().manual_seed(9), dtype=F64) * 1.4 - 0.2
+    mean, variance = sep.posterior_marginals(site, _batch(kernel, x, test_x))
+    sep_probability = torch.special.ndtr(mean[0] / (1 + variance[0]).sqrt())
+    *_, dense_probability = reference_ep.probit_predict(
+        kernel(x).to_dense(), kernel(x, test_x).to_dense(), kernel(test_x, diag=True), dense
+    )
+    # SEP's averaged site is not EP's N sites: 4e-4 apart here (N = 200)
+    assert float((sep_probability - dense_probability).abs().max()) < 0.01
+
+
+def test_step_fraction_averages_then_forgets():
+    assert [step_fraction(t, 10, 1000) for t in (0, 1, 3)] == [1.0, 0.5, 0.25]
+    assert step_fraction(500, 10, 1000) == 0.01
+    assert step_fraction(0, 2000, 1000) == 1.0
+
+
+def test_tied_site_round_trips():
+    site = TiedSite(torch.randn(2, 3, 3, dtype=F64), torch.randn(2, 3, dtype=F64), steps=7)
+    restored = TiedSite.from_extra(site.to_extra(), torch.zeros((), dtype=F64))
+    assert restored.steps == 7
+    torch.testing.assert_close(restored.precision, site.precision, rtol=0, atol=0)
+    with pytest.raises(ValueError):
+        TiedSite.from_extra({**site.to_extra(), "precision": torch.zeros(2, 3, 4)}, torch.zeros(()))
+
+
+def test_likelihood_without_tilted_moments_is_refused():
+    with pytest.raises(TypeError, match="tilted moments"):
+        StochasticEP(
+            likelihood_adapter(gpytorch.likelihoods.SoftmaxLikelihood(num_classes=3, mixing_weights=False)), num_data=10
+        )
+    assert math.isfinite(step_fraction(0, 1, 1))
