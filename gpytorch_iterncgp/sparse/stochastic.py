@@ -4,7 +4,7 @@ The model (Hernández-Lobato & Hernández-Lobato 2016, "Scalable Gaussian proces
 propagation", AISTATS; Villacampa-Calvo & Hernández-Lobato 2017 for :math:`C` classes): :math:`C` latent processes
 :math:`f_c`, each with :math:`M` inducing inputs :math:`\mathbf Z` and whitened inducing values
 :math:`\mathbf z_c = \mathbf L^{-1}(\mathbf u_c - \mathbf m_{u})`, :math:`\mathbf L \mathbf L^\top = \mathbf K_{uu}`
-(:func:`~gpytorch_iterncgp.sparse.dtc.inducing_cholesky`), prior :math:`\mathbf z_c \sim \mathcal N(\mathbf 0,
+(:class:`~gpytorch_iterncgp.sparse.dtc.WhitenedInducing`), prior :math:`\mathbf z_c \sim \mathcal N(\mathbf 0,
 \mathbf I_M)`, and the FITC conditional of each latent value,
 
 .. math::
@@ -65,7 +65,7 @@ from ..core.state import ExtraState
 from ..likelihoods.adapters import LikelihoodAdapter
 from ..likelihoods.factorised import factorised_log_normalizer, factorised_moments
 from ..likelihoods.tilted import tilted_moments
-from .dtc import inducing_cholesky
+from .dtc import WhitenedInducing
 
 
 @dataclass
@@ -82,8 +82,7 @@ class WhitenedBatch:
     def from_blocks(cls, mean: Tensor, inducing_covariance: Tensor, cross: Tensor, diagonal: Tensor) -> WhitenedBatch:
         r"""From :math:`\mathbf m` ``(C, B)``, :math:`\mathbf K_{uu}` ``(K, M, M)``, :math:`\mathbf K_{ub}` ``(K, M, B)``
         and :math:`\operatorname{diag}\mathbf K_{bb}` ``(K, B)``; differentiable in all of them."""
-        cholesky = inducing_cholesky(inducing_covariance)
-        whitened = torch.linalg.solve_triangular(cholesky, cross, upper=False)
+        whitened = WhitenedInducing.from_covariance(inducing_covariance).whiten(cross)
         return cls(mean, whitened, (diagonal - whitened.square().sum(-2)).clamp_min(0))
 
 
