@@ -28,11 +28,13 @@ from .likelihoods.adapters import ExpPoissonLikelihood, LogitBernoulliLikelihood
 from .likelihoods.multinomial_probit import MultinomialProbitLikelihood
 from .mlls.itergp import EPMarginalLogLikelihood, LaplaceMarginalLogLikelihood
 from .mlls.sparse import SparseEPMarginalLogLikelihood
+from .mlls.stochastic import StochasticEPMarginalLogLikelihood
 from .models.alps import GPALPS, GPALPSELBO
 from .models.gplvm import EPLatentVariableModel, NoisyInputGPClassifier
 from .sparse.dtc import SparseEPState
 from .strategies.itergp import EPStrategy, IterNCGPStrategy
 from .strategies.sparse import SparseEPStrategy
+from .strategies.stochastic import StochasticEPStrategy
 
 __version__ = "0.1.0"
 
@@ -67,6 +69,8 @@ __all__ = [
     "SparseEPMarginalLogLikelihood",
     "SparseEPState",
     "SparseEPStrategy",
+    "StochasticEPMarginalLogLikelihood",
+    "StochasticEPStrategy",
     "UnitVectorPolicy",
     "fit_mll",
     "settings",

@@ -1,9 +1,11 @@
 r"""The predictive distribution of the observations from the posterior of the latents, for any strategy whose
-posterior gives per-point latent marginals: :class:`PredictiveStrategy`."""
+posterior gives per-point latent marginals: :class:`LatentPredictions`, and :class:`PredictiveStrategy` for the
+strategies that fit by an outer loop."""
 
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import torch
 from gpytorch.utils.warnings import NumericalWarning
@@ -31,29 +33,21 @@ def warn_lost_variance(variance: Tensor, prior_variance: Tensor) -> None:
         )
 
 
-class PredictiveStrategy(OuterLoopStrategy):
-    r"""An :class:`~gpytorch_iterncgp.strategies.base.OuterLoopStrategy` whose posterior gives the latents' marginals at
-    test points; the predictive of the observations follows from them.
+class LatentPredictions:
+    r"""The predictive of the observations from the posterior marginals of the latents at test points, for a
+    strategy with an ``adapter`` (:func:`~gpytorch_iterncgp.likelihoods.adapters.likelihood_adapter`) and
+    ``num_latents``.
 
     A subclass defines :meth:`marginal_latent` (means and variances ``(N*, C)``) and :meth:`marginal_latent_blocks`
     (means ``(N*, C)`` and each point's :math:`C \times C` covariance ``(N*, C, C)``).
     """
 
-    def _check_test_inputs(self, inputs: Tensor) -> Tensor:
-        """``inputs`` ``(N*, D)`` checked against the training inputs (features, dtype, device).
+    adapter: Any
 
-        :raises ValueError: for another number of features, or a model on another device.
-        :raises TypeError: for another dtype.
-        """
-        inputs = check_inputs(inputs, "inputs", device=self.train_inputs.device)
-        if inputs.shape[-1] != self.train_inputs.shape[-1]:
-            raise ValueError(
-                f"inputs have {inputs.shape[-1]} features but the training inputs have {self.train_inputs.shape[-1]}."
-            )
-        if inputs.dtype != self.train_inputs.dtype:
-            raise TypeError(f"inputs are {inputs.dtype} but the model's training data {self.train_inputs.dtype}.")
-        self._check_model_device()
-        return inputs
+    @property
+    def num_latents(self) -> int:
+        """:math:`C`, the number of latent functions (1 for binary and count data)."""
+        return self.adapter.num_latents
 
     def marginal_latent(self, inputs: Tensor) -> tuple[Tensor, Tensor]:
         """Posterior means and variances of the latents at ``inputs`` ``(N*, D)``, ``(N*, C)`` each."""
@@ -99,3 +93,24 @@ class PredictiveStrategy(OuterLoopStrategy):
         if not self.adapter.classification:
             raise TypeError(f"predictive_probabilities needs a classification likelihood, not {self.adapter.name}.")
         return self.predictive_mean(inputs)
+
+
+class PredictiveStrategy(LatentPredictions, OuterLoopStrategy):
+    r"""An :class:`~gpytorch_iterncgp.strategies.base.OuterLoopStrategy` whose posterior gives the latents' marginals at
+    test points (:class:`LatentPredictions`), with its test inputs checked against the training inputs."""
+
+    def _check_test_inputs(self, inputs: Tensor) -> Tensor:
+        """``inputs`` ``(N*, D)`` checked against the training inputs (features, dtype, device).
+
+        :raises ValueError: for another number of features, or a model on another device.
+        :raises TypeError: for another dtype.
+        """
+        inputs = check_inputs(inputs, "inputs", device=self.train_inputs.device)
+        if inputs.shape[-1] != self.train_inputs.shape[-1]:
+            raise ValueError(
+                f"inputs have {inputs.shape[-1]} features but the training inputs have {self.train_inputs.shape[-1]}."
+            )
+        if inputs.dtype != self.train_inputs.dtype:
+            raise TypeError(f"inputs are {inputs.dtype} but the model's training data {self.train_inputs.dtype}.")
+        self._check_model_device()
+        return inputs

@@ -1,0 +1,200 @@
+r""":class:`StochasticEPStrategy`: stochastic EP with inducing inputs (:mod:`~gpytorch_iterncgp.sparse.stochastic`),
+trained with SVGP's loop on minibatches.
+
+.. code-block:: python
+
+    class Model(gpytorch.models.ApproximateGP):
+        def __init__(self, inducing_points, likelihood):
+            super().__init__(StochasticEPStrategy(self, inducing_points, likelihood))
+            self.mean_module = gpytorch.means.ZeroMean()
+            self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=1.5))
+
+        def forward(self, x):
+            return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+
+    model = Model(train_x[:200].clone(), likelihood)
+    mll = StochasticEPMarginalLogLikelihood(likelihood, model, num_data=len(train_y))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    model.train()
+    for x_batch, y_batch in loader:
+        optimizer.zero_grad()
+        loss = -mll(model(x_batch), y_batch)  # moves the tied site on this batch, then SEP's energy
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    probabilities = likelihood(model(test_x)).probs
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import gpytorch
+import torch
+from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
+from linear_operator.operators import DiagLinearOperator
+from torch import Tensor
+
+from ..core.validation import check_flag, check_inputs
+from ..likelihoods.adapters import likelihood_adapter
+from ..sparse.stochastic import SEPStepRecord, StochasticEP, TiedSite, WhitenedBatch
+from .predictive import LatentPredictions
+
+
+class StochasticEPStrategy(LatentPredictions, gpytorch.Module):
+    r"""Stochastic expectation propagation (SEP) with :math:`M` inducing inputs and the FITC conditional, for an
+    ``ApproximateGP`` trained on minibatches like GPyTorch's SVGP: memory :math:`O(C M^2)` and
+    :math:`O(C(M^3 + B M^2))` per minibatch of :math:`B` points, whatever the number of data :math:`N`
+    (Hernández-Lobato & Hernández-Lobato 2016; Villacampa-Calvo & Hernández-Lobato 2017 for :math:`C` classes).
+
+    The state is one tied site per latent process in the whitened inducing coordinates (:class:`~gpytorch_iterncgp.sparse.stochastic.TiedSite`),
+    saved in the ``state_dict``; :class:`~gpytorch_iterncgp.StochasticEPMarginalLogLikelihood` moves it on each
+    training minibatch and returns SEP's energy, whose gradient learns the kernel, the mean and the inducing inputs.
+
+    ``model(x)`` is the posterior :math:`q(\mathbf f(\mathbf x))`, independent per point and per latent: a
+    ``MultivariateNormal`` with a diagonal covariance for :math:`C = 1`, a ``MultitaskMultivariateNormal``
+    ``(N*, C)`` for :math:`C` classes; ``likelihood(model(x))`` is its predictive.
+
+    :param model: the ``ApproximateGP`` that owns this strategy (pass ``self``); its ``forward`` returns the prior, a
+        ``MultivariateNormal`` without batch (one kernel; for :math:`C` classes shared by them) or with batch
+        ``[C]`` (one GP per class).
+    :param inducing_points: :math:`\mathbf Z`, ``(M, D)``.
+    :param likelihood: ``BernoulliLikelihood`` (probit), :class:`~gpytorch_iterncgp.LogitBernoulliLikelihood`, a
+        Poisson likelihood, or :class:`~gpytorch_iterncgp.MultinomialProbitLikelihood` for :math:`C` classes.
+    :param learn_inducing_locations: register :math:`\mathbf Z` as a parameter (else a buffer).
+    :raises TypeError: for a likelihood without tilted moments (softmax) or a ``model`` that is not a module.
+    """
+
+    def __init__(
+        self,
+        model: gpytorch.models.ApproximateGP,
+        inducing_points: Tensor,
+        likelihood: gpytorch.likelihoods.Likelihood,
+        learn_inducing_locations: bool = True,
+    ):
+        super().__init__()
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(
+                f"model must be the gpytorch ApproximateGP that owns the strategy (pass self), got {type(model).__name__}."
+            )
+        object.__setattr__(self, "model", model)  # not a submodule: the model owns the strategy
+        object.__setattr__(self, "likelihood", likelihood)
+        self.adapter = likelihood_adapter(likelihood)
+        StochasticEP(self.adapter, 1)  # refuses likelihoods without tilted moments
+        check_flag(learn_inducing_locations, "learn_inducing_locations")
+        inducing = check_inputs(inducing_points, "inducing_points").detach().clone()
+        if learn_inducing_locations:
+            self.register_parameter("inducing_points", torch.nn.Parameter(inducing))
+        else:
+            self.register_buffer("inducing_points", inducing)
+        self.site = TiedSite.flat(self.num_latents, len(inducing), inducing)
+        self._last: tuple[Any, WhitenedBatch] | None = None  # the last training output and its whitened batch
+
+    @property
+    def num_inducing(self) -> int:
+        """:math:`M`, the number of inducing inputs."""
+        return self.inducing_points.shape[0]
+
+    # -- the prior in whitened coordinates -------------------------------------------------------
+    def whitened_batch(self, inputs: Tensor) -> WhitenedBatch:
+        r"""The model's prior at ``inputs`` ``(B, D)`` in the whitened inducing coordinates (with gradients where
+        autograd records them): :math:`\mathbf m` ``(C, B)``, :math:`\mathbf V` and :math:`\mathbf s` per kernel.
+
+        :raises ValueError: for inputs of another number of features, or a prior of another batch shape.
+        """
+        inputs = check_inputs(inputs, "inputs", device=self.inducing_points.device)
+        if inputs.shape[-1] != self.inducing_points.shape[-1]:
+            raise ValueError(
+                f"inputs have {inputs.shape[-1]} features but the inducing points {self.inducing_points.shape[-1]}."
+            )
+        num = self.num_inducing
+        distribution = self.model.forward(torch.cat([self.inducing_points, inputs.to(self.inducing_points)], dim=-2))
+        batch_shape = tuple(distribution.batch_shape)
+        if batch_shape not in ((), (self.num_latents,)) or isinstance(distribution, MultitaskMultivariateNormal):
+            raise ValueError(
+                f"StochasticEPStrategy needs a forward that returns a MultivariateNormal with batch_shape [] or "
+                f"[{self.num_latents}] (one GP per class); got {type(distribution).__name__} with batch_shape "
+                f"{list(batch_shape)}."
+            )
+        covariance = distribution.lazy_covariance_matrix
+        if not batch_shape:
+            covariance = covariance.unsqueeze(0)
+        mean = distribution.mean[..., num:].expand(self.num_latents, -1)
+        return WhitenedBatch.from_blocks(
+            mean,
+            covariance[..., :num, :num].to_dense(),
+            covariance[..., :num, num:].to_dense(),
+            covariance[..., num:, num:].diagonal(dim1=-1, dim2=-2),
+        )
+
+    # -- the posterior ---------------------------------------------------------------------------
+    def _distribution(self, mean: Tensor, variance: Tensor) -> MultivariateNormal:
+        """Independent marginals ``(C, B)`` as GPyTorch's distribution of the model's output."""
+        if self.num_latents == 1:
+            return MultivariateNormal(mean[0], DiagLinearOperator(variance[0]))
+        return MultitaskMultivariateNormal.from_batch_mvn(MultivariateNormal(mean, DiagLinearOperator(variance)))
+
+    def forward(self, inputs: Tensor, prior: bool = False, **kwargs) -> MultivariateNormal:
+        r"""The posterior marginals at ``inputs`` ``(B, D)`` (class docstring); ``prior=True``: the model's prior. In
+        training mode the output is remembered with its whitened batch for the next
+        :class:`~gpytorch_iterncgp.StochasticEPMarginalLogLikelihood` call."""
+        if prior:
+            return self.model.forward(inputs, **kwargs)
+        batch = self.whitened_batch(inputs)
+        loop = StochasticEP(self.adapter, 1)
+        output = self._distribution(*loop.posterior_marginals(self.site, batch))
+        self._last = (output, batch) if self.training else None
+        return output
+
+    def marginal_latent(self, inputs: Tensor) -> tuple[Tensor, Tensor]:
+        """Posterior means and variances at ``inputs`` ``(N*, D)``, ``(N*, C)`` each."""
+        mean, variance = StochasticEP(self.adapter, 1).posterior_marginals(self.site, self.whitened_batch(inputs))
+        return mean.mT, variance.mT
+
+    def marginal_latent_blocks(self, inputs: Tensor) -> tuple[Tensor, Tensor]:
+        """Posterior means ``(N*, C)`` and covariances ``(N*, C, C)``: diagonal, the posterior factorises."""
+        mean, variance = self.marginal_latent(inputs)
+        return mean, torch.diag_embed(variance)
+
+    # -- training --------------------------------------------------------------------------------
+    def batch_of(self, output: Any) -> WhitenedBatch:
+        """The whitened batch of ``output``, the last output of ``model(x)`` in training mode.
+
+        :raises RuntimeError: for any other output (compute ``mll(model(x_batch), y_batch)`` in training mode).
+        """
+        if self._last is None or self._last[0] is not output:
+            raise RuntimeError(
+                "StochasticEPMarginalLogLikelihood needs the output of the model's last call in training mode: call "
+                "model.train() and compute mll(model(x_batch), y_batch) for each minibatch."
+            )
+        return self._last[1]
+
+    def step(self, batch: WhitenedBatch, targets: Tensor, num_data: int) -> SEPStepRecord:
+        """Move the tied site on a minibatch (:meth:`StochasticEP.step <gpytorch_iterncgp.sparse.stochastic.StochasticEP.step>`)."""
+        self.site, record = StochasticEP(self.adapter, num_data).step(self.site, batch, targets)
+        return record
+
+    # -- state_dict and devices ------------------------------------------------------------------
+    def get_extra_state(self) -> dict:
+        """The tied site for ``state_dict()``: tensors and numbers only."""
+        return {"site": self.site.to_extra()}
+
+    def set_extra_state(self, extra: dict) -> None:
+        """Restore :meth:`get_extra_state`.
+
+        :raises ValueError: for a malformed dict or a site of another number of latents or inducing inputs.
+        """
+        if not isinstance(extra, dict) or not isinstance(extra.get("site"), dict):
+            raise ValueError(f"{type(self).__name__} extra state must be a dict with a 'site' dict.")
+        site = TiedSite.from_extra(extra["site"], self.inducing_points)
+        if site.natural_mean.shape != self.site.natural_mean.shape:
+            raise ValueError(
+                f"the saved tied site is for {tuple(site.natural_mean.shape)} (latents, inducing inputs); this model "
+                f"has {tuple(self.site.natural_mean.shape)}."
+            )
+        self.site = site
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self.site = TiedSite(fn(self.site.precision), fn(self.site.natural_mean), self.site.steps)
+        return self
