@@ -23,6 +23,7 @@ from .exceptions import (
 )
 from .laplace.newton import LaplaceState, SolverOptions
 from .learning.fit import fit_mll
+from .learning.minibatch import MinibatchRecipe
 from .learning.recipe import LearningRecipe, LearningReport
 from .likelihoods.adapters import ExpPoissonLikelihood, LogitBernoulliLikelihood, MultitaskPoissonLikelihood
 from .likelihoods.multinomial_probit import MultinomialProbitLikelihood
@@ -55,6 +56,7 @@ __all__ = [
     "LaplaceMarginalLogLikelihood",
     "LaplaceState",
     "LearningRecipe",
+    "MinibatchRecipe",
     "LearningReport",
     "LogitBernoulliLikelihood",
     "MultinomialProbitLikelihood",

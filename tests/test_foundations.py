@@ -142,7 +142,7 @@ LAYERS: list[tuple[str, list[set[str]]]] = [
     ("sparse", [{"psi_statistics"}, {"dtc"}, {"uncertain", "uncertain_prediction", "stochastic"}]),
     ("strategies", [{"base"}, {"predictive"}, {"itergp", "sparse", "stochastic"}]),
     ("mlls", [{"itergp"}, {"sparse", "stochastic"}, {"uncertain"}]),
-    ("learning", [{"recipe", "scale"}, {"rows", "learner", "outputscale"}, {"fit"}]),
+    ("learning", [{"recipe", "scale"}, {"rows", "learner", "outputscale", "minibatch"}, {"fit"}]),
     ("models", [{"alps", "gplvm"}, {"alps_gibbs"}]),
     ("kernels", [{"sharded"}]),
     ("integrations", [{"sklearn", "botorch"}]),

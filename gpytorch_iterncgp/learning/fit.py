@@ -17,6 +17,9 @@ The recipe, in three phases (each a progress bar with ``show_progress``):
    log-loss of held-out rows (:mod:`.outputscale`): the evidence's maximiser is over-confident at large N (Laplace's
    softmax, and EP learnt on it);
 3. **final fit**: the strategy's own ``fit()`` on all the data, at its own options (with its covariance phase).
+
+A model with a :class:`~gpytorch_iterncgp.StochasticEPStrategy` holds no data and has one phase: SVGP's loop on
+minibatches of ``data`` (:mod:`.minibatch`).
 """
 
 from __future__ import annotations
@@ -40,9 +43,11 @@ from .. import settings
 from ..core.validation import check_flag, check_nonnegative
 from ..exceptions import ConvergenceWarning
 from ..mlls.itergp import BoTorchFitHook, EPMarginalLogLikelihood, LaplaceMarginalLogLikelihood
+from ..mlls.stochastic import StochasticEPMarginalLogLikelihood
 from ..strategies.base import exact_regime
 from ..strategies.itergp import EPStrategy, IterNCGPStrategy
 from .learner import LearnerModel, laplace_likelihood
+from .minibatch import MinibatchRecipe, fit_minibatches
 from .outputscale import choose_outputscale
 from .recipe import LearningRecipe, LearningReport
 from .rows import auto_subset_size, draw_rows, held_out_rows
@@ -61,11 +66,12 @@ def fit_mll(
     mll: MarginalLogLikelihood,
     *,
     max_time: float | None = None,
-    recipe: LearningRecipe | None = None,
+    recipe: LearningRecipe | MinibatchRecipe | None = None,
     subset: int | str | Tensor | None = "auto",
     validation_rows: Tensor | str | None = "auto",
     seed: int | None = None,
     show_progress: bool | None = None,
+    data: tuple[Tensor, Tensor] | None = None,
 ) -> LearningReport:
     r"""Learn the hyperparameters of ``mll``'s model and fit its posterior on all the data; the model is left fitted
     (call ``model.eval()`` to predict).
@@ -83,21 +89,30 @@ def fit_mll(
         subset, stratified), the row indices, or ``None`` (no choice).
     :param seed: seeds the rows drawn (``None``: drawn from torch's global generator).
     :param show_progress: a progress bar per phase (``None``: the strategy's ``show_progress``).
+    :param data: ``(train_inputs, train_targets)`` for a :class:`~gpytorch_iterncgp.StochasticEPMarginalLogLikelihood`
+        (whose model holds no data): then Adam on SEP's energy over minibatches (:mod:`.minibatch`, ``recipe`` a
+        :class:`~.minibatch.MinibatchRecipe`), until its epochs or ``max_time``, and no other phase.
     :return: the :class:`~gpytorch_iterncgp.learning.recipe.LearningReport` (its ``fit_report``: the final fit's).
     :raises TypeError: for another objective or strategy. Numerical trouble while learning stops the learning with a
         warning, keeping the best hyperparameters seen; an unconverged final fit raises a
         :class:`~gpytorch_iterncgp.ConvergenceWarning`.
     """
-    strategy = _checked_strategy(mll)
-    recipe = LearningRecipe() if recipe is None else recipe
-    recipe.validate()
     if max_time is not None:
         check_nonnegative(max_time, "max_time")
     if show_progress is not None:
         check_flag(show_progress, "show_progress")
-    show = strategy.show_progress if show_progress is None else show_progress
     deadline = None if max_time is None else time.perf_counter() + float(max_time)
     generator = _RowGenerator(seed)
+    if isinstance(mll, StochasticEPMarginalLogLikelihood):
+        return _fit_stochastic(mll, data, recipe, deadline, generator(), show_progress)
+    strategy = _checked_strategy(mll)
+    recipe = LearningRecipe() if recipe is None else recipe
+    if not isinstance(recipe, LearningRecipe):
+        raise TypeError(
+            f"fit_mll: recipe must be a LearningRecipe for {type(mll).__name__}, got {type(recipe).__name__}."
+        )
+    recipe.validate()
+    show = strategy.show_progress if show_progress is None else show_progress
     model, likelihood = mll.model, mll.likelihood
     labels = strategy.train_targets.cpu() if strategy.adapter.classification else None
     parameters = [parameter for parameter in model.parameters() if parameter.requires_grad]
@@ -135,12 +150,33 @@ def fit_mll(
     return report
 
 
+def _fit_stochastic(
+    mll: StochasticEPMarginalLogLikelihood,
+    data: Any,
+    recipe: Any,
+    deadline: float | None,
+    generator: torch.Generator,
+    show_progress: bool | None,
+) -> LearningReport:
+    """:func:`fit_mll` for stochastic EP (:func:`.minibatch.fit_minibatches`), its arguments checked."""
+    recipe = MinibatchRecipe() if recipe is None else recipe
+    if not isinstance(recipe, MinibatchRecipe):
+        raise TypeError(f"fit_mll: recipe must be a MinibatchRecipe for stochastic EP, got {type(recipe).__name__}.")
+    recipe.validate()
+    if not (isinstance(data, tuple) and len(data) == 2 and all(torch.is_tensor(part) for part in data)):
+        raise TypeError(
+            "fit_mll: a StochasticEPMarginalLogLikelihood's model holds no data; pass data=(train_inputs, train_targets)."
+        )
+    return fit_minibatches(mll, data[0], data[1], recipe, deadline, generator, show_progress is not False)
+
+
 def _checked_strategy(mll: Any) -> IterNCGPStrategy | EPStrategy:
     """The model's strategy. :raises TypeError: for an objective other than Laplace's or EP's evidence."""
     if not isinstance(mll, (LaplaceMarginalLogLikelihood, EPMarginalLogLikelihood)):
         raise TypeError(
-            "fit_mll takes a LaplaceMarginalLogLikelihood (a model with an IterNCGPStrategy) or an "
-            f"EPMarginalLogLikelihood (a model with an EPStrategy); got {type(mll).__name__}. For another objective "
+            "fit_mll takes a LaplaceMarginalLogLikelihood (a model with an IterNCGPStrategy), an "
+            "EPMarginalLogLikelihood (a model with an EPStrategy) or a StochasticEPMarginalLogLikelihood (with "
+            f"data=...); got {type(mll).__name__}. For another objective "
             "use GPyTorch's training loop (or botorch.fit.fit_gpytorch_mll)."
         )
     return mll.model.variational_strategy

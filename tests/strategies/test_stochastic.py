@@ -5,6 +5,7 @@ r"""StochasticEPStrategy and StochasticEPMarginalLogLikelihood: SVGP's training 
 * The loop learns: on a binary problem the test log-loss after 15 epochs is within 0.03 of dense EP's at the
   data-generating kernel, and far below the prior's.
 * ``state_dict`` round trip, float32, the idiom ``likelihood(model(x))``, and the errors.
+* ``fit_mll(mll, data=...)`` runs the loop for the caller: epochs, ``max_time``, and its errors.
 """
 
 from __future__ import annotations
@@ -14,9 +15,12 @@ import pytest
 import torch
 
 from gpytorch_iterncgp import (
+    LearningRecipe,
+    MinibatchRecipe,
     MultinomialProbitLikelihood,
     StochasticEPMarginalLogLikelihood,
     StochasticEPStrategy,
+    fit_mll,
 )
 from gpytorch_iterncgp.sparse.stochastic import StochasticEP, TiedSite, WhitenedBatch
 from tests import reference_ep
@@ -158,3 +162,23 @@ def test_errors_name_the_fix():
     with pytest.raises(ValueError, match="features"):
         model(torch.zeros(3, 4, dtype=F64))
     assert isinstance(model.variational_strategy.site, TiedSite)
+
+
+def test_fit_mll_runs_the_minibatch_loop():
+    x, y = binary_data(300, seed=5)
+    likelihood = gpytorch.likelihoods.BernoulliLikelihood()
+    model = SEPModel(x[:30].clone(), likelihood).to(F64)
+    mll = StochasticEPMarginalLogLikelihood(likelihood, model, num_data=len(x))
+    recipe = MinibatchRecipe(batch_size=64, learning_rate=0.02, max_epochs=6)
+    report = fit_mll(mll, data=(x, y), recipe=recipe, seed=0, show_progress=False)
+    assert report.stopped == "epochs" and report.evaluations == 6 * 5 and not model.training
+    assert sum(report.losses[-5:]) < sum(report.losses[:5])  # the energy improves
+    assert model.variational_strategy.site.steps == 30
+    quick = fit_mll(mll, data=(x, y), recipe=recipe, max_time=0.0, show_progress=False)
+    assert quick.stopped == "max_time" and quick.evaluations == 1
+    with pytest.raises(TypeError, match="data="):
+        fit_mll(mll)
+    with pytest.raises(ValueError, match="num_data"):
+        fit_mll(mll, data=(x[:10], y[:10]))
+    with pytest.raises(TypeError, match="MinibatchRecipe"):
+        fit_mll(mll, data=(x, y), recipe=LearningRecipe())

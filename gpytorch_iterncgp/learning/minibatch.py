@@ -1,0 +1,101 @@
+r"""Learning on minibatches: :func:`~gpytorch_iterncgp.fit_mll`'s recipe for a model with a
+:class:`~gpytorch_iterncgp.StochasticEPStrategy`, SVGP's loop (Adam on random minibatches, ``num_data`` the
+training set's size) run for the caller: the tied site moves on every batch and the kernel, the mean and the
+inducing inputs follow SEP's energy (:mod:`~gpytorch_iterncgp.sparse.stochastic`)."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from ..core.validation import check_count, check_inputs, check_nonnegative
+from ..mlls.stochastic import StochasticEPMarginalLogLikelihood
+from .recipe import LearningReport
+from .scale import LogScale
+
+
+@dataclass(frozen=True)
+class MinibatchRecipe:
+    r"""How :func:`~gpytorch_iterncgp.fit_mll` learns a stochastic-EP model.
+
+    :param batch_size: points per minibatch (all of them for smaller data).
+    :param learning_rate: Adam's learning rate, on the logarithms of positive hyperparameters
+        (:class:`~.scale.LogScale`) and on the inducing inputs.
+    :param max_epochs: passes over the data at most (``max_time`` may stop it earlier).
+    """
+
+    batch_size: int = 512
+    learning_rate: float = 0.01
+    max_epochs: int = 50
+
+    def validate(self) -> None:
+        """:raises ValueError: naming the field that is out of range."""
+        check_count(self.batch_size, "batch_size", minimum=1)
+        check_count(self.max_epochs, "max_epochs", minimum=1)
+        check_nonnegative(self.learning_rate, "learning_rate", positive=True)
+
+
+def fit_minibatches(
+    mll: StochasticEPMarginalLogLikelihood,
+    inputs: Tensor,
+    targets: Tensor,
+    recipe: MinibatchRecipe,
+    deadline: float | None,
+    generator: torch.Generator,
+    show: bool,
+) -> LearningReport:
+    r"""Adam on SEP's energy over random minibatches of ``(inputs, targets)`` until ``recipe.max_epochs`` passes or the
+    ``deadline`` (``time.perf_counter()``); the model is left in eval mode.
+
+    :param inputs: ``(N, D)``, ``N`` the ``num_data`` of ``mll``; ``targets``: ``(N,)``.
+    :return: the report: ``losses`` the negative objective of every step, ``stopped`` ``"epochs"`` or ``"max_time"``.
+    :raises ValueError: for data whose size is not ``mll.num_data``.
+    """
+    model = mll.model
+    inputs = check_inputs(inputs, "train_inputs", device=model.variational_strategy.inducing_points.device)
+    if len(inputs) != mll.num_data or len(targets) != mll.num_data:
+        raise ValueError(
+            f"fit_mll: the data has {len(inputs)} inputs and {len(targets)} targets, but the objective's num_data is "
+            f"{mll.num_data}."
+        )
+    parameters = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    scale = LogScale(model, parameters)
+    optimizer = torch.optim.Adam(scale.variables, lr=recipe.learning_rate)
+    batch_size = min(recipe.batch_size, len(inputs))
+    steps_per_epoch = math.ceil(len(inputs) / batch_size)
+    report = LearningReport(method="Adam", evidence="SEP", data_points=len(inputs), num_data=len(inputs))
+    start = time.perf_counter()
+    description = f"learning: Adam on SEP's energy, batches of {batch_size} of {len(inputs)} points"
+    bar = tqdm(total=recipe.max_epochs * steps_per_epoch, desc=description, disable=not show)
+    report.stopped = "epochs"
+
+    def batches():
+        for _ in range(recipe.max_epochs):
+            yield from torch.randperm(len(inputs), generator=generator).split(batch_size)
+
+    model.train()
+    try:
+        for rows in batches():
+            if deadline is not None and report.losses and time.perf_counter() >= deadline:
+                report.stopped = "max_time"
+                break
+            scale.push()
+            optimizer.zero_grad()
+            loss = -mll(model(inputs[rows]), targets[rows])
+            loss.backward()
+            scale.pull_gradients()
+            optimizer.step()
+            report.losses.append(float(loss.detach()))
+            bar.update(1)
+            bar.set_postfix(loss=f"{report.losses[-1]:.4g}")
+    finally:
+        bar.close()
+        scale.push()
+        model.eval()
+    report.evaluations, report.seconds = len(report.losses), time.perf_counter() - start
+    return report
