@@ -91,7 +91,7 @@ def fit_mll(
     :param show_progress: a progress bar per phase (``None``: the strategy's ``show_progress``).
     :param data: ``(train_inputs, train_targets)`` for a :class:`~gpytorch_iterncgp.StochasticEPMarginalLogLikelihood`
         (whose model holds no data): then Adam on SEP's energy over minibatches (:mod:`.minibatch`, ``recipe`` a
-        :class:`~.minibatch.MinibatchRecipe`), until its epochs or ``max_time``, and no other phase.
+        :class:`~.minibatch.MinibatchRecipe`), until its ``max_steps`` or ``max_time``, and no other phase.
     :return: the :class:`~gpytorch_iterncgp.learning.recipe.LearningReport` (its ``fit_report``: the final fit's).
     :raises TypeError: for another objective or strategy. Numerical trouble while learning stops the learning with a
         warning, keeping the best hyperparameters seen; an unconverged final fit raises a

@@ -26,17 +26,18 @@ class MinibatchRecipe:
     :param batch_size: points per minibatch (all of them for smaller data).
     :param learning_rate: Adam's learning rate, on the logarithms of positive hyperparameters
         (:class:`~.scale.LogScale`) and on the inducing inputs.
-    :param max_epochs: passes over the data at most (``max_time`` may stop it earlier).
+    :param max_steps: minibatch steps at most (``max_time`` may stop it earlier); each visits ``batch_size`` points
+        without replacement within a pass over the data.
     """
 
     batch_size: int = 512
     learning_rate: float = 0.01
-    max_epochs: int = 50
+    max_steps: int = 2000
 
     def validate(self) -> None:
         """:raises ValueError: naming the field that is out of range."""
         check_count(self.batch_size, "batch_size", minimum=1)
-        check_count(self.max_epochs, "max_epochs", minimum=1)
+        check_count(self.max_steps, "max_steps", minimum=1)
         check_nonnegative(self.learning_rate, "learning_rate", positive=True)
 
 
@@ -49,11 +50,12 @@ def fit_minibatches(
     generator: torch.Generator,
     show: bool,
 ) -> LearningReport:
-    r"""Adam on SEP's energy over random minibatches of ``(inputs, targets)`` until ``recipe.max_epochs`` passes or the
-    ``deadline`` (``time.perf_counter()``); the model is left in eval mode.
+    r"""Adam on SEP's energy over random minibatches of ``(inputs, targets)`` for ``recipe.max_steps`` steps or until the
+    ``deadline`` (``time.perf_counter()``); the model is left in eval mode. Without trainable parameters the steps
+    only move the tied site.
 
     :param inputs: ``(N, D)``, ``N`` the ``num_data`` of ``mll``; ``targets``: ``(N,)``.
-    :return: the report: ``losses`` the negative objective of every step, ``stopped`` ``"epochs"`` or ``"max_time"``.
+    :return: the report: ``losses`` the negative objective of every step, ``stopped`` ``"max_steps"`` or ``"max_time"``.
     :raises ValueError: for data whose size is not ``mll.num_data``.
     """
     model = mll.model
@@ -65,31 +67,36 @@ def fit_minibatches(
         )
     parameters = [parameter for parameter in model.parameters() if parameter.requires_grad]
     scale = LogScale(model, parameters)
-    optimizer = torch.optim.Adam(scale.variables, lr=recipe.learning_rate)
+    optimizer = torch.optim.Adam(scale.variables, lr=recipe.learning_rate) if parameters else None
     batch_size = min(recipe.batch_size, len(inputs))
-    steps_per_epoch = math.ceil(len(inputs) / batch_size)
     report = LearningReport(method="Adam", evidence="SEP", data_points=len(inputs), num_data=len(inputs))
     start = time.perf_counter()
     description = f"learning: Adam on SEP's energy, batches of {batch_size} of {len(inputs)} points"
-    bar = tqdm(total=recipe.max_epochs * steps_per_epoch, desc=description, disable=not show)
-    report.stopped = "epochs"
+    bar = tqdm(total=recipe.max_steps, desc=description, disable=not show)
+    report.stopped = "max_steps"
 
     def batches():
-        for _ in range(recipe.max_epochs):
+        for _ in range(math.ceil(recipe.max_steps * batch_size / len(inputs))):
             yield from torch.randperm(len(inputs), generator=generator).split(batch_size)
 
     model.train()
     try:
-        for rows in batches():
+        for step, rows in enumerate(batches()):
+            if step == recipe.max_steps:
+                break
             if deadline is not None and report.losses and time.perf_counter() >= deadline:
                 report.stopped = "max_time"
                 break
-            scale.push()
-            optimizer.zero_grad()
-            loss = -mll(model(inputs[rows]), targets[rows])
-            loss.backward()
-            scale.pull_gradients()
-            optimizer.step()
+            if optimizer is None:
+                with torch.no_grad():
+                    loss = -mll(model(inputs[rows]), targets[rows])
+            else:
+                scale.push()
+                optimizer.zero_grad()
+                loss = -mll(model(inputs[rows]), targets[rows])
+                loss.backward()
+                scale.pull_gradients()
+                optimizer.step()
             report.losses.append(float(loss.detach()))
             bar.update(1)
             bar.set_postfix(loss=f"{report.losses[-1]:.4g}")

@@ -169,9 +169,9 @@ def test_fit_mll_runs_the_minibatch_loop():
     likelihood = gpytorch.likelihoods.BernoulliLikelihood()
     model = SEPModel(x[:30].clone(), likelihood).to(F64)
     mll = StochasticEPMarginalLogLikelihood(likelihood, model, num_data=len(x))
-    recipe = MinibatchRecipe(batch_size=64, learning_rate=0.02, max_epochs=6)
+    recipe = MinibatchRecipe(batch_size=64, learning_rate=0.02, max_steps=30)
     report = fit_mll(mll, data=(x, y), recipe=recipe, seed=0, show_progress=False)
-    assert report.stopped == "epochs" and report.evaluations == 6 * 5 and not model.training
+    assert report.stopped == "max_steps" and report.evaluations == 30 and not model.training
     assert sum(report.losses[-5:]) < sum(report.losses[:5])  # the energy improves
     assert model.variational_strategy.site.steps == 30
     quick = fit_mll(mll, data=(x, y), recipe=recipe, max_time=0.0, show_progress=False)
