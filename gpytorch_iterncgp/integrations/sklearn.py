@@ -30,6 +30,7 @@ import math
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import gpytorch
 import numpy as np
@@ -48,11 +49,14 @@ from ..core.validation import check_count, check_flag, check_nonnegative
 from ..exceptions import ConvergenceWarning as PackageConvergenceWarning
 from ..laplace.newton import SolverOptions
 from ..learning.fit import fit_mll
+from ..learning.minibatch import MinibatchRecipe
 from ..learning.recipe import LearningRecipe, LearningReport
 from ..likelihoods.adapters import ExpPoissonLikelihood, LogitBernoulliLikelihood, likelihood_adapter
 from ..likelihoods.multinomial_probit import MultinomialProbitLikelihood
 from ..mlls.itergp import EPMarginalLogLikelihood, LaplaceMarginalLogLikelihood
+from ..mlls.stochastic import StochasticEPMarginalLogLikelihood
 from ..strategies.itergp import EPStrategy, IterNCGPStrategy
+from ..strategies.stochastic import StochasticEPStrategy
 
 __all__ = ["IterNCGPClassifier", "IterNCGPPoissonRegressor", "LearningReport"]
 
@@ -80,6 +84,18 @@ class _LatentGP(gpytorch.models.ApproximateGP):
     def __init__(self, train_x, train_y, likelihood, kernel, mean, strategy_type, strategy_options):
         strategy = strategy_type(self, train_x, train_y, likelihood, **strategy_options)
         super().__init__(strategy)
+        self.mean_module = mean
+        self.covar_module = kernel
+
+    def forward(self, x):
+        return MultivariateNormal(self.mean_module(x), self.covar_module(x))
+
+
+class _SparseLatentGP(gpytorch.models.ApproximateGP):
+    """Prior ``mean_module(x)``, ``covar_module(x)``; stochastic EP with inducing inputs (module level, so it pickles)."""
+
+    def __init__(self, inducing_points, likelihood, kernel, mean):
+        super().__init__(StochasticEPStrategy(self, inducing_points, likelihood))
         self.mean_module = mean
         self.covar_module = kernel
 
@@ -150,6 +166,7 @@ class EstimatorDefaults:
     solver_tol: float = 1e-5
     optimize_hyperparameters: bool = True
     learning_subset: str = "auto"
+    num_inducing: int = 256  # inference="sparse_ep"
 
 
 ESTIMATOR_DEFAULTS = EstimatorDefaults()
@@ -187,6 +204,11 @@ class _IterNCGPEstimator(BaseEstimator):
     """Parameters, validation, model construction and hyperparameter learning shared by the estimators."""
 
     _links: tuple[str, ...] = ()
+    # fitted attributes whose type depends on the inference (set in fit)
+    solver_budget_: dict | None
+    learning_rows_: np.ndarray | None
+    validation_rows_: np.ndarray | None
+    fit_report_: Any
 
     def __init__(
         self,
@@ -207,6 +229,8 @@ class _IterNCGPEstimator(BaseEstimator):
         learning_rate=LearningRecipe.learning_rate,
         learning_fit_steps=LearningRecipe.fit_steps,
         learning_subset=ESTIMATOR_DEFAULTS.learning_subset,
+        num_inducing=ESTIMATOR_DEFAULTS.num_inducing,
+        batch_size=MinibatchRecipe.batch_size,
         max_time=None,
         random_state=None,
         verbose=False,
@@ -227,6 +251,8 @@ class _IterNCGPEstimator(BaseEstimator):
         self.learning_rate = learning_rate
         self.learning_fit_steps = learning_fit_steps
         self.learning_subset = learning_subset
+        self.num_inducing = num_inducing
+        self.batch_size = batch_size
         self.max_time = max_time
         self.random_state = random_state
         self.verbose = verbose
@@ -265,8 +291,10 @@ class _IterNCGPEstimator(BaseEstimator):
                 raise _param_error(self, "learning_subset", "'auto', None or an integer >= 2", self.learning_subset)
         else:
             self._check(check_count, "learning_subset", minimum=2, allow_none=True)
-        if self.inference not in ("auto", "laplace", "ep"):
-            raise _param_error(self, "inference", "a str among {'auto', 'laplace', 'ep'}", self.inference)
+        if self.inference not in ("auto", "laplace", "ep", "sparse_ep"):
+            raise _param_error(self, "inference", "a str among {'auto', 'laplace', 'ep', 'sparse_ep'}", self.inference)
+        self._check(check_count, "num_inducing", minimum=1)
+        self._check(check_count, "batch_size", minimum=1)
         for name in ("solver_tol", "learning_rate"):
             self._check(check_nonnegative, name, positive=True)
         if self.outer_tol is not None:
@@ -330,18 +358,54 @@ class _IterNCGPEstimator(BaseEstimator):
         return {**options, "max_newton_steps": self.max_newton_steps, **tolerance}
 
     # -- fitting ---------------------------------------------------------------------------------
+    def _fit_sparse_model(self, X: np.ndarray, targets: torch.Tensor, likelihood, mean) -> None:
+        """``inference="sparse_ep"``: stochastic EP with ``num_inducing`` inducing inputs at k-means centres of ``X``
+        (scikit-learn's ``MiniBatchKMeans``), learnt with the kernel by :func:`~gpytorch_iterncgp.fit_mll`'s
+        minibatch loop (batches of ``batch_size``, until its steps or ``max_time``); set the fitted attributes."""
+        from sklearn.cluster import MiniBatchKMeans
+
+        seed = int(check_random_state(self.random_state).randint(np.iinfo(np.int32).max))
+        num_inducing = min(int(self.num_inducing), len(X))
+        centres = MiniBatchKMeans(n_clusters=num_inducing, random_state=seed, n_init=1).fit(X).cluster_centers_
+        kernel = default_kernel(X.shape[1]) if self.kernel is None else copy.deepcopy(self.kernel).to(_DTYPE)
+        model = _SparseLatentGP(torch.tensor(centres, dtype=_DTYPE), likelihood, kernel, mean).to(_DTYPE)
+        if not self.optimize_hyperparameters:
+            for parameter in model.parameters():
+                parameter.requires_grad_(False)
+        mll = StochasticEPMarginalLogLikelihood(likelihood, model, num_data=len(X))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            report = fit_mll(
+                mll,
+                data=(torch.tensor(X, dtype=_DTYPE), targets),
+                max_time=self.max_time,
+                recipe=MinibatchRecipe(batch_size=int(self.batch_size)),
+                seed=seed,
+                show_progress=bool(self.verbose),
+            )
+        self.inference_ = "sparse_ep"
+        self.solver_budget_ = None
+        self.learning_rows_ = self.validation_rows_ = None
+        self.loss_curve_ = report.losses
+        self.learning_report_ = report
+        self.fit_report_ = None
+        self.model_, self.likelihood_, self.kernel_ = model, likelihood, model.covar_module
+
     def _fit_model(self, X: np.ndarray, targets: torch.Tensor, likelihood, mean, inference: str) -> None:
         """Build the model, then :func:`~gpytorch_iterncgp.fit_mll`: learn the hyperparameters (optional; on
         ``learning_subset`` rows, stratified by class for classifiers) and fit the Laplace or EP (``inference``) posterior on all
         the data; set the fitted attributes. The learning's and the final fit's ``ConvergenceWarning`` are
         scikit-learn's."""
+        if inference == "sparse_ep":
+            self._fit_sparse_model(X, targets, likelihood, mean)
+            return
         seed = int(check_random_state(self.random_state).randint(np.iinfo(np.int32).max))
         train_x = torch.tensor(X, dtype=_DTYPE)
         kernel = default_kernel(X.shape[1]) if self.kernel is None else copy.deepcopy(self.kernel).to(_DTYPE)
         num_latents = likelihood_adapter(likelihood).num_latents
         self.inference_ = inference
-        self.solver_budget_ = self._solver_budget(len(X) * num_latents)
-        options = self._strategy_options(seed, self.solver_budget_, inference)
+        self.solver_budget_ = budget = self._solver_budget(len(X) * num_latents)
+        options = self._strategy_options(seed, budget, inference)
         strategy_type = EPStrategy if inference == "ep" else IterNCGPStrategy
         learn = bool(self.optimize_hyperparameters) and self.optimizer_steps > 0
         recipe = LearningRecipe(
@@ -369,7 +433,7 @@ class _IterNCGPEstimator(BaseEstimator):
         self.learning_report_ = report
         self.fit_report_ = report.fit_report
         # str(fit_report_) says what was done, why, and where the time before the final fit went
-        self.fit_report_.budget = f"{self.solver_budget_['rule']}; {report}"
+        self.fit_report_.budget = f"{budget['rule']}; {report}"
         self.model_ = model
         self.likelihood_ = likelihood
         self.kernel_ = model.covar_module
@@ -416,6 +480,11 @@ class _IterNCGPEstimator(BaseEstimator):
         ``gpytorch_iterncgp.settings.exact_evidence_size``; see :class:`~gpytorch_iterncgp.LaplaceMarginalLogLikelihood`
         and :class:`~gpytorch_iterncgp.EPMarginalLogLikelihood`)."""
         check_is_fitted(self)
+        if self.inference_ == "sparse_ep":
+            raise NotImplementedError(
+                "log_marginal_likelihood() is the Laplace or EP evidence; stochastic EP (inference='sparse_ep') learns "
+                "by its energy's gradient on minibatches and keeps no estimate of log p(y | X): use inference='ep'."
+            )
         strategy = self.model_.variational_strategy
         mll = _evidence(strategy)(self.likelihood_, self.model_)
         training = self.model_.training
@@ -448,7 +517,8 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
         ``batch_shape=[n_classes]`` gives one independent GP per class.
     :param link: ``"logit"`` (default, also ``None``) or ``"probit"``: binary data's link (multi-class data: see
         above).
-    :param inference: ``"laplace"``, ``"ep"`` or ``"auto"`` (default: :data:`CLASSIFIER_INFERENCE`, chosen by
+    :param inference: ``"laplace"``, ``"ep"``, ``"sparse_ep"`` (stochastic EP with inducing inputs on minibatches,
+        see ``num_inducing``) or ``"auto"`` (default: :data:`CLASSIFIER_INFERENCE`, chosen by
         measurement, ``benchmarks/learned.py`` and ``benchmarks/sklearn_defaults.py``). EP matches the moments of each
         likelihood factor instead of the curvature at the mode: better calibrated predictive probabilities, at the
         cost of tilted moments per sweep (nested EP for the multinomial probit). The hyperparameters are learnt on the
@@ -514,6 +584,12 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
         evidence evaluation costs :math:`O(M^2 C)` instead of :math:`O(N^2 C)`, and at :math:`N = 5000` the kernel
         learnt on 1000 points predicted better on average over data seeds than those learnt on 500 or 2000.
         ``None``: all the data. The rows used are ``learning_rows_``.
+    :param num_inducing: ``inference="sparse_ep"`` only: the inducing inputs of stochastic EP
+        (:class:`~gpytorch_iterncgp.StochasticEPStrategy`), started at k-means centres of ``X`` and learnt with the
+        kernel; ``inference="sparse_ep"`` runs :func:`~gpytorch_iterncgp.fit_mll`'s minibatch loop (Adam on SEP's
+        energy, :class:`~gpytorch_iterncgp.MinibatchRecipe`) until its steps or ``max_time``, with memory
+        :math:`O(C M^2)` whatever :math:`N`; it has no ``log_marginal_likelihood()``.
+    :param batch_size: ``inference="sparse_ep"`` only: points per minibatch.
     :param max_time: seconds for learning the hyperparameters (``None``: no limit); learning stops after the evidence
         evaluation running when they have passed, keeping the best hyperparameters seen, and the final fit follows.
     :param random_state: seeds the unit-vector policy and the probe vectors of the matrix-free evidence
@@ -551,7 +627,7 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
             likelihood = (
                 LogitBernoulliLikelihood() if self._link == "logit" else gpytorch.likelihoods.BernoulliLikelihood()
             )
-        elif inference == "ep":
+        elif inference in ("ep", "sparse_ep"):
             likelihood = MultinomialProbitLikelihood(num_classes=self.n_classes_)
         elif self._link == "probit":
             raise ValueError(
@@ -650,7 +726,7 @@ class IterNCGPPoissonRegressor(RegressorMixin, _IterNCGPEstimator):
             )
         integer = bool(np.all(y == np.round(y)))
         inference = "laplace" if self.inference == "auto" else self.inference
-        if inference == "ep" and not integer:
+        if inference in ("ep", "sparse_ep") and not integer:
             raise ValueError(
                 f"{type(self).__name__}(inference='ep') needs integer counts (EP's tilted moments are those of the "
                 "Poisson likelihood); y has non-integer values. Use inference='laplace' (the quasi-likelihood)."

@@ -263,7 +263,7 @@ def quadrature_moments(
         reach.append(distances.gather(1, first[:, None])[:, 0])
     left, right = reach
     step_bound = torch.clamp(_WIDTH_STEP * width, max=adapter.quadrature_step)
-    needed = float(((left + right) / step_bound).max())
+    needed = float(((left + right) / step_bound).detach().max())
     num_nodes = int(min(max(math.ceil(needed) + 1, _MIN_NODES), _MAX_NODES))
     step = (left + right) / (num_nodes - 1)
     grid = torch.linspace(0, 1, num_nodes, dtype=mode.dtype, device=mode.device)
