@@ -1,0 +1,175 @@
+r"""Stochastic EP with inducing inputs beside GPyTorch's SVGP on minibatches, each learning its kernel and inducing
+inputs in the same plain loop, in one run on one machine.
+
+    python -m benchmarks.scalable_ep                                   # binary and 10-class mixture, N = 10^5
+    python -m benchmarks.scalable_ep --datasets magic letter --budget 300
+    python -m benchmarks.scalable_ep --smoke                           # tiny sizes, seconds
+
+Data: the paper's mixture in 3-D with :math:`N = 10^5` training points (``mixture100000``: 10 classes;
+``binary100000``: classes 0-4 against 5-9) and 2000 test points, and the real data sets of
+:mod:`benchmarks.real_data` past :math:`10^4` points (``magic``: binary, ``letter``: 26 classes). Both methods use
+GPyTorch's idiom, SVGP's loop (Adam, learning rate 0.01, minibatches of 1024, ``-mll(model(x_b), y_b)``) with the same
+Matérn-5/2 kernel (one per class for multi-class data), constant mean, and :math:`M` = ``--inducing`` learnt inducing
+inputs started at training inputs:
+
+* ``sep``: :class:`~gpytorch_iterncgp.StochasticEPStrategy` and :class:`~gpytorch_iterncgp.StochasticEPMarginalLogLikelihood`
+  (probit for binary data, the multinomial probit for classes), one set of inducing inputs shared by the classes;
+* ``svgp``: ``VariationalStrategy`` with a Cholesky variational distribution (independent per class) and
+  ``VariationalELBO``; Bernoulli (probit) or softmax likelihood (``benchmarks.learned.SVGPModel``, :math:`M` inducing
+  inputs per class).
+
+Test NLL of each method's own predictive against its wall time (evaluations not counted), ``--threads`` threads (one
+by default) and the peak resident memory of the process. Writes ``results/scalable_ep/<dataset>_seed<S>.json`` (with the
+machine) and ``.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import gpytorch
+import torch
+
+from benchmarks import real_data
+from benchmarks.common import machine, peak_rss_bytes
+from benchmarks.learned import Clock, Data, _latent_shape, load, matern_kernel, run_svgp
+from gpytorch_iterncgp import MultinomialProbitLikelihood, StochasticEPMarginalLogLikelihood, StochasticEPStrategy
+
+RESULTS = Path(__file__).resolve().parent / "results" / "scalable_ep"
+
+
+class SEPModel(gpytorch.models.ApproximateGP):
+    """The benchmark's kernel and mean (``benchmarks.learned``) with stochastic EP and ``num_inducing`` inducing
+    inputs started at training inputs."""
+
+    def __init__(self, data: Data, num_inducing: int, likelihood, generator: torch.Generator):
+        index = torch.randperm(len(data.train_y), generator=generator)[: min(num_inducing, len(data.train_y))]
+        super().__init__(StochasticEPStrategy(self, data.train_x[index].clone(), likelihood))
+        batch = _latent_shape(data)
+        self.mean_module = gpytorch.means.ConstantMean(batch_shape=batch)
+        self.covar_module = matern_kernel(data, batch)
+        self.to(data.train_x)
+
+    def forward(self, x):
+        return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+
+
+def run_sep(data: Data, num_inducing: int, learning_rate: float, budget: float, seed: int) -> dict:
+    """Stochastic EP in SVGP's loop (module docstring) for ``budget`` seconds, scored ten times along the way."""
+    generator = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    multiclass = data.num_classes > 2
+    likelihood = (
+        MultinomialProbitLikelihood(data.num_classes) if multiclass else gpytorch.likelihoods.BernoulliLikelihood()
+    )
+    model = SEPModel(data, num_inducing, likelihood, generator)
+    targets = data.train_y if multiclass else data.train_y.to(data.train_x)
+    objective = StochasticEPMarginalLogLikelihood(likelihood, model, num_data=len(targets))
+    optimizer = torch.optim.Adam(model.parameters(), lr=learning_rate)
+    strategy = model.variational_strategy
+
+    def probabilities() -> torch.Tensor:
+        model.eval()
+        result = torch.cat([strategy.predictive_probabilities(x) for x in data.test_x.split(4096)])
+        model.train()
+        return result
+
+    clock, history, steps, next_evaluation = Clock(), [], 0, 0.0
+    model.train()
+    while clock.elapsed() < budget:
+        for batch in torch.randperm(len(targets), generator=generator).split(1024):
+            optimizer.zero_grad()
+            loss = -objective(model(data.train_x[batch]), targets[batch])
+            loss.backward()
+            optimizer.step()
+            steps += 1
+            if clock.elapsed() >= next_evaluation:
+                clock.evaluate(history, probabilities, data.test_y, adam_steps=steps)
+                next_evaluation = clock.elapsed() + budget / 10
+            if clock.elapsed() >= budget:
+                break
+    clock.evaluate(history, probabilities, data.test_y, adam_steps=steps)
+    return {"label": f"SEP M={num_inducing} lr {learning_rate}", "history": history}
+
+
+def load_data(name: str, smoke: bool, seed: int) -> Data:
+    """The mixture (``mixture<N>``, ``binary<N>``) or a real data set of :mod:`benchmarks.real_data`."""
+    if name in real_data.NAMES:
+        return real_data.load(name, smoke, seed)
+    return load(name, smoke, seed)
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6, 4))
+    for run in results["runs"]:
+        history = run["history"]
+        axis.plot([h["time"] for h in history], [h["nll"] for h in history], marker="o", label=run["label"])
+    axis.set_xlabel("seconds (evaluations not counted)")
+    axis.set_ylabel("test NLL")
+    axis.set_title(f"{results['dataset']}, seed {results['seed']}, {results['machine']['cpu']}", fontsize=8)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--datasets", nargs="+", default=["binary100000", "mixture100000"])
+    parser.add_argument("--methods", nargs="+", default=["sep", "svgp"], choices=["sep", "svgp"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--budget", type=float, default=180.0, help="seconds of each method's own work")
+    parser.add_argument("--inducing", type=int, default=200, help="M (SVGP: per class)")
+    parser.add_argument("--learning-rate", type=float, default=0.01)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--smoke", action="store_true", help="tiny data and a few seconds")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    budget, inducing = (3.0, 20) if args.smoke else (args.budget, args.inducing)
+    args.out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name in args.datasets:
+        data = load_data(name, args.smoke, args.seed)
+        runs = []
+        for method in args.methods:
+            run = (run_sep if method == "sep" else run_svgp)(data, inducing, args.learning_rate, budget, args.seed)
+            run["peak_rss_bytes"] = peak_rss_bytes()  # of the process so far
+            final = run["history"][-1]
+            print(
+                f"{name:>14} {run['label']:<24} NLL {final['nll']:.4f} acc {final['accuracy']:.4f} "
+                f"{final['time']:7.1f} s {final['adam_steps']} steps",
+                flush=True,
+            )
+            runs.append(run)
+        results = {
+            "dataset": name,
+            "num_train": len(data.train_y),
+            "num_classes": data.num_classes,
+            "seed": args.seed,
+            "budget": budget,
+            "threads": args.threads,
+            "machine": machine(),
+            "runs": runs,
+        }
+        path = args.out / f"{name}_seed{args.seed}.json"
+        path.write_text(json.dumps(results, indent=1))
+        plot(results, path.with_suffix(".png"))
+        written.append(results)
+    return written
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
