@@ -287,6 +287,22 @@ def run_svgp(data: Data, num_inducing: int, learning_rate: float, budget: float,
     targets = data.train_y if multiclass else data.train_y.to(data.train_x)
     objective = gpytorch.mlls.VariationalELBO(likelihood, model, num_data=len(targets))
     optimizer = torch.optim.Adam([*model.parameters(), *likelihood.parameters()], lr=learning_rate)
+    history = minibatch_loop(
+        model,
+        objective,
+        optimizer,
+        data,
+        targets,
+        budget,
+        generator,
+        lambda: svgp_probabilities(model, data.test_x, data.num_classes),
+    )
+    return {"label": f"SVGP U={num_inducing} lr {learning_rate}", "history": history}
+
+
+def minibatch_loop(model, objective, optimizer, data: Data, targets: Tensor, budget: float, generator, probabilities):
+    """GPyTorch's minibatch loop (batches of 1024, ``-objective(model(x_b), y_b)``) for ``budget`` seconds of its own
+    work, ``probabilities()`` scored ten times along the way and at the end: the history."""
     clock, history, steps, next_evaluation = Clock(), [], 0, 0.0
     model.train()
     while clock.elapsed() < budget:
@@ -297,15 +313,12 @@ def run_svgp(data: Data, num_inducing: int, learning_rate: float, budget: float,
             optimizer.step()
             steps += 1
             if clock.elapsed() >= next_evaluation:
-                probabilities = lambda: svgp_probabilities(model, data.test_x, data.num_classes)  # noqa: E731
                 clock.evaluate(history, probabilities, data.test_y, adam_steps=steps)
                 next_evaluation = clock.elapsed() + budget / 10
             if clock.elapsed() >= budget:
                 break
-    clock.evaluate(
-        history, lambda: svgp_probabilities(model, data.test_x, data.num_classes), data.test_y, adam_steps=steps
-    )
-    return {"label": f"SVGP U={num_inducing} lr {learning_rate}", "history": history}
+    clock.evaluate(history, probabilities, data.test_y, adam_steps=steps)
+    return history
 
 
 def run_dataset(data: Data, args: argparse.Namespace) -> list[dict]:

@@ -35,7 +35,7 @@ import torch
 
 from benchmarks import real_data
 from benchmarks.common import machine, peak_rss_bytes
-from benchmarks.learned import Clock, Data, _latent_shape, load, matern_kernel, run_svgp
+from benchmarks.learned import Data, _latent_shape, load, matern_kernel, minibatch_loop, run_svgp
 from gpytorch_iterncgp import MultinomialProbitLikelihood, StochasticEPMarginalLogLikelihood, StochasticEPStrategy
 
 RESULTS = Path(__file__).resolve().parent / "results" / "scalable_ep"
@@ -77,21 +77,7 @@ def run_sep(data: Data, num_inducing: int, learning_rate: float, budget: float, 
         model.train()
         return result
 
-    clock, history, steps, next_evaluation = Clock(), [], 0, 0.0
-    model.train()
-    while clock.elapsed() < budget:
-        for batch in torch.randperm(len(targets), generator=generator).split(1024):
-            optimizer.zero_grad()
-            loss = -objective(model(data.train_x[batch]), targets[batch])
-            loss.backward()
-            optimizer.step()
-            steps += 1
-            if clock.elapsed() >= next_evaluation:
-                clock.evaluate(history, probabilities, data.test_y, adam_steps=steps)
-                next_evaluation = clock.elapsed() + budget / 10
-            if clock.elapsed() >= budget:
-                break
-    clock.evaluate(history, probabilities, data.test_y, adam_steps=steps)
+    history = minibatch_loop(model, objective, optimizer, data, targets, budget, generator, probabilities)
     return {"label": f"SEP M={num_inducing} lr {learning_rate}", "history": history}
 
 

@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 
 from ..exceptions import ConvergenceWarning, NotConvergedWarning, NumericalBreakdownWarning
 from .sharding import RowBlock
+from .threads import small_operations
 
 
 class LoopStatus(enum.Enum):
@@ -261,7 +262,7 @@ def run_outer_loop(
     try:
         for _ in range(max_steps):
             products, seconds = counter.products, counter.product_seconds
-            with warnings.catch_warnings(record=True) as caught:
+            with warnings.catch_warnings(record=True) as caught, small_operations():
                 warnings.simplefilter("always", NumericalBreakdownWarning)
                 outcome = next(iterator, None)
             _reemit(caught, stacklevel + 1)
@@ -295,7 +296,9 @@ def run_outer_loop(
     finally:
         iterator.close()
         progress.close()
-    commit(loop.finalize(state))  # also after no step: the starting state (e.g. renewed after a change of K)
+    with small_operations():
+        final = loop.finalize(state)
+    commit(final)  # also after no step: the starting state (e.g. renewed after a change of K)
     report.kernel_products = counter.products
     report.kernel_columns = counter.columns
     report.kernel_product_seconds = counter.product_seconds

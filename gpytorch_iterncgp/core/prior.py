@@ -36,6 +36,7 @@ from torch import Tensor
 from .. import settings
 from .kernel_products import fused_kernel_matmul
 from .sharding import RowBlock, RowShardedKernel, ShardedKernelMatrix
+from .threads import large_operation
 
 
 def _uses_keops(kernel: gpytorch.kernels.Kernel) -> bool:
@@ -346,7 +347,8 @@ class LatentPrior:
         self.products += 1
         self.columns += columns
         start = self._clock()
-        result = product()
+        with large_operation(self.shape[0] * self.shape[1] * columns):
+            result = product()
         self.product_seconds += self._clock() - start
         return result
 

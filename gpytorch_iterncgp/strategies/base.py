@@ -93,6 +93,19 @@ def checked_training_data(adapter: Any, train_inputs: Tensor, train_targets: Ten
     return train_inputs, targets
 
 
+def attach_to_model(strategy: torch.nn.Module, model: Any, likelihood: Any) -> None:
+    """Give ``strategy`` its ``model`` and ``likelihood`` without making them submodules (the model owns the strategy).
+
+    :raises TypeError: for a ``model`` that is not a ``torch.nn.Module``.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"model must be the gpytorch ApproximateGP that owns the strategy (pass self), got {type(model).__name__}."
+        )
+    object.__setattr__(strategy, "model", model)
+    object.__setattr__(strategy, "likelihood", likelihood)
+
+
 @contextlib.contextmanager
 def _swapped(owner: Any, name: str, value: Any) -> Iterator[Any]:
     """``owner.name`` is ``value`` inside the ``with`` block (which it yields), as it was after it."""
@@ -164,12 +177,7 @@ class OuterLoopStrategy(gpytorch.Module):
     ):
         options_object = replaced_options(self._options_type(), options, type(self).__name__)
         super().__init__()
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(
-                f"model must be the gpytorch ApproximateGP that owns the strategy (pass self), got {type(model).__name__}."
-            )
-        object.__setattr__(self, "model", model)  # not a submodule: the model owns the strategy
-        object.__setattr__(self, "likelihood", likelihood)
+        attach_to_model(self, model, likelihood)
         self.adapter = likelihood_adapter(likelihood, min_curvature)
         train_inputs, targets = checked_training_data(self.adapter, train_inputs, train_targets)
         check_flag(show_progress, "show_progress")

@@ -38,6 +38,7 @@ from torch import Tensor
 from ..core.validation import check_flag, check_inputs
 from ..likelihoods.adapters import likelihood_adapter
 from ..sparse.stochastic import SEPStepRecord, StochasticEP, TiedSite, WhitenedBatch
+from .base import attach_to_model
 from .predictive import LatentPredictions
 
 
@@ -73,12 +74,7 @@ class StochasticEPStrategy(LatentPredictions, gpytorch.Module):
         learn_inducing_locations: bool = True,
     ):
         super().__init__()
-        if not isinstance(model, torch.nn.Module):
-            raise TypeError(
-                f"model must be the gpytorch ApproximateGP that owns the strategy (pass self), got {type(model).__name__}."
-            )
-        object.__setattr__(self, "model", model)  # not a submodule: the model owns the strategy
-        object.__setattr__(self, "likelihood", likelihood)
+        attach_to_model(self, model, likelihood)
         self.adapter = likelihood_adapter(likelihood)
         StochasticEP(self.adapter, 1)  # refuses likelihoods without tilted moments
         check_flag(learn_inducing_locations, "learn_inducing_locations")

@@ -1,0 +1,145 @@
+r"""EP fits alone and beside another process that keeps two threads busy, with and without the package's thread
+limits (:mod:`gpytorch_iterncgp.core.threads`).
+
+    python -m benchmarks.busy_machine                 # each workload alone and busy, limits on and off
+    python -m benchmarks.busy_machine --smoke
+
+Workloads (each in a fresh process, the caller's default threads: as many as cores):
+
+* ``multiclass_ep_300``: ``IterNCGPClassifier(inference="ep")`` (multinomial probit, nested EP) on 300 of
+  scikit-learn's digits, the kernel fixed (``optimize_hyperparameters=False``);
+* ``binary_ep_2000``: the same with probit EP on 2000 points of the binary mixture;
+* ``sep_multiclass``: 100 minibatch steps of stochastic EP (:class:`~gpytorch_iterncgp.StochasticEPStrategy`, the
+  multinomial probit, M = 100, batches of 512) on the 10-class mixture of 10⁴ points.
+
+The competitor is a second Python process multiplying 1500 × 1500 matrices in a loop on two threads. Writes
+``results/busy_machine.json`` (with the machine) and prints the seconds and the busy / alone ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+WORKLOADS = ("multiclass_ep_300", "binary_ep_2000", "sep_multiclass")
+COMPETITOR = "import torch\ntorch.set_num_threads(2)\na = torch.randn(1500, 1500)\nwhile True:\n    a @ a\n"
+
+
+def _estimator_fit(x, y, **options) -> None:
+    from gpytorch_iterncgp.sklearn import IterNCGPClassifier
+
+    IterNCGPClassifier(inference="ep", optimize_hyperparameters=False, random_state=0, **options).fit(x, y)
+
+
+def run_workload(name: str, smoke: bool) -> float:
+    """Seconds of one workload (in this process)."""
+    import numpy as np
+    import torch
+
+    if name == "multiclass_ep_300":
+        from sklearn.datasets import load_digits
+
+        x, y = load_digits(return_X_y=True)
+        x = (x - x.mean(0)) / (x.std(0) + 1e-9)
+        size = 100 if smoke else 300
+        start = time.perf_counter()
+        _estimator_fit(x[:size], y[:size], link="probit")
+        return time.perf_counter() - start
+    from gpytorch_iterncgp.datasets import gaussian_mixture
+
+    if name == "binary_ep_2000":
+        x, y, _, _ = gaussian_mixture(200 if smoke else 2000, 10, sample_seed=0, dtype=torch.float64)
+        start = time.perf_counter()
+        _estimator_fit(x.numpy(), (y >= 5).numpy().astype(np.int64), link="probit")
+        return time.perf_counter() - start
+    import gpytorch
+
+    from gpytorch_iterncgp import MultinomialProbitLikelihood, StochasticEPMarginalLogLikelihood, StochasticEPStrategy
+
+    x, y, _, _ = gaussian_mixture(1000 if smoke else 10_000, 10, sample_seed=0, dtype=torch.float64)
+
+    class Model(gpytorch.models.ApproximateGP):
+        def __init__(self, likelihood):
+            super().__init__(StochasticEPStrategy(self, x[:100].clone(), likelihood))
+            self.mean_module = gpytorch.means.ConstantMean(batch_shape=torch.Size([10]))
+            self.covar_module = gpytorch.kernels.ScaleKernel(
+                gpytorch.kernels.MaternKernel(nu=2.5, batch_shape=torch.Size([10])), batch_shape=torch.Size([10])
+            )
+
+        def forward(self, inputs):
+            return gpytorch.distributions.MultivariateNormal(self.mean_module(inputs), self.covar_module(inputs))
+
+    likelihood = MultinomialProbitLikelihood(10)
+    model = Model(likelihood).double()
+    mll = StochasticEPMarginalLogLikelihood(likelihood, model, num_data=len(y))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    generator = torch.Generator().manual_seed(0)
+    model.train()
+    start = time.perf_counter()
+    for _ in range(20 if smoke else 100):
+        rows = torch.randint(len(y), (512,), generator=generator)
+        optimizer.zero_grad()
+        (-mll(model(x[rows]), y[rows])).backward()
+        optimizer.step()
+    return time.perf_counter() - start
+
+
+def measure(name: str, busy: bool, limits: bool, smoke: bool) -> float:
+    """One workload in a fresh process, beside the competitor if ``busy``."""
+    competitor = subprocess.Popen([sys.executable, "-c", COMPETITOR]) if busy else None
+    try:
+        if busy:
+            time.sleep(1.0)
+        command = [sys.executable, "-m", "benchmarks.busy_machine", "--one", name]
+        command += [] if limits else ["--no-limits"]
+        command += ["--smoke"] if smoke else []
+        output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+        return float(output.strip().splitlines()[-1])
+    finally:
+        if competitor is not None:
+            competitor.kill()
+            competitor.wait()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--out", type=Path, default=RESULTS / "busy_machine.json")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # internal: run one workload here, print its seconds
+    parser.add_argument("--no-limits", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.one:
+        if args.no_limits:
+            import gpytorch_iterncgp.core.outer_loop as outer_loop
+
+            outer_loop.small_operations = contextlib.nullcontext  # type: ignore[assignment]
+        print(run_workload(args.one, args.smoke))
+        return {}
+    from benchmarks.common import machine
+
+    rows = []
+    for name in args.workloads:
+        for limits in (True, False):
+            alone = measure(name, False, limits, args.smoke)
+            busy = measure(name, True, limits, args.smoke)
+            rows.append({"workload": name, "thread_limits": limits, "alone_s": alone, "busy_s": busy})
+            print(
+                f"{name:>18} limits {'on ' if limits else 'off'} alone {alone:7.2f} s busy {busy:7.2f} s "
+                f"ratio {busy / alone:5.2f}",
+                flush=True,
+            )
+    results = {"machine": machine(), "competitor": COMPETITOR, "rows": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1))
+    return results
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
