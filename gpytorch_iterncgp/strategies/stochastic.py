@@ -37,6 +37,7 @@ from torch import Tensor
 
 from ..core.validation import check_flag, check_inputs
 from ..likelihoods.adapters import likelihood_adapter
+from ..likelihoods.factorised import factorised_probabilities
 from ..sparse.stochastic import SEPStepRecord, StochasticEP, TiedSite, WhitenedBatch
 from .base import attach_to_model
 from .predictive import LatentPredictions
@@ -146,6 +147,15 @@ class StochasticEPStrategy(LatentPredictions, gpytorch.Module):
         """Posterior means and variances at ``inputs`` ``(N*, D)``, ``(N*, C)`` each."""
         mean, variance = StochasticEP(self.adapter, 1).posterior_marginals(self.site, self.whitened_batch(inputs))
         return mean.mT, variance.mT
+
+    def predictive_mean(self, inputs: Tensor) -> Tensor:
+        r""":math:`\mathbb E[y_*]` from the factorised posterior: for :math:`C` classes the multinomial probit's exact
+        predictive under independent latents (:func:`~gpytorch_iterncgp.likelihoods.factorised.factorised_probabilities`,
+        a one-dimensional integral per class); otherwise the likelihood's rule
+        (:meth:`LatentPredictions.predictive_mean <gpytorch_iterncgp.strategies.predictive.LatentPredictions.predictive_mean>`)."""
+        if self.num_latents == 1:
+            return super().predictive_mean(inputs)
+        return factorised_probabilities(*self.marginal_latent(inputs))
 
     def marginal_latent_blocks(self, inputs: Tensor) -> tuple[Tensor, Tensor]:
         """Posterior means ``(N*, C)`` and covariances ``(N*, C, C)``: diagonal, the posterior factorises."""

@@ -16,7 +16,11 @@ import pytest
 import torch
 from scipy import integrate, stats
 
-from gpytorch_iterncgp.likelihoods.factorised import factorised_log_normalizer, factorised_moments
+from gpytorch_iterncgp.likelihoods.factorised import (
+    factorised_log_normalizer,
+    factorised_moments,
+    factorised_probabilities,
+)
 from gpytorch_iterncgp.likelihoods.multinomial_probit import (
     multinomial_probit_log_probabilities,
     multinomial_probit_moments,
@@ -91,6 +95,16 @@ def test_vanishing_cavity_variance_is_the_likelihood():
     log_z = factorised_log_normalizer(labels, mean, torch.full_like(mean, 1e-14))
     expected = multinomial_probit_log_probabilities(mean).gather(-1, labels[:, None]).squeeze(-1)
     torch.testing.assert_close(log_z, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_probabilities_are_the_normalisers_of_every_class_and_sum_to_one():
+    _, mean, variance = _problem(6, 4, seed=8)
+    probabilities = factorised_probabilities(mean, variance)
+    torch.testing.assert_close(probabilities.sum(-1), torch.ones(6, dtype=F64), rtol=1e-12, atol=1e-12)
+    expected = [
+        [np.exp(_scipy_log_z(m.numpy(), v.numpy(), c)) for c in range(4)] for m, v in zip(mean, variance, strict=True)
+    ]
+    torch.testing.assert_close(probabilities, torch.tensor(expected, dtype=F64), rtol=1e-8, atol=1e-12)
 
 
 def test_float32_in_float32_out():
