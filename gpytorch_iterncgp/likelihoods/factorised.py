@@ -35,6 +35,7 @@ from torch import Tensor
 from .multinomial_probit import _LIKELIHOOD_NODES, _check_targets, _hermite_rule, _integrand_mode, _working_dtype
 
 _LOG_2PI = math.log(2 * math.pi)
+_CHUNK = 1 << 21  # points x nodes x classes per block of the predictive's quadrature (16 MiB of float64)
 
 
 def _check_marginals(cavity_mean: Tensor, cavity_variance: Tensor) -> None:
@@ -115,9 +116,16 @@ def factorised_probabilities(mean: Tensor, variance: Tensor) -> Tensor:
     :math:`O(C^2 \cdot \text{nodes})` per point, and normalised to sum to 1.
 
     :param mean: ``(N, C)``; ``variance``: ``(N, C)``, positive.
-    :returns: ``(N, C)``.
+    :returns: ``(N, C)``. Computed in blocks of points, so that memory does not grow with :math:`N`.
     """
-    num_points, num_classes = mean.shape
-    labels = torch.arange(num_classes, device=mean.device).repeat_interleave(num_points)
-    log_z = factorised_log_normalizer(labels, mean.repeat(num_classes, 1), variance.repeat(num_classes, 1))
-    return torch.softmax(log_z.reshape(num_classes, num_points).mT, dim=-1)
+    num_classes = mean.shape[-1]
+    chunk = max(1, _CHUNK // (num_classes * num_classes * _LIKELIHOOD_NODES))  # points per block of the quadrature
+    pieces = []
+    for block_mean, block_variance in zip(mean.split(chunk), variance.split(chunk), strict=True):
+        num_points = len(block_mean)
+        labels = torch.arange(num_classes, device=mean.device).repeat_interleave(num_points)
+        log_z = factorised_log_normalizer(
+            labels, block_mean.repeat(num_classes, 1), block_variance.repeat(num_classes, 1)
+        )
+        pieces.append(torch.softmax(log_z.reshape(num_classes, num_points).mT, dim=-1))
+    return torch.cat(pieces)

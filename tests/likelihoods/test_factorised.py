@@ -107,6 +107,15 @@ def test_probabilities_are_the_normalisers_of_every_class_and_sum_to_one():
     torch.testing.assert_close(probabilities, torch.tensor(expected, dtype=F64), rtol=1e-8, atol=1e-12)
 
 
+def test_probabilities_in_blocks_are_those_in_one(monkeypatch):
+    from gpytorch_iterncgp.likelihoods import factorised
+
+    _, mean, variance = _problem(7, 3, seed=9)
+    whole = factorised_probabilities(mean, variance)
+    monkeypatch.setattr(factorised, "_CHUNK", 3 * 3 * 64 * 2)  # blocks of two points
+    torch.testing.assert_close(factorised_probabilities(mean, variance), whole, rtol=0, atol=1e-15)
+
+
 def test_float32_in_float32_out():
     labels, mean, variance = _problem(6, 3, seed=2)
     log_z, tilted_mean, tilted_variance = factorised_moments(labels, mean.float(), variance.float())
