@@ -380,3 +380,12 @@ def test_gpytorch_door_smoke_run_writes_results(tmp_path):
     assert summary["seeds_at_or_below_svgp_at_60s"] in (0, 1, 2)
     history = {"history": [{"time": 1.0, "nll": 0.5}, {"time": 2.05, "nll": 0.45}, {"time": 3.0, "nll": 0.4}]}
     assert gpytorch_door.nll_at(history, 2.0) == 0.45 and gpytorch_door.nll_at(history, 1.5) == 0.5
+
+
+def test_scalable_ep_smoke_run_writes_results(tmp_path):
+    from benchmarks import scalable_ep
+
+    (results,) = scalable_ep.main(["--smoke", "--datasets", "binary100000", "--budget", "1", "--out", str(tmp_path)])
+    assert [run["label"].split()[0] for run in results["runs"]] == ["SEP", "SVGP"]
+    assert all(run["history"] and 0 < run["history"][-1]["nll"] < 1 for run in results["runs"])
+    assert (tmp_path / "binary100000_seed0.json").exists() and (tmp_path / "binary100000_seed0.png").exists()
