@@ -140,11 +140,12 @@ def matern_kernel(data: Data, batch: torch.Size) -> gpytorch.kernels.ScaleKernel
     return kernel
 
 
-class ExactInferenceModel(gpytorch.models.ApproximateGP):
-    """Matérn-5/2 kernel and constant mean per class (one latent for binary data) with the package's strategy."""
+class BenchmarkGP(gpytorch.models.ApproximateGP):
+    """The prior every method shares: Matérn-5/2 kernel (:func:`matern_kernel`) and constant mean per class (one
+    latent for binary data), in the data's dtype; a subclass passes its strategy."""
 
-    def __init__(self, data: Data, strategy_class, likelihood, **options):
-        super().__init__(strategy_class(self, data.train_x, data.train_y, likelihood, show_progress=False, **options))
+    def __init__(self, strategy, data: Data):
+        super().__init__(strategy)
         batch = _latent_shape(data)
         self.mean_module = gpytorch.means.ConstantMean(batch_shape=batch)
         self.covar_module = matern_kernel(data, batch)
@@ -154,7 +155,15 @@ class ExactInferenceModel(gpytorch.models.ApproximateGP):
         return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
 
 
-class SVGPModel(gpytorch.models.ApproximateGP):
+class ExactInferenceModel(BenchmarkGP):
+    """The shared prior with the package's strategy."""
+
+    def __init__(self, data: Data, strategy_class, likelihood, **options):
+        strategy = strategy_class(self, data.train_x, data.train_y, likelihood, show_progress=False, **options)
+        super().__init__(strategy, data)
+
+
+class SVGPModel(BenchmarkGP):
     """GPyTorch's SVGP with the same kernel and mean: U / C learnt inducing inputs per class started at training
     inputs, a Cholesky variational distribution, independent latents (one latent for binary data)."""
 
@@ -168,13 +177,7 @@ class SVGPModel(gpytorch.models.ApproximateGP):
         strategy = gpytorch.variational.VariationalStrategy(self, inducing, distribution, learn_inducing_locations=True)
         if latents > 1:
             strategy = gpytorch.variational.IndependentMultitaskVariationalStrategy(strategy, num_tasks=latents)
-        super().__init__(strategy)
-        self.mean_module = gpytorch.means.ConstantMean(batch_shape=batch)
-        self.covar_module = matern_kernel(data, batch)
-        self.to(data.train_x)
-
-    def forward(self, x):
-        return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+        super().__init__(strategy, data)
 
 
 def svgp_probabilities(model: SVGPModel, inputs: Tensor, num_classes: int, samples: int = 512) -> Tensor:

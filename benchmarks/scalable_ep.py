@@ -35,26 +35,19 @@ import torch
 
 from benchmarks import real_data
 from benchmarks.common import machine, peak_rss_bytes
-from benchmarks.learned import Data, _latent_shape, load, matern_kernel, minibatch_loop, run_svgp
+from benchmarks.learned import BenchmarkGP, Data, load, minibatch_loop, run_svgp
 from gpytorch_iterncgp import MultinomialProbitLikelihood, StochasticEPMarginalLogLikelihood, StochasticEPStrategy
 
 RESULTS = Path(__file__).resolve().parent / "results" / "scalable_ep"
 
 
-class SEPModel(gpytorch.models.ApproximateGP):
-    """The benchmark's kernel and mean (``benchmarks.learned``) with stochastic EP and ``num_inducing`` inducing
-    inputs started at training inputs."""
+class SEPModel(BenchmarkGP):
+    """The benchmarks' shared prior (``benchmarks.learned``) with stochastic EP and ``num_inducing`` inducing inputs
+    started at training inputs."""
 
     def __init__(self, data: Data, num_inducing: int, likelihood, generator: torch.Generator):
         index = torch.randperm(len(data.train_y), generator=generator)[: min(num_inducing, len(data.train_y))]
-        super().__init__(StochasticEPStrategy(self, data.train_x[index].clone(), likelihood))
-        batch = _latent_shape(data)
-        self.mean_module = gpytorch.means.ConstantMean(batch_shape=batch)
-        self.covar_module = matern_kernel(data, batch)
-        self.to(data.train_x)
-
-    def forward(self, x):
-        return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
+        super().__init__(StochasticEPStrategy(self, data.train_x[index].clone(), likelihood), data)
 
 
 def run_sep(data: Data, num_inducing: int, learning_rate: float, budget: float, seed: int) -> dict:
