@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         runs = []
         for method in args.methods:
             run = (run_sep if method == "sep" else run_svgp)(data, inducing, args.learning_rate, budget, args.seed)
-            run["peak_rss_bytes"] = peak_rss_bytes()  # of the process so far
+            run["method"], run["peak_rss_bytes"] = method, peak_rss_bytes()  # of the process so far
             final = run["history"][-1]
             print(
                 f"{name:>14} {run['label']:<24} NLL {final['nll']:.4f} acc {final['accuracy']:.4f} "
@@ -144,6 +144,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "runs": runs,
         }
         path = args.out / f"{name}_seed{args.seed}.json"
+        if path.exists():  # keep the other methods' runs of an earlier call with this data set and seed
+            earlier = json.loads(path.read_text())["runs"]
+            results["runs"] = [run for run in earlier if run.get("method") not in args.methods] + runs
         path.write_text(json.dumps(results, indent=1))
         plot(results, path.with_suffix(".png"))
         written.append(results)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 import math
 import time
 import warnings
@@ -40,6 +41,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from .. import settings
+from ..core.memory import peak_memory_bytes, start_peak_memory
 from ..core.validation import check_flag, check_nonnegative
 from ..exceptions import ConvergenceWarning
 from ..mlls.itergp import BoTorchFitHook, EPMarginalLogLikelihood, LaplaceMarginalLogLikelihood
@@ -103,8 +105,13 @@ def fit_mll(
         check_flag(show_progress, "show_progress")
     deadline = None if max_time is None else time.perf_counter() + float(max_time)
     generator = _RowGenerator(seed)
+    some_tensor = next(itertools.chain(mll.model.parameters(), mll.model.buffers()), None)
+    device = torch.device("cpu") if some_tensor is None else some_tensor.device
+    start_peak_memory(device)
     if isinstance(mll, StochasticEPMarginalLogLikelihood):
-        return _fit_stochastic(mll, data, recipe, deadline, generator(), show_progress)
+        report = _fit_stochastic(mll, data, recipe, deadline, generator(), show_progress)
+        report.peak_memory_bytes = peak_memory_bytes(device)
+        return report
     strategy = _checked_strategy(mll)
     recipe = LearningRecipe() if recipe is None else recipe
     if not isinstance(recipe, LearningRecipe):
@@ -147,6 +154,7 @@ def fit_mll(
         report.fit_report = strategy.fit(show_progress=show)
     for warning in caught:  # at the line that called fit_mll
         warnings.warn(warning.message, warning.category, stacklevel=2)
+    report.peak_memory_bytes = peak_memory_bytes(device)
     return report
 
 

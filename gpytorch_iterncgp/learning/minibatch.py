@@ -23,7 +23,8 @@ from .scale import LogScale
 class MinibatchRecipe:
     r"""How :func:`~gpytorch_iterncgp.fit_mll` learns a stochastic-EP model.
 
-    :param batch_size: points per minibatch (all of them for smaller data).
+    :param batch_size: points per minibatch (all of them, in their order, for smaller data: the full-batch steps of
+        :class:`~gpytorch_iterncgp.StochasticEPStrategy`'s per-point sites).
     :param learning_rate: Adam's learning rate, on the logarithms of positive hyperparameters
         (:class:`~.scale.LogScale`) and on the inducing inputs.
     :param max_steps: minibatch steps at most (``max_time`` may stop it earlier); each visits ``batch_size`` points
@@ -76,6 +77,9 @@ def fit_minibatches(
     report.stopped = "max_steps"
 
     def batches():
+        if batch_size == len(inputs):  # full batches, in the data's order (as per-point sites need)
+            yield from (torch.arange(len(inputs)) for _ in range(recipe.max_steps))
+            return
         for _ in range(math.ceil(recipe.max_steps * batch_size / len(inputs))):
             yield from torch.randperm(len(inputs), generator=generator).split(batch_size)
 

@@ -75,6 +75,9 @@ class LearningReport:
     it took.
 
     Final fit: ``fit_report``, the :class:`~gpytorch_iterncgp.FitReport` of the fit on all the data.
+
+    ``peak_memory_bytes``: at the end, the peak memory (:func:`~gpytorch_iterncgp.core.memory.peak_memory_bytes`: on
+    CUDA the peak allocation during ``fit_mll``, on a CPU the process's peak resident memory).
     """
 
     method: str = ""
@@ -95,6 +98,7 @@ class LearningReport:
     validation_rows: list[int] | None = None
     outputscale_seconds: float = 0.0
     fit_report: Any = None
+    peak_memory_bytes: int = 0
 
     def __str__(self) -> str:
         if not self.evaluations:

@@ -10,15 +10,15 @@ from torch import Tensor
 
 from ..core.validation import check_count
 from ..exceptions import NonFiniteEvidenceError
-from ..sparse.stochastic import SEPStepRecord, StochasticEP
+from ..sparse.stochastic import SEPStepRecord, log_normalizers
 from ..strategies.stochastic import StochasticEPStrategy
 from .itergp import log_prior
 
 
 class StochasticEPMarginalLogLikelihood(gpytorch.mlls.MarginalLogLikelihood):
     r"""SEP's approximate log marginal likelihood per data point, estimated on a minibatch :math:`\mathcal B`
-    (:mod:`~gpytorch_iterncgp.sparse.stochastic`): in training mode each call first moves the tied site on the
-    batch, then returns
+    (:mod:`~gpytorch_iterncgp.sparse.stochastic`): at the points' cavities that ``model(x_batch)`` returned in
+    training mode,
 
     .. math::
         \frac{1}{|\mathcal B|}\sum_{i \in \mathcal B}\log\hat Z_i + \frac{1}{N}\sum_j \log p(\theta_j),
@@ -26,7 +26,8 @@ class StochasticEPMarginalLogLikelihood(gpytorch.mlls.MarginalLogLikelihood):
     the terms of :math:`\frac1N \log Z_{\text{SEP}}` that depend on the hyperparameters and the inducing inputs (with
     the site held fixed in the whitened coordinates), plus the log priors registered on the model and likelihood,
     divided by :math:`N` as GPyTorch's ``VariationalELBO`` does. Its minibatch estimate is unbiased for the full data.
-    In eval mode the site is not moved.
+    In training mode each call also moves the site on the batch (SEP's step from the same cavities, so that the model
+    is evaluated once per minibatch); in eval mode the site is not moved.
 
     :param likelihood: the model's strategy's likelihood.
     :param model: an ``ApproximateGP`` whose ``variational_strategy`` is a :class:`~gpytorch_iterncgp.StochasticEPStrategy`.
@@ -48,6 +49,7 @@ class StochasticEPMarginalLogLikelihood(gpytorch.mlls.MarginalLogLikelihood):
             )
         check_count(num_data, "num_data", minimum=1)
         self.num_data = int(num_data)
+        strategy.num_data = self.num_data  # the N the site stands for: the training outputs become the cavities
         self.last_step: SEPStepRecord | None = None
 
     def forward(self, function_dist, target: Tensor, **kwargs) -> Tensor:
@@ -58,11 +60,11 @@ class StochasticEPMarginalLogLikelihood(gpytorch.mlls.MarginalLogLikelihood):
         :raises NonFiniteEvidenceError: if the objective is not finite.
         """
         strategy = self.model.variational_strategy
-        batch = strategy.batch_of(function_dist)
+        batch, cavity = strategy.training_batch(function_dist)
         targets = strategy.adapter.check_targets(target, batch.mean.dtype).to(batch.mean.device)
         if self.training:
-            self.last_step = strategy.step(batch, targets, self.num_data)
-        log_z = StochasticEP(strategy.adapter, self.num_data).log_normalizers(strategy.site, batch, targets)
+            self.last_step = strategy.step(function_dist, targets)
+        log_z = log_normalizers(strategy.adapter, targets, *cavity)
         objective = log_z.mean() + log_prior(self).to(log_z) / self.num_data
         if not math.isfinite(float(objective.detach())):
             raise NonFiniteEvidenceError(

@@ -71,6 +71,17 @@ from ..likelihoods.tilted import tilted_moments
 from .dtc import WhitenedInducing
 
 
+def column_norms(matrix: Tensor) -> Tensor:
+    r""":math:`\|\mathbf a_i\|^2` for the columns of ``matrix`` ``(..., M, B)``: ``(..., B)``."""
+    return (matrix * matrix).sum(-2)  # half the backward of square().sum(-2)
+
+
+def along(matrix: Tensor, vector: Tensor) -> Tensor:
+    r""":math:`\mathbf a_i^\top\mathbf x` for the columns of ``matrix`` ``(..., M, B)`` and ``vector`` ``(..., M)``:
+    ``(..., B)``."""
+    return (vector.unsqueeze(-2) @ matrix).squeeze(-2)
+
+
 @dataclass
 class WhitenedBatch:
     r"""The prior at a batch of :math:`B` points in the whitened inducing coordinates (module docstring):
@@ -86,11 +97,42 @@ class WhitenedBatch:
         r"""From :math:`\mathbf m` ``(C, B)``, :math:`\mathbf K_{uu}` ``(K, M, M)``, :math:`\mathbf K_{ub}` ``(K, M, B)``
         and :math:`\operatorname{diag}\mathbf K_{bb}` ``(K, B)``; differentiable in all of them."""
         whitened = WhitenedInducing.from_covariance(inducing_covariance).whiten(cross)
-        return cls(mean, whitened, (diagonal - whitened.square().sum(-2)).clamp_min(0))
+        return cls(mean, whitened, (diagonal - column_norms(whitened)).clamp_min(0))
+
+    def detached(self) -> WhitenedBatch:
+        """The same batch without gradient."""
+        return WhitenedBatch(self.mean.detach(), self.whitened_cross.detach(), self.spread.detach())
+
+
+class InducingSite(ExtraState):
+    r"""What the steps need of a site in the whitened inducing coordinates: :attr:`precision`
+    :math:`\tilde{\boldsymbol\Lambda}` ``(C, M, M)`` and :attr:`natural_mean` :math:`\tilde{\boldsymbol\eta}`
+    ``(C, M)``, the sum of the sites, so that :math:`q = \mathcal N(\mathbf B^{-1}\tilde{\boldsymbol\eta},
+    \mathbf B^{-1})`, :math:`\mathbf B = \mathbf I + \tilde{\boldsymbol\Lambda}`; the points' cavities; and a step's
+    move. :class:`TiedSite` (SEP) and :class:`PointSites` (EP)."""
+
+    precision: Tensor
+    natural_mean: Tensor
+    steps: int
+
+    def posterior(self, batch: WhitenedBatch) -> tuple[Tensor, Tensor]:
+        r"""The marginals of :math:`q` at ``batch``, ``(C, B)`` each (:func:`batch_marginals`)."""
+        return batch_marginals(*tied_gaussian(self, 1.0), batch)
+
+    def cavity(self, batch: WhitenedBatch, num_data: int) -> tuple[Tensor, Tensor]:
+        r"""Each point's cavity marginals ``(C, B)``, differentiable in ``batch`` with the sites held fixed in the
+        whitened coordinates."""
+        raise NotImplementedError
+
+    def moved(
+        self, batch: WhitenedBatch, precision: Tensor, natural_mean: Tensor, fraction: float, num_data: int
+    ) -> InducingSite:
+        r"""The site after a step whose points got the new sites :math:`\tau_{ic}`, :math:`\nu_{ic}` ``(C, B)``."""
+        raise NotImplementedError
 
 
 @dataclass
-class TiedSite(ExtraState):
+class TiedSite(InducingSite):
     r"""SEP's tied site (module docstring): :math:`\tilde{\boldsymbol\Lambda}` ``(C, M, M)``, symmetric positive
     semi-definite, and :math:`\tilde{\boldsymbol\eta}` ``(C, M)``, :math:`N` times the average site in the whitened
     inducing coordinates; ``steps``: the minibatch steps taken."""
@@ -113,8 +155,110 @@ class TiedSite(ExtraState):
         num_latents, num_inducing = saved["natural_mean"].shape
         return {"precision": (num_latents, num_inducing, num_inducing), "natural_mean": (num_latents, num_inducing)}
 
+    def cavity(self, batch: WhitenedBatch, num_data: int) -> tuple[Tensor, Tensor]:
+        r"""Each point's cavity marginals ``(C, B)``, differentiable in ``batch`` with the site held fixed in the
+        whitened coordinates: one cavity :math:`q_\setminus` for all, :math:`\phi = 1 - 1/N`."""
+        with torch.no_grad():
+            cholesky, mean = tied_gaussian(self, 1.0 - 1.0 / num_data)
+        return batch_marginals(cholesky, mean, batch)
 
-def tied_gaussian(site: TiedSite, fraction: float) -> tuple[Tensor, Tensor]:
+    def moved(
+        self, batch: WhitenedBatch, precision: Tensor, natural_mean: Tensor, fraction: float, num_data: int
+    ) -> TiedSite:
+        r"""The tied site a ``fraction`` of the way towards :math:`N` times the average of the batch's new sites
+        :math:`\tau_{ic}`, :math:`\nu_{ic}` ``(C, B)`` lifted to :math:`\mathbf z_c` (module docstring, step 4)."""
+        lifted_precision, lifted_natural_mean = lifted_sums(batch, precision, natural_mean)
+        scale = fraction * num_data / precision.shape[-1]
+        return TiedSite(
+            (1 - fraction) * self.precision + scale * lifted_precision,
+            (1 - fraction) * self.natural_mean + scale * lifted_natural_mean,
+            self.steps + 1,
+        )
+
+
+@dataclass
+class PointSites(InducingSite):
+    r"""One site per training point and latent, :math:`\tau_{ic}` and :math:`\nu_{ic}` ``(C, N)`` in :math:`f`
+    (``site_precision``, ``site_natural_mean``): EP-FITC's state for full-batch steps (module docstring), memory
+    :math:`O(C N)`; ``precision`` and ``natural_mean`` are their sum lifted to :math:`\mathbf z_c` at the last step's
+    prior, which predictions use. Every step is on all :math:`N` points, in their order. Before the first step the
+    sites are ``(C, 0)``: none yet."""
+
+    precision: Tensor
+    natural_mean: Tensor
+    site_precision: Tensor
+    site_natural_mean: Tensor
+    steps: int = 0
+
+    saved_by = "StochasticEPStrategy"
+
+    @classmethod
+    def flat(cls, num_latents: int, num_inducing: int, like: Tensor) -> PointSites:
+        """No sites yet: :math:`q` is the prior."""
+        tied = TiedSite.flat(num_latents, num_inducing, like)
+        none = like.new_zeros(num_latents, 0)
+        return cls(tied.precision, tied.natural_mean, none, none.clone())
+
+    @classmethod
+    def expected_shapes(cls, saved: dict[str, Tensor]) -> dict[str, tuple[int, ...]]:
+        """Those of :class:`TiedSite`, and ``(C, N)`` for the sites, from ``site_precision``."""
+        sites = tuple(saved["site_precision"].shape)
+        return {**TiedSite.expected_shapes(saved), "site_precision": sites, "site_natural_mean": sites}
+
+    def _sites(self, batch: WhitenedBatch) -> tuple[Tensor, Tensor]:
+        count, size = self.site_precision.shape[-1], batch.mean.shape[-1]
+        if count == 0:
+            zeros = batch.mean.detach().new_zeros(batch.mean.shape)
+            return zeros, zeros
+        if count != size:
+            raise ValueError(
+                f"per-point sites need every step on all {count} training points, in their order; got a batch of "
+                f"{size}. Use the tied site (sites='tied') for minibatches."
+            )
+        return self.site_precision, self.site_natural_mean
+
+    def cavity(self, batch: WhitenedBatch, num_data: int) -> tuple[Tensor, Tensor]:
+        r"""Each point's cavity marginals ``(C, N)``: :math:`q` without the point's own site, a rank-one change in
+        :math:`\mathbf z_c` (Sherman–Morrison), differentiable in ``batch`` with the sites held fixed in the whitened
+        coordinates. With :math:`\mathbf w_i` the detached :math:`\mathbf v_i`, :math:`\lambda_i, \eta_i` its lifted
+        site (:func:`lifted_sums`), :math:`c_i = \mathbf v_i^\top\boldsymbol\Sigma\mathbf w_i` and :math:`d_i =
+        \mathbf w_i^\top\boldsymbol\Sigma\mathbf w_i`: mean :math:`m_i + \mathbf v_i^\top\bar{\mathbf z} + c_i
+        (\lambda_i\mathbf w_i^\top\bar{\mathbf z} - \eta_i)/(1 - \lambda_i d_i)` and variance :math:`s_i +
+        \mathbf v_i^\top\boldsymbol\Sigma\mathbf v_i + \lambda_i c_i^2/(1 - \lambda_i d_i)`."""
+        site_precision, site_natural_mean = self._sites(batch)
+        fixed = batch.detached()
+        with torch.no_grad():
+            ratio = 1 + site_precision * fixed.spread
+            lift_precision = site_precision / ratio  # lambda_i (C, N)
+            lift_natural_mean = (site_natural_mean - site_precision * fixed.mean) / ratio  # eta_i
+            posterior = TiedSite(*lifted_sums(fixed, site_precision, site_natural_mean))
+            cholesky, mean = tied_gaussian(posterior, 1.0)
+        projected = torch.linalg.solve_triangular(cholesky, batch.whitened_cross, upper=False)  # (C, M, N)
+        fixed_projected = projected.detach()
+        shared = (projected * fixed_projected).sum(-2)  # c_i
+        denominator = 1 - lift_precision * column_norms(fixed_projected)  # 1 - lambda_i d_i
+        fixed_along = along(fixed.whitened_cross, mean)  # w_i' z
+        cavity_mean = (
+            batch.mean
+            + along(batch.whitened_cross, mean)
+            + shared * (lift_precision * fixed_along - lift_natural_mean) / denominator
+        )
+        cavity_variance = batch.spread + column_norms(projected) + lift_precision * shared.square() / denominator
+        return cavity_mean, cavity_variance
+
+    def moved(
+        self, batch: WhitenedBatch, precision: Tensor, natural_mean: Tensor, fraction: float, num_data: int
+    ) -> PointSites:
+        r"""Every point's site a ``fraction`` of the way to its new :math:`\tau_{ic}`, :math:`\nu_{ic}` ``(C, N)``
+        (damped parallel EP), and their sum lifted at ``batch``."""
+        old_precision, old_natural_mean = self._sites(batch)
+        site_precision = (1 - fraction) * old_precision + fraction * precision
+        site_natural_mean = (1 - fraction) * old_natural_mean + fraction * natural_mean
+        summed = lifted_sums(batch, site_precision, site_natural_mean)
+        return PointSites(*summed, site_precision, site_natural_mean, self.steps + 1)
+
+
+def tied_gaussian(site: InducingSite, fraction: float) -> tuple[Tensor, Tensor]:
     r"""The Gaussian :math:`\mathcal N(\phi\mathbf B(\phi)^{-1}\tilde{\boldsymbol\eta}, \mathbf B(\phi)^{-1})`,
     :math:`\mathbf B(\phi) = \mathbf I + \phi\tilde{\boldsymbol\Lambda}`, of the prior times the tied site to the
     power :math:`\phi N`: the posterior for :math:`\phi = 1`, the cavity for :math:`\phi = 1 - 1/N`.
@@ -137,8 +281,7 @@ def batch_marginals(cholesky: Tensor, mean: Tensor, batch: WhitenedBatch) -> tup
         (:func:`tied_gaussian`).
     """
     projected = torch.linalg.solve_triangular(cholesky, batch.whitened_cross, upper=False)  # (C, M, B)
-    latent_mean = batch.mean + (batch.whitened_cross * mean.unsqueeze(-1)).sum(-2)
-    return latent_mean, batch.spread + projected.square().sum(-2)
+    return batch.mean + along(batch.whitened_cross, mean), batch.spread + column_norms(projected)
 
 
 def tilted(
@@ -153,23 +296,34 @@ def tilted(
     return log_z, means.mT, variances.mT
 
 
-def lifted_sites(
-    batch: WhitenedBatch, cavity_mean: Tensor, cavity_variance: Tensor, tilted_mean: Tensor, tilted_variance: Tensor
-) -> tuple[Tensor, Tensor, Tensor]:
-    r"""The batch's new sites in :math:`f` and their sum in :math:`\mathbf z_c` (module docstring, step 3).
+def log_normalizers(adapter: LikelihoodAdapter, targets: Tensor, cavity_mean: Tensor, cavity_variance: Tensor):
+    r""":math:`\log\hat Z_i` ``(B,)`` under the cavity marginals ``(C, B)``, differentiable in them."""
+    if adapter.num_latents == 1:
+        return tilted_moments(adapter, targets, cavity_mean[0], cavity_variance[0])[0]
+    return factorised_log_normalizer(targets, cavity_mean.mT, cavity_variance.mT)
 
-    :return: :math:`\sum_{i} (\tau_{ic}/r_{ic})\mathbf v_i\mathbf v_i^\top` ``(C, M, M)``, :math:`\sum_i ((\nu_{ic} -
-        \tau_{ic} m_{ic})/r_{ic})\mathbf v_i` ``(C, M)``, and which sites were clipped ``(C, B)``.
-    """
+
+def new_sites(
+    cavity_mean: Tensor, cavity_variance: Tensor, tilted_mean: Tensor, tilted_variance: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    r"""Each point's new site in :math:`f` (module docstring, step 3): :math:`\tau_{ic}` clipped at 0,
+    :math:`\nu_{ic}` and which :math:`\tau_{ic}` were clipped, ``(C, B)`` each."""
     precision = tilted_variance.reciprocal() - cavity_variance.reciprocal()
     natural_mean = tilted_mean / tilted_variance - cavity_mean / cavity_variance
     clipped = precision < 0
-    precision = precision.clamp_min(0)
+    return precision.clamp_min(0), natural_mean, clipped
+
+
+def lifted_sums(batch: WhitenedBatch, precision: Tensor, natural_mean: Tensor) -> tuple[Tensor, Tensor]:
+    r"""Sites :math:`\tau_{ic}`, :math:`\nu_{ic}` ``(C, B)`` in :math:`f` lifted through the conditional to
+    :math:`\mathbf z_c` and summed over the batch (module docstring, step 3), with :math:`r_{ic} = 1 + \tau_{ic}s_i`:
+    :math:`\sum_i (\tau_{ic}/r_{ic})\mathbf v_i\mathbf v_i^\top` ``(C, M, M)`` and :math:`\sum_i ((\nu_{ic} -
+    \tau_{ic} m_{ic})/r_{ic})\mathbf v_i` ``(C, M)``."""
     ratio = 1 + precision * batch.spread
     cross = batch.whitened_cross
-    site_precision = (cross * (precision / ratio).unsqueeze(-2)) @ cross.mT
-    site_natural_mean = cross @ ((natural_mean - precision * batch.mean) / ratio).unsqueeze(-1)
-    return site_precision, site_natural_mean.squeeze(-1), clipped
+    summed_precision = (cross * (precision / ratio).unsqueeze(-2)) @ cross.mT
+    summed_natural_mean = cross @ ((natural_mean - precision * batch.mean) / ratio).unsqueeze(-1)
+    return summed_precision, summed_natural_mean.squeeze(-1)
 
 
 #: :math:`\delta`, the largest fraction of the way a step after the first moves the tied site (module docstring)
@@ -197,10 +351,11 @@ class SEPStepRecord:
 
 
 class StochasticEP:
-    r"""SEP's minibatch steps and energy terms (module docstring) for a likelihood and :math:`N` data points.
+    r"""SEP's minibatch steps and energy terms (module docstring) for a likelihood and :math:`N` data points, on a
+    :class:`TiedSite` or, for full-batch EP, :class:`PointSites`.
 
     :param adapter: a :math:`C = 1` likelihood with tilted moments, or the multinomial probit over :math:`C` classes.
-    :param num_data: :math:`N`, the number of training points the tied site stands for.
+    :param num_data: :math:`N`, the number of training points the site stands for.
     """
 
     def __init__(self, adapter: LikelihoodAdapter, num_data: int):
@@ -210,41 +365,35 @@ class StochasticEP:
                 f"probit for C classes); got {type(adapter).__name__}."
             )
         self.adapter, self.num_data = adapter, int(num_data)
-        self.cavity_fraction = 1.0 - 1.0 / self.num_data
 
-    def step(self, site: TiedSite, batch: WhitenedBatch, targets: Tensor) -> tuple[TiedSite, SEPStepRecord]:
-        """One minibatch step (module docstring, steps 1-4) from ``site``; ``batch`` at the points of ``targets``."""
+    def step(
+        self,
+        site: InducingSite,
+        batch: WhitenedBatch,
+        targets: Tensor,
+        cavity: tuple[Tensor, Tensor] | None = None,
+    ) -> tuple[InducingSite, SEPStepRecord]:
+        """One step (module docstring, steps 1-4) from ``site``; ``batch`` at the points of ``targets``; ``cavity``:
+        the points' cavity marginals if already computed (:meth:`TiedSite.cavity`)."""
         with torch.no_grad():
-            batch = WhitenedBatch(batch.mean.detach(), batch.whitened_cross.detach(), batch.spread.detach())
-            cholesky, mean = tied_gaussian(site, self.cavity_fraction)
-            cavity_mean, cavity_variance = batch_marginals(cholesky, mean, batch)
+            batch = batch.detached()
+            cavity_mean, cavity_variance = site.cavity(batch, self.num_data) if cavity is None else cavity
+            cavity_mean, cavity_variance = cavity_mean.detach(), cavity_variance.detach()
             log_z, tilted_mean, tilted_variance = tilted(self.adapter, targets, cavity_mean, cavity_variance)
-            precision, natural_mean, clipped = lifted_sites(
-                batch, cavity_mean, cavity_variance, tilted_mean, tilted_variance
+            precision, natural_mean, clipped = new_sites(cavity_mean, cavity_variance, tilted_mean, tilted_variance)
+            fraction = step_fraction(site.steps, len(targets), self.num_data)
+            new = site.moved(batch, precision, natural_mean, fraction, self.num_data)
+            change = float(torch.linalg.matrix_norm(new.precision - site.precision).max()) / max(
+                float(torch.linalg.matrix_norm(new.precision).max()), math.ulp(1.0)
             )
-            size = len(targets)
-            fraction = step_fraction(site.steps, size, self.num_data)
-            scale = self.num_data / size
-            new_precision = (1 - fraction) * site.precision + fraction * scale * precision
-            new_natural_mean = (1 - fraction) * site.natural_mean + fraction * scale * natural_mean
-            change = float(torch.linalg.matrix_norm(new_precision - site.precision).max()) / max(
-                float(torch.linalg.matrix_norm(new_precision).max()), math.ulp(1.0)
-            )
-        new = TiedSite(new_precision, new_natural_mean, site.steps + 1)
         record = SEPStepRecord(new.steps, float(log_z.mean()), fraction, change, int(clipped.sum()))
         return new, record
 
-    def log_normalizers(self, site: TiedSite, batch: WhitenedBatch, targets: Tensor) -> Tensor:
-        r""":math:`\log\hat Z_i` ``(B,)`` at the cavity of ``site`` (held fixed), differentiable in ``batch``: the
+    def log_normalizers(self, site: InducingSite, batch: WhitenedBatch, targets: Tensor) -> Tensor:
+        r""":math:`\log\hat Z_i` ``(B,)`` at the cavities of ``site`` (held fixed), differentiable in ``batch``: the
         terms of the energy that depend on the prior (module docstring)."""
-        with torch.no_grad():
-            cholesky, mean = tied_gaussian(site, self.cavity_fraction)
-        cavity_mean, cavity_variance = batch_marginals(cholesky, mean, batch)
-        if self.adapter.num_latents == 1:
-            return tilted_moments(self.adapter, targets, cavity_mean[0], cavity_variance[0])[0]
-        return factorised_log_normalizer(targets, cavity_mean.mT, cavity_variance.mT)
+        return log_normalizers(self.adapter, targets, *site.cavity(batch, self.num_data))
 
-    def posterior_marginals(self, site: TiedSite, batch: WhitenedBatch) -> tuple[Tensor, Tensor]:
+    def posterior_marginals(self, site: InducingSite, batch: WhitenedBatch) -> tuple[Tensor, Tensor]:
         """The posterior's marginals of the latents at ``batch`` ``(C, B)`` each (the predictive's latent part)."""
-        cholesky, mean = tied_gaussian(site, 1.0)
-        return batch_marginals(cholesky, mean, batch)
+        return site.posterior(batch)

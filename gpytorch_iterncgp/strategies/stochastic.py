@@ -27,6 +27,7 @@ trained with SVGP's loop on minibatches.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import gpytorch
@@ -38,7 +39,7 @@ from torch import Tensor
 from ..core.validation import check_flag, check_inputs
 from ..likelihoods.adapters import likelihood_adapter
 from ..likelihoods.factorised import factorised_probabilities
-from ..sparse.stochastic import SEPStepRecord, StochasticEP, TiedSite, WhitenedBatch
+from ..sparse.stochastic import InducingSite, PointSites, SEPStepRecord, StochasticEP, TiedSite, WhitenedBatch
 from .base import attach_to_model
 from .predictive import LatentPredictions
 
@@ -53,9 +54,16 @@ class StochasticEPStrategy(LatentPredictions, gpytorch.Module):
     saved in the ``state_dict``; :class:`~gpytorch_iterncgp.StochasticEPMarginalLogLikelihood` moves it on each
     training minibatch and returns SEP's energy, whose gradient learns the kernel, the mean and the inducing inputs.
 
-    ``model(x)`` is the posterior :math:`q(\mathbf f(\mathbf x))`, independent per point and per latent: a
-    ``MultivariateNormal`` with a diagonal covariance for :math:`C = 1`, a ``MultitaskMultivariateNormal``
-    ``(N*, C)`` for :math:`C` classes; ``likelihood(model(x))`` is its predictive.
+    In eval mode ``model(x)`` is the posterior :math:`q(\mathbf f(\mathbf x))`, independent per point and per
+    latent: a ``MultivariateNormal`` with a diagonal covariance for :math:`C = 1`, a ``MultitaskMultivariateNormal``
+    ``(N*, C)`` for :math:`C` classes; ``likelihood(model(x))`` is its predictive. In training mode, once an
+    objective has told the strategy :math:`N`, it is each point's cavity instead, the distribution SEP's energy
+    integrates against (as SVGP's training output is the :math:`q` its ELBO integrates against): for the tied site
+    :math:`q` with one point's share :math:`1/N` of the site removed.
+
+    ``sites="points"`` keeps one site per training point and latent instead (EP-FITC, memory :math:`O(C N)`), for
+    full-batch training: every step on all :math:`N` training points in the same order. With the inducing inputs at
+    the training inputs it is the dense EP of the factorised model.
 
     :param model: the ``ApproximateGP`` that owns this strategy (pass ``self``); its ``forward`` returns the prior, a
         ``MultivariateNormal`` without batch (one kernel; for :math:`C` classes shared by them) or with batch
@@ -64,8 +72,13 @@ class StochasticEPStrategy(LatentPredictions, gpytorch.Module):
     :param likelihood: ``BernoulliLikelihood`` (probit), :class:`~gpytorch_iterncgp.LogitBernoulliLikelihood`, a
         Poisson likelihood, or :class:`~gpytorch_iterncgp.MultinomialProbitLikelihood` for :math:`C` classes.
     :param learn_inducing_locations: register :math:`\mathbf Z` as a parameter (else a buffer).
+    :param sites: ``"tied"`` (SEP, minibatches) or ``"points"`` (EP, full batches).
     :raises TypeError: for a likelihood without tilted moments (softmax) or a ``model`` that is not a module.
+    :raises ValueError: for another ``sites``.
     """
+
+    #: the site of each ``sites`` choice
+    SITES = {"tied": TiedSite, "points": PointSites}
 
     def __init__(
         self,
@@ -73,19 +86,24 @@ class StochasticEPStrategy(LatentPredictions, gpytorch.Module):
         inducing_points: Tensor,
         likelihood: gpytorch.likelihoods.Likelihood,
         learn_inducing_locations: bool = True,
+        sites: str = "tied",
     ):
         super().__init__()
         attach_to_model(self, model, likelihood)
         self.adapter = likelihood_adapter(likelihood)
         StochasticEP(self.adapter, 1)  # refuses likelihoods without tilted moments
         check_flag(learn_inducing_locations, "learn_inducing_locations")
+        if sites not in self.SITES:
+            raise ValueError(f"sites must be one of {sorted(self.SITES)}, got {sites!r}.")
         inducing = check_inputs(inducing_points, "inducing_points").detach().clone()
         if learn_inducing_locations:
             self.register_parameter("inducing_points", torch.nn.Parameter(inducing))
         else:
             self.register_buffer("inducing_points", inducing)
-        self.site = TiedSite.flat(self.num_latents, len(inducing), inducing)
-        self._last: tuple[Any, WhitenedBatch] | None = None  # the last training output and its whitened batch
+        self.site: InducingSite = self.SITES[sites].flat(self.num_latents, len(inducing), inducing)
+        #: :math:`N`, set by the objective (:class:`~gpytorch_iterncgp.StochasticEPMarginalLogLikelihood`)
+        self.num_data: int | None = None
+        self._last: tuple[Any, WhitenedBatch, tuple[Tensor, Tensor]] | None = None  # the last training output, ...
 
     @property
     def num_inducing(self) -> int:
@@ -132,20 +150,21 @@ class StochasticEPStrategy(LatentPredictions, gpytorch.Module):
         return MultitaskMultivariateNormal.from_batch_mvn(MultivariateNormal(mean, DiagLinearOperator(variance)))
 
     def forward(self, inputs: Tensor, prior: bool = False, **kwargs) -> MultivariateNormal:
-        r"""The posterior marginals at ``inputs`` ``(B, D)`` (class docstring); ``prior=True``: the model's prior. In
-        training mode the output is remembered with its whitened batch for the next
-        :class:`~gpytorch_iterncgp.StochasticEPMarginalLogLikelihood` call."""
+        r"""The posterior marginals at ``inputs`` ``(B, D)``, or in training mode the points' cavities (class
+        docstring); ``prior=True``: the model's prior. A training output is remembered with its whitened batch for the
+        next :class:`~gpytorch_iterncgp.StochasticEPMarginalLogLikelihood` call."""
         if prior:
             return self.model.forward(inputs, **kwargs)
         batch = self.whitened_batch(inputs)
-        loop = StochasticEP(self.adapter, 1)
-        output = self._distribution(*loop.posterior_marginals(self.site, batch))
-        self._last = (output, batch) if self.training else None
+        training = self.training and self.num_data is not None
+        marginals = self.site.cavity(batch, self.num_data) if training else self.site.posterior(batch)
+        output = self._distribution(*marginals)
+        self._last = (output, batch, marginals) if training else None
         return output
 
     def marginal_latent(self, inputs: Tensor) -> tuple[Tensor, Tensor]:
         """Posterior means and variances at ``inputs`` ``(N*, D)``, ``(N*, C)`` each."""
-        mean, variance = StochasticEP(self.adapter, 1).posterior_marginals(self.site, self.whitened_batch(inputs))
+        mean, variance = self.site.posterior(self.whitened_batch(inputs))
         return mean.mT, variance.mT
 
     def predictive_mean(self, inputs: Tensor) -> Tensor:
@@ -163,8 +182,9 @@ class StochasticEPStrategy(LatentPredictions, gpytorch.Module):
         return mean, torch.diag_embed(variance)
 
     # -- training --------------------------------------------------------------------------------
-    def batch_of(self, output: Any) -> WhitenedBatch:
-        """The whitened batch of ``output``, the last output of ``model(x)`` in training mode.
+    def training_batch(self, output: Any) -> tuple[WhitenedBatch, tuple[Tensor, Tensor]]:
+        """The whitened batch of ``output``, the last output of ``model(x)`` in training mode, and its points'
+        cavity marginals ``(C, B)`` each, differentiable in the prior.
 
         :raises RuntimeError: for any other output (compute ``mll(model(x_batch), y_batch)`` in training mode).
         """
@@ -173,34 +193,36 @@ class StochasticEPStrategy(LatentPredictions, gpytorch.Module):
                 "StochasticEPMarginalLogLikelihood needs the output of the model's last call in training mode: call "
                 "model.train() and compute mll(model(x_batch), y_batch) for each minibatch."
             )
-        return self._last[1]
+        return self._last[1], self._last[2]
 
-    def step(self, batch: WhitenedBatch, targets: Tensor, num_data: int) -> SEPStepRecord:
-        """Move the tied site on a minibatch (:meth:`StochasticEP.step <gpytorch_iterncgp.sparse.stochastic.StochasticEP.step>`)."""
-        self.site, record = StochasticEP(self.adapter, num_data).step(self.site, batch, targets)
+    def step(self, output: Any, targets: Tensor) -> SEPStepRecord:
+        """Move the site on the minibatch of a training ``output`` (:meth:`StochasticEP.step
+        <gpytorch_iterncgp.sparse.stochastic.StochasticEP.step>`) from the cavities the output holds."""
+        batch, cavity = self.training_batch(output)
+        self.site, record = StochasticEP(self.adapter, self.num_data).step(self.site, batch, targets, cavity)
         return record
 
     # -- state_dict and devices ------------------------------------------------------------------
     def get_extra_state(self) -> dict:
-        """The tied site for ``state_dict()``: tensors and numbers only."""
+        """The site for ``state_dict()``: tensors and numbers only."""
         return {"site": self.site.to_extra()}
 
     def set_extra_state(self, extra: dict) -> None:
         """Restore :meth:`get_extra_state`.
 
-        :raises ValueError: for a malformed dict or a site of another number of latents or inducing inputs.
+        :raises ValueError: for a malformed dict, or a site of another kind, number of latents or inducing inputs.
         """
         if not isinstance(extra, dict) or not isinstance(extra.get("site"), dict):
             raise ValueError(f"{type(self).__name__} extra state must be a dict with a 'site' dict.")
-        site = TiedSite.from_extra(extra["site"], self.inducing_points)
+        site = type(self.site).from_extra(extra["site"], self.inducing_points)
         if site.natural_mean.shape != self.site.natural_mean.shape:
             raise ValueError(
-                f"the saved tied site is for {tuple(site.natural_mean.shape)} (latents, inducing inputs); this model "
+                f"the saved site is for {tuple(site.natural_mean.shape)} (latents, inducing inputs); this model "
                 f"has {tuple(self.site.natural_mean.shape)}."
             )
         self.site = site
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
-        self.site = TiedSite(fn(self.site.precision), fn(self.site.natural_mean), self.site.steps)
+        self.site = dataclasses.replace(self.site, **{name: fn(tensor) for name, tensor in self.site.tensors().items()})
         return self

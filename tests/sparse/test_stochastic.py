@@ -10,6 +10,10 @@ r"""Stochastic EP with inducing inputs (``sparse/stochastic.py``) against indepe
   :math:`\frac{N}{|\mathcal B|}\sum_{i \in \mathcal B}\nabla\log\hat Z_i` is the full-data gradient.
 * **Fixed point**: full-batch steps at a fixed kernel converge, and SEP's predictive probabilities are close to dense
   EP's (``tests/reference_ep.py``) where :math:`N` is large against the sites' spread (Li et al. 2015).
+* **Dense limit** (per-point sites, :class:`PointSites`): with :math:`M = N` inducing inputs at the data and
+  full-batch steps, the fixed point is dense EP's to 1e-6: the package's ``EPStrategy`` (complete solve) for the
+  probit, the factorised dense EP of ``tests/reference_ep.py`` for the multinomial probit (a kernel per class); and
+  the energy's gradient there is dense EP's evidence gradient with the sites fixed (R&W eq. 5.27).
 * The tied site's saved form round-trips.
 """
 
@@ -18,15 +22,24 @@ from __future__ import annotations
 import math
 
 import gpytorch
+import linear_operator
 import pytest
 import torch
 
+from gpytorch_iterncgp import EPStrategy
 from gpytorch_iterncgp.likelihoods.adapters import likelihood_adapter
 from gpytorch_iterncgp.likelihoods.factorised import factorised_moments
 from gpytorch_iterncgp.likelihoods.multinomial_probit import MultinomialProbitLikelihood
-from gpytorch_iterncgp.sparse.stochastic import StochasticEP, TiedSite, WhitenedBatch, step_fraction, tied_gaussian
+from gpytorch_iterncgp.sparse.stochastic import (
+    PointSites,
+    StochasticEP,
+    TiedSite,
+    WhitenedBatch,
+    step_fraction,
+    tied_gaussian,
+)
 from tests import reference_ep
-from tests.common import binary_data
+from tests.common import IterNCGPModel, binary_data
 
 F64 = torch.float64
 
@@ -154,6 +167,103 @@ def test_full_batch_fixed_point_is_close_to_dense_ep():
     )
     # SEP's averaged site is not EP's N sites: 4e-4 apart here (N = 200)
     assert float((sep_probability - dense_probability).abs().max()) < 0.01
+
+
+#: K_uu's Cholesky factor jittered by 1e-12 of its mean diagonal instead of 1e-8: at M = N it is the dense prior
+UNJITTERED = linear_operator.settings.cholesky_jitter(float_value=1e-6, double_value=1e-12)
+
+
+def _converged(sep, site, batch, targets, max_steps=600):
+    for _ in range(max_steps):
+        site, record = sep.step(site, batch, targets)
+        if record.site_change < 1e-13:
+            return site
+    raise AssertionError(f"no fixed point after {max_steps} steps: {record}")
+
+
+def test_point_sites_at_the_data_are_the_packages_dense_ep():
+    x, y = binary_data(40, seed=0)
+    likelihood = gpytorch.likelihoods.BernoulliLikelihood()
+    complete = dict(policy="unit", max_solver_iterations=None, abs_tol=0.0, rel_tol=0.0, site_tol=1e-12)
+    model = IterNCGPModel(x, y, likelihood, strategy_class=EPStrategy, max_sweeps=400, **complete)
+    assert model.variational_strategy.fit().converged
+    kernel = model.covar_module
+    sep = StochasticEP(likelihood_adapter(likelihood), num_data=len(x))
+    test_x = torch.rand(23, 2, generator=torch.Generator().manual_seed(5), dtype=F64) * 1.4 - 0.2
+    with torch.no_grad(), UNJITTERED:
+        site = _converged(sep, PointSites.flat(1, len(x), x), _batch(kernel, x, x), y)
+        mean, variance = site.posterior(_batch(kernel, x, test_x))
+    tau, nu = model.variational_strategy.sites
+    torch.testing.assert_close(site.site_precision[0], tau, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(site.site_natural_mean[0], nu, rtol=1e-6, atol=1e-9)
+    model.eval()
+    with torch.no_grad():
+        expected = model(test_x)
+    torch.testing.assert_close(mean[0], expected.mean, rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(variance[0], expected.variance, rtol=1e-6, atol=1e-8)
+
+
+def test_energy_gradient_at_the_dense_fixed_point_is_dense_eps():
+    x, y = binary_data(30, seed=3)
+    kernel = _kernel(lengthscale=0.4, outputscale=1.5)
+    sep = StochasticEP(likelihood_adapter(gpytorch.likelihoods.BernoulliLikelihood()), num_data=len(x))
+    parameters = list(kernel.parameters())
+    with UNJITTERED:
+        with torch.no_grad():
+            site = _converged(sep, PointSites.flat(1, len(x), x), _batch(kernel, x, x), y)
+        energy = sep.log_normalizers(site, _batch(kernel, x, x), y).sum()
+    gradient = torch.autograd.grad(energy, parameters)
+    matrix = kernel(x).to_dense()
+    dense = reference_ep.parallel_ep(matrix.detach(), y, tol=1e-13)
+    assert dense.converged
+    # R&W eq. 5.27: with the sites fixed, linear in dK/dtheta, so autograd through the kernel matrix gives it
+    expected = torch.autograd.grad(reference_ep.evidence_gradient(matrix.detach(), matrix, dense), parameters)
+    for actual, wanted in zip(gradient, expected, strict=True):
+        torch.testing.assert_close(actual, wanted, rtol=1e-6, atol=1e-8)
+    assert min(float(g.abs().min()) for g in gradient) > 1e-2
+
+
+def test_multiclass_point_sites_at_the_data_are_factorised_dense_ep():
+    x, _ = binary_data(36, seed=6)
+    y = (x[:, 0] > 0.33).long() + (x[:, 0] > 0.66).long()
+    kernel = gpytorch.kernels.ScaleKernel(
+        gpytorch.kernels.RBFKernel(batch_shape=torch.Size([3])), batch_shape=torch.Size([3])
+    ).to(F64)
+    kernel.base_kernel.lengthscale = torch.tensor([0.3, 0.5, 0.4], dtype=F64).reshape(3, 1, 1)
+    kernel.outputscale = torch.tensor([2.0, 1.0, 3.0], dtype=F64)
+    test_x = torch.rand(19, 2, generator=torch.Generator().manual_seed(2), dtype=F64)
+    sep = StochasticEP(likelihood_adapter(MultinomialProbitLikelihood(3)), num_data=len(x))
+    with torch.no_grad(), UNJITTERED:
+        kernels = kernel(x).to_dense()
+
+        def batch(points):
+            zeros = torch.zeros(3, len(points), dtype=F64)
+            return WhitenedBatch.from_blocks(zeros, kernels, kernel(x, points).to_dense(), kernel(points, diag=True))
+
+        site = _converged(sep, PointSites.flat(3, len(x), x), batch(x), y)
+        mean, variance = site.posterior(batch(test_x))
+    tau, nu, converged = reference_ep.factorised_parallel_ep(kernels, y)
+    assert converged
+    torch.testing.assert_close(site.site_precision, tau, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(site.site_natural_mean, nu, rtol=1e-6, atol=1e-9)
+    with torch.no_grad():
+        expected_mean, expected_variance = reference_ep.factorised_predict(
+            kernels, kernel(x, test_x).to_dense(), kernel(test_x, diag=True), tau, nu
+        )
+    torch.testing.assert_close(mean, expected_mean, rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(variance, expected_variance, rtol=1e-6, atol=1e-8)
+
+
+def test_point_sites_refuse_minibatches_and_round_trip():
+    x, y = binary_data(20, seed=1)
+    kernel = _kernel()
+    sep = StochasticEP(likelihood_adapter(gpytorch.likelihoods.BernoulliLikelihood()), num_data=len(x))
+    site, _ = sep.step(PointSites.flat(1, 5, x), _batch(kernel, x[:5], x), y)
+    with pytest.raises(ValueError, match="all 20 training points"):
+        sep.step(site, _batch(kernel, x[:5], x[:8]), y[:8])
+    restored = PointSites.from_extra(site.to_extra(), torch.zeros((), dtype=F64))
+    assert restored.steps == 1 and restored.site_precision.shape == (1, 20)
+    torch.testing.assert_close(restored.site_natural_mean, site.site_natural_mean, rtol=0, atol=0)
 
 
 def test_step_fraction_averages_then_forgets():

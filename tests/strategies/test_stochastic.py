@@ -10,6 +10,8 @@ r"""StochasticEPStrategy and StochasticEPMarginalLogLikelihood: SVGP's training 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import gpytorch
 import pytest
 import torch
@@ -22,7 +24,7 @@ from gpytorch_iterncgp import (
     StochasticEPStrategy,
     fit_mll,
 )
-from gpytorch_iterncgp.sparse.stochastic import StochasticEP, TiedSite, WhitenedBatch
+from gpytorch_iterncgp.sparse.stochastic import PointSites, StochasticEP, TiedSite, WhitenedBatch
 from tests import reference_ep
 from tests.common import binary_data
 
@@ -30,8 +32,8 @@ F64 = torch.float64
 
 
 class SEPModel(gpytorch.models.ApproximateGP):
-    def __init__(self, inducing_points, likelihood, batch_classes=None):
-        super().__init__(StochasticEPStrategy(self, inducing_points, likelihood))
+    def __init__(self, inducing_points, likelihood, batch_classes=None, **options):
+        super().__init__(StochasticEPStrategy(self, inducing_points, likelihood, **options))
         shape = torch.Size([] if batch_classes is None else [batch_classes])
         self.mean_module = gpytorch.means.ConstantMean(batch_shape=shape)
         self.covar_module = gpytorch.kernels.ScaleKernel(
@@ -73,10 +75,11 @@ def test_posterior_and_objective_are_the_cores(batch_classes):
     assert model.variational_strategy.site.steps == 6
     model.train()
     rows = torch.arange(10, 30)
-    output = model(x[rows])
-    objective = mll(output, y[rows])  # moves the site once more, then the energy
-    site = model.variational_strategy.site
     strategy = model.variational_strategy
+    site = strategy.site
+    output = model(x[rows])  # the points' cavities under this site
+    objective = mll(output, y[rows])  # SEP's energy there, and a step from there
+    assert strategy.site.steps == 7
     covariance = model.forward(torch.cat([strategy.inducing_points, x[rows]])).lazy_covariance_matrix.to_dense()
     if batch_classes is None:
         covariance = covariance.unsqueeze(0)
@@ -85,7 +88,14 @@ def test_posterior_and_objective_are_the_cores(batch_classes):
         mean, covariance[:, :12, :12], covariance[:, :12, 12:], covariance[:, 12:, 12:].diagonal(dim1=-1, dim2=-2)
     )
     core = StochasticEP(strategy.adapter, len(x))
+    cavity_mean, cavity_variance = site.cavity(batch, len(x))
+    torch.testing.assert_close(output.mean, cavity_mean.mT, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(output.variance, cavity_variance.mT, rtol=1e-12, atol=1e-12)
     expected = core.log_normalizers(site, batch, y[rows]).mean()
+    stepped, _ = core.step(site, batch, y[rows])
+    torch.testing.assert_close(strategy.site.precision, stepped.precision, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(strategy.site.natural_mean, stepped.natural_mean, rtol=1e-12, atol=1e-12)
+    site = strategy.site
     torch.testing.assert_close(objective, expected, rtol=1e-12, atol=1e-12)
     parameters = list(model.parameters())
     gradient = torch.autograd.grad(objective, parameters, retain_graph=True)
@@ -141,7 +151,7 @@ def test_state_dict_round_trip_and_float32():
         assert single.variational_strategy.site.precision.dtype == torch.float32
         torch.testing.assert_close(single(x.float()).mean, model(x).mean.float(), rtol=1e-4, atol=1e-4)
     other = SEPModel(torch.zeros(7, 2, dtype=F64), likelihood).to(F64)
-    with pytest.raises(ValueError, match="tied site"):
+    with pytest.raises(ValueError, match="saved site is for"):
         other.load_state_dict(model.state_dict())
 
 
@@ -182,3 +192,40 @@ def test_fit_mll_runs_the_minibatch_loop():
         fit_mll(mll, data=(x[:10], y[:10]))
     with pytest.raises(TypeError, match="MinibatchRecipe"):
         fit_mll(mll, data=(x, y), recipe=LearningRecipe())
+
+
+def test_per_point_sites_through_fit_mll_are_the_cores_full_batch_ep():
+    x, y = binary_data(40, seed=7)
+    likelihood = gpytorch.likelihoods.BernoulliLikelihood()
+    model = SEPModel(x.clone(), likelihood, sites="points", learn_inducing_locations=False).to(F64)
+    model.requires_grad_(False)  # the steps alone: EP at fixed hyperparameters
+    mll = StochasticEPMarginalLogLikelihood(likelihood, model, num_data=len(x))
+    recipe = MinibatchRecipe(batch_size=len(x), max_steps=60)
+    report = fit_mll(mll, data=(x, y), recipe=recipe, show_progress=False)
+    assert isinstance(model.variational_strategy.site, PointSites) and report.evaluations == 60
+    assert report.peak_memory_bytes >= _resident_bytes() > 0
+    strategy = model.variational_strategy
+    core = StochasticEP(strategy.adapter, len(x))
+    with torch.no_grad():
+        batch = strategy.whitened_batch(x)
+        site = PointSites.flat(1, len(x), x)
+        for _ in range(60):
+            site, _ = core.step(site, batch, y)
+    torch.testing.assert_close(strategy.site.site_precision, site.site_precision, rtol=1e-12, atol=1e-12)
+    restored = SEPModel(x.clone(), likelihood, sites="points", learn_inducing_locations=False).to(F64)
+    restored.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(restored(x).mean, model(x).mean, rtol=0, atol=0)
+    model.train()
+    with pytest.raises(ValueError, match="all 40 training points"):
+        mll(model(x[:10]), y[:10])
+    with pytest.raises(ValueError, match="sites must be one of"):
+        SEPModel(x.clone(), likelihood, sites="each")
+
+
+def _resident_bytes() -> int:
+    """This process's resident memory now, from /proc (Linux)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 1
