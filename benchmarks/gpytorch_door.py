@@ -191,15 +191,16 @@ def run_one(data: Data, method: str, budget: float, seed: int) -> dict:
     return run_loop(data, inference, budget, seed)
 
 
+def spread(values: list[float]) -> dict:
+    """Mean, (population) standard deviation and count of the values that are not NaN."""
+    values = [value for value in values if not math.isnan(value)]
+    if not values:
+        return {"mean": math.nan, "std": math.nan, "n": 0}
+    return {"mean": statistics.fmean(values), "std": statistics.pstdev(values), "n": len(values)}
+
+
 def aggregate(runs_by_seed: dict[int, dict[str, dict]], marks: tuple[float, ...]) -> dict:
     """Mean and standard deviation over seeds: NLL at each mark for SVGP and the loops, NLL and seconds for fit_mll."""
-
-    def spread(values: list[float]) -> dict:
-        values = [value for value in values if not math.isnan(value)]
-        if not values:
-            return {"mean": math.nan, "std": math.nan, "n": 0}
-        return {"mean": statistics.fmean(values), "std": statistics.pstdev(values), "n": len(values)}
-
     methods = sorted({method for runs in runs_by_seed.values() for method in runs})
     table: dict = {}
     for method in methods:

@@ -194,15 +194,19 @@ def svgp_probabilities(model: SVGPModel, inputs: Tensor, num_classes: int, sampl
 
 
 # -- the methods ---------------------------------------------------------------------------------------------------
-def run_estimator(data: Data, seed: int, inference: str | None = None, learning_subset: str = "auto") -> dict:
+def run_estimator(
+    data: Data, seed: int, inference: str | None = None, learning_subset: str = "auto", max_time: float | None = None
+) -> dict:
     """``IterNCGPClassifier(random_state=seed)`` with its defaults (or with ``inference``, ``learning_subset``: an
-    integer, ``"auto"`` or ``"none"``): one point, after ``fit``."""
+    integer, ``"auto"`` or ``"none"``, and ``max_time``): one point, after ``fit``."""
     from gpytorch_iterncgp.sklearn import IterNCGPClassifier
 
     clock, history = Clock(), []
     options: dict = {} if inference is None else {"inference": inference}
     if learning_subset != "auto":
         options["learning_subset"] = None if learning_subset == "none" else int(learning_subset)
+    if max_time is not None:
+        options["max_time"] = max_time
     label = f"estimator ({', '.join(f'{key}={value!r}' for key, value in options.items()) or 'defaults'})"
     estimator = IterNCGPClassifier(random_state=seed, **options).fit(data.train_x.numpy(), data.train_y.numpy())
     clock.evaluate(history, lambda: torch.as_tensor(estimator.predict_proba(data.test_x.numpy())), data.test_y)
@@ -211,12 +215,13 @@ def run_estimator(data: Data, seed: int, inference: str | None = None, learning_
         "label": label,
         "inference": estimator.inference_,
         "kernel": {
-            "lengthscale": float(estimator.kernel_.base_kernel.lengthscale.detach()),
-            "outputscale": float(estimator.kernel_.outputscale.detach()),
+            "lengthscale": estimator.kernel_.base_kernel.lengthscale.detach().flatten().tolist(),
+            "outputscale": estimator.kernel_.outputscale.detach().flatten().tolist(),
         },
         "history": history,
         "learning": learning,  # where the hyperparameter learning's time went
-        "final_fit_seconds": estimator.fit_report_.wall_time,
+        # stochastic EP learns and fits in one loop: no final fit
+        "final_fit_seconds": None if estimator.fit_report_ is None else estimator.fit_report_.wall_time,
         "final_fit": str(estimator.fit_report_),
     }
 

@@ -35,10 +35,12 @@ import torch
 
 from benchmarks import real_data
 from benchmarks.common import machine, peak_rss_bytes
+from benchmarks.gpytorch_door import nll_at, spread
 from benchmarks.learned import BenchmarkGP, Data, load, minibatch_loop, run_svgp
 from gpytorch_iterncgp import MultinomialProbitLikelihood, StochasticEPMarginalLogLikelihood, StochasticEPStrategy
 
 RESULTS = Path(__file__).resolve().parent / "results" / "scalable_ep"
+MARKS = (60.0, 90.0, 120.0, 150.0, 180.0)  # seconds at which the summary compares the methods
 
 
 class SEPModel(BenchmarkGP):
@@ -100,6 +102,32 @@ def plot(results: dict, path: Path) -> None:
     plt.close(figure)
 
 
+def summarise(directory: Path, marks: tuple[float, ...] = MARKS) -> dict:
+    """Over the seeds of each data set in ``directory``: each method's test NLL at each mark (mean, standard deviation,
+    seeds), SEP's minus SVGP's paired by seed, how many seeds SEP was at or below SVGP, and each method's peak memory
+    (:func:`benchmarks.gpytorch_door.spread`). Written to ``summary.json`` beside the runs."""
+    by_dataset: dict[str, list[dict]] = {}
+    for path in sorted(directory.glob("*_seed*.json")):
+        results = json.loads(path.read_text())
+        by_dataset.setdefault(results["dataset"], []).append(results)
+    table = {}
+    for name, seeds in by_dataset.items():
+        runs = [{run["method"]: run for run in results["runs"]} for results in seeds]
+        entry: dict = {"seeds": [results["seed"] for results in seeds], "num_train": seeds[0]["num_train"]}
+        for method in ("sep", "svgp"):
+            present = [by_method[method] for by_method in runs if method in by_method]
+            entry[method] = {f"nll_at_{mark:g}s": spread([nll_at(run, mark) for run in present]) for mark in marks}
+            entry[method]["peak_rss_gb"] = spread([run["peak_rss_bytes"] / 2**30 for run in present])
+        paired = [by_method for by_method in runs if {"sep", "svgp"} <= set(by_method)]
+        for mark in marks:
+            differences = [nll_at(pair["sep"], mark) - nll_at(pair["svgp"], mark) for pair in paired]
+            entry[f"sep_minus_svgp_at_{mark:g}s"] = spread(differences)
+            entry[f"seeds_sep_at_or_below_at_{mark:g}s"] = sum(difference <= 0 for difference in differences)
+        table[name] = entry
+    (directory / "summary.json").write_text(json.dumps(table, indent=1))
+    return table
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--datasets", nargs="+", default=["binary100000", "mixture100000"])
@@ -111,11 +139,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--smoke", action="store_true", help="tiny data and a few seconds")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--summarise", action="store_true", help="only summarise the runs in --out over their seeds")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
+    if args.summarise:
+        table = summarise(args.out)
+        for name, entry in table.items():
+            cells = [
+                f"{mark:g}s {entry['sep'][f'nll_at_{mark:g}s']['mean']:.4f}/{entry['svgp'][f'nll_at_{mark:g}s']['mean']:.4f}"
+                f" ({entry[f'seeds_sep_at_or_below_at_{mark:g}s']}/{len(entry['seeds'])})"
+                for mark in MARKS
+            ]
+            print(f"{name:>14} SEP/SVGP mean NLL (seeds SEP <= SVGP): " + "  ".join(cells))
+        return [table]
     torch.set_num_threads(args.threads)
     budget, inducing = (3.0, 20) if args.smoke else (args.budget, args.inducing)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -389,3 +389,31 @@ def test_scalable_ep_smoke_run_writes_results(tmp_path):
     assert [run["label"].split()[0] for run in results["runs"]] == ["SEP", "SVGP"]
     assert all(run["history"] and 0 < run["history"][-1]["nll"] < 1 for run in results["runs"])
     assert (tmp_path / "binary100000_seed0.json").exists() and (tmp_path / "binary100000_seed0.png").exists()
+
+
+def test_scalable_ep_summary_pairs_seeds(tmp_path):
+    from benchmarks import scalable_ep
+
+    def run(method, nlls):
+        history = [{"time": t, "nll": nll} for t, nll in zip((10.0, 60.0, 180.0), nlls, strict=True)]
+        return {"method": method, "label": method, "history": history, "peak_rss_bytes": 2**30}
+
+    for seed, (sep, svgp) in enumerate([((0.5, 0.3, 0.2), (0.6, 0.35, 0.25)), ((0.5, 0.4, 0.3), (0.6, 0.3, 0.2))]):
+        results = {"dataset": "toy", "seed": seed, "num_train": 10, "runs": [run("sep", sep), run("svgp", svgp)]}
+        (tmp_path / f"toy_seed{seed}.json").write_text(json.dumps(results))
+    entry = scalable_ep.summarise(tmp_path, marks=(60.0, 180.0))["toy"]
+    assert entry["seeds"] == [0, 1] and entry["sep"]["nll_at_60s"]["mean"] == pytest.approx(0.35)
+    assert entry["sep_minus_svgp_at_60s"]["mean"] == pytest.approx(0.025)  # (-0.05 + 0.1) / 2
+    assert entry["seeds_sep_at_or_below_at_60s"] == 1 and entry["seeds_sep_at_or_below_at_180s"] == 1
+    assert entry["svgp"]["peak_rss_gb"]["mean"] == 1.0 and (tmp_path / "summary.json").exists()
+
+
+def test_auto_switch_smoke_run_measures_both_sides(tmp_path):
+    from benchmarks import auto_switch
+
+    out = tmp_path / "auto.json"
+    rows = auto_switch.main(["--smoke", "--datasets", "binary20000", "--out", str(out)])
+    assert [row["inference"] for row in rows] == ["ep", "sparse_ep"]
+    assert sum(row["auto_picks"] for row in rows) == 1 and rows[0]["auto_picks"]  # 200 smoke points: dense EP
+    assert all(0 < row["nll"] < 1 and row["seconds"] > 0 for row in rows)
+    assert out.exists() and out.with_suffix(".png").exists()

@@ -68,11 +68,26 @@ _PREDICT_CHUNK = 4096  # test points per kernel evaluation: bounds the (chunk, N
 #: with :math:`\mathbf K` in the first Newton step, then none, as the actions are recycled). 1000 keeps a fit with
 #: 25 evidence steps to seconds (:math:`O((N C)^3)` per step; ``docs/design_notes.md``).
 EXACT_SOLVE_SIZE = 1000
-#: ``inference="auto"`` in :class:`IterNCGPClassifier`: the approximation chosen by measurement (``benchmarks/learned.py``,
-#: ``benchmarks/sklearn_defaults.py``; the Poisson regressor's ``"auto"`` is Laplace).
+#: ``inference="auto"`` in :class:`IterNCGPClassifier` below :data:`SPARSE_EP_WORK`: the approximation chosen by
+#: measurement (``benchmarks/learned.py``, ``benchmarks/sklearn_defaults.py``; the Poisson regressor's ``"auto"`` is
+#: Laplace).
 CLASSIFIER_INFERENCE = "ep"
+#: ``inference="auto"`` picks stochastic EP when a product with the dense prior, :math:`N^2 C` kernel entries, is
+#: larger than this on a CPU (``benchmarks/auto_switch.py``); on CUDA, whose products are about 100 times faster,
+#: 100 times larger (not measured here).
+SPARSE_EP_WORK = {"cpu": 15_000**2, "cuda": 100 * 15_000**2}
 #: ``max_solver_iterations="auto"`` above :data:`EXACT_SOLVE_SIZE`: the strategy's own default budget per Newton step.
 DEFAULT_SOLVER_ITERATIONS = SolverOptions.max_solver_iterations
+
+
+def auto_inference(num_data: int, num_classes: int, device: torch.device) -> str:
+    r"""``inference="auto"`` for a classifier: ``"sparse_ep"`` (stochastic EP, :math:`O(C(M^3 + B M^2))` a minibatch
+    whatever :math:`N`) once a product with the dense prior, :math:`N^2 C` kernel entries for :math:`C \ge 2` latent
+    processes (one for two classes), exceeds :data:`SPARSE_EP_WORK` on the device's kind, else
+    :data:`CLASSIFIER_INFERENCE` (dense computation-aware EP)."""
+    latents = 1 if num_classes == 2 else num_classes
+    limit = SPARSE_EP_WORK["cuda" if device.type == "cuda" else "cpu"]
+    return "sparse_ep" if num_data**2 * latents > limit else CLASSIFIER_INFERENCE
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -518,8 +533,10 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
     :param link: ``"logit"`` (default, also ``None``) or ``"probit"``: binary data's link (multi-class data: see
         above).
     :param inference: ``"laplace"``, ``"ep"``, ``"sparse_ep"`` (stochastic EP with inducing inputs on minibatches,
-        see ``num_inducing``) or ``"auto"`` (default: :data:`CLASSIFIER_INFERENCE`, chosen by
-        measurement, ``benchmarks/learned.py`` and ``benchmarks/sklearn_defaults.py``). EP matches the moments of each
+        see ``num_inducing``) or ``"auto"`` (default: :func:`auto_inference`, by :math:`N^2 C`: dense EP,
+        :data:`CLASSIFIER_INFERENCE`, chosen by measurement, ``benchmarks/learned.py`` and
+        ``benchmarks/sklearn_defaults.py``, up to about :math:`1.5 \cdot 10^4` binary points, then stochastic EP,
+        ``benchmarks/auto_switch.py``). EP matches the moments of each
         likelihood factor instead of the curvature at the mode: better calibrated predictive probabilities, at the
         cost of tilted moments per sweep (nested EP for the multinomial probit). The hyperparameters are learnt on the
         approximation's own evidence (:class:`~gpytorch_iterncgp.LaplaceMarginalLogLikelihood`,
@@ -587,7 +604,8 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
     :param num_inducing: ``inference="sparse_ep"`` only: the inducing inputs of stochastic EP
         (:class:`~gpytorch_iterncgp.StochasticEPStrategy`), started at k-means centres of ``X`` and learnt with the
         kernel; ``inference="sparse_ep"`` runs :func:`~gpytorch_iterncgp.fit_mll`'s minibatch loop (Adam on SEP's
-        energy, :class:`~gpytorch_iterncgp.MinibatchRecipe`) until its steps or ``max_time``, with memory
+        energy, :class:`~gpytorch_iterncgp.MinibatchRecipe`'s learning rate and steps, not ``learning_rate`` and
+        ``optimizer_steps``, which are the dense evidence's) until its steps or ``max_time``, with memory
         :math:`O(C M^2)` whatever :math:`N`; it has no ``log_marginal_likelihood()``.
     :param batch_size: ``inference="sparse_ep"`` only: points per minibatch.
     :param max_time: seconds for learning the hyperparameters (``None``: no limit); learning stops after the evidence
@@ -598,7 +616,7 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
         (:func:`~gpytorch_iterncgp.fit_mll`).
 
     Fitted attributes: ``classes_``, ``n_classes_``, ``n_features_in_`` (``feature_names_in_``), ``inference_``
-    (``"laplace"`` or ``"ep"``), ``model_`` (the GPyTorch ``ApproximateGP``; ``model_.variational_strategy`` is the
+    (``"laplace"``, ``"ep"`` or ``"sparse_ep"``), ``model_`` (the GPyTorch ``ApproximateGP``; ``model_.variational_strategy`` is the
     :class:`~gpytorch_iterncgp.IterNCGPStrategy` or :class:`~gpytorch_iterncgp.EPStrategy`), ``likelihood_``, ``kernel_`` (the fitted kernel),
     ``learning_rows_`` (the rows of ``X`` the hyperparameters were learnt on, or ``None``: all), ``validation_rows_``
     (the held-out rows the outputscale was chosen on where the kernel was learnt on a subset, or ``None``),
@@ -622,7 +640,9 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
                 f"{type(self).__name__} requires samples of at least 2 classes in the data; got 1 class "
                 f"({self.classes_[0]!r})."
             )
-        inference = CLASSIFIER_INFERENCE if self.inference == "auto" else self.inference
+        inference = self.inference
+        if inference == "auto":
+            inference = auto_inference(len(X), self.n_classes_, torch.device("cpu"))
         if self.n_classes_ == 2:
             likelihood = (
                 LogitBernoulliLikelihood() if self._link == "logit" else gpytorch.likelihoods.BernoulliLikelihood()

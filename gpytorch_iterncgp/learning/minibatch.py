@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from ..core.threads import small_operations
 from ..core.validation import check_count, check_inputs, check_nonnegative
 from ..mlls.stochastic import StochasticEPMarginalLogLikelihood
 from .recipe import LearningReport
@@ -91,16 +92,17 @@ def fit_minibatches(
             if deadline is not None and report.losses and time.perf_counter() >= deadline:
                 report.stopped = "max_time"
                 break
-            if optimizer is None:
-                with torch.no_grad():
+            with small_operations():  # one thread a step: a busy machine's other process costs little
+                if optimizer is None:
+                    with torch.no_grad():
+                        loss = -mll(model(inputs[rows]), targets[rows])
+                else:
+                    scale.push()
+                    optimizer.zero_grad()
                     loss = -mll(model(inputs[rows]), targets[rows])
-            else:
-                scale.push()
-                optimizer.zero_grad()
-                loss = -mll(model(inputs[rows]), targets[rows])
-                loss.backward()
-                scale.pull_gradients()
-                optimizer.step()
+                    loss.backward()
+                    scale.pull_gradients()
+                    optimizer.step()
             report.losses.append(float(loss.detach()))
             bar.update(1)
             bar.set_postfix(loss=f"{report.losses[-1]:.4g}")

@@ -54,7 +54,7 @@ class StochasticEPMarginalLogLikelihood(gpytorch.mlls.MarginalLogLikelihood):
 
     def forward(self, function_dist, target: Tensor, **kwargs) -> Tensor:
         """The objective on the minibatch of ``function_dist = model(x_batch)`` (computed in training mode) and
-        ``target`` ``(B,)``; moves the tied site first in training mode.
+        ``target`` ``(B,)`` at the cavities the output holds; in training mode also moves the site from them.
 
         :raises RuntimeError: if ``function_dist`` is not the model's last output in training mode.
         :raises NonFiniteEvidenceError: if the objective is not finite.

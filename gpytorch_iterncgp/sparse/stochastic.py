@@ -21,6 +21,13 @@ propagation", AISTATS; Villacampa-Calvo & Hernández-Lobato 2017 for :math:`C` c
 \mathbf B_c(\phi)^{-1}\tilde{\boldsymbol\eta}_c, \mathbf B_c(\phi)^{-1})` with :math:`\phi = 1 - 1/N`
 (:func:`tied_gaussian`): one :math:`M \times M` Cholesky factor per class for a whole minibatch.
 
+**Per-point sites** (:class:`PointSites`): EP with inducing inputs and the FITC conditional (Hernández-Lobato &
+Hernández-Lobato 2016, before tying), one site :math:`\tau_{ic}, \nu_{ic}` per point in :math:`f`, memory
+:math:`O(C N)`, for full-batch steps: :math:`q` is the prior times all the sites lifted to :math:`\mathbf z_c`, each
+point's cavity :math:`q` without its own site (a rank-one change), and a step moves every site a fraction
+:math:`\epsilon` to its new value (damped parallel EP). With :math:`M = N` inducing inputs at the data
+(:math:`s_i = 0`) it is dense EP of the factorised model: for one latent, the package's dense EP.
+
 **A step on a minibatch** :math:`\mathcal B` (:meth:`StochasticEP.step`):
 
 1. the cavity's marginals at the batch, :math:`\mu_{ic} = m_{ic} + \mathbf v_i^\top \bar{\mathbf z}_{\setminus c}`,
@@ -33,7 +40,7 @@ propagation", AISTATS; Villacampa-Calvo & Hernández-Lobato 2017 for :math:`C` c
    \sigma_{ic}^{-2}` (a negative :math:`\tau`, impossible for a log-concave likelihood in exact arithmetic, is
    clipped to 0), and through the conditional in :math:`\mathbf z_c`, with :math:`r_{ic} = 1 + \tau_{ic} s_i`: the
    rank-one precision :math:`(\tau_{ic}/r_{ic})\,\mathbf v_i \mathbf v_i^\top` and natural mean
-   :math:`((\nu_{ic} - \tau_{ic} m_{ic})/r_{ic})\,\mathbf v_i` (:func:`lifted_sites`);
+   :math:`((\nu_{ic} - \tau_{ic} m_{ic})/r_{ic})\,\mathbf v_i` (:func:`new_sites`, :func:`lifted_sums`);
 4. the tied site moves a fraction :math:`\epsilon` towards :math:`N` times the batch's average site,
    :math:`\tilde{\boldsymbol\Lambda}_c \leftarrow (1 - \epsilon)\tilde{\boldsymbol\Lambda}_c + \epsilon
    \tfrac{N}{|\mathcal B|}\sum_{i \in \mathcal B} (\tau_{ic}/r_{ic})\mathbf v_i\mathbf v_i^\top`, likewise
@@ -44,7 +51,8 @@ propagation", AISTATS; Villacampa-Calvo & Hernández-Lobato 2017 for :math:`C` c
    of the data move all sites at once, as parallel EP, which oscillates undamped (on iris at the outputscale dense EP
    learns, full batches diverged at :math:`\epsilon = 1` and converged at 1/2).
 
-Steps 1-4 cost :math:`O(C(M^3 + |\mathcal B| M^2))`. Projecting each tilted distribution in :math:`f` and moving
+Step 1 is the cavity of each site kind (:meth:`InducingSite.cavity`), step 4 its move (:meth:`InducingSite.moved`);
+steps 2 and 3 are shared. Steps 1-4 cost :math:`O(C(M^3 + |\mathcal B| M^2))`. Projecting each tilted distribution in :math:`f` and moving
 the conditional gives the moment-matched projection in :math:`\mathbf z_c` (the tilted distribution of
 :math:`(\mathbf z_c, f_{ic})` keeps the cavity's conditional of :math:`\mathbf z_c` given :math:`f_{ic}`).
 
@@ -53,11 +61,16 @@ the conditional gives the moment-matched projection in :math:`\mathbf z_c` (the 
 :math:`\mathcal N(\mathbf 0, \mathbf I)` do not depend on the kernel, the mean or :math:`\mathbf Z`; what does is
 :math:`\sum_i \log\hat Z_i`, :math:`\hat Z_i = \int p(y_i \mid \mathbf f_i)\, q_\setminus(\mathbf f_i)\,
 d\mathbf f_i`, whose minibatch estimate :math:`\frac{N}{|\mathcal B|}\sum_{i \in \mathcal B}\log\hat Z_i` is
-unbiased (:meth:`StochasticEP.log_normalizers` gives the terms, differentiable in the prior).
+unbiased (:meth:`StochasticEP.log_normalizers` gives the terms, differentiable in the prior). With per-point sites
+held fixed in the whitened coordinates, the same argument gives EP's energy gradient: at EP's fixed point the
+energy is stationary in the sites, so the gradient of :math:`\sum_i \log\hat Z_i` is the evidence's (R&W eq. 5.27 at
+:math:`M = N`). A training step evaluates the prior once: the cavities at the batch, differentiable in it, give the
+energy, and detached, the step (the energy is that of the site before the step).
 """
 
 from __future__ import annotations
 
+import abc
 import math
 from dataclasses import dataclass
 
@@ -104,7 +117,7 @@ class WhitenedBatch:
         return WhitenedBatch(self.mean.detach(), self.whitened_cross.detach(), self.spread.detach())
 
 
-class InducingSite(ExtraState):
+class InducingSite(ExtraState, abc.ABC):
     r"""What the steps need of a site in the whitened inducing coordinates: :attr:`precision`
     :math:`\tilde{\boldsymbol\Lambda}` ``(C, M, M)`` and :attr:`natural_mean` :math:`\tilde{\boldsymbol\eta}`
     ``(C, M)``, the sum of the sites, so that :math:`q = \mathcal N(\mathbf B^{-1}\tilde{\boldsymbol\eta},
@@ -119,16 +132,16 @@ class InducingSite(ExtraState):
         r"""The marginals of :math:`q` at ``batch``, ``(C, B)`` each (:func:`batch_marginals`)."""
         return batch_marginals(*tied_gaussian(self, 1.0), batch)
 
+    @abc.abstractmethod
     def cavity(self, batch: WhitenedBatch, num_data: int) -> tuple[Tensor, Tensor]:
         r"""Each point's cavity marginals ``(C, B)``, differentiable in ``batch`` with the sites held fixed in the
         whitened coordinates."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def moved(
         self, batch: WhitenedBatch, precision: Tensor, natural_mean: Tensor, fraction: float, num_data: int
     ) -> InducingSite:
         r"""The site after a step whose points got the new sites :math:`\tau_{ic}`, :math:`\nu_{ic}` ``(C, B)``."""
-        raise NotImplementedError
 
 
 @dataclass
@@ -231,8 +244,8 @@ class PointSites(InducingSite):
             ratio = 1 + site_precision * fixed.spread
             lift_precision = site_precision / ratio  # lambda_i (C, N)
             lift_natural_mean = (site_natural_mean - site_precision * fixed.mean) / ratio  # eta_i
-            posterior = TiedSite(*lifted_sums(fixed, site_precision, site_natural_mean))
-            cholesky, mean = tied_gaussian(posterior, 1.0)
+            summed = TiedSite(*lifted_sums(fixed, site_precision, site_natural_mean))  # q's sites, summed
+            cholesky, mean = tied_gaussian(summed, 1.0)
         projected = torch.linalg.solve_triangular(cholesky, batch.whitened_cross, upper=False)  # (C, M, N)
         fixed_projected = projected.detach()
         shared = (projected * fixed_projected).sum(-2)  # c_i
@@ -374,7 +387,7 @@ class StochasticEP:
         cavity: tuple[Tensor, Tensor] | None = None,
     ) -> tuple[InducingSite, SEPStepRecord]:
         """One step (module docstring, steps 1-4) from ``site``; ``batch`` at the points of ``targets``; ``cavity``:
-        the points' cavity marginals if already computed (:meth:`TiedSite.cavity`)."""
+        the points' cavity marginals if already computed (:meth:`InducingSite.cavity`)."""
         with torch.no_grad():
             batch = batch.detached()
             cavity_mean, cavity_variance = site.cavity(batch, self.num_data) if cavity is None else cavity

@@ -18,7 +18,7 @@ trained with SVGP's loop on minibatches.
     model.train()
     for x_batch, y_batch in loader:
         optimizer.zero_grad()
-        loss = -mll(model(x_batch), y_batch)  # moves the tied site on this batch, then SEP's energy
+        loss = -mll(model(x_batch), y_batch)  # SEP's energy at the cavities; moves the tied site
         loss.backward()
         optimizer.step()
     model.eval()
@@ -78,7 +78,7 @@ class StochasticEPStrategy(LatentPredictions, gpytorch.Module):
     """
 
     #: the site of each ``sites`` choice
-    SITES = {"tied": TiedSite, "points": PointSites}
+    SITES: dict[str, type[TiedSite] | type[PointSites]] = {"tied": TiedSite, "points": PointSites}
 
     def __init__(
         self,
@@ -156,10 +156,10 @@ class StochasticEPStrategy(LatentPredictions, gpytorch.Module):
         if prior:
             return self.model.forward(inputs, **kwargs)
         batch = self.whitened_batch(inputs)
-        training = self.training and self.num_data is not None
-        marginals = self.site.cavity(batch, self.num_data) if training else self.site.posterior(batch)
+        num_data = self.num_data if self.training else None  # None: the posterior, else the cavities
+        marginals = self.site.posterior(batch) if num_data is None else self.site.cavity(batch, num_data)
         output = self._distribution(*marginals)
-        self._last = (output, batch, marginals) if training else None
+        self._last = None if num_data is None else (output, batch, marginals)
         return output
 
     def marginal_latent(self, inputs: Tensor) -> tuple[Tensor, Tensor]:
@@ -198,8 +198,8 @@ class StochasticEPStrategy(LatentPredictions, gpytorch.Module):
     def step(self, output: Any, targets: Tensor) -> SEPStepRecord:
         """Move the site on the minibatch of a training ``output`` (:meth:`StochasticEP.step
         <gpytorch_iterncgp.sparse.stochastic.StochasticEP.step>`) from the cavities the output holds."""
-        batch, cavity = self.training_batch(output)
-        self.site, record = StochasticEP(self.adapter, self.num_data).step(self.site, batch, targets, cavity)
+        batch, cavity = self.training_batch(output)  # a training output: num_data is set
+        self.site, record = StochasticEP(self.adapter, int(self.num_data or 0)).step(self.site, batch, targets, cavity)
         return record
 
     # -- state_dict and devices ------------------------------------------------------------------

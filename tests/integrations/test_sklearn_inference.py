@@ -23,7 +23,8 @@ pytest.importorskip("sklearn", minversion="1.7")
 from sklearn.metrics import log_loss  # noqa: E402
 
 from gpytorch_iterncgp import EPMarginalLogLikelihood, LearningRecipe, settings  # noqa: E402
-from gpytorch_iterncgp.integrations.sklearn import CLASSIFIER_INFERENCE  # noqa: E402
+from gpytorch_iterncgp.integrations import sklearn as sklearn_integration  # noqa: E402
+from gpytorch_iterncgp.integrations.sklearn import CLASSIFIER_INFERENCE, auto_inference  # noqa: E402
 from gpytorch_iterncgp.sklearn import IterNCGPClassifier, IterNCGPPoissonRegressor  # noqa: E402
 from tests import reference, reference_ep  # noqa: E402
 from tests.integrations.test_sklearn import TIGHT, _binary, _kernel_with_priors, _matern, _multiclass  # noqa: E402
@@ -229,9 +230,16 @@ def test_ep_outputscale_needs_held_out_rows_an_outputscale_and_time():
     assert len(out_of_time.validation_rows_) == 80 and out_of_time.learning_report_.stopped == "max_time"
 
 
-def test_inference_parameter():
+def test_inference_parameter(monkeypatch):
     x, y, _ = _multiclass()
     assert IterNCGPClassifier(optimize_hyperparameters=False).fit(x, y).inference_ == CLASSIFIER_INFERENCE
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert auto_inference(15_000, 2, cpu) == CLASSIFIER_INFERENCE and auto_inference(15_001, 2, cpu) == "sparse_ep"
+    assert auto_inference(4_743, 10, cpu) == CLASSIFIER_INFERENCE and auto_inference(4_744, 10, cpu) == "sparse_ep"
+    assert auto_inference(150_000, 2, cuda) == CLASSIFIER_INFERENCE and auto_inference(150_001, 2, cuda) == "sparse_ep"
+    monkeypatch.setitem(sklearn_integration.SPARSE_EP_WORK, "cpu", len(x) ** 2 * 3 - 1)  # this data past the switch
+    switched = IterNCGPClassifier(optimize_hyperparameters=False, max_time=0.5, num_inducing=8).fit(x, y)
+    assert switched.inference_ == "sparse_ep"
     with pytest.raises(ValueError, match="'inference' parameter"):
         IterNCGPClassifier(inference="vi").fit(x, y)
     with pytest.raises(ValueError, match="inference='ep'"):

@@ -1,0 +1,105 @@
+r"""Where ``inference="auto"`` switches from dense EP to stochastic EP: both estimators on each side of the switch.
+
+    python -m benchmarks.auto_switch                                   # binary and 10-class mixtures (about an hour)
+    python -m benchmarks.auto_switch --datasets binary10000 binary20000 --seeds 0 1
+    python -m benchmarks.auto_switch --smoke                           # tiny sizes, seconds
+
+For each data set (the mixture of :mod:`benchmarks.learned`: ``binary<N>``, ``mixture<N>`` with 10 classes) and seed,
+``IterNCGPClassifier(inference=...)`` with its other defaults for ``"ep"`` (dense computation-aware EP) and
+``"sparse_ep"`` (stochastic EP with inducing inputs), one after the other in one process on ``--threads`` threads:
+each fit's wall time (learning included) and test NLL, and which of the two ``"auto"`` picks
+(:func:`gpytorch_iterncgp.integrations.sklearn.auto_inference`). The switch has no step backwards where, on each
+side of it, the method ``"auto"`` picks reaches at most the other's NLL, or the same NLL sooner.
+
+Writes ``results/auto_switch.json`` (with the machine) and ``results/auto_switch.png`` (test NLL against seconds, a
+point per fit, a panel per number of classes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import machine
+from benchmarks.learned import load, run_estimator
+from gpytorch_iterncgp.integrations.sklearn import auto_inference
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--datasets", nargs="+", default=["binary5000", "binary10000", "binary20000"])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--smoke", action="store_true", help="tiny data, seconds")
+    parser.add_argument("--out", type=Path, default=RESULTS / "auto_switch.json")
+    return parser.parse_args(argv)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({row["num_classes"] for row in rows})
+    figure, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 4), squeeze=False)
+    for axis, classes in zip(axes[0], groups, strict=True):
+        for inference, marker in (("ep", "o"), ("sparse_ep", "s")):
+            chosen = [row for row in rows if row["num_classes"] == classes and row["inference"] == inference]
+            axis.scatter(
+                [row["seconds"] for row in chosen], [row["nll"] for row in chosen], marker=marker, label=inference
+            )
+            for row in chosen:
+                axis.annotate(f"N={row['num_train']}", (row["seconds"], row["nll"]), fontsize=7)
+        axis.set_xscale("log")
+        axis.set_xlabel("seconds (fit, learning included)")
+        axis.set_ylabel("test NLL")
+        axis.set_title(f"{classes} classes", fontsize=9)
+        axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rows = []
+    for name in args.datasets:
+        for seed in args.seeds:
+            data = load(name, args.smoke, seed)
+            picked = auto_inference(len(data.train_y), data.num_classes, torch.device("cpu"))
+            for inference in ("ep", "sparse_ep"):
+                run = run_estimator(data, seed, inference, max_time=2.0 if args.smoke else None)
+                final = run["history"][-1]
+                row = {
+                    "dataset": name,
+                    "seed": seed,
+                    "num_train": len(data.train_y),
+                    "num_classes": data.num_classes,
+                    "inference": inference,
+                    "auto_picks": picked == inference,
+                    "seconds": final["time"],
+                    "nll": final["nll"],
+                    "accuracy": final["accuracy"],
+                }
+                rows.append(row)
+                print(
+                    f"{name:>14} seed {seed} {inference:>9}{' (auto)' if row['auto_picks'] else '':7} "
+                    f"NLL {row['nll']:.4f} acc {row['accuracy']:.4f} {row['seconds']:7.1f} s",
+                    flush=True,
+                )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"machine": machine(), "threads": args.threads, "rows": rows}, indent=1))
+    plot(rows, args.out.with_suffix(".png"))
+    return rows
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
