@@ -1,7 +1,7 @@
 r"""Where ``inference="auto"`` switches from dense EP to stochastic EP: both estimators on each side of the switch.
 
-    python -m benchmarks.auto_switch                                   # binary and 10-class mixtures (about an hour)
-    python -m benchmarks.auto_switch --datasets binary10000 binary20000 --seeds 0 1
+    python -m benchmarks.auto_switch                                   # binary and 10-class mixtures (25 minutes)
+    python -m benchmarks.auto_switch --datasets mixture20000 --seeds 0 1   # adds rows to the results
     python -m benchmarks.auto_switch --smoke                           # tiny sizes, seconds
 
 For each data set (the mixture of :mod:`benchmarks.learned`: ``binary<N>``, ``mixture<N>`` with 10 classes) and seed,
@@ -11,7 +11,7 @@ each fit's wall time (learning included) and test NLL, and which of the two ``"a
 (:func:`gpytorch_iterncgp.integrations.sklearn.auto_inference`). The switch has no step backwards where, on each
 side of it, the method ``"auto"`` picks reaches at most the other's NLL, or the same NLL sooner.
 
-Writes ``results/auto_switch.json`` (with the machine) and ``results/auto_switch.png`` (test NLL against seconds, a
+Writes ``results/auto_switch.json`` (with the machine; rows of other data sets and seeds already there are kept) and ``results/auto_switch.png`` (test NLL against seconds, a
 point per fit, a panel per number of classes).
 """
 
@@ -33,7 +33,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--datasets", nargs="+", default=["binary5000", "binary10000", "binary20000"])
+    parser.add_argument("--datasets", nargs="+", default=["binary10000", "binary20000", "mixture3000", "mixture6000"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--smoke", action="store_true", help="tiny data, seconds")
@@ -96,6 +96,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     flush=True,
                 )
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    if args.out.exists():  # keep the rows of other data sets and seeds from an earlier call
+        measured = {(row["dataset"], row["seed"]) for row in rows}
+        earlier = json.loads(args.out.read_text())["rows"]
+        rows = [row for row in earlier if (row["dataset"], row["seed"]) not in measured] + rows
+    for row in rows:  # the rule as it is now
+        row["auto_picks"] = (
+            auto_inference(row["num_train"], row["num_classes"], torch.device("cpu")) == row["inference"]
+        )
     args.out.write_text(json.dumps({"machine": machine(), "threads": args.threads, "rows": rows}, indent=1))
     plot(rows, args.out.with_suffix(".png"))
     return rows

@@ -14,7 +14,7 @@ Workloads (each in a fresh process, the caller's default threads: as many as cor
   :func:`~gpytorch_iterncgp.fit_mll` (whose loop runs each step on one thread: the limits).
 
 The competitor is a second Python process multiplying 1500 × 1500 matrices in a loop on two threads. Writes
-``results/busy_machine.json`` (with the machine) and prints the seconds and the busy / alone ratios.
+``results/busy_machine.json`` (with the machine) and ``.png``, and prints the seconds and the busy / alone ratios.
 """
 
 from __future__ import annotations
@@ -108,6 +108,35 @@ def measure(name: str, busy: bool, limits: bool, smoke: bool) -> float:
             competitor.wait()
 
 
+def plot(results: dict, path: Path) -> None:
+    """Seconds alone and busy per workload, limits on and off, as grouped bars (log scale)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = results["rows"]
+    figure, axis = plt.subplots(figsize=(7, 4))
+    width = 0.2
+    names = list(dict.fromkeys(row["workload"] for row in rows))
+    for offset, (limits, condition) in enumerate(
+        [(on, when) for on in (True, False) for when in ("alone_s", "busy_s")]
+    ):
+        values = [
+            next(r[condition] for r in rows if r["workload"] == n and r["thread_limits"] == limits) for n in names
+        ]
+        label = f"limits {'on' if limits else 'off'}, {condition.removesuffix('_s')}"
+        axis.bar([i + (offset - 1.5) * width for i in range(len(names))], values, width, label=label)
+    axis.set_xticks(range(len(names)), names)
+    axis.set_yscale("log")
+    axis.set_ylabel("seconds")
+    axis.set_title(f"beside a 2-thread process, {results['machine']['cpu']}", fontsize=9)
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
@@ -141,6 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
     results = {"machine": machine(), "competitor": COMPETITOR, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))
+    plot(results, args.out.with_suffix(".png"))
     return results
 
 

@@ -130,7 +130,7 @@ LAYERS: list[tuple[str, list[set[str]]]] = [
     (
         "core",
         [
-            {"validation", "triton_kernels", "state", "threads"},
+            {"validation", "triton_kernels", "state", "threads", "memory"},
             {"noise", "precision", "kernel_products", "policies", "sharding"},
             {"recycling", "prior", "covariance"},
             {"solver", "outer_loop"},

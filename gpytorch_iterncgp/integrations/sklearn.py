@@ -68,26 +68,29 @@ _PREDICT_CHUNK = 4096  # test points per kernel evaluation: bounds the (chunk, N
 #: with :math:`\mathbf K` in the first Newton step, then none, as the actions are recycled). 1000 keeps a fit with
 #: 25 evidence steps to seconds (:math:`O((N C)^3)` per step; ``docs/design_notes.md``).
 EXACT_SOLVE_SIZE = 1000
-#: ``inference="auto"`` in :class:`IterNCGPClassifier` below :data:`SPARSE_EP_WORK`: the approximation chosen by
+#: ``inference="auto"`` in :class:`IterNCGPClassifier` below :func:`auto_inference`'s switch: the approximation chosen by
 #: measurement (``benchmarks/learned.py``, ``benchmarks/sklearn_defaults.py``; the Poisson regressor's ``"auto"`` is
 #: Laplace).
 CLASSIFIER_INFERENCE = "ep"
-#: ``inference="auto"`` picks stochastic EP when a product with the dense prior, :math:`N^2 C` kernel entries, is
-#: larger than this on a CPU (``benchmarks/auto_switch.py``); on CUDA, whose products are about 100 times faster,
-#: 100 times larger (not measured here).
-SPARSE_EP_WORK = {"cpu": 15_000**2, "cuda": 100 * 15_000**2}
+#: ``inference="auto"`` picks stochastic EP past this many training points on a CPU (``benchmarks/auto_switch.py``:
+#: binary dense EP at 10⁴ points was better and faster, at 2·10⁴ its default budget failed), or past this much nested
+#: EP work :math:`N C^3` for :math:`C` classes (dense multinomial-probit EP took 46 s at 6000 points of 10 classes
+#: and more than 20 minutes at 16 000 of 26; the estimator's stochastic EP about 300 s for 10 classes).
+SPARSE_EP_POINTS, SPARSE_EP_NESTED_WORK = 15_000, 4 * 10**7
+#: on CUDA both limits are this many times larger (dense products are about 100 times faster there; not measured here)
+SPARSE_EP_CUDA_FACTOR = 10
 #: ``max_solver_iterations="auto"`` above :data:`EXACT_SOLVE_SIZE`: the strategy's own default budget per Newton step.
 DEFAULT_SOLVER_ITERATIONS = SolverOptions.max_solver_iterations
 
 
 def auto_inference(num_data: int, num_classes: int, device: torch.device) -> str:
     r"""``inference="auto"`` for a classifier: ``"sparse_ep"`` (stochastic EP, :math:`O(C(M^3 + B M^2))` a minibatch
-    whatever :math:`N`) once a product with the dense prior, :math:`N^2 C` kernel entries for :math:`C \ge 2` latent
-    processes (one for two classes), exceeds :data:`SPARSE_EP_WORK` on the device's kind, else
-    :data:`CLASSIFIER_INFERENCE` (dense computation-aware EP)."""
-    latents = 1 if num_classes == 2 else num_classes
-    limit = SPARSE_EP_WORK["cuda" if device.type == "cuda" else "cpu"]
-    return "sparse_ep" if num_data**2 * latents > limit else CLASSIFIER_INFERENCE
+    whatever :math:`N`) past :data:`SPARSE_EP_POINTS` training points, or for :math:`C > 2` classes past
+    :data:`SPARSE_EP_NESTED_WORK` in :math:`N C^3` (dense multi-class EP's per-point work); both times
+    :data:`SPARSE_EP_CUDA_FACTOR` on CUDA. Else :data:`CLASSIFIER_INFERENCE` (dense computation-aware EP)."""
+    factor = SPARSE_EP_CUDA_FACTOR if device.type == "cuda" else 1
+    nested = num_classes > 2 and num_data * num_classes**3 > SPARSE_EP_NESTED_WORK * factor
+    return "sparse_ep" if num_data > SPARSE_EP_POINTS * factor or nested else CLASSIFIER_INFERENCE
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -533,10 +536,10 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
     :param link: ``"logit"`` (default, also ``None``) or ``"probit"``: binary data's link (multi-class data: see
         above).
     :param inference: ``"laplace"``, ``"ep"``, ``"sparse_ep"`` (stochastic EP with inducing inputs on minibatches,
-        see ``num_inducing``) or ``"auto"`` (default: :func:`auto_inference`, by :math:`N^2 C`: dense EP,
+        see ``num_inducing``) or ``"auto"`` (default: :func:`auto_inference`: dense EP,
         :data:`CLASSIFIER_INFERENCE`, chosen by measurement, ``benchmarks/learned.py`` and
-        ``benchmarks/sklearn_defaults.py``, up to about :math:`1.5 \cdot 10^4` binary points, then stochastic EP,
-        ``benchmarks/auto_switch.py``). EP matches the moments of each
+        ``benchmarks/sklearn_defaults.py``, up to :math:`1.5 \cdot 10^4` points and, for :math:`C` classes,
+        :math:`N C^3 \le 4 \cdot 10^7`, then stochastic EP, ``benchmarks/auto_switch.py``). EP matches the moments of each
         likelihood factor instead of the curvature at the mode: better calibrated predictive probabilities, at the
         cost of tilted moments per sweep (nested EP for the multinomial probit). The hyperparameters are learnt on the
         approximation's own evidence (:class:`~gpytorch_iterncgp.LaplaceMarginalLogLikelihood`,

@@ -235,9 +235,10 @@ def test_inference_parameter(monkeypatch):
     assert IterNCGPClassifier(optimize_hyperparameters=False).fit(x, y).inference_ == CLASSIFIER_INFERENCE
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert auto_inference(15_000, 2, cpu) == CLASSIFIER_INFERENCE and auto_inference(15_001, 2, cpu) == "sparse_ep"
-    assert auto_inference(4_743, 10, cpu) == CLASSIFIER_INFERENCE and auto_inference(4_744, 10, cpu) == "sparse_ep"
+    assert auto_inference(15_000, 10, cpu) == CLASSIFIER_INFERENCE and auto_inference(15_001, 10, cpu) == "sparse_ep"
+    assert auto_inference(2_275, 26, cpu) == CLASSIFIER_INFERENCE and auto_inference(2_276, 26, cpu) == "sparse_ep"
     assert auto_inference(150_000, 2, cuda) == CLASSIFIER_INFERENCE and auto_inference(150_001, 2, cuda) == "sparse_ep"
-    monkeypatch.setitem(sklearn_integration.SPARSE_EP_WORK, "cpu", len(x) ** 2 * 3 - 1)  # this data past the switch
+    monkeypatch.setattr(sklearn_integration, "SPARSE_EP_POINTS", len(x) - 1)  # this data past the switch
     switched = IterNCGPClassifier(optimize_hyperparameters=False, max_time=0.5, num_inducing=8).fit(x, y)
     assert switched.inference_ == "sparse_ep"
     with pytest.raises(ValueError, match="'inference' parameter"):
