@@ -103,7 +103,8 @@ class StochasticEPStrategy(LatentPredictions, gpytorch.Module):
         self.site: InducingSite = self.SITES[sites].flat(self.num_latents, len(inducing), inducing)
         #: :math:`N`, set by the objective (:class:`~gpytorch_iterncgp.StochasticEPMarginalLogLikelihood`)
         self.num_data: int | None = None
-        self._last: tuple[Any, WhitenedBatch, tuple[Tensor, Tensor]] | None = None  # the last training output, ...
+        # the last training output, its whitened batch and its cavities
+        self._last: tuple[Any, WhitenedBatch, tuple[Tensor, Tensor]] | None = None
 
     @property
     def num_inducing(self) -> int:
