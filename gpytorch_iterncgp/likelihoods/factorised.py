@@ -102,12 +102,30 @@ def factorised_moments(targets: Tensor, cavity_mean: Tensor, cavity_variance: Te
     variance = cavity_variance.detach().to(work).requires_grad_(True)
     with torch.enable_grad():
         log_z = factorised_log_normalizer(targets, mean, variance)
-        alpha, beta = torch.autograd.grad(log_z.sum(), (mean, variance))
-    mean, variance = mean.detach(), variance.detach()
-    tilted_mean = mean + variance * alpha
-    tilted_variance = variance - variance.square() * (alpha.square() - 2 * beta)
+        tilted_mean, tilted_variance = matched_moments(log_z, mean, variance)
     dtype = cavity_mean.dtype
     return log_z.detach().to(dtype), tilted_mean.to(dtype), tilted_variance.to(dtype)
+
+
+def matched_moments(
+    log_z: Tensor, cavity_mean: Tensor, cavity_variance: Tensor, retain_graph: bool = False
+) -> tuple[Tensor, Tensor]:
+    r"""The tilted means and variances from the derivatives of :math:`\log\hat Z` (module docstring):
+    :math:`\hat\mu = \mu + \sigma^2\alpha`, :math:`\hat\sigma^2 = \sigma^2 - \sigma^4(\alpha^2 - 2\beta)`, computed in
+    the working dtype, without gradient, in the dtype of ``cavity_mean``.
+
+    :param log_z: :math:`\log\hat Z_i` ``(N,)``, differentiable in the cavity (:func:`factorised_log_normalizer`).
+    :param cavity_mean: :math:`\mu`, any shape; ``cavity_variance``: :math:`\sigma^2`, its shape; both in the graph of
+        ``log_z``.
+    :param retain_graph: keep the graph of ``log_z`` for a later backward pass (its use as an objective).
+    """
+    with torch.enable_grad():  # the sum joins log_z's graph also when called under no_grad
+        alpha, beta = torch.autograd.grad(log_z.sum(), (cavity_mean, cavity_variance), retain_graph=retain_graph)
+    work = _working_dtype(cavity_mean.device)
+    mean, variance, alpha, beta = (t.detach().to(work) for t in (cavity_mean, cavity_variance, alpha, beta))
+    tilted_mean = mean + variance * alpha
+    tilted_variance = variance - variance.square() * (alpha.square() - 2 * beta)
+    return tilted_mean.to(cavity_mean.dtype), tilted_variance.to(cavity_mean.dtype)
 
 
 def factorised_probabilities(mean: Tensor, variance: Tensor) -> Tensor:

@@ -62,9 +62,9 @@ class StochasticEPMarginalLogLikelihood(gpytorch.mlls.MarginalLogLikelihood):
         strategy = self.model.variational_strategy
         batch, cavity = strategy.training_batch(function_dist)
         targets = strategy.adapter.check_targets(target, batch.mean.dtype).to(batch.mean.device)
-        if self.training:
-            self.last_step = strategy.step(function_dist, targets)
         log_z = log_normalizers(strategy.adapter, targets, *cavity)
+        if self.training:  # the step reuses the energy's quadrature for its moments
+            self.last_step = strategy.step(function_dist, targets, log_z)
         objective = log_z.mean() + log_prior(self).to(log_z) / self.num_data
         if not math.isfinite(float(objective.detach())):
             raise NonFiniteEvidenceError(

@@ -196,11 +196,13 @@ class StochasticEPStrategy(LatentPredictions, gpytorch.Module):
             )
         return self._last[1], self._last[2]
 
-    def step(self, output: Any, targets: Tensor) -> SEPStepRecord:
+    def step(self, output: Any, targets: Tensor, log_z: Tensor | None = None) -> SEPStepRecord:
         """Move the site on the minibatch of a training ``output`` (:meth:`StochasticEP.step
-        <gpytorch_iterncgp.sparse.stochastic.StochasticEP.step>`) from the cavities the output holds."""
+        <gpytorch_iterncgp.sparse.stochastic.StochasticEP.step>`) from the cavities the output holds; ``log_z``: the
+        energy's terms at them, if computed."""
         batch, cavity = self.training_batch(output)  # a training output: num_data is set
-        self.site, record = StochasticEP(self.adapter, int(self.num_data or 0)).step(self.site, batch, targets, cavity)
+        loop = StochasticEP(self.adapter, int(self.num_data or 0))
+        self.site, record = loop.step(self.site, batch, targets, cavity, log_z)
         return record
 
     # -- state_dict and devices ------------------------------------------------------------------
