@@ -53,6 +53,7 @@ def machine() -> dict:
         "gpytorch": gpytorch.__version__,
         "linear_operator": linear_operator.__version__,
         "pykeops": keops,
+        "cuda_device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
 
 

@@ -115,6 +115,8 @@ class Clock:
         self.start, self.paused_seconds = time.perf_counter(), 0.0
 
     def elapsed(self) -> float:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # the work queued so far, not only launched
         return time.perf_counter() - self.start - self.paused_seconds
 
     def evaluate(self, history: list[dict], probabilities: Callable[[], Tensor], labels: Tensor, **extra) -> dict:
@@ -190,6 +192,7 @@ def svgp_probabilities(model: SVGPModel, inputs: Tensor, num_classes: int, sampl
     if num_classes == 2:
         return torch.special.ndtr(mean / (1 + variance).sqrt())
     base = torch.randn(samples, 1, num_classes, generator=torch.Generator().manual_seed(0), dtype=mean.dtype)
+    base = base.to(mean.device)
     return torch.softmax(mean + variance.sqrt() * base, dim=-1).mean(0)
 
 

@@ -4,6 +4,7 @@ inputs in the same plain loop, in one run on one machine.
     python -m benchmarks.scalable_ep                                   # binary and 10-class mixture, N = 10^5
     python -m benchmarks.scalable_ep --datasets magic letter --budget 300
     python -m benchmarks.scalable_ep --smoke                           # tiny sizes, seconds
+    python -m benchmarks.scalable_ep --device cuda --out benchmarks/results/scalable_ep_cuda
 
 Data: the paper's mixture in 3-D with :math:`N = 10^5` training points (``mixture100000``: 10 classes;
 ``binary100000``: classes 0-4 against 5-9) and 2000 test points, and the real data sets of
@@ -26,6 +27,7 @@ machine) and ``.png``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -45,14 +47,20 @@ MARKS = (60.0, 90.0, 120.0, 150.0, 180.0)  # seconds at which the summary compar
 
 class SEPModel(BenchmarkGP):
     """The benchmarks' shared prior (``benchmarks.learned``) with stochastic EP and ``num_inducing`` inducing inputs
-    started at training inputs."""
+    started at training inputs: shared by the classes, or (``per_class``) ``num_inducing / C`` per class, SVGP's
+    layout."""
 
-    def __init__(self, data: Data, num_inducing: int, likelihood, generator: torch.Generator):
-        index = torch.randperm(len(data.train_y), generator=generator)[: min(num_inducing, len(data.train_y))]
-        super().__init__(StochasticEPStrategy(self, data.train_x[index].clone(), likelihood), data)
+    def __init__(self, data: Data, num_inducing: int, likelihood, generator: torch.Generator, per_class: bool = False):
+        sets = data.num_classes if per_class and data.num_classes > 2 else 1
+        size = min(max(1, num_inducing // sets), len(data.train_y))
+        index = torch.cat([torch.randperm(len(data.train_y), generator=generator)[:size] for _ in range(sets)])
+        inducing = data.train_x[index].reshape(sets, size, -1).squeeze(0).clone()
+        super().__init__(StochasticEPStrategy(self, inducing, likelihood), data)
 
 
-def run_sep(data: Data, num_inducing: int, learning_rate: float, budget: float, seed: int) -> dict:
+def run_sep(
+    data: Data, num_inducing: int, learning_rate: float, budget: float, seed: int, per_class: bool = False
+) -> dict:
     """Stochastic EP in SVGP's loop (module docstring) for ``budget`` seconds, scored ten times along the way."""
     generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
@@ -60,7 +68,7 @@ def run_sep(data: Data, num_inducing: int, learning_rate: float, budget: float, 
     likelihood = (
         MultinomialProbitLikelihood(data.num_classes) if multiclass else gpytorch.likelihoods.BernoulliLikelihood()
     )
-    model = SEPModel(data, num_inducing, likelihood, generator)
+    model = SEPModel(data, num_inducing, likelihood, generator, per_class)
     targets = data.train_y if multiclass else data.train_y.to(data.train_x)
     objective = StochasticEPMarginalLogLikelihood(likelihood, model, num_data=len(targets))
     optimizer = torch.optim.Adam(model.parameters(), lr=learning_rate)
@@ -73,7 +81,8 @@ def run_sep(data: Data, num_inducing: int, learning_rate: float, budget: float, 
         return result
 
     history = minibatch_loop(model, objective, optimizer, data, targets, budget, generator, probabilities)
-    return {"label": f"SEP M={num_inducing} lr {learning_rate}", "history": history}
+    layout = f"{num_inducing // data.num_classes}/class" if per_class and data.num_classes > 2 else f"M={num_inducing}"
+    return {"label": f"SEP {layout} lr {learning_rate}", "history": history}
 
 
 def load_data(name: str, smoke: bool, seed: int) -> Data:
@@ -95,7 +104,8 @@ def plot(results: dict, path: Path) -> None:
         axis.plot([h["time"] for h in history], [h["nll"] for h in history], marker="o", label=run["label"])
     axis.set_xlabel("seconds (evaluations not counted)")
     axis.set_ylabel("test NLL")
-    axis.set_title(f"{results['dataset']}, seed {results['seed']}, {results['machine']['cpu']}", fontsize=8)
+    where = results["machine"].get("cuda_device") if results.get("device", "cpu") != "cpu" else None
+    axis.set_title(f"{results['dataset']}, seed {results['seed']}, {where or results['machine']['cpu']}", fontsize=8)
     axis.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=120)
@@ -135,8 +145,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--budget", type=float, default=180.0, help="seconds of each method's own work")
     parser.add_argument("--inducing", type=int, default=200, help="M (SVGP: per class)")
+    parser.add_argument(
+        "--sep-layout",
+        choices=["shared", "per-class"],
+        default="per-class",
+        help="SEP's inducing inputs for C classes: M shared, or M / C per class (SVGP's layout)",
+    )
     parser.add_argument("--learning-rate", type=float, default=0.01)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="where the data and models live (cpu, cuda)")
     parser.add_argument("--smoke", action="store_true", help="tiny data and a few seconds")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--summarise", action="store_true", help="only summarise the runs in --out over their seeds")
@@ -161,9 +178,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     written = []
     for name in args.datasets:
         data = load_data(name, args.smoke, args.seed)
+        data = dataclasses.replace(
+            data,
+            **{field: getattr(data, field).to(args.device) for field in ("train_x", "train_y", "test_x", "test_y")},
+        )
         runs = []
         for method in args.methods:
-            run = (run_sep if method == "sep" else run_svgp)(data, inducing, args.learning_rate, budget, args.seed)
+            if method == "sep":
+                run = run_sep(data, inducing, args.learning_rate, budget, args.seed, args.sep_layout == "per-class")
+            else:
+                run = run_svgp(data, inducing, args.learning_rate, budget, args.seed)
             run["method"], run["peak_rss_bytes"] = method, peak_rss_bytes()  # of the process so far
             final = run["history"][-1]
             print(
@@ -179,6 +203,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "seed": args.seed,
             "budget": budget,
             "threads": args.threads,
+            "device": args.device,
             "machine": machine(),
             "runs": runs,
         }

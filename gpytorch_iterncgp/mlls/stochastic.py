@@ -10,7 +10,7 @@ from torch import Tensor
 
 from ..core.validation import check_count
 from ..exceptions import NonFiniteEvidenceError
-from ..sparse.stochastic import SEPStepRecord, log_normalizers
+from ..sparse.stochastic import SEPStepRecord, tilted
 from ..strategies.stochastic import StochasticEPStrategy
 from .itergp import log_prior
 
@@ -62,9 +62,9 @@ class StochasticEPMarginalLogLikelihood(gpytorch.mlls.MarginalLogLikelihood):
         strategy = self.model.variational_strategy
         batch, cavity = strategy.training_batch(function_dist)
         targets = strategy.adapter.check_targets(target, batch.mean.dtype).to(batch.mean.device)
-        log_z = log_normalizers(strategy.adapter, targets, *cavity)
-        if self.training:  # the step reuses the energy's quadrature for its moments
-            self.last_step = strategy.step(function_dist, targets, log_z)
+        log_z, tilted_mean, tilted_variance = tilted(strategy.adapter, targets, *cavity)
+        if self.training:  # the step takes its moments from the energy's quadrature
+            self.last_step = strategy.step(function_dist, targets, (log_z.detach(), tilted_mean, tilted_variance))
         objective = log_z.mean() + log_prior(self).to(log_z) / self.num_data
         if not math.isfinite(float(objective.detach())):
             raise NonFiniteEvidenceError(

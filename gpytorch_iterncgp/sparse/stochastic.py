@@ -79,7 +79,7 @@ from torch import Tensor
 
 from ..core.state import ExtraState
 from ..likelihoods.adapters import LikelihoodAdapter
-from ..likelihoods.factorised import factorised_log_normalizer, factorised_moments, matched_moments
+from ..likelihoods.factorised import factorised_moments
 from ..likelihoods.tilted import tilted_moments
 from .dtc import WhitenedInducing
 
@@ -298,30 +298,18 @@ def batch_marginals(cholesky: Tensor, mean: Tensor, batch: WhitenedBatch) -> tup
 
 
 def tilted(
-    adapter: LikelihoodAdapter,
-    targets: Tensor,
-    cavity_mean: Tensor,
-    cavity_variance: Tensor,
-    log_z: Tensor | None = None,
+    adapter: LikelihoodAdapter, targets: Tensor, cavity_mean: Tensor, cavity_variance: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
-    r"""Tilted moments of each point under a factorised cavity: :math:`\log\hat Z` ``(B,)`` and the means and
-    variances ``(C, B)`` (module docstring, step 2); without gradient. For :math:`C` classes, a ``log_z`` already
-    computed from the cavity (:func:`log_normalizers`, its graph kept) gives the moments by its derivatives
-    (:func:`~gpytorch_iterncgp.likelihoods.factorised.matched_moments`) instead of a second quadrature."""
+    r"""Tilted moments of each point under a factorised cavity (module docstring, step 2): :math:`\log\hat Z_i`
+    ``(B,)``, differentiable in the cavity where it requires gradient (the energy's terms), and the means and variances
+    ``(C, B)`` without gradient: a :math:`C = 1` likelihood's (:func:`~gpytorch_iterncgp.likelihoods.tilted.tilted_moments`),
+    or the multinomial probit's projected on the factorised family
+    (:func:`~gpytorch_iterncgp.likelihoods.factorised.factorised_moments`)."""
     if adapter.num_latents == 1:
-        log_z, means, variances = tilted_moments(adapter, targets, cavity_mean[0].detach(), cavity_variance[0].detach())
-        return log_z, means.unsqueeze(0), variances.unsqueeze(0)
-    if log_z is not None and all(t.requires_grad for t in (log_z, cavity_mean, cavity_variance)):
-        return log_z.detach(), *matched_moments(log_z, cavity_mean, cavity_variance, retain_graph=True)
+        log_z, means, variances = tilted_moments(adapter, targets, cavity_mean[0], cavity_variance[0])
+        return log_z, means.detach().unsqueeze(0), variances.detach().unsqueeze(0)
     log_z, means, variances = factorised_moments(targets, cavity_mean.mT, cavity_variance.mT)
     return log_z, means.mT, variances.mT
-
-
-def log_normalizers(adapter: LikelihoodAdapter, targets: Tensor, cavity_mean: Tensor, cavity_variance: Tensor):
-    r""":math:`\log\hat Z_i` ``(B,)`` under the cavity marginals ``(C, B)``, differentiable in them."""
-    if adapter.num_latents == 1:
-        return tilted_moments(adapter, targets, cavity_mean[0], cavity_variance[0])[0]
-    return factorised_log_normalizer(targets, cavity_mean.mT, cavity_variance.mT)
 
 
 def new_sites(
@@ -393,16 +381,18 @@ class StochasticEP:
         batch: WhitenedBatch,
         targets: Tensor,
         cavity: tuple[Tensor, Tensor] | None = None,
-        log_z: Tensor | None = None,
+        moments: tuple[Tensor, Tensor, Tensor] | None = None,
     ) -> tuple[InducingSite, SEPStepRecord]:
         r"""One step (module docstring, steps 1-4) from ``site``; ``batch`` at the points of ``targets``; ``cavity``:
-        the points' cavity marginals if already computed (:meth:`InducingSite.cavity`), and ``log_z`` the energy's
-        :math:`\log\hat Z_i` at them, whose graph :func:`tilted` reuses (:func:`log_normalizers`)."""
+        the points' cavity marginals if already computed (:meth:`InducingSite.cavity`), and ``moments`` the tilted
+        moments at them (:func:`tilted`)."""
         with torch.no_grad():
             batch = batch.detached()
             cavity_mean, cavity_variance = site.cavity(batch, self.num_data) if cavity is None else cavity
-            log_z, tilted_mean, tilted_variance = tilted(self.adapter, targets, cavity_mean, cavity_variance, log_z)
             cavity_mean, cavity_variance = cavity_mean.detach(), cavity_variance.detach()
+            if moments is None:
+                moments = tilted(self.adapter, targets, cavity_mean, cavity_variance)
+            log_z, tilted_mean, tilted_variance = moments
             precision, natural_mean, clipped = new_sites(cavity_mean, cavity_variance, tilted_mean, tilted_variance)
             fraction = step_fraction(site.steps, len(targets), self.num_data)
             new = site.moved(batch, precision, natural_mean, fraction, self.num_data)
@@ -415,7 +405,7 @@ class StochasticEP:
     def log_normalizers(self, site: InducingSite, batch: WhitenedBatch, targets: Tensor) -> Tensor:
         r""":math:`\log\hat Z_i` ``(B,)`` at the cavities of ``site`` (held fixed), differentiable in ``batch``: the
         terms of the energy that depend on the prior (module docstring)."""
-        return log_normalizers(self.adapter, targets, *site.cavity(batch, self.num_data))
+        return tilted(self.adapter, targets, *site.cavity(batch, self.num_data))[0]
 
     def posterior_marginals(self, site: InducingSite, batch: WhitenedBatch) -> tuple[Tensor, Tensor]:
         """The posterior's marginals of the latents at ``batch`` ``(C, B)`` each (the predictive's latent part)."""

@@ -68,7 +68,9 @@ class StochasticEPStrategy(LatentPredictions, gpytorch.Module):
     :param model: the ``ApproximateGP`` that owns this strategy (pass ``self``); its ``forward`` returns the prior, a
         ``MultivariateNormal`` without batch (one kernel; for :math:`C` classes shared by them) or with batch
         ``[C]`` (one GP per class).
-    :param inducing_points: :math:`\mathbf Z`, ``(M, D)``.
+    :param inducing_points: :math:`\mathbf Z`, ``(M, D)`` shared by the latents, or ``(C, M, D)``, one set per latent
+        (as GPyTorch's batched inducing points; for :math:`C` classes with a kernel per class, :math:`M` each at the cost
+        of :math:`M` shared ones: the prior's blocks are per class either way).
     :param likelihood: ``BernoulliLikelihood`` (probit), :class:`~gpytorch_iterncgp.LogitBernoulliLikelihood`, a
         Poisson likelihood, or :class:`~gpytorch_iterncgp.MultinomialProbitLikelihood` for :math:`C` classes.
     :param learn_inducing_locations: register :math:`\mathbf Z` as a parameter (else a buffer).
@@ -95,21 +97,33 @@ class StochasticEPStrategy(LatentPredictions, gpytorch.Module):
         check_flag(learn_inducing_locations, "learn_inducing_locations")
         if sites not in self.SITES:
             raise ValueError(f"sites must be one of {sorted(self.SITES)}, got {sites!r}.")
-        inducing = check_inputs(inducing_points, "inducing_points").detach().clone()
+        inducing = self._check_inducing(inducing_points).detach().clone()
         if learn_inducing_locations:
             self.register_parameter("inducing_points", torch.nn.Parameter(inducing))
         else:
             self.register_buffer("inducing_points", inducing)
-        self.site: InducingSite = self.SITES[sites].flat(self.num_latents, len(inducing), inducing)
+        self.site: InducingSite = self.SITES[sites].flat(self.num_latents, inducing.shape[-2], inducing)
         #: :math:`N`, set by the objective (:class:`~gpytorch_iterncgp.StochasticEPMarginalLogLikelihood`)
         self.num_data: int | None = None
         # the last training output, its whitened batch and its cavities
         self._last: tuple[Any, WhitenedBatch, tuple[Tensor, Tensor]] | None = None
 
+    def _check_inducing(self, inducing_points: Tensor) -> Tensor:
+        r"""``(M, D)``, or ``(C, M, D)`` for :math:`C \ge 2` latents, validated."""
+        if torch.is_tensor(inducing_points) and inducing_points.dim() == 3:
+            if self.num_latents == 1 or inducing_points.shape[0] != self.num_latents:
+                raise ValueError(
+                    f"inducing_points of shape (C, M, D) need one set per latent of the likelihood's "
+                    f"{self.num_latents} (C >= 2); got {tuple(inducing_points.shape)}. Pass (M, D) to share them."
+                )
+            flat = inducing_points.reshape(-1, inducing_points.shape[-1])
+            return check_inputs(flat, "inducing_points").reshape(inducing_points.shape)
+        return check_inputs(inducing_points, "inducing_points")
+
     @property
     def num_inducing(self) -> int:
-        """:math:`M`, the number of inducing inputs."""
-        return self.inducing_points.shape[0]
+        """:math:`M`, the number of inducing inputs (of each latent)."""
+        return self.inducing_points.shape[-2]
 
     # -- the prior in whitened coordinates -------------------------------------------------------
     def whitened_batch(self, inputs: Tensor) -> WhitenedBatch:
@@ -124,7 +138,9 @@ class StochasticEPStrategy(LatentPredictions, gpytorch.Module):
                 f"inputs have {inputs.shape[-1]} features but the inducing points {self.inducing_points.shape[-1]}."
             )
         num = self.num_inducing
-        distribution = self.model.forward(torch.cat([self.inducing_points, inputs.to(self.inducing_points)], dim=-2))
+        inducing = self.inducing_points
+        inputs = inputs.to(inducing).expand(*inducing.shape[:-2], -1, -1)  # one copy per set of inducing inputs
+        distribution = self.model.forward(torch.cat([inducing, inputs], dim=-2))
         batch_shape = tuple(distribution.batch_shape)
         if batch_shape not in ((), (self.num_latents,)) or isinstance(distribution, MultitaskMultivariateNormal):
             raise ValueError(
@@ -196,13 +212,13 @@ class StochasticEPStrategy(LatentPredictions, gpytorch.Module):
             )
         return self._last[1], self._last[2]
 
-    def step(self, output: Any, targets: Tensor, log_z: Tensor | None = None) -> SEPStepRecord:
+    def step(self, output: Any, targets: Tensor, moments: tuple[Tensor, Tensor, Tensor] | None = None) -> SEPStepRecord:
         """Move the site on the minibatch of a training ``output`` (:meth:`StochasticEP.step
-        <gpytorch_iterncgp.sparse.stochastic.StochasticEP.step>`) from the cavities the output holds; ``log_z``: the
-        energy's terms at them, if computed."""
+        <gpytorch_iterncgp.sparse.stochastic.StochasticEP.step>`) from the cavities the output holds; ``moments``: the
+        tilted moments at them, if computed (:func:`~gpytorch_iterncgp.sparse.stochastic.tilted`)."""
         batch, cavity = self.training_batch(output)  # a training output: num_data is set
         loop = StochasticEP(self.adapter, int(self.num_data or 0))
-        self.site, record = loop.step(self.site, batch, targets, cavity, log_z)
+        self.site, record = loop.step(self.site, batch, targets, cavity, moments)
         return record
 
     # -- state_dict and devices ------------------------------------------------------------------

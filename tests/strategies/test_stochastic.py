@@ -10,6 +10,7 @@ r"""StochasticEPStrategy and StochasticEPMarginalLogLikelihood: SVGP's training 
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import gpytorch
@@ -65,12 +66,13 @@ def _loop(model, likelihood, x, y, epochs, batch_size, lr=0.02, seed=0):
     return mll
 
 
-@pytest.mark.parametrize("batch_classes", [None, 3])
-def test_posterior_and_objective_are_the_cores(batch_classes):
+@pytest.mark.parametrize("batch_classes, per_class", [(None, False), (3, False), (3, True), (None, True)])
+def test_posterior_and_objective_are_the_cores(batch_classes, per_class):
     x, _ = binary_data(60, seed=1)
     y = _three_classes(x)
     likelihood = MultinomialProbitLikelihood(3)
-    model = SEPModel(x[::5].clone(), likelihood, batch_classes).to(F64)
+    inducing = torch.stack([x[c::5][:12] for c in range(3)]) if per_class else x[::5].clone()  # (3, 12, 2) or (12, 2)
+    model = SEPModel(inducing, likelihood, batch_classes).to(F64)
     mll = _loop(model, likelihood, x, y, epochs=2, batch_size=20)
     assert model.variational_strategy.site.steps == 6
     model.train()
@@ -80,12 +82,12 @@ def test_posterior_and_objective_are_the_cores(batch_classes):
     output = model(x[rows])  # the points' cavities under this site
     objective = mll(output, y[rows])  # SEP's energy there, and a step from there
     assert strategy.site.steps == 7
-    covariance = model.forward(torch.cat([strategy.inducing_points, x[rows]])).lazy_covariance_matrix.to_dense()
-    if batch_classes is None:
-        covariance = covariance.unsqueeze(0)
-    mean = model.mean_module(x[rows]).expand(3, -1)
+    kernel, z = model.covar_module, strategy.inducing_points  # the prior's blocks, each from the kernel
     batch = WhitenedBatch.from_blocks(
-        mean, covariance[:, :12, :12], covariance[:, :12, 12:], covariance[:, 12:, 12:].diagonal(dim1=-1, dim2=-2)
+        model.mean_module(x[rows]).expand(3, -1),
+        kernel(z).to_dense().expand(3, -1, -1),
+        kernel(z, x[rows].expand(*z.shape[:-2], -1, -1)).to_dense().expand(3, -1, -1),
+        kernel(x[rows], diag=True).expand(3, -1),
     )
     core = StochasticEP(strategy.adapter, len(x))
     cavity_mean, cavity_variance = site.cavity(batch, len(x))
@@ -171,6 +173,10 @@ def test_errors_name_the_fix():
         SEPModel(x[:5].clone(), gpytorch.likelihoods.SoftmaxLikelihood(num_classes=3, mixing_weights=False))
     with pytest.raises(ValueError, match="features"):
         model(torch.zeros(3, 4, dtype=F64))
+    with pytest.raises(ValueError, match="one set per latent"):
+        SEPModel(torch.zeros(2, 5, 2, dtype=F64), likelihood)
+    with pytest.raises(ValueError, match="one set per latent"):
+        SEPModel(torch.zeros(2, 5, 2, dtype=F64), MultinomialProbitLikelihood(3))
     assert isinstance(model.variational_strategy.site, TiedSite)
 
 
@@ -229,3 +235,37 @@ def _resident_bytes() -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     return 1
+
+
+def _sites_and_gradients(model, x, y, batch_size=20):
+    """Six site steps on fixed batches (no optimiser: its normalised steps amplify rounding) with the gradient of the
+    summed objective."""
+    mll = StochasticEPMarginalLogLikelihood(model.variational_strategy.likelihood, model, num_data=len(x))
+    model.train()
+    total = sum(mll(model(x[rows]), y[rows]) for _ in range(2) for rows in torch.arange(len(x)).split(batch_size))
+    total.backward()
+    model.eval()
+    return [parameter.grad for parameter in model.parameters()]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cuda_steps_equal_cpu_steps(dtype):
+    x, _ = binary_data(60, seed=1)
+    y = _three_classes(x)
+    cpu = SEPModel(torch.stack([x[c::5][:12] for c in range(3)]), MultinomialProbitLikelihood(3), 3).to(F64)
+    gpu = copy.deepcopy(cpu).to(device="cuda", dtype=dtype)
+    expected_gradients = _sites_and_gradients(cpu, x, y)
+    gradients = _sites_and_gradients(gpu, x.to("cuda", dtype), y.cuda())
+    site = gpu.variational_strategy.site
+    assert site.precision.device.type == "cuda" and site.precision.dtype == dtype and site.steps == 6
+    tolerance = {"rtol": 1e-3, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 1e-8, "atol": 1e-10}
+    torch.testing.assert_close(
+        site.natural_mean.cpu().double(), cpu.variational_strategy.site.natural_mean, **tolerance
+    )
+    for gradient, expected in zip(gradients, expected_gradients, strict=True):
+        torch.testing.assert_close(gradient.cpu().double(), expected, **tolerance)
+    with torch.no_grad():
+        expected = cpu.variational_strategy.predictive_probabilities(x)
+        probabilities = gpu.variational_strategy.predictive_probabilities(x.to("cuda", dtype))
+    torch.testing.assert_close(probabilities.cpu().double(), expected, **tolerance)
