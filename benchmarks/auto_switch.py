@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for name in args.datasets:
         for seed in args.seeds:
             data = load(name, args.smoke, seed)
-            picked = auto_inference(len(data.train_y), data.num_classes, torch.device("cpu"))
+            picked = auto_inference(len(data.train_y), data.num_classes)
             for inference in ("ep", "sparse_ep"):
                 run = run_estimator(data, seed, inference, max_time=2.0 if args.smoke else None)
                 final = run["history"][-1]
@@ -101,9 +101,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         earlier = json.loads(args.out.read_text())["rows"]
         rows = [row for row in earlier if (row["dataset"], row["seed"]) not in measured] + rows
     for row in rows:  # the rule as it is now
-        row["auto_picks"] = (
-            auto_inference(row["num_train"], row["num_classes"], torch.device("cpu")) == row["inference"]
-        )
+        row["auto_picks"] = auto_inference(row["num_train"], row["num_classes"]) == row["inference"]
     args.out.write_text(json.dumps({"machine": machine(), "threads": args.threads, "rows": rows}, indent=1))
     plot(rows, args.out.with_suffix(".png"))
     return rows

@@ -77,20 +77,18 @@ CLASSIFIER_INFERENCE = "ep"
 #: EP work :math:`N C^3` for :math:`C` classes (dense multinomial-probit EP took 46 s at 6000 points of 10 classes
 #: and more than 20 minutes at 16 000 of 26; the estimator's stochastic EP about 300 s for 10 classes).
 SPARSE_EP_POINTS, SPARSE_EP_NESTED_WORK = 15_000, 4 * 10**7
-#: on CUDA both limits are this many times larger (dense products are about 100 times faster there; not measured here)
-SPARSE_EP_CUDA_FACTOR = 10
 #: ``max_solver_iterations="auto"`` above :data:`EXACT_SOLVE_SIZE`: the strategy's own default budget per Newton step.
 DEFAULT_SOLVER_ITERATIONS = SolverOptions.max_solver_iterations
 
 
-def auto_inference(num_data: int, num_classes: int, device: torch.device) -> str:
+def auto_inference(num_data: int, num_classes: int) -> str:
     r"""``inference="auto"`` for a classifier: ``"sparse_ep"`` (stochastic EP, :math:`O(C(M^3 + B M^2))` a minibatch
     whatever :math:`N`) past :data:`SPARSE_EP_POINTS` training points, or for :math:`C > 2` classes past
-    :data:`SPARSE_EP_NESTED_WORK` in :math:`N C^3` (dense multi-class EP's per-point work); both times
-    :data:`SPARSE_EP_CUDA_FACTOR` on CUDA. Else :data:`CLASSIFIER_INFERENCE` (dense computation-aware EP)."""
-    factor = SPARSE_EP_CUDA_FACTOR if device.type == "cuda" else 1
-    nested = num_classes > 2 and num_data * num_classes**3 > SPARSE_EP_NESTED_WORK * factor
-    return "sparse_ep" if num_data > SPARSE_EP_POINTS * factor or nested else CLASSIFIER_INFERENCE
+    :data:`SPARSE_EP_NESTED_WORK` in :math:`N C^3` (dense multi-class EP's per-point work); else
+    :data:`CLASSIFIER_INFERENCE` (dense computation-aware EP). The estimators fit on the CPU, where both limits were
+    measured (``benchmarks/auto_switch.py``)."""
+    nested = num_classes > 2 and num_data * num_classes**3 > SPARSE_EP_NESTED_WORK
+    return "sparse_ep" if num_data > SPARSE_EP_POINTS or nested else CLASSIFIER_INFERENCE
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -645,7 +643,7 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
             )
         inference = self.inference
         if inference == "auto":
-            inference = auto_inference(len(X), self.n_classes_, torch.device("cpu"))
+            inference = auto_inference(len(X), self.n_classes_)
         if self.n_classes_ == 2:
             likelihood = (
                 LogitBernoulliLikelihood() if self._link == "logit" else gpytorch.likelihoods.BernoulliLikelihood()

@@ -42,8 +42,7 @@ from .multinomial_probit import (
 )
 
 _LOG_2PI = math.log(2 * math.pi)
-# the mode to this many widths: the moments move by about 1e-11 against 1e-9 widths, far below the 64-node rule's own
-# error (about 1e-4 relative in the variance at the widest cavities), in a third less time
+# the mode to this many widths: the moments move far less than the 64-node rule's own error (benchmarks/README.md §18)
 _MODE_TOLERANCE = 1e-3
 _CHUNK = 1 << 21  # points x nodes x classes per block of the predictive's quadrature (16 MiB of float64)
 

@@ -45,11 +45,14 @@ point's cavity :math:`q` without its own site (a rank-one change), and a step mo
    :math:`\tilde{\boldsymbol\Lambda}_c \leftarrow (1 - \epsilon)\tilde{\boldsymbol\Lambda}_c + \epsilon
    \tfrac{N}{|\mathcal B|}\sum_{i \in \mathcal B} (\tau_{ic}/r_{ic})\mathbf v_i\mathbf v_i^\top`, likewise
    :math:`\tilde{\boldsymbol\eta}_c`, with :math:`\epsilon_0 = 1` and :math:`\epsilon_t = \min(\delta,
-   \max(|\mathcal B| / N, 1/(t + 1)))` at the :math:`t`-th step (:func:`step_fraction`): the plain average of the
-   batches seen while they cover less than the data, then SEP's own :math:`|\mathcal B|/N` (each point's site
-   replaces a :math:`1/N` share, Li et al. 2015), at most the damping :math:`\delta = 1/2`: batches that cover most
-   of the data move all sites at once, as parallel EP, which oscillates undamped (on iris at the outputscale dense EP
-   learns, full batches diverged at :math:`\epsilon = 1` and converged at 1/2).
+   \max(|\mathcal B| / N, 1/(t + 1), \epsilon_{\min}))` at the :math:`t`-th step (:func:`step_fraction`): the plain
+   average of the batches seen while they cover less than the data, then SEP's own :math:`|\mathcal B|/N` (each
+   point's site replaces a :math:`1/N` share, Li et al. 2015), but at least :math:`\epsilon_{\min} = 1/100`, a
+   memory of about a hundred steps, so that the site follows the kernel and the inducing inputs the optimiser moves
+   every step (it matters past :math:`N = 100|\mathcal B|`; measured in ``benchmarks/README.md`` §18), and at most
+   the damping :math:`\delta = 1/2`:
+   batches that cover most of the data move all sites at once, as parallel EP, which oscillates undamped (on iris at
+   the outputscale dense EP learns, full batches diverged at :math:`\epsilon = 1` and converged at 1/2).
 
 Step 1 is the cavity of each site kind (:meth:`InducingSite.cavity`), step 4 its move (:meth:`InducingSite.moved`);
 steps 2 and 3 are shared. Steps 1-4 cost :math:`O(C(M^3 + |\mathcal B| M^2))`. Projecting each tilted distribution in :math:`f` and moving
@@ -337,14 +340,16 @@ def lifted_sums(batch: WhitenedBatch, precision: Tensor, natural_mean: Tensor) -
 
 #: :math:`\delta`, the largest fraction of the way a step after the first moves the tied site (module docstring)
 STEP_DAMPING = 0.5
+#: :math:`\epsilon_{\min}`, the smallest fraction of the way a step moves the tied site (module docstring)
+STEP_FLOOR = 0.01
 
 
 def step_fraction(step: int, batch_size: int, num_data: int) -> float:
-    r""":math:`\epsilon_0 = 1`, :math:`\epsilon_t = \min(\delta, \max(|\mathcal B| / N, 1 / (t + 1)))` (module
-    docstring, step 4)."""
+    r""":math:`\epsilon_0 = 1`, :math:`\epsilon_t = \min(\delta, \max(|\mathcal B| / N, 1 / (t + 1),
+    \epsilon_{\min}))` (module docstring, step 4)."""
     if step == 0:
         return 1.0
-    return min(STEP_DAMPING, max(batch_size / num_data, 1.0 / (step + 1)))
+    return min(STEP_DAMPING, max(batch_size / num_data, 1.0 / (step + 1), STEP_FLOOR))
 
 
 @dataclass

@@ -269,6 +269,8 @@ def test_point_sites_refuse_minibatches_and_round_trip():
 def test_step_fraction_averages_then_forgets():
     assert [step_fraction(t, 10, 1000) for t in (0, 1, 3)] == [1.0, 0.5, 0.25]
     assert step_fraction(500, 10, 1000) == 0.01
+    assert step_fraction(5000, 10, 10**6) == 0.01 and step_fraction(500, 10, 2000) == 0.01  # the floor, and |B|/N
+    assert step_fraction(5000, 1000, 50_000) == 0.02
     assert step_fraction(0, 2000, 1000) == 1.0 and step_fraction(5, 2000, 1000) == 0.5  # damped full batches
 
 
