@@ -165,6 +165,14 @@ class ExactInferenceModel(BenchmarkGP):
         super().__init__(strategy, data)
 
 
+def inducing_starts(data: Data, num_inducing: int, sets: int, generator: torch.Generator) -> Tensor:
+    """``num_inducing / sets`` training inputs (at least one, at most all) for each of ``sets`` sets of inducing
+    inputs, drawn without replacement within a set: ``(sets, M, D)``."""
+    size = min(max(1, num_inducing // sets), len(data.train_y))
+    index = torch.cat([torch.randperm(len(data.train_y), generator=generator)[:size] for _ in range(sets)])
+    return data.train_x[index].reshape(sets, size, -1).clone()
+
+
 class SVGPModel(BenchmarkGP):
     """GPyTorch's SVGP with the same kernel and mean: U / C learnt inducing inputs per class started at training
     inputs, a Cholesky variational distribution, independent latents (one latent for binary data)."""
@@ -172,9 +180,9 @@ class SVGPModel(BenchmarkGP):
     def __init__(self, data: Data, num_inducing: int, generator: torch.Generator):
         batch = _latent_shape(data)
         latents = batch.numel()
-        per_latent = min(max(1, num_inducing // latents), len(data.train_y))
-        index = torch.cat([torch.randperm(len(data.train_y), generator=generator)[:per_latent] for _ in range(latents)])
-        inducing = data.train_x[index].reshape(*batch, per_latent, -1).clone()
+        starts = inducing_starts(data, num_inducing, latents, generator)
+        per_latent = starts.shape[-2]
+        inducing = starts.reshape(*batch, per_latent, -1)
         distribution = gpytorch.variational.CholeskyVariationalDistribution(per_latent, batch_shape=batch)
         strategy = gpytorch.variational.VariationalStrategy(self, inducing, distribution, learn_inducing_locations=True)
         if latents > 1:

@@ -38,7 +38,7 @@ import torch
 from benchmarks import real_data
 from benchmarks.common import machine, peak_rss_bytes
 from benchmarks.gpytorch_door import nll_at, spread
-from benchmarks.learned import BenchmarkGP, Data, load, minibatch_loop, run_svgp
+from benchmarks.learned import BenchmarkGP, Data, inducing_starts, load, minibatch_loop, run_svgp
 from gpytorch_iterncgp import MultinomialProbitLikelihood, StochasticEPMarginalLogLikelihood, StochasticEPStrategy
 
 RESULTS = Path(__file__).resolve().parent / "results" / "scalable_ep"
@@ -52,9 +52,7 @@ class SEPModel(BenchmarkGP):
 
     def __init__(self, data: Data, num_inducing: int, likelihood, generator: torch.Generator, per_class: bool = False):
         sets = data.num_classes if per_class and data.num_classes > 2 else 1
-        size = min(max(1, num_inducing // sets), len(data.train_y))
-        index = torch.cat([torch.randperm(len(data.train_y), generator=generator)[:size] for _ in range(sets)])
-        inducing = data.train_x[index].reshape(sets, size, -1).squeeze(0).clone()
+        inducing = inducing_starts(data, num_inducing, sets, generator).squeeze(0)  # (M, D) when shared
         super().__init__(StochasticEPStrategy(self, inducing, likelihood), data)
 
 

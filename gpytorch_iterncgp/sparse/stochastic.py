@@ -50,14 +50,15 @@ point's cavity :math:`q` without its own site (a rank-one change), and a step mo
    point's site replaces a :math:`1/N` share, Li et al. 2015), but at least :math:`\epsilon_{\min} = 1/100`, a
    memory of about a hundred steps, so that the site follows the kernel and the inducing inputs the optimiser moves
    every step (it matters past :math:`N = 100|\mathcal B|`; measured in ``benchmarks/README.md`` §18), and at most
-   the damping :math:`\delta = 1/2`:
-   batches that cover most of the data move all sites at once, as parallel EP, which oscillates undamped (on iris at
-   the outputscale dense EP learns, full batches diverged at :math:`\epsilon = 1` and converged at 1/2).
+   the damping :math:`\delta = 1/2`: batches that cover most of the data move all sites at once, as parallel EP,
+   which oscillates undamped (on iris at the outputscale dense EP learns, full batches diverged at
+   :math:`\epsilon = 1` and converged at 1/2).
 
 Step 1 is the cavity of each site kind (:meth:`InducingSite.cavity`), step 4 its move (:meth:`InducingSite.moved`);
-steps 2 and 3 are shared. Steps 1-4 cost :math:`O(C(M^3 + |\mathcal B| M^2))`. Projecting each tilted distribution in :math:`f` and moving
-the conditional gives the moment-matched projection in :math:`\mathbf z_c` (the tilted distribution of
-:math:`(\mathbf z_c, f_{ic})` keeps the cavity's conditional of :math:`\mathbf z_c` given :math:`f_{ic}`).
+steps 2 and 3 are shared. Steps 1-4 cost :math:`O(C(M^3 + |\mathcal B| M^2))`. Projecting each tilted
+distribution in :math:`f` and moving the conditional gives the moment-matched projection in :math:`\mathbf z_c`
+(the tilted distribution of :math:`(\mathbf z_c, f_{ic})` keeps the cavity's conditional of :math:`\mathbf z_c`
+given :math:`f_{ic}`).
 
 **Energy.** With the tied site held fixed in the whitened coordinates, the terms of SEP's approximation of
 :math:`\log p(\mathbf y)` that involve only :math:`q`, :math:`q_\setminus` and the prior
