@@ -2,6 +2,7 @@ r"""Where ``inference="auto"`` switches from dense EP to stochastic EP: both est
 
     python -m benchmarks.auto_switch                                   # binary and 10-class mixtures (25 minutes)
     python -m benchmarks.auto_switch --datasets mixture20000 --seeds 0 1   # adds rows to the results
+    python -m benchmarks.auto_switch --datasets binary20000 --inferences ep  # replaces only dense EP's rows
     python -m benchmarks.auto_switch --smoke                           # tiny sizes, seconds
 
 For each data set (the mixture of :mod:`benchmarks.learned`: ``binary<N>``, ``mixture<N>`` with 10 classes) and seed,
@@ -11,7 +12,8 @@ each fit's wall time (learning included) and test NLL, and which of the two ``"a
 (:func:`gpytorch_iterncgp.integrations.sklearn.auto_inference`). The switch has no step backwards where, on each
 side of it, the method ``"auto"`` picks reaches at most the other's NLL, or the same NLL sooner.
 
-Writes ``results/auto_switch.json`` (with the machine; rows of other data sets and seeds already there are kept) and ``results/auto_switch.png`` (test NLL against seconds, a
+Writes ``results/auto_switch.json`` (with the machine; rows of other data sets, seeds and inferences already there are
+kept) and ``results/auto_switch.png`` (test NLL against seconds, a
 point per fit, a panel per number of classes).
 """
 
@@ -35,6 +37,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--datasets", nargs="+", default=["binary10000", "binary20000", "mixture3000", "mixture6000"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
+    parser.add_argument("--inferences", nargs="+", default=["ep", "sparse_ep"], choices=["ep", "sparse_ep"])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--smoke", action="store_true", help="tiny data, seconds")
     parser.add_argument("--out", type=Path, default=RESULTS / "auto_switch.json")
@@ -75,7 +78,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for seed in args.seeds:
             data = load(name, args.smoke, seed)
             picked = auto_inference(len(data.train_y), data.num_classes)
-            for inference in ("ep", "sparse_ep"):
+            for inference in args.inferences:
                 run = run_estimator(data, seed, inference, max_time=2.0 if args.smoke else None)
                 final = run["history"][-1]
                 row = {
@@ -96,10 +99,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     flush=True,
                 )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    if args.out.exists():  # keep the rows of other data sets and seeds from an earlier call
-        measured = {(row["dataset"], row["seed"]) for row in rows}
+    if args.out.exists():  # keep the rows of other data sets, seeds and inferences from an earlier call
+        measured = {(row["dataset"], row["seed"], row["inference"]) for row in rows}
         earlier = json.loads(args.out.read_text())["rows"]
-        rows = [row for row in earlier if (row["dataset"], row["seed"]) not in measured] + rows
+        rows = [row for row in earlier if (row["dataset"], row["seed"], row["inference"]) not in measured] + rows
     for row in rows:  # the rule as it is now
         row["auto_picks"] = auto_inference(row["num_train"], row["num_classes"]) == row["inference"]
     args.out.write_text(json.dumps({"machine": machine(), "threads": args.threads, "rows": rows}, indent=1))

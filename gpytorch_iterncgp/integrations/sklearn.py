@@ -30,7 +30,7 @@ import math
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import gpytorch
 import numpy as np
@@ -73,12 +73,21 @@ EXACT_SOLVE_SIZE = 1000
 #: Laplace).
 CLASSIFIER_INFERENCE = "ep"
 #: ``inference="auto"`` picks stochastic EP past this many training points on a CPU (``benchmarks/auto_switch.py``:
-#: binary dense EP at 10⁴ points was better and faster, at 2·10⁴ its default budget failed), or past this much nested
-#: EP work :math:`N C^3` for :math:`C` classes (dense multinomial-probit EP took 46 s at 6000 points of 10 classes
-#: and more than 20 minutes at 16 000 of 26; the estimator's stochastic EP about 300 s for 10 classes).
+#: binary dense EP at 1.5·10⁴ points was better and faster, at 2·10⁴ better by 0.003 but slower, at 3·10⁴ nine times
+#: slower), or past this much nested EP work :math:`N C^3` for :math:`C` classes (dense multinomial-probit EP took
+#: 46 s at 6000 points of 10 classes and more than 20 minutes at 16 000 of 26; the estimator's stochastic EP about
+#: 300 s for 10 classes).
 SPARSE_EP_POINTS, SPARSE_EP_NESTED_WORK = 15_000, 4 * 10**7
 #: ``max_solver_iterations="auto"`` above :data:`EXACT_SOLVE_SIZE`: the strategy's own default budget per Newton step.
-DEFAULT_SOLVER_ITERATIONS = SolverOptions.max_solver_iterations
+DEFAULT_SOLVER_ITERATIONS = cast(int, SolverOptions.max_solver_iterations)  # an int (the dataclass field allows None)
+#: ``max_solver_iterations="auto"`` for EP with one latent value per point (binary, counts) past this many training
+#: points: :data:`DEFAULT_SOLVER_ITERATIONS` per sweep for every this many points (rounded up). EP's cavities take the
+#: marginal variances of the stopped solve, which include its computational uncertainty; with too few new actions per
+#: sweep the cavities of most points sit at the prior and the sweeps diverge (``benchmarks/README.md`` §20: binary
+#: mixture, 5 iterations per sweep, test NLL 0.19 at 10⁴ points and above 7 at 2·10⁴; 10 per sweep at 2·10⁴: 0.18).
+#: Laplace's Newton steps use only the mean; multi-class EP at 2·10⁴ points of 10 classes converged with 5 per sweep
+#: and was no better with 10.
+EP_POINTS_PER_BUDGET = 10_000
 
 
 def auto_inference(num_data: int, num_classes: int) -> str:
@@ -320,8 +329,9 @@ class _IterNCGPEstimator(BaseEstimator):
         for name in ("recycle", "optimize_hyperparameters", "verbose"):
             self._check(check_flag, name)
 
-    def _solver_budget(self, num_latent_values: int) -> dict:
-        r"""Resolve ``policy`` and ``max_solver_iterations`` (``"auto"``) for ``num_latent_values`` :math:`= N C`.
+    def _solver_budget(self, num_latent_values: int, num_points: int | None = None, inference: str = "laplace") -> dict:
+        r"""Resolve ``policy`` and ``max_solver_iterations`` (``"auto"``) for ``num_latent_values`` :math:`= N C`, and
+        for EP (``inference="ep"``) with :math:`C = 1` for ``num_points`` :math:`N` (:data:`EP_POINTS_PER_BUDGET`).
 
         :return: ``policy``, ``max_solver_iterations`` and ``solver_tol`` as passed to the strategy, ``exact``
             (whether every solve runs until :math:`\mathbf C` has full rank) and ``rule`` (a sentence).
@@ -343,6 +353,13 @@ class _IterNCGPEstimator(BaseEstimator):
             rule = (
                 f"N C = {num_latent_values} <= {EXACT_SOLVE_SIZE}, policy {policy!r}: each solve until the residual is "
                 f"below solver_tol = {tolerance:g}"
+            )
+        elif auto_iterations and inference == "ep" and num_points == num_latent_values > EP_POINTS_PER_BUDGET:
+            iterations = DEFAULT_SOLVER_ITERATIONS * math.ceil(num_latent_values / EP_POINTS_PER_BUDGET)
+            rule = (
+                f"N = {num_latent_values} > {EP_POINTS_PER_BUDGET} points of one latent value: at most {iterations} "
+                f"solver iterations per EP sweep, {DEFAULT_SOLVER_ITERATIONS} for every {EP_POINTS_PER_BUDGET} points "
+                "(computational uncertainty in the posterior)"
             )
         elif auto_iterations:
             iterations = DEFAULT_SOLVER_ITERATIONS
@@ -420,7 +437,7 @@ class _IterNCGPEstimator(BaseEstimator):
         kernel = default_kernel(X.shape[1]) if self.kernel is None else copy.deepcopy(self.kernel).to(_DTYPE)
         num_latents = likelihood_adapter(likelihood).num_latents
         self.inference_ = inference
-        self.solver_budget_ = budget = self._solver_budget(len(X) * num_latents)
+        self.solver_budget_ = budget = self._solver_budget(len(X) * num_latents, len(X), inference)
         options = self._strategy_options(seed, budget, inference)
         strategy_type = EPStrategy if inference == "ep" else IterNCGPStrategy
         learn = bool(self.optimize_hyperparameters) and self.optimizer_steps > 0
@@ -566,7 +583,10 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
           hyperparameters reuse the recycled actions. With another policy: no budget, until ``solver_tol``.
         * :math:`N C >` :data:`EXACT_SOLVE_SIZE`: CG, at most :data:`DEFAULT_SOLVER_ITERATIONS` iterations per
           Newton step (:class:`~gpytorch_iterncgp.IterNCGPStrategy`'s default); the predictive variance then
-          includes the computational uncertainty of the stopped solver.
+          includes the computational uncertainty of the stopped solver. Binary EP past :data:`EP_POINTS_PER_BUDGET`
+          (10 000) points: :data:`DEFAULT_SOLVER_ITERATIONS` per sweep for every 10 000 points, rounded up (its
+          cavities take the marginal variances, computational uncertainty included; with fewer the sweeps
+          diverged at 2·10⁴ binary points).
 
         What was used is recorded in ``solver_budget_``.
     :param compression_rank: number of recycled solver actions kept between Newton steps (``None``: all).

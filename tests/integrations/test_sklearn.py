@@ -597,6 +597,24 @@ def test_default_solver_budget_above_the_exact_size_is_the_strategys_default():
     )
 
 
+def test_default_binary_ep_budget_grows_with_the_number_of_points():
+    """Binary EP past EP_POINTS_PER_BUDGET points: DEFAULT_SOLVER_ITERATIONS per sweep for every EP_POINTS_PER_BUDGET
+    points (rounded up); multi-class EP and Laplace keep the strategy's default, and a budget the user set is kept."""
+    from gpytorch_iterncgp.integrations.sklearn import DEFAULT_SOLVER_ITERATIONS, EP_POINTS_PER_BUDGET
+
+    estimator = IterNCGPClassifier()
+    for points, blocks in ((EP_POINTS_PER_BUDGET, 1), (EP_POINTS_PER_BUDGET + 1, 2), (25_000, 3)):
+        budget = estimator._solver_budget(points, points, "ep")
+        assert budget["max_solver_iterations"] == blocks * DEFAULT_SOLVER_ITERATIONS and budget["policy"] == "cg"
+        assert f"at most {blocks * DEFAULT_SOLVER_ITERATIONS} solver iterations" in budget["rule"]
+        for latent_values, inference in ((points, "laplace"), (10 * points, "ep")):
+            other = estimator._solver_budget(latent_values, points, inference)
+            assert other["max_solver_iterations"] == DEFAULT_SOLVER_ITERATIONS
+    assert (
+        IterNCGPClassifier(max_solver_iterations=7)._solver_budget(25_000, 25_000, "ep")["max_solver_iterations"] == 7
+    )
+
+
 def test_multiclass_log_marginal_likelihood_matches_exact_laplace_evidence():
     """Softmax with a kernel shared by the classes (its prior has N, not N C, values)."""
     x, y, _ = _multiclass()
