@@ -203,10 +203,10 @@ def _evidence(strategy) -> type[LaplaceMarginalLogLikelihood] | type[EPMarginalL
 
 
 @contextlib.contextmanager
-def _as_scikit_learn_warnings(estimator: str) -> Iterator[None]:
+def _as_scikit_learn_warnings(estimator: str, hint: str = "") -> Iterator[None]:
     """The package's :class:`~gpytorch_iterncgp.ConvergenceWarning` inside the block raised as scikit-learn's
-    ``ConvergenceWarning`` (the estimators' idiom), naming the ``estimator``'s parameter that sets a step limit; other
-    warnings as they were."""
+    ``ConvergenceWarning`` (the estimators' idiom), naming the ``estimator``'s parameter that sets a step limit, and
+    ending with ``hint``; other warnings as they were."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         yield
@@ -216,6 +216,7 @@ def _as_scikit_learn_warnings(estimator: str) -> Iterator[None]:
             category = ConvergenceWarning
             if "stopped at max_" in message:  # the strategy's option is the estimator's max_newton_steps
                 message += f" In {estimator}, the parameter max_newton_steps sets this limit (EP's sweeps too)."
+            message += hint
         warnings.warn(message, category, stacklevel=5)
 
 
@@ -391,6 +392,10 @@ class _IterNCGPEstimator(BaseEstimator):
         return {**options, "max_newton_steps": self.max_newton_steps, **tolerance}
 
     # -- fitting ---------------------------------------------------------------------------------
+    def _convergence_hint(self, num_points: int, inference: str) -> str:
+        """Appended to the fit's ``ConvergenceWarning``: nothing here (the classifier names a faster inference)."""
+        return ""
+
     def _fit_sparse_model(self, X: np.ndarray, targets: torch.Tensor, likelihood, mean) -> None:
         """``inference="sparse_ep"``: stochastic EP with ``num_inducing`` inducing inputs at k-means centres of ``X``
         (scikit-learn's ``MiniBatchKMeans``), learnt with the kernel by :func:`~gpytorch_iterncgp.fit_mll`'s
@@ -449,7 +454,7 @@ class _IterNCGPEstimator(BaseEstimator):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)  # probe vectors of the matrix-free evidence, random actions
             model = _LatentGP(train_x, targets, likelihood, kernel, mean, strategy_type, options).to(_DTYPE)
-            with _as_scikit_learn_warnings(type(self).__name__):
+            with _as_scikit_learn_warnings(type(self).__name__, self._convergence_hint(len(X), inference)):
                 report = fit_mll(
                     _evidence(model.variational_strategy)(likelihood, model),
                     max_time=self.max_time,
@@ -647,6 +652,16 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
     """
 
     _links = ("logit", "probit")
+
+    def _convergence_hint(self, num_points: int, inference: str) -> str:
+        """Where dense EP was asked for past :func:`auto_inference`'s switch, the inference ``"auto"`` would pick."""
+        if inference == "ep" and auto_inference(num_points, self.n_classes_) == "sparse_ep":
+            return (
+                f" With {num_points} training points of {self.n_classes_} classes, inference='auto' picks 'sparse_ep' "
+                "(stochastic EP with inducing inputs): faster here, and dense EP's computation-aware sweeps can "
+                "diverge at this size."
+            )
+        return ""
 
     def fit(self, X, y):
         """Fit the Laplace or EP posterior (and, optionally, the kernel hyperparameters) to ``X`` ``(n, d)``, ``y``

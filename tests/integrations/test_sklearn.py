@@ -615,6 +615,25 @@ def test_default_binary_ep_budget_grows_with_the_number_of_points():
     )
 
 
+def test_dense_ep_past_the_switch_names_stochastic_ep_when_it_does_not_converge(monkeypatch):
+    """``inference="ep"`` on data where ``"auto"`` picks stochastic EP: a fit that stops before convergence says so and
+    names ``'sparse_ep'``; below the switch the warning has no such hint (the switch lowered to 150 points here)."""
+    from sklearn.exceptions import ConvergenceWarning
+
+    from gpytorch_iterncgp.integrations import sklearn as estimators
+
+    x, y, _ = _binary(num=200)
+    fast = dict(inference="ep", optimize_hyperparameters=False, max_newton_steps=1, random_state=0)
+    monkeypatch.setattr(estimators, "SPARSE_EP_POINTS", 150)
+    assert len(x) > 150 and estimators.auto_inference(len(x), 2) == "sparse_ep"
+    with pytest.warns(ConvergenceWarning, match="stopped at max_sweeps=1") as caught:
+        IterNCGPClassifier(**fast).fit(x, y)
+    assert any("inference='auto' picks 'sparse_ep'" in str(warning.message) for warning in caught)
+    with pytest.warns(ConvergenceWarning, match="stopped at max_sweeps=1") as caught:
+        IterNCGPClassifier(**fast).fit(x[:150], y[:150])
+    assert not any("sparse_ep" in str(warning.message) for warning in caught)
+
+
 def test_multiclass_log_marginal_likelihood_matches_exact_laplace_evidence():
     """Softmax with a kernel shared by the classes (its prior has N, not N C, values)."""
     x, y, _ = _multiclass()
