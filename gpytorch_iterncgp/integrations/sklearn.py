@@ -80,7 +80,8 @@ CLASSIFIER_INFERENCE = "ep"
 SPARSE_EP_POINTS, SPARSE_EP_NESTED_WORK = 15_000, 4 * 10**7
 #: ``max_solver_iterations="auto"`` above :data:`EXACT_SOLVE_SIZE`: the strategy's own default budget per Newton step.
 DEFAULT_SOLVER_ITERATIONS = cast(int, SolverOptions.max_solver_iterations)  # an int (the dataclass field allows None)
-#: ``max_solver_iterations="auto"`` for EP with one latent value per point (binary, counts) past this many training
+#: ``max_solver_iterations="auto"`` for EP with one latent value per point (measured on binary data; counts get the same
+#: rule) past this many training
 #: points: :data:`DEFAULT_SOLVER_ITERATIONS` per sweep for every this many points (rounded up). EP's cavities take the
 #: marginal variances of the stopped solve, which include its computational uncertainty; with too few new actions per
 #: sweep the cavities of most points sit at the prior and the sweeps diverge (``benchmarks/README.md`` §20: binary
@@ -330,15 +331,16 @@ class _IterNCGPEstimator(BaseEstimator):
         for name in ("recycle", "optimize_hyperparameters", "verbose"):
             self._check(check_flag, name)
 
-    def _solver_budget(self, num_latent_values: int, num_points: int | None = None, inference: str = "laplace") -> dict:
-        r"""Resolve ``policy`` and ``max_solver_iterations`` (``"auto"``) for ``num_latent_values`` :math:`= N C`, and
-        for EP (``inference="ep"``) with :math:`C = 1` for ``num_points`` :math:`N` (:data:`EP_POINTS_PER_BUDGET`).
+    def _solver_budget(self, num_points: int, num_latents: int = 1, inference: str = "laplace") -> dict:
+        r"""Resolve ``policy`` and ``max_solver_iterations`` (``"auto"``) for :math:`N` ``num_points`` of :math:`C`
+        ``num_latents`` latent values each, and the ``inference`` (EP with :math:`C = 1`: :data:`EP_POINTS_PER_BUDGET`).
 
         :return: ``policy``, ``max_solver_iterations`` and ``solver_tol`` as passed to the strategy, ``exact``
             (whether every solve runs until :math:`\mathbf C` has full rank) and ``rule`` (a sentence).
         """
         auto_policy = isinstance(self.policy, str) and self.policy == "auto"
         auto_iterations = isinstance(self.max_solver_iterations, str) and self.max_solver_iterations == "auto"
+        num_latent_values = num_points * num_latents
         small = num_latent_values <= EXACT_SOLVE_SIZE
         policy = ("unit" if small and auto_iterations else "cg") if auto_policy else self.policy
         iterations, tolerance, exact = self.max_solver_iterations, float(self.solver_tol), False
@@ -355,10 +357,10 @@ class _IterNCGPEstimator(BaseEstimator):
                 f"N C = {num_latent_values} <= {EXACT_SOLVE_SIZE}, policy {policy!r}: each solve until the residual is "
                 f"below solver_tol = {tolerance:g}"
             )
-        elif auto_iterations and inference == "ep" and num_points == num_latent_values > EP_POINTS_PER_BUDGET:
-            iterations = DEFAULT_SOLVER_ITERATIONS * math.ceil(num_latent_values / EP_POINTS_PER_BUDGET)
+        elif auto_iterations and inference == "ep" and num_latents == 1 and num_points > EP_POINTS_PER_BUDGET:
+            iterations = DEFAULT_SOLVER_ITERATIONS * math.ceil(num_points / EP_POINTS_PER_BUDGET)
             rule = (
-                f"N = {num_latent_values} > {EP_POINTS_PER_BUDGET} points of one latent value: at most {iterations} "
+                f"N = {num_points} > {EP_POINTS_PER_BUDGET} points of one latent value: at most {iterations} "
                 f"solver iterations per EP sweep, {DEFAULT_SOLVER_ITERATIONS} for every {EP_POINTS_PER_BUDGET} points "
                 "(computational uncertainty in the posterior)"
             )
@@ -442,7 +444,7 @@ class _IterNCGPEstimator(BaseEstimator):
         kernel = default_kernel(X.shape[1]) if self.kernel is None else copy.deepcopy(self.kernel).to(_DTYPE)
         num_latents = likelihood_adapter(likelihood).num_latents
         self.inference_ = inference
-        self.solver_budget_ = budget = self._solver_budget(len(X) * num_latents, len(X), inference)
+        self.solver_budget_ = budget = self._solver_budget(len(X), num_latents, inference)
         options = self._strategy_options(seed, budget, inference)
         strategy_type = EPStrategy if inference == "ep" else IterNCGPStrategy
         learn = bool(self.optimize_hyperparameters) and self.optimizer_steps > 0
