@@ -191,6 +191,7 @@ def test_svgp_with_more_inducing_points_than_data():
         )
 
 
+@pytest.mark.slow  # over 75 s on an H100 machine: the quick suite runs every method of `benchmarks/suite.py`
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_suite_quick_run_on_cuda(tmp_path):
     """Every method of the suite runs with its tensors on the GPU (SVGP's variational parameters included)."""

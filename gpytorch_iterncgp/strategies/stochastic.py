@@ -221,7 +221,13 @@ class StochasticEPStrategy(LatentPredictions, gpytorch.Module):
         self.site, record = loop.step(self.site, batch, targets, cavity, moments)
         return record
 
-    # -- state_dict and devices ------------------------------------------------------------------
+    # -- state_dict, copies and devices ---------------------------------------------------------
+    def __getstate__(self) -> dict:
+        """For ``copy.deepcopy`` and ``pickle`` (keeping the best model while training, say): everything but the last
+        training output, whose tensors belong to that step's autograd graph (a copy starts without one, as after
+        ``model.eval()``)."""
+        return {**self.__dict__, "_last": None}
+
     def get_extra_state(self) -> dict:
         """The site for ``state_dict()``: tensors and numbers only."""
         return {"site": self.site.to_extra()}

@@ -159,6 +159,40 @@ def test_state_dict_round_trip_and_float32():
         other.load_state_dict(model.state_dict())
 
 
+def test_a_model_copied_in_training_trains_on_as_the_original():
+    """``copy.deepcopy`` and ``pickle`` mid-training (the last training output's graph is not copied): the copy's
+    next steps equal the original's."""
+    import pickle
+
+    x, y = binary_data(60, seed=4)
+    likelihood = gpytorch.likelihoods.BernoulliLikelihood()
+    model = SEPModel(x[:8].clone(), likelihood).to(F64)
+    mll = StochasticEPMarginalLogLikelihood(likelihood, model, num_data=len(x))
+    model.train()
+    (-mll(model(x[:20]), y[:20])).backward()  # a training output is held
+    copies = [copy.deepcopy(model), pickle.loads(pickle.dumps(model))]
+    results = []
+    for candidate in [model, *copies]:
+        objective = StochasticEPMarginalLogLikelihood(
+            candidate.variational_strategy.likelihood, candidate, num_data=len(x)
+        )
+        candidate.train()
+        candidate.zero_grad()
+        value = objective(candidate(x[20:40]), y[20:40])
+        value.backward()
+        results.append(
+            (value.detach(), candidate.variational_strategy.site.precision, candidate.mean_module.constant.grad)
+        )
+    for result in results[1:]:
+        for copied, original in zip(result, results[0], strict=True):
+            torch.testing.assert_close(copied, original, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="last call in training mode"):
+        copied = copies[0]
+        StochasticEPMarginalLogLikelihood(copied.variational_strategy.likelihood, copied, num_data=len(x))(
+            model(x[:5]), y[:5]
+        )
+
+
 def test_errors_name_the_fix():
     x, y = binary_data(30, seed=0)
     likelihood = gpytorch.likelihoods.BernoulliLikelihood()
