@@ -292,8 +292,11 @@ def run_gpytorch_path(data: Data, inference: str, budget: float, seed: int, lear
     return {"label": f"{inference} (GPyTorch path, Adam lr {learning_rate})", "history": history}
 
 
-def run_svgp(data: Data, num_inducing: int, learning_rate: float, budget: float, seed: int) -> dict:
-    """SVGP with learnt kernel and inducing inputs, Adam on the ELBO in mini-batches of 1024, ``budget`` seconds."""
+def run_svgp(
+    data: Data, num_inducing: int, learning_rate: float, budget: float, seed: int, schedule: str = "constant"
+) -> dict:
+    """SVGP with learnt kernel and inducing inputs, Adam on the ELBO in mini-batches of 1024, ``budget`` seconds
+    (``schedule``: :func:`minibatch_loop`)."""
     generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     model = SVGPModel(data, num_inducing, generator)
@@ -315,14 +318,35 @@ def run_svgp(data: Data, num_inducing: int, learning_rate: float, budget: float,
         budget,
         generator,
         lambda: svgp_probabilities(model, data.test_x, data.num_classes),
+        schedule,
     )
-    return {"label": f"SVGP U={num_inducing} lr {learning_rate}", "history": history}
+    suffix = "" if schedule == "constant" else f" {schedule}"
+    return {"label": f"SVGP U={num_inducing} lr {learning_rate}{suffix}", "history": history}
 
 
-def minibatch_loop(model, objective, optimizer, data: Data, targets: Tensor, budget: float, generator, probabilities):
-    """GPyTorch's minibatch loop (batches of 1024, ``-objective(model(x_b), y_b)``) for ``budget`` seconds of its own
-    work, ``probabilities()`` scored ten times along the way and at the end: the history."""
+def minibatch_loop(
+    model,
+    objective,
+    optimizer,
+    data: Data,
+    targets: Tensor,
+    budget: float,
+    generator,
+    probabilities,
+    schedule: str = "constant",
+):
+    r"""GPyTorch's minibatch loop (batches of 1024, ``-objective(model(x_b), y_b)``) for ``budget`` seconds of its own
+    work, ``probabilities()`` scored ten times along the way and at the end: the history. ``schedule="cosine"``
+    anneals the learning rate by the fraction :math:`p` of the budget spent, :math:`\tfrac12(1 + \cos\pi p)`
+    times the optimiser's (``torch.optim.lr_scheduler.LambdaLR``), as ``fit_mll``'s recipe does with ``max_time``."""
     clock, history, steps, next_evaluation = Clock(), [], 0, 0.0
+    annealing = (
+        torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda _: 0.5 * (1 + math.cos(math.pi * min(clock.elapsed() / budget, 1.0)))
+        )
+        if schedule == "cosine"
+        else None
+    )
     model.train()
     while clock.elapsed() < budget:
         for batch in torch.randperm(len(targets), generator=generator).split(1024):
@@ -330,6 +354,8 @@ def minibatch_loop(model, objective, optimizer, data: Data, targets: Tensor, bud
             loss = -objective(model(data.train_x[batch]), targets[batch])
             loss.backward()
             optimizer.step()
+            if annealing is not None:
+                annealing.step()
             steps += 1
             if clock.elapsed() >= next_evaluation:
                 clock.evaluate(history, probabilities, data.test_y, adam_steps=steps)

@@ -58,9 +58,16 @@ class SEPModel(BenchmarkGP):
 
 
 def run_sep(
-    data: Data, num_inducing: int, learning_rate: float, budget: float, seed: int, per_class: bool = False
+    data: Data,
+    num_inducing: int,
+    learning_rate: float,
+    budget: float,
+    seed: int,
+    per_class: bool = False,
+    schedule: str = "constant",
 ) -> dict:
-    """Stochastic EP in SVGP's loop (module docstring) for ``budget`` seconds, scored ten times along the way."""
+    """Stochastic EP in SVGP's loop (module docstring) for ``budget`` seconds, scored ten times along the way
+    (``schedule``: :func:`benchmarks.learned.minibatch_loop`)."""
     generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     multiclass = data.num_classes > 2
@@ -79,9 +86,10 @@ def run_sep(
         model.train()
         return result
 
-    history = minibatch_loop(model, objective, optimizer, data, targets, budget, generator, probabilities)
+    history = minibatch_loop(model, objective, optimizer, data, targets, budget, generator, probabilities, schedule)
     layout = f"{num_inducing // data.num_classes}/class" if per_class and data.num_classes > 2 else f"M={num_inducing}"
-    return {"label": f"SEP {layout} lr {learning_rate}", "history": history}
+    suffix = "" if schedule == "constant" else f" {schedule}"
+    return {"label": f"SEP {layout} lr {learning_rate}{suffix}", "history": history}
 
 
 def load_data(name: str, smoke: bool, seed: int) -> Data:
@@ -162,6 +170,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="SEP's inducing inputs for C classes: M shared, or M / C per class (SVGP's layout)",
     )
     parser.add_argument("--learning-rate", type=float, default=0.01)
+    parser.add_argument(
+        "--schedule",
+        choices=["constant", "cosine"],
+        default="constant",
+        help="both methods' learning rate: constant, or annealed to 0 over the budget (cosine)",
+    )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu", help="where the data and models live (cpu, cuda)")
     parser.add_argument("--smoke", action="store_true", help="tiny data and a few seconds")
@@ -199,9 +213,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         runs = []
         for method in args.methods:
             if method == "sep":
-                run = run_sep(data, inducing, args.learning_rate, budget, args.seed, args.sep_layout == "per-class")
+                per_class = args.sep_layout == "per-class"
+                run = run_sep(data, inducing, args.learning_rate, budget, args.seed, per_class, args.schedule)
             else:
-                run = run_svgp(data, inducing, args.learning_rate, budget, args.seed)
+                run = run_svgp(data, inducing, args.learning_rate, budget, args.seed, args.schedule)
             run["method"], run["peak_rss_bytes"] = method, peak_rss_bytes()  # of the process so far
             final = run["history"][-1]
             print(
@@ -216,6 +231,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             "num_classes": data.num_classes,
             "seed": args.seed,
             "budget": budget,
+            "schedule": args.schedule,
             "threads": args.threads,
             "device": args.device,
             "machine": machine(),

@@ -418,3 +418,14 @@ def test_auto_switch_smoke_run_measures_both_sides(tmp_path):
     assert sum(row["auto_picks"] for row in rows) == 1 and rows[0]["auto_picks"]  # 200 smoke points: dense EP
     assert all(0 < row["nll"] < 1 and row["seconds"] > 0 for row in rows)
     assert out.exists() and out.with_suffix(".png").exists()
+
+
+def test_frozen_inducing_smoke_run_scores_every_variant(tmp_path):
+    from benchmarks import frozen_inducing
+
+    output = frozen_inducing.main(["--smoke", "--seeds", "0", "--out", str(tmp_path / "frozen.json")])
+    assert [run["method"] for run in output["runs"]] == ["sep", "svgp"]
+    for run in output["runs"]:
+        assert run["scored_after"] == [50] and 0 < run["trained"] < 1
+        assert all(len(run[variant]) == 1 and 0 < run[variant][0] < 1 for variant in frozen_inducing.STOPPED)
+    assert json.loads((tmp_path / "frozen.json").read_text())["steps"] == 20

@@ -30,17 +30,36 @@ class MinibatchRecipe:
         (:class:`~.scale.LogScale`) and on the inducing inputs.
     :param max_steps: minibatch steps at most (``max_time`` may stop it earlier); each visits ``batch_size`` points
         without replacement within a pass over the data.
+    :param schedule: ``"cosine"``: the learning rate :math:`\alpha_0\,\tfrac12(1 + \cos\pi p)` at progress
+        :math:`p`, the larger of the fractions of ``max_steps`` and of ``max_time`` spent (cosine annealing, Loshchilov &
+        Hutter 2017), so that the inducing inputs and the kernel come to rest and the tied site settles on them;
+        ``"constant"``: :math:`\alpha_0` throughout.
     """
 
     batch_size: int = 512
     learning_rate: float = 0.01
     max_steps: int = 2000
+    schedule: str = "cosine"
+
+    #: the ``schedule`` choices
+    SCHEDULES = ("cosine", "constant")
 
     def validate(self) -> None:
         """:raises ValueError: naming the field that is out of range."""
         check_count(self.batch_size, "batch_size", minimum=1)
         check_count(self.max_steps, "max_steps", minimum=1)
         check_nonnegative(self.learning_rate, "learning_rate", positive=True)
+        if self.schedule not in self.SCHEDULES:
+            raise ValueError(f"MinibatchRecipe: schedule must be one of {self.SCHEDULES}, got {self.schedule!r}.")
+
+    def rate_factor(self, step: int, elapsed: float, max_time: float | None) -> float:
+        """The learning rate's factor after ``step`` steps and ``elapsed`` seconds of ``max_time`` (``schedule``)."""
+        if self.schedule == "constant":
+            return 1.0
+        progress = step / self.max_steps
+        if max_time is not None and max_time > 0:
+            progress = max(progress, elapsed / max_time)
+        return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
 def fit_minibatches(
@@ -69,10 +88,18 @@ def fit_minibatches(
         )
     parameters = [parameter for parameter in model.parameters() if parameter.requires_grad]
     scale = LogScale(model, parameters)
-    optimizer = torch.optim.Adam(scale.variables, lr=recipe.learning_rate) if parameters else None
+    start = time.perf_counter()
+    max_time = None if deadline is None else deadline - start
+    schedule = (  # Adam and its learning rate (recipe.schedule); None: nothing to learn
+        torch.optim.lr_scheduler.LambdaLR(
+            torch.optim.Adam(scale.variables, lr=recipe.learning_rate),
+            lambda step: recipe.rate_factor(step, time.perf_counter() - start, max_time),
+        )
+        if parameters
+        else None
+    )
     batch_size = min(recipe.batch_size, len(inputs))
     report = LearningReport(method="Adam", evidence="SEP", data_points=len(inputs), num_data=len(inputs))
-    start = time.perf_counter()
     description = f"learning: Adam on SEP's energy, batches of {batch_size} of {len(inputs)} points"
     bar = tqdm(total=recipe.max_steps, desc=description, disable=not show)
     report.stopped = "max_steps"
@@ -93,16 +120,17 @@ def fit_minibatches(
                 report.stopped = "max_time"
                 break
             with small_operations():  # one thread a step: a busy machine's other process costs little
-                if optimizer is None:
+                if schedule is None:
                     with torch.no_grad():
                         loss = -mll(model(inputs[rows]), targets[rows])
                 else:
                     scale.push()
-                    optimizer.zero_grad()
+                    schedule.optimizer.zero_grad()
                     loss = -mll(model(inputs[rows]), targets[rows])
                     loss.backward()
                     scale.pull_gradients()
-                    optimizer.step()
+                    schedule.optimizer.step()
+                    schedule.step()
             report.losses.append(float(loss.detach()))
             bar.update(1)
             bar.set_postfix(loss=f"{report.losses[-1]:.4g}")

@@ -13,6 +13,7 @@ r"""StochasticEPStrategy and StochasticEPMarginalLogLikelihood: SVGP's training 
 from __future__ import annotations
 
 import copy
+import math
 from pathlib import Path
 
 import gpytorch
@@ -234,6 +235,34 @@ def test_fit_mll_runs_the_minibatch_loop():
         fit_mll(mll, data=(x[:10], y[:10]))
     with pytest.raises(TypeError, match="MinibatchRecipe"):
         fit_mll(mll, data=(x, y), recipe=LearningRecipe())
+
+
+def test_fit_mll_anneals_the_learning_rate(monkeypatch):
+    r"""The recipe's cosine schedule: Adam's step t of T at :math:`\alpha_0 (1 + \cos(\pi t / T)) / 2`, or by the
+    fraction of ``max_time`` spent when that is further; ``"constant"`` keeps :math:`\alpha_0`."""
+    x, y = binary_data(200, seed=5)
+    likelihood = gpytorch.likelihoods.BernoulliLikelihood()
+    model = SEPModel(x[:20].clone(), likelihood).to(F64)
+    mll = StochasticEPMarginalLogLikelihood(likelihood, model, num_data=len(x))
+    rates: list[float] = []
+    adam_step = torch.optim.Adam.step
+
+    def recording_step(self, *args, **kwargs):
+        rates.append(self.param_groups[0]["lr"])
+        return adam_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.Adam, "step", recording_step)
+    fit_mll(mll, data=(x, y), recipe=MinibatchRecipe(batch_size=50, learning_rate=0.02, max_steps=12), seed=0)
+    expected = [0.01 * (1 + math.cos(math.pi * t / 12)) for t in range(12)]
+    torch.testing.assert_close(torch.tensor(rates), torch.tensor(expected), rtol=1e-12, atol=0)
+    rates.clear()
+    fit_mll(mll, data=(x, y), recipe=MinibatchRecipe(batch_size=50, max_steps=5, schedule="constant"), seed=0)
+    assert rates == [0.01] * 5
+    recipe = MinibatchRecipe(max_steps=100)
+    assert recipe.rate_factor(10, 30.0, 60.0) == pytest.approx(0.5)  # half the time spent, a tenth of the steps
+    assert recipe.rate_factor(50, 1.0, None) == pytest.approx(0.5) and recipe.rate_factor(200, 0.0, None) == 0.0
+    with pytest.raises(ValueError, match="schedule"):
+        fit_mll(mll, data=(x, y), recipe=MinibatchRecipe(schedule="step"))
 
 
 def test_per_point_sites_through_fit_mll_are_the_cores_full_batch_ep():
