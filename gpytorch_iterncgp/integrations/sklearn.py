@@ -632,7 +632,7 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
     :param num_inducing: ``inference="sparse_ep"`` only: the inducing inputs of stochastic EP
         (:class:`~gpytorch_iterncgp.StochasticEPStrategy`), started at k-means centres of ``X`` and learnt with the
         kernel; ``inference="sparse_ep"`` runs :func:`~gpytorch_iterncgp.fit_mll`'s minibatch loop (Adam on SEP's
-        energy, :class:`~gpytorch_iterncgp.MinibatchRecipe`'s learning rate and steps, not ``learning_rate`` and
+        energy, :class:`~gpytorch_iterncgp.MinibatchRecipe`'s learning rate, its annealing and steps, not ``learning_rate`` and
         ``optimizer_steps``, which are the dense evidence's) until its steps or ``max_time``, with memory
         :math:`O(C M^2)` whatever :math:`N`; it has no ``log_marginal_likelihood()``.
     :param batch_size: ``inference="sparse_ep"`` only: points per minibatch.
