@@ -35,6 +35,7 @@ from gpytorch_iterncgp.sparse.stochastic import (
     StochasticEP,
     TiedSite,
     WhitenedBatch,
+    batch_marginals,
     step_fraction,
     tied_gaussian,
 )
@@ -289,3 +290,24 @@ def test_likelihood_without_tilted_moments_is_refused():
             likelihood_adapter(gpytorch.likelihoods.SoftmaxLikelihood(num_classes=3, mixing_weights=False)), num_data=10
         )
     assert math.isfinite(step_fraction(0, 1, 1))
+
+
+@pytest.mark.parametrize("kernels", [1, 3])
+def test_batch_marginals_are_the_triangular_solves_and_their_gradient(kernels):
+    """The variances from the explicit covariance equal s_i + ||L^-1 v_i||^2 (R&W eq. A.12) by triangular solves,
+    values and gradients in the batch, for a kernel shared by 3 latents (broadcast) or one per latent."""
+    generator = torch.Generator().manual_seed(3)
+    factor = torch.randn(3, 6, 6, dtype=torch.float64, generator=generator)
+    cholesky = torch.linalg.cholesky(torch.eye(6, dtype=torch.float64) + factor @ factor.mT)
+    mean = torch.randn(3, 6, dtype=torch.float64, generator=generator)
+    cross = torch.randn(kernels, 6, 5, dtype=torch.float64, generator=generator, requires_grad=True)
+    spread = torch.rand(kernels, 5, dtype=torch.float64, generator=generator)
+    batch = WhitenedBatch(torch.zeros(3, 5, dtype=torch.float64), cross, spread)
+    weights = torch.randn(3, 5, dtype=torch.float64, generator=generator)
+    means, variances = batch_marginals(cholesky, mean, batch)
+    (gradient,) = torch.autograd.grad((variances * weights).sum() + means.sum(), cross)
+    projected = torch.linalg.solve_triangular(cholesky, cross, upper=False)
+    expected = spread + (projected * projected).sum(-2)
+    (expected_gradient,) = torch.autograd.grad((expected * weights).sum() + (mean.unsqueeze(-1) * cross).sum(), cross)
+    torch.testing.assert_close(variances, expected.expand(3, 5), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gradient, expected_gradient, rtol=1e-12, atol=1e-12)
