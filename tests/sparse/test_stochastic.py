@@ -292,18 +292,28 @@ def test_likelihood_without_tilted_moments_is_refused():
     assert math.isfinite(step_fraction(0, 1, 1))
 
 
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")),
+    ],
+)
 @pytest.mark.parametrize("kernels", [1, 3])
-def test_batch_marginals_are_the_triangular_solves_and_their_gradient(kernels):
+def test_batch_marginals_are_the_triangular_solves_and_their_gradient(kernels, device):
     """The variances from the explicit covariance equal s_i + ||L^-1 v_i||^2 (R&W eq. A.12) by triangular solves,
     values and gradients in the batch, for a kernel shared by 3 latents (broadcast) or one per latent."""
     generator = torch.Generator().manual_seed(3)
-    factor = torch.randn(3, 6, 6, dtype=torch.float64, generator=generator)
-    cholesky = torch.linalg.cholesky(torch.eye(6, dtype=torch.float64) + factor @ factor.mT)
-    mean = torch.randn(3, 6, dtype=torch.float64, generator=generator)
-    cross = torch.randn(kernels, 6, 5, dtype=torch.float64, generator=generator, requires_grad=True)
-    spread = torch.rand(kernels, 5, dtype=torch.float64, generator=generator)
-    batch = WhitenedBatch(torch.zeros(3, 5, dtype=torch.float64), cross, spread)
-    weights = torch.randn(3, 5, dtype=torch.float64, generator=generator)
+
+    def draw(*shape):
+        return torch.randn(*shape, dtype=torch.float64, generator=generator).to(device)
+
+    factor = draw(3, 6, 6)
+    cholesky = torch.linalg.cholesky(torch.eye(6, dtype=torch.float64, device=device) + factor @ factor.mT)
+    mean, weights = draw(3, 6), draw(3, 5)
+    cross = draw(kernels, 6, 5).requires_grad_()
+    spread = draw(kernels, 5).abs()
+    batch = WhitenedBatch(torch.zeros(3, 5, dtype=torch.float64, device=device), cross, spread)
     means, variances = batch_marginals(cholesky, mean, batch)
     (gradient,) = torch.autograd.grad((variances * weights).sum() + means.sum(), cross)
     projected = torch.linalg.solve_triangular(cholesky, cross, upper=False)
