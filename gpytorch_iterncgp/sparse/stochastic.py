@@ -313,8 +313,8 @@ def batch_marginals(cholesky: Tensor, mean: Tensor, batch: WhitenedBatch) -> tup
     L_c^{-1})` and the conditional: means :math:`m_{ic} + \mathbf v_i^\top\bar{\mathbf z}_c` and variances
     :math:`s_i + \mathbf v_i^\top(\mathbf L_c\mathbf L_c^\top)^{-1}\mathbf v_i`, ``(C, B)`` each; differentiable
     in ``batch`` (the Gaussian held fixed). The variances come from the explicit covariance, one product with the
-    batch instead of a triangular solve forward and another backward; they are as accurate (to 4·10⁻⁵ relative in
-    float32 with :math:`\mathbf L_c\mathbf L_c^\top` of eigenvalues up to 10⁸, the Cholesky factor's own error).
+    batch instead of a triangular solve forward and another backward, and are as accurate as the solves
+    (``docs/design_notes.md``).
 
     :param cholesky: :math:`\mathbf L_c` ``(C, M, M)``; ``mean``: :math:`\bar{\mathbf z}_c` ``(C, M)``
         (:func:`tied_gaussian`).
