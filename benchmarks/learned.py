@@ -53,6 +53,7 @@ from gpytorch_iterncgp import (
     EPStrategy,
     IterNCGPStrategy,
     LaplaceMarginalLogLikelihood,
+    MinibatchRecipe,
     MultinomialProbitLikelihood,
 )
 from gpytorch_iterncgp.datasets import gaussian_mixture
@@ -337,16 +338,11 @@ def minibatch_loop(
 ):
     r"""GPyTorch's minibatch loop (batches of 1024, ``-objective(model(x_b), y_b)``) for ``budget`` seconds of its own
     work, ``probabilities()`` scored ten times along the way and at the end: the history. ``schedule="cosine"``
-    anneals the learning rate by the fraction :math:`p` of the budget spent, :math:`\tfrac12(1 + \cos\pi p)`
-    times the optimiser's (``torch.optim.lr_scheduler.LambdaLR``), as ``fit_mll``'s recipe does with ``max_time``."""
+    anneals the learning rate by the fraction of the budget spent, by ``fit_mll``'s own rule with ``max_time`` the
+    budget (:meth:`~gpytorch_iterncgp.MinibatchRecipe.rate_factor`, through ``torch.optim.lr_scheduler.LambdaLR``)."""
     clock, history, steps, next_evaluation = Clock(), [], 0, 0.0
-    annealing = (
-        torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda _: 0.5 * (1 + math.cos(math.pi * min(clock.elapsed() / budget, 1.0)))
-        )
-        if schedule == "cosine"
-        else None
-    )
+    recipe = MinibatchRecipe(schedule=schedule)
+    annealing = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: recipe.rate_factor(0, clock.elapsed(), budget))
     model.train()
     while clock.elapsed() < budget:
         for batch in torch.randperm(len(targets), generator=generator).split(1024):
@@ -354,8 +350,7 @@ def minibatch_loop(
             loss = -objective(model(data.train_x[batch]), targets[batch])
             loss.backward()
             optimizer.step()
-            if annealing is not None:
-                annealing.step()
+            annealing.step()
             steps += 1
             if clock.elapsed() >= next_evaluation:
                 clock.evaluate(history, probabilities, data.test_y, adam_steps=steps)

@@ -81,8 +81,8 @@ SPARSE_EP_POINTS, SPARSE_EP_NESTED_WORK = 15_000, 4 * 10**7
 #: ``max_solver_iterations="auto"`` above :data:`EXACT_SOLVE_SIZE`: the strategy's own default budget per Newton step.
 DEFAULT_SOLVER_ITERATIONS = cast(int, SolverOptions.max_solver_iterations)  # an int (the dataclass field allows None)
 #: ``max_solver_iterations="auto"`` for EP with one latent value per point (measured on binary data; counts get the same
-#: rule) past this many training
-#: points: :data:`DEFAULT_SOLVER_ITERATIONS` per sweep for every this many points (rounded up). EP's cavities take the
+#: rule) past this many training points: :data:`DEFAULT_SOLVER_ITERATIONS` per sweep for every this many points
+#: (rounded up). EP's cavities take the
 #: marginal variances of the stopped solve, which include its computational uncertainty; with too few new actions per
 #: sweep the cavities of most points sit at the prior and the sweeps diverge (``benchmarks/README.md`` §20: binary
 #: mixture, 5 iterations per sweep, test NLL 0.19 at 10⁴ points and above 7 at 2·10⁴; 10 per sweep at 2·10⁴: 0.18).
