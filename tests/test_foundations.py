@@ -15,6 +15,7 @@ import torch
 import gpytorch_iterncgp
 from gpytorch_iterncgp import LaplaceMarginalLogLikelihood, LogitBernoulliLikelihood, settings
 from gpytorch_iterncgp.core.prior import LatentPrior
+from gpytorch_iterncgp.exceptions import NumericalBreakdownWarning
 from tests import reference
 from tests.common import IterNCGPModel, binary_data
 
@@ -92,8 +93,11 @@ def test_evidence_gradients_are_finite_on_separable_data_at_extreme_outputscales
     mll = LaplaceMarginalLogLikelihood(likelihood, model, exact=exact)
     model.train()
     torch.manual_seed(0)
-    loss = -mll(model(x), y)
-    loss.backward()
+    with warnings.catch_warnings():
+        if dtype == torch.float32:  # the residual reaches the kernel's rounding (s² eps): IterGP says so, expected
+            warnings.simplefilter("ignore", NumericalBreakdownWarning)
+        loss = -mll(model(x), y)
+        loss.backward()
     assert math.isfinite(float(loss.detach()))
     gradients = [parameter.grad for parameter in model.parameters()]
     assert all(gradient is not None and bool(torch.isfinite(gradient).all()) for gradient in gradients)
@@ -133,7 +137,7 @@ LAYERS: list[tuple[str, list[set[str]]]] = [
             {"validation", "triton_kernels", "state", "threads", "memory"},
             {"noise", "precision", "kernel_products", "policies", "sharding"},
             {"recycling", "prior", "covariance"},
-            {"solver", "outer_loop"},
+            {"solver", "outer_loop", "preconditioner"},
         ],
     ),
     ("likelihoods", [{"multinomial_probit", "tilted"}, {"adapters", "factorised"}]),

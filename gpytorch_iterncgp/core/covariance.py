@@ -53,7 +53,7 @@ import torch
 from linear_operator.operators import LinearOperator
 from torch import Tensor
 
-from .noise import NoiseOperator, block_pseudo_inverse_matmul
+from .noise import curvature_matmul
 from .precision import ColumnStore
 from .sharding import RowBlock
 from .validation import check_count, check_seed
@@ -78,28 +78,6 @@ class CovarianceOptions:
         """:raises ValueError: naming the option that is out of range."""
         check_count(self.covariance_iterations, "covariance_iterations")
         check_count(self.covariance_block_size, "covariance_block_size", minimum=1)
-
-
-def curvature_matmul(noise_inverse: LinearOperator, num_latents: int) -> Callable[[Tensor], Tensor]:
-    r""":math:`\mathbf V \mapsto \mathbf W \mathbf V` for the (pseudo-)inverse :math:`\mathbf W` of the noise
-    :math:`\mathbf W^{-1}` ``(n, n)``, block diagonal with :math:`C \times C` blocks (data-major).
-
-    The package's noise operators give it in closed form (:meth:`~gpytorch_iterncgp.core.noise.NoiseOperator.curvature_matmul`);
-    any other block-diagonal noise by pseudo-inverses of its blocks in float64, read off by products with
-    :math:`C` unit vectors per block (:func:`~gpytorch_iterncgp.core.noise.block_pseudo_inverse_matmul`).
-
-    :param noise_inverse: :math:`\mathbf W^{-1}`, ``(n, n)``.
-    :param num_latents: :math:`C`.
-    :return: the product as a function of ``(n, k)`` blocks of vectors.
-    """
-    if isinstance(noise_inverse, NoiseOperator):
-        return noise_inverse.curvature_matmul()
-    size = noise_inverse.shape[-1]
-    selector = torch.eye(num_latents, dtype=noise_inverse.dtype, device=noise_inverse.device).repeat(
-        size // num_latents, 1
-    )
-    blocks = noise_inverse.matmul(selector).reshape(size // num_latents, num_latents, num_latents)
-    return block_pseudo_inverse_matmul(blocks)
 
 
 @dataclass

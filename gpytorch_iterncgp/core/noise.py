@@ -275,18 +275,43 @@ def block_pseudo_inverse_matmul(blocks: Tensor) -> Callable[[Tensor], Tensor]:
     :math:`\mathbf B_n` ``(N, C, C)`` of a data-major block-diagonal matrix, ``V`` ``(N C, k)``.
 
     The Moore–Penrose pseudo-inverses are formed once, in float64 (``torch.linalg.pinv``, ``hermitian``, singular
-    values below :math:`10^{-10}` of each block's largest taken as zero), and returned in the blocks' dtype.
+    values below :math:`10^{-10}` of each block's largest taken as zero, or below 100 times the rounding of the blocks'
+    dtype where that is more: float32), and returned in the blocks' dtype.
 
     :param blocks: :math:`\mathbf B_n`, ``(N, C, C)``.
     :return: the product as a function of ``(N C, k)`` blocks of vectors.
     """
-    pseudo_inverse = torch.linalg.pinv(blocks.double(), hermitian=True, rtol=1e-10).to(blocks.dtype)
+    # below rounding of the blocks' own dtype a singular value is zero (a float32 block's null space 1 rounds to ~1e-8)
+    rtol = max(1e-10, 100 * torch.finfo(blocks.dtype).eps)
+    pseudo_inverse = torch.linalg.pinv(blocks.double(), hermitian=True, rtol=rtol).to(blocks.dtype)
 
     def block_product(vectors: Tensor) -> Tensor:
         shaped = vectors.reshape(pseudo_inverse.shape[0], pseudo_inverse.shape[-1], vectors.shape[-1])
         return (pseudo_inverse @ shaped).reshape(vectors.shape)
 
     return block_product
+
+
+def curvature_matmul(noise_inverse: LinearOperator, num_latents: int) -> Callable[[Tensor], Tensor]:
+    r""":math:`\mathbf V \mapsto \mathbf W \mathbf V` for the (pseudo-)inverse :math:`\mathbf W` of the noise
+    :math:`\mathbf W^{-1}` ``(n, n)``, block diagonal with :math:`C \times C` blocks (data-major).
+
+    The package's noise operators give it in closed form (:meth:`NoiseOperator.curvature_matmul`);
+    any other block-diagonal noise by pseudo-inverses of its blocks in float64, read off by products with
+    :math:`C` unit vectors per block (:func:`block_pseudo_inverse_matmul`).
+
+    :param noise_inverse: :math:`\mathbf W^{-1}`, ``(n, n)``.
+    :param num_latents: :math:`C`.
+    :return: the product as a function of ``(n, k)`` blocks of vectors.
+    """
+    if isinstance(noise_inverse, NoiseOperator):
+        return noise_inverse.curvature_matmul()
+    size = noise_inverse.shape[-1]
+    selector = torch.eye(num_latents, dtype=noise_inverse.dtype, device=noise_inverse.device).repeat(
+        size // num_latents, 1
+    )
+    blocks = noise_inverse.matmul(selector).reshape(size // num_latents, num_latents, num_latents)
+    return block_pseudo_inverse_matmul(blocks)
 
 
 class SiteBlockNoiseInverse(NoiseOperator, LinearOperator):

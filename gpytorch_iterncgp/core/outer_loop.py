@@ -178,6 +178,8 @@ class FitReport:
     kernel_products: int = 0  # calls of the kernel matmul (including the renewal of stale products)
     kernel_columns: int = 0  # vectors multiplied by K in those calls
     kernel_product_seconds: float = 0.0  # wall time spent in those calls (the rest of wall_time is everything else)
+    preconditioner_seconds: float = 0.0  # wall time building the preconditioner (core.preconditioner), not in products
+    preconditioner_products: int = 0  # its calls of the kernel's columns or products (not in kernel_products)
     converged: bool = False
     breakdown: bool = False
     stopped_by_callback: bool = False
@@ -302,6 +304,10 @@ def run_outer_loop(
     report.kernel_products = counter.products
     report.kernel_columns = counter.columns
     report.kernel_product_seconds = counter.product_seconds
+    preconditioning = getattr(loop, "preconditioning", None)  # (the loops over IterGP's dense solves have one)
+    if preconditioning is not None:
+        report.preconditioner_seconds = preconditioning.seconds
+        report.preconditioner_products = preconditioning.products
     report.wall_time = time.perf_counter() - start_time
     stopped_by_limit = report.steps >= max_steps > 0 and not (
         report.converged or report.breakdown or report.stopped_by_callback

@@ -17,6 +17,9 @@ from .validation import check_seed
 class Policy:
     """Base class. Subclasses implement :meth:`__call__`; stateful ones also :meth:`reset`."""
 
+    #: whether the actions depend on the residual (then the solver's preconditioner is built and applied to it first)
+    uses_residual = True
+
     def prepare(
         self,
         num_data: int,
@@ -42,6 +45,9 @@ class Policy:
         """Forget the actions taken so far (called when the solver drops its action buffer)."""
 
     def __call__(self, residual: Tensor) -> Tensor:
+        r"""The next action for ``residual`` ``(N C,)``: :math:`\mathbf M^{-1} \mathbf r` where the solver has a
+        preconditioner :math:`\mathbf M \approx \hat{\mathbf K}` (:mod:`~gpytorch_iterncgp.core.preconditioner`), the
+        residual :math:`\mathbf r` itself otherwise."""
         raise NotImplementedError
 
     def state(self) -> dict:
@@ -53,10 +59,10 @@ class Policy:
 
 
 class ConjugateGradientPolicy(Policy):
-    r"""CG: the action is the residual, :math:`\mathbf s_j = \mathbf r_{j-1}`.
+    r"""CG: the action is the (preconditioned) residual, :math:`\mathbf s_j = \mathbf M^{-1} \mathbf r_{j-1}`.
 
-    With :math:`\hat{\mathbf K}`-conjugation this is the method of conjugate gradients; its posterior
-    mean after :math:`j` iterations is the CG iterate.
+    With :math:`\hat{\mathbf K}`-conjugation this is the method of (preconditioned) conjugate gradients; its posterior
+    mean after :math:`j` iterations is the PCG iterate.
     """
 
     def __call__(self, residual: Tensor) -> Tensor:
@@ -81,6 +87,8 @@ class UnitVectorPolicy(Policy):
     :raises ValueError: for an ``order`` that is not 1-D, is empty or repeats an index (a repeated unit vector
         lies in the span of the earlier ones and breaks the solver down).
     """
+
+    uses_residual = False
 
     def __init__(self, order: Tensor | None = None, seed: int = 0):
         check_seed(seed)

@@ -359,6 +359,17 @@ class LatentPrior:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
+    def cache_kernel(self) -> None:
+        """Evaluate the kernel matrix and cache it where its products would (a lazily evaluated kernel within
+        :class:`~gpytorch_iterncgp.settings.dense_kernel_limit`, not KeOps, not sharded, no gradient recorded), so that
+        :meth:`kernel_columns` reads columns instead of evaluating the kernel for each; otherwise nothing."""
+        covariance = self.covariance
+        if torch.is_grad_enabled() or not isinstance(covariance, LazyEvaluatedKernelTensor):
+            return
+        if _uses_keops(covariance.kernel) or _sharded(covariance) is not None or _chunk_rows(covariance):
+            return
+        covariance.evaluate_kernel()  # memoized by GPyTorch: the products read the same evaluation
+
     def kernel_columns(self, indices: Tensor) -> Tensor:
         r"""The columns :math:`\mathbf K_{:, \text{indices}}` for data-major indices ``(k,)`` (latent ``c`` of point ``p`` is
         ``p C + c``); returns ``(N C, k)``.

@@ -97,11 +97,14 @@ class IterGPOptions:
     rel_tol: float = 1e-5
     compression_rank: int | None = None  # R, recycled actions kept between steps (None: all)
     recycle: bool = True  # recycle actions across steps (paper, Algorithm 3)
+    # r, the columns of the preconditioner's low-rank factor of K (core.preconditioner); 0: no preconditioner
+    preconditioner_rank: int = 100
 
     def validate(self) -> None:
         """:raises ValueError: naming the option that is out of range (or not a number; ``True`` is not a count)."""
         check_count(self.max_solver_iterations, "max_solver_iterations", minimum=1, allow_none=True)
         check_count(self.compression_rank, "compression_rank", minimum=1, allow_none=True)
+        check_count(self.preconditioner_rank, "preconditioner_rank")
         for name in ("abs_tol", "rel_tol"):
             check_nonnegative(getattr(self, name), name)
         check_flag(self.recycle, "recycle")
@@ -390,6 +393,7 @@ class _IterGPIterations:
 
     rhs: Tensor  # b, (n,)
     policy: Policy
+    precondition: Callable[[Tensor], Tensor]  # r -> M^{-1} r, (n,): what the policy sees of the residual
     project: Callable[[Tensor], Tensor]  # applied to (n, k) actions and residuals
     noisy: Callable[[Tensor], Tensor]  # v -> W^{-1} v, (n,)
     kernel_product: Callable[[Tensor], Tensor]  # s -> K s, (n,)
@@ -398,11 +402,14 @@ class _IterGPIterations:
     weights: Tensor  # v, (n,)
     kernel_weights: Tensor  # K v, (n,)
     recycled_rank: int  # r after the virtual solver run
+    preconditioned: bool = False  # whether precondition is a preconditioner (else the identity)
     iterations: int = 0  # products with K, including those of skipped or replaced actions
     breakdown: bool = False
     skipped: int = 0  # actions skipped as numerically in span(S)
     last_skipped: Tensor | None = None
     remainder: Tensor | None = None  # the new part of a nearly dependent action, taken as the next action
+    # the last action came from the preconditioned residual and lay in span(S): the next one is the plain residual's
+    plain_next: bool = False
 
     @property
     def rows_block(self) -> RowBlock:
@@ -439,7 +446,13 @@ class _IterGPIterations:
         :return: ``None``, or why the solver breaks down and stops.
         """
         from_remainder = self.remainder is not None
-        proposed: Tensor = self.remainder if self.remainder is not None else self.policy(residual)
+        retried = self.plain_next  # the plain residual after a preconditioned one that lay in span(S)
+        preconditioned = self.preconditioned and self.remainder is None and not retried
+        if self.remainder is not None:
+            proposed = self.remainder
+        else:
+            proposed = self.policy(self.precondition(residual) if preconditioned else residual)
+        self.plain_next = False
         action = self.project(proposed[:, None])[:, 0]
         self.remainder = None
         action_norm = self.rows_block.norm(action)
@@ -463,7 +476,11 @@ class _IterGPIterations:
         # How much of the action is new: the fraction of its energy s^T K̂ s outside span(S).
         new_fraction = conjugated.energy / abs(action_energy) if action_energy else 0.0
         if not new_fraction > 1e3 * torch.finfo(self.rhs.dtype).eps:
-            return self._skip(action, conjugated.energy, new_fraction)
+            if preconditioned:  # M^{-1} r in span(S) (the factor's actions hold it): the plain residual next
+                self.plain_next = True
+                self.iterations += 1
+                return None
+            return self._skip(action, conjugated.energy, new_fraction, retried)
         if new_fraction < NEARLY_DEPENDENT and not from_remainder:
             # Appending it would divide the rounding errors of the tracked K d by sqrt(new_fraction): the precision
             # would lose its conjugacy and the tracked K v (so the residual IterGP reports) drift from the true one.
@@ -474,16 +491,17 @@ class _IterGPIterations:
         self._append(action, kernel_action, kernel_column, conjugated, residual)
         return None
 
-    def _skip(self, action: Tensor, eta: float, new_fraction: float) -> str | None:
+    def _skip(self, action: Tensor, eta: float, new_fraction: float, retried: bool = False) -> str | None:
         r"""Skip an action numerically in :math:`\operatorname{span}(\mathbf S)` (its product with :math:`\mathbf K`
         counts as an iteration).
 
-        :return: ``None``, or a breakdown where the policy repeats a skipped action (CG: the residual did not change)
-            or skips more actions than were recycled (unit vectors: every further one is a repeat).
+        :return: ``None``, or a breakdown where the policy repeats a skipped action (CG: the residual did not change),
+            where the plain residual (``retried``) lies in the span as its preconditioned one did, or where it skips more
+            actions than were recycled (unit vectors: every further one is a repeat).
         """
         self.iterations += 1
         self.skipped += 1
-        repeated = self.last_skipped is not None and bool(torch.equal(action, self.last_skipped))
+        repeated = retried or (self.last_skipped is not None and bool(torch.equal(action, self.last_skipped)))
         repeated = self.rows_block.everywhere(repeated, action)  # (a skip is decided on every rank alike)
         if repeated or self.skipped > self.recycled_rank:
             return (
@@ -540,6 +558,7 @@ def itergp_solve(
     action_space_dimension: int | None = None,
     keep: tuple[Tensor, Tensor] | None = None,
     kernel_columns: Callable[[Tensor], Tensor] | None = None,
+    preconditioner: Callable[[Tensor], Tensor] | None = None,
 ) -> IterGPResult:
     r"""Solve :math:`(\mathbf K + \mathbf W^{-1}) \mathbf v = \mathbf b` approximately, recycling ``buffer``.
 
@@ -572,6 +591,10 @@ def itergp_solve(
     :param kernel_columns: data-major indices ``(k,)`` :math:`\mapsto \mathbf K_{:, \text{indices}}` ``(n, k)``; if
         given, an action with at most ``max(16, n // 64)`` non-zero entries is multiplied by these columns instead of
         ``kernel_matmul``.
+    :param preconditioner: :math:`\mathbf r \mapsto \mathbf M^{-1} \mathbf r` for ``(n,)`` residuals, with
+        :math:`\mathbf M \approx \hat{\mathbf K}` positive definite (on the projected space): the policy is called with
+        the preconditioned residual (CG: preconditioned CG; :mod:`~gpytorch_iterncgp.core.preconditioner`). ``None``:
+        the residual itself.
     :raises ValueError: for shapes that do not fit together, a non-finite right-hand side, or options out
         of range.
     """
@@ -594,6 +617,7 @@ def itergp_solve(
     solver = _IterGPIterations(
         rhs,
         policy,
+        preconditioner or (lambda residual: residual),
         project,
         noisy,
         _kernel_product(kernel_matmul, kernel_columns, sparse_limit, rows_block),
@@ -602,6 +626,7 @@ def itergp_solve(
         weights=weights,
         kernel_weights=kernel_weights,
         recycled_rank=root_coefficients.shape[-1],
+        preconditioned=preconditioner is not None,
     )
     tolerance = max(abs_tol, rel_tol * float(rows_block.norm(project(rhs[:, None]))))
     residual_norm = solver.run(tolerance, limit, full_rank)

@@ -53,6 +53,7 @@ from ..core.covariance import CovarianceOptions, CovariancePhase, covariance_pha
 from ..core.noise import DiagonalNoiseInverse
 from ..core.outer_loop import EPSweep, LoopStatus, OuterStep
 from ..core.policies import Policy
+from ..core.preconditioner import KernelPreconditioning
 from ..core.prior import LatentPrior
 from ..core.recycling import ActionBuffer
 from ..core.sharding import RowBlock
@@ -222,6 +223,11 @@ class ExpectationPropagation:
         self.prior_variance = block.own_rows(prior.diagonal().reshape(-1))
         self.targets = block.own_points(targets)
         self.kernel_matmul, self.kernel_columns = prior.matmul_by_rows, prior.kernel_columns_by_rows
+        zero_sum = adapter.zero_sum_actions
+        self.project = adapter.project if zero_sum else None  # of IterGP's actions
+        self.preconditioning = KernelPreconditioning(
+            prior, options.preconditioner_rank, policy.uses_residual, self.project, num - 1 if zero_sum else num
+        )
         self.min_precision = adapter._min_curvature(self.prior_mean.dtype)
         self.prior_blocks: Tensor | None = None
         self.action_space_dimension: int | None = None
@@ -385,15 +391,15 @@ class ExpectationPropagation:
     def solve(self, state: EPState, buffer: ActionBuffer, precision: Tensor, natural_mean: Tensor) -> IterGPResult:
         r"""IterGP on :math:`(\mathbf K + \tilde{\mathbf T}^{-1}) \mathbf v = \tilde{\boldsymbol\mu} - \mathbf m` for the
         sites ``(precision, natural_mean)``, from ``buffer`` (noise bounded as in the module docstring)."""
-        options, adapter = self.options, self.adapter
+        options = self.options
         noise, rhs = self.noise(precision, natural_mean, self.rows_block)
         return itergp_solve(
             self.kernel_matmul,
             noise,
             rhs,
-            buffer,
+            self.preconditioning.seeded(buffer),
             self.policy,
-            project=adapter.project if adapter.zero_sum_actions else None,
+            project=self.project,
             action_space_dimension=self.action_space_dimension,
             max_solver_iterations=options.max_solver_iterations,
             abs_tol=options.abs_tol,
@@ -401,6 +407,7 @@ class ExpectationPropagation:
             compression_rank=options.compression_rank,
             keep=(state.representer_weights, state.kernel_representer_weights),
             kernel_columns=self.kernel_columns,
+            preconditioner=self.preconditioning.for_noise(noise),
         )
 
     @staticmethod

