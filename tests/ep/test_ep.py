@@ -182,7 +182,7 @@ def test_incomplete_solves_bound_cavities_stay_finite_and_approach_exact_ep():
         errors.append(float((nu - reference.site_natural_mean).abs().max()))
         bounded.append(report.bounded_cavities)
     assert bounded[0] > 0 and bounded[-1] == 0 and report.skipped_sites == 0
-    assert errors[-1] < 1e-2 * errors[0] and errors[-1] < 5e-4
+    assert errors[-1] < 1e-2 * errors[0] and errors[-1] < 2e-4
     mean, variance = strategy.marginal_latent(x)
     assert torch.isfinite(mean).all() and (variance > 0).all()
     assert "EP fit" in str(report) and "bounded cavities=0" in str(report)
@@ -204,7 +204,7 @@ def test_preconditioned_incomplete_solves_bound_no_cavity():
         assert report.bounded_cavities == 0 and report.skipped_sites == 0
         assert report.kernel_products == report.solver_iterations  # the factor's columns are no products with K
         errors.append(float((strategy.sites[1] - reference.site_natural_mean).abs().max()))
-    assert errors[-1] < 1e-2 * errors[0] and errors[-1] < 2e-4
+    assert errors[-1] < 1e-2 * errors[0] and errors[-1] < 5e-4
 
 
 def test_compressed_incomplete_solves_keep_every_site_finite():
