@@ -646,6 +646,7 @@ def test_rejected_step_continues_the_same_system_without_compression():
         max_solver_iterations=iterations,
         max_newton_steps=18,
         min_curvature=1e-6,
+        preconditioner_rank=0,  # the scenario of plain CG (a preconditioned fit rejects other steps)
     )
     records, saved = [], {}
 

@@ -342,12 +342,13 @@ class LatentPrior:
         chunk_rows = 0 if torch.is_grad_enabled() else _chunk_rows(self.covariance)
         return functools.partial(_kernel_matmul, self.covariance, chunk_rows=chunk_rows)
 
-    def _counted(self, columns: int, product: Callable[[], Tensor]) -> Tensor:
-        """``product()``, counted as one product with ``columns`` columns and timed."""
+    def _counted(self, columns: int, product: Callable[[], Tensor], work: int | None = None) -> Tensor:
+        """``product()``, counted as one product with ``columns`` columns and timed; ``work`` (default: a product's,
+        :math:`N M` per column) decides whether it runs on the caller's threads (:func:`large_operation`)."""
         self.products += 1
         self.columns += columns
         start = self._clock()
-        with large_operation(self.shape[0] * self.shape[1] * columns):
+        with large_operation(self.shape[0] * self.shape[1] * columns if work is None else work):
             result = product()
         self.product_seconds += self._clock() - start
         return result
@@ -380,14 +381,18 @@ class LatentPrior:
         non-zero entries is then a combination of columns, not a product with :math:`\mathbf K`; a call counts as one
         product with ``k`` columns, and its time as time in products.
         """
-        return self._counted(len(indices), lambda: self._columns(indices, own_rows=False))
+        return self._counted(len(indices), lambda: self._columns(indices, own_rows=False), self._column_work(indices))
 
     def kernel_columns_by_rows(self, indices: Tensor) -> Tensor:
         r""":meth:`kernel_columns`, this rank's rows ``(|I_p| C, k)`` of them where :attr:`rows` are sharded (a sharded
         kernel evaluates them from its rows, with no collective)."""
         if not self.rows.is_sharded:
             return self.kernel_columns(indices)
-        return self._counted(len(indices), lambda: self._columns(indices, own_rows=True))
+        return self._counted(len(indices), lambda: self._columns(indices, own_rows=True), self._column_work(indices))
+
+    def _column_work(self, indices: Tensor) -> int:
+        """The work of :meth:`kernel_columns`: :math:`N C` entries per column (a product's for correlated outputs)."""
+        return self.shape[0] * self.num_latents * len(indices)
 
     def _columns(self, indices: Tensor, own_rows: bool) -> Tensor:
         """:meth:`kernel_columns` (``own_rows``: this rank's rows of them)."""
@@ -496,6 +501,9 @@ class MultitaskPrior(LatentPrior):
 
     def point_blocks(self) -> Tensor:
         return _point_blocks(self.covariance, self.num_latents)
+
+    def _column_work(self, indices: Tensor) -> int:
+        return self.shape[0] * self.shape[1] * self.num_latents**2 * len(indices)  # a product
 
     def _columns(self, indices: Tensor, own_rows: bool) -> Tensor:
         """The product with the one-hot columns (``own_rows``: this rank's rows of it)."""

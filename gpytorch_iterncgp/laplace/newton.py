@@ -331,8 +331,10 @@ class DampedNewton:
     def _converged(self, result, current, new, step_size, full_psi, proposed_change, predicted_gain) -> bool:
         r"""Whether the loop has converged after a step from ``current`` to ``new``.
 
-        * The full (undamped) Newton step changes :math:`\mathbf a` by at most ``outer_tol`` and was a real Newton
-          step: IterGP solved its system, or :math:`\mathbf a = \nabla \log p(\mathbf y \mid \mathbf f)` holds to
+        * The full (undamped) Newton step changes :math:`\mathbf a` by at most ``outer_tol``, promises to gain at most
+          ``outer_tol`` in :math:`\Psi` (half the Newton decrement: where :math:`\mathbf a` is large, a change of 1%
+          can still gain nats, as preconditioned solves at large outputscales showed) and was a real Newton step:
+          IterGP solved its system, or :math:`\mathbf a = \nabla \log p(\mathbf y \mid \mathbf f)` holds to
           ``outer_tol``. An incomplete solve can barely move far from the mode; without this check such steps would
           be reported as converged.
         * Or a solved Newton step promises a gain in :math:`\Psi` (half the Newton decrement) below the
@@ -346,8 +348,11 @@ class DampedNewton:
         eps = torch.finfo(new.weights.dtype).eps
         root_eps = math.sqrt(eps)
         scale = max(1.0, abs(new.log_posterior))
-        if proposed_change <= self.options.outer_tol and (
-            result.converged or self.objective.first_order_condition(new, self.options.outer_tol)
+        outer_tol = self.options.outer_tol
+        if (
+            proposed_change <= outer_tol
+            and predicted_gain <= max(outer_tol, eps * scale)
+            and (result.converged or self.objective.first_order_condition(new, outer_tol))
         ):
             return True
         if self.options.outer_tol > 0 and result.converged and step_size > 0 and predicted_gain <= eps * scale:
