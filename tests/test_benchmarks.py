@@ -429,3 +429,111 @@ def test_frozen_inducing_smoke_run_scores_every_variant(tmp_path):
         assert run["scored_after"] == [10] and 0 < run["trained"] < 1
         assert all(len(run[variant]) == 1 and 0 < run[variant][0] < 1 for variant in frozen_inducing.STOPPED)
     assert json.loads((tmp_path / "frozen.json").read_text())["steps"] == 5
+
+
+def test_preconditioning_smoke_run_matches_dense_laplace_and_dense_solve(tmp_path):
+    """The preconditioning benchmark at N = 100: its JSON's rows and ratios, every Laplace fit's log posterior (with and
+    without the preconditioner) and the refined mode's against dense Newton (``tests/reference.py``), and its one-solve
+    measurement against a dense solve of the same system."""
+    from benchmarks import preconditioning
+
+    problems = ["laplace_binary", "laplace_softmax", "ep_binary"]
+    preconditioning.main(["--smoke", "--problems", *problems, "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "preconditioning_smoke.json").read_text())
+    assert saved["machine"]["torch_threads"] == 2 and (tmp_path / "preconditioning_smoke.png").stat().st_size > 10_000
+    rows = saved["rows"]
+    assert [(row["problem"], row["outputscale"], row["rank"]) for row in rows] == [
+        (problem, scale, rank) for problem in problems for scale in (1.0, 20.0) for rank in (0, 100)
+    ]
+    for row in rows:
+        assert row["solve"]["reached"] and row["solve"]["relative_residual"] <= 1e-6
+        # rank / C pivots of the shared kernel (fewer where the pivoted Cholesky reaches K's numerical rank)
+        pivots = 0 if row["rank"] == 0 else 100 // (row["classes"] if row["classes"] > 2 else 1)
+        assert 0.5 * pivots <= row["solve"]["pivot_steps"] <= pivots
+        assert row["fit"]["pivot_steps"] == row["solve"]["pivot_steps"]
+        if row["rank"] == 100:
+            ratios = row["ratios"]
+            zero = next(
+                other
+                for other in rows
+                if other["rank"] == 0 and preconditioning._key(other)[:4] == preconditioning._key(row)[:4]
+            )
+            assert ratios["solve_products"] == pytest.approx(zero["solve"]["products"] / row["solve"]["products"])
+    for problem, classes, likelihood in (("laplace_binary", 1, "logit"), ("laplace_softmax", 10, "softmax")):
+        for scale in (1.0, 20.0):
+            train_x, train_y = preconditioning.data(100, max(classes, 2))
+            model = preconditioning.make_model(problem, train_x, train_y, scale, 1.0)
+            with torch.no_grad():
+                kernel = data_major(model.covar_module(train_x).to_dense(), classes)
+            dense = laplace_mode(kernel, torch.zeros(len(kernel)), train_y, likelihood, classes).log_posteriors[-1]
+            mine = [row for row in rows if row["problem"] == problem and row["outputscale"] == scale]
+            assert mine[0]["mode_log_posterior"] == pytest.approx(dense, rel=1e-9)
+            for row in mine:  # the fits stop at outer_tol 1e-2: close to the mode, with or without preconditioning
+                assert row["fit"]["converged"] and abs(row["fit"]["log_posterior"] - dense) < 1e-2
+    # (b) against a dense solve: the logistic Newton system at a few steps from the prior, N = 200, s² = 20
+    train_x, train_y = preconditioning.data(200, 2)
+    model = preconditioning.make_model("laplace_binary", train_x, train_y, 20.0, 1.0)
+    model.variational_strategy.fit(max_newton_steps=3)
+    system = preconditioning.final_system(model.variational_strategy)
+    with torch.no_grad():
+        dense = torch.linalg.solve(model.covar_module(train_x).to_dense() + system["noise"].to_dense(), system["rhs"])
+    for rank in (0, 100):
+        row, result = preconditioning.solve_once(system, rank, 1e-10, 200)
+        assert row["reached"]
+        torch.testing.assert_close(result.representer_weights, dense, rtol=1e-7, atol=1e-9)
+
+
+@pytest.mark.slow  # about 60 s on one core: two fit_mll calls with learning at the smoke size
+def test_laplace_door_smoke_run_reports_each_rank_and_its_nll(tmp_path, monkeypatch):
+    """The Laplace-door benchmark at N = 200 (fit_mll, ranks 0 and 100): its JSON's rows; every IterNCGP loop of a
+    row (the learner's fits and the final fit) built its preconditioner at the row's rank; the test NLL after the
+    fit to convergence recomputed by hand from the fitted strategy's predictive probabilities."""
+    from benchmarks import laplace_door
+    from gpytorch_iterncgp.laplace import newton
+
+    built, current, fitted = [], {}, {}
+
+    class Spy(newton.KernelPreconditioning):
+        def __init__(self, prior, rank, *args, **kwargs):
+            built.append((current["rank"], rank))
+            super().__init__(prior, rank, *args, **kwargs)
+
+    original_run, original_continued = laplace_door.run_fit_mll, laplace_door._continued
+
+    def run_fit_mll(data, seed, rank):
+        current["rank"] = rank
+        return original_run(data, seed, rank)
+
+    def continued(strategy, data, probabilities):
+        fitted[current["rank"]] = (probabilities, data.test_y)
+        return original_continued(strategy, data, probabilities)
+
+    monkeypatch.setattr(newton, "KernelPreconditioning", Spy)
+    monkeypatch.setattr(laplace_door, "run_fit_mll", run_fit_mll)
+    monkeypatch.setattr(laplace_door, "_continued", continued)
+    results = laplace_door.main(
+        ["--smoke", "--seeds", "0", "--doors", "fit_mll", "--ranks", "0", "100", "--out", str(tmp_path)]
+    )
+    saved = json.loads((tmp_path / "laplace_door_smoke.json").read_text())
+    assert saved["rows"] == json.loads(json.dumps(results["rows"])) and saved["smoke"] and saved["threads"] == 2
+    rows = saved["rows"]
+    assert [(row["door"], row["seed"], row["preconditioner_rank"]) for row in rows] == [
+        ("fit_mll", 0, 0),
+        ("fit_mll", 0, 100),
+    ]
+    assert saved["table"].count("| fit_mll |") == 2
+    for rank in (0, 100):
+        ranks = [built_rank for run_rank, built_rank in built if run_rank == rank]
+        assert len(ranks) >= 2 and set(ranks) == {rank}  # the learner's fits and the final fit
+    for row in rows:
+        assert row["outputscale"] > 0 and row["lengthscale"] > 0 and row["seconds"] > 0 and row["steps"] >= 1
+        assert isinstance(row["converged"], bool) and all(isinstance(text, str) for text in row["warnings"])
+        assert (row["preconditioner"]["products"] > 0) == (row["preconditioner_rank"] > 0)
+        final = row["to_convergence"]
+        assert final["converged"] and not final["warnings"]
+        assert math.isfinite(row["nll"]) and 0 < final["nll"] < math.log(10)  # better than the uniform guess
+        probabilities, labels = fitted[row["preconditioner_rank"]]
+        table = probabilities().tolist()
+        assert all(abs(sum(p) - 1) < 1e-6 for p in table)
+        by_hand = -sum(math.log(p[int(label)]) for p, label in zip(table, labels.tolist(), strict=True)) / len(table)
+        assert final["nll"] == pytest.approx(by_hand, rel=1e-9)
