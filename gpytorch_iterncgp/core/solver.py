@@ -23,6 +23,11 @@ Tracking :math:`\mathbf K \mathbf d` this way divides its rounding errors by :ma
 :math:`\mathbf d`, whose product with :math:`\mathbf K` the next iteration computes afresh, and an action entirely
 in the span is skipped; each product with :math:`\mathbf K` counts as an iteration.
 
+The policy sees the residual preconditioned by :math:`\mathbf M^{-1} \approx \hat{\mathbf K}^{-1}` where the outer
+loop gives a preconditioner (:mod:`~gpytorch_iterncgp.core.preconditioner`): CG's actions are then those of
+preconditioned CG, and a preconditioned residual already in :math:`\operatorname{span}(\mathbf S)` is followed by the
+plain one.
+
 An action with few non-zero entries (a unit vector, or one projected to zero sum over a point's classes) needs no
 product: :math:`\mathbf K \mathbf s` is a combination of the kernel columns at its support, :math:`O(N D)` each
 (``kernel_columns``, e.g. :meth:`~gpytorch_iterncgp.core.prior.LatentPrior.kernel_columns`). It still counts as the iteration's
@@ -393,7 +398,7 @@ class _IterGPIterations:
 
     rhs: Tensor  # b, (n,)
     policy: Policy
-    precondition: Callable[[Tensor], Tensor]  # r -> M^{-1} r, (n,): what the policy sees of the residual
+    precondition: Callable[[Tensor], Tensor] | None  # r -> M^{-1} r, (n,): what the policy sees of the residual
     project: Callable[[Tensor], Tensor]  # applied to (n, k) actions and residuals
     noisy: Callable[[Tensor], Tensor]  # v -> W^{-1} v, (n,)
     kernel_product: Callable[[Tensor], Tensor]  # s -> K s, (n,)
@@ -402,7 +407,6 @@ class _IterGPIterations:
     weights: Tensor  # v, (n,)
     kernel_weights: Tensor  # K v, (n,)
     recycled_rank: int  # r after the virtual solver run
-    preconditioned: bool = False  # whether precondition is a preconditioner (else the identity)
     iterations: int = 0  # products with K, including those of skipped or replaced actions
     breakdown: bool = False
     skipped: int = 0  # actions skipped as numerically in span(S)
@@ -447,11 +451,11 @@ class _IterGPIterations:
         """
         from_remainder = self.remainder is not None
         retried = self.plain_next  # the plain residual after a preconditioned one that lay in span(S)
-        preconditioned = self.preconditioned and self.remainder is None and not retried
+        preconditioned = self.precondition is not None and self.remainder is None and not retried
         if self.remainder is not None:
             proposed = self.remainder
         else:
-            proposed = self.policy(self.precondition(residual) if preconditioned else residual)
+            proposed = self.policy(self.precondition(residual) if self.precondition and preconditioned else residual)
         self.plain_next = False
         action = self.project(proposed[:, None])[:, 0]
         self.remainder = None
@@ -617,7 +621,7 @@ def itergp_solve(
     solver = _IterGPIterations(
         rhs,
         policy,
-        preconditioner or (lambda residual: residual),
+        preconditioner,
         project,
         noisy,
         _kernel_product(kernel_matmul, kernel_columns, sparse_limit, rows_block),
@@ -626,7 +630,6 @@ def itergp_solve(
         weights=weights,
         kernel_weights=kernel_weights,
         recycled_rank=root_coefficients.shape[-1],
-        preconditioned=preconditioner is not None,
     )
     tolerance = max(abs_tol, rel_tol * float(rows_block.norm(project(rhs[:, None]))))
     residual_norm = solver.run(tolerance, limit, full_rank)
