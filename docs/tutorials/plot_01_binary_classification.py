@@ -78,12 +78,17 @@ def run(policy):
         outer_tol=0.0,
         abs_tol=0.0,
         rel_tol=0.0,
+        # the paper's plain CG, whose budget is its products with K (the default preconditioner's pivots are actions
+        # that cost no product: with as many as there are points, its first solve is exact)
+        preconditioner_rank=0,
         show_progress=False,
     )
     strategy = model.variational_strategy
     curve, snapshots, products = [], {}, 0
     while products < max(BUDGETS):
         report = strategy.fit(max_newton_steps=1)
+        if report.kernel_products == 0:  # the actions span the space: nothing left to spend
+            raise RuntimeError("the solver has nothing left to do before the largest budget")
         products += report.kernel_products
         with torch.no_grad():
             nll = bernoulli_nll(strategy.predictive_probabilities(test_x), test_y)
