@@ -6,10 +6,12 @@ each can be filtered on its own:
 
 * :class:`NumericalBreakdownWarning`: IterGP or the outer loop stopped early on a numerical breakdown; the
   result is the posterior of the last completed step (usable, finite).
-* :class:`NotConvergedWarning`: the outer loop stopped before its convergence criterion held, for a reason
-  other than its step budget (no step along the search direction improves the objective).
-* :class:`ConvergenceWarning`: a fit stopped at its step limit (``max_newton_steps``, ``max_sweeps``) before its
-  convergence criterion held; the message names the limit to raise. (The scikit-learn estimators raise
+* :class:`NotConvergedWarning`: the outer loop stopped before its convergence criterion held because it could not
+  progress (no step along the search direction improves the objective, or
+  :data:`~gpytorch_iterncgp.core.outer_loop.STALL_STEPS` steps in a row made no progress); the message says what to
+  change.
+* :class:`ConvergenceWarning`: a fit stopped at a limit (``max_newton_steps``, ``max_sweeps``, ``max_time``) before
+  its convergence criterion held; the message names the limit to raise. (The scikit-learn estimators raise
   scikit-learn's ``ConvergenceWarning`` instead.)
 * :class:`EstimatedEvidenceWarning`: EP's evidence is estimated from an incomplete solve, whose maximiser is biased
   (towards large outputscales); :func:`~gpytorch_iterncgp.fit_mll` learns EP's hyperparameters without it.
@@ -40,11 +42,11 @@ class NumericalBreakdownWarning(NumericalWarning):
 
 
 class NotConvergedWarning(NumericalWarning):
-    """The outer loop (Newton) stopped before it converged, for a reason other than its step budget."""
+    """The outer loop stopped before it converged because it could not progress (not because of a limit)."""
 
 
 class ConvergenceWarning(NumericalWarning):
-    """A fit stopped at its step limit before it converged; the result is the posterior of the last step."""
+    """A fit stopped at a limit (steps, time) before it converged; the result is the posterior of the last step."""
 
 
 class EstimatedEvidenceWarning(NumericalWarning):

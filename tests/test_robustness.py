@@ -488,6 +488,8 @@ def test_explicit_unit_vector_order_is_followed():
     assert model.variational_strategy.state.actions.abs().argmax(0).tolist() == order
 
 
+# three unit vectors per step, three kept: on some problems Psi gains too little to go on (a stall, warned of)
+@pytest.mark.filterwarnings("ignore::gpytorch_iterncgp.NotConvergedWarning")
 def test_same_seed_same_result_twice_for_every_likelihood():
     for problem in [Problem(name) for name in SINGLE] + [Problem("softmax", num_classes=3, dim=2)]:
         results = []
@@ -561,6 +563,8 @@ FALSE_CONVERGENCE = [
 ]
 
 
+# one iteration per step: a fit may stall (warned of); what matters here is that it never claims convergence falsely
+@pytest.mark.filterwarnings("ignore::gpytorch_iterncgp.NotConvergedWarning")
 @pytest.mark.parametrize(("problem", "policy", "rank"), FALSE_CONVERGENCE)
 def test_converged_means_at_the_exact_mode(problem, policy, rank):
     x, y = problem.data()

@@ -374,17 +374,38 @@ class KernelPreconditioning:
             else:
                 assert isinstance(factor, ClassFactor)
                 actions, kernel_actions = self._pivot_actions(factor.pivots)
-            norms = self.prior.rows.summed(actions.square().sum(0)).sqrt()
-            kept = norms > 0  # (missing outputs: no action there)
-            scale = norms[kept].reciprocal()
-            return ActionBuffer.from_tensors(
-                actions[:, kept] * scale, kernel_actions[:, kept] * scale, buffer.rows_block
+            return ActionBuffer.from_tensors(*self._normalised(actions, kernel_actions), buffer.rows_block)
+
+    def with_point_actions(self, buffer: ActionBuffer, points: Tensor) -> ActionBuffer:
+        r"""``buffer`` with the unit vectors at the latents of ``points`` (indices of data points, the same on every
+        rank; projected as the solver projects, normalised) and their kernel columns appended: no product with
+        :math:`\mathbf K` (counted in :attr:`products`). With such an action the posterior variance at a point is at
+        most that of the point observed alone, :math:`k_{ii} - k_{ii}^2 / (k_{ii} + \tilde\tau_i^{-1})`, whatever
+        the other actions: EP appends the points whose cavity it bounded, so no later sweep bounds them again."""
+        if len(points) == 0:
+            return buffer
+        with self._apart():
+            latents = torch.arange(self.latents_per_point, device=points.device)
+            actions, kernel_actions = self._unit_actions(
+                (points[:, None] * self.prior.num_latents + latents).reshape(-1)
             )
+            for action, kernel_action in zip(
+                *(part.mT for part in self._normalised(actions, kernel_actions)), strict=True
+            ):
+                buffer.append(action, kernel_action)
+        return buffer
+
+    def _normalised(self, actions: Tensor, kernel_actions: Tensor) -> tuple[Tensor, Tensor]:
+        """The actions of non-zero norm (missing outputs: none there) and their kernel products, scaled to unit norm."""
+        norms = self.prior.rows.summed(actions.square().sum(0)).sqrt()
+        kept = norms > 0
+        scale = norms[kept].reciprocal()
+        return actions[:, kept] * scale, kernel_actions[:, kept] * scale
 
     def _pivot_actions(self, pivots: Tensor) -> tuple[Tensor, Tensor]:
-        r"""The projected unit vectors at the pivots (this rank's rows ``(|I_p| C, m)``) and their products with
-        :math:`\mathbf K`: the kernel columns at the pivot points' latents times the actions' entries there."""
-        prior, block, num = self.prior, self.prior.rows, self.prior.num_latents
+        r"""The projected unit vectors at the pivots and their products with :math:`\mathbf K`
+        (:meth:`_unit_actions`)."""
+        num = self.prior.num_latents
         device = pivots.device
         if pivots.shape[0] == 1:  # a kernel shared by the classes (or one latent): each point's first latents
             points = pivots[0][pivots[0] >= 0]
@@ -393,6 +414,14 @@ class KernelPreconditioning:
         else:  # a kernel per class: each class's pivots, in its own latent
             classes = torch.arange(num, device=device)[:, None].expand_as(pivots)
             indices = (pivots * num + classes)[pivots >= 0]
+        return self._unit_actions(indices)
+
+    def _unit_actions(self, indices: Tensor) -> tuple[Tensor, Tensor]:
+        r"""The projected unit vectors at rows ``indices`` of the ``(N C,)`` vectors (this rank's rows
+        ``(|I_p| C, m)``) and their products with :math:`\mathbf K`: the kernel columns at those points' latents
+        times the actions' entries there."""
+        prior, block, num = self.prior, self.prior.rows, self.prior.num_latents
+        device = indices.device
         indices = indices.unique()
         support = indices.div(num, rounding_mode="floor").unique()[:, None] * num + torch.arange(num, device=device)
         support = support.reshape(-1)  # every latent of the pivot points

@@ -51,7 +51,7 @@ from torch import Tensor
 
 from ..core.covariance import CovarianceOptions, CovariancePhase, covariance_phase
 from ..core.noise import DiagonalNoiseInverse
-from ..core.outer_loop import EPSweep, LoopStatus, OuterStep
+from ..core.outer_loop import EPSweep, FitLimits, LoopStatus, OuterStep, sites_progressed
 from ..core.policies import Policy
 from ..core.preconditioner import KernelPreconditioning
 from ..core.prior import LatentPrior
@@ -93,17 +93,18 @@ def posterior_marginal_blocks(
 
 
 @dataclass
-class SweepOptions:
+class SweepOptions(FitLimits):
     """The settings of the sweeps of any EP loop (dense EP, EP-DTC): how many, how far each moves the sites, and when
     they have converged."""
 
-    max_sweeps: int = 50
+    max_sweeps: int | None = None  # None: until converged, stalled or max_time
     damping: float = 0.5  # delta in (0, 1], the fraction of the way each sweep moves the sites (1: undamped)
     site_tol: float = 1e-4  # converged when no site moves by more than this (relative)
 
     def validate(self) -> None:
         """:raises ValueError: naming the option that is out of range."""
-        check_count(self.max_sweeps, "max_sweeps")
+        FitLimits.validate(self)
+        check_count(self.max_sweeps, "max_sweeps", allow_none=True)
         check_nonnegative(self.site_tol, "site_tol")
         if isinstance(self.damping, bool) or not isinstance(self.damping, (int, float)) or not 0 < self.damping <= 1:
             raise ValueError(
@@ -202,6 +203,15 @@ class ExpectationPropagation:
 
     name = "EP"
     step_name = "sweeps"
+    stall_advice = (
+        "Sweeps that stay near a site change with bounded cavities or incomplete solves need more accurate marginals: "
+        "raise preconditioner_rank, max_solver_iterations or marginal_iterations; sweeps that oscillate, a smaller "
+        "damping."
+    )
+
+    def made_progress(self, reference: EPSweep, record: EPSweep) -> bool:
+        """The stall rule's test (:func:`~gpytorch_iterncgp.core.outer_loop.sites_progressed`)."""
+        return sites_progressed(reference, record, self.options.site_tol)
 
     def __init__(
         self, prior: LatentPrior, adapter: LikelihoodAdapter, targets: Tensor, options: EPOptions, policy: Policy
@@ -410,6 +420,11 @@ class ExpectationPropagation:
             preconditioner=self.preconditioning.for_noise(noise),
         )
 
+    def _bounded_points(self, bounded: Tensor) -> Tensor:
+        """The indices of the points whose cavity was bounded, on every rank, from this rank's flags ``(|I_p|,)``."""
+        flags = bounded.to(self.prior_mean.dtype)[:, None].expand(-1, self.num_latents).contiguous()
+        return torch.nonzero(self.rows_block.all_points(flags)[:, 0]).reshape(-1)
+
     @staticmethod
     def _solved(state: EPState, result: IterGPResult, precision: Tensor, natural_mean: Tensor, sweeps: int) -> EPState:
         return EPState(
@@ -440,6 +455,10 @@ class ExpectationPropagation:
             if not options.recycle:
                 buffer = ActionBuffer.empty(self.rows_block, self.prior_mean.dtype, self.prior_mean.device)
                 self.policy.reset()
+            # the points whose cavity was bounded get actions: no later sweep bounds them (with_point_actions)
+            buffer = self.preconditioning.with_point_actions(
+                self.preconditioning.seeded(buffer), self._bounded_points(update.bounded)
+            )
             result = self.solve(state, buffer, update.site_precision, update.site_natural_mean)
             buffer = result.buffer
             # (by rows: the counts over all ranks, one all_reduce)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import re
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ from torch.distributions import Poisson, constraints
 from ..core.policies import Policy
 from ..core.validation import check_count, check_flag, check_nonnegative
 from ..exceptions import ConvergenceWarning as PackageConvergenceWarning
+from ..exceptions import NotConvergedWarning
 from ..laplace.newton import SolverOptions
 from ..learning.fit import fit_mll
 from ..learning.minibatch import MinibatchRecipe
@@ -205,17 +207,18 @@ def _evidence(strategy) -> type[LaplaceMarginalLogLikelihood] | type[EPMarginalL
 
 @contextlib.contextmanager
 def _as_scikit_learn_warnings(estimator: str, hint: str = "") -> Iterator[None]:
-    """The package's :class:`~gpytorch_iterncgp.ConvergenceWarning` inside the block raised as scikit-learn's
-    ``ConvergenceWarning`` (the estimators' idiom), naming the ``estimator``'s parameter that sets a step limit, and
-    ending with ``hint``; other warnings as they were."""
+    """The package's :class:`~gpytorch_iterncgp.ConvergenceWarning` (a fit stopped by a limit) and
+    :class:`~gpytorch_iterncgp.NotConvergedWarning` (a fit that stalled) inside the block raised as scikit-learn's
+    ``ConvergenceWarning`` (the estimators' idiom: one category for a fit that did not converge), naming the
+    ``estimator``'s parameter that sets a step limit, and ending with ``hint``; other warnings as they were."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         yield
     for warning in caught:
         message, category = str(warning.message), warning.category
-        if issubclass(category, PackageConvergenceWarning):
+        if issubclass(category, (PackageConvergenceWarning, NotConvergedWarning)):  # limited or stalled
             category = ConvergenceWarning
-            if "stopped at max_" in message:  # the strategy's option is the estimator's max_newton_steps
+            if re.search("stopped at max_(newton_steps|sweeps)=", message):  # the estimator's max_newton_steps
                 message += f" In {estimator}, the parameter max_newton_steps sets this limit (EP's sweeps too)."
             message += hint
         warnings.warn(message, category, stacklevel=5)
@@ -308,7 +311,7 @@ class _IterNCGPEstimator(BaseEstimator):
             isinstance(self.policy, Policy) or (isinstance(self.policy, str) and self.policy in ("auto", "cg", "unit"))
         ):
             raise _param_error(self, "policy", "'auto', 'cg', 'unit' or a gpytorch_iterncgp.Policy", self.policy)
-        self._check(check_count, "max_newton_steps", minimum=1)
+        self._check(check_count, "max_newton_steps", minimum=1, allow_none=True)
         if self.max_solver_iterations != "auto":
             self._check(check_count, "max_solver_iterations", minimum=1, allow_none=True)
         self._check(check_count, "compression_rank", minimum=1, allow_none=True)
@@ -579,7 +582,8 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
     :param policy: IterGP's actions: ``"cg"`` (conjugate gradients), ``"unit"`` (a random subset of the data
         per iteration, seeded by ``random_state``), a :class:`~gpytorch_iterncgp.Policy`, or ``"auto"`` (default):
         ``"unit"`` where ``max_solver_iterations="auto"`` solves exactly (below), ``"cg"`` otherwise.
-    :param max_newton_steps: damped Newton steps (EP: sweeps) per fit.
+    :param max_newton_steps: the most damped Newton steps (EP: sweeps) per fit; ``None``: the fit runs until it
+        converges, or stalls with a warning.
     :param max_solver_iterations: IterGP iterations (products with the kernel matrix) per Newton step (EP sweep);
         ``None``: until the residual is below ``solver_tol``. ``"auto"`` (default): no budget where the exact
         posterior is affordable, the strategy's budget elsewhere. With :math:`N C` latent values (:math:`C = 1`

@@ -47,7 +47,7 @@ from linear_operator.operators import LinearOperator
 from torch import Tensor
 
 from ..core.covariance import CovarianceOptions, covariance_phase
-from ..core.outer_loop import LoopStatus, NewtonStep, OuterStep, relative_norm_change
+from ..core.outer_loop import FitLimits, LoopStatus, NewtonStep, OuterStep, relative_norm_change
 from ..core.policies import Policy
 from ..core.preconditioner import KernelPreconditioning
 from ..core.prior import LatentPrior
@@ -59,11 +59,11 @@ from .line_search import LogPosterior, Point
 
 
 @dataclass
-class SolverOptions(IterGPOptions, CovarianceOptions):
+class SolverOptions(IterGPOptions, CovarianceOptions, FitLimits):
     """Settings of the Newton loop, of IterGP and of the covariance phase (see
     :class:`~gpytorch_iterncgp.IterNCGPStrategy`)."""
 
-    max_newton_steps: int = 20
+    max_newton_steps: int | None = None  # None: until converged, stalled or max_time
     outer_tol: float = 1e-2
     min_step_size: float = 2.0**-10
 
@@ -71,7 +71,8 @@ class SolverOptions(IterGPOptions, CovarianceOptions):
         """:raises ValueError: naming the option that is out of range (or not a number; ``True`` is not a count)."""
         super().validate()
         CovarianceOptions.validate(self)
-        check_count(self.max_newton_steps, "max_newton_steps")
+        FitLimits.validate(self)
+        check_count(self.max_newton_steps, "max_newton_steps", allow_none=True)
         check_nonnegative(self.outer_tol, "outer_tol")
         if not 0 < self.min_step_size <= 1:
             raise ValueError(f"min_step_size must lie in (0, 1], got {self.min_step_size!r}.")
@@ -183,6 +184,16 @@ class DampedNewton:
 
     name = "Laplace"
     step_name = "Newton steps"
+    stall_advice = (
+        "The solves do not reach the mode: raise preconditioner_rank or max_solver_iterations (None: each solve to "
+        "its tolerance)."
+    )
+
+    def made_progress(self, reference: NewtonStep, record: NewtonStep) -> bool:
+        r"""The stall rule's test: :math:`\Psi` rose above the earlier step's by more than ``outer_tol`` (nats, as the
+        convergence test's predicted gain) or its resolution."""
+        resolution = torch.finfo(self.prior_mean.dtype).eps * max(1.0, abs(record.log_posterior))
+        return record.log_posterior - reference.log_posterior > max(self.options.outer_tol, resolution)
 
     # -- states ------------------------------------------------------------------------------------------------
     def initial_state(self) -> LaplaceState:

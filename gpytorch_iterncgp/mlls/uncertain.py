@@ -169,7 +169,8 @@ class UncertainSparseEPMarginalLogLikelihood(MarginalLogLikelihood):
         if not isinstance(latent_prior, bool):
             raise TypeError(f"latent_prior must be True or False, got {latent_prior!r}.")
         self.options: SweepOptions = replaced_options(SweepOptions(), options, type(self).__name__)
-        check_count(self.options.max_sweeps, "max_sweeps", minimum=1)  # at least one sweep: the sites follow every call
+        # at least one sweep (the sites follow every call); None: until the sites converge or stall
+        check_count(self.options.max_sweeps, "max_sweeps", minimum=1, allow_none=True)
         if schedule not in ("parallel", "sequential"):
             raise ValueError(f"schedule must be 'parallel' or 'sequential', got {schedule!r}.")
         self.latent_prior, self.schedule, self.psi_method, self.num_samples = (

@@ -47,7 +47,7 @@ import torch
 from linear_operator import settings as linop_settings
 from torch import Tensor
 
-from ..core.outer_loop import EPSweep, LoopStatus, OuterStep
+from ..core.outer_loop import EPSweep, LoopStatus, OuterStep, sites_progressed
 from ..core.sharding import RowBlock
 from ..core.state import ExtraState
 from ..ep.sites import update_sites
@@ -273,6 +273,11 @@ class SparseEP:
 
     name = "EP-DTC"
     step_name = "sweeps"
+    stall_advice = "Sweeps that oscillate need a smaller damping."
+
+    def made_progress(self, reference: EPSweep, record: EPSweep) -> bool:
+        """The stall rule's test (:func:`~gpytorch_iterncgp.core.outer_loop.sites_progressed`)."""
+        return sites_progressed(reference, record, self.site_tol)
 
     def __init__(self, prior: DTCPrior, adapter: LikelihoodAdapter, targets: Tensor, damping: float, site_tol: float):
         if adapter.num_latents != 1:

@@ -54,7 +54,7 @@ def exact_regime(strategy: Any) -> bool:
 
 
 def converge(
-    loop: OuterLoop, start: Any, counter: ProductCounter, max_steps: int, stacklevel: int = 2
+    loop: OuterLoop, start: Any, counter: ProductCounter, max_steps: int | None, stacklevel: int = 2
 ) -> tuple[Any, FitReport]:
     """Run ``loop`` from ``start`` by :func:`~gpytorch_iterncgp.core.outer_loop.run_outer_loop`, without progress
     bar or callback, for a caller that keeps only the final state.
@@ -62,7 +62,7 @@ def converge(
     :param loop: the outer loop.
     :param start: its starting state (e.g. warm-started sites).
     :param counter: the prior whose products with K the report counts.
-    :param max_steps: the most steps.
+    :param max_steps: the most steps (``None``: until converged or stalled).
     :param stacklevel: of the loop's warnings, counted from the caller of this function.
     :return: the last committed (finalised) state and the report.
     """
@@ -187,7 +187,7 @@ class OuterLoopStrategy(gpytorch.Module):
         self.show_progress = show_progress
         self._committed = CommittedState(self._state_type, companion)  # the state, its fingerprint, the companion's
         self._loose = False  # the committed state is a loose fit's (train mode), not converged
-        self._quiet_budget = False  # no ConvergenceWarning for fits stopped by their step limit (loose fits)
+        self._quiet_budget = False  # no ConvergenceWarning for fits stopped by their limits (loose fits)
         self._phase: str | None = None  # what the fits are for, on their progress bar (phase())
         self.last_report: FitReport | None = None
 
@@ -282,14 +282,15 @@ class OuterLoopStrategy(gpytorch.Module):
 
     @contextlib.contextmanager
     def without_convergence_warning(self) -> Iterator[None]:
-        """Fits inside the block stop at their step limit by design: no :class:`ConvergenceWarning`."""
+        """Fits inside the block stop at their limits by design: no :class:`ConvergenceWarning`."""
         with _swapped(self, "_quiet_budget", True):
             yield
 
     def fit(
         self, callback: Callable[[Any, Any], bool | None] | None = None, show_progress: bool | None = None, **overrides
     ) -> FitReport:
-        """Run the outer loop from the committed state until it converges or reaches its step limit.
+        """Run the outer loop from the committed state until it converges, stalls, or reaches a limit (its step limit,
+        ``max_time``; by default neither is set: budgets by convergence).
 
         Calling it again continues where the last call stopped (the committed state, its recycled actions). The
         ``overrides`` change the strategy's options for this call only: any field of :attr:`options` (e.g.
@@ -305,8 +306,9 @@ class OuterLoopStrategy(gpytorch.Module):
         exception such as ``KeyboardInterrupt`` (also one raised inside the callback), keeps the state of the last
         completed step (and the unit-vector policy its position there), so that ``fit()`` resumes from it, and a
         ``state_dict()`` saved then (or inside the callback) resumes in a fresh model exactly as the uninterrupted
-        fit continues. A fit stopped by the strategy's own step limit raises a
-        :class:`~gpytorch_iterncgp.ConvergenceWarning`.
+        fit continues. A fit stopped by a limit (the step limit or ``max_time``, the strategy's or this call's) raises a
+        :class:`~gpytorch_iterncgp.ConvergenceWarning` naming it; one that stalls (no progress in
+        :data:`~gpytorch_iterncgp.core.outer_loop.STALL_STEPS` steps) a :class:`~gpytorch_iterncgp.NotConvergedWarning`.
 
         :raises TypeError: for an unknown option, a callback that is not callable, or a model computing in another
             dtype.
@@ -347,13 +349,13 @@ class OuterLoopStrategy(gpytorch.Module):
         """The outer loop for ``prior`` (the model's prior at the training inputs) and ``options``."""
         raise NotImplementedError
 
-    def _run(self, prior: ProductCounter, options: Any, max_steps: int, callback, show: bool) -> FitReport:
+    def _run(self, prior: ProductCounter, options: Any, max_steps: int | None, callback, show: bool) -> FitReport:
         """Drive the subclass's outer loop from the starting state by ``run_outer_loop``; the committed state follows
         every step, and an interrupted fit keeps the last completed one.
 
         :param prior: the prior at the training inputs (also the counter of products with K).
         :param options: this call's options.
-        :param max_steps: the most outer steps.
+        :param max_steps: the most outer steps (``None``: until converged, stalled or ``options.max_time``).
         :param callback: called after every step with its record and state; ``True`` stops.
         :param show: show a progress bar.
         :return: the report, also kept as :attr:`last_report`.
@@ -371,10 +373,9 @@ class OuterLoopStrategy(gpytorch.Module):
                 show_progress=show,
                 stacklevel=3,
                 description=None if self._phase is None else f"{self._phase} ({loop.name})",
-                # a fit stopped by the strategy's own step limit warns (not one asked for fewer steps, nor a loose fit)
-                limit_name=None
-                if self._quiet_budget or max_steps != getattr(self.options, self.max_steps_option)
-                else self.max_steps_option,
+                # a fit stopped by a limit warns, naming it (not a loose fit, whose limits are by design)
+                limit_name=None if self._quiet_budget else self.max_steps_option,
+                max_time=options.max_time,
             )
         except BaseException:
             # Interrupted (KeyboardInterrupt, an error in the callback, ...): the state is that of the last

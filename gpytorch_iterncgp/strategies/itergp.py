@@ -97,8 +97,9 @@ class _IterGPStrategy(PredictiveStrategy):
         if steps is None or exact_regime(self):
             return {}
         rank, current = settings.training_compression_rank.value(), self.options.compression_rank
+        limit = getattr(self.options, self.max_steps_option)
         return {
-            self.max_steps_option: min(int(steps), getattr(self.options, self.max_steps_option)),
+            self.max_steps_option: int(steps) if limit is None else min(int(steps), limit),
             "compression_rank": current if rank is None else min(rank, current or rank),
             "covariance_iterations": 0,
         }
@@ -291,7 +292,9 @@ class IterNCGPStrategy(_IterGPStrategy):
         ``SoftmaxLikelihood(num_classes=C, mixing_weights=False)``,
         :class:`~gpytorch_iterncgp.likelihoods.adapters.MultitaskPoissonLikelihood`, or any log-concave likelihood (autograd).
     :param policy: ``"cg"`` (conjugate gradients), ``"unit"`` (subset of data) or a :class:`Policy`.
-    :param max_newton_steps: the default limit of Newton steps per :meth:`fit`.
+    :param max_newton_steps: the default limit of Newton steps per :meth:`fit` (``None``: none, the fit runs until it
+        converges or stalls; a limit that stops a fit raises a :class:`~gpytorch_iterncgp.ConvergenceWarning`).
+    :param max_time: seconds per :meth:`fit`, checked after every Newton step (``None``: no limit).
     :param max_solver_iterations: IterGP iterations (products with :math:`\mathbf K`) per Newton step;
         ``None``: until ``abs_tol``/``rel_tol``.
     :param compression_rank: :math:`R`, the number of recycled actions kept between Newton steps
@@ -330,7 +333,7 @@ class IterNCGPStrategy(_IterGPStrategy):
             warnings.warn(
                 f"outer_tol={options.outer_tol:g} is below what {prior.dtype} resolves (10 eps = {resolution:.2g}): "
                 "the relative change of the representer weights stays at rounding level above it, so the fit "
-                "will likely run to max_newton_steps without reporting convergence. Use float64 or a larger "
+                "will likely stall or run to its limit without reporting convergence. Use float64 or a larger "
                 "outer_tol.",
                 UserWarning,
                 stacklevel=3,
@@ -372,7 +375,9 @@ class EPStrategy(_IterGPStrategy):
         :class:`MultinomialProbitLikelihood` for :math:`C` classes (one latent GP per class, a multitask model like
         the softmax's; :math:`C \times C` site blocks, tilted moments by nested EP, Riihimäki et al. 2013).
     :param policy: ``"cg"``, ``"unit"`` or a :class:`Policy`.
-    :param max_sweeps: the default limit of EP sweeps per :meth:`fit`.
+    :param max_sweeps: the default limit of EP sweeps per :meth:`fit` (``None``: none, the fit runs until it
+        converges or stalls; a limit that stops a fit raises a :class:`~gpytorch_iterncgp.ConvergenceWarning`).
+    :param max_time: seconds per :meth:`fit`, checked after every sweep (``None``: no limit).
     :param max_solver_iterations: IterGP iterations (products with :math:`\mathbf K`) per sweep; ``None``: until
         ``abs_tol``/``rel_tol``.
     :param compression_rank: :math:`R`, recycled actions kept between sweeps (``None``: all).

@@ -60,7 +60,8 @@ class SparseEPStrategy(PredictiveStrategy):
         :class:`ExpPoissonLikelihood`.
     :param inducing_points: :math:`\mathbf Z`, ``(M, D)`` (or ``(M,)``), any :math:`M \ge 1` (also :math:`M > N`).
     :param learn_inducing_locations: register :math:`\mathbf Z` as a parameter (else a buffer).
-    :param max_sweeps: the default limit of sweeps per :meth:`fit`.
+    :param max_sweeps: the default limit of sweeps per :meth:`fit` (``None``: none, until converged or stalled).
+    :param max_time: seconds per :meth:`fit`, checked after every sweep (``None``: no limit).
     :param damping: :math:`\delta \in (0, 1]`, the fraction of the way each sweep moves the sites.
     :param site_tol: converged when the largest relative site change a sweep proposes is below it.
     :param show_progress: show a tqdm progress bar in :meth:`fit`.

@@ -2,7 +2,8 @@ r"""The driver of the outer loops, :func:`~gpytorch_iterncgp.core.outer_loop.run
 protocol written here: Heron's iteration :math:`x \leftarrow (x + a / x) / 2` for :math:`\sqrt a` (the reference:
 ``math.sqrt``), which "multiplies by K" a known number of times per step. What the driver adds: every step's state
 and the final one committed, products counted per step, the callback, the loop's outcome (converged, stalled,
-breakdown) and a fit stopped by its step limit turned into warnings at the caller's line."""
+breakdown) a fit stopped by its step or time limit, and the stall rule (steps without progress) turned into warnings at the
+caller's line."""
 
 from __future__ import annotations
 
@@ -13,7 +14,16 @@ from dataclasses import dataclass
 import pytest
 
 from gpytorch_iterncgp import ConvergenceWarning, NotConvergedWarning, NumericalBreakdownWarning
-from gpytorch_iterncgp.core.outer_loop import FitReport, LoopStatus, NewtonStep, OuterStep, run_outer_loop
+from gpytorch_iterncgp.core.outer_loop import (
+    STALL_STEPS,
+    EPSweep,
+    FitReport,
+    LoopStatus,
+    NewtonStep,
+    OuterStep,
+    run_outer_loop,
+    sites_progressed,
+)
 
 
 @dataclass
@@ -70,7 +80,21 @@ class Heron:
             self.closed = True
 
 
-def _run(loop: Heron, max_steps: int = 50, **options) -> tuple[FitReport, list]:
+class SlowHeron(Heron):
+    """Heron's iteration judged by the stall rule: step ``k`` progressed on an earlier one where ``k`` is in
+    ``progress_at`` (never by default); ``tol=0``, so it never converges."""
+
+    stall_advice = "Try another a."
+
+    def __init__(self, counter: Counter, progress_at=()):
+        super().__init__(counter, tol=0.0)
+        self.progress_at = set(progress_at)
+
+    def made_progress(self, reference: NewtonStep, record: NewtonStep) -> bool:
+        return record.step in self.progress_at
+
+
+def _run(loop: Heron, max_steps: int | None = 50, **options) -> tuple[FitReport, list]:
     committed: list = []
     report = run_outer_loop(
         loop, loop.initial_state(), committed.append, loop.counter, max_steps, show_progress=False, **options
@@ -119,7 +143,7 @@ def test_step_limit_warns_at_the_callers_line_naming_the_option():
     loop = Heron(Counter())
     (report, committed), caught = _caught(lambda: _run(loop, max_steps=2, limit_name="max_newton_steps"))
     assert report.steps == 2 and not report.converged and len(committed) == 3
-    assert [warning.category for warning in caught] == [ConvergenceWarning]
+    assert [warning.category for warning in caught] == [ConvergenceWarning] and report.limit == "max_newton_steps"
     assert "stopped at max_newton_steps=2 before it converged (last Heron step: log_posterior=" in str(
         caught[0].message
     )
@@ -153,3 +177,39 @@ def test_breakdowns_are_reported_and_their_warnings_reemitted_at_the_callers_lin
     assert str(caught[1].message) == "step could not be computed"
     assert all(warning.filename == __file__ for warning in caught)
     assert committed[-1] == ("final", committed[-2]) and len(committed) == 4  # the last good state
+
+
+def test_without_a_step_limit_the_loop_runs_until_it_stalls():
+    """``max_steps=None``: the stall rule ends a loop that never converges, :data:`STALL_STEPS` steps after its last
+    step with progress (the first step is the first reference), with a ``NotConvergedWarning`` that says so."""
+    loop = SlowHeron(Counter())
+    (report, committed), caught = _caught(lambda: _run(loop, max_steps=None, limit_name="max_steps"))
+    assert report.steps == STALL_STEPS + 1 and report.stalled and not report.converged and report.limit == ""
+    assert [warning.category for warning in caught] == [NotConvergedWarning]
+    message = str(caught[0].message)
+    assert message.startswith(f"Heron made no progress in {STALL_STEPS} Heron steps (last: log_posterior=")
+    assert message.endswith("the posterior is that of the last one. Try another a.")
+    assert caught[0].filename == __file__ and committed[-1] == ("final", committed[-2])
+    (later, _), _ = _caught(lambda: _run(SlowHeron(Counter(), progress_at={5, 12}), max_steps=None))
+    assert later.steps == 12 + STALL_STEPS and later.stalled  # each step with progress restarts the count
+
+
+def test_time_limit_stops_after_a_step_and_warns_naming_it():
+    loop = SlowHeron(Counter(), progress_at=range(100))
+    (report, committed), caught = _caught(lambda: _run(loop, max_steps=None, limit_name="max_steps", max_time=0.0))
+    assert report.steps == 1 and report.limit == "max_time" and not report.stalled and len(committed) == 2
+    assert [warning.category for warning in caught] == [ConvergenceWarning]
+    assert "Heron stopped at max_time=0 s before it converged" in str(caught[0].message)
+    (quiet, _), silent = _caught(lambda: _run(SlowHeron(Counter()), max_steps=None, max_time=0.0))
+    assert quiet.limit == "max_time" and not silent  # no limit_name: stopped early by design
+    with pytest.raises(ValueError, match="max_time must be a non-negative finite number"):
+        _run(SlowHeron(Counter()), max_time=-1.0)
+
+
+def test_sites_progress_by_a_new_smallest_change_above_the_tolerance():
+    def sweep(change: float) -> EPSweep:
+        return EPSweep(1, change, 0.5, 0, 0, 0, 3, 0.0)
+
+    assert sites_progressed(sweep(0.1), sweep(0.09), site_tol=1e-4)
+    assert not sites_progressed(sweep(0.1), sweep(0.12), site_tol=1e-4)  # oscillating sweeps
+    assert not sites_progressed(sweep(1e-3), sweep(1e-5), site_tol=1e-4)  # at the tolerance, yet not converged

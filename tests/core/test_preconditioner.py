@@ -220,3 +220,33 @@ def test_a_preconditioned_action_in_the_span_is_followed_by_the_plain_residual()
     assert result.converged and not result.breakdown
     exact = torch.linalg.solve(kernel + torch.diag(1 / curvature.diagonal().clamp_min(1e-8)), rhs)
     torch.testing.assert_close(result.representer_weights, exact, atol=1e-6 * float(exact.abs().max()), rtol=0)
+
+
+def test_point_actions_bound_the_variance_by_the_point_observed_alone():
+    r"""With the unit vector at point :math:`i` among the actions (``with_point_actions``, beside any others: here 5
+    random ones), the computation-aware posterior variance there is at most that of :math:`i` observed alone,
+    :math:`k_{ii} - k_{ii}^2 / (k_{ii} + \tilde\tau_i^{-1})` (a theorem: a larger action space projects more of
+    :math:`k_i`), so EP's cavity precision :math:`\sigma_i^{-2} - \tilde\tau_i` stays at or above the prior's
+    :math:`1 / k_{ii}`; elsewhere the few actions leave it far above. The actions' kernel columns are no product with
+    K; the dense kernel is the reference."""
+    _, prior, kernel = _prior("single", num_data=40)
+    generator = torch.Generator().manual_seed(0)
+    site_precision = torch.rand(40, generator=generator, dtype=torch.float64) * 4 + 0.5
+    random = torch.randn(40, 5, generator=generator, dtype=torch.float64)
+    random = random / random.norm(dim=0)
+    buffer = ActionBuffer.from_tensors(random, kernel @ random, RowBlock.single(40))
+    preconditioning = KernelPreconditioning(prior, rank=0)
+    points = torch.tensor([3, 17, 29])
+    with torch.no_grad():
+        buffer = preconditioning.with_point_actions(buffer, points)
+    assert buffer.size == 8 and prior.products == 0 and preconditioning.products > 0
+    actions = buffer.actions.value
+    torch.testing.assert_close(buffer.kernel_actions.value, kernel @ actions)
+    gram = actions.mT @ (kernel + torch.diag(site_precision.reciprocal())) @ actions
+    kernel_actions = kernel @ actions
+    variance = kernel.diagonal() - (kernel_actions @ torch.linalg.solve(gram, kernel_actions.mT)).diagonal()
+    alone = kernel.diagonal() - kernel.diagonal() ** 2 / (kernel.diagonal() + site_precision.reciprocal())
+    assert bool((variance[points] <= alone[points] * (1 + 1e-10)).all())
+    others = torch.ones(40, dtype=torch.bool)
+    others[points] = False
+    assert bool((variance[others] > alone[others]).any())  # not a property of the random actions

@@ -94,8 +94,10 @@ def _estimator_model(estimator, x, y, likelihood, inference):
     return model.double(), seed
 
 
-@pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")  # EP's 20 sweeps, the same in both
-@pytest.mark.filterwarnings("ignore::gpytorch_iterncgp.ConvergenceWarning")
+# multi-class EP with 5 CG iterations per sweep stalls near a site change of 1e-3 (the computation-aware marginals
+# move with every sweep's actions), the same in both
+@pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")
+@pytest.mark.filterwarnings("ignore::gpytorch_iterncgp.NotConvergedWarning")
 @pytest.mark.parametrize("inference", ["laplace", "ep"])
 def test_fit_mll_on_the_estimators_model_gives_the_estimators_hyperparameters(inference):
     """The estimator is validation, the default model and ``fit_mll``: on its model, ``fit_mll`` learns its
@@ -247,8 +249,8 @@ def test_the_plain_loop_runs_loose_fits_in_train_mode_and_converges_to_predict()
 
 
 def test_a_fit_stopped_by_its_step_limit_warns_which_limit_to_raise():
-    """A fit stopped by the strategy's step limit warns, naming it; a smaller limit asked for in the call (stepping
-    through a fit) and a converged fit do not."""
+    """A fit stopped by a step limit warns, naming it: the strategy's or one asked for in the call; a fit inside
+    ``without_convergence_warning()`` (stopped early by design) and a converged fit do not."""
     x, y = binary_data(100, seed=7)
     model = IterNCGPModel(
         x, y, LogitBernoulliLikelihood(), strategy_class=EPStrategy, max_solver_iterations=None, max_sweeps=2
@@ -257,10 +259,13 @@ def test_a_fit_stopped_by_its_step_limit_warns_which_limit_to_raise():
     with pytest.warns(ConvergenceWarning, match=r"max_sweeps=2 before it converged.*Raise max_sweeps"):
         report = strategy.fit()
     assert not report.converged
+    with pytest.warns(ConvergenceWarning, match=r"max_sweeps=1 before it converged"):
+        assert not strategy.fit(max_sweeps=1).converged
     with warnings.catch_warnings():
         warnings.simplefilter("error", ConvergenceWarning)
-        assert not strategy.fit(max_sweeps=1).converged  # asked for one sweep: no warning
-        assert strategy.fit(max_sweeps=100).converged  # continued to convergence: no warning
+        with strategy.without_convergence_warning():
+            assert not strategy.fit(max_sweeps=1).converged
+        assert strategy.fit(max_sweeps=None).converged  # continued to convergence: no warning
 
 
 def test_eps_estimated_evidence_warns_once_and_names_fit_mll():
