@@ -551,3 +551,21 @@ def test_malformed_extra_state_is_rejected():
     del broken[key]["state"]["actions"]
     with pytest.raises(ValueError, match=r"extra state is malformed: missing or non-tensor entries \['actions'\]"):
         IterNCGPModel(train_x, train_y, LogitBernoulliLikelihood()).load_state_dict(broken)
+
+
+def test_extra_state_of_a_newer_version_is_refused_and_one_without_a_version_read():
+    """The saved state's ``version`` is checked on load: a newer one is refused naming it; the first versions wrote
+    none, and such a state still loads (and predicts as the saved model)."""
+    train_x, train_y = binary_data(num_data=20)
+    model = IterNCGPModel(train_x, train_y, LogitBernoulliLikelihood())
+    model.variational_strategy.fit()
+    state_dict = model.state_dict()
+    key = "variational_strategy._extra_state"
+    with pytest.raises(ValueError, match="extra state has version 3, newer than this package reads"):
+        IterNCGPModel(train_x, train_y, LogitBernoulliLikelihood()).load_state_dict(
+            {**state_dict, key: {**state_dict[key], "version": 3}}
+        )
+    unversioned = {name: value for name, value in state_dict[key].items() if name != "version"}
+    restored = IterNCGPModel(train_x, train_y, LogitBernoulliLikelihood())
+    restored.load_state_dict({**state_dict, key: unversioned})
+    torch.testing.assert_close(restored.variational_strategy.state.actions, model.variational_strategy.state.actions)

@@ -32,6 +32,10 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Self, TypeGuard, cast
 import torch
 from torch import Tensor
 
+#: the version of the extra-state dict this package writes (:meth:`CommittedState.to_extra`); a newer one is refused
+#: on load, an older one (or none: the first versions) is read with its optional entries missing
+STATE_VERSION = 2
+
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
@@ -207,7 +211,7 @@ class CommittedState:
     (:meth:`rewind`), asks whether the state belongs to the current parameters (:meth:`is_current`), and saves and
     restores all of it as one extra-state dict (:meth:`to_extra`, :meth:`load_extra`)::
 
-        {"version": 2, "state": state.to_extra() or None, "fingerprint": Tensor or None,
+        {"version": STATE_VERSION, "state": state.to_extra() or None, "fingerprint": Tensor or None,
          "policy": companion position (only with a companion), "data": data_fingerprint(inputs, targets)}
 
     :param state_type: the :class:`ExtraState` subclass of the states.
@@ -255,7 +259,7 @@ class CommittedState:
         """
         state = self.state if saved_state is None else saved_state
         extra: dict[str, Any] = {
-            "version": 2,
+            "version": STATE_VERSION,
             "state": None if state is None else state.to_extra(),
             "fingerprint": self.fingerprint,
         }
@@ -276,6 +280,12 @@ class CommittedState:
         """
         if not isinstance(extra, dict):
             raise ValueError(f"{saved_by} extra state must be a dict, got {type(extra).__name__}.")
+        version = extra.get("version", 1)  # (the first versions wrote none)
+        if not isinstance(version, int) or version > STATE_VERSION:
+            raise ValueError(
+                f"{saved_by} extra state has version {version!r}, newer than this package reads ({STATE_VERSION}): "
+                "load it with the version of gpytorch_iterncgp that saved it, or refit."
+            )
         saved = extra.get("state")
         if saved is None:
             self.reset(extra)

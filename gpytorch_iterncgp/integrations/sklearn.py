@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import math
 import re
 import warnings
@@ -198,6 +199,25 @@ class EstimatorDefaults:
 
 
 ESTIMATOR_DEFAULTS = EstimatorDefaults()
+
+#: the parameters only dense inference ("laplace", "ep") uses: its solver and its learning on a subset
+_DENSE_ONLY = (
+    "policy",
+    "max_newton_steps",
+    "max_solver_iterations",
+    "compression_rank",
+    "preconditioner_rank",
+    "covariance_iterations",
+    "recycle",
+    "outer_tol",
+    "solver_tol",
+    "optimizer_steps",
+    "learning_rate",
+    "learning_fit_steps",
+    "learning_subset",
+)
+#: the parameters only stochastic EP ("sparse_ep") uses: its inducing inputs and minibatches
+_SPARSE_ONLY = ("num_inducing", "batch_size")
 
 
 def _evidence(strategy) -> type[LaplaceMarginalLogLikelihood] | type[EPMarginalLogLikelihood]:
@@ -438,11 +458,34 @@ class _IterNCGPEstimator(BaseEstimator):
         self.fit_report_ = None
         self.model_, self.likelihood_, self.kernel_ = model, likelihood, model.covar_module
 
+    def _check_parameters_apply(self, inference: str, num_points: int) -> None:
+        """:raises ValueError: for a parameter set away from its default that the ``inference`` in use ignores (the
+        dense solver's and the dense learning's under ``"sparse_ep"``, the inducing points' and minibatches' under
+        dense inference), naming it, the inference and what to do."""
+        ignored = _DENSE_ONLY if inference == "sparse_ep" else _SPARSE_ONLY
+        defaults = inspect.signature(type(self).__init__).parameters
+        changed = [name for name in ignored if name in defaults and getattr(self, name) != defaults[name].default]
+        if changed:
+            chosen = (
+                f"inference='auto' chose {inference!r} for {num_points} points"
+                if self.inference == "auto"
+                else (f"inference={inference!r}")
+            )
+            other = "'ep' or 'laplace'" if inference == "sparse_ep" else "'sparse_ep'"
+            raise ValueError(
+                f"{type(self).__name__}: {', '.join(f'{name}={getattr(self, name)!r}' for name in changed)} do(es) not "
+                f"apply: {chosen}, which does not use it. Set inference={other} to use it, or leave it at its default."
+            )
+
     def _fit_model(self, X: np.ndarray, targets: torch.Tensor, likelihood, mean, inference: str) -> None:
         """Build the model, then :func:`~gpytorch_iterncgp.fit_mll`: learn the hyperparameters (optional; on
         ``learning_subset`` rows, stratified by class for classifiers) and fit the Laplace or EP (``inference``) posterior on all
         the data; set the fitted attributes. The learning's and the final fit's ``ConvergenceWarning`` are
-        scikit-learn's."""
+        scikit-learn's.
+
+        :raises ValueError: for a parameter the inference does not use, set away from its default.
+        """
+        self._check_parameters_apply(inference, len(X))
         if inference == "sparse_ep":
             self._fit_sparse_model(X, targets, likelihood, mean)
             return
@@ -570,7 +613,9 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
         ``benchmarks/sklearn_defaults.py``, up to :math:`1.5 \cdot 10^4` points and, for :math:`C` classes,
         :math:`N C^3 \le 4 \cdot 10^7`, then stochastic EP, ``benchmarks/auto_switch.py``). EP matches the moments of each
         likelihood factor instead of the curvature at the mode: better calibrated predictive probabilities, at the
-        cost of tilted moments per sweep (nested EP for the multinomial probit). The hyperparameters are learnt on the
+        cost of tilted moments per sweep (nested EP for the multinomial probit). A parameter the inference in use
+        does not read (the dense solver's and learning's under ``"sparse_ep"``, ``num_inducing`` and ``batch_size``
+        under dense inference), set away from its default, is refused with a ``ValueError``. The hyperparameters are learnt on the
         approximation's own evidence (:class:`~gpytorch_iterncgp.LaplaceMarginalLogLikelihood`,
         :class:`~gpytorch_iterncgp.EPMarginalLogLikelihood`) where it is exact; above ``exact_evidence_size`` EP's are
         learnt on Laplace's (EP's estimated evidence is biased by the computation-aware cavities,
@@ -628,7 +673,8 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
     :param learning_rate: Adam's learning rate (above ``exact_evidence_size`` only; L-BFGS takes unit steps
         scaled by its line search).
     :param learning_fit_steps: with Adam, the Newton steps (EP sweeps) each evaluation of the evidence runs on from
-        the previous posterior (and at most :data:`LEARNING_COMPRESSION_RANK` recycled actions are kept): the
+        the previous posterior (and at most :attr:`LearningRecipe.compression_rank
+        <gpytorch_iterncgp.learning.recipe.LearningRecipe.compression_rank>` recycled actions are kept): the
         posterior follows the hyperparameters loosely, and the final fit (``max_newton_steps``) converges it. L-BFGS
         refits whole at each evaluation (its line search needs converged values).
     :param learning_subset: the number of training points the hyperparameters are learnt on: a random subset, drawn
@@ -753,8 +799,8 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
     def __sklearn_tags__(self):
         tags = super().__sklearn_tags__()
         # multi-class data: the softmax (Laplace, link "logit") or the multinomial probit (EP)
-        laplace = self.inference == "laplace" or (self.inference == "auto" and CLASSIFIER_INFERENCE == "laplace")
-        tags.classifier_tags.multi_class = self._link != "probit" or not laplace
+        # ("auto" picks EP or stochastic EP for a classifier, never Laplace: auto_inference)
+        tags.classifier_tags.multi_class = self._link != "probit" or self.inference != "laplace"
         return tags
 
 

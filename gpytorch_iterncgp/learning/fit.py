@@ -36,7 +36,6 @@ from typing import Any
 import gpytorch
 import torch
 from gpytorch.mlls import MarginalLogLikelihood
-from linear_operator.utils.errors import NanError
 from torch import Tensor
 from tqdm.auto import tqdm
 
@@ -51,32 +50,79 @@ from ..strategies.itergp import EPStrategy, IterNCGPStrategy
 from .learner import LearnerModel, laplace_likelihood
 from .minibatch import MinibatchRecipe, fit_minibatches
 from .outputscale import choose_outputscale
-from .recipe import LearningRecipe, LearningReport
+from .recipe import RECOVERABLE_ERRORS, LearningRecipe, LearningReport, LearningStop
 from .rows import auto_subset_size, draw_rows, held_out_rows
 from .scale import LogScale
 
-__all__ = ["fit_mll"]
-
-_RECOVERABLE = (FloatingPointError, ValueError, torch.linalg.LinAlgError, NanError)
+__all__ = ["fit_dense_mll", "fit_minibatch_mll", "fit_mll"]
 
 
 class _OutOfTime(Exception):
     """Raised inside an evidence evaluation once ``max_time`` has passed (the optimiser cannot be stopped otherwise)."""
 
 
-def fit_mll(
-    mll: MarginalLogLikelihood,
+def fit_mll(mll: MarginalLogLikelihood, **options: Any) -> LearningReport:
+    r"""Learn the hyperparameters of ``mll``'s model and fit its posterior; the model is left fitted (call
+    ``model.eval()`` to predict). One door for every evidence of the package, by its type:
+
+    * a :class:`~gpytorch_iterncgp.LaplaceMarginalLogLikelihood` (a model with an
+      :class:`~gpytorch_iterncgp.IterNCGPStrategy`) or an :class:`~gpytorch_iterncgp.EPMarginalLogLikelihood` (with an
+      :class:`~gpytorch_iterncgp.EPStrategy`), whose model holds its data: :func:`fit_dense_mll` (options
+      ``max_time``, ``recipe``, ``subset``, ``validation_rows``, ``seed``, ``show_progress``);
+    * a :class:`~gpytorch_iterncgp.StochasticEPMarginalLogLikelihood`, whose model holds no data:
+      :func:`fit_minibatch_mll` (options ``data``, ``max_time``, ``recipe``, ``seed``, ``show_progress``).
+
+    :param options: the keyword options of that function.
+    :return: the :class:`~gpytorch_iterncgp.learning.recipe.LearningReport`.
+    :raises TypeError: for another objective, or an option the evidence's function does not take (naming it and
+        what to use instead).
+    """
+    function: Callable[..., LearningReport]
+    if isinstance(mll, StochasticEPMarginalLogLikelihood):
+        function, not_here = fit_minibatch_mll, _NOT_FOR_MINIBATCHES
+    else:
+        _checked_strategy(mll)
+        function, not_here = fit_dense_mll, _NOT_FOR_DENSE
+    accepted = _keywords(function)
+    for name in options:
+        if name not in accepted:
+            reason = not_here.get(name, "it is not an option of fit_mll")
+            raise TypeError(
+                f"fit_mll: {name}= does not apply to a {type(mll).__name__}: {reason}. Its options are: "
+                f"{', '.join(sorted(accepted))} ({function.__name__})."
+            )
+    return function(mll, **options)
+
+
+#: why an option of the other mode does not apply, and what to use instead
+_NOT_FOR_DENSE = {
+    "data": "its model holds its training data (the strategy's train_inputs, train_targets); leave data= out, and "
+    "choose the rows to learn on with subset="
+}
+_NOT_FOR_MINIBATCHES = {
+    "subset": "stochastic EP learns on all of data= in minibatches; set their size with "
+    "recipe=MinibatchRecipe(batch_size=...)",
+    "validation_rows": "stochastic EP has no outputscale phase (its objective is SEP's energy on all the data)",
+}
+
+
+def _keywords(function: Callable[..., Any]) -> frozenset[str]:
+    """The keyword options of a mode's function (all its parameters but ``mll``)."""
+    return frozenset(inspect.signature(function).parameters) - {"mll"}
+
+
+def fit_dense_mll(
+    mll: LaplaceMarginalLogLikelihood | EPMarginalLogLikelihood,
     *,
     max_time: float | None = None,
-    recipe: LearningRecipe | MinibatchRecipe | None = None,
+    recipe: LearningRecipe | None = None,
     subset: int | str | Tensor | None = "auto",
     validation_rows: Tensor | str | None = "auto",
     seed: int | None = None,
     show_progress: bool | None = None,
-    data: tuple[Tensor, Tensor] | None = None,
 ) -> LearningReport:
-    r"""Learn the hyperparameters of ``mll``'s model and fit its posterior on all the data; the model is left fitted
-    (call ``model.eval()`` to predict).
+    r""":func:`fit_mll` for a model that holds its data (Laplace's or EP's evidence), in three phases (module docstring):
+    learning on a subset, the outputscale on held-out rows, the final fit on all the data.
 
     :param mll: a :class:`~gpytorch_iterncgp.LaplaceMarginalLogLikelihood` of a model with an
         :class:`~gpytorch_iterncgp.IterNCGPStrategy`, or an :class:`~gpytorch_iterncgp.EPMarginalLogLikelihood` of one
@@ -86,32 +132,19 @@ def fit_mll(
     :param recipe: the optimiser's settings (:class:`~gpytorch_iterncgp.learning.recipe.LearningRecipe`).
     :param subset: the rows the hyperparameters are learnt on: ``"auto"`` (:math:`\lfloor\sqrt{10^7/C}\rfloor` rows,
         stratified by class for classifiers; all of them for smaller data), a number of rows, the row indices
-        ``(M,)``, or ``None`` (all).
+        ``(M,)``, a boolean mask ``(N,)``, or ``None`` (all).
     :param validation_rows: the held-out rows for the outputscale (classifiers): ``"auto"`` (as many others as the
-        subset, stratified), the row indices, or ``None`` (no choice).
+        subset, stratified), the row indices or a boolean mask (outside the subset), or ``None`` (no choice). Only
+        where the learning holds rows out (a subset smaller than the data).
     :param seed: seeds the rows drawn (``None``: drawn from torch's global generator).
     :param show_progress: a progress bar per phase (``None``: the strategy's ``show_progress``).
-    :param data: ``(train_inputs, train_targets)`` for a :class:`~gpytorch_iterncgp.StochasticEPMarginalLogLikelihood`
-        (whose model holds no data): then Adam on SEP's energy over minibatches (:mod:`.minibatch`, ``recipe`` a
-        :class:`~.minibatch.MinibatchRecipe`), until its ``max_steps`` or ``max_time``, and no other phase.
     :return: the :class:`~gpytorch_iterncgp.learning.recipe.LearningReport` (its ``fit_report``: the final fit's).
-    :raises TypeError: for another objective or strategy. Numerical trouble while learning stops the learning with a
-        warning, keeping the best hyperparameters seen; an unconverged final fit raises a
-        :class:`~gpytorch_iterncgp.ConvergenceWarning`.
+    :raises TypeError: for another objective or strategy, or a recipe that is not a ``LearningRecipe``.
+    :raises ValueError: for rows out of range, a mask of another length, or validation rows where nothing is held
+        out. Numerical trouble while learning stops the learning with a warning, keeping the best hyperparameters
+        seen; a final fit that stops before it converges warns (:class:`~gpytorch_iterncgp.NotConvergedWarning`, or
+        :class:`~gpytorch_iterncgp.ConvergenceWarning` at a limit of the strategy's).
     """
-    if max_time is not None:
-        check_nonnegative(max_time, "max_time")
-    if show_progress is not None:
-        check_flag(show_progress, "show_progress")
-    deadline = None if max_time is None else time.perf_counter() + float(max_time)
-    generator = _RowGenerator(seed)
-    some_tensor = next(itertools.chain(mll.model.parameters(), mll.model.buffers()), None)
-    device = torch.device("cpu") if some_tensor is None else some_tensor.device
-    start_peak_memory(device)
-    if isinstance(mll, StochasticEPMarginalLogLikelihood):
-        report = _fit_stochastic(mll, data, recipe, deadline, generator(), show_progress)
-        report.peak_memory_bytes = peak_memory_bytes(device)
-        return report
     strategy = _checked_strategy(mll)
     recipe = LearningRecipe() if recipe is None else recipe
     if not isinstance(recipe, LearningRecipe):
@@ -119,7 +152,10 @@ def fit_mll(
             f"fit_mll: recipe must be a LearningRecipe for {type(mll).__name__}, got {type(recipe).__name__}."
         )
     recipe.validate()
-    show = strategy.show_progress if show_progress is None else show_progress
+    deadline, show = _deadline(max_time), _show(show_progress, strategy.show_progress)
+    generator = _RowGenerator(seed)
+    device = _device(mll)
+    start_peak_memory(device)
     model, likelihood = mll.model, mll.likelihood
     labels = strategy.train_targets.cpu() if strategy.adapter.classification else None
     parameters = [parameter for parameter in model.parameters() if parameter.requires_grad]
@@ -128,10 +164,10 @@ def fit_mll(
     report = LearningReport(num_data=strategy.num_data, data_points=strategy.num_data if rows is None else len(rows))
     report.learning_rows = None if rows is None else rows.tolist()
     if learn:
+        held_out = _held_out(strategy, rows, validation_rows, labels, recipe, generator)  # (checked before learning)
         inputs, targets = _rows_of(strategy, rows)
         learner = _learner(model, strategy, inputs, targets, subset_model=rows is not None)
         _learn(learner, recipe, report, deadline, show)
-        held_out = _held_out(strategy, rows, validation_rows, labels, recipe, generator)
         kernel = getattr(model, "covar_module", None)
         if labels is not None and isinstance(kernel, gpytorch.kernels.ScaleKernel) and held_out is not None:
             report.validation_rows = held_out.tolist()
@@ -153,20 +189,32 @@ def fit_mll(
         warnings.simplefilter("always")
         report.fit_report = strategy.fit(show_progress=show)
     for warning in caught:  # at the line that called fit_mll
-        warnings.warn(warning.message, warning.category, stacklevel=2)
+        warnings.warn(warning.message, warning.category, stacklevel=3)
     report.peak_memory_bytes = peak_memory_bytes(device)
     return report
 
 
-def _fit_stochastic(
+def fit_minibatch_mll(
     mll: StochasticEPMarginalLogLikelihood,
-    data: Any,
-    recipe: Any,
-    deadline: float | None,
-    generator: torch.Generator,
-    show_progress: bool | None,
+    data: tuple[Tensor, Tensor] | None = None,
+    *,
+    max_time: float | None = None,
+    recipe: MinibatchRecipe | None = None,
+    seed: int | None = None,
+    show_progress: bool | None = None,
 ) -> LearningReport:
-    """:func:`fit_mll` for stochastic EP (:func:`.minibatch.fit_minibatches`), its arguments checked."""
+    """:func:`fit_mll` for a :class:`~gpytorch_iterncgp.StochasticEPMarginalLogLikelihood` (whose model holds no data):
+    Adam on SEP's energy over minibatches of ``data`` (:func:`.minibatch.fit_minibatches`), until the recipe's
+    ``max_steps`` or ``max_time``; no other phase.
+
+    :param data: ``(train_inputs, train_targets)``, ``(N, D)`` and ``(N,)``, ``N`` the objective's ``num_data``
+        (required: the model holds no data).
+    :param max_time: seconds (``None``: no limit).
+    :param recipe: a :class:`~.minibatch.MinibatchRecipe` (batch size, steps, learning rate and its schedule).
+    :param seed: seeds the minibatches' order (``None``: drawn from torch's global generator).
+    :param show_progress: a progress bar (``None``: shown).
+    :raises TypeError: for a recipe that is not a ``MinibatchRecipe`` or ``data`` that is not two tensors.
+    """
     recipe = MinibatchRecipe() if recipe is None else recipe
     if not isinstance(recipe, MinibatchRecipe):
         raise TypeError(f"fit_mll: recipe must be a MinibatchRecipe for stochastic EP, got {type(recipe).__name__}.")
@@ -175,7 +223,34 @@ def _fit_stochastic(
         raise TypeError(
             "fit_mll: a StochasticEPMarginalLogLikelihood's model holds no data; pass data=(train_inputs, train_targets)."
         )
-    return fit_minibatches(mll, data[0], data[1], recipe, deadline, generator, show_progress is not False)
+    deadline, show = _deadline(max_time), _show(show_progress, True)
+    device = _device(mll)
+    start_peak_memory(device)
+    report = fit_minibatches(mll, data[0], data[1], recipe, deadline, _RowGenerator(seed)(), show)
+    report.peak_memory_bytes = peak_memory_bytes(device)
+    return report
+
+
+def _deadline(max_time: float | None) -> float | None:
+    """The ``time.perf_counter()`` by which learning stops (``None``: none). :raises ValueError: for a bad max_time."""
+    if max_time is None:
+        return None
+    check_nonnegative(max_time, "max_time")
+    return time.perf_counter() + float(max_time)
+
+
+def _show(show_progress: bool | None, default: bool) -> bool:
+    """Whether to show progress bars. :raises ValueError: for a ``show_progress`` that is not a flag or ``None``."""
+    if show_progress is None:
+        return default
+    check_flag(show_progress, "show_progress")
+    return show_progress
+
+
+def _device(mll: MarginalLogLikelihood) -> torch.device:
+    """The device of the model's parameters or buffers (the CPU without either)."""
+    some_tensor = next(itertools.chain(mll.model.parameters(), mll.model.buffers()), None)
+    return torch.device("cpu") if some_tensor is None else some_tensor.device
 
 
 def _checked_strategy(mll: Any) -> IterNCGPStrategy | EPStrategy:
@@ -206,17 +281,38 @@ class _RowGenerator:
         return self.generator
 
 
+def _row_indices(value: Tensor, num_data: int, name: str) -> Tensor:
+    """Row indices ``(M,)`` (sorted, unique) from a tensor of indices or a boolean mask ``(N,)``.
+
+    :raises ValueError: naming ``name``, for a mask of another length than the data or indices outside ``[0, N)``.
+    """
+    if value.dtype == torch.bool:
+        if value.shape != (num_data,):
+            raise ValueError(
+                f"{name}: a boolean mask must have one entry per training row, shape ({num_data},); got "
+                f"{tuple(value.shape)}."
+            )
+        return value.cpu().nonzero()[:, 0]
+    if value.dtype.is_floating_point or value.dtype.is_complex:
+        raise ValueError(f"{name}: row indices must be integers (or a boolean mask), got a {value.dtype} tensor.")
+    rows = value.to(device="cpu", dtype=torch.long).reshape(-1)
+    if bool((rows < 0).any() or (rows >= num_data).any()):
+        raise ValueError(f"{name}: row indices must lie in [0, {num_data}); got {int(rows.min())}..{int(rows.max())}.")
+    return rows.unique()
+
+
 def _learning_rows(strategy: Any, subset: Any, labels: Tensor | None, generator: _RowGenerator) -> Tensor | None:
     """The rows to learn on (``None``: all), from ``fit_mll``'s ``subset``.
 
-    :raises ValueError: for a subset that is not ``"auto"``, ``None``, a count of at least 2 or row indices.
+    :raises ValueError: for a subset that is not ``"auto"``, ``None``, a count of at least 2, row indices or a mask
+        (:func:`_row_indices`) of at least 2 rows.
     """
     num_data = strategy.num_data
     if torch.is_tensor(subset):
-        rows = subset.to(device="cpu", dtype=torch.long).reshape(-1)
-        if len(rows) < 2 or bool((rows < 0).any() or (rows >= num_data).any()):
-            raise ValueError(f"subset rows must be at least 2 indices in [0, {num_data}).")
-        return None if len(rows.unique()) == num_data else rows
+        rows = _row_indices(subset, num_data, "subset")
+        if len(rows) < 2:
+            raise ValueError(f"subset must hold at least 2 rows, got {len(rows)}.")
+        return None if len(rows) == num_data else rows
     if subset is None:
         return None
     if isinstance(subset, str):
@@ -226,7 +322,9 @@ def _learning_rows(strategy: Any, subset: Any, labels: Tensor | None, generator:
     elif isinstance(subset, int) and not isinstance(subset, bool) and subset >= 2:
         size = subset
     else:
-        raise ValueError(f"subset must be 'auto', None, a number of rows (at least 2) or row indices; got {subset!r}.")
+        raise ValueError(
+            f"subset must be 'auto', None, a number of rows (at least 2), row indices or a boolean mask; got {subset!r}."
+        )
     if size >= num_data:
         return None
     return draw_rows(torch.arange(num_data), size, labels, generator())
@@ -240,13 +338,27 @@ def _held_out(
     recipe: LearningRecipe,
     generator: _RowGenerator,
 ) -> Tensor | None:
-    """The held-out rows for the outputscale: ``None`` without a subset (nothing is held out) or where asked."""
+    """The held-out rows for the outputscale: ``None`` without a subset (nothing is held out) or where asked.
+
+    :raises ValueError: for validation rows given where the learning uses every row, rows among the learning rows, or
+        rows out of range (:func:`_row_indices`).
+    """
     if torch.is_tensor(validation_rows):
-        return validation_rows.to(device="cpu", dtype=torch.long).reshape(-1)
+        held_out = _row_indices(validation_rows, strategy.num_data, "validation_rows")
+        if rows is None:
+            raise ValueError(
+                "validation_rows were given, but the hyperparameters are learnt on every row, so none is held out: "
+                "pass a subset too (subset=, smaller than the data), or validation_rows=None."
+            )
+        if bool(torch.isin(held_out, rows).any()):
+            raise ValueError("validation_rows must lie outside the learning subset (rows held out from learning).")
+        return held_out
     if rows is None or validation_rows is None:
         return None
     if validation_rows != "auto":
-        raise ValueError(f"validation_rows must be 'auto', None or row indices; got {validation_rows!r}.")
+        raise ValueError(
+            f"validation_rows must be 'auto', None, row indices or a boolean mask; got {validation_rows!r}."
+        )
     return held_out_rows(strategy.num_data, rows, labels, recipe.min_validation_points, generator())
 
 
@@ -323,11 +435,11 @@ def _learn(learner: Any, recipe: LearningRecipe, report: LearningReport, deadlin
                 strategy.loose_fit()
             report.stopped = _optimise(scale.variables, evaluate, backward, exact, recipe)
     except _OutOfTime:
-        report.stopped = "max_time"
-    except _RECOVERABLE as error:
+        report.stopped = LearningStop.MAX_TIME
+    except RECOVERABLE_ERRORS as error:
         if best["state"] is None:  # fails at the initial hyperparameters: a real error
             raise
-        report.stopped = "error"
+        report.stopped = LearningStop.ERROR
         warnings.warn(
             f"fit_mll: learning ({report.method}) stopped after {len(report.losses)} evidence evaluations ({error}); "
             "keeping the hyperparameters with the best evidence seen.",
@@ -364,7 +476,7 @@ def _optimise(
     backward: Callable[[Tensor], None],
     exact: bool,
     recipe: LearningRecipe,
-) -> str:
+) -> LearningStop:
     """Run L-BFGS (``exact``) or Adam on ``evaluate()``'s loss; return why it stopped."""
     if not exact:
         adam = torch.optim.Adam(parameters, lr=float(recipe.learning_rate))
@@ -372,7 +484,7 @@ def _optimise(
             adam.zero_grad()
             backward(evaluate())
             adam.step()
-        return "optimizer_steps"
+        return LearningStop.OPTIMIZER_STEPS
     lbfgs = torch.optim.LBFGS(
         parameters,
         lr=1.0,
@@ -390,8 +502,7 @@ def _optimise(
 
     lbfgs.step(closure)
     iterations = lbfgs.state[parameters[0]].get("n_iter", 0)
-    return "optimizer_steps" if iterations >= recipe.optimizer_steps else "converged"
+    return LearningStop.OPTIMIZER_STEPS if iterations >= recipe.optimizer_steps else LearningStop.CONVERGED
 
 
 BoTorchFitHook.run = fit_mll
-BoTorchFitHook.keywords = frozenset(inspect.signature(fit_mll).parameters) - {"mll"}

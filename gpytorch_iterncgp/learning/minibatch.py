@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 from ..core.threads import small_operations
 from ..core.validation import check_count, check_inputs, check_nonnegative
 from ..mlls.stochastic import StochasticEPMarginalLogLikelihood
-from .recipe import LearningReport
+from .recipe import LearningReport, LearningStop
 from .scale import LogScale
 
 
@@ -76,7 +76,8 @@ def fit_minibatches(
     only move the tied site.
 
     :param inputs: ``(N, D)``, ``N`` the ``num_data`` of ``mll``; ``targets``: ``(N,)``.
-    :return: the report: ``losses`` the negative objective of every step, ``stopped`` ``"max_steps"`` or ``"max_time"``.
+    :return: the report: ``losses`` the negative objective of every step, ``stopped``
+        :attr:`~.recipe.LearningStop.MAX_STEPS` or :attr:`~.recipe.LearningStop.MAX_TIME`.
     :raises ValueError: for data whose size is not ``mll.num_data``.
     """
     model = mll.model
@@ -102,7 +103,7 @@ def fit_minibatches(
     report = LearningReport(method="Adam", evidence="SEP", data_points=len(inputs), num_data=len(inputs))
     description = f"learning: Adam on SEP's energy, batches of {batch_size} of {len(inputs)} points"
     bar = tqdm(total=recipe.max_steps, desc=description, disable=not show)
-    report.stopped = "max_steps"
+    report.stopped = LearningStop.MAX_STEPS
 
     def batches():
         if batch_size == len(inputs):  # full batches, in the data's order (as per-point sites need)
@@ -117,7 +118,7 @@ def fit_minibatches(
             if step == recipe.max_steps:
                 break
             if deadline is not None and report.losses and time.perf_counter() >= deadline:
-                report.stopped = "max_time"
+                report.stopped = LearningStop.MAX_TIME
                 break
             with small_operations():  # one thread a step: a busy machine's other process costs little
                 if schedule is None:

@@ -14,10 +14,9 @@ from collections.abc import Callable
 
 import gpytorch
 import torch
-from linear_operator.utils.errors import NanError
 from torch import Tensor
 
-from .recipe import LearningRecipe, LearningReport
+from .recipe import RECOVERABLE_ERRORS, LearningRecipe, LearningReport
 
 __all__ = ["choose_outputscale", "log_loss"]
 
@@ -64,7 +63,7 @@ def choose_outputscale(
             with torch.no_grad(), strategy.without_convergence_warning():
                 strategy.fit(**{strategy.max_steps_option: recipe.outputscale_fit_steps}, show_progress=False)
                 probabilities = strategy.predictive_probabilities(validation_x)
-        except (FloatingPointError, ValueError, torch.linalg.LinAlgError, NanError):
+        except RECOVERABLE_ERRORS:
             continue
         finally:
             tick()

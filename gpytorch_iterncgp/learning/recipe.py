@@ -2,8 +2,12 @@ r"""What :func:`~gpytorch_iterncgp.fit_mll` does (:class:`LearningRecipe`) and w
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
+from linear_operator.utils.errors import NanError
 
 from ..core.validation import check_count, check_nonnegative
 
@@ -59,14 +63,30 @@ class LearningRecipe:
             raise ValueError(f"outputscale_factors must be positive numbers, got {self.outputscale_factors!r}.")
 
 
+#: the errors an evidence evaluation or a candidate's fit can stop on and learning recover from (keeping the best
+#: hyperparameters seen, or skipping the candidate): non-finite values, a failed Cholesky, bad input to a solve
+RECOVERABLE_ERRORS = (FloatingPointError, ValueError, torch.linalg.LinAlgError, NanError)
+
+
+class LearningStop(enum.StrEnum):
+    """Why :func:`~gpytorch_iterncgp.fit_mll`'s learning ended (:attr:`LearningReport.stopped`; a ``str``, so it
+    compares equal to its value and writes as it in JSON)."""
+
+    NOT_LEARNT = "not learnt"  # no learning: no trainable parameter, or optimizer_steps=0
+    OPTIMIZER_STEPS = "optimizer_steps"  # the recipe's optimizer_steps were taken (dense evidence)
+    CONVERGED = "converged"  # L-BFGS's own tolerances (the exact regime)
+    MAX_STEPS = "max_steps"  # the minibatch recipe's max_steps were taken (stochastic EP)
+    MAX_TIME = "max_time"  # fit_mll's max_time passed
+    ERROR = "error"  # numerical trouble (a ConvergenceWarning says which); the best hyperparameters seen are kept
+
+
 @dataclass
 class LearningReport:
     """What :func:`~gpytorch_iterncgp.fit_mll` did, phase by phase (also the estimators' ``learning_report_``).
 
     Learning: ``seconds`` is its wall time; of it, ``fit_seconds`` went to the strategy's fits at each evaluation of
     the evidence (warm-started), ``evidence_seconds`` to the evidence at the fitted posterior and ``gradient_seconds``
-    to its gradient. ``stopped`` says why it ended: ``"optimizer_steps"``, ``"converged"`` (L-BFGS's own tolerances),
-    ``"max_time"`` or ``"error"`` (a warning says which). ``evidence`` is the approximation whose evidence was
+    to its gradient. ``stopped`` says why it ended (:class:`LearningStop`). ``evidence`` is the approximation whose evidence was
     maximised (``"Laplace"`` or ``"EP"``), on ``data_points`` of the ``num_data`` training points (``learning_rows``,
     sorted; ``None``: all); ``losses`` is ``-evidence / n`` at every evaluation.
 
@@ -89,7 +109,7 @@ class LearningReport:
     fit_seconds: float = 0.0
     evidence_seconds: float = 0.0
     gradient_seconds: float = 0.0
-    stopped: str = "not learnt"
+    stopped: LearningStop = LearningStop.NOT_LEARNT
     losses: list[float] = field(default_factory=list)
     learning_rows: list[int] | None = None
     outputscale_factor: float = 1.0
@@ -106,7 +126,7 @@ class LearningReport:
         subset = "" if self.data_points == self.num_data else f" of {self.data_points} of the {self.num_data} points"
         outputscale = (
             f"; outputscale times {self.outputscale_factor:g} by the log-loss of {self.validation_points} held-out "
-            f"points ({len(self.outputscale_log_loss)} EP fits in {self.outputscale_seconds:.2f}s)"
+            f"points ({len(self.outputscale_log_loss)} fits in {self.outputscale_seconds:.2f}s)"
             if self.outputscale_log_loss
             else ""
         )

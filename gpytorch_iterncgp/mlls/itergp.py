@@ -204,20 +204,30 @@ def log_prior(mll: MarginalLogLikelihood) -> Tensor:
 
 class BoTorchFitHook:
     """BoTorch's hook into ``botorch.fit.fit_gpytorch_mll`` (a model's ``custom_fit``): it runs
-    :func:`~gpytorch_iterncgp.fit_mll` for this package's evidences, with the keywords ``fit_mll`` takes (others are
-    ignored, as BoTorch ignores unexpected ones), and returns the ``mll`` in eval mode, as BoTorch's fits do.
+    :func:`~gpytorch_iterncgp.fit_mll` for this package's evidences with the keywords given (``fit_mll``'s options:
+    ``max_time``, ``recipe``, ...; it refuses others, naming them), and returns the ``mll`` in eval mode, as BoTorch's
+    fits do. BoTorch's own ``closure``, ``optimizer``, ``closure_kwargs`` and ``optimizer_kwargs`` do not apply
+    (``fit_mll`` chooses its optimiser by the evidence) and are refused.
 
     Set on a model without a ``custom_fit`` of its own when one of the evidences below is built for it; ``run`` is
     ``fit_mll``, filled in by :mod:`gpytorch_iterncgp.learning.fit` (the layer above).
     """
 
     run: Callable[..., Any] | None = None
-    keywords: frozenset[str] = frozenset()
 
     def __call__(self, mll, closure=None, closure_kwargs=None, optimizer_kwargs=None, **kwargs):
         if type(self).run is None:
             raise RuntimeError("gpytorch_iterncgp.learning.fit is not imported: import gpytorch_iterncgp first.")
-        type(self).run(mll, **{name: value for name, value in kwargs.items() if name in self.keywords})
+        botorch = {"closure": closure, "optimizer": kwargs.pop("optimizer", None)}
+        botorch.update(closure_kwargs=closure_kwargs, optimizer_kwargs=optimizer_kwargs)
+        given = [name for name, value in botorch.items() if value is not None]
+        if given:
+            raise TypeError(
+                f"fit_gpytorch_mll on a {type(mll).__name__} runs gpytorch_iterncgp.fit_mll, which chooses its "
+                f"optimiser by the evidence (L-BFGS where it is exact, Adam otherwise): {', '.join(given)} do not "
+                "apply. Set the optimiser's steps and learning rate with recipe=gpytorch_iterncgp.LearningRecipe(...)."
+            )
+        type(self).run(mll, **kwargs)
         return mll.eval()
 
 

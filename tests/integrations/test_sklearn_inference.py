@@ -307,3 +307,18 @@ def test_sparse_ep_fits_within_max_time_and_refuses_the_evidence():
         classifier.log_marginal_likelihood()
     with pytest.raises(ValueError, match="num_inducing"):
         IterNCGPClassifier(inference="sparse_ep", num_inducing=0).fit(x, y)
+
+
+def test_parameters_the_inference_does_not_use_are_refused():
+    """A parameter set away from its default that the inference in use ignores is an error naming it (they were
+    accepted and ignored): the dense solver's under stochastic EP, the inducing points' under dense EP, also where
+    ``inference="auto"`` made the choice."""
+    from gpytorch_iterncgp.sklearn import IterNCGPClassifier
+
+    x, y, _ = _multiclass(num=60)
+    with pytest.raises(ValueError, match=r"max_solver_iterations=10 do\(es\) not apply: inference='sparse_ep'"):
+        IterNCGPClassifier(inference="sparse_ep", max_solver_iterations=10).fit(x, y)
+    with pytest.raises(ValueError, match=r"num_inducing=32, batch_size=16 do\(es\) not apply: inference='auto' chose"):
+        IterNCGPClassifier(num_inducing=32, batch_size=16).fit(x, y)
+    with pytest.raises(ValueError, match="Set inference='sparse_ep' to use it"):
+        IterNCGPClassifier(inference="ep", num_inducing=32).fit(x, y)

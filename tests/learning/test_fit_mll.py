@@ -189,9 +189,44 @@ def test_fit_mll_refuses_other_objectives_and_bad_subsets():
         fit_mll(mll, recipe=LearningRecipe(optimizer_steps=-1))
 
 
+def test_fit_mll_takes_masks_as_masks_and_checks_the_rows():
+    """A boolean ``subset`` (or ``validation_rows``) is a mask of the training rows: 40 of 120 here (read as indices it
+    was rows 0 and 1, 120 times); indices are range-checked, validation rows must be held out of a subset, and the
+    stochastic evidence's ``data=`` is refused for a model that holds its data."""
+    x, y = binary_data(120, seed=3)
+    model = IterNCGPModel(x, y, LogitBernoulliLikelihood())
+    mll = LaplaceMarginalLogLikelihood(model.variational_strategy.likelihood, model)
+    mask = torch.zeros(120, dtype=torch.bool)
+    mask[torch.randperm(120, generator=torch.Generator().manual_seed(0))[:40]] = True
+    held_out = ~mask & (torch.arange(120) % 2 == 0)
+    recipe = LearningRecipe(optimizer_steps=2)
+    report = fit_mll(mll, subset=mask, validation_rows=held_out, recipe=recipe, seed=0, show_progress=False)
+    assert report.learning_rows == mask.nonzero()[:, 0].tolist() and report.data_points == 40
+    assert report.validation_rows == held_out.nonzero()[:, 0].tolist()
+    indices = fit_mll(mll, subset=mask.nonzero()[:, 0], validation_rows=None, recipe=recipe, show_progress=False)
+    assert indices.learning_rows == report.learning_rows
+    bad = [
+        (
+            {"subset": mask[:100]},
+            ValueError,
+            r"subset: a boolean mask must have one entry per training row, shape \(120",
+        ),
+        ({"subset": torch.tensor([0, 5, 120])}, ValueError, r"subset: row indices must lie in \[0, 120\)"),
+        ({"subset": torch.tensor([0.0, 5.0])}, ValueError, "subset: row indices must be integers"),
+        ({"subset": mask, "validation_rows": torch.tensor([-1])}, ValueError, "validation_rows: row indices must lie"),
+        ({"subset": mask, "validation_rows": mask}, ValueError, "validation_rows must lie outside the learning subset"),
+        ({"subset": None, "validation_rows": held_out}, ValueError, "none is held out: pass a subset too"),
+        ({"data": (x, y)}, TypeError, "data= does not apply to a LaplaceMarginalLogLikelihood"),
+    ]
+    for options, error, match in bad:
+        with pytest.raises(error, match=match):
+            fit_mll(mll, recipe=recipe, show_progress=False, **options)
+
+
 def test_botorch_fit_gpytorch_mll_runs_fit_mll():
     """``botorch.fit.fit_gpytorch_mll(mll)`` on one of the package's evidences runs ``fit_mll`` (the model's
-    ``custom_fit`` hook), forwards the keywords ``fit_mll`` takes and returns the objective in eval mode."""
+    ``custom_fit`` hook), forwards the keywords ``fit_mll`` takes and returns the objective in eval mode; BoTorch's
+    optimiser options, which ``fit_mll`` would not use, and keywords ``fit_mll`` does not take are refused."""
     fit = pytest.importorskip("botorch.fit")
     x, y = binary_data(60, seed=5)
     learnt = []
@@ -199,7 +234,14 @@ def test_botorch_fit_gpytorch_mll_runs_fit_mll():
         model = IterNCGPModel(x, y, LogitBernoulliLikelihood(), max_solver_iterations=None)
         mll = LaplaceMarginalLogLikelihood(model.variational_strategy.likelihood, model)
         if run == "botorch":
-            returned = fit.fit_gpytorch_mll(mll, seed=0, optimizer_kwargs={"ignored": True})
+            for refused, match in [
+                ({"optimizer_kwargs": {"maxiter": 5}}, "optimizer_kwargs do not apply.*LearningRecipe"),
+                ({"optimizer": object(), "closure": lambda: None}, "closure, optimizer do not apply"),
+                ({"data": (x, y)}, "data= does not apply to a LaplaceMarginalLogLikelihood: its model holds"),
+            ]:
+                with pytest.raises(TypeError, match=match):
+                    fit.fit_gpytorch_mll(mll, seed=0, **refused)
+            returned = fit.fit_gpytorch_mll(mll, seed=0)
             assert returned is mll and not mll.training and not model.training
         else:
             fit_mll(mll, seed=0)

@@ -235,6 +235,13 @@ def test_fit_mll_runs_the_minibatch_loop():
         fit_mll(mll, data=(x[:10], y[:10]))
     with pytest.raises(TypeError, match="MinibatchRecipe"):
         fit_mll(mll, data=(x, y), recipe=LearningRecipe())
+    # the dense fits' options are refused, naming what to use instead (they were accepted and ignored)
+    with pytest.raises(TypeError, match=r"subset= does not apply to a StochasticEP.*MinibatchRecipe\(batch_size"):
+        fit_mll(mll, data=(x, y), subset=100)
+    with pytest.raises(TypeError, match="validation_rows= does not apply.*no outputscale phase"):
+        fit_mll(mll, data=(x, y), validation_rows=torch.arange(10))
+    with pytest.raises(TypeError, match="subsets= does not apply.*not an option of fit_mll"):
+        fit_mll(mll, data=(x, y), subsets=100)
 
 
 def test_fit_mll_anneals_the_learning_rate(monkeypatch):
