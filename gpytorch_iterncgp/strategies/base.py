@@ -12,6 +12,7 @@ only its final state.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping
@@ -129,21 +130,24 @@ def _show_progress(callback: Callable | None, show_progress: bool | None, defaul
     return default if show_progress is None else show_progress
 
 
-class OuterLoopStrategy(gpytorch.Module):
+class OuterLoopStrategy(gpytorch.Module, metaclass=abc.ABCMeta):
     r"""A ``VariationalStrategy`` replacement that fits by an outer loop: the committed state (a
     :class:`~gpytorch_iterncgp.core.state.CommittedState`), refitting when it is stale, driving a fit, its report,
     ``state_dict`` and devices.
 
-    It knows no particular loop. A subclass
+    It knows no particular loop. **The contract** (written here once): a concrete subclass
 
-    * sets :attr:`_state_type` (an :class:`~gpytorch_iterncgp.core.state.ExtraState`), :attr:`_options_type` (a
-      dataclass with ``validate()``: every option is one of its fields, given to the constructor by name and
-      overridden in :meth:`fit` by the same name) and :attr:`max_steps_option`,
-    * builds its prior in :meth:`_prior_for_fit` and its loop in :meth:`_make_loop`,
-    * defines the predictions,
+    * names its state, options and step limit: the class attributes :attr:`_state_type` (an
+      :class:`~gpytorch_iterncgp.core.state.ExtraState`), :attr:`_options_type` (a dataclass with ``validate()``: every
+      option is one of its fields, given to the constructor by name and overridden in :meth:`fit` by the same name) and
+      :attr:`max_steps_option` (the field that limits a fit's steps), checked when one is built;
+    * builds its prior in :meth:`_prior_for_fit` and its loop in :meth:`_make_loop` (abstract);
+    * predicts: ``forward`` (``model(x)``), :meth:`marginal_latent` and :meth:`marginal_latent_blocks` (abstract; the
+      predictive follows from them, :class:`~gpytorch_iterncgp.strategies.predictive.LatentPredictions`),
 
-    and may name what the state depends on besides the parameters of model and likelihood
-    (:meth:`_fingerprint_tensors`).
+    and may override what the state depends on besides the parameters of model and likelihood
+    (:meth:`_fingerprint_tensors`), checks of a fit's options (:meth:`_check_fit`) and the options of a loose fit in
+    train mode (:meth:`_loose_fit_options`).
 
     :param model: the ``ApproximateGP`` that owns the strategy (not a submodule of it).
     :param train_inputs: :math:`\mathbf X`, ``(N, D)`` (or ``(N,)``).
@@ -157,11 +161,24 @@ class OuterLoopStrategy(gpytorch.Module):
     :raises TypeError: for a ``model`` that is not a ``torch.nn.Module``, or an unknown option.
     """
 
-    _state_type: Any = None
+    _state_type: Any = None  # the ExtraState of the committed state
     _options_type: Any = None  # the dataclass of the strategy's options (every constructor keyword option)
     #: the option of :attr:`options` that limits the outer loop's steps in a fit (``"max_newton_steps"``, ``"max_sweeps"``)
-    max_steps_option: str = "max_sweeps"
+    max_steps_option: str = ""
     options: Any
+
+    @classmethod
+    def _check_contract(cls) -> None:
+        """:raises TypeError: for a strategy class that does not name its state, options and step limit (the contract,
+        class docstring; the abstract methods are ABC's to check)."""
+        if cls._state_type is None or cls._options_type is None:
+            raise TypeError(f"{cls.__name__} must set _state_type and _options_type (OuterLoopStrategy's contract).")
+        fields = {field.name for field in dataclasses.fields(cls._options_type)}
+        if cls.max_steps_option not in fields:
+            raise TypeError(
+                f"{cls.__name__}.max_steps_option must name a field of {cls._options_type.__name__} (the option that "
+                f"limits a fit's steps), got {cls.max_steps_option!r}."
+            )
 
     def __init__(
         self,
@@ -175,6 +192,7 @@ class OuterLoopStrategy(gpytorch.Module):
         companion: Companion | None = None,
         **options: Any,
     ):
+        self._check_contract()
         options_object = replaced_options(self._options_type(), options, type(self).__name__)
         super().__init__()
         attach_to_model(self, model, likelihood)
@@ -327,9 +345,9 @@ class OuterLoopStrategy(gpytorch.Module):
             self._check_fit(options, prior)
             return self._run(prior, options, getattr(options, self.max_steps_option), callback, show)
 
+    @abc.abstractmethod
     def _prior_for_fit(self) -> Any:
         """The prior at the training inputs the loop runs on (with a ``dtype``; the model is on the data's device)."""
-        raise NotImplementedError
 
     def _check_fit(self, options: Any, prior: Any) -> None:
         """Checks of a fit's options against its prior (warnings); none here."""
@@ -345,9 +363,9 @@ class OuterLoopStrategy(gpytorch.Module):
                     "model (model.to(device)) and the likelihood to the device of the data."
                 )
 
+    @abc.abstractmethod
     def _make_loop(self, prior: Any, options: Any) -> OuterLoop:
         """The outer loop for ``prior`` (the model's prior at the training inputs) and ``options``."""
-        raise NotImplementedError
 
     def _run(self, prior: ProductCounter, options: Any, max_steps: int | None, callback, show: bool) -> FitReport:
         """Drive the subclass's outer loop from the starting state by ``run_outer_loop``; the committed state follows
@@ -414,6 +432,18 @@ class OuterLoopStrategy(gpytorch.Module):
         self._committed.load_extra(
             extra, self.train_inputs, self.num_data * self.num_latents, data, type(self).__name__
         )
+
+    @abc.abstractmethod
+    def forward(self, inputs: Tensor, **kwargs: Any) -> Any:
+        """``model(x)``: the posterior of the latents at ``inputs`` (the model's distribution type)."""
+
+    @abc.abstractmethod
+    def marginal_latent(self, inputs: Tensor) -> tuple[Tensor, Tensor]:
+        """Posterior means and variances of the latents at ``inputs`` ``(N*, D)``, ``(N*, C)`` each."""
+
+    @abc.abstractmethod
+    def marginal_latent_blocks(self, inputs: Tensor) -> tuple[Tensor, Tensor]:
+        """Posterior means ``(N*, C)`` and each test point's latent covariance ``(N*, C, C)``."""
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)

@@ -404,6 +404,7 @@ class EPStrategy(_IterGPStrategy):
     _state_type = EPState
     _options_type = EPOptions
     _loop_type = ExpectationPropagation
+    max_steps_option = "max_sweeps"
     options: EPOptions
 
     def __init__(self, *args: Any, **kwargs: Any):

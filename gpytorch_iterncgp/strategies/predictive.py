@@ -4,6 +4,7 @@ strategies that fit by an outer loop."""
 
 from __future__ import annotations
 
+import abc
 import warnings
 from typing import Any
 
@@ -49,13 +50,13 @@ class LatentPredictions:
         """:math:`C`, the number of latent functions (1 for binary and count data)."""
         return self.adapter.num_latents
 
+    @abc.abstractmethod
     def marginal_latent(self, inputs: Tensor) -> tuple[Tensor, Tensor]:
         """Posterior means and variances of the latents at ``inputs`` ``(N*, D)``, ``(N*, C)`` each."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def marginal_latent_blocks(self, inputs: Tensor) -> tuple[Tensor, Tensor]:
         """Posterior means ``(N*, C)`` and each test point's latent covariance ``(N*, C, C)``."""
-        raise NotImplementedError
 
     def predictive_mean(self, inputs: Tensor) -> Tensor:
         r""":math:`\mathbb E[y_*]`: class probabilities (``(N*,)`` for :math:`p(y=1)`, ``(N*, C)`` for softmax) or

@@ -69,6 +69,7 @@ class SparseEPStrategy(PredictiveStrategy):
 
     _state_type = SparseEPState
     _options_type = SweepOptions
+    max_steps_option = "max_sweeps"
     options: SweepOptions
 
     def __init__(

@@ -488,3 +488,24 @@ def test_custom_policy_without_rows_is_refused_where_the_state_is_held_by_rows(m
     assert issubclass(OldStyle, Policy)
     strategy.policy = ConjugateGradientPolicy()  # the package's policies take rows
     strategy._prepare_loop()
+
+
+def test_the_strategy_contract_is_checked():
+    """``OuterLoopStrategy`` is an abstract base: a subclass that leaves out a member of the contract cannot be built
+    (``abc``), and one whose step limit is not a field of its options is refused naming it."""
+    from gpytorch_iterncgp import IterNCGPStrategy
+    from gpytorch_iterncgp.strategies.base import OuterLoopStrategy
+
+    x, y = binary_data(20)
+
+    class NoLoop(IterNCGPStrategy):
+        _make_loop = OuterLoopStrategy._make_loop  # the abstract one
+
+    with pytest.raises(TypeError, match="abstract method.*_make_loop"):
+        IterNCGPModel(x, y, LogitBernoulliLikelihood(), strategy_class=NoLoop)
+
+    class WrongLimit(IterNCGPStrategy):
+        max_steps_option = "max_sweeps"
+
+    with pytest.raises(TypeError, match="WrongLimit.max_steps_option must name a field of SolverOptions"):
+        IterNCGPModel(x, y, LogitBernoulliLikelihood(), strategy_class=WrongLimit)
