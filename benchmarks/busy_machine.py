@@ -73,7 +73,7 @@ def run_workload(name: str, smoke: bool) -> float:
 
     class Model(gpytorch.models.ApproximateGP):
         def __init__(self, likelihood):
-            super().__init__(StochasticEPStrategy(self, x[:100].clone(), likelihood))
+            super().__init__(StochasticEPStrategy(self, x[:100].clone(), likelihood, num_data=len(y)))
             self.mean_module = gpytorch.means.ConstantMean(batch_shape=torch.Size([10]))
             self.covar_module = gpytorch.kernels.ScaleKernel(
                 gpytorch.kernels.MaternKernel(nu=2.5, batch_shape=torch.Size([10])), batch_shape=torch.Size([10])
@@ -84,7 +84,7 @@ def run_workload(name: str, smoke: bool) -> float:
 
     likelihood = MultinomialProbitLikelihood(10)
     model = Model(likelihood).double()
-    mll = StochasticEPMarginalLogLikelihood(likelihood, model, num_data=len(y))
+    mll = StochasticEPMarginalLogLikelihood(likelihood, model)
     recipe = MinibatchRecipe(batch_size=512, learning_rate=0.01, max_steps=20 if smoke else 100)
     start = time.perf_counter()
     fit_mll(mll, data=(x, y), recipe=recipe, seed=0, show_progress=False)

@@ -44,7 +44,7 @@ def build(method: str, data: Data, seed: int):
     num_data = len(data.train_y)
     if method == "sep":
         model = SEPModel(data, 200, likelihood, generator)
-        objective = StochasticEPMarginalLogLikelihood(likelihood, model, num_data=num_data)
+        objective = StochasticEPMarginalLogLikelihood(likelihood, model)
     else:
         model = SVGPModel(data, 200, generator)
         objective = gpytorch.mlls.VariationalELBO(likelihood, model, num_data=num_data)
@@ -73,10 +73,13 @@ def steps(
     while done < count:
         for rows in torch.randperm(len(targets), generator=generator).split(1024):
             optimizer.zero_grad()
-            loss = -objective(model(data.train_x[rows]), targets[rows])
+            output = model(data.train_x[rows])
+            loss = -objective(output, targets[rows])
             if loss.requires_grad:  # something still learns (SEP's site moves either way)
                 loss.backward()
                 optimizer.step()
+            if method == "sep":
+                model.variational_strategy.update_site(output, targets[rows])
             done += 1
             if done in scores:
                 nlls.append(test_nll(method, model, data))

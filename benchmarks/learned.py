@@ -335,11 +335,14 @@ def minibatch_loop(
     generator,
     probabilities,
     schedule: str = "constant",
+    update_site=None,
 ):
     r"""GPyTorch's minibatch loop (batches of 1024, ``-objective(model(x_b), y_b)``) for ``budget`` seconds of its own
     work, ``probabilities()`` scored ten times along the way and at the end: the history. ``schedule="cosine"``
     anneals the learning rate by the fraction of the budget spent, by ``fit_mll``'s own rule with ``max_time`` the
-    budget (:meth:`~gpytorch_iterncgp.MinibatchRecipe.rate_factor`, through ``torch.optim.lr_scheduler.LambdaLR``)."""
+    budget (:meth:`~gpytorch_iterncgp.MinibatchRecipe.rate_factor`, through ``torch.optim.lr_scheduler.LambdaLR``).
+    ``update_site``: stochastic EP's site step, ``update_site(output, y_b)`` after each optimiser step
+    (:meth:`~gpytorch_iterncgp.StochasticEPStrategy.update_site`); ``None`` for SVGP."""
     clock, history, steps, next_evaluation = Clock(), [], 0, 0.0
     recipe = MinibatchRecipe(schedule=schedule)
     annealing = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: recipe.rate_factor(0, clock.elapsed(), budget))
@@ -347,10 +350,13 @@ def minibatch_loop(
     while clock.elapsed() < budget:
         for batch in torch.randperm(len(targets), generator=generator).split(1024):
             optimizer.zero_grad()
-            loss = -objective(model(data.train_x[batch]), targets[batch])
+            output = model(data.train_x[batch])
+            loss = -objective(output, targets[batch])
             loss.backward()
             optimizer.step()
             annealing.step()
+            if update_site is not None:
+                update_site(output, targets[batch])
             steps += 1
             if clock.elapsed() >= next_evaluation:
                 clock.evaluate(history, probabilities, data.test_y, adam_steps=steps)

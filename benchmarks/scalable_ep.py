@@ -54,7 +54,7 @@ class SEPModel(BenchmarkGP):
     def __init__(self, data: Data, num_inducing: int, likelihood, generator: torch.Generator, per_class: bool = False):
         sets = data.num_classes if per_class and data.num_classes > 2 else 1
         inducing = inducing_starts(data, num_inducing, sets, generator).squeeze(0)  # (M, D) when shared
-        super().__init__(StochasticEPStrategy(self, inducing, likelihood), data)
+        super().__init__(StochasticEPStrategy(self, inducing, likelihood, num_data=len(data.train_y)), data)
 
 
 def run_sep(
@@ -76,7 +76,7 @@ def run_sep(
     )
     model = SEPModel(data, num_inducing, likelihood, generator, per_class)
     targets = data.train_y if multiclass else data.train_y.to(data.train_x)
-    objective = StochasticEPMarginalLogLikelihood(likelihood, model, num_data=len(targets))
+    objective = StochasticEPMarginalLogLikelihood(likelihood, model)
     optimizer = torch.optim.Adam(model.parameters(), lr=learning_rate)
     strategy = model.variational_strategy
 
@@ -86,7 +86,9 @@ def run_sep(
         model.train()
         return result
 
-    history = minibatch_loop(model, objective, optimizer, data, targets, budget, generator, probabilities, schedule)
+    history = minibatch_loop(
+        model, objective, optimizer, data, targets, budget, generator, probabilities, schedule, strategy.update_site
+    )
     layout = f"{num_inducing // data.num_classes}/class" if per_class and data.num_classes > 2 else f"M={num_inducing}"
     suffix = "" if schedule == "constant" else f" {schedule}"
     return {"label": f"SEP {layout} lr {learning_rate}{suffix}", "history": history}

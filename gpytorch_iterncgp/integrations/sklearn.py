@@ -123,8 +123,8 @@ class _LatentGP(gpytorch.models.ApproximateGP):
 class _SparseLatentGP(gpytorch.models.ApproximateGP):
     """Prior ``mean_module(x)``, ``covar_module(x)``; stochastic EP with inducing inputs (module level, so it pickles)."""
 
-    def __init__(self, inducing_points, likelihood, kernel, mean):
-        super().__init__(StochasticEPStrategy(self, inducing_points, likelihood))
+    def __init__(self, inducing_points, likelihood, kernel, mean, num_data):
+        super().__init__(StochasticEPStrategy(self, inducing_points, likelihood, num_data=num_data))
         self.mean_module = mean
         self.covar_module = kernel
 
@@ -435,11 +435,11 @@ class _IterNCGPEstimator(BaseEstimator):
         num_inducing = min(int(self.num_inducing), len(X))
         centres = MiniBatchKMeans(n_clusters=num_inducing, random_state=seed, n_init=1).fit(X).cluster_centers_
         kernel = default_kernel(X.shape[1]) if self.kernel is None else copy.deepcopy(self.kernel).to(_DTYPE)
-        model = _SparseLatentGP(torch.tensor(centres, dtype=_DTYPE), likelihood, kernel, mean).to(_DTYPE)
+        model = _SparseLatentGP(torch.tensor(centres, dtype=_DTYPE), likelihood, kernel, mean, len(X)).to(_DTYPE)
         if not self.optimize_hyperparameters:
             for parameter in model.parameters():
                 parameter.requires_grad_(False)
-        mll = StochasticEPMarginalLogLikelihood(likelihood, model, num_data=len(X))
+        mll = StochasticEPMarginalLogLikelihood(likelihood, model)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             report = fit_mll(

@@ -1,7 +1,8 @@
 r"""Learning on minibatches: :func:`~gpytorch_iterncgp.fit_mll`'s recipe for a model with a
 :class:`~gpytorch_iterncgp.StochasticEPStrategy`, SVGP's loop (Adam on random minibatches, ``num_data`` the
-training set's size) run for the caller: the tied site moves on every batch and the kernel, the mean and the
-inducing inputs follow SEP's energy (:mod:`~gpytorch_iterncgp.sparse.stochastic`)."""
+training set's size) run for the caller: the kernel, the mean and the inducing inputs follow SEP's energy, and after
+each optimiser step the tied site moves on the batch
+(:meth:`~gpytorch_iterncgp.StochasticEPStrategy.update_site`, :mod:`~gpytorch_iterncgp.sparse.stochastic`)."""
 
 from __future__ import annotations
 
@@ -72,8 +73,9 @@ def fit_minibatches(
     show: bool,
 ) -> LearningReport:
     r"""Adam on SEP's energy over random minibatches of ``(inputs, targets)`` for ``recipe.max_steps`` steps or until the
-    ``deadline`` (``time.perf_counter()``); the model is left in eval mode. Without trainable parameters the steps
-    only move the tied site.
+    ``deadline`` (``time.perf_counter()``), each followed by the site's step on the batch from the cavities the energy
+    was computed at (:meth:`~gpytorch_iterncgp.StochasticEPStrategy.update_site`, given the energy's tilted moments);
+    the model is left in eval mode. Without trainable parameters the steps only move the tied site.
 
     :param inputs: ``(N, D)``, ``N`` the ``num_data`` of ``mll``; ``targets``: ``(N,)``.
     :return: the report: ``losses`` the negative objective of every step, ``stopped``
@@ -81,7 +83,8 @@ def fit_minibatches(
     :raises ValueError: for data whose size is not ``mll.num_data``.
     """
     model = mll.model
-    inputs = check_inputs(inputs, "train_inputs", device=model.variational_strategy.inducing_points.device)
+    strategy = model.variational_strategy
+    inputs = check_inputs(inputs, "train_inputs", device=strategy.inducing_points.device)
     if len(inputs) != mll.num_data or len(targets) != mll.num_data:
         raise ValueError(
             f"fit_mll: the data has {len(inputs)} inputs and {len(targets)} targets, but the objective's num_data is "
@@ -123,16 +126,19 @@ def fit_minibatches(
             with small_operations():  # one thread a step: a busy machine's other process costs little
                 if schedule is None:
                     with torch.no_grad():
-                        loss = -mll(model(inputs[rows]), targets[rows])
+                        output = model(inputs[rows])
+                        objective, moments = mll.energy_and_moments(output, targets[rows])
                 else:
                     scale.push()
                     schedule.optimizer.zero_grad()
-                    loss = -mll(model(inputs[rows]), targets[rows])
-                    loss.backward()
+                    output = model(inputs[rows])
+                    objective, moments = mll.energy_and_moments(output, targets[rows])
+                    (-objective).backward()
                     scale.pull_gradients()
                     schedule.optimizer.step()
                     schedule.step()
-            report.losses.append(float(loss.detach()))
+                strategy.update_site(output, targets[rows], moments)  # from the cavities before Adam's step
+            report.losses.append(-float(objective.detach()))
             bar.update(1)
             bar.set_postfix(loss=f"{report.losses[-1]:.4g}")
     finally:

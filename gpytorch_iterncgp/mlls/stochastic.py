@@ -10,7 +10,7 @@ from torch import Tensor
 
 from ..core.validation import check_count
 from ..exceptions import NonFiniteEvidenceError
-from ..sparse.stochastic import SEPStepRecord, tilted
+from ..sparse.stochastic import tilted
 from ..strategies.stochastic import StochasticEPStrategy
 from .itergp import log_prior
 
@@ -26,17 +26,19 @@ class StochasticEPMarginalLogLikelihood(gpytorch.mlls.MarginalLogLikelihood):
     the terms of :math:`\frac1N \log Z_{\text{SEP}}` that depend on the hyperparameters and the inducing inputs (with
     the site held fixed in the whitened coordinates), plus the log priors registered on the model and likelihood,
     divided by :math:`N` as GPyTorch's ``VariationalELBO`` does. Its minibatch estimate is unbiased for the full data.
-    In training mode each call also moves the site on the batch (SEP's step from the same cavities, so that the model
-    is evaluated once per minibatch); in eval mode the site is not moved.
+    Like ``VariationalELBO`` it is a pure function of the model's state and the output: it moves nothing. The site
+    moves in :meth:`StochasticEPStrategy.update_site <gpytorch_iterncgp.StochasticEPStrategy.update_site>`, called
+    after the optimiser's step (the loop in :mod:`~gpytorch_iterncgp.strategies.stochastic`).
 
     :param likelihood: the model's strategy's likelihood.
     :param model: an ``ApproximateGP`` whose ``variational_strategy`` is a :class:`~gpytorch_iterncgp.StochasticEPStrategy`.
-    :param num_data: :math:`N`, the number of training points.
+    :param num_data: :math:`N`, the number of training points: the strategy's (``StochasticEPStrategy(...,
+        num_data=N)``), which ``None`` takes; a number given must equal it.
     :raises TypeError: for another strategy.
-    :raises ValueError: for another likelihood than the strategy's, or a ``num_data`` that is not a positive integer.
+    :raises ValueError: for another likelihood than the strategy's, or a ``num_data`` that is not the strategy's.
     """
 
-    def __init__(self, likelihood, model, num_data: int):
+    def __init__(self, likelihood, model, num_data: int | None = None):
         super().__init__(likelihood, model)
         strategy = getattr(model, "variational_strategy", None)
         if not isinstance(strategy, StochasticEPStrategy):
@@ -47,28 +49,46 @@ class StochasticEPMarginalLogLikelihood(gpytorch.mlls.MarginalLogLikelihood):
             raise ValueError(
                 f"{type(self).__name__}: likelihood must be the one the model's StochasticEPStrategy uses."
             )
-        check_count(num_data, "num_data", minimum=1)
-        self.num_data = int(num_data)
-        strategy.num_data = self.num_data  # the N the site stands for: the training outputs become the cavities
-        self.last_step: SEPStepRecord | None = None
+        if num_data is not None:
+            check_count(num_data, "num_data", minimum=1)
+            if int(num_data) != strategy.num_data:
+                raise ValueError(
+                    f"{type(self).__name__}: num_data={num_data} differs from the model's StochasticEPStrategy's "
+                    f"num_data={strategy.num_data}; N belongs to the strategy: leave num_data out or pass the same."
+                )
+
+    @property
+    def num_data(self) -> int:
+        """:math:`N`, the model's strategy's ``num_data``."""
+        return self.model.variational_strategy.num_data
 
     def forward(self, function_dist, target: Tensor, **kwargs) -> Tensor:
         """The objective on the minibatch of ``function_dist = model(x_batch)`` (computed in training mode) and
-        ``target`` ``(B,)`` at the cavities the output holds; in training mode also moves the site from them.
+        ``target`` ``(B,)``, at the cavities the output carries (:meth:`energy_and_moments`).
 
-        :raises RuntimeError: if ``function_dist`` is not the model's last output in training mode.
+        :raises RuntimeError: if ``function_dist`` is not an output of ``model(x_batch)`` in training mode.
+        :raises NonFiniteEvidenceError: if the objective is not finite.
+        """
+        return self.energy_and_moments(function_dist, target)[0]
+
+    def energy_and_moments(self, function_dist, target: Tensor) -> tuple[Tensor, tuple[Tensor, Tensor, Tensor]]:
+        r"""The objective (:meth:`forward`) and the tilted moments its quadrature computed at the output's cavities,
+        :math:`\log\hat Z_i` ``(B,)`` (detached), the means and the variances ``(C, B)``
+        (:func:`~gpytorch_iterncgp.sparse.stochastic.tilted`), which :meth:`StochasticEPStrategy.update_site
+        <gpytorch_iterncgp.StochasticEPStrategy.update_site>` takes so as not to compute them again.
+
+        :raises RuntimeError: if ``function_dist`` is not an output of ``model(x_batch)`` in training mode.
+        :raises ValueError: for targets of another number of points than the output's, or invalid targets.
         :raises NonFiniteEvidenceError: if the objective is not finite.
         """
         strategy = self.model.variational_strategy
-        batch, cavity = strategy.training_batch(function_dist)
-        targets = strategy.adapter.check_targets(target, batch.mean.dtype).to(batch.mean.device)
-        log_z, tilted_mean, tilted_variance = tilted(strategy.adapter, targets, *cavity)
-        if self.training:  # the step takes its moments from the energy's quadrature
-            self.last_step = strategy.step(function_dist, targets, (log_z.detach(), tilted_mean, tilted_variance))
+        cavities = strategy.training_cavities(function_dist, target)
+        targets = strategy.adapter.check_targets(target, cavities.mean.dtype).to(cavities.mean.device)
+        log_z, tilted_mean, tilted_variance = tilted(strategy.adapter, targets, cavities.mean, cavities.variance)
         objective = log_z.mean() + log_prior(self).to(log_z) / self.num_data
         if not math.isfinite(float(objective.detach())):
             raise NonFiniteEvidenceError(
                 f"{type(self).__name__}: the objective is {float(objective.detach())} at the current hyperparameters; "
                 "lower the learning rate or bound the hyperparameters with constraints."
             )
-        return objective
+        return objective, (log_z.detach(), tilted_mean, tilted_variance)

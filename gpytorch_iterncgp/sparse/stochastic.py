@@ -25,7 +25,9 @@ propagation", AISTATS; Villacampa-Calvo & Hernández-Lobato 2017 for :math:`C` c
 Hernández-Lobato 2016, before tying), one site :math:`\tau_{ic}, \nu_{ic}` per point in :math:`f`, memory
 :math:`O(C N)`, for full-batch steps: :math:`q` is the prior times all the sites lifted to :math:`\mathbf z_c`, each
 point's cavity :math:`q` without its own site (a rank-one change), and a step moves every site a fraction
-:math:`\epsilon` to its new value (damped parallel EP). With :math:`M = N` inducing inputs at the data
+:math:`\epsilon` to its new value (damped parallel EP). The sites are those of the first step's points in their order:
+each step's batch must hold the same inputs (checked by a digest of them,
+:func:`~gpytorch_iterncgp.core.state.data_fingerprint`). With :math:`M = N` inducing inputs at the data
 (:math:`s_i = 0`) it is dense EP of the factorised model: for one latent, the package's dense EP.
 
 **A step on a minibatch** :math:`\mathcal B` (:meth:`StochasticEP.step`):
@@ -81,7 +83,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..core.state import ExtraState
+from ..core.state import ExtraState, data_fingerprint
 from ..likelihoods.adapters import LikelihoodAdapter
 from ..likelihoods.factorised import factorised_moments
 from ..likelihoods.tilted import tilted_moments
@@ -103,22 +105,28 @@ def along(matrix: Tensor, vector: Tensor) -> Tensor:
 class WhitenedBatch:
     r"""The prior at a batch of :math:`B` points in the whitened inducing coordinates (module docstring):
     :math:`\mathbf m` ``(C, B)``, :math:`\mathbf V` ``(K, M, B)`` and :math:`\mathbf s` ``(K, B)`` with :math:`K = 1`
-    for a kernel shared by the :math:`C` latents, :math:`K = C` for one per latent."""
+    for a kernel shared by the :math:`C` latents, :math:`K = C` for one per latent; ``inputs``: the points' inputs
+    ``(B, D)`` where known (a reference, not a copy), which per-point sites check (:class:`PointSites`)."""
 
     mean: Tensor
     whitened_cross: Tensor
     spread: Tensor
+    inputs: Tensor | None = None
 
     @classmethod
-    def from_blocks(cls, mean: Tensor, inducing_covariance: Tensor, cross: Tensor, diagonal: Tensor) -> WhitenedBatch:
+    def from_blocks(
+        cls, mean: Tensor, inducing_covariance: Tensor, cross: Tensor, diagonal: Tensor, inputs: Tensor | None = None
+    ) -> WhitenedBatch:
         r"""From :math:`\mathbf m` ``(C, B)``, :math:`\mathbf K_{uu}` ``(K, M, M)``, :math:`\mathbf K_{ub}` ``(K, M, B)``
-        and :math:`\operatorname{diag}\mathbf K_{bb}` ``(K, B)``; differentiable in all of them."""
+        and :math:`\operatorname{diag}\mathbf K_{bb}` ``(K, B)``; differentiable in all of them; ``inputs``: the
+        points' ``(B, D)``, if known."""
         whitened = WhitenedInducing.from_covariance(inducing_covariance).whiten(cross)
-        return cls(mean, whitened, (diagonal - column_norms(whitened)).clamp_min(0))
+        return cls(mean, whitened, (diagonal - column_norms(whitened)).clamp_min(0), inputs)
 
     def detached(self) -> WhitenedBatch:
         """The same batch without gradient."""
-        return WhitenedBatch(self.mean.detach(), self.whitened_cross.detach(), self.spread.detach())
+        inputs = None if self.inputs is None else self.inputs.detach()
+        return WhitenedBatch(self.mean.detach(), self.whitened_cross.detach(), self.spread.detach(), inputs)
 
 
 class InducingSite(ExtraState, abc.ABC):
@@ -198,16 +206,20 @@ class PointSites(InducingSite):
     r"""One site per training point and latent, :math:`\tau_{ic}` and :math:`\nu_{ic}` ``(C, N)`` in :math:`f`
     (``site_precision``, ``site_natural_mean``): EP-FITC's state for full-batch steps (module docstring), memory
     :math:`O(C N)`; ``precision`` and ``natural_mean`` are their sum lifted to :math:`\mathbf z_c` at the last step's
-    prior, which predictions use. Every step is on all :math:`N` points, in their order. Before the first step the
-    sites are ``(C, 0)``: none yet."""
+    prior, which predictions use. Every step is on all :math:`N` points, in their order: ``inputs_digest`` is the
+    :func:`~gpytorch_iterncgp.core.state.data_fingerprint` of the inputs of the steps so far (``""``: none known, as
+    before the first step or in a state saved before it was kept), and a batch whose inputs have another digest (other
+    points, or the same in another order) is refused. Before the first step the sites are ``(C, 0)``: none yet."""
 
     precision: Tensor
     natural_mean: Tensor
     site_precision: Tensor
     site_natural_mean: Tensor
     steps: int = 0
+    inputs_digest: str = ""
 
     saved_by = "StochasticEPStrategy"
+    optional_entries = frozenset({"inputs_digest"})  # not saved before it was kept
 
     @classmethod
     def flat(cls, num_latents: int, num_inducing: int, like: Tensor) -> PointSites:
@@ -222,17 +234,29 @@ class PointSites(InducingSite):
         sites = tuple(saved["site_precision"].shape)
         return {**TiedSite.expected_shapes(saved), "site_precision": sites, "site_natural_mean": sites}
 
-    def _sites(self, batch: WhitenedBatch) -> tuple[Tensor, Tensor]:
+    def _sites(self, batch: WhitenedBatch) -> tuple[Tensor, Tensor, str]:
+        r"""The sites :math:`\tau_{ic}, \nu_{ic}` ``(C, N)`` of ``batch``'s points (zeros before the first step) and
+        the digest of its inputs (``""`` where it holds none).
+
+        :raises ValueError: for a batch of another size, or of other inputs than the steps so far.
+        """
         count, size = self.site_precision.shape[-1], batch.mean.shape[-1]
+        digest = "" if batch.inputs is None else data_fingerprint(batch.inputs)
         if count == 0:
             zeros = batch.mean.detach().new_zeros(batch.mean.shape)
-            return zeros, zeros
+            return zeros, zeros, digest
         if count != size:
             raise ValueError(
                 f"per-point sites need every step on all {count} training points, in their order; got a batch of "
                 f"{size}. Use the tied site (sites='tied') for minibatches."
             )
-        return self.site_precision, self.site_natural_mean
+        if digest and self.inputs_digest and digest != self.inputs_digest:
+            raise ValueError(
+                f"per-point sites need every step on the same {count} training points, in their order; this batch's "
+                "inputs differ from the earlier steps' (other points, or the same points shuffled). Pass the training "
+                "inputs in their order, or use the tied site (sites='tied') for minibatches."
+            )
+        return self.site_precision, self.site_natural_mean, digest
 
     def cavity(self, batch: WhitenedBatch, num_data: int) -> tuple[Tensor, Tensor]:
         r"""Each point's cavity marginals ``(C, N)``: :math:`q` without the point's own site, a rank-one change in
@@ -242,7 +266,7 @@ class PointSites(InducingSite):
         \mathbf w_i^\top\boldsymbol\Sigma\mathbf w_i`: mean :math:`m_i + \mathbf v_i^\top\bar{\mathbf z} + c_i
         (\lambda_i\mathbf w_i^\top\bar{\mathbf z} - \eta_i)/(1 - \lambda_i d_i)` and variance :math:`s_i +
         \mathbf v_i^\top\boldsymbol\Sigma\mathbf v_i + \lambda_i c_i^2/(1 - \lambda_i d_i)`."""
-        site_precision, site_natural_mean = self._sites(batch)
+        site_precision, site_natural_mean, _ = self._sites(batch)
         fixed = batch.detached()
         with torch.no_grad():
             ratio = 1 + site_precision * fixed.spread
@@ -267,12 +291,13 @@ class PointSites(InducingSite):
         self, batch: WhitenedBatch, precision: Tensor, natural_mean: Tensor, fraction: float, num_data: int
     ) -> PointSites:
         r"""Every point's site a ``fraction`` of the way to its new :math:`\tau_{ic}`, :math:`\nu_{ic}` ``(C, N)``
-        (damped parallel EP), and their sum lifted at ``batch``."""
-        old_precision, old_natural_mean = self._sites(batch)
+        (damped parallel EP), and their sum lifted at ``batch``; the digest of ``batch``'s inputs kept (the earlier
+        one where it holds none)."""
+        old_precision, old_natural_mean, digest = self._sites(batch)
         site_precision = (1 - fraction) * old_precision + fraction * precision
         site_natural_mean = (1 - fraction) * old_natural_mean + fraction * natural_mean
         summed = lifted_sums(batch, site_precision, site_natural_mean)
-        return PointSites(*summed, site_precision, site_natural_mean, self.steps + 1)
+        return PointSites(*summed, site_precision, site_natural_mean, self.steps + 1, digest or self.inputs_digest)
 
 
 def tied_gaussian(site: InducingSite, fraction: float) -> tuple[Tensor, Tensor]:
@@ -414,7 +439,37 @@ class StochasticEP:
     ) -> tuple[InducingSite, SEPStepRecord]:
         r"""One step (module docstring, steps 1-4) from ``site``; ``batch`` at the points of ``targets``; ``cavity``:
         the points' cavity marginals if already computed (:meth:`InducingSite.cavity`), and ``moments`` the tilted
-        moments at them (:func:`tilted`)."""
+        moments at them (:func:`tilted`). Returns the new site and the step's record (read on the host: a
+        synchronisation on a GPU; :meth:`update` skips it)."""
+        new, log_z, fraction, clipped = self._step(site, batch, targets, cavity, moments)
+        with torch.no_grad():
+            change = float(torch.linalg.matrix_norm(new.precision - site.precision).max()) / max(
+                float(torch.linalg.matrix_norm(new.precision).max()), math.ulp(1.0)
+            )
+        record = SEPStepRecord(new.steps, float(log_z.mean()), fraction, change, int(clipped.sum()))
+        return new, record
+
+    def update(
+        self,
+        site: InducingSite,
+        batch: WhitenedBatch,
+        targets: Tensor,
+        cavity: tuple[Tensor, Tensor] | None = None,
+        moments: tuple[Tensor, Tensor, Tensor] | None = None,
+    ) -> InducingSite:
+        """The site after :meth:`step`, without its record: no value is read on the host."""
+        return self._step(site, batch, targets, cavity, moments)[0]
+
+    def _step(
+        self,
+        site: InducingSite,
+        batch: WhitenedBatch,
+        targets: Tensor,
+        cavity: tuple[Tensor, Tensor] | None,
+        moments: tuple[Tensor, Tensor, Tensor] | None,
+    ) -> tuple[InducingSite, Tensor, float, Tensor]:
+        r"""Steps 1-4: the new site, :math:`\log\hat Z_i` ``(B,)``, :math:`\epsilon`, and the clipped sites
+        ``(C, B)``."""
         with torch.no_grad():
             batch = batch.detached()
             cavity_mean, cavity_variance = site.cavity(batch, self.num_data) if cavity is None else cavity
@@ -425,11 +480,7 @@ class StochasticEP:
             precision, natural_mean, clipped = new_sites(cavity_mean, cavity_variance, tilted_mean, tilted_variance)
             fraction = step_fraction(site.steps, len(targets), self.num_data)
             new = site.moved(batch, precision, natural_mean, fraction, self.num_data)
-            change = float(torch.linalg.matrix_norm(new.precision - site.precision).max()) / max(
-                float(torch.linalg.matrix_norm(new.precision).max()), math.ulp(1.0)
-            )
-        record = SEPStepRecord(new.steps, float(log_z.mean()), fraction, change, int(clipped.sum()))
-        return new, record
+        return new, log_z, fraction, clipped
 
     def log_normalizers(self, site: InducingSite, batch: WhitenedBatch, targets: Tensor) -> Tensor:
         r""":math:`\log\hat Z_i` ``(B,)`` at the cavities of ``site`` (held fixed), differentiable in ``batch``: the

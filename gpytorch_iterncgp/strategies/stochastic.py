@@ -1,33 +1,43 @@
 r""":class:`StochasticEPStrategy`: stochastic EP with inducing inputs (:mod:`~gpytorch_iterncgp.sparse.stochastic`),
-trained with SVGP's loop on minibatches.
+trained with SVGP's loop on minibatches, plus one explicit call per minibatch that moves the site.
 
 .. code-block:: python
 
     class Model(gpytorch.models.ApproximateGP):
-        def __init__(self, inducing_points, likelihood):
-            super().__init__(StochasticEPStrategy(self, inducing_points, likelihood))
+        def __init__(self, inducing_points, likelihood, num_data):
+            strategy = StochasticEPStrategy(self, inducing_points, likelihood, num_data=num_data)
+            super().__init__(strategy)
             self.mean_module = gpytorch.means.ZeroMean()
             self.covar_module = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=1.5))
 
         def forward(self, x):
             return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
 
-    model = Model(train_x[:200].clone(), likelihood)
-    mll = StochasticEPMarginalLogLikelihood(likelihood, model, num_data=len(train_y))
+    model = Model(train_x[:200].clone(), likelihood, num_data=len(train_y))
+    mll = StochasticEPMarginalLogLikelihood(likelihood, model)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     model.train()
     for x_batch, y_batch in loader:
         optimizer.zero_grad()
-        loss = -mll(model(x_batch), y_batch)  # SEP's energy at the cavities; moves the tied site
+        output = model(x_batch)  # the points' cavities, carrying the minibatch
+        loss = -mll(output, y_batch)  # SEP's energy at those cavities: a pure function of the model
         loss.backward()
         optimizer.step()
+        model.variational_strategy.update_site(output, y_batch)  # SEP's step from the same cavities
     model.eval()
     probabilities = likelihood(model(test_x)).probs
+
+As with GPyTorch's ``VariationalELBO``, the objective only reads the model: computing it (a validation loss, under
+``torch.no_grad()``, in training mode) moves nothing. The site moves in :meth:`StochasticEPStrategy.update_site`,
+called once per minibatch after the optimiser's step with the output computed before it: the step starts from the
+cavities that output holds, those the energy was computed at (the site and the prior before the step), so that the
+gradient and the step share one evaluation of the model (Hernández-Lobato & Hernández-Lobato 2016).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 import gpytorch
@@ -36,12 +46,42 @@ from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNorm
 from linear_operator.operators import DiagLinearOperator
 from torch import Tensor
 
-from ..core.validation import check_flag, check_inputs
+from ..core.validation import check_count, check_flag, check_inputs
 from ..likelihoods.adapters import likelihood_adapter
 from ..likelihoods.factorised import factorised_probabilities
-from ..sparse.stochastic import InducingSite, PointSites, SEPStepRecord, StochasticEP, TiedSite, WhitenedBatch
+from ..sparse.stochastic import InducingSite, PointSites, StochasticEP, TiedSite, WhitenedBatch
 from .base import attach_to_model
 from .predictive import LatentPredictions
+
+
+@dataclass(frozen=True)
+class TrainingCavities:
+    r"""What a training output of :class:`StochasticEPStrategy` carries besides its distribution: ``batch``, the prior
+    at its minibatch in the whitened inducing coordinates (:class:`~gpytorch_iterncgp.sparse.stochastic.WhitenedBatch`,
+    differentiable in the kernel, the mean and the inducing inputs), and each point's cavity marginals :math:`\mu_{ic}`
+    (``mean``) and :math:`\sigma_{ic}^2` (``variance``), ``(C, B)`` each, differentiable in the prior with the site
+    held fixed: what SEP's energy integrates against and SEP's step starts from, at the site of the call."""
+
+    batch: WhitenedBatch
+    mean: Tensor
+    variance: Tensor
+
+
+class CavityMultivariateNormal(MultivariateNormal):
+    """``model(x_batch)`` in training mode for one latent: the points' cavities, independent (a diagonal covariance),
+    with :attr:`cavities`. A distribution derived from it (indexed, expanded, ...) is plain: its ``cavities`` is
+    ``None``."""
+
+    #: the minibatch and its cavities (:class:`TrainingCavities`); ``None`` on derived distributions
+    cavities: TrainingCavities | None = None
+
+
+class CavityMultitaskMultivariateNormal(MultitaskMultivariateNormal):
+    """``model(x_batch)`` in training mode for :math:`C` latents: the points' cavities ``(B, C)``, independent, with
+    :attr:`cavities` (as :class:`CavityMultivariateNormal`)."""
+
+    #: the minibatch and its cavities (:class:`TrainingCavities`); ``None`` on derived distributions
+    cavities: TrainingCavities | None = None
 
 
 class StochasticEPStrategy(LatentPredictions, gpytorch.Module):
@@ -51,19 +91,22 @@ class StochasticEPStrategy(LatentPredictions, gpytorch.Module):
     (Hernández-Lobato & Hernández-Lobato 2016; Villacampa-Calvo & Hernández-Lobato 2017 for :math:`C` classes).
 
     The state is one tied site per latent process in the whitened inducing coordinates (:class:`~gpytorch_iterncgp.sparse.stochastic.TiedSite`),
-    saved in the ``state_dict``; :class:`~gpytorch_iterncgp.StochasticEPMarginalLogLikelihood` moves it on each
-    training minibatch and returns SEP's energy, whose gradient learns the kernel, the mean and the inducing inputs.
+    saved in the ``state_dict``, standing for :math:`N` = ``num_data`` points. On each training minibatch
+    :class:`~gpytorch_iterncgp.StochasticEPMarginalLogLikelihood` returns SEP's energy, whose gradient learns the
+    kernel, the mean and the inducing inputs, and :meth:`update_site` moves the site (module docstring's loop).
 
     In eval mode ``model(x)`` is the posterior :math:`q(\mathbf f(\mathbf x))`, independent per point and per
     latent: a ``MultivariateNormal`` with a diagonal covariance for :math:`C = 1`, a ``MultitaskMultivariateNormal``
-    ``(N*, C)`` for :math:`C` classes; ``likelihood(model(x))`` is its predictive. In training mode, once an
-    objective has told the strategy :math:`N`, it is each point's cavity instead, the distribution SEP's energy
-    integrates against (as SVGP's training output is the :math:`q` its ELBO integrates against): for the tied site
-    :math:`q` with one point's share :math:`1/N` of the site removed.
+    ``(N*, C)`` for :math:`C` classes; ``likelihood(model(x))`` is its predictive. In training mode it is each point's
+    cavity instead, the distribution SEP's energy integrates against (as SVGP's training output is the :math:`q` its
+    ELBO integrates against): for the tied site :math:`q` with one point's share :math:`1/N` of the site removed. The
+    training output (:class:`CavityMultivariateNormal`, :class:`CavityMultitaskMultivariateNormal`) carries its
+    minibatch and cavities (:class:`TrainingCavities`), which the objective and :meth:`update_site` read from it.
 
     ``sites="points"`` keeps one site per training point and latent instead (EP-FITC, memory :math:`O(C N)`), for
-    full-batch training: every step on all :math:`N` training points in the same order. With the inducing inputs at
-    the training inputs it is the dense EP of the factorised model.
+    full-batch training: every step on all :math:`N` training points in the same order (a batch of other inputs, or
+    the same shuffled, is refused). With the inducing inputs at the training inputs it is the dense EP of the factorised
+    model.
 
     :param model: the ``ApproximateGP`` that owns this strategy (pass ``self``); its ``forward`` returns the prior, a
         ``MultivariateNormal`` without batch (one kernel; for :math:`C` classes shared by them) or with batch
@@ -73,10 +116,12 @@ class StochasticEPStrategy(LatentPredictions, gpytorch.Module):
         of :math:`M` shared ones: the prior's blocks are per class either way).
     :param likelihood: ``BernoulliLikelihood`` (probit), :class:`~gpytorch_iterncgp.LogitBernoulliLikelihood`, a
         Poisson likelihood, or :class:`~gpytorch_iterncgp.MultinomialProbitLikelihood` for :math:`C` classes.
+    :param num_data: :math:`N`, the number of training points the site stands for (as ``VariationalELBO``'s
+        ``num_data``).
     :param learn_inducing_locations: register :math:`\mathbf Z` as a parameter (else a buffer).
     :param sites: ``"tied"`` (SEP, minibatches) or ``"points"`` (EP, full batches).
     :raises TypeError: for a likelihood without tilted moments (softmax) or a ``model`` that is not a module.
-    :raises ValueError: for another ``sites``.
+    :raises ValueError: for a ``num_data`` that is not a positive integer, or another ``sites``.
     """
 
     #: the site of each ``sites`` choice
@@ -87,6 +132,8 @@ class StochasticEPStrategy(LatentPredictions, gpytorch.Module):
         model: gpytorch.models.ApproximateGP,
         inducing_points: Tensor,
         likelihood: gpytorch.likelihoods.Likelihood,
+        *,
+        num_data: int,
         learn_inducing_locations: bool = True,
         sites: str = "tied",
     ):
@@ -94,6 +141,9 @@ class StochasticEPStrategy(LatentPredictions, gpytorch.Module):
         attach_to_model(self, model, likelihood)
         self.adapter = likelihood_adapter(likelihood)
         StochasticEP(self.adapter, 1)  # refuses likelihoods without tilted moments
+        check_count(num_data, "StochasticEPStrategy: num_data (the number of training points)", minimum=1)
+        #: :math:`N`, the number of training points the site stands for
+        self.num_data: int = int(num_data)
         check_flag(learn_inducing_locations, "learn_inducing_locations")
         if sites not in self.SITES:
             raise ValueError(f"sites must be one of {sorted(self.SITES)}, got {sites!r}.")
@@ -103,10 +153,6 @@ class StochasticEPStrategy(LatentPredictions, gpytorch.Module):
         else:
             self.register_buffer("inducing_points", inducing)
         self.site: InducingSite = self.SITES[sites].flat(self.num_latents, inducing.shape[-2], inducing)
-        #: :math:`N`, set by the objective (:class:`~gpytorch_iterncgp.StochasticEPMarginalLogLikelihood`)
-        self.num_data: int | None = None
-        # the last training output, its whitened batch and its cavities
-        self._last: tuple[Any, WhitenedBatch, tuple[Tensor, Tensor]] | None = None
 
     def _check_inducing(self, inducing_points: Tensor) -> Tensor:
         r"""``(M, D)``, or ``(C, M, D)`` for :math:`C \ge 2` latents, validated."""
@@ -128,7 +174,8 @@ class StochasticEPStrategy(LatentPredictions, gpytorch.Module):
     # -- the prior in whitened coordinates -------------------------------------------------------
     def whitened_batch(self, inputs: Tensor) -> WhitenedBatch:
         r"""The model's prior at ``inputs`` ``(B, D)`` in the whitened inducing coordinates (with gradients where
-        autograd records them): :math:`\mathbf m` ``(C, B)``, :math:`\mathbf V` and :math:`\mathbf s` per kernel.
+        autograd records them): :math:`\mathbf m` ``(C, B)``, :math:`\mathbf V` and :math:`\mathbf s` per kernel, and
+        the inputs (which per-point sites check).
 
         :raises ValueError: for inputs of another number of features, or a prior of another batch shape.
         """
@@ -139,8 +186,9 @@ class StochasticEPStrategy(LatentPredictions, gpytorch.Module):
             )
         num = self.num_inducing
         inducing = self.inducing_points
-        inputs = inputs.to(inducing).expand(*inducing.shape[:-2], -1, -1)  # one copy per set of inducing inputs
-        distribution = self.model.forward(torch.cat([inducing, inputs], dim=-2))
+        points = inputs.to(inducing)
+        expanded = points.expand(*inducing.shape[:-2], -1, -1)  # one copy per set of inducing inputs
+        distribution = self.model.forward(torch.cat([inducing, expanded], dim=-2))
         batch_shape = tuple(distribution.batch_shape)
         if batch_shape not in ((), (self.num_latents,)) or isinstance(distribution, MultitaskMultivariateNormal):
             raise ValueError(
@@ -151,12 +199,15 @@ class StochasticEPStrategy(LatentPredictions, gpytorch.Module):
         covariance = distribution.lazy_covariance_matrix
         if not batch_shape:
             covariance = covariance.unsqueeze(0)
-        mean = distribution.mean[..., num:].expand(self.num_latents, -1)
+        # a copy: a constant mean's output is a view of its parameter, which the optimiser changes in place before
+        # update_site reads the batch
+        mean = distribution.mean[..., num:].expand(self.num_latents, -1).clone()
         return WhitenedBatch.from_blocks(
             mean,
             covariance[..., :num, :num].to_dense(),
             covariance[..., :num, num:].to_dense(),
             covariance[..., num:, num:].diagonal(dim1=-1, dim2=-2),
+            points,
         )
 
     # -- the posterior ---------------------------------------------------------------------------
@@ -166,18 +217,28 @@ class StochasticEPStrategy(LatentPredictions, gpytorch.Module):
             return MultivariateNormal(mean[0], DiagLinearOperator(variance[0]))
         return MultitaskMultivariateNormal.from_batch_mvn(MultivariateNormal(mean, DiagLinearOperator(variance)))
 
+    def _training_output(self, cavities: TrainingCavities) -> MultivariateNormal:
+        """The cavities' marginals ``(C, B)`` as the training output that carries them."""
+        output: CavityMultivariateNormal | CavityMultitaskMultivariateNormal
+        mean, variance = cavities.mean, cavities.variance
+        if self.num_latents == 1:
+            output = CavityMultivariateNormal(mean[0], DiagLinearOperator(variance[0]))
+        else:
+            batch = MultivariateNormal(mean, DiagLinearOperator(variance))
+            output = CavityMultitaskMultivariateNormal.from_batch_mvn(batch)
+        output.cavities = cavities
+        return output
+
     def forward(self, inputs: Tensor, prior: bool = False, **kwargs) -> MultivariateNormal:
-        r"""The posterior marginals at ``inputs`` ``(B, D)``, or in training mode the points' cavities (class
-        docstring); ``prior=True``: the model's prior. A training output is remembered with its whitened batch for the
-        next :class:`~gpytorch_iterncgp.StochasticEPMarginalLogLikelihood` call."""
+        r"""The posterior marginals at ``inputs`` ``(B, D)``, or in training mode the points' cavities carrying their
+        minibatch (class docstring); ``prior=True``: the model's prior. The call keeps nothing: it does not change the
+        strategy."""
         if prior:
             return self.model.forward(inputs, **kwargs)
         batch = self.whitened_batch(inputs)
-        num_data = self.num_data if self.training else None  # None: the posterior, else the cavities
-        marginals = self.site.posterior(batch) if num_data is None else self.site.cavity(batch, num_data)
-        output = self._distribution(*marginals)
-        self._last = None if num_data is None else (output, batch, marginals)
-        return output
+        if not self.training:
+            return self._distribution(*self.site.posterior(batch))
+        return self._training_output(TrainingCavities(batch, *self.site.cavity(batch, self.num_data)))
 
     def marginal_latent(self, inputs: Tensor) -> tuple[Tensor, Tensor]:
         """Posterior means and variances at ``inputs`` ``(N*, D)``, ``(N*, C)`` each."""
@@ -199,35 +260,62 @@ class StochasticEPStrategy(LatentPredictions, gpytorch.Module):
         return mean, torch.diag_embed(variance)
 
     # -- training --------------------------------------------------------------------------------
-    def training_batch(self, output: Any) -> tuple[WhitenedBatch, tuple[Tensor, Tensor]]:
-        """The whitened batch of ``output``, the last output of ``model(x)`` in training mode, and its points'
-        cavity marginals ``(C, B)`` each, differentiable in the prior.
+    def training_cavities(self, output: Any, targets: Tensor) -> TrainingCavities:
+        """The minibatch and cavities that ``output``, a ``model(x_batch)`` computed in training mode, carries, checked
+        against this model and the batch's ``targets``.
 
-        :raises RuntimeError: for any other output (compute ``mll(model(x_batch), y_batch)`` in training mode).
+        :raises RuntimeError: for an output without them (computed in eval mode, the prior, a distribution derived
+            from a training output or built otherwise), or with another number of latents or inducing inputs.
+        :raises ValueError: for ``targets`` of another number of points than the output's.
         """
-        if self._last is None or self._last[0] is not output:
+        cavities = getattr(output, "cavities", None)
+        if not isinstance(cavities, TrainingCavities):
             raise RuntimeError(
-                "StochasticEPMarginalLogLikelihood needs the output of the model's last call in training mode: call "
-                "model.train() and compute mll(model(x_batch), y_batch) for each minibatch."
+                f"StochasticEPStrategy needs the output of model(x_batch) computed in training mode, which carries the "
+                f"minibatch's cavities; got a {type(output).__name__} without them (an eval-mode output, the prior, or "
+                f"a distribution derived from or built like the output): call model.train() and pass model(x_batch)."
             )
-        return self._last[1], self._last[2]
+        shape = (cavities.mean.shape[0], cavities.batch.whitened_cross.shape[-2])
+        if shape != (self.num_latents, self.num_inducing):
+            raise RuntimeError(
+                f"the training output is for {shape} (latents, inducing inputs); this model has "
+                f"{(self.num_latents, self.num_inducing)}: pass this model's model(x_batch)."
+            )
+        size = cavities.mean.shape[-1]
+        if not torch.is_tensor(targets) or targets.dim() == 0 or len(targets) != size:
+            given = tuple(targets.shape) if torch.is_tensor(targets) else type(targets).__name__
+            raise ValueError(f"the training output holds {size} points, but the targets are {given}.")
+        return cavities
 
-    def step(self, output: Any, targets: Tensor, moments: tuple[Tensor, Tensor, Tensor] | None = None) -> SEPStepRecord:
-        """Move the site on the minibatch of a training ``output`` (:meth:`StochasticEP.step
-        <gpytorch_iterncgp.sparse.stochastic.StochasticEP.step>`) from the cavities the output holds; ``moments``: the
-        tilted moments at them, if computed (:func:`~gpytorch_iterncgp.sparse.stochastic.tilted`)."""
-        batch, cavity = self.training_batch(output)  # a training output: num_data is set
-        loop = StochasticEP(self.adapter, int(self.num_data or 0))
-        self.site, record = loop.step(self.site, batch, targets, cavity, moments)
-        return record
+    def update_site(self, output: Any, targets: Tensor, moments: tuple[Tensor, Tensor, Tensor] | None = None) -> None:
+        r"""SEP's step on the minibatch of a training ``output`` (:meth:`StochasticEP.step
+        <gpytorch_iterncgp.sparse.stochastic.StochasticEP.step>`, steps 1-4): each point's new site from its tilted
+        moments at the cavity, and the tied site a fraction :math:`\epsilon` of the way towards :math:`N` times the
+        batch's average site (per-point sites: each its own).
+
+        It starts from the cavities ``output`` carries, those of the site and the prior when ``model(x_batch)`` ran:
+        call it once per output, after the optimiser's step, with the output the objective was computed at (module
+        docstring), so that the energy's gradient and the step share the same cavities, as when they were one call.
+
+        :param output: ``model(x_batch)`` computed in training mode.
+        :param targets: ``y_batch`` ``(B,)``, the targets of its points.
+        :param moments: the tilted moments at the output's cavities, :math:`\log\hat Z_i` ``(B,)``, the means and the
+            variances ``(C, B)`` (:func:`~gpytorch_iterncgp.sparse.stochastic.tilted`), as
+            :meth:`StochasticEPMarginalLogLikelihood.energy_and_moments
+            <gpytorch_iterncgp.StochasticEPMarginalLogLikelihood.energy_and_moments>` returns them with the energy;
+            ``None``: computed here from ``targets`` (one quadrature per point).
+        :raises RuntimeError: for an output that is not a training output (:meth:`training_cavities`).
+        :raises ValueError: for targets of another number of points than the output's, or invalid targets.
+        """
+        cavities = self.training_cavities(output, targets)
+        if moments is None:  # the quadrature's targets (with moments given, the objective checked them)
+            targets = self.adapter.check_targets(targets, cavities.mean.dtype).to(cavities.mean.device)
+        cavity = (cavities.mean, cavities.variance)
+        self.site = StochasticEP(self.adapter, self.num_data).update(
+            self.site, cavities.batch, targets, cavity, moments
+        )
 
     # -- state_dict, copies and devices ---------------------------------------------------------
-    def __getstate__(self) -> dict:
-        """For ``copy.deepcopy`` and ``pickle`` (keeping the best model while training, say): everything but the last
-        training output, whose tensors belong to that step's autograd graph (a copy starts without one, as after
-        ``model.eval()``)."""
-        return {**self.__dict__, "_last": None}
-
     def get_extra_state(self) -> dict:
         """The site for ``state_dict()``: tensors and numbers only."""
         return {"site": self.site.to_extra()}
