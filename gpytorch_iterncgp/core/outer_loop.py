@@ -225,9 +225,7 @@ class FitReport:
     breakdown: bool = False
     stopped_by_callback: bool = False
     limit: str = ""  # the limit that stopped the fit before it converged ("max_newton_steps", "max_time", ...), or ""
-    stalled: bool = (
-        False  # the loop stopped without converging: no step could progress (a NotConvergedWarning says why)
-    )
+    stalled: bool = False  # stopped without converging: no step could progress (a NotConvergedWarning says why)
     wall_time: float = 0.0
     records: list[Any] = field(default_factory=list)  # NewtonStep or EPSweep records, one per step
     budget: str = ""  # how the solver budget was chosen (set by callers that choose it, e.g. the estimators)
@@ -312,8 +310,7 @@ def run_outer_loop(
     report = FitReport(method=loop.name, step_name=loop.step_name)
     progress = tqdm(total=max_steps, desc=description or loop.name, disable=not show_progress, leave=False)
     iterator = loop.steps(state)
-    made_progress = getattr(loop, "made_progress", None)
-    reference, steps_without_progress = None, 0  # the stall rule's last step with progress, and the steps since
+    stall_rule = _StallRule(loop)
     try:
         while max_steps is None or report.steps < max_steps:
             products, seconds = counter.products, counter.product_seconds
@@ -345,14 +342,7 @@ def run_outer_loop(
             if outcome.status is LoopStatus.CONVERGED:
                 report.converged = True
                 break
-            stall = outcome.message if outcome.status is LoopStatus.STALLED else None
-            if stall is None and made_progress is not None:
-                if reference is None or made_progress(reference, record):
-                    reference, steps_without_progress = record, 0
-                else:
-                    steps_without_progress += 1
-                if steps_without_progress >= STALL_STEPS:
-                    stall = _stall_message(loop, record)
+            stall = outcome.message if outcome.status is LoopStatus.STALLED else stall_rule(record)
             if stall is not None:
                 report.stalled = True
                 warnings.warn(stall, NotConvergedWarning, stacklevel=stacklevel + 1)
@@ -379,23 +369,43 @@ def run_outer_loop(
         report.limit = limit_name or "max_steps"
     if report.limit and limit_name is not None:
         value = f"{max_time:g} s" if report.limit == "max_time" else str(max_steps)
-        step = report.step_name[:-1]
-        last = ", ".join(f"{name}={value}" for name, value in report.records[-1].progress().items())
-        warnings.warn(
-            f"{report.method} stopped at {report.limit}={value} before it converged (last {step}: {last}); the "
-            f"posterior is that of the last {step}. Raise {report.limit} (fit({report.limit}=...) or the strategy's "
-            "option; None: no limit), or call fit() again to continue from there.",
-            ConvergenceWarning,
-            stacklevel=stacklevel + 1,
-        )
+        warnings.warn(_limit_message(report, value), ConvergenceWarning, stacklevel=stacklevel + 1)
     return report
 
 
-def _stall_message(loop: OuterLoop, record: StepRecord) -> str:
-    """The warning of a fit stopped by the stall rule after ``record``."""
-    last = ", ".join(f"{name}={value}" for name, value in record.progress().items())
-    advice = getattr(loop, "stall_advice", "")
+def _limit_message(report: FitReport, value: str) -> str:
+    """The warning of a fit stopped by its limit ``report.limit`` at ``value``."""
+    step = report.step_name[:-1]
+    last = ", ".join(f"{name}={shown}" for name, shown in report.records[-1].progress().items())
     return (
-        f"{loop.name} made no progress in {STALL_STEPS} {loop.step_name} (last: {last}) and stopped before it "
-        f"converged; the posterior is that of the last one." + (f" {advice}" if advice else "")
+        f"{report.method} stopped at {report.limit}={value} before it converged (last {step}: {last}); the "
+        f"posterior is that of the last {step}. Raise {report.limit} (fit({report.limit}=...) or the strategy's "
+        "option; None: no limit), or call fit() again to continue from there."
     )
+
+
+class _StallRule:
+    """The driver's stall rule for one fit: :data:`STALL_STEPS` steps after the last one with progress on its
+    predecessor with progress (:meth:`OuterLoop.made_progress`; a loop without it never stalls by this rule)."""
+
+    def __init__(self, loop: OuterLoop):
+        self.loop, self.made_progress = loop, getattr(loop, "made_progress", None)
+        self.reference: StepRecord | None = None  # the last step with progress
+        self.steps_without_progress = 0
+
+    def __call__(self, record: StepRecord) -> str | None:
+        """After a completed step that did not converge: the warning if the fit stalls with it, else ``None``."""
+        if self.made_progress is None:
+            return None
+        if self.reference is None or self.made_progress(self.reference, record):
+            self.reference, self.steps_without_progress = record, 0
+            return None
+        self.steps_without_progress += 1
+        if self.steps_without_progress < STALL_STEPS:
+            return None
+        last = ", ".join(f"{name}={value}" for name, value in record.progress().items())
+        advice = getattr(self.loop, "stall_advice", "")
+        return (
+            f"{self.loop.name} made no progress in {STALL_STEPS} {self.loop.step_name} (last: {last}) and stopped "
+            f"before it converged; the posterior is that of the last one." + (f" {advice}" if advice else "")
+        )

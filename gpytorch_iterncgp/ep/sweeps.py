@@ -119,6 +119,8 @@ class EPOptions(SweepOptions, IterGPOptions, CovarianceOptions):
 
     marginal_iterations: int = 0  # covariance-phase blocks (products with K) for the marginals during the sweeps
     marginal_every: int = 1  # ... after every this many sweeps (see ExpectationPropagation.refine_marginals)
+    # unit-vector actions a sweep adds at most at points whose cavity it bounded, largest site precision first (0: none)
+    bounded_point_actions: int = 50
 
     def validate(self) -> None:
         """:raises ValueError: naming the option that is out of range."""
@@ -127,6 +129,7 @@ class EPOptions(SweepOptions, IterGPOptions, CovarianceOptions):
         SweepOptions.validate(self)
         check_count(self.marginal_iterations, "marginal_iterations")
         check_count(self.marginal_every, "marginal_every", minimum=1)
+        check_count(self.bounded_point_actions, "bounded_point_actions")
 
 
 @dataclass
@@ -420,10 +423,17 @@ class ExpectationPropagation:
             preconditioner=self.preconditioning.for_noise(noise),
         )
 
-    def _bounded_points(self, bounded: Tensor) -> Tensor:
-        """The indices of the points whose cavity was bounded, on every rank, from this rank's flags ``(|I_p|,)``."""
-        flags = bounded.to(self.prior_mean.dtype)[:, None].expand(-1, self.num_latents).contiguous()
-        return torch.nonzero(self.rows_block.all_points(flags)[:, 0]).reshape(-1)
+    def _bounded_points(self, update: SiteUpdate) -> Tensor:
+        """The indices of at most ``bounded_point_actions`` points whose cavity ``update`` bounded, those with the
+        largest new site precision (trace of the block for :math:`C > 1`) first: where the computation-aware
+        marginal is furthest above what the site allows. The same on every rank (gathered from each rank's points)."""
+        precision = update.site_precision
+        if precision.dim() > 1:
+            precision = precision.diagonal(dim1=-2, dim2=-1).sum(-1)
+        score = torch.where(update.bounded, precision.to(self.prior_mean), -1.0)
+        score = self.rows_block.all_points(score[:, None].expand(-1, self.num_latents).contiguous())[:, 0]
+        number = min(self.options.bounded_point_actions, int((score >= 0).sum()))
+        return torch.topk(score, number).indices.sort().values
 
     @staticmethod
     def _solved(state: EPState, result: IterGPResult, precision: Tensor, natural_mean: Tensor, sweeps: int) -> EPState:
@@ -455,9 +465,9 @@ class ExpectationPropagation:
             if not options.recycle:
                 buffer = ActionBuffer.empty(self.rows_block, self.prior_mean.dtype, self.prior_mean.device)
                 self.policy.reset()
-            # the points whose cavity was bounded get actions: no later sweep bounds them (with_point_actions)
+            # points whose cavity was bounded get actions: no later sweep bounds them (with_point_actions)
             buffer = self.preconditioning.with_point_actions(
-                self.preconditioning.seeded(buffer), self._bounded_points(update.bounded)
+                self.preconditioning.seeded(buffer), self._bounded_points(update)
             )
             result = self.solve(state, buffer, update.site_precision, update.site_natural_mean)
             buffer = result.buffer
