@@ -540,3 +540,18 @@ def test_laplace_door_smoke_run_reports_each_rank_and_its_nll(tmp_path, monkeypa
         assert all(abs(sum(p) - 1) < 1e-6 for p in table)
         by_hand = -sum(math.log(p[int(label)]) for p, label in zip(table, labels.tolist(), strict=True)) / len(table)
         assert final["nll"] == pytest.approx(by_hand, rel=1e-9)
+
+
+def test_ep_large_smoke_run_writes_results(tmp_path):
+    """Dense binary EP with its defaults at a tiny size, with and without the bounded points' actions: every row's
+    fit ends (converged or stalled), its NLL is finite, and the rows, machine, command and figure are written."""
+    from benchmarks import ep_large
+
+    out = tmp_path / "ep_large.json"
+    rows = ep_large.main(["--smoke", "--sizes", "20000", "--seeds", "0", "--actions", "0", "50", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["rows"] == rows and saved["machine"]["cpu_count"] >= 1 and "--smoke" in saved["command"]
+    assert [row["bounded_point_actions"] for row in rows] == [0, 50]
+    for row in rows:
+        assert (row["converged"] or row["stalled"]) and math.isfinite(row["nll"]) and row["num_train"] == 200
+    assert out.with_suffix(".png").stat().st_size > 10_000
