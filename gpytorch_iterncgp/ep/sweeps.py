@@ -23,8 +23,11 @@ than the exact marginal variance where the actions have not yet looked, so the c
 :math:`\sigma_i^{-2} - \tilde\tau_i` is smaller and can turn negative. Such a site keeps its value for the
 sweep (skipped and counted, as GPstuff does for negative cavities); the recycled actions accumulate across
 sweeps (all of them unless ``compression_rank`` is set), so later sweeps resolve more sites, and once the
-actions span the space the sweeps are exact EP. The loop reports convergence only for a complete solve with no
-skipped site and a site change below ``site_tol``.
+actions span the space the sweeps are exact EP. A cavity raised to the prior precision (*bounded*) marks a point
+whose computation-aware variance is too wide for its site: up to ``bounded_point_actions`` such points a sweep get
+their unit vectors as actions (with their kernel columns, no product with :math:`\mathbf K`), after which their
+variance is at most that of the point observed alone and no later sweep bounds them. The loop reports convergence
+only for a complete solve with no skipped or bounded site and a site change below ``site_tol``.
 
 **Marginal refreshes** (``marginal_iterations``, ``marginal_every``; :meth:`ExpectationPropagation.refine_marginals`):
 a few blocks of the covariance phase during the sweeps, their actions recycled, make the marginals accurate where
