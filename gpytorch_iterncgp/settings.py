@@ -22,8 +22,6 @@ __all__ = [
     "fused_kernel_products",
     "kernel_chunk_bytes",
     "softmax_samples",
-    "training_compression_rank",
-    "training_fit_steps",
 ]
 
 
@@ -84,25 +82,3 @@ class softmax_samples(_value_context):
     :math:`0.5/\sqrt{S}` per probability. The base samples are fixed, so predictions are deterministic."""
 
     _global_value = 1024
-
-
-class training_fit_steps(_value_context):
-    r"""The most Newton steps (EP sweeps) that ``model(train_x)`` runs in train mode after a change of the
-    hyperparameters (2), where the evidence is estimated (:math:`N C >` :class:`exact_evidence_size`); ``None``: a
-    whole fit to convergence at every call.
-
-    In the usual GPyTorch loop (``loss = -mll(model(train_x), train_y)``, an optimiser step, again) the posterior then
-    follows the hyperparameters loosely, warm-started from the previous one, instead of being refitted to convergence
-    at every step; a prediction in eval mode, ``strategy.fit()`` and :func:`~gpytorch_iterncgp.fit_mll`'s final fit
-    converge it. In the exact regime (small data, where L-BFGS's line search compares converged values) every call
-    fits whole.
-    """
-
-    _global_value: int | None = 2
-
-
-class training_compression_rank(_value_context):
-    r"""The most recycled actions kept by the loose fits of :class:`training_fit_steps` (20): each change of the kernel
-    multiplies them all by the new :math:`\mathbf K` once, so a short buffer keeps an optimiser step cheap."""
-
-    _global_value: int | None = 20

@@ -14,9 +14,13 @@ whether the loop converged or cannot go on. :func:`run_outer_loop` drains it and
 
 Budgets by convergence: without ``max_steps`` a fit runs until the loop converges, stalls, breaks down or runs past
 ``max_time``. The stall rule needs no tolerance from the user: a loop says when a step made progress on an earlier
-one (:meth:`OuterLoop.made_progress`), and :data:`STALL_STEPS` steps without progress end the fit. It is a rule of
-one call of the driver, as ``max_steps`` is: a fit resumed after a stall takes the same steps an uninterrupted
-fit would and stalls again after as many.
+one (:meth:`OuterLoop.made_progress`), and :data:`STALL_STEPS` steps without progress end the fit. Before that,
+every :data:`ESCALATION_STEPS` steps without progress the driver asks the loop to spend more computation on its
+next steps (``escalate``: EP refreshes its marginals, or gives its solves more iterations), as Newton–Krylov methods
+tighten their forcing term where the inexact solves limit progress; a loop that raised its budget gets a fresh
+window to progress in (its next step the new reference), one that cannot has the rest of the :data:`STALL_STEPS`.
+It is a rule of one call of the driver, as ``max_steps`` is: a fit resumed after a stall starts again from the loop's
+own budget.
 
 The loop itself (probnum's ``solve_iterator`` pattern) knows nothing of these.
 """
@@ -44,6 +48,8 @@ from .validation import check_count, check_nonnegative
 #: (EP's largest site change is noisy where the solves are incomplete: on 400 points of 3 classes with 5 CG
 #: iterations per sweep, 25 sweeps passed between two new smallest changes on its way to converging)
 STALL_STEPS = 20
+#: steps without progress after which (and after each further this many) the driver asks the loop to escalate
+ESCALATION_STEPS = 5
 
 
 class LoopStatus(enum.Enum):
@@ -87,6 +93,30 @@ class FitLimits:
         """:raises ValueError: for a ``max_time`` that is not a non-negative number."""
         if self.max_time is not None:
             check_nonnegative(self.max_time, "max_time")
+
+
+@dataclass
+class TrainModeFits:
+    r"""How a fit that ``model(train_x)`` starts in train mode after a change of the hyperparameters runs (fields of
+    the options of the strategies that take such fits, ``IterNCGPStrategy`` and ``EPStrategy``).
+
+    Where the evidence is estimated (:math:`N C >` ``settings.exact_evidence_size``) the fit is a loose one: at most
+    ``train_fit_steps`` Newton steps (EP sweeps) on from the committed posterior, at most ``train_compression_rank``
+    recycled actions, no covariance phase, and no ``ConvergenceWarning`` at these limits, so that each step of the
+    usual GPyTorch loop (``loss = -mll(model(train_x), train_y)``, an optimiser step) costs a few products with
+    :math:`\mathbf K` while the posterior follows the hyperparameters loosely; a prediction in eval mode,
+    ``strategy.fit()`` and :func:`~gpytorch_iterncgp.fit_mll`'s final fit converge it. Each change of the kernel
+    multiplies every recycled action by the new :math:`\mathbf K` once, hence the short buffer. ``train_fit_steps=None``
+    fits whole at every call, as in the exact regime always (L-BFGS's line search compares converged values).
+    """
+
+    train_fit_steps: int | None = 2
+    train_compression_rank: int | None = 20  # None: keep the fit's own compression_rank
+
+    def validate(self) -> None:
+        """:raises ValueError: naming the option that is not a positive count (or ``None``)."""
+        check_count(self.train_fit_steps, "train_fit_steps", minimum=1, allow_none=True)
+        check_count(self.train_compression_rank, "train_compression_rank", minimum=1, allow_none=True)
 
 
 def sites_progressed(reference: EPSweep, record: EPSweep, site_tol: float) -> bool:
@@ -134,6 +164,7 @@ class EPSweep:
     clipped_sites: int  # sites whose new precision was negative (set to 0)
     solver_iterations: int
     residual_norm: float
+    marginal_blocks: int = 0  # covariance-phase blocks refreshing the marginals after the solve (a product each)
     kernel_products: int = 0  # filled in by the driver
     kernel_product_seconds: float = 0.0  # filled in by the driver
 
@@ -198,6 +229,8 @@ class OuterLoop(Protocol):
     # Optional, for the driver's stall rule (a loop without them never stalls by it):
     #   made_progress(reference, record) -> bool: whether the step of ``record`` progressed on the earlier ``reference``
     #   stall_advice: str, what to change where the loop stalls
+    #   escalate(record) -> bool: spend more computation on the next steps (called by the stall rule, after the step
+    #       of ``record``, every ESCALATION_STEPS steps without progress); whether the budget was raised
 
 
 class ProductCounter(Protocol):
@@ -386,10 +419,12 @@ def _limit_message(report: FitReport, value: str) -> str:
 
 class _StallRule:
     """The driver's stall rule for one fit: :data:`STALL_STEPS` steps after the last one with progress on its
-    predecessor with progress (:meth:`OuterLoop.made_progress`; a loop without it never stalls by this rule)."""
+    predecessor with progress (:meth:`OuterLoop.made_progress`; a loop without it never stalls by this rule), the
+    loop's ``escalate`` called every :data:`ESCALATION_STEPS` of them."""
 
     def __init__(self, loop: OuterLoop):
         self.loop, self.made_progress = loop, getattr(loop, "made_progress", None)
+        self.escalate = getattr(loop, "escalate", None)
         self.reference: StepRecord | None = None  # the last step with progress
         self.steps_without_progress = 0
 
@@ -402,6 +437,9 @@ class _StallRule:
             return None
         self.steps_without_progress += 1
         if self.steps_without_progress < STALL_STEPS:
+            if self.escalate is not None and self.steps_without_progress % ESCALATION_STEPS == 0:
+                if self.escalate(record):  # more computation from the next step: a fresh window to progress in
+                    self.reference, self.steps_without_progress = None, 0
             return None
         last = ", ".join(f"{name}={value}" for name, value in record.progress().items())
         advice = getattr(self.loop, "stall_advice", "")

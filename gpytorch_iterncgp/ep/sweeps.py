@@ -27,7 +27,9 @@ actions span the space the sweeps are exact EP. A cavity raised to the prior pre
 whose computation-aware variance is too wide for its site: up to ``bounded_point_actions`` such points a sweep get
 their unit vectors as actions (with their kernel columns, no product with :math:`\mathbf K`), after which their
 variance is at most that of the point observed alone and no later sweep bounds them. The loop reports convergence
-only for a complete solve with no skipped or bounded site and a site change below ``site_tol``.
+only for a complete solve with no skipped or bounded site and a site change below ``site_tol``. Where the sweeps stop
+making progress, the driver's stall rule makes the loop escalate (:meth:`ExpectationPropagation.escalate`): more
+iterations per solve, or a burst of the covariance phase that refreshes the marginals.
 
 **Marginal refreshes** (``marginal_iterations``, ``marginal_every``; :meth:`ExpectationPropagation.refine_marginals`):
 a few blocks of the covariance phase during the sweeps, their actions recycled, make the marginals accurate where
@@ -54,7 +56,7 @@ from torch import Tensor
 
 from ..core.covariance import CovarianceOptions, CovariancePhase, covariance_phase
 from ..core.noise import DiagonalNoiseInverse
-from ..core.outer_loop import EPSweep, FitLimits, LoopStatus, OuterStep, sites_progressed
+from ..core.outer_loop import EPSweep, FitLimits, LoopStatus, OuterStep, TrainModeFits, sites_progressed
 from ..core.policies import Policy
 from ..core.preconditioner import KernelPreconditioning
 from ..core.prior import LatentPrior
@@ -117,7 +119,7 @@ class SweepOptions(FitLimits):
 
 
 @dataclass
-class EPOptions(SweepOptions, IterGPOptions, CovarianceOptions):
+class EPOptions(SweepOptions, IterGPOptions, CovarianceOptions, TrainModeFits):
     """Settings of the EP loop, of IterGP and of the covariance phase (see :class:`~gpytorch_iterncgp.EPStrategy`)."""
 
     marginal_iterations: int = 0  # covariance-phase blocks (products with K) for the marginals during the sweeps
@@ -130,6 +132,7 @@ class EPOptions(SweepOptions, IterGPOptions, CovarianceOptions):
         IterGPOptions.validate(self)
         CovarianceOptions.validate(self)
         SweepOptions.validate(self)
+        TrainModeFits.validate(self)
         check_count(self.marginal_iterations, "marginal_iterations")
         check_count(self.marginal_every, "marginal_every", minimum=1)
         check_count(self.bounded_point_actions, "bounded_point_actions")
@@ -209,15 +212,39 @@ class ExpectationPropagation:
 
     name = "EP"
     step_name = "sweeps"
+    # this fit's budget (escalate raises it; reset at the start of every fit)
+    solver_iterations: int | None  # of each solve
+    last_solve_converged: bool
+    refresh_blocks: int  # covariance-phase blocks of the next sweep's refresh burst
+    last_refresh_blocks: int  # ... of the last burst
+    actions_exhausted: bool  # the last refresh added fewer directions than asked: the actions span the space
     stall_advice = (
-        "Sweeps that stay near a site change with bounded cavities or incomplete solves need more accurate marginals: "
-        "raise preconditioner_rank, max_solver_iterations or marginal_iterations; sweeps that oscillate, a smaller "
-        "damping."
+        "The fit already spent more products on its marginals and solves where it made no progress; sweeps that "
+        "stay near a site change need more accurate marginals from the start (a larger preconditioner_rank, "
+        "max_solver_iterations or marginal_iterations), sweeps that oscillate a smaller damping."
     )
 
     def made_progress(self, reference: EPSweep, record: EPSweep) -> bool:
         """The stall rule's test (:func:`~gpytorch_iterncgp.core.outer_loop.sites_progressed`)."""
         return sites_progressed(reference, record, self.options.site_tol)
+
+    def escalate(self, record: EPSweep) -> bool:
+        r"""More computation for the next sweeps, where sweeps stopped making progress (called by the driver's stall
+        rule; returns whether it raised the budget). If the last solve stopped at its budget, the mean lags the sites:
+        the solves get twice the iterations for the rest of the fit. Otherwise the sites follow marginal variances that move as actions are
+        added (the computation-aware variances, wider than exact EP's where no action has looked): the next sweep
+        refreshes them with a burst of the covariance phase (:meth:`refine_marginals`), twice as many blocks as the
+        last burst, whose actions stay in the recycled buffer. Either way the fixed point is exact EP's once the
+        actions span the space, so the fit either converges or spends its ``max_time``; where a burst found no new
+        direction (the actions span the space) there is nothing left to raise, and the stall rule may end the fit."""
+        budget = self.solver_iterations
+        if not self.last_solve_converged and budget is not None:
+            self.solver_iterations = 2 * budget
+            return True
+        if self.actions_exhausted:  # the last burst found no new direction: the marginals are exact already
+            return False
+        self.refresh_blocks = max(1, 2 * self.last_refresh_blocks)
+        return True
 
     def __init__(
         self, prior: LatentPrior, adapter: LikelihoodAdapter, targets: Tensor, options: EPOptions, policy: Policy
@@ -228,6 +255,7 @@ class ExpectationPropagation:
                 f"moments (MultinomialProbitLikelihood); {adapter.name} has C = {adapter.num_latents}."
             )
         self.prior, self.adapter, self.options, self.policy = prior, adapter, options, policy
+        self._reset_budget()
         self.num_latents = num = adapter.num_latents
         self.rows_block = block = prior.rows  # this rank's rows where the state is held by rows, else all
         prior_mean = prior.mean.reshape(-1)
@@ -252,6 +280,13 @@ class ExpectationPropagation:
             self.prior_blocks = block.own_points(prior.point_blocks())
             self.action_space_dimension = self.num_points * (num - 1)
             self.basis = zero_sum_basis(num, self.prior_mean.dtype, self.prior_mean.device)
+
+    def _reset_budget(self) -> None:
+        """A fit's own budget (:meth:`escalate` raises it): the options' solver iterations, no refresh burst."""
+        self.solver_iterations = self.options.max_solver_iterations
+        self.last_solve_converged = True
+        self.refresh_blocks = self.last_refresh_blocks = 0
+        self.actions_exhausted = False
 
     # -- states ------------------------------------------------------------------------------------------------
     def initial_state(self) -> EPState:
@@ -295,13 +330,12 @@ class ExpectationPropagation:
             rows_block=self.rows_block,
         )
 
-    def refine_marginals(self, state: EPState, buffer: ActionBuffer) -> tuple[EPState, ActionBuffer]:
+    def refine_marginals(self, state: EPState, buffer: ActionBuffer, blocks: int) -> tuple[EPState, ActionBuffer]:
         r"""Enlarge the precision of ``state``'s regression for the next sweep's marginals, and recycle the new actions.
 
-        ``marginal_iterations`` blocks of :func:`~gpytorch_iterncgp.core.covariance.covariance_phase` (block Lanczos on
+        ``blocks`` blocks (``marginal_iterations``, or :meth:`escalate`'s burst) of :func:`~gpytorch_iterncgp.core.covariance.covariance_phase` (block Lanczos on
         :math:`\hat{\mathbf K} = \mathbf K + \tilde{\mathbf T}^{-1}` preconditioned by the sites :math:`\tilde{\mathbf T}`,
-        ``covariance_block_size`` columns and one product with :math:`\mathbf K` each), run after every
-        ``marginal_every``-th sweep's solve. With the new :math:`\hat{\mathbf K}`-conjugate directions
+        ``covariance_block_size`` columns and one product with :math:`\mathbf K` each), run after a sweep's solve. With the new :math:`\hat{\mathbf K}`-conjugate directions
         :math:`\mathbf D`, :math:`\mathbf Q \leftarrow [\mathbf Q, \mathbf D]` and
         :math:`\mathbf a \leftarrow \mathbf a + \mathbf D \mathbf D^\top \mathbf r` (the solution over the enlarged
         actions, :math:`\mathbf r` the residual; no product), so the next sweep's marginal covariances
@@ -310,7 +344,7 @@ class ExpectationPropagation:
         and their kernel products are appended to the recycled actions, so every later sweep's virtual solver run
         re-conjugates them for its own sites at no product, and the marginals stay accurate as the sites move.
 
-        Cost: ``marginal_iterations`` products with ``covariance_block_size`` columns per refresh, plus the
+        Cost: ``blocks`` products with ``covariance_block_size`` columns per refresh, plus the
         Gram–Schmidt against :math:`\mathbf Q` (:math:`O(n r b)` per block); and the buffer grows by up to
         ``marginal_iterations * covariance_block_size`` columns per refresh, which every later sweep's virtual run
         pays for (:math:`O(n B^2 + B^3)`, :math:`B` the buffer size; ``compression_rank`` bounds it). At a
@@ -319,10 +353,11 @@ class ExpectationPropagation:
         """
         options = self.options
         noise, rhs = self.noise(state.site_precision, state.site_natural_mean, self.rows_block)
-        phase = self._covariance_blocks(state, noise, options.marginal_iterations, seed=state.sweeps)
+        phase = self._covariance_blocks(state, noise, blocks, seed=state.sweeps)
         block = self.rows_block
         start = state.precision_root.shape[-1]
         new_roots, new_kernel_roots = phase.precision_root[:, start:], phase.kernel_precision_root[:, start:]  # D, K D
+        self.actions_exhausted = phase.added < blocks * options.covariance_block_size
         if options.recycle and phase.added > 0:  # (this rank's rows of them where the buffer holds its rows)
             for column, kernel_column in zip(new_roots.mT, new_kernel_roots.mT, strict=True):
                 norm = block.norm(column)
@@ -417,7 +452,7 @@ class ExpectationPropagation:
             self.policy,
             project=self.project,
             action_space_dimension=self.action_space_dimension,
-            max_solver_iterations=options.max_solver_iterations,
+            max_solver_iterations=self.solver_iterations,
             abs_tol=options.abs_tol,
             rel_tol=options.rel_tol,
             compression_rank=options.compression_rank,
@@ -456,6 +491,7 @@ class ExpectationPropagation:
     def steps(self, state: EPState) -> Generator[OuterStep, None, None]:
         """Parallel EP sweeps from ``state`` until converged or stalled (the driver limits their number)."""
         options, block = self.options, self.rows_block
+        self._reset_budget()
         state = state.with_own_rows(block)  # (a loaded state holds all rows)
         buffer = ActionBuffer.from_tensors(state.actions, state.kernel_actions, self.rows_block)
         extra_iterations = 0
@@ -478,8 +514,13 @@ class ExpectationPropagation:
             counts = block.summed(torch.stack([update.skipped.sum(), update.bounded.sum(), update.clipped.sum()]))
             skipped, bounded, clipped = (int(count) for count in counts)
             state = self._solved(state, result, update.site_precision, update.site_natural_mean, state.sweeps + 1)
-            if options.marginal_iterations > 0 and state.sweeps % options.marginal_every == 0:
-                state, buffer = self.refine_marginals(state, buffer)
+            self.last_solve_converged = result.converged
+            blocks = options.marginal_iterations if state.sweeps % options.marginal_every == 0 else 0
+            if self.refresh_blocks > 0:  # escalate's burst, once
+                blocks += self.refresh_blocks
+                self.last_refresh_blocks, self.refresh_blocks = self.refresh_blocks, 0
+            if blocks > 0:
+                state, buffer = self.refine_marginals(state, buffer, blocks)
             record = EPSweep(
                 step=state.sweeps,
                 site_change=update.change,
@@ -489,6 +530,7 @@ class ExpectationPropagation:
                 clipped_sites=clipped,
                 solver_iterations=result.iterations + extra_iterations,
                 residual_norm=result.residual_norm,
+                marginal_blocks=blocks,
             )
             extra_iterations = 0
             status, message = LoopStatus.CONTINUE, ""

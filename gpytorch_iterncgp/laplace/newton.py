@@ -47,7 +47,7 @@ from linear_operator.operators import LinearOperator
 from torch import Tensor
 
 from ..core.covariance import CovarianceOptions, covariance_phase
-from ..core.outer_loop import FitLimits, LoopStatus, NewtonStep, OuterStep, relative_norm_change
+from ..core.outer_loop import FitLimits, LoopStatus, NewtonStep, OuterStep, TrainModeFits, relative_norm_change
 from ..core.policies import Policy
 from ..core.preconditioner import KernelPreconditioning
 from ..core.prior import LatentPrior
@@ -59,7 +59,7 @@ from .line_search import LogPosterior, Point
 
 
 @dataclass
-class SolverOptions(IterGPOptions, CovarianceOptions, FitLimits):
+class SolverOptions(IterGPOptions, CovarianceOptions, FitLimits, TrainModeFits):
     """Settings of the Newton loop, of IterGP and of the covariance phase (see
     :class:`~gpytorch_iterncgp.IterNCGPStrategy`)."""
 
@@ -72,6 +72,7 @@ class SolverOptions(IterGPOptions, CovarianceOptions, FitLimits):
         super().validate()
         CovarianceOptions.validate(self)
         FitLimits.validate(self)
+        TrainModeFits.validate(self)
         check_count(self.max_newton_steps, "max_newton_steps", allow_none=True)
         check_nonnegative(self.outer_tol, "outer_tol")
         if not 0 < self.min_step_size <= 1:

@@ -11,7 +11,7 @@ The recipe, in three phases (each a progress bar with ``show_progress``):
 
 1. **learning**: type-II maximum likelihood on a random subset of the rows (:func:`~.rows.auto_subset_size`,
    stratified by class; R&W §8.3.3), L-BFGS where the evidence is exact, otherwise Adam with loose warm-started fits
-   (:class:`gpytorch_iterncgp.settings.training_fit_steps`). EP's hyperparameters are learnt on Laplace's evidence
+   (the strategy's ``train_fit_steps``). EP's hyperparameters are learnt on Laplace's evidence
    where EP's would be estimated from incomplete solves (its maximiser is biased, ``docs/design_notes.md``);
 2. **outputscale** (classifiers learnt on a subset, a ``ScaleKernel`` as ``covar_module``): the outputscale by the
    log-loss of held-out rows (:mod:`.outputscale`): the evidence's maximiser is over-confident at large N (Laplace's
@@ -39,7 +39,6 @@ from gpytorch.mlls import MarginalLogLikelihood
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from .. import settings
 from ..core.memory import peak_memory_bytes, start_peak_memory
 from ..core.validation import check_flag, check_nonnegative
 from ..exceptions import ConvergenceWarning
@@ -185,9 +184,9 @@ def fit_dense_mll(
                     lambda: bar.update(1),
                 )
     model.eval()
-    with strategy.phase("final fit"), warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        report.fit_report = strategy.fit(show_progress=show)
+        report.fit_report = strategy.fit(show_progress=show, description="final fit")
     for warning in caught:  # at the line that called fit_mll
         warnings.warn(warning.message, warning.category, stacklevel=3)
     report.peak_memory_bytes = peak_memory_bytes(device)
@@ -426,11 +425,7 @@ def _learn(learner: Any, recipe: LearningRecipe, report: LearningReport, deadlin
     learner.train()
     try:
         # the fits at each evaluation follow the hyperparameters; only the final fit's convergence is reported
-        with (
-            strategy.overriding(covariance_iterations=0),
-            _loose_fits(recipe, exact),
-            strategy.without_convergence_warning(),
-        ):
+        with _loose_fits(strategy, recipe, exact):
             if strategy.state is None:  # the first evaluation's fit starts loose from the prior, as the later ones
                 strategy.loose_fit()
             report.stopped = _optimise(scale.variables, evaluate, backward, exact, recipe)
@@ -456,15 +451,17 @@ def _learn(learner: Any, recipe: LearningRecipe, report: LearningReport, deadlin
 
 
 @contextlib.contextmanager
-def _loose_fits(recipe: LearningRecipe, exact: bool) -> Iterator[None]:
-    """Whole fits at every evaluation in the exact regime (L-BFGS's line search compares converged values), loose ones
-    (``recipe.fit_steps``, ``recipe.compression_rank``) and a cheaper stochastic log-determinant otherwise."""
+def _loose_fits(strategy: Any, recipe: LearningRecipe, exact: bool) -> Iterator[None]:
+    """The strategy's fits while learning: no covariance phase; whole fits at every evaluation in the exact regime
+    (L-BFGS's line search compares converged values), loose ones (the options ``train_fit_steps`` and
+    ``train_compression_rank`` from ``recipe.fit_steps`` and ``recipe.compression_rank``) and a cheaper stochastic
+    log-determinant otherwise."""
     with contextlib.ExitStack() as stack:
         if exact:
-            stack.enter_context(settings.training_fit_steps(None))
+            stack.enter_context(strategy.overriding(covariance_iterations=0, train_fit_steps=None))
         else:
-            stack.enter_context(settings.training_fit_steps(recipe.fit_steps))
-            stack.enter_context(settings.training_compression_rank(recipe.compression_rank))
+            loose = dict(train_fit_steps=recipe.fit_steps, train_compression_rank=recipe.compression_rank)
+            stack.enter_context(strategy.overriding(covariance_iterations=0, **loose))
             stack.enter_context(gpytorch.settings.num_trace_samples(recipe.trace_samples))
             stack.enter_context(gpytorch.settings.max_lanczos_quadrature_iterations(recipe.lanczos_iterations))
         yield

@@ -60,8 +60,9 @@ def choose_outputscale(
         strategy = model.variational_strategy
         model.eval()
         try:
-            with torch.no_grad(), strategy.without_convergence_warning():
-                strategy.fit(**{strategy.max_steps_option: recipe.outputscale_fit_steps}, show_progress=False)
+            with torch.no_grad():
+                steps = {strategy.max_steps_option: recipe.outputscale_fit_steps}
+                strategy.fit(show_progress=False, limit_warning=False, **steps)
                 probabilities = strategy.predictive_probabilities(validation_x)
         except RECOVERABLE_ERRORS:
             continue

@@ -29,9 +29,9 @@ class LearningRecipe:
         steps, each on a loose fit. ``0``: no learning, only the final fit.
     :param learning_rate: Adam's learning rate.
     :param fit_steps: with Adam, the Newton steps (EP sweeps) each evaluation runs on from the previous posterior
-        (:class:`gpytorch_iterncgp.settings.training_fit_steps`).
+        (the strategy's option ``train_fit_steps`` while learning).
     :param compression_rank: with Adam, the recycled actions kept
-        (:class:`gpytorch_iterncgp.settings.training_compression_rank`).
+        (the strategy's option ``train_compression_rank`` while learning).
     :param trace_samples: stochastic Lanczos quadrature while learning with Adam
         (``gpytorch.settings.num_trace_samples``; GPyTorch's default 10): half the products per evaluation for the
         same learnt hyperparameters (``docs/design_notes.md``).

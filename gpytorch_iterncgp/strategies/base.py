@@ -205,8 +205,6 @@ class OuterLoopStrategy(gpytorch.Module, metaclass=abc.ABCMeta):
         self.show_progress = show_progress
         self._committed = CommittedState(self._state_type, companion)  # the state, its fingerprint, the companion's
         self._loose = False  # the committed state is a loose fit's (train mode), not converged
-        self._quiet_budget = False  # no ConvergenceWarning for fits stopped by their limits (loose fits)
-        self._phase: str | None = None  # what the fits are for, on their progress bar (phase())
         self.last_report: FitReport | None = None
 
     # -- sizes -----------------------------------------------------------------------------------
@@ -261,15 +259,15 @@ class OuterLoopStrategy(gpytorch.Module, metaclass=abc.ABCMeta):
         return self._committed.state
 
     def loose_fit(self) -> bool:
-        """A fit of a few steps from the committed state (or the prior), without a ``ConvergenceWarning``, where
-        :meth:`_loose_fit_options` gives one (:class:`gpytorch_iterncgp.settings.training_fit_steps`): the posterior
-        follows the hyperparameters loosely while they are learnt. Returns whether it ran; a prediction in eval mode
-        fits the loose state on to convergence."""
+        """A fit of a few steps from the committed state (or the prior), without a ``ConvergenceWarning`` at its
+        limits, where :meth:`_loose_fit_options` gives one (the options ``train_fit_steps`` and
+        ``train_compression_rank``, :class:`~gpytorch_iterncgp.core.outer_loop.TrainModeFits`): the posterior follows
+        the hyperparameters loosely while they are learnt. Returns whether it ran; a prediction in eval mode fits the
+        loose state on to convergence."""
         loose = self._loose_fit_options()
         if not loose:
             return False
-        with self.overriding(**loose), self.without_convergence_warning():
-            self.fit(show_progress=False)
+        self.fit(show_progress=False, limit_warning=False, **loose)
         self._loose = True
         return True
 
@@ -292,20 +290,14 @@ class OuterLoopStrategy(gpytorch.Module, metaclass=abc.ABCMeta):
         with _swapped(self, "options", replaced_options(self.options, changes, f"{type(self).__name__}.overriding")):
             yield self.options
 
-    @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        """Fits inside the block show ``name`` on their progress bar (e.g. ``"final fit"``: ``"final fit (EP)"``)."""
-        with _swapped(self, "_phase", name):
-            yield
-
-    @contextlib.contextmanager
-    def without_convergence_warning(self) -> Iterator[None]:
-        """Fits inside the block stop at their limits by design: no :class:`ConvergenceWarning`."""
-        with _swapped(self, "_quiet_budget", True):
-            yield
-
     def fit(
-        self, callback: Callable[[Any, Any], bool | None] | None = None, show_progress: bool | None = None, **overrides
+        self,
+        callback: Callable[[Any, Any], bool | None] | None = None,
+        show_progress: bool | None = None,
+        *,
+        description: str | None = None,
+        limit_warning: bool = True,
+        **overrides,
     ) -> FitReport:
         """Run the outer loop from the committed state until it converges, stalls, or reaches a limit (its step limit,
         ``max_time``; by default neither is set: budgets by convergence).
@@ -318,6 +310,9 @@ class OuterLoopStrategy(gpytorch.Module, metaclass=abc.ABCMeta):
         :param callback: called after every step with its record (:class:`~gpytorch_iterncgp.NewtonStep`,
             :class:`~gpytorch_iterncgp.EPSweep`) and the state; returning ``True`` stops.
         :param show_progress: a progress bar (``None``: the strategy's ``show_progress``).
+        :param description: what the fit is for, on its progress bar (``"final fit"``: ``"final fit (EP)"``).
+        :param limit_warning: ``False`` for a fit whose limits are by design (a loose fit, a candidate's short fit): no
+            ``ConvergenceWarning`` where a limit stops it (a stall still warns).
         :return: a :class:`~gpytorch_iterncgp.FitReport` (steps, solver iterations, products with K, time).
 
         Interruption: the state is replaced only after each completed step. A fit stopped by the callback, or by an
@@ -343,7 +338,8 @@ class OuterLoopStrategy(gpytorch.Module, metaclass=abc.ABCMeta):
                     "convert the model and the data to one dtype."
                 )
             self._check_fit(options, prior)
-            return self._run(prior, options, getattr(options, self.max_steps_option), callback, show)
+            limit_name = self.max_steps_option if limit_warning else None
+            return self._run(prior, options, callback, show, description, limit_name)
 
     @abc.abstractmethod
     def _prior_for_fit(self) -> Any:
@@ -367,15 +363,19 @@ class OuterLoopStrategy(gpytorch.Module, metaclass=abc.ABCMeta):
     def _make_loop(self, prior: Any, options: Any) -> OuterLoop:
         """The outer loop for ``prior`` (the model's prior at the training inputs) and ``options``."""
 
-    def _run(self, prior: ProductCounter, options: Any, max_steps: int | None, callback, show: bool) -> FitReport:
-        """Drive the subclass's outer loop from the starting state by ``run_outer_loop``; the committed state follows
-        every step, and an interrupted fit keeps the last completed one.
+    def _run(
+        self, prior: ProductCounter, options: Any, callback, show: bool, description: str | None, limit_name: str | None
+    ) -> FitReport:
+        """Drive the subclass's outer loop from the starting state by ``run_outer_loop``, at most the options' step
+        limit (:attr:`max_steps_option`) and ``max_time``; the committed state follows every step, and an interrupted
+        fit keeps the last completed one.
 
         :param prior: the prior at the training inputs (also the counter of products with K).
         :param options: this call's options.
-        :param max_steps: the most outer steps (``None``: until converged, stalled or ``options.max_time``).
         :param callback: called after every step with its record and state; ``True`` stops.
         :param show: show a progress bar.
+        :param description: what the fit is for, on the progress bar (``None``: nothing).
+        :param limit_name: the step limit's name for the warning of a fit it stops (``None``: no warning).
         :return: the report, also kept as :attr:`last_report`.
         """
         loop = self._make_loop(prior, options)
@@ -386,13 +386,12 @@ class OuterLoopStrategy(gpytorch.Module, metaclass=abc.ABCMeta):
                 state,
                 commit=self._commit,
                 counter=prior,
-                max_steps=max_steps,
+                max_steps=getattr(options, self.max_steps_option),
                 callback=callback,
                 show_progress=show,
                 stacklevel=3,
-                description=None if self._phase is None else f"{self._phase} ({loop.name})",
-                # a fit stopped by a limit warns, naming it (not a loose fit, whose limits are by design)
-                limit_name=None if self._quiet_budget else self.max_steps_option,
+                description=None if description is None else f"{description} ({loop.name})",
+                limit_name=limit_name,
                 max_time=options.max_time,
             )
         except BaseException:

@@ -40,7 +40,6 @@ from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNorm
 from linear_operator.operators import LinearOperator, MatmulLinearOperator
 from torch import Tensor
 
-from .. import settings
 from ..core.policies import Policy, make_policy
 from ..core.precision import LowRankPrecision
 from ..core.prior import LatentPrior
@@ -72,7 +71,7 @@ class _IterGPStrategy(PredictiveStrategy):
     _state_type: Any = RegressionState
     _options_type: Any = IterGPOptions  # the dataclass of the strategy's options (every constructor keyword option)
     _loop_type: Any = None  # the outer loop: (prior, adapter, targets, options, policy) -> OuterLoop
-    options: IterGPOptions
+    options: SolverOptions | EPOptions
 
     def __init__(
         self, model, train_inputs, train_targets, likelihood, policy: str | Policy = "cg", *, seed: int = 0, **kwargs
@@ -90,16 +89,17 @@ class _IterGPStrategy(PredictiveStrategy):
         self._committed.companion = policy
 
     def _loose_fit_options(self) -> dict[str, Any]:
-        """A loose fit in train mode where the evidence is estimated: at most
-        :class:`~gpytorch_iterncgp.settings.training_fit_steps` steps, at most
-        :class:`~gpytorch_iterncgp.settings.training_compression_rank` recycled actions, no covariance phase."""
-        steps = settings.training_fit_steps.value()
+        """A loose fit in train mode where the evidence is estimated: at most the options' ``train_fit_steps`` steps
+        (within the step limit), at most ``train_compression_rank`` recycled actions, no covariance phase
+        (:class:`~gpytorch_iterncgp.core.outer_loop.TrainModeFits`)."""
+        options = self.options
+        steps = options.train_fit_steps
         if steps is None or exact_regime(self):
             return {}
-        rank, current = settings.training_compression_rank.value(), self.options.compression_rank
-        limit = getattr(self.options, self.max_steps_option)
+        rank, current = options.train_compression_rank, options.compression_rank
+        limit = getattr(options, self.max_steps_option)
         return {
-            self.max_steps_option: int(steps) if limit is None else min(int(steps), limit),
+            self.max_steps_option: steps if limit is None else min(steps, limit),
             "compression_rank": current if rank is None else min(rank, current or rank),
             "covariance_iterations": 0,
         }

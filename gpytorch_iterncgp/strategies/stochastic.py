@@ -54,7 +54,7 @@ from .base import attach_to_model
 from .predictive import LatentPredictions
 
 
-@dataclass(frozen=True)
+@dataclass
 class TrainingCavities:
     r"""What a training output of :class:`StochasticEPStrategy` carries besides its distribution: ``batch``, the prior
     at its minibatch in the whitened inducing coordinates (:class:`~gpytorch_iterncgp.sparse.stochastic.WhitenedBatch`,
@@ -65,6 +65,7 @@ class TrainingCavities:
     batch: WhitenedBatch
     mean: Tensor
     variance: Tensor
+    site_moved: bool = False  # update_site has stepped from these cavities (once per output)
 
 
 class CavityMultivariateNormal(MultivariateNormal):
@@ -304,16 +305,23 @@ class StochasticEPStrategy(LatentPredictions, gpytorch.Module):
             :meth:`StochasticEPMarginalLogLikelihood.energy_and_moments
             <gpytorch_iterncgp.StochasticEPMarginalLogLikelihood.energy_and_moments>` returns them with the energy;
             ``None``: computed here from ``targets`` (one quadrature per point).
-        :raises RuntimeError: for an output that is not a training output (:meth:`training_cavities`).
+        :raises RuntimeError: for an output that is not a training output (:meth:`training_cavities`), or one the site
+            already moved from.
         :raises ValueError: for targets of another number of points than the output's, or invalid targets.
         """
         cavities = self.training_cavities(output, targets)
+        if cavities.site_moved:
+            raise RuntimeError(
+                "update_site already moved the site from this output's cavities: call it once per model(x_batch), "
+                "and compute a new output (with the moved site) for the next step."
+            )
         if moments is None:  # the quadrature's targets (with moments given, the objective checked them)
             targets = self.adapter.check_targets(targets, cavities.mean.dtype).to(cavities.mean.device)
         cavity = (cavities.mean, cavities.variance)
         self.site = StochasticEP(self.adapter, self.num_data).update(
             self.site, cavities.batch, targets, cavity, moments
         )
+        cavities.site_moved = True
 
     # -- state_dict, copies and devices ---------------------------------------------------------
     def get_extra_state(self) -> dict:

@@ -15,6 +15,7 @@ import pytest
 
 from gpytorch_iterncgp import ConvergenceWarning, NotConvergedWarning, NumericalBreakdownWarning
 from gpytorch_iterncgp.core.outer_loop import (
+    ESCALATION_STEPS,
     STALL_STEPS,
     EPSweep,
     FitReport,
@@ -192,6 +193,40 @@ def test_without_a_step_limit_the_loop_runs_until_it_stalls():
     assert caught[0].filename == __file__ and committed[-1] == ("final", committed[-2])
     (later, _), _ = _caught(lambda: _run(SlowHeron(Counter(), progress_at={5, 12}), max_steps=None))
     assert later.steps == 12 + STALL_STEPS and later.stalled  # each step with progress restarts the count
+
+
+class EscalatingHeron(SlowHeron):
+    """A :class:`SlowHeron` that records the steps after which the stall rule asked it to escalate, and raises its
+    budget the first ``escalations`` times."""
+
+    def __init__(self, counter: Counter, progress_at=(), escalations=0):
+        super().__init__(counter, progress_at)
+        self.escalated_after: list[int] = []
+        self.escalations = escalations
+
+    def escalate(self, record: NewtonStep) -> bool:
+        self.escalated_after.append(record.step)
+        return len(self.escalated_after) <= self.escalations
+
+
+def test_the_stall_rule_asks_the_loop_to_escalate_before_it_stops_the_fit():
+    """Every :data:`ESCALATION_STEPS` steps without progress the driver calls the loop's ``escalate`` with the last
+    record; a step with progress restarts the count. An escalation that raised the budget (``True``) opens a fresh
+    window (the next step is the new reference); one that could not leaves the count to run to
+    :data:`STALL_STEPS`."""
+    loop = EscalatingHeron(Counter())
+    (report, _), _ = _caught(lambda: _run(loop, max_steps=None))
+    assert report.stalled and report.steps == STALL_STEPS + 1
+    assert loop.escalated_after == [1 + k for k in range(ESCALATION_STEPS, STALL_STEPS, ESCALATION_STEPS)]
+    later = EscalatingHeron(Counter(), progress_at={8})
+    _caught(lambda: _run(later, max_steps=None))
+    assert later.escalated_after[:2] == [1 + ESCALATION_STEPS, 8 + ESCALATION_STEPS]
+    raised = EscalatingHeron(Counter(), escalations=2)
+    (report, _), _ = _caught(lambda: _run(raised, max_steps=None))
+    first = 1 + ESCALATION_STEPS  # step 1 is the reference; then a fresh reference after each raised budget
+    second = first + 1 + ESCALATION_STEPS
+    assert raised.escalated_after[:3] == [first, second, second + 1 + ESCALATION_STEPS]
+    assert report.stalled and report.steps == second + 1 + STALL_STEPS
 
 
 def test_time_limit_stops_after_a_step_and_warns_naming_it():

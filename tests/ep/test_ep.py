@@ -9,6 +9,7 @@ gradient must match central differences of the re-converged evidence.
 from __future__ import annotations
 
 import math
+import warnings
 
 import gpytorch
 import pytest
@@ -21,6 +22,7 @@ from gpytorch_iterncgp import (
     EPSweep,
     ExpPoissonLikelihood,
     LogitBernoulliLikelihood,
+    NotConvergedWarning,
 )
 from tests import reference_ep
 from tests.common import IterNCGPModel, binary_data, count_data, softmax_likelihood
@@ -202,9 +204,42 @@ def test_preconditioned_incomplete_solves_bound_no_cavity():
     for _ in range(6):
         report = strategy.fit(max_sweeps=10)
         assert report.bounded_cavities == 0 and report.skipped_sites == 0
-        assert report.kernel_products == report.solver_iterations  # the factor's columns are no products with K
+        # the factor's columns are no products with K; a refresh of the marginals (escalate) costs one per block
+        refreshes = sum(record.marginal_blocks for record in report.records)
+        assert report.kernel_products == report.solver_iterations + refreshes
         errors.append(float((strategy.sites[1] - reference.site_natural_mean).abs().max()))
     assert errors[-1] < 1e-2 * errors[0] and errors[-1] < 5e-4
+
+
+def test_escalation_converges_incomplete_solves_at_a_learnt_scale_kernel(monkeypatch):
+    """At an outputscale learning finds (s² 20, 300 points, CG with 5 iterations a sweep, the defaults' budget by
+    convergence), the computation-aware marginals move with every sweep's actions and the sites hover at a change
+    near 1e-2: the stall rule asks the loop to escalate, refresh bursts (twice the blocks each time) make the
+    marginals accurate, and the fit converges, near exact EP's fixed point (the sequential dense reference, R&W
+    Alg. 3.5; measured 0.9% relative: the computational uncertainty the converged actions keep). Without escalation the same fit stalls (measured 5-8% from exact EP)."""
+    from gpytorch_iterncgp.core import outer_loop
+
+    x, y = _data("probit", num_data=300, seed=0)
+
+    def fit():
+        options = dict(policy="cg", max_solver_iterations=5, abs_tol=1e-5, rel_tol=1e-5, site_tol=1e-4)
+        model = _model("probit", x, y, outputscale=20.0, lengthscale=0.4, max_sweeps=None, **options)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            report = model.variational_strategy.fit()
+        return model, report, [warning.category for warning in caught]
+
+    model, report, caught = fit()
+    assert report.converged and not caught
+    bursts = [record.marginal_blocks for record in report.records if record.marginal_blocks]
+    assert bursts and bursts == [2**k for k in range(len(bursts))]  # each burst twice the last
+    reference = reference_ep.sequential_ep(_kernel(model, x), y, likelihood="probit")
+    tau, nu = model.variational_strategy.sites
+    for sites, exact in ((tau, reference.site_precision), (nu, reference.site_natural_mean)):
+        assert float((sites - exact).abs().max() / exact.abs().max()) < 2e-2
+    monkeypatch.setattr(outer_loop, "ESCALATION_STEPS", 10**9)
+    _, stalled, caught = fit()
+    assert stalled.stalled and caught == [NotConvergedWarning]
 
 
 def test_compressed_incomplete_solves_keep_every_site_finite():

@@ -256,9 +256,9 @@ def test_botorch_fit_gpytorch_mll_runs_fit_mll():
 # ---------------------------------------------------------------------------------------------------
 def test_the_plain_loop_runs_loose_fits_in_train_mode_and_converges_to_predict():
     """Above ``exact_evidence_size``, ``model(train_x)`` in train mode fits whole from the prior, then, after each change
-    of the hyperparameters, at most ``training_fit_steps`` steps with at most ``training_compression_rank`` recycled
+    of the hyperparameters, at most ``train_fit_steps`` steps with at most ``train_compression_rank`` recycled
     actions (each step adds 3); a prediction in eval mode continues the loose state to convergence;
-    ``training_fit_steps(None)`` fits whole."""
+    ``train_fit_steps=None`` fits whole, and other values act."""
     x, y = binary_data(200, seed=6)
     model = IterNCGPModel(x, y, LogitBernoulliLikelihood(), max_solver_iterations=3, compression_rank=None)
     strategy = model.variational_strategy
@@ -285,14 +285,21 @@ def test_the_plain_loop_runs_loose_fits_in_train_mode_and_converges_to_predict()
         model.train()
         with torch.no_grad():
             model.covar_module.outputscale = 3.0
-        with settings.training_fit_steps(None):
+        with strategy.overriding(train_fit_steps=None):
             model(x)
         assert strategy.last_report.converged
+        with torch.no_grad():
+            model.covar_module.outputscale = 2.0
+        with strategy.overriding(train_fit_steps=1, train_compression_rank=5):
+            model(x)
+        assert strategy.last_report.steps == 1 and strategy.state.actions.shape[-1] <= 5 + 3
+    with pytest.raises(ValueError, match="train_fit_steps"):
+        IterNCGPModel(x, y, LogitBernoulliLikelihood(), train_fit_steps=0)
 
 
 def test_a_fit_stopped_by_its_step_limit_warns_which_limit_to_raise():
     """A fit stopped by a step limit warns, naming it: the strategy's or one asked for in the call; a fit inside
-    ``without_convergence_warning()`` (stopped early by design) and a converged fit do not."""
+    ``limit_warning=False`` (stopped early by design) and a converged fit do not."""
     x, y = binary_data(100, seed=7)
     model = IterNCGPModel(
         x, y, LogitBernoulliLikelihood(), strategy_class=EPStrategy, max_solver_iterations=None, max_sweeps=2
@@ -305,8 +312,7 @@ def test_a_fit_stopped_by_its_step_limit_warns_which_limit_to_raise():
         assert not strategy.fit(max_sweeps=1).converged
     with warnings.catch_warnings():
         warnings.simplefilter("error", ConvergenceWarning)
-        with strategy.without_convergence_warning():
-            assert not strategy.fit(max_sweeps=1).converged
+        assert not strategy.fit(max_sweeps=1, limit_warning=False).converged
         assert strategy.fit(max_sweeps=None).converged  # continued to convergence: no warning
 
 

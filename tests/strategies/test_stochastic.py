@@ -448,6 +448,11 @@ def test_a_training_output_carries_its_minibatch_and_others_are_refused():
         mll(wider(x[:10]), y[:10])
     with pytest.raises(ValueError, match="holds 10 points"):
         model.variational_strategy.update_site(first, y[:12])
+    model.variational_strategy.update_site(first, y[:10])
+    moved = model.variational_strategy.site.steps
+    with pytest.raises(RuntimeError, match="call it once per model"):  # a second step from the same cavities
+        model.variational_strategy.update_site(first, y[:10])
+    assert model.variational_strategy.site.steps == moved == 1
     classes = SEPModel(x[:6].clone(), MultinomialProbitLikelihood(3), 3, num_data=len(x)).to(F64)
     classes.train()
     output = classes(x[:10])  # (10, 3) cavities that carry their batch
