@@ -9,7 +9,7 @@ For each data set (the mixture of :mod:`benchmarks.learned`: ``binary<N>``, ``mi
 ``IterNCGPClassifier(inference=...)`` with its other defaults for ``"ep"`` (dense computation-aware EP) and
 ``"sparse_ep"`` (stochastic EP with inducing inputs), one after the other in one process on ``--threads`` threads:
 each fit's wall time (learning included) and test NLL, and which of the two ``"auto"`` picks
-(:func:`gpytorch_iterncgp.integrations.sklearn.auto_inference`). The switch has no step backwards where, on each
+(:func:`gpytorch_iterncgp.learning.estimator_policy.auto_inference`). The switch has no step backwards where, on each
 side of it, the method ``"auto"`` picks reaches at most the other's NLL, or the same NLL sooner.
 
 Writes ``results/auto_switch.json`` (with the machine; rows of other data sets, seeds and inferences already there are
@@ -29,7 +29,7 @@ import torch
 from benchmarks.common import machine
 from benchmarks.learned import load, run_estimator
 from gpytorch_iterncgp import MinibatchRecipe
-from gpytorch_iterncgp.integrations.sklearn import auto_inference
+from gpytorch_iterncgp.learning.estimator_policy import auto_inference
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

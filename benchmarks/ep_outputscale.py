@@ -35,7 +35,8 @@ from sklearn.utils import check_random_state, resample
 from benchmarks.common import machine
 from benchmarks.learned import load, log_loss
 from gpytorch_iterncgp import EPMarginalLogLikelihood
-from gpytorch_iterncgp.integrations.sklearn import IterNCGPClassifier, default_kernel
+from gpytorch_iterncgp.integrations.sklearn import IterNCGPClassifier
+from gpytorch_iterncgp.learning.estimator_policy import default_kernel
 
 RESULTS = Path(__file__).resolve().parent / "results" / "ep_outputscale"
 

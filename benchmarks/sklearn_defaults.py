@@ -37,7 +37,7 @@ from sklearn.model_selection import train_test_split
 from sklearn.preprocessing import StandardScaler
 
 from benchmarks.common import machine
-from gpytorch_iterncgp.integrations.sklearn import CLASSIFIER_INFERENCE
+from gpytorch_iterncgp.learning.estimator_policy import CLASSIFIER_INFERENCE
 from gpytorch_iterncgp.sklearn import IterNCGPClassifier
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -27,6 +27,7 @@ from .learning.minibatch import MinibatchRecipe
 from .learning.recipe import LearningRecipe, LearningReport
 from .likelihoods.adapters import ExpPoissonLikelihood, LogitBernoulliLikelihood, MultitaskPoissonLikelihood
 from .likelihoods.multinomial_probit import MultinomialProbitLikelihood
+from .likelihoods.quasi_poisson import QuasiExpPoissonLikelihood, QuasiSoftplusPoissonLikelihood
 from .mlls.itergp import EPMarginalLogLikelihood, LaplaceMarginalLogLikelihood
 from .mlls.sparse import SparseEPMarginalLogLikelihood
 from .mlls.stochastic import StochasticEPMarginalLogLikelihood
@@ -67,6 +68,8 @@ __all__ = [
     "NotConvergedWarning",
     "NumericalBreakdownWarning",
     "Policy",
+    "QuasiExpPoissonLikelihood",
+    "QuasiSoftplusPoissonLikelihood",
     "SolverOptions",
     "SparseEPMarginalLogLikelihood",
     "SparseEPState",

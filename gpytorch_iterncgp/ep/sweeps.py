@@ -217,7 +217,7 @@ class ExpectationPropagation:
     last_solve_converged: bool
     refresh_blocks: int  # covariance-phase blocks of the next sweep's refresh burst
     last_refresh_blocks: int  # ... of the last burst
-    actions_exhausted: bool  # the last refresh added fewer directions than asked: the actions span the space
+    actions_exhausted: bool  # the last refresh found no new direction: the actions span the space
     stall_advice = (
         "The fit already spent more products on its marginals and solves where it made no progress; sweeps that "
         "stay near a site change need more accurate marginals from the start (a larger preconditioner_rank, "
@@ -357,7 +357,7 @@ class ExpectationPropagation:
         block = self.rows_block
         start = state.precision_root.shape[-1]
         new_roots, new_kernel_roots = phase.precision_root[:, start:], phase.kernel_precision_root[:, start:]  # D, K D
-        self.actions_exhausted = phase.added < blocks * options.covariance_block_size
+        self.actions_exhausted = phase.added == 0
         if options.recycle and phase.added > 0:  # (this rank's rows of them where the buffer holds its rows)
             for column, kernel_column in zip(new_roots.mT, new_kernel_roots.mT, strict=True):
                 norm = block.norm(column)

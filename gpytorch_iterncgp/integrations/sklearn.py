@@ -19,20 +19,21 @@ L-BFGS where the evidence is exact, Adam with loose fits where it is estimated, 
 too) of a stratified random subset of the data (``learning_subset``; by default 1000 points for 10 classes), then
 fit the posterior on all the data at the learnt hyperparameters. Everything is computed in float64.
 
+The estimators are a scikit-learn facade (validation, labels, numpy in and out, scikit-learn's warnings): how they
+choose the inference, the solver budget, the default kernel and the strategy's options from the data is
+:mod:`~gpytorch_iterncgp.learning.estimator_policy`; the regressor's likelihoods of non-integer targets are
+:mod:`~gpytorch_iterncgp.likelihoods.quasi_poisson`'s.
+
 Importing this module imports scikit-learn; ``import gpytorch_iterncgp`` does not.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import inspect
 import math
-import re
 import warnings
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import gpytorch
 import numpy as np
@@ -44,19 +45,28 @@ from sklearn.metrics import d2_tweedie_score
 from sklearn.utils import check_random_state
 from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import check_is_fitted, validate_data
-from torch.distributions import Poisson, constraints
 
 from ..core.policies import Policy
 from ..core.validation import check_count, check_flag, check_nonnegative
 from ..exceptions import ConvergenceWarning as PackageConvergenceWarning
 from ..exceptions import NotConvergedWarning
 from ..laplace.newton import SolverOptions
+from ..learning.estimator_policy import (
+    ESTIMATOR_DEFAULTS,
+    REGRESSOR_INFERENCE,
+    auto_inference,
+    check_parameters_apply,
+    default_kernel,
+    evidence_class,
+    solver_budget,
+    strategy_options,
+)
 from ..learning.fit import fit_mll
 from ..learning.minibatch import MinibatchRecipe
 from ..learning.recipe import LearningRecipe, LearningReport
 from ..likelihoods.adapters import ExpPoissonLikelihood, LogitBernoulliLikelihood, likelihood_adapter
 from ..likelihoods.multinomial_probit import MultinomialProbitLikelihood
-from ..mlls.itergp import EPMarginalLogLikelihood, LaplaceMarginalLogLikelihood
+from ..likelihoods.quasi_poisson import QuasiExpPoissonLikelihood, QuasiSoftplusPoissonLikelihood
 from ..mlls.stochastic import StochasticEPMarginalLogLikelihood
 from ..strategies.itergp import EPStrategy, IterNCGPStrategy
 from ..strategies.stochastic import StochasticEPStrategy
@@ -66,43 +76,6 @@ __all__ = ["IterNCGPClassifier", "IterNCGPPoissonRegressor", "LearningReport"]
 _DTYPE = torch.float64
 _PREDICT_CHUNK = 4096  # test points per kernel evaluation: bounds the (chunk, N) cross-covariance in memory
 
-#: ``max_solver_iterations="auto"``: problems with at most this many latent values :math:`N C` get the exact
-#: Laplace posterior (every IterGP solve runs until :math:`\mathbf C` has full rank: at most :math:`N C` products
-#: with :math:`\mathbf K` in the first Newton step, then none, as the actions are recycled). 1000 keeps a fit with
-#: 25 evidence steps to seconds (:math:`O((N C)^3)` per step; ``docs/design_notes.md``).
-EXACT_SOLVE_SIZE = 1000
-#: ``inference="auto"`` in :class:`IterNCGPClassifier` below :func:`auto_inference`'s switch: the approximation chosen by
-#: measurement (``benchmarks/learned.py``, ``benchmarks/sklearn_defaults.py``; the Poisson regressor's ``"auto"`` is
-#: Laplace).
-CLASSIFIER_INFERENCE = "ep"
-#: ``inference="auto"`` picks stochastic EP past this many training points on a CPU (``benchmarks/auto_switch.py``:
-#: binary dense EP at 1.5·10⁴ points was better and faster, at 2·10⁴ better by 0.003 but slower, at 3·10⁴ nine times
-#: slower), or past this much nested EP work :math:`N C^3` for :math:`C` classes (dense multinomial-probit EP took
-#: 46 s at 6000 points of 10 classes and more than 20 minutes at 16 000 of 26; the estimator's stochastic EP about
-#: 300 s for 10 classes).
-SPARSE_EP_POINTS, SPARSE_EP_NESTED_WORK = 15_000, 4 * 10**7
-#: ``max_solver_iterations="auto"`` above :data:`EXACT_SOLVE_SIZE`: the strategy's own default budget per Newton step.
-DEFAULT_SOLVER_ITERATIONS = cast(int, SolverOptions.max_solver_iterations)  # an int (the dataclass field allows None)
-#: ``max_solver_iterations="auto"`` for EP with one latent value per point (measured on binary data; counts get the same
-#: rule) past this many training points: :data:`DEFAULT_SOLVER_ITERATIONS` per sweep for every this many points
-#: (rounded up). EP's cavities take the
-#: marginal variances of the stopped solve, which include its computational uncertainty; with too few new actions per
-#: sweep the cavities of most points sit at the prior and the sweeps diverge (``benchmarks/README.md`` §20: binary
-#: mixture, 5 iterations per sweep, test NLL 0.19 at 10⁴ points and above 7 at 2·10⁴; 10 per sweep at 2·10⁴: 0.18).
-#: Laplace's Newton steps use only the mean; multi-class EP at 2·10⁴ points of 10 classes converged with 5 per sweep
-#: and was no better with 10.
-EP_POINTS_PER_BUDGET = 10_000
-
-
-def auto_inference(num_data: int, num_classes: int) -> str:
-    r"""``inference="auto"`` for a classifier: ``"sparse_ep"`` (stochastic EP, :math:`O(C(M^3 + B M^2))` a minibatch
-    whatever :math:`N`) past :data:`SPARSE_EP_POINTS` training points, or for :math:`C > 2` classes past
-    :data:`SPARSE_EP_NESTED_WORK` in :math:`N C^3` (dense multi-class EP's per-point work); else
-    :data:`CLASSIFIER_INFERENCE` (dense computation-aware EP). The estimators fit on the CPU, where both limits were
-    measured (``benchmarks/auto_switch.py``)."""
-    nested = num_classes > 2 and num_data * num_classes**3 > SPARSE_EP_NESTED_WORK
-    return "sparse_ep" if num_data > SPARSE_EP_POINTS or nested else CLASSIFIER_INFERENCE
-
 
 # ---------------------------------------------------------------------------------------------------
 # The GPyTorch model behind the estimators
@@ -110,8 +83,8 @@ def auto_inference(num_data: int, num_classes: int) -> str:
 class _LatentGP(gpytorch.models.ApproximateGP):
     """Prior ``mean_module(x)``, ``covar_module(x)``; IterNCGP Laplace or EP inference (module level, so it pickles)."""
 
-    def __init__(self, train_x, train_y, likelihood, kernel, mean, strategy_type, strategy_options):
-        strategy = strategy_type(self, train_x, train_y, likelihood, **strategy_options)
+    def __init__(self, train_x, train_y, likelihood, kernel, mean, strategy_type, options):
+        strategy = strategy_type(self, train_x, train_y, likelihood, **options)
         super().__init__(strategy)
         self.mean_module = mean
         self.covar_module = kernel
@@ -132,116 +105,26 @@ class _SparseLatentGP(gpytorch.models.ApproximateGP):
         return MultivariateNormal(self.mean_module(x), self.covar_module(x))
 
 
-def _log_positive() -> gpytorch.constraints.Positive:
-    """Positivity by ``exp``: the optimiser works on log-hyperparameters (an outputscale of hundreds is reached
-    quickly, and the evidence is closer to quadratic there)."""
-    return gpytorch.constraints.Positive(transform=torch.exp, inv_transform=torch.log)
-
-
-def default_kernel(num_features: int) -> gpytorch.kernels.Kernel:
-    r"""The default prior: ``ScaleKernel(MaternKernel(nu=2.5))``, lengthscale :math:`\sqrt{D}`, outputscale 1.
-
-    Both hyperparameters are log-parametrised (``Positive(transform=exp)``). :math:`\sqrt{D}` is the
-    typical distance scale of standardised features in :math:`D` dimensions.
-
-    Why this kernel: Matérn-5/2 (twice differentiable sample paths) is the usual default of GP practice
-    (R&W sec. 4.2; Snoek et al. 2012), less prone than the RBF to over-smoothing and to ill-conditioning at long
-    lengthscales; one isotropic lengthscale, because two hyperparameters are well determined by the evidence of a
-    few hundred labels, while automatic relevance determination (a lengthscale per feature) lets the
-    evidence overfit (on scikit-learn's small data sets ARD raised the evidence and worsened the test log-loss;
-    ``docs/design_notes.md``). Pass ``kernel=`` for anything else.
-    """
-    kernel = gpytorch.kernels.ScaleKernel(
-        gpytorch.kernels.MaternKernel(nu=2.5, lengthscale_constraint=_log_positive()),
-        outputscale_constraint=_log_positive(),
-    ).to(_DTYPE)  # before setting values, so they are not rounded through float32
-    kernel.base_kernel.lengthscale = math.sqrt(num_features)
-    kernel.outputscale = 1.0
-    return kernel
-
-
-class _NonNegativePoisson(Poisson):
-    """``Poisson`` whose ``log_prob`` accepts any ``y >= 0`` (the quasi-likelihood ``y log λ − λ − log Γ(y+1)``)."""
-
-    support = constraints.nonnegative  # type: ignore[assignment]  # wider than Poisson's integer support
-
-
-class _QuasiExpPoissonLikelihood(ExpPoissonLikelihood):
-    """Exp-link Poisson for non-integer targets ``y >= 0`` (rates, averages): derivatives by autograd."""
-
-    def forward(self, function_samples, *args, **kwargs):
-        return _NonNegativePoisson(function_samples.exp(), validate_args=False)
-
-
-class _QuasiSoftplusPoissonLikelihood(gpytorch.likelihoods.PoissonLikelihood):
-    """Softplus-link Poisson for non-integer targets ``y >= 0``: derivatives by autograd."""
-
-    def forward(self, function_samples, *args, **kwargs):
-        return _NonNegativePoisson(torch.nn.functional.softplus(function_samples), validate_args=False)
-
-
 # ---------------------------------------------------------------------------------------------------
 # Shared machinery
 # ---------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class EstimatorDefaults:
-    """The estimators' own defaults, written once; the solver's (``max_newton_steps``, ``compression_rank``, ...)
-    are :class:`~gpytorch_iterncgp.SolverOptions`' fields, the learning's (``optimizer_steps``, ``learning_rate``,
-    ``learning_fit_steps``) :class:`~gpytorch_iterncgp.LearningRecipe`'s."""
+def _reemit_as_scikit_learn(caught: list[warnings.WarningMessage], limit_note: str, hint: str) -> None:
+    """Warn ``caught`` again, at the line that called the estimator's ``fit``, the package's fit warnings as
+    scikit-learn's ``ConvergenceWarning`` (the estimators' idiom: one category for a fit that did not converge), by
+    category:
 
-    inference: str = "auto"
-    policy: str = "auto"
-    max_solver_iterations: str = "auto"
-    solver_tol: float = 1e-5
-    optimize_hyperparameters: bool = True
-    learning_subset: str = "auto"
-    num_inducing: int = 256  # inference="sparse_ep"
-
-
-ESTIMATOR_DEFAULTS = EstimatorDefaults()
-
-#: the parameters only dense inference ("laplace", "ep") uses: its solver and its learning on a subset
-_DENSE_ONLY = (
-    "policy",
-    "max_newton_steps",
-    "max_solver_iterations",
-    "compression_rank",
-    "preconditioner_rank",
-    "covariance_iterations",
-    "recycle",
-    "outer_tol",
-    "solver_tol",
-    "optimizer_steps",
-    "learning_rate",
-    "learning_fit_steps",
-    "learning_subset",
-)
-#: the parameters only stochastic EP ("sparse_ep") uses: its inducing inputs and minibatches
-_SPARSE_ONLY = ("num_inducing", "batch_size")
-
-
-def _evidence(strategy) -> type[LaplaceMarginalLogLikelihood] | type[EPMarginalLogLikelihood]:
-    """The evidence of the strategy's approximation: Laplace's or EP's."""
-    return EPMarginalLogLikelihood if isinstance(strategy, EPStrategy) else LaplaceMarginalLogLikelihood
-
-
-@contextlib.contextmanager
-def _as_scikit_learn_warnings(estimator: str, hint: str = "") -> Iterator[None]:
-    """The package's :class:`~gpytorch_iterncgp.ConvergenceWarning` (a fit stopped by a limit) and
-    :class:`~gpytorch_iterncgp.NotConvergedWarning` (a fit that stalled) inside the block raised as scikit-learn's
-    ``ConvergenceWarning`` (the estimators' idiom: one category for a fit that did not converge), naming the
-    ``estimator``'s parameter that sets a step limit, and ending with ``hint``; other warnings as they were."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        yield
+    * :class:`~gpytorch_iterncgp.ConvergenceWarning` (a fit stopped by a limit): its message, ``limit_note`` (which
+      estimator parameter sets the limit) and ``hint``;
+    * :class:`~gpytorch_iterncgp.NotConvergedWarning` (a fit that stalled): its message and ``hint``;
+    * any other warning as it was.
+    """
     for warning in caught:
         message, category = str(warning.message), warning.category
-        if issubclass(category, (PackageConvergenceWarning, NotConvergedWarning)):  # limited or stalled
-            category = ConvergenceWarning
-            if re.search("stopped at max_(newton_steps|sweeps)=", message):  # the estimator's max_newton_steps
-                message += f" In {estimator}, the parameter max_newton_steps sets this limit (EP's sweeps too)."
-            message += hint
-        warnings.warn(message, category, stacklevel=5)
+        if issubclass(category, PackageConvergenceWarning):
+            message, category = message + limit_note + hint, ConvergenceWarning
+        elif issubclass(category, NotConvergedWarning):
+            message, category = message + hint, ConvergenceWarning
+        warnings.warn(message, category, stacklevel=4)  # here, _fit_model, fit, its caller
 
 
 def _param_error(estimator, name: str, expected: str, value) -> ValueError:
@@ -358,67 +241,26 @@ class _IterNCGPEstimator(BaseEstimator):
             self._check(check_flag, name)
 
     def _solver_budget(self, num_points: int, num_latents: int = 1, inference: str = "laplace") -> dict:
-        r"""Resolve ``policy`` and ``max_solver_iterations`` (``"auto"``) for :math:`N` ``num_points`` of :math:`C`
-        ``num_latents`` latent values each, and the ``inference`` (EP with :math:`C = 1`: :data:`EP_POINTS_PER_BUDGET`).
-
-        :return: ``policy``, ``max_solver_iterations`` and ``solver_tol`` as passed to the strategy, ``exact``
-            (whether every solve runs until :math:`\mathbf C` has full rank) and ``rule`` (a sentence).
-        """
-        auto_policy = isinstance(self.policy, str) and self.policy == "auto"
-        auto_iterations = isinstance(self.max_solver_iterations, str) and self.max_solver_iterations == "auto"
-        num_latent_values = num_points * num_latents
-        small = num_latent_values <= EXACT_SOLVE_SIZE
-        policy = ("unit" if small and auto_iterations else "cg") if auto_policy else self.policy
-        iterations, tolerance, exact = self.max_solver_iterations, float(self.solver_tol), False
-        if auto_iterations and small and policy == "unit":
-            # Unit vectors up to full rank: C = (K + W^-1)^-1 on the action space, the exact Laplace posterior.
-            iterations, tolerance, exact = None, 0.0, True
-            rule = (
-                f"N C = {num_latent_values} <= {EXACT_SOLVE_SIZE}: unit-vector actions until C has full rank "
-                "(exact Laplace posterior)"
-            )
-        elif auto_iterations and small:
-            iterations = None
-            rule = (
-                f"N C = {num_latent_values} <= {EXACT_SOLVE_SIZE}, policy {policy!r}: each solve until the residual is "
-                f"below solver_tol = {tolerance:g}"
-            )
-        elif auto_iterations and inference == "ep" and num_latents == 1 and num_points > EP_POINTS_PER_BUDGET:
-            iterations = DEFAULT_SOLVER_ITERATIONS * math.ceil(num_points / EP_POINTS_PER_BUDGET)
-            rule = (
-                f"N = {num_points} > {EP_POINTS_PER_BUDGET} points of one latent value: at most {iterations} "
-                f"solver iterations per EP sweep, {DEFAULT_SOLVER_ITERATIONS} for every {EP_POINTS_PER_BUDGET} points "
-                "(computational uncertainty in the posterior)"
-            )
-        elif auto_iterations:
-            iterations = DEFAULT_SOLVER_ITERATIONS
-            rule = (
-                f"N C = {num_latent_values} > {EXACT_SOLVE_SIZE}: at most {iterations} solver iterations per Newton "
-                "step (computational uncertainty in the posterior)"
-            )
-        else:
-            rule = "max_solver_iterations set by the user"
-        return dict(policy=policy, max_solver_iterations=iterations, solver_tol=tolerance, exact=exact, rule=rule)
+        """:func:`~gpytorch_iterncgp.learning.estimator_policy.solver_budget` at this estimator's ``policy``,
+        ``max_solver_iterations`` and ``solver_tol``, for ``num_points`` of ``num_latents`` latent values each."""
+        return solver_budget(
+            self.policy, self.max_solver_iterations, self.solver_tol, num_points, num_latents, inference
+        )
 
     def _strategy_options(self, seed: int, budget: dict, inference: str) -> dict:
-        """The strategy's keyword arguments: ``max_newton_steps`` bounds EP's sweeps too, and ``outer_tol`` (``None``: the
-        strategy's own default) is EP's ``site_tol``."""
-        options = dict(
-            policy=copy.deepcopy(budget["policy"]),
-            max_solver_iterations=budget["max_solver_iterations"],
-            compression_rank=self.compression_rank,
-            preconditioner_rank=int(self.preconditioner_rank),
-            recycle=bool(self.recycle),
-            abs_tol=budget["solver_tol"],
-            rel_tol=budget["solver_tol"],
+        """:func:`~gpytorch_iterncgp.learning.estimator_policy.strategy_options` at this estimator's parameters."""
+        return strategy_options(
+            budget,
+            inference,
             seed=seed,
-            show_progress=bool(self.verbose),
-            covariance_iterations=int(self.covariance_iterations),  # the final fit's (fit_mll learns without)
+            max_newton_steps=self.max_newton_steps,
+            compression_rank=self.compression_rank,
+            preconditioner_rank=self.preconditioner_rank,
+            covariance_iterations=self.covariance_iterations,
+            recycle=self.recycle,
+            outer_tol=self.outer_tol,
+            show_progress=self.verbose,
         )
-        tolerance = {} if self.outer_tol is None else {"site_tol" if inference == "ep" else "outer_tol": self.outer_tol}
-        if inference == "ep":
-            return {**options, "max_sweeps": self.max_newton_steps, **tolerance}
-        return {**options, "max_newton_steps": self.max_newton_steps, **tolerance}
 
     # -- fitting ---------------------------------------------------------------------------------
     def _convergence_hint(self, num_points: int, inference: str) -> str:
@@ -458,25 +300,6 @@ class _IterNCGPEstimator(BaseEstimator):
         self.fit_report_ = None
         self.model_, self.likelihood_, self.kernel_ = model, likelihood, model.covar_module
 
-    def _check_parameters_apply(self, inference: str, num_points: int) -> None:
-        """:raises ValueError: for a parameter set away from its default that the ``inference`` in use ignores (the
-        dense solver's and the dense learning's under ``"sparse_ep"``, the inducing points' and minibatches' under
-        dense inference), naming it, the inference and what to do."""
-        ignored = _DENSE_ONLY if inference == "sparse_ep" else _SPARSE_ONLY
-        defaults = inspect.signature(type(self).__init__).parameters
-        changed = [name for name in ignored if name in defaults and getattr(self, name) != defaults[name].default]
-        if changed:
-            chosen = (
-                f"inference='auto' chose {inference!r} for {num_points} points"
-                if self.inference == "auto"
-                else (f"inference={inference!r}")
-            )
-            other = "'ep' or 'laplace'" if inference == "sparse_ep" else "'sparse_ep'"
-            raise ValueError(
-                f"{type(self).__name__}: {', '.join(f'{name}={getattr(self, name)!r}' for name in changed)} do(es) not "
-                f"apply: {chosen}, which does not use it. Set inference={other} to use it, or leave it at its default."
-            )
-
     def _fit_model(self, X: np.ndarray, targets: torch.Tensor, likelihood, mean, inference: str) -> None:
         """Build the model, then :func:`~gpytorch_iterncgp.fit_mll`: learn the hyperparameters (optional; on
         ``learning_subset`` rows, stratified by class for classifiers) and fit the Laplace or EP (``inference``) posterior on all
@@ -485,7 +308,10 @@ class _IterNCGPEstimator(BaseEstimator):
 
         :raises ValueError: for a parameter the inference does not use, set away from its default.
         """
-        self._check_parameters_apply(inference, len(X))
+        defaults = {name: p.default for name, p in inspect.signature(type(self).__init__).parameters.items()}
+        check_parameters_apply(
+            type(self).__name__, self.get_params(deep=False), defaults, inference, self.inference, len(X)
+        )
         if inference == "sparse_ep":
             self._fit_sparse_model(X, targets, likelihood, mean)
             return
@@ -506,9 +332,10 @@ class _IterNCGPEstimator(BaseEstimator):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)  # probe vectors of the matrix-free evidence, random actions
             model = _LatentGP(train_x, targets, likelihood, kernel, mean, strategy_type, options).to(_DTYPE)
-            with _as_scikit_learn_warnings(type(self).__name__, self._convergence_hint(len(X), inference)):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
                 report = fit_mll(
-                    _evidence(model.variational_strategy)(likelihood, model),
+                    evidence_class(model.variational_strategy)(likelihood, model),
                     max_time=self.max_time,
                     recipe=recipe,
                     subset=self.learning_subset
@@ -517,6 +344,14 @@ class _IterNCGPEstimator(BaseEstimator):
                     seed=seed,
                     show_progress=bool(self.verbose),
                 )
+        # the final fit stopped at its step limit: the package's warning names the strategy's option
+        at_step_limit = report.fit_report.limit == model.variational_strategy.max_steps_option
+        limit_note = (
+            f" In {type(self).__name__}, the parameter max_newton_steps sets this limit (EP's sweeps too)."
+            if at_step_limit
+            else ""
+        )
+        _reemit_as_scikit_learn(caught, limit_note, self._convergence_hint(len(X), inference))
         self.learning_rows_ = None if report.learning_rows is None else np.asarray(report.learning_rows)
         self.validation_rows_ = None if report.validation_rows is None else np.asarray(report.validation_rows)
         self.loss_curve_ = report.losses
@@ -576,7 +411,7 @@ class _IterNCGPEstimator(BaseEstimator):
                 "by its energy's gradient on minibatches and keeps no estimate of log p(y | X): use inference='ep'."
             )
         strategy = self.model_.variational_strategy
-        mll = _evidence(strategy)(self.likelihood_, self.model_)
+        mll = evidence_class(strategy)(self.likelihood_, self.model_)
         training = self.model_.training
         self.model_.train()  # the posterior at the training inputs, all N C latents (the prior has N if shared)
         try:
@@ -602,15 +437,17 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
     Labels can be of any type; they are mapped to ``classes_`` (sorted) as scikit-learn does.
 
     :param kernel: a GPyTorch kernel (not fitted in place: a deep copy is fitted and stored as
-        ``kernel_``). Default :func:`default_kernel`: ``ScaleKernel(MaternKernel(nu=2.5))``, lengthscale
-        :math:`\sqrt{D}`, outputscale 1 (meant for standardised features). A kernel with
+        ``kernel_``). Default :func:`~gpytorch_iterncgp.learning.estimator_policy.default_kernel`:
+        ``ScaleKernel(MaternKernel(nu=2.5))``, lengthscale :math:`\sqrt{D}`, outputscale 1 (meant for standardised
+        features). A kernel with
         ``batch_shape=[n_classes]`` gives one independent GP per class.
     :param link: ``"logit"`` (default, also ``None``) or ``"probit"``: binary data's link (multi-class data: see
         above).
     :param inference: ``"laplace"``, ``"ep"``, ``"sparse_ep"`` (stochastic EP with inducing inputs on minibatches,
-        see ``num_inducing``) or ``"auto"`` (default: :func:`auto_inference`: dense EP,
-        :data:`CLASSIFIER_INFERENCE`, chosen by measurement, ``benchmarks/learned.py`` and
-        ``benchmarks/sklearn_defaults.py``, up to :math:`1.5 \cdot 10^4` points and, for :math:`C` classes,
+        see ``num_inducing``) or ``"auto"`` (default:
+        :func:`~gpytorch_iterncgp.learning.estimator_policy.auto_inference`: dense EP,
+        :data:`~gpytorch_iterncgp.learning.estimator_policy.CLASSIFIER_INFERENCE`, chosen by measurement,
+        ``benchmarks/learned.py`` and ``benchmarks/sklearn_defaults.py``, up to :math:`1.5 \cdot 10^4` points and, for :math:`C` classes,
         :math:`N C^3 \le 4 \cdot 10^7`, then stochastic EP, ``benchmarks/auto_switch.py``). EP matches the moments of each
         likelihood factor instead of the curvature at the mode: better calibrated predictive probabilities, at the
         cost of tilted moments per sweep (nested EP for the multinomial probit). A parameter the inference in use
@@ -634,17 +471,22 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
         posterior is affordable, the strategy's budget elsewhere. With :math:`N C` latent values (:math:`C = 1`
         for binary data, the number of classes otherwise):
 
-        * :math:`N C \le` :data:`EXACT_SOLVE_SIZE` (1000): the **exact Laplace posterior**. With
-          ``policy="auto"`` (or ``"unit"``) every solve takes unit-vector actions until the approximate
+        The rule is :func:`~gpytorch_iterncgp.learning.estimator_policy.solver_budget`:
+
+        * :math:`N C \le` :data:`~gpytorch_iterncgp.learning.estimator_policy.EXACT_SOLVE_SIZE` (1000): the **exact
+          Laplace posterior**. With ``policy="auto"`` (or ``"unit"``) every solve takes unit-vector actions until the approximate
           precision :math:`\mathbf C` has full rank (``solver_tol`` is not used): the posterior mean *and*
           covariance are those of the exact Laplace approximation, without computational uncertainty. (A
           solve stopped by the residual tolerance converges the mean long before the covariance.) The first
           Newton step costs :math:`N C` products with the kernel matrix; later steps and refits at new
           hyperparameters reuse the recycled actions. With another policy: no budget, until ``solver_tol``.
-        * :math:`N C >` :data:`EXACT_SOLVE_SIZE`: CG, at most :data:`DEFAULT_SOLVER_ITERATIONS` iterations per
+        * :math:`N C >` :data:`~gpytorch_iterncgp.learning.estimator_policy.EXACT_SOLVE_SIZE`: CG, at most
+          :data:`~gpytorch_iterncgp.learning.estimator_policy.DEFAULT_SOLVER_ITERATIONS` iterations per
           Newton step (:class:`~gpytorch_iterncgp.IterNCGPStrategy`'s default); the predictive variance then
-          includes the computational uncertainty of the stopped solver. Binary EP past :data:`EP_POINTS_PER_BUDGET`
-          (10 000) points: :data:`DEFAULT_SOLVER_ITERATIONS` per sweep for every 10 000 points, rounded up (its
+          includes the computational uncertainty of the stopped solver. Binary EP past
+          :data:`~gpytorch_iterncgp.learning.estimator_policy.EP_POINTS_PER_BUDGET` (10 000) points:
+          :data:`~gpytorch_iterncgp.learning.estimator_policy.DEFAULT_SOLVER_ITERATIONS` per sweep for every 10 000
+          points, rounded up (its
           cavities take the marginal variances, computational uncertainty included; with fewer the sweeps
           diverged at 2·10⁴ binary points).
 
@@ -712,7 +554,8 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
     _links = ("logit", "probit")
 
     def _convergence_hint(self, num_points: int, inference: str) -> str:
-        """Where dense EP was asked for past :func:`auto_inference`'s switch, the inference ``"auto"`` would pick."""
+        """Where dense EP was asked for past :func:`~gpytorch_iterncgp.learning.estimator_policy.auto_inference`'s
+        switch, the inference ``"auto"`` would pick."""
         if inference == "ep" and auto_inference(num_points, self.n_classes_) == "sparse_ep":
             return (
                 f" With {num_points} training points of {self.n_classes_} classes, inference='auto' picks 'sparse_ep' "
@@ -814,7 +657,8 @@ class IterNCGPPoissonRegressor(RegressorMixin, _IterNCGPEstimator):
     The prior mean of :math:`f` is a constant, started at :math:`\lambda^{-1}(\bar y)` and learnt with the
     kernel when ``optimize_hyperparameters``. Targets must be non-negative; non-integer ones (rates,
     averages) are accepted as scikit-learn's ``PoissonRegressor`` does, with the Poisson quasi-likelihood
-    :math:`y \log\lambda - \lambda` (derivatives by autograd instead of the closed form).
+    :math:`y \log\lambda - \lambda - \log\Gamma(y + 1)` (:class:`~gpytorch_iterncgp.QuasiExpPoissonLikelihood`,
+    :class:`~gpytorch_iterncgp.QuasiSoftplusPoissonLikelihood`; derivatives by autograd instead of the closed form).
 
     ``predict`` gives the expected count :math:`\mathbb E[y_*]` (:math:`e^{\mu + \sigma^2/2}` for the exp
     link, Gauss–Hermite quadrature for softplus); ``predict(X, return_std=True)`` also the standard
@@ -839,16 +683,16 @@ class IterNCGPPoissonRegressor(RegressorMixin, _IterNCGPEstimator):
                 "counts with a Poisson likelihood."
             )
         integer = bool(np.all(y == np.round(y)))
-        inference = "laplace" if self.inference == "auto" else self.inference
+        inference = REGRESSOR_INFERENCE if self.inference == "auto" else self.inference
         if inference in ("ep", "sparse_ep") and not integer:
             raise ValueError(
                 f"{type(self).__name__}(inference='ep') needs integer counts (EP's tilted moments are those of the "
                 "Poisson likelihood); y has non-integer values. Use inference='laplace' (the quasi-likelihood)."
             )
         if self._link == "exp":
-            likelihood = ExpPoissonLikelihood() if integer else _QuasiExpPoissonLikelihood()
+            likelihood = ExpPoissonLikelihood() if integer else QuasiExpPoissonLikelihood()
         else:
-            likelihood = gpytorch.likelihoods.PoissonLikelihood() if integer else _QuasiSoftplusPoissonLikelihood()
+            likelihood = gpytorch.likelihoods.PoissonLikelihood() if integer else QuasiSoftplusPoissonLikelihood()
         # Prior mean of f: the inverse link of the (smoothed) mean count.
         rate = max(float(y.mean()), 0.5 / len(y))
         offset = math.log(rate) if self._link == "exp" else rate + math.log(-math.expm1(-rate))

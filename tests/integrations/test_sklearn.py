@@ -33,9 +33,12 @@ from sklearn.gaussian_process.kernels import RBF, ConstantKernel, Matern  # noqa
 from sklearn.utils.estimator_checks import parametrize_with_checks  # noqa: E402
 
 from gpytorch_iterncgp import LaplaceMarginalLogLikelihood  # noqa: E402
-from gpytorch_iterncgp.integrations.sklearn import (  # noqa: E402
-    IterNCGPClassifier,
-    IterNCGPPoissonRegressor,
+from gpytorch_iterncgp.integrations.sklearn import IterNCGPClassifier, IterNCGPPoissonRegressor  # noqa: E402
+from gpytorch_iterncgp.learning import estimator_policy  # noqa: E402
+from gpytorch_iterncgp.learning.estimator_policy import (  # noqa: E402
+    DEFAULT_SOLVER_ITERATIONS,
+    EP_POINTS_PER_BUDGET,
+    EXACT_SOLVE_SIZE,
     default_kernel,
 )
 from gpytorch_iterncgp.likelihoods.adapters import softmax_gaussian
@@ -459,20 +462,19 @@ def test_failing_evidence_keeps_the_best_hyperparameters(monkeypatch, regime, fa
     raised."""
     from sklearn.exceptions import ConvergenceWarning
 
-    import gpytorch_iterncgp.integrations.sklearn as module
     import gpytorch_iterncgp.learning.fit as learning
     from gpytorch_iterncgp import settings
 
     seen = []
 
-    class FailingEvidence(module.LaplaceMarginalLogLikelihood):
+    class FailingEvidence(estimator_policy.LaplaceMarginalLogLikelihood):
         def forward(self, function_dist, target, **kwargs):
             seen.append([p.detach().clone() for p in self.model.covar_module.parameters()])
             if len(seen) == fail_at:
                 raise failure("forced")
             return super().forward(function_dist, target, **kwargs)
 
-    monkeypatch.setattr(module, "LaplaceMarginalLogLikelihood", FailingEvidence)
+    monkeypatch.setattr(estimator_policy, "LaplaceMarginalLogLikelihood", FailingEvidence)
     monkeypatch.setattr(learning, "LaplaceMarginalLogLikelihood", FailingEvidence)
     x, y, _ = _binary()
     fail_at = 4
@@ -567,8 +569,6 @@ def test_importing_the_package_does_not_import_sklearn_or_botorch():
 def test_default_solver_budget_gives_the_exact_laplace_posterior_on_small_problems():
     """``max_solver_iterations="auto"`` with N C <= EXACT_SOLVE_SIZE: unit vectors to full rank, so the default
     classifier's latent mean *and variance* equal scikit-learn's exact Laplace posterior (fixed kernel)."""
-    from gpytorch_iterncgp.integrations.sklearn import EXACT_SOLVE_SIZE
-
     x, y, x_test = _binary()
     ours = IterNCGPClassifier(inference="laplace", optimize_hyperparameters=False, random_state=0).fit(x, y)
     budget = ours.solver_budget_
@@ -581,7 +581,6 @@ def test_default_solver_budget_gives_the_exact_laplace_posterior_on_small_proble
 def test_default_solver_budget_above_the_exact_size_is_the_strategys_default():
     """N C > EXACT_SOLVE_SIZE: CG with the strategy's default budget; explicit settings are kept as given."""
     from gpytorch_iterncgp import SolverOptions
-    from gpytorch_iterncgp.integrations.sklearn import DEFAULT_SOLVER_ITERATIONS, EXACT_SOLVE_SIZE
 
     assert DEFAULT_SOLVER_ITERATIONS == SolverOptions().max_solver_iterations  # the strategy's default option
     x, y, _ = _multiclass(num=EXACT_SOLVE_SIZE // 3 + 1)  # N C = 3 (EXACT_SOLVE_SIZE // 3 + 1) > EXACT_SOLVE_SIZE
@@ -600,8 +599,6 @@ def test_default_solver_budget_above_the_exact_size_is_the_strategys_default():
 def test_default_binary_ep_budget_grows_with_the_number_of_points():
     """Binary EP past EP_POINTS_PER_BUDGET points: DEFAULT_SOLVER_ITERATIONS per sweep for every EP_POINTS_PER_BUDGET
     points (rounded up); multi-class EP and Laplace keep the strategy's default, and a budget the user set is kept."""
-    from gpytorch_iterncgp.integrations.sklearn import DEFAULT_SOLVER_ITERATIONS, EP_POINTS_PER_BUDGET
-
     estimator = IterNCGPClassifier()
     for points, blocks in ((EP_POINTS_PER_BUDGET, 1), (EP_POINTS_PER_BUDGET + 1, 2), (25_000, 3)):
         budget = estimator._solver_budget(points, 1, "ep")
@@ -618,12 +615,10 @@ def test_dense_ep_past_the_switch_names_stochastic_ep_when_it_does_not_converge(
     names ``'sparse_ep'``; below the switch the warning has no such hint (the switch lowered to 150 points here)."""
     from sklearn.exceptions import ConvergenceWarning
 
-    from gpytorch_iterncgp.integrations import sklearn as estimators
-
     x, y, _ = _binary(num=200)
     fast = dict(inference="ep", optimize_hyperparameters=False, max_newton_steps=1, random_state=0)
-    monkeypatch.setattr(estimators, "SPARSE_EP_POINTS", 150)
-    assert len(x) > 150 and estimators.auto_inference(len(x), 2) == "sparse_ep"
+    monkeypatch.setattr(estimator_policy, "SPARSE_EP_POINTS", 150)
+    assert len(x) > 150 and estimator_policy.auto_inference(len(x), 2) == "sparse_ep"
     with pytest.warns(ConvergenceWarning, match="stopped at max_sweeps=1") as caught:
         IterNCGPClassifier(**fast).fit(x, y)
     assert any("inference='auto' picks 'sparse_ep'" in str(warning.message) for warning in caught)
@@ -685,7 +680,7 @@ def test_covariance_iterations_shrink_the_predictive_variance_of_the_final_fit_o
     from sklearn.datasets import make_classification
 
     x, y = make_classification(n_samples=400, n_features=4, n_informative=3, n_redundant=0, n_classes=3, random_state=0)
-    options = dict(random_state=0, optimizer_steps=3)
+    options = dict(random_state=0, optimizer_steps=3, inference="laplace")  # (EP's escalations refresh its marginals)
     without = IterNCGPClassifier(**options).fit(x, y)
     with_phase = IterNCGPClassifier(covariance_iterations=2, **options).fit(x, y)
     assert with_phase.get_params()["covariance_iterations"] == 2

@@ -23,8 +23,8 @@ pytest.importorskip("sklearn", minversion="1.7")
 from sklearn.metrics import log_loss  # noqa: E402
 
 from gpytorch_iterncgp import EPMarginalLogLikelihood, LearningRecipe, settings  # noqa: E402
-from gpytorch_iterncgp.integrations import sklearn as sklearn_integration  # noqa: E402
-from gpytorch_iterncgp.integrations.sklearn import CLASSIFIER_INFERENCE, auto_inference  # noqa: E402
+from gpytorch_iterncgp.learning import estimator_policy  # noqa: E402
+from gpytorch_iterncgp.learning.estimator_policy import CLASSIFIER_INFERENCE, auto_inference  # noqa: E402
 from gpytorch_iterncgp.sklearn import IterNCGPClassifier, IterNCGPPoissonRegressor  # noqa: E402
 from tests import reference, reference_ep  # noqa: E402
 from tests.integrations.test_sklearn import TIGHT, _binary, _kernel_with_priors, _matern, _multiclass  # noqa: E402
@@ -117,9 +117,9 @@ def test_learning_runs_loose_fits_and_the_final_fit_whole(monkeypatch):
     budgets: list[tuple] = []
     original = IterNCGPStrategy._run
 
-    def spy(self, prior, options, max_steps, *args):
-        budgets.append((max_steps, options.compression_rank, options.covariance_iterations))
-        return original(self, prior, options, max_steps, *args)
+    def spy(self, prior, options, *args):
+        budgets.append((options.max_newton_steps, options.compression_rank, options.covariance_iterations))
+        return original(self, prior, options, *args)
 
     monkeypatch.setattr(IterNCGPStrategy, "_run", spy)
     classifier = IterNCGPClassifier(
@@ -236,7 +236,7 @@ def test_inference_parameter(monkeypatch):
     assert auto_inference(15_000, 2) == CLASSIFIER_INFERENCE and auto_inference(15_001, 2) == "sparse_ep"
     assert auto_inference(15_000, 10) == CLASSIFIER_INFERENCE and auto_inference(15_001, 10) == "sparse_ep"
     assert auto_inference(2_275, 26) == CLASSIFIER_INFERENCE and auto_inference(2_276, 26) == "sparse_ep"
-    monkeypatch.setattr(sklearn_integration, "SPARSE_EP_POINTS", len(x) - 1)  # this data past the switch
+    monkeypatch.setattr(estimator_policy, "SPARSE_EP_POINTS", len(x) - 1)  # this data past the switch
     switched = IterNCGPClassifier(optimize_hyperparameters=False, max_time=0.5, num_inducing=8).fit(x, y)
     assert switched.inference_ == "sparse_ep"
     with pytest.raises(ValueError, match="'inference' parameter"):
@@ -266,6 +266,37 @@ def test_a_final_fit_stopped_by_its_limit_raises_scikit_learns_convergence_warni
     with warnings.catch_warnings():
         warnings.simplefilter("error", ConvergenceWarning)
         IterNCGPClassifier(inference="laplace", optimize_hyperparameters=False).fit(x, y)
+
+
+def test_warnings_are_rewritten_by_category_not_by_message():
+    """The package's ``ConvergenceWarning`` (a limit) gets the limit's note and the hint, its ``NotConvergedWarning``
+    (a stall) the hint, both as scikit-learn's ``ConvergenceWarning``; any other category is left as it was, whatever
+    its message says."""
+    from sklearn.exceptions import ConvergenceWarning
+
+    from gpytorch_iterncgp import ConvergenceWarning as PackageConvergenceWarning
+    from gpytorch_iterncgp import NotConvergedWarning, NumericalBreakdownWarning
+    from gpytorch_iterncgp.integrations.sklearn import _reemit_as_scikit_learn
+
+    sent = [
+        ("a limit", PackageConvergenceWarning),
+        ("a stall", NotConvergedWarning),
+        ("a breakdown", NumericalBreakdownWarning),
+        ("stopped at max_newton_steps=3 before it converged", UserWarning),
+    ]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for message, category in sent:
+            warnings.warn(message, category, stacklevel=1)
+    with warnings.catch_warnings(record=True) as reemitted:
+        warnings.simplefilter("always")
+        _reemit_as_scikit_learn(caught, " [note]", " [hint]")
+    assert [(str(w.message), w.category) for w in reemitted] == [
+        ("a limit [note] [hint]", ConvergenceWarning),
+        ("a stall [hint]", ConvergenceWarning),
+        ("a breakdown", NumericalBreakdownWarning),
+        ("stopped at max_newton_steps=3 before it converged", UserWarning),
+    ]
 
 
 @pytest.mark.slow  # about 35 s and 20 s (2000 minibatch steps, and dense EP's learning)

@@ -83,7 +83,8 @@ def test_the_learners_evidence_is_that_of_a_model_on_its_rows():
 # ---------------------------------------------------------------------------------------------------
 def _estimator_model(estimator, x, y, likelihood, inference):
     """The model the estimator builds before it learns (``_fit_model``), and the seed it draws."""
-    from gpytorch_iterncgp.integrations.sklearn import _LatentGP, default_kernel
+    from gpytorch_iterncgp.integrations.sklearn import _LatentGP
+    from gpytorch_iterncgp.learning.estimator_policy import default_kernel
 
     seed = int(np.random.RandomState(estimator.random_state).randint(np.iinfo(np.int32).max))
     options = estimator._strategy_options(seed, estimator._solver_budget(len(x)), inference)

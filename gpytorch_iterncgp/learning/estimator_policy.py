@@ -1,0 +1,319 @@
+r"""How the scikit-learn estimators choose their inference, solver budget, kernel and strategy options from the data.
+
+The estimators (:mod:`gpytorch_iterncgp.integrations.sklearn`) are a facade: they validate scikit-learn's input and
+call this module's rules, then :func:`~gpytorch_iterncgp.fit_mll`. With :math:`N` training points of :math:`C`
+latent values each (:math:`C = 1` for binary and count data, the number of classes otherwise):
+
+* inference: :func:`auto_inference` (``inference="auto"``), :data:`CLASSIFIER_INFERENCE`, :data:`REGRESSOR_INFERENCE`;
+* the solver budget: :func:`solver_budget` (``policy="auto"``, ``max_solver_iterations="auto"``), from
+  :data:`EXACT_SOLVE_SIZE`, :data:`DEFAULT_SOLVER_ITERATIONS` and :data:`EP_POINTS_PER_BUDGET`;
+* the strategy's keyword arguments: :func:`strategy_options`; the evidence that goes with a strategy:
+  :func:`evidence_class`;
+* the prior: :func:`default_kernel`;
+* the estimators' own defaults (:data:`ESTIMATOR_DEFAULTS`), and the parameters only one kind of inference reads
+  (:data:`DENSE_ONLY`, :data:`SPARSE_ONLY`, :func:`check_parameters_apply`).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, cast
+
+import gpytorch
+import torch
+
+from ..core.policies import Policy
+from ..laplace.newton import SolverOptions
+from ..mlls.itergp import EPMarginalLogLikelihood, LaplaceMarginalLogLikelihood
+from ..strategies.itergp import EPStrategy
+
+__all__ = [
+    "CLASSIFIER_INFERENCE",
+    "DEFAULT_SOLVER_ITERATIONS",
+    "DENSE_ONLY",
+    "EP_POINTS_PER_BUDGET",
+    "ESTIMATOR_DEFAULTS",
+    "EXACT_SOLVE_SIZE",
+    "REGRESSOR_INFERENCE",
+    "SPARSE_EP_NESTED_WORK",
+    "SPARSE_EP_POINTS",
+    "SPARSE_ONLY",
+    "EstimatorDefaults",
+    "auto_inference",
+    "check_parameters_apply",
+    "default_kernel",
+    "evidence_class",
+    "solver_budget",
+    "strategy_options",
+]
+
+#: ``max_solver_iterations="auto"``: problems with at most this many latent values :math:`N C` get the exact
+#: Laplace posterior (every IterGP solve runs until :math:`\mathbf C` has full rank: at most :math:`N C` products
+#: with :math:`\mathbf K` in the first Newton step, then none, as the actions are recycled). 1000 keeps a fit with
+#: 25 evidence steps to seconds (:math:`O((N C)^3)` per step; ``docs/design_notes.md``).
+EXACT_SOLVE_SIZE = 1000
+#: ``inference="auto"`` of the classifier below :func:`auto_inference`'s switch: the approximation chosen by
+#: measurement (``benchmarks/learned.py``, ``benchmarks/sklearn_defaults.py``).
+CLASSIFIER_INFERENCE = "ep"
+#: ``inference="auto"`` of the Poisson regressor (EP needs integer counts; the quasi-likelihood of non-integer targets
+#: has no tilted moments).
+REGRESSOR_INFERENCE = "laplace"
+#: ``inference="auto"`` picks stochastic EP past this many training points on a CPU, or past this much nested EP work
+#: :math:`N C^3` for :math:`C` classes: where stochastic EP became the faster at a test log-loss as good as dense EP's
+#: (``benchmarks/auto_switch.py``, ``benchmarks/README.md`` §20).
+SPARSE_EP_POINTS, SPARSE_EP_NESTED_WORK = 15_000, 4 * 10**7
+#: ``max_solver_iterations="auto"`` above :data:`EXACT_SOLVE_SIZE`: the strategy's own default budget per Newton step.
+DEFAULT_SOLVER_ITERATIONS = cast(int, SolverOptions.max_solver_iterations)  # an int (the dataclass field allows None)
+#: ``max_solver_iterations="auto"`` for EP with one latent value per point (measured on binary data; counts get the same
+#: rule) past this many training points: :data:`DEFAULT_SOLVER_ITERATIONS` per sweep for every this many points
+#: (rounded up). EP's cavities take the marginal variances of the stopped solve, which include its computational
+#: uncertainty; with too few new actions per sweep the cavities of most points sit at the prior and the sweeps diverge
+#: (``benchmarks/README.md`` §20). Laplace's Newton steps use only the mean, and multi-class EP did not need more
+#: (same section).
+EP_POINTS_PER_BUDGET = 10_000
+
+#: the parameters only dense inference (``"laplace"``, ``"ep"``) uses: its solver and its learning on a subset
+DENSE_ONLY = (
+    "policy",
+    "max_newton_steps",
+    "max_solver_iterations",
+    "compression_rank",
+    "preconditioner_rank",
+    "covariance_iterations",
+    "recycle",
+    "outer_tol",
+    "solver_tol",
+    "optimizer_steps",
+    "learning_rate",
+    "learning_fit_steps",
+    "learning_subset",
+)
+#: the parameters only stochastic EP (``"sparse_ep"``) uses: its inducing inputs and minibatches
+SPARSE_ONLY = ("num_inducing", "batch_size")
+
+
+@dataclass(frozen=True)
+class EstimatorDefaults:
+    """The estimators' own defaults, written once; the solver's (``max_newton_steps``, ``compression_rank``, ...)
+    are :class:`~gpytorch_iterncgp.SolverOptions`' fields, the learning's (``optimizer_steps``, ``learning_rate``,
+    ``learning_fit_steps``) :class:`~gpytorch_iterncgp.LearningRecipe`'s, the minibatches' (``batch_size``)
+    :class:`~gpytorch_iterncgp.MinibatchRecipe`'s."""
+
+    inference: str = "auto"
+    policy: str = "auto"
+    max_solver_iterations: str = "auto"
+    solver_tol: float = 1e-5
+    optimize_hyperparameters: bool = True
+    learning_subset: str = "auto"
+    num_inducing: int = 256  # inference="sparse_ep"
+
+
+#: the defaults of the estimators' constructors
+ESTIMATOR_DEFAULTS = EstimatorDefaults()
+
+
+def auto_inference(num_data: int, num_classes: int) -> str:
+    r"""``inference="auto"`` for a classifier: ``"sparse_ep"`` (stochastic EP, :math:`O(C(M^3 + B M^2))` a minibatch
+    whatever :math:`N`) past :data:`SPARSE_EP_POINTS` training points, or for :math:`C > 2` classes past
+    :data:`SPARSE_EP_NESTED_WORK` in :math:`N C^3` (dense multi-class EP's per-point work); else
+    :data:`CLASSIFIER_INFERENCE` (dense computation-aware EP). The estimators fit on the CPU, where both limits were
+    measured (``benchmarks/auto_switch.py``).
+
+    :param num_data: :math:`N`, the number of training points.
+    :param num_classes: :math:`C`, the number of classes (2 for binary data).
+    :return: ``"sparse_ep"`` or :data:`CLASSIFIER_INFERENCE`.
+    """
+    nested = num_classes > 2 and num_data * num_classes**3 > SPARSE_EP_NESTED_WORK
+    return "sparse_ep" if num_data > SPARSE_EP_POINTS or nested else CLASSIFIER_INFERENCE
+
+
+def check_parameters_apply(
+    estimator: str,
+    values: Mapping[str, Any],
+    defaults: Mapping[str, Any],
+    inference: str,
+    requested: str,
+    num_points: int,
+) -> None:
+    """Refuse a parameter set away from its default that the ``inference`` in use ignores: the dense solver's and the
+    dense learning's (:data:`DENSE_ONLY`) under ``"sparse_ep"``, the inducing points' and minibatches'
+    (:data:`SPARSE_ONLY`) under dense inference.
+
+    :param estimator: the estimator's class name, for the message.
+    :param values: the estimator's parameters (``get_params(deep=False)``).
+    :param defaults: their defaults (the constructor's); a name without a default is not checked.
+    :param inference: the inference in use (``"laplace"``, ``"ep"`` or ``"sparse_ep"``).
+    :param requested: the ``inference`` parameter as given (``"auto"`` or the inference itself).
+    :param num_points: :math:`N`, the number of training points (named where ``"auto"`` chose).
+    :raises ValueError: naming each such parameter, the inference and what to do.
+    """
+    ignored = DENSE_ONLY if inference == "sparse_ep" else SPARSE_ONLY
+    changed = [name for name in ignored if name in defaults and values[name] != defaults[name]]
+    if changed:
+        chosen = (
+            f"inference='auto' chose {inference!r} for {num_points} points"
+            if requested == "auto"
+            else f"inference={inference!r}"
+        )
+        other = "'ep' or 'laplace'" if inference == "sparse_ep" else "'sparse_ep'"
+        raise ValueError(
+            f"{estimator}: {', '.join(f'{name}={values[name]!r}' for name in changed)} do(es) not apply: {chosen}, "
+            f"which does not use it. Set inference={other} to use it, or leave it at its default."
+        )
+
+
+def solver_budget(
+    policy: str | Policy,
+    max_solver_iterations: str | int | None,
+    solver_tol: float,
+    num_points: int,
+    num_latents: int = 1,
+    inference: str = "laplace",
+) -> dict:
+    r"""Resolve ``policy`` and ``max_solver_iterations`` (each may be ``"auto"``) for :math:`N` ``num_points`` of
+    :math:`C` ``num_latents`` latent values each and the ``inference``. With ``max_solver_iterations="auto"``:
+
+    * :math:`N C \le` :data:`EXACT_SOLVE_SIZE` (1000) and ``policy`` ``"auto"`` or ``"unit"``: unit-vector actions
+      until the approximate precision :math:`\mathbf C` has full rank (no iteration budget, tolerance 0): the exact
+      Laplace posterior, ``exact=True``;
+    * :math:`N C \le` :data:`EXACT_SOLVE_SIZE` with another policy: no iteration budget, each solve until its residual
+      is below ``solver_tol``;
+    * EP (``inference="ep"``) with :math:`C = 1` and :math:`N >` :data:`EP_POINTS_PER_BUDGET` (10 000): CG,
+      :data:`DEFAULT_SOLVER_ITERATIONS` (5) iterations per sweep for every :data:`EP_POINTS_PER_BUDGET` points, rounded
+      up (:math:`5 \lceil N / 10^4 \rceil`: 10 at :math:`N = 10\,001`, 15 at :math:`N = 25\,000`);
+    * otherwise: CG, at most :data:`DEFAULT_SOLVER_ITERATIONS` iterations per Newton step (EP sweep).
+
+    ``policy="auto"`` is ``"unit"`` in the first case, ``"cg"`` otherwise; a policy or iteration budget given explicitly
+    is kept as given (``max_solver_iterations`` set: ``solver_tol`` kept, ``exact=False``).
+
+    :param policy: ``"auto"``, ``"cg"``, ``"unit"`` or a :class:`~gpytorch_iterncgp.Policy`.
+    :param max_solver_iterations: ``"auto"``, an iteration budget per Newton step (EP sweep), or ``None`` (until the
+        residual is below ``solver_tol``).
+    :param solver_tol: IterGP's absolute and relative residual tolerance.
+    :param num_points: :math:`N`.
+    :param num_latents: :math:`C`.
+    :param inference: ``"laplace"`` or ``"ep"``.
+    :return: a dict: ``policy``, ``max_solver_iterations`` and ``solver_tol`` as passed to the strategy, ``exact``
+        (whether every solve runs until :math:`\mathbf C` has full rank) and ``rule`` (a sentence saying which case).
+    """
+    auto_policy = isinstance(policy, str) and policy == "auto"
+    auto_iterations = isinstance(max_solver_iterations, str) and max_solver_iterations == "auto"
+    num_latent_values = num_points * num_latents
+    small = num_latent_values <= EXACT_SOLVE_SIZE
+    chosen = ("unit" if small and auto_iterations else "cg") if auto_policy else policy
+    iterations, tolerance, exact = max_solver_iterations, float(solver_tol), False
+    if auto_iterations and small and chosen == "unit":
+        # Unit vectors up to full rank: C = (K + W^-1)^-1 on the action space, the exact Laplace posterior.
+        iterations, tolerance, exact = None, 0.0, True
+        rule = (
+            f"N C = {num_latent_values} <= {EXACT_SOLVE_SIZE}: unit-vector actions until C has full rank "
+            "(exact Laplace posterior)"
+        )
+    elif auto_iterations and small:
+        iterations = None
+        rule = (
+            f"N C = {num_latent_values} <= {EXACT_SOLVE_SIZE}, policy {chosen!r}: each solve until the residual is "
+            f"below solver_tol = {tolerance:g}"
+        )
+    elif auto_iterations and inference == "ep" and num_latents == 1 and num_points > EP_POINTS_PER_BUDGET:
+        iterations = DEFAULT_SOLVER_ITERATIONS * math.ceil(num_points / EP_POINTS_PER_BUDGET)
+        rule = (
+            f"N = {num_points} > {EP_POINTS_PER_BUDGET} points of one latent value: at most {iterations} "
+            f"solver iterations per EP sweep, {DEFAULT_SOLVER_ITERATIONS} for every {EP_POINTS_PER_BUDGET} points "
+            "(computational uncertainty in the posterior)"
+        )
+    elif auto_iterations:
+        iterations = DEFAULT_SOLVER_ITERATIONS
+        rule = (
+            f"N C = {num_latent_values} > {EXACT_SOLVE_SIZE}: at most {iterations} solver iterations per Newton "
+            "step (computational uncertainty in the posterior)"
+        )
+    else:
+        rule = "max_solver_iterations set by the user"
+    return dict(policy=chosen, max_solver_iterations=iterations, solver_tol=tolerance, exact=exact, rule=rule)
+
+
+def strategy_options(
+    budget: Mapping[str, Any],
+    inference: str,
+    *,
+    seed: int,
+    max_newton_steps: int | None,
+    compression_rank: int | None,
+    preconditioner_rank: int,
+    covariance_iterations: int,
+    recycle: bool,
+    outer_tol: float | None,
+    show_progress: bool,
+) -> dict:
+    """The keyword arguments of the strategy (:class:`~gpytorch_iterncgp.IterNCGPStrategy` or
+    :class:`~gpytorch_iterncgp.EPStrategy`) from the estimator's parameters.
+
+    ``solver_tol`` is both ``abs_tol`` and ``rel_tol``; ``max_newton_steps`` bounds EP's sweeps too (``max_sweeps``),
+    and ``outer_tol`` is EP's ``site_tol`` (``None``: the strategy's own default, absent from the result). The policy
+    is copied, so that a :class:`~gpytorch_iterncgp.Policy` given to the estimator is not advanced by its fits.
+
+    :param budget: :func:`solver_budget`'s result.
+    :param inference: ``"laplace"`` or ``"ep"``.
+    :param seed: the strategy's seed (unit-vector policy, probe vectors).
+    :param covariance_iterations: the final fit's covariance-phase blocks (``fit_mll`` learns without).
+    :return: a dict of the strategy's keyword arguments.
+    """
+    options = dict(
+        policy=copy.deepcopy(budget["policy"]),
+        max_solver_iterations=budget["max_solver_iterations"],
+        compression_rank=compression_rank,
+        preconditioner_rank=int(preconditioner_rank),
+        recycle=bool(recycle),
+        abs_tol=budget["solver_tol"],
+        rel_tol=budget["solver_tol"],
+        seed=seed,
+        show_progress=bool(show_progress),
+        covariance_iterations=int(covariance_iterations),
+    )
+    tolerance = {} if outer_tol is None else {"site_tol" if inference == "ep" else "outer_tol": outer_tol}
+    if inference == "ep":
+        return {**options, "max_sweeps": max_newton_steps, **tolerance}
+    return {**options, "max_newton_steps": max_newton_steps, **tolerance}
+
+
+def evidence_class(strategy: Any) -> type[LaplaceMarginalLogLikelihood] | type[EPMarginalLogLikelihood]:
+    """The evidence of the strategy's approximation: :class:`~gpytorch_iterncgp.EPMarginalLogLikelihood` for an
+    :class:`~gpytorch_iterncgp.EPStrategy`, :class:`~gpytorch_iterncgp.LaplaceMarginalLogLikelihood` otherwise."""
+    return EPMarginalLogLikelihood if isinstance(strategy, EPStrategy) else LaplaceMarginalLogLikelihood
+
+
+def _log_positive() -> gpytorch.constraints.Positive:
+    """Positivity by ``exp``: the optimiser works on log-hyperparameters (an outputscale of hundreds is reached
+    quickly, and the evidence is closer to quadratic there)."""
+    return gpytorch.constraints.Positive(transform=torch.exp, inv_transform=torch.log)
+
+
+def default_kernel(num_features: int, dtype: torch.dtype = torch.float64) -> gpytorch.kernels.Kernel:
+    r"""The estimators' default prior: ``ScaleKernel(MaternKernel(nu=2.5))``, lengthscale :math:`\sqrt{D}`,
+    outputscale 1, for :math:`D` ``num_features``.
+
+    Both hyperparameters are log-parametrised (``Positive(transform=exp)``). :math:`\sqrt{D}` is the
+    typical distance scale of standardised features in :math:`D` dimensions.
+
+    Why this kernel: Matérn-5/2 (twice differentiable sample paths) is the usual default of GP practice
+    (R&W sec. 4.2; Snoek et al. 2012), less prone than the RBF to over-smoothing and to ill-conditioning at long
+    lengthscales; one isotropic lengthscale, because two hyperparameters are well determined by the evidence of a
+    few hundred labels, while automatic relevance determination (a lengthscale per feature) lets the
+    evidence overfit (on scikit-learn's small data sets ARD raised the evidence and worsened the test log-loss;
+    ``docs/design_notes.md``). The estimators take ``kernel=`` for anything else.
+
+    :param num_features: :math:`D`.
+    :param dtype: of the kernel's parameters (the estimators compute in float64).
+    :return: a new kernel, with batch shape ``[]`` (one kernel shared by all latent functions).
+    """
+    kernel = gpytorch.kernels.ScaleKernel(
+        gpytorch.kernels.MaternKernel(nu=2.5, lengthscale_constraint=_log_positive()),
+        outputscale_constraint=_log_positive(),
+    ).to(dtype)  # before setting values, so they are not rounded through float32
+    kernel.base_kernel.lengthscale = math.sqrt(num_features)
+    kernel.outputscale = 1.0
+    return kernel
