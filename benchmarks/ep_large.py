@@ -73,6 +73,8 @@ def run(size: str, seed: int, actions: int, smoke: bool, max_sweeps: int | None 
         "last_bounded_cavities": last.bounded_cavities,
         "bounded_cavities": report.bounded_cavities,
         "recycled_actions": int(model.variational_strategy.state.actions.shape[-1]),
+        "marginal_blocks": [record.marginal_blocks for record in report.records if record.marginal_blocks],
+        "solver_iterations": [record.solver_iterations for record in report.records],
         "kernel_products": report.kernel_products,
         "seconds": seconds,
         **scores,

@@ -231,8 +231,9 @@ class ExpectationPropagation:
     def escalate(self, record: EPSweep) -> bool:
         r"""More computation for the next sweeps, where sweeps stopped making progress (called by the driver's stall
         rule; returns whether it raised the budget). If the last solve stopped at its budget, the mean lags the sites:
-        the solves get twice the iterations for the rest of the fit. Otherwise the sites follow marginal variances that move as actions are
-        added (the computation-aware variances, wider than exact EP's where no action has looked): the next sweep
+        the solves get twice the iterations for the rest of the fit. Otherwise the sites follow marginal variances
+        that move as actions are added (the computation-aware variances, wider than exact EP's where no action has
+        looked): the next sweep
         refreshes them with a burst of the covariance phase (:meth:`refine_marginals`), twice as many blocks as the
         last burst, whose actions stay in the recycled buffer. Either way the fixed point is exact EP's once the
         actions span the space, so the fit either converges or spends its ``max_time``; where a burst found no new
@@ -333,10 +334,11 @@ class ExpectationPropagation:
     def refine_marginals(self, state: EPState, buffer: ActionBuffer, blocks: int) -> tuple[EPState, ActionBuffer]:
         r"""Enlarge the precision of ``state``'s regression for the next sweep's marginals, and recycle the new actions.
 
-        ``blocks`` blocks (``marginal_iterations``, or :meth:`escalate`'s burst) of :func:`~gpytorch_iterncgp.core.covariance.covariance_phase` (block Lanczos on
+        ``blocks`` blocks (``marginal_iterations``, or :meth:`escalate`'s burst) of
+        :func:`~gpytorch_iterncgp.core.covariance.covariance_phase` (block Lanczos on
         :math:`\hat{\mathbf K} = \mathbf K + \tilde{\mathbf T}^{-1}` preconditioned by the sites :math:`\tilde{\mathbf T}`,
-        ``covariance_block_size`` columns and one product with :math:`\mathbf K` each), run after a sweep's solve. With the new :math:`\hat{\mathbf K}`-conjugate directions
-        :math:`\mathbf D`, :math:`\mathbf Q \leftarrow [\mathbf Q, \mathbf D]` and
+        ``covariance_block_size`` columns and one product with :math:`\mathbf K` each), run after a sweep's solve. With
+        the new :math:`\hat{\mathbf K}`-conjugate directions :math:`\mathbf D`, :math:`\mathbf Q \leftarrow [\mathbf Q, \mathbf D]` and
         :math:`\mathbf a \leftarrow \mathbf a + \mathbf D \mathbf D^\top \mathbf r` (the solution over the enlarged
         actions, :math:`\mathbf r` the residual; no product), so the next sweep's marginal covariances
         :math:`\mathbf K_{ii} - \mathbf R_i \mathbf R_i^\top` are narrower (never below the exact ones for these
@@ -346,7 +348,7 @@ class ExpectationPropagation:
 
         Cost: ``blocks`` products with ``covariance_block_size`` columns per refresh, plus the
         Gram–Schmidt against :math:`\mathbf Q` (:math:`O(n r b)` per block); and the buffer grows by up to
-        ``marginal_iterations * covariance_block_size`` columns per refresh, which every later sweep's virtual run
+        ``blocks * covariance_block_size`` columns per refresh, which every later sweep's virtual run
         pays for (:math:`O(n B^2 + B^3)`, :math:`B` the buffer size; ``compression_rank`` bounds it). At a
         complete solve (:math:`\mathbf Q` spans the action space) it adds nothing, so the fixed point stays exact
         EP's.
