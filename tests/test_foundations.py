@@ -146,7 +146,15 @@ LAYERS: list[tuple[str, list[set[str]]]] = [
     ("sparse", [{"psi_statistics"}, {"dtc"}, {"uncertain", "uncertain_prediction", "stochastic"}]),
     ("strategies", [{"base"}, {"predictive"}, {"itergp", "sparse", "stochastic"}]),
     ("mlls", [{"itergp"}, {"sparse", "stochastic"}, {"uncertain"}]),
-    ("learning", [{"recipe", "scale", "estimator_policy"}, {"rows", "learner", "outputscale", "minibatch"}, {"fit"}]),
+    (
+        "learning",
+        [
+            {"recipe", "scale", "estimator_policy"},
+            {"rows", "learner", "outputscale", "minibatch"},
+            {"kernel_choice"},
+            {"fit"},
+        ],
+    ),
     ("models", [{"alps", "gplvm"}, {"alps_gibbs"}]),
     ("kernels", [{"sharded"}]),
     ("integrations", [{"sklearn", "botorch"}]),

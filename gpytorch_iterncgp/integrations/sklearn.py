@@ -12,7 +12,8 @@ r"""scikit-learn estimators on top of :class:`~gpytorch_iterncgp.IterNCGPStrateg
     rate = reg.predict(X_test)                                          # expected counts E[y*]
 
 Both estimators build an ``ApproximateGP`` whose prior is ``kernel`` (any GPyTorch kernel; default a
-scaled Matérn-5/2) with the IterNCGP Laplace strategy or EP (``inference``; the classifier's default is EP),
+scaled Matérn-5/2; ``"auto"``: chosen among a small family by the evidence) with the IterNCGP Laplace strategy or EP
+(``inference``; the classifier's default is EP),
 optionally learn the kernel's hyperparameters by maximising the evidence
 (:class:`~gpytorch_iterncgp.LaplaceMarginalLogLikelihood`, :class:`~gpytorch_iterncgp.EPMarginalLogLikelihood`;
 L-BFGS where the evidence is exact, Adam with loose fits where it is estimated, and there Laplace's evidence for EP
@@ -55,6 +56,7 @@ from ..learning.estimator_policy import (
     ESTIMATOR_DEFAULTS,
     REGRESSOR_INFERENCE,
     auto_inference,
+    check_auto_kernel,
     check_parameters_apply,
     default_kernel,
     evidence_class,
@@ -62,6 +64,7 @@ from ..learning.estimator_policy import (
     strategy_options,
 )
 from ..learning.fit import fit_mll
+from ..learning.kernel_choice import kernel_family
 from ..learning.minibatch import MinibatchRecipe
 from ..learning.recipe import LearningRecipe, LearningReport
 from ..likelihoods.adapters import ExpPoissonLikelihood, LogitBernoulliLikelihood, likelihood_adapter
@@ -193,6 +196,16 @@ class _IterNCGPEstimator(BaseEstimator):
         self.verbose = verbose
 
     @property
+    def _auto_kernel(self) -> bool:
+        """``kernel="auto"``: the kernel chosen among
+        :func:`~gpytorch_iterncgp.learning.kernel_choice.kernel_family`'s."""
+        return isinstance(self.kernel, str) and self.kernel == "auto"
+
+    def _kernel_batch_shape(self) -> torch.Size:
+        """The batch shape of the prior mean: the user's kernel's (one GP per class), ``[]`` otherwise."""
+        return self.kernel.batch_shape if isinstance(self.kernel, gpytorch.kernels.Kernel) else torch.Size([])
+
+    @property
     def _link(self) -> str:
         """``link``, where ``None`` is the estimator's default (the first of its links)."""
         return self._links[0] if self.link is None else self.link
@@ -206,8 +219,8 @@ class _IterNCGPEstimator(BaseEstimator):
             raise ValueError(f"The {name!r} parameter of {type(self).__name__} is invalid: {error}") from error
 
     def _validate_params(self) -> None:
-        if self.kernel is not None and not isinstance(self.kernel, gpytorch.kernels.Kernel):
-            raise _param_error(self, "kernel", "a gpytorch.kernels.Kernel or None", self.kernel)
+        if not (self.kernel is None or isinstance(self.kernel, gpytorch.kernels.Kernel) or self._auto_kernel):
+            raise _param_error(self, "kernel", "a gpytorch.kernels.Kernel, 'auto' or None", self.kernel)
         if self.link is not None and self.link not in self._links:
             raise _param_error(self, "link", f"a str among {set(self._links)} or None", self.link)
         if not (
@@ -312,18 +325,25 @@ class _IterNCGPEstimator(BaseEstimator):
         check_parameters_apply(
             type(self).__name__, self.get_params(deep=False), defaults, inference, self.inference, len(X)
         )
+        learn = bool(self.optimize_hyperparameters) and self.optimizer_steps > 0
+        if self._auto_kernel:
+            check_auto_kernel(type(self).__name__, inference, self.inference, len(X), learn)
         if inference == "sparse_ep":
             self._fit_sparse_model(X, targets, likelihood, mean)
             return
         seed = int(check_random_state(self.random_state).randint(np.iinfo(np.int32).max))
         train_x = torch.tensor(X, dtype=_DTYPE)
-        kernel = default_kernel(X.shape[1]) if self.kernel is None else copy.deepcopy(self.kernel).to(_DTYPE)
+        # kernel="auto": the model starts with the default kernel; fit_mll tries each candidate, keeps the best
+        candidates = kernel_family(X.shape[1]) if self._auto_kernel else None
+        if candidates is not None:
+            kernel = candidates["matern"]
+        else:
+            kernel = default_kernel(X.shape[1]) if self.kernel is None else copy.deepcopy(self.kernel).to(_DTYPE)
         num_latents = likelihood_adapter(likelihood).num_latents
         self.inference_ = inference
         self.solver_budget_ = budget = self._solver_budget(len(X), num_latents, inference)
         options = self._strategy_options(seed, budget, inference)
         strategy_type = EPStrategy if inference == "ep" else IterNCGPStrategy
-        learn = bool(self.optimize_hyperparameters) and self.optimizer_steps > 0
         recipe = LearningRecipe(
             optimizer_steps=int(self.optimizer_steps) if learn else 0,
             learning_rate=float(self.learning_rate),
@@ -343,6 +363,7 @@ class _IterNCGPEstimator(BaseEstimator):
                     else int(self.learning_subset),
                     seed=seed,
                     show_progress=bool(self.verbose),
+                    **({} if candidates is None else {"kernels": candidates}),
                 )
         # the final fit stopped at its step limit: the package's warning names the strategy's option
         at_step_limit = report.fit_report.limit == model.variational_strategy.max_steps_option
@@ -440,7 +461,14 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
         ``kernel_``). Default :func:`~gpytorch_iterncgp.learning.estimator_policy.default_kernel`:
         ``ScaleKernel(MaternKernel(nu=2.5))``, lengthscale :math:`\sqrt{D}`, outputscale 1 (meant for standardised
         features). A kernel with
-        ``batch_shape=[n_classes]`` gives one independent GP per class.
+        ``batch_shape=[n_classes]`` gives one independent GP per class. ``"auto"``: the kernel chosen among
+        :func:`~gpytorch_iterncgp.learning.kernel_choice.kernel_family`'s (``"matern"``, the default above;
+        ``"matern_ard"``, a lengthscale per feature; ``"linear+matern"`` and ``"linear+matern_ard"``, a linear kernel
+        plus the Matérn), each learnt by type-II maximum likelihood on the learning rows, by the evidence penalised
+        for its hyperparameters (BIC, :func:`~gpytorch_iterncgp.learning.kernel_choice.choose_kernel`):
+        :func:`~gpytorch_iterncgp.fit_mll`'s ``kernels=``, about four times the learning's cost. Dense inference
+        only (``"sparse_ep"`` refuses it), with ``optimize_hyperparameters``; the choice and every candidate's scores
+        are in ``learning_report_`` (``kernel``, ``kernel_scores``).
     :param link: ``"logit"`` (default, also ``None``) or ``"probit"``: binary data's link (multi-class data: see
         above).
     :param inference: ``"laplace"``, ``"ep"``, ``"sparse_ep"`` (stochastic EP with inducing inputs on minibatches,
@@ -594,8 +622,7 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
         else:
             likelihood = gpytorch.likelihoods.SoftmaxLikelihood(num_classes=self.n_classes_, mixing_weights=False)
         targets = torch.tensor(encoded, dtype=_DTYPE)
-        batch_shape = self.kernel.batch_shape if self.kernel is not None else torch.Size([])
-        mean = gpytorch.means.ZeroMean(batch_shape=batch_shape)
+        mean = gpytorch.means.ZeroMean(batch_shape=self._kernel_batch_shape())
         self._fit_model(X, targets, likelihood, mean, inference)
         return self
 
@@ -696,8 +723,7 @@ class IterNCGPPoissonRegressor(RegressorMixin, _IterNCGPEstimator):
         # Prior mean of f: the inverse link of the (smoothed) mean count.
         rate = max(float(y.mean()), 0.5 / len(y))
         offset = math.log(rate) if self._link == "exp" else rate + math.log(-math.expm1(-rate))
-        batch_shape = self.kernel.batch_shape if self.kernel is not None else torch.Size([])
-        mean = gpytorch.means.ConstantMean(batch_shape=batch_shape).to(_DTYPE)
+        mean = gpytorch.means.ConstantMean(batch_shape=self._kernel_batch_shape()).to(_DTYPE)
         with torch.no_grad():
             mean.constant.fill_(offset)
         self._fit_model(X, torch.tensor(y, dtype=_DTYPE), likelihood, mean, inference)

@@ -9,7 +9,9 @@ latent values each (:math:`C = 1` for binary and count data, the number of class
   :data:`EXACT_SOLVE_SIZE`, :data:`DEFAULT_SOLVER_ITERATIONS` and :data:`EP_POINTS_PER_BUDGET`;
 * the strategy's keyword arguments: :func:`strategy_options`; the evidence that goes with a strategy:
   :func:`evidence_class`;
-* the prior: :func:`default_kernel`;
+* the prior: :func:`default_kernel`, or with ``kernel="auto"`` the kernel chosen among
+  :func:`~gpytorch_iterncgp.learning.kernel_choice.kernel_family`'s (:data:`AUTO_KERNEL_INFERENCES`,
+  :func:`check_auto_kernel`);
 * the estimators' own defaults (:data:`ESTIMATOR_DEFAULTS`), and the parameters only one kind of inference reads
   (:data:`DENSE_ONLY`, :data:`SPARSE_ONLY`, :func:`check_parameters_apply`).
 """
@@ -31,6 +33,7 @@ from ..mlls.itergp import EPMarginalLogLikelihood, LaplaceMarginalLogLikelihood
 from ..strategies.itergp import EPStrategy
 
 __all__ = [
+    "AUTO_KERNEL_INFERENCES",
     "CLASSIFIER_INFERENCE",
     "DEFAULT_SOLVER_ITERATIONS",
     "DENSE_ONLY",
@@ -43,9 +46,11 @@ __all__ = [
     "SPARSE_ONLY",
     "EstimatorDefaults",
     "auto_inference",
+    "check_auto_kernel",
     "check_parameters_apply",
     "default_kernel",
     "evidence_class",
+    "log_positive",
     "solver_budget",
     "strategy_options",
 ]
@@ -93,6 +98,10 @@ DENSE_ONLY = (
 )
 #: the parameters only stochastic EP (``"sparse_ep"``) uses: its inducing inputs and minibatches
 SPARSE_ONLY = ("num_inducing", "batch_size")
+#: ``kernel="auto"``: the inferences that choose their kernel, each candidate of
+#: :func:`~gpytorch_iterncgp.learning.kernel_choice.kernel_family` learnt on the dense evidence of the learning rows
+#: (:func:`~gpytorch_iterncgp.fit_mll`'s ``kernels=``); stochastic EP learns one kernel on minibatches
+AUTO_KERNEL_INFERENCES = ("laplace", "ep")
 
 
 @dataclass(frozen=True)
@@ -162,6 +171,35 @@ def check_parameters_apply(
         raise ValueError(
             f"{estimator}: {', '.join(f'{name}={values[name]!r}' for name in changed)} do(es) not apply: {chosen}, "
             f"which does not use it. Set inference={other} to use it, or leave it at its default."
+        )
+
+
+def check_auto_kernel(estimator: str, inference: str, requested: str, num_points: int, learn: bool) -> None:
+    """Refuse ``kernel="auto"`` where it cannot choose: an inference not in :data:`AUTO_KERNEL_INFERENCES`
+    (``"sparse_ep"``), or no learning (each candidate is learnt before it is scored).
+
+    :param estimator: the estimator's class name, for the message.
+    :param inference: the inference in use; ``requested``: the ``inference`` parameter as given (``"auto"`` or it).
+    :param num_points: :math:`N` (named where ``inference="auto"`` chose).
+    :param learn: whether the hyperparameters are learnt (``optimize_hyperparameters`` and ``optimizer_steps > 0``).
+    :raises ValueError: naming the parameter and what to set instead.
+    """
+    if inference not in AUTO_KERNEL_INFERENCES:
+        chosen = (
+            f"inference='auto' chose {inference!r} for {num_points} points"
+            if requested == "auto"
+            else f"inference={inference!r}"
+        )
+        raise ValueError(
+            f"{estimator}: kernel='auto' chooses the kernel by learning each candidate on the dense evidence, and "
+            f"{chosen}, which learns one kernel on minibatches (no kernel choice for it yet). Set inference='ep' or "
+            "'laplace' to choose the kernel, or give kernel=None (the default Matérn) or a kernel."
+        )
+    if not learn:
+        raise ValueError(
+            f"{estimator}: kernel='auto' chooses among kernels learnt by type-II maximum likelihood, but "
+            "optimize_hyperparameters=False (or optimizer_steps=0) learns nothing. Set optimize_hyperparameters=True, "
+            "or give kernel=None (the default Matérn) or a kernel."
         )
 
 
@@ -286,7 +324,7 @@ def evidence_class(strategy: Any) -> type[LaplaceMarginalLogLikelihood] | type[E
     return EPMarginalLogLikelihood if isinstance(strategy, EPStrategy) else LaplaceMarginalLogLikelihood
 
 
-def _log_positive() -> gpytorch.constraints.Positive:
+def log_positive() -> gpytorch.constraints.Positive:
     """Positivity by ``exp``: the optimiser works on log-hyperparameters (an outputscale of hundreds is reached
     quickly, and the evidence is closer to quadratic there)."""
     return gpytorch.constraints.Positive(transform=torch.exp, inv_transform=torch.log)
@@ -311,8 +349,8 @@ def default_kernel(num_features: int, dtype: torch.dtype = torch.float64) -> gpy
     :return: a new kernel, with batch shape ``[]`` (one kernel shared by all latent functions).
     """
     kernel = gpytorch.kernels.ScaleKernel(
-        gpytorch.kernels.MaternKernel(nu=2.5, lengthscale_constraint=_log_positive()),
-        outputscale_constraint=_log_positive(),
+        gpytorch.kernels.MaternKernel(nu=2.5, lengthscale_constraint=log_positive()),
+        outputscale_constraint=log_positive(),
     ).to(dtype)  # before setting values, so they are not rounded through float32
     kernel.base_kernel.lengthscale = math.sqrt(num_features)
     kernel.outputscale = 1.0

@@ -30,7 +30,7 @@ import itertools
 import math
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import gpytorch
@@ -46,6 +46,13 @@ from ..mlls.itergp import BoTorchFitHook, EPMarginalLogLikelihood, LaplaceMargin
 from ..mlls.stochastic import StochasticEPMarginalLogLikelihood
 from ..strategies.base import exact_regime
 from ..strategies.itergp import EPStrategy, IterNCGPStrategy
+from .kernel_choice import (
+    candidate_kernels,
+    check_select_by,
+    choose_kernel,
+    has_held_out_score,
+    held_out_unavailable,
+)
 from .learner import LearnerModel, laplace_likelihood
 from .minibatch import MinibatchRecipe, fit_minibatches
 from .outputscale import choose_outputscale
@@ -102,6 +109,8 @@ _NOT_FOR_MINIBATCHES = {
     "subset": "stochastic EP learns on all of data= in minibatches; set their size with "
     "recipe=MinibatchRecipe(batch_size=...)",
     "validation_rows": "stochastic EP has no outputscale phase (its objective is SEP's energy on all the data)",
+    "kernels": "stochastic EP learns one kernel (no kernel choice for it yet); put the kernel in the model",
+    "select_by": "stochastic EP has no kernel choice (kernels=), so nothing to select by",
 }
 
 
@@ -117,32 +126,52 @@ def fit_dense_mll(
     recipe: LearningRecipe | None = None,
     subset: int | str | Tensor | None = "auto",
     validation_rows: Tensor | str | None = "auto",
+    kernels: Mapping[str, gpytorch.kernels.Kernel] | Sequence[gpytorch.kernels.Kernel] | None = None,
+    select_by: str = "bic",
     seed: int | None = None,
     show_progress: bool | None = None,
 ) -> LearningReport:
     r""":func:`fit_mll` for a model that holds its data (Laplace's or EP's evidence), in three phases (module docstring):
-    learning on a subset, the outputscale on held-out rows, the final fit on all the data.
+    learning on a subset, the outputscale on held-out rows, the final fit on all the data; with ``kernels``, the first
+    two for each candidate kernel, then the final fit with the best (:func:`~.kernel_choice.choose_kernel`).
 
     :param mll: a :class:`~gpytorch_iterncgp.LaplaceMarginalLogLikelihood` of a model with an
         :class:`~gpytorch_iterncgp.IterNCGPStrategy`, or an :class:`~gpytorch_iterncgp.EPMarginalLogLikelihood` of one
         with an :class:`~gpytorch_iterncgp.EPStrategy`: any kernel, mean, likelihood and layout the strategy takes.
     :param max_time: seconds for learning and the outputscale choice (``None``: no limit); learning stops after the
-        evidence evaluation running then, keeping the best hyperparameters seen, and the final fit follows.
+        evidence evaluation running then, keeping the best hyperparameters seen, and the final fit follows. With
+        ``kernels``, each candidate gets an equal share of the time left when it starts.
     :param recipe: the optimiser's settings (:class:`~gpytorch_iterncgp.learning.recipe.LearningRecipe`).
     :param subset: the rows the hyperparameters are learnt on: ``"auto"`` (:math:`\lfloor\sqrt{10^7/C}\rfloor` rows,
         stratified by class for classifiers; all of them for smaller data), a number of rows, the row indices
         ``(M,)``, a boolean mask ``(N,)``, or ``None`` (all).
-    :param validation_rows: the held-out rows for the outputscale (classifiers): ``"auto"`` (as many others as the
-        subset, stratified), the row indices or a boolean mask (outside the subset), or ``None`` (no choice). Only
-        where the learning holds rows out (a subset smaller than the data).
+    :param validation_rows: the held-out rows for the outputscale (classifiers) and the kernel choice: ``"auto"`` (as
+        many others as the subset, stratified), the row indices or a boolean mask (outside the subset), or ``None``
+        (no choice). Only where the learning holds rows out (a subset smaller than the data).
+    :param kernels: candidate kernels, ``{name: kernel}`` or a list (named by position and structure): each is put in
+        the model as its ``covar_module``, learnt as above (type-II maximum likelihood on the learning rows, from the
+        mean's and likelihood's values on entry), and scored by its evidence on the learning rows, alone and
+        penalised for its hyperparameters (BIC), and by its held-out log-loss (classifiers) or Poisson deviance (counts)
+        where rows are held out (all recorded, ``report.kernel_scores``); the model keeps the best (``report.kernel``),
+        whose final fit follows (:func:`~.kernel_choice.choose_kernel`). Each candidate is learnt in place; those that
+        fail numerically are skipped.
+        About ``len(kernels)`` times the learning's cost. ``None`` (default): the model's own kernel.
+    :param select_by: with ``kernels``, the score to choose by: ``"bic"`` (default: the evidence per learning row
+        penalised by :math:`k \log M / (2M)` for :math:`k` hyperparameters, Duvenaud et al. 2013), ``"evidence"``
+        (alone, R&W sec. 5.4: of nested kernels it keeps the larger) or ``"held_out"`` (needs held-out rows: a subset
+        smaller than the data).
     :param seed: seeds the rows drawn (``None``: drawn from torch's global generator).
     :param show_progress: a progress bar per phase (``None``: the strategy's ``show_progress``).
     :return: the :class:`~gpytorch_iterncgp.learning.recipe.LearningReport` (its ``fit_report``: the final fit's).
-    :raises TypeError: for another objective or strategy, or a recipe that is not a ``LearningRecipe``.
-    :raises ValueError: for rows out of range, a mask of another length, or validation rows where nothing is held
-        out. Numerical trouble while learning stops the learning with a warning, keeping the best hyperparameters
-        seen; a final fit that stops before it converges warns (:class:`~gpytorch_iterncgp.NotConvergedWarning`, or
-        :class:`~gpytorch_iterncgp.ConvergenceWarning` at a limit of the strategy's).
+    :raises TypeError: for another objective or strategy, a recipe that is not a ``LearningRecipe``, or ``kernels``
+        that are not kernels or for a model without ``covar_module``.
+    :raises ValueError: for rows out of range, a mask of another length, validation rows where nothing is held
+        out, an unknown ``select_by`` (or one without ``kernels``), or ``kernels`` with nothing to learn
+        (``optimizer_steps=0``) or, choosing by ``"held_out"``, nothing held out or a likelihood without a held-out
+        score. Numerical trouble while learning stops the learning with a warning, keeping
+        the best hyperparameters seen; a final fit that stops before it converges warns
+        (:class:`~gpytorch_iterncgp.NotConvergedWarning`, or :class:`~gpytorch_iterncgp.ConvergenceWarning` at a
+        limit of the strategy's).
     """
     strategy = _checked_strategy(mll)
     recipe = LearningRecipe() if recipe is None else recipe
@@ -151,38 +180,28 @@ def fit_dense_mll(
             f"fit_mll: recipe must be a LearningRecipe for {type(mll).__name__}, got {type(recipe).__name__}."
         )
     recipe.validate()
+    candidates = _candidates(mll, kernels, select_by, recipe)
     deadline, show = _deadline(max_time), _show(show_progress, strategy.show_progress)
     generator = _RowGenerator(seed)
     device = _device(mll)
     start_peak_memory(device)
-    model, likelihood = mll.model, mll.likelihood
+    model = mll.model
     labels = strategy.train_targets.cpu() if strategy.adapter.classification else None
     parameters = [parameter for parameter in model.parameters() if parameter.requires_grad]
-    learn = recipe.optimizer_steps > 0 and bool(parameters)
+    learn = recipe.optimizer_steps > 0 and (bool(parameters) or candidates is not None)
     rows = _learning_rows(strategy, subset, labels, generator) if learn else None
     report = LearningReport(num_data=strategy.num_data, data_points=strategy.num_data if rows is None else len(rows))
     report.learning_rows = None if rows is None else rows.tolist()
     if learn:
         held_out = _held_out(strategy, rows, validation_rows, labels, recipe, generator)  # (checked before learning)
-        inputs, targets = _rows_of(strategy, rows)
-        learner = _learner(model, strategy, inputs, targets, subset_model=rows is not None)
-        _learn(learner, recipe, report, deadline, show)
-        kernel = getattr(model, "covar_module", None)
-        if labels is not None and isinstance(kernel, gpytorch.kernels.ScaleKernel) and held_out is not None:
-            report.validation_rows = held_out.tolist()
-            validation_x, validation_y = _rows_of(strategy, held_out)
-            name = f"outputscale ({'EP' if isinstance(strategy, EPStrategy) else 'Laplace'})"
-            with tqdm(total=len(recipe.outputscale_factors), desc=name, disable=not show) as bar:
-                choose_outputscale(
-                    kernel,
-                    lambda: LearnerModel(model, type(strategy), inputs, targets, likelihood),
-                    validation_x,
-                    validation_y,
-                    recipe,
-                    report,
-                    deadline,
-                    lambda: bar.update(1),
-                )
+        phase = _LearningPhase(mll, rows, held_out, recipe, show)
+        if candidates is None:
+            phase.learn(report, deadline)
+            phase.choose_outputscale(report, deadline)
+        else:
+            if select_by == "held_out" and held_out is None:
+                raise ValueError(_nothing_held_out(strategy, rows, validation_rows, recipe))
+            choose_kernel(model, mll.likelihood, candidates, phase, select_by, report, deadline)
     model.eval()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -191,6 +210,98 @@ def fit_dense_mll(
         warnings.warn(warning.message, warning.category, stacklevel=3)
     report.peak_memory_bytes = peak_memory_bytes(device)
     return report
+
+
+def _candidates(
+    mll: Any, kernels: Any, select_by: Any, recipe: LearningRecipe
+) -> dict[str, gpytorch.kernels.Kernel] | None:
+    """``kernels`` checked (:func:`~.kernel_choice.candidate_kernels`), ``None`` without.
+
+    :raises ValueError: for a ``select_by`` other than the default without ``kernels``, ``kernels`` with
+        ``optimizer_steps=0``, or choosing by ``"held_out"`` for a likelihood without a held-out score.
+    """
+    if kernels is None:
+        check_select_by(select_by)
+        if select_by != "bic":
+            raise ValueError(
+                f"fit_mll: select_by={select_by!r} chooses among candidate kernels; pass them as kernels=, or leave "
+                "select_by out."
+            )
+        return None
+    candidates = candidate_kernels(kernels, mll.model, select_by)
+    if recipe.optimizer_steps == 0:
+        raise ValueError(
+            "fit_mll: kernels= chooses among kernels learnt by type-II maximum likelihood, but the recipe's "
+            "optimizer_steps=0 learns nothing: give optimizer_steps > 0, or put one kernel in the model and leave "
+            "kernels= out."
+        )
+    if select_by == "held_out" and not has_held_out_score(mll.likelihood):
+        raise ValueError(held_out_unavailable(mll.likelihood))
+    return candidates
+
+
+def _nothing_held_out(strategy: Any, rows: Tensor | None, validation_rows: Any, recipe: LearningRecipe) -> str:
+    """Why ``kernels=`` with ``select_by="held_out"`` has no rows to score on, and what to do."""
+    if rows is None:
+        why = f"the hyperparameters are learnt on all {strategy.num_data} rows"
+    elif validation_rows is None:
+        why = "validation_rows=None"
+    else:
+        why = f"fewer than recipe.min_validation_points={recipe.min_validation_points} rows are left out of the subset"
+    return (
+        f"fit_mll: kernels= with select_by='held_out' scores each candidate on held-out rows, but none are held out "
+        f"({why}): pass subset= smaller than the data (the rows outside it are held out, validation_rows='auto', or "
+        "give them as validation_rows=), or choose by the evidence of the learning rows, select_by='bic' (or "
+        "'evidence')."
+    )
+
+
+class _LearningPhase:
+    """Phases 1 and 2 of :func:`fit_dense_mll` for the model's current kernel, on the learning ``rows`` (``None``:
+    all): type-II maximum likelihood (:meth:`learn`), then a classifier's outputscale on the ``held_out`` rows
+    (:meth:`choose_outputscale`). Run once, or once per candidate kernel
+    (:class:`~.kernel_choice.LearningPhase`)."""
+
+    def __init__(
+        self, mll: Any, rows: Tensor | None, held_out: Tensor | None, recipe: LearningRecipe, show: bool
+    ) -> None:
+        self.model, self.likelihood = mll.model, mll.likelihood
+        self.strategy = mll.model.variational_strategy
+        self.rows, self.held_out, self.recipe, self.show = rows, held_out, recipe, show
+        self.inputs, self.targets = _rows_of(self.strategy, rows)
+        self.validation = None if held_out is None else _rows_of(self.strategy, held_out)
+
+    def learn(self, report: LearningReport, deadline: float | None, name: str = "") -> Any:
+        """Maximise the evidence of the learning rows (:func:`_learn`); return the model whose evidence it was."""
+        learner = _learner(self.model, self.strategy, self.inputs, self.targets, subset_model=self.rows is not None)
+        _learn(learner, self.recipe, report, deadline, self.show, name)
+        return learner
+
+    def final_model(self) -> LearnerModel:
+        """A new model of the final approximation on the learning rows, sharing the model's kernel."""
+        return LearnerModel(self.model, type(self.strategy), self.inputs, self.targets, self.likelihood)
+
+    def choose_outputscale(self, report: LearningReport, deadline: float | None) -> None:
+        """A classifier's outputscale by the held-out rows (:func:`~.outputscale.choose_outputscale`), where the kernel
+        is a ``ScaleKernel`` and rows are held out."""
+        kernel = getattr(self.model, "covar_module", None)
+        classifier = self.strategy.adapter.classification
+        if classifier and isinstance(kernel, gpytorch.kernels.ScaleKernel) and self.validation is not None:
+            assert self.held_out is not None
+            report.validation_rows = self.held_out.tolist()
+            validation_x, validation_y = self.validation
+            name = f"outputscale ({'EP' if isinstance(self.strategy, EPStrategy) else 'Laplace'})"
+            with tqdm(total=len(self.recipe.outputscale_factors), desc=name, disable=not self.show) as bar:
+                choose_outputscale(
+                    kernel,
+                    self.final_model,
+                    validation_x,
+                    validation_y,
+                    self.recipe,
+                    report,
+                    deadline,
+                    lambda: bar.update(1),
+                )
 
 
 def fit_minibatch_mll(
@@ -378,8 +489,11 @@ def _learner(model: Any, strategy: Any, inputs: Tensor, targets: Tensor, subset_
     return learner
 
 
-def _learn(learner: Any, recipe: LearningRecipe, report: LearningReport, deadline: float | None, show: bool) -> None:
-    """Maximise ``learner``'s evidence, keeping the parameters with the best evidence seen; fills ``report``.
+def _learn(
+    learner: Any, recipe: LearningRecipe, report: LearningReport, deadline: float | None, show: bool, name: str = ""
+) -> None:
+    """Maximise ``learner``'s evidence, keeping the parameters with the best evidence seen; fills ``report``
+    (``name``: the candidate kernel's, in the progress bar).
 
     Exact regime (a deterministic value and gradient): L-BFGS with a strong-Wolfe line search and whole fits.
     Otherwise (stochastic log-determinant): Adam, each evaluation on a loose fit from the previous posterior. Either
@@ -395,7 +509,8 @@ def _learn(learner: Any, recipe: LearningRecipe, report: LearningReport, deadlin
     inputs, targets = strategy.train_inputs, strategy.train_targets
     best: dict[str, Any] = {"loss": math.inf, "state": None}
     start = time.perf_counter()
-    description = f"learning: {report.method} on the {report.evidence} evidence of {len(inputs)} points"
+    kernel = f" ({name})" if name else ""
+    description = f"learning{kernel}: {report.method} on the {report.evidence} evidence of {len(inputs)} points"
     bar = tqdm(total=recipe.optimizer_steps if not exact else None, desc=description, disable=not show)
 
     def evaluate() -> Tensor:
@@ -436,7 +551,8 @@ def _learn(learner: Any, recipe: LearningRecipe, report: LearningReport, deadlin
             raise
         report.stopped = LearningStop.ERROR
         warnings.warn(
-            f"fit_mll: learning ({report.method}) stopped after {len(report.losses)} evidence evaluations ({error}); "
+            f"fit_mll: learning{kernel} ({report.method}) stopped after {len(report.losses)} evidence evaluations "
+            f"({error}); "
             "keeping the hyperparameters with the best evidence seen.",
             ConvergenceWarning,
             stacklevel=3,

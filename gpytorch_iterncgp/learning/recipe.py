@@ -94,6 +94,14 @@ class LearningReport:
     log-loss of the ``validation_points`` rows ``validation_rows``), the log-loss at each factor tried, and the seconds
     it took.
 
+    Kernel choice (``fit_mll(kernels=...)``, the estimators' ``kernel="auto"``): ``kernel``, the name of the chosen
+    candidate (``None``: no choice, the model's own kernel), and ``kernel_scores``, for every candidate a dict:
+    ``held_out``, its log-loss (classifiers) or mean Poisson deviance (counts) on the ``validation_rows`` (``None``
+    without them); ``evidence``, its learnt evidence ``-log q(y) / M`` on the ``M`` learning rows; ``bic``, that plus
+    ``k log(M) / (2 M)`` for its ``hyperparameters`` ``k``; ``seconds``, its learning and scoring; ``error``, why it
+    was skipped (``None``: scored) (:func:`~gpytorch_iterncgp.learning.kernel_choice.choose_kernel`). The learning and
+    outputscale fields above are then the chosen candidate's.
+
     Final fit: ``fit_report``, the :class:`~gpytorch_iterncgp.FitReport` of the fit on all the data.
 
     ``peak_memory_bytes``: at the end, the peak memory (:func:`~gpytorch_iterncgp.core.memory.peak_memory_bytes`: on
@@ -117,6 +125,8 @@ class LearningReport:
     validation_points: int = 0
     validation_rows: list[int] | None = None
     outputscale_seconds: float = 0.0
+    kernel: str | None = None
+    kernel_scores: dict[str, dict[str, Any]] = field(default_factory=dict)
     fit_report: Any = None
     peak_memory_bytes: int = 0
 
@@ -131,8 +141,27 @@ class LearningReport:
             else ""
         )
         return (
-            f"hyperparameters: {self.method} on the {self.evidence} evidence{subset}, {self.evaluations} evaluations in "
-            f"{self.seconds:.2f}s (fits "
+            f"{self._kernel_choice()}hyperparameters: {self.method} on the {self.evidence} evidence{subset}, "
+            f"{self.evaluations} evaluations in {self.seconds:.2f}s (fits "
             f"{self.fit_seconds:.2f}s, evidence {self.evidence_seconds:.2f}s, gradients {self.gradient_seconds:.2f}s), "
             f"stopped by {self.stopped}{outputscale}"
+        )
+
+    def _kernel_choice(self) -> str:
+        """``"kernel 'name' of K candidates (name: held-out ..., evidence ...; ...) in ...s; "`` (or nothing: no
+        choice)."""
+        if self.kernel is None:
+            return ""
+
+        def scores(name: str, score: dict[str, Any]) -> str:
+            if score["error"] is not None:
+                return f"{name}: skipped, {score['error']}"
+            held_out = "" if score["held_out"] is None else f"held-out {score['held_out']:.4g}, "
+            return f"{name}: {held_out}evidence {score['evidence']:.4g}, BIC {score['bic']:.4g}"
+
+        listed = "; ".join(scores(name, score) for name, score in self.kernel_scores.items())
+        seconds = sum(score["seconds"] for score in self.kernel_scores.values())
+        return (
+            f"kernel {self.kernel!r} of {len(self.kernel_scores)} candidates ({listed}) in {seconds:.2f}s; "
+            "the chosen one's "
         )

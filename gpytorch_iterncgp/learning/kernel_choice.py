@@ -1,0 +1,372 @@
+r"""The kernel chosen among candidates: each learnt by type-II maximum likelihood on the learning rows, then scored by
+its evidence (Bayesian model selection, R&W sec. 5.2-5.4), penalised for its hyperparameters by the Bayesian
+information criterion as in the kernel search of Duvenaud et al. (2013), here over a small fixed family instead of a
+grammar, and by its held-out predictions where rows are held out (cross-validation, R&W sec. 5.3).
+
+.. code-block:: python
+
+    kernels = gpytorch_iterncgp.learning.kernel_choice.kernel_family(train_x.shape[-1])
+    report = gpytorch_iterncgp.fit_mll(mll, kernels=kernels)   # learns each, keeps the best (by BIC)
+    report.kernel, report.kernel_scores                         # the choice, and every candidate's scores
+
+:func:`kernel_family` is the estimators' family (``kernel="auto"``); :func:`choose_kernel` is
+:func:`~gpytorch_iterncgp.fit_mll`'s (``kernels=``) loop over the candidates, around the learning phase of
+:mod:`.fit`, given as a :class:`LearningPhase`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import gpytorch
+import torch
+from gpytorch.kernels import Kernel
+from gpytorch.likelihoods import PoissonLikelihood
+from torch import Tensor
+
+from .. import settings
+from ..likelihoods.adapters import ExpPoissonLikelihood, MultitaskPoissonLikelihood, likelihood_adapter
+from ..mlls.itergp import EPMarginalLogLikelihood, LaplaceMarginalLogLikelihood
+from ..strategies.itergp import EPStrategy
+from .estimator_policy import default_kernel, log_positive
+from .outputscale import log_loss
+from .recipe import RECOVERABLE_ERRORS, LearningRecipe, LearningReport
+
+__all__ = [
+    "SELECT_BY",
+    "LearningPhase",
+    "candidate_kernels",
+    "check_select_by",
+    "choose_kernel",
+    "has_held_out_score",
+    "held_out_score",
+    "held_out_unavailable",
+    "kernel_family",
+    "learnt_evidence",
+    "poisson_deviance",
+]
+
+#: what :func:`choose_kernel` may choose by (:func:`choose_kernel`): the held-out score (log-loss or Poisson
+#: deviance), the learnt evidence, or the learnt evidence penalised by BIC's count of hyperparameters
+SELECT_BY = ("held_out", "evidence", "bic")
+
+
+def kernel_family(num_features: int, dtype: torch.dtype = torch.float64) -> dict[str, Kernel]:
+    r"""The estimators' candidate kernels (``kernel="auto"``) for :math:`D` standardised features, each new, every
+    positive hyperparameter log-parametrised (:func:`~.estimator_policy.log_positive`), batch shape ``[]``:
+
+    * ``"matern"``: :func:`~.estimator_policy.default_kernel`, :math:`s^2 k_{5/2}(\lVert x - x' \rVert / \ell)`, one
+      lengthscale :math:`\ell = \sqrt D` (the estimators' default);
+    * ``"matern_ard"``: :math:`s^2 k_{5/2}(r)`, :math:`r^2 = \sum_d (x_d - x'_d)^2 / \ell_d^2`, one lengthscale per
+      feature (automatic relevance determination, R&W sec. 5.1), each :math:`\sqrt D`: the evidence lengthens those of
+      irrelevant features;
+    * ``"linear+matern"``: :math:`s^2 (\sigma^2 x^\top x' + k_{5/2}(\lVert x - x' \rVert / \ell))` with
+      :math:`\sigma^2 = 1 / D` (a prior variance :math:`\sigma^2 \lVert x \rVert^2 \approx 1` of the linear part,
+      as the Matérn's, at standardised features): a linear decision function (Bayesian linear regression on the
+      features, R&W sec. 2.1) plus a smooth non-linear correction (the sum of kernels, Duvenaud et al. 2013);
+    * ``"linear+matern_ard"``: the same with the ARD Matérn.
+
+    The sums are written under one ``ScaleKernel`` (the same family as :math:`\sigma^2 x^\top x' + s^2 k_{5/2}`), so
+    that a classifier learnt on a subset gets :func:`~gpytorch_iterncgp.fit_mll`'s outputscale phase whatever the
+    candidate, as the Matérn kernels do.
+
+    :param num_features: :math:`D`.
+    :param dtype: of the kernels' parameters (the estimators compute in float64).
+    :return: ``{name: kernel}`` in the order above.
+    """
+    return {
+        "matern": default_kernel(num_features, dtype),
+        "matern_ard": _scaled(_matern(num_features, ard=True), num_features, dtype),
+        "linear+matern": _scaled(_linear() + _matern(num_features, ard=False), num_features, dtype),
+        "linear+matern_ard": _scaled(_linear() + _matern(num_features, ard=True), num_features, dtype),
+    }
+
+
+def _matern(num_features: int, ard: bool) -> gpytorch.kernels.MaternKernel:
+    """Matérn-5/2 with a log-positive lengthscale, one per feature where ``ard``."""
+    return gpytorch.kernels.MaternKernel(
+        nu=2.5, ard_num_dims=num_features if ard else None, lengthscale_constraint=log_positive()
+    )
+
+
+def _linear() -> gpytorch.kernels.LinearKernel:
+    """:math:`\\sigma^2 x^\\top x'` with a log-positive variance."""
+    return gpytorch.kernels.LinearKernel(variance_constraint=log_positive())
+
+
+def _scaled(base: Kernel, num_features: int, dtype: torch.dtype) -> gpytorch.kernels.ScaleKernel:
+    r"""``ScaleKernel(base)``: outputscale 1, every Matérn lengthscale :math:`\sqrt D`, every linear variance
+    :math:`1 / D` (set after the cast to ``dtype``, so they are not rounded through float32)."""
+    kernel = gpytorch.kernels.ScaleKernel(base, outputscale_constraint=log_positive()).to(dtype)
+    kernel.outputscale = 1.0
+    for module in kernel.modules():
+        if isinstance(module, gpytorch.kernels.MaternKernel):
+            module.lengthscale = math.sqrt(num_features)
+        elif isinstance(module, gpytorch.kernels.LinearKernel):
+            module.variance = 1.0 / num_features
+    return kernel
+
+
+def candidate_kernels(kernels: Any, model: Any, select_by: Any) -> dict[str, Kernel]:
+    """``fit_mll``'s ``kernels=`` as ``{name: kernel}``, checked before anything is learnt.
+
+    :param kernels: a mapping ``{name: kernel}`` or a sequence of kernels (named ``"0:ScaleKernel(MaternKernel)"``, by
+        position and structure).
+    :param model: the model whose ``covar_module`` the candidates replace in turn.
+    :param select_by: one of :data:`SELECT_BY`.
+    :raises TypeError: for a model without a ``covar_module`` attribute, or candidates that are not GPyTorch kernels
+        (or names that are not strings).
+    :raises ValueError: for an unknown ``select_by``, or no candidate.
+    """
+    check_select_by(select_by)
+    if not hasattr(model, "covar_module"):
+        raise TypeError(
+            "fit_mll: kernels= puts each candidate in the model as its covar_module, but "
+            f"{type(model).__name__} has no covar_module attribute: name the model's kernel covar_module (GPyTorch's convention, used in forward), or "
+            "leave kernels= out."
+        )
+    if isinstance(kernels, Mapping):
+        named = dict(kernels)
+    elif isinstance(kernels, Sequence) and not isinstance(kernels, str):
+        named = {f"{index}:{_structure(kernel)}": kernel for index, kernel in enumerate(kernels)}
+    else:
+        raise TypeError(
+            "fit_mll: kernels must be a dict {name: kernel} or a list of gpytorch kernels, got "
+            f"{type(kernels).__name__}."
+        )
+    if not named:
+        raise ValueError("fit_mll: kernels= holds no candidate; give at least one kernel, or leave kernels= out.")
+    for name, kernel in named.items():
+        if not isinstance(name, str):
+            raise TypeError(f"fit_mll: the names of kernels= must be strings, got {name!r}.")
+        if not isinstance(kernel, Kernel):
+            raise TypeError(
+                f"fit_mll: kernels[{name!r}] must be a gpytorch.kernels.Kernel, got {type(kernel).__name__}."
+            )
+    return named
+
+
+def check_select_by(select_by: Any) -> None:
+    """:raises ValueError: for a ``select_by`` that is not one of :data:`SELECT_BY`."""
+    if not (isinstance(select_by, str) and select_by in SELECT_BY):
+        raise ValueError(
+            "fit_mll: select_by must be 'bic' (the learnt evidence of the learning rows, penalised for the kernel's "
+            "hyperparameters), 'evidence' (the learnt evidence alone) or 'held_out' (the log-loss or Poisson deviance "
+            f"of held-out rows); got {select_by!r}."
+        )
+
+
+def _structure(kernel: Kernel) -> str:
+    """A kernel's class names, nested as its parts: ``ScaleKernel(AdditiveKernel(LinearKernel, MaternKernel))``."""
+    parts = [kernel.base_kernel] if hasattr(kernel, "base_kernel") else list(getattr(kernel, "kernels", []))
+    inner = ", ".join(_structure(part) for part in parts)
+    return f"{type(kernel).__name__}({inner})" if inner else type(kernel).__name__
+
+
+class LearningPhase(Protocol):
+    """What :func:`choose_kernel` runs for each candidate (:mod:`.fit`'s learning phase on the learning rows)."""
+
+    recipe: LearningRecipe
+    #: the held-out rows ``(V,)`` and their inputs ``(V, D)`` and targets, or ``None`` where none are held out
+    held_out: Tensor | None
+    validation: tuple[Tensor, Tensor] | None
+
+    def learn(self, report: LearningReport, deadline: float | None, name: str = "") -> Any:
+        """Type-II maximum likelihood of the model's current kernel; returns the model whose evidence was maximised."""
+
+    def choose_outputscale(self, report: LearningReport, deadline: float | None) -> None:
+        """The outputscale phase (classifiers with a ``ScaleKernel`` and held-out rows)."""
+
+    def final_model(self) -> gpytorch.models.ApproximateGP:
+        """A new model of the final approximation on the learning rows (sharing the model's kernel)."""
+
+
+def choose_kernel(
+    model: Any,
+    likelihood: gpytorch.likelihoods.Likelihood,
+    candidates: dict[str, Kernel],
+    phase: LearningPhase,
+    select_by: str,
+    report: LearningReport,
+    deadline: float | None,
+) -> None:
+    r"""Put each candidate in ``model`` (``model.covar_module = kernel``), learn it (``phase``: type-II maximum
+    likelihood on the :math:`M` learning rows and, for a classifier, the outputscale on the held-out rows), score it,
+    and leave the model with the best one and its learnt hyperparameters (the kernel's, and the mean's and
+    likelihood's, which every candidate learns from their values on entry).
+
+    Scores, each the lower the better, all recorded in ``report.kernel_scores[name]`` (with the candidate's number of
+    kernel ``hyperparameters`` :math:`k`, its ``seconds`` and its ``error``):
+
+    * ``held_out``: :func:`held_out_score` on the rows the learning held out (``None`` without any);
+    * ``evidence``: :func:`learnt_evidence`, :math:`-\log q(\mathbf y \mid \theta^*) / M` at the learnt
+      hyperparameters :math:`\theta^*` (before the outputscale phase), exact: type-II maximum likelihood across
+      kernels (R&W sec. 5.4). Of two nested kernels (Matérn and its ARD form) the larger scores at least as well
+      at its maximum;
+    * ``bic``: the Bayesian information criterion per row, :math:`-\log q(\mathbf y \mid \theta^*) / M +
+      k \log M / (2 M)`, the evidence penalised for the hyperparameters fitted (Schwarz 1978; the kernel search of
+      Duvenaud et al. 2013): a kernel with more hyperparameters must raise the evidence by :math:`\tfrac12 \log M`
+      nats for each.
+
+    The candidate with the lowest ``select_by`` score is chosen (``report.kernel``; the first of equal ones); the
+    report's learning fields are its. A candidate whose learning or scoring fails (:data:`~.recipe.RECOVERABLE_ERRORS`,
+    or a non-finite score) is skipped, with a ``RuntimeWarning``, and its ``error`` recorded. With ``deadline``, each
+    candidate gets an equal share of the time left when it starts.
+
+    :param model: the model (its ``covar_module`` is replaced).
+    :param likelihood: the model's likelihood (its parameters are restored with the mean's).
+    :param candidates: ``{name: kernel}`` (:func:`candidate_kernels`); each moved to the data's dtype and device and
+        learnt in place (each keeps its learnt hyperparameters).
+    :param phase: the learning phase (:class:`LearningPhase`).
+    :param select_by: one of :data:`SELECT_BY`.
+    :param report: filled: the chosen candidate's learning fields, ``kernel`` and ``kernel_scores``.
+    :param deadline: ``time.perf_counter()`` by which learning stops (``None``: none).
+    :raises RuntimeError: where every candidate failed (naming each error).
+    """
+    inputs = model.variational_strategy.train_inputs
+    initial_kernel = {id(parameter) for parameter in model.covar_module.parameters()}
+    others = list({id(p): p for p in itertools.chain(model.parameters(), likelihood.parameters())}.values())
+    others = [parameter for parameter in others if id(parameter) not in initial_kernel]
+    initial = [parameter.detach().clone() for parameter in others]
+    outcomes: dict[str, tuple[LearningReport, list[Tensor]]] = {}
+    report.kernel_scores = {}
+    for index, (name, kernel) in enumerate(candidates.items()):
+        candidate_deadline = _share(deadline, len(candidates) - index)
+        model.covar_module = kernel.to(device=inputs.device, dtype=inputs.dtype)
+        _restore(others, initial)
+        candidate = dataclasses.replace(report, losses=[], outputscale_log_loss={}, kernel_scores={})
+        start = time.perf_counter()
+        count = sum(parameter.numel() for parameter in kernel.parameters() if parameter.requires_grad)
+        scores: dict[str, Any] = dict(held_out=None, evidence=None, bic=None, hyperparameters=count, seconds=0.0)
+        scores["error"] = None
+        try:
+            learner = phase.learn(candidate, candidate_deadline, name)
+            rows = learner.variational_strategy.num_data
+            scores["evidence"] = learnt_evidence(learner)
+            scores["bic"] = scores["evidence"] + count * math.log(rows) / (2 * rows)
+            phase.choose_outputscale(candidate, candidate_deadline)
+            if phase.validation is not None:
+                losses = candidate.outputscale_log_loss
+                scores["held_out"] = (
+                    losses[candidate.outputscale_factor]  # the outputscale phase's fit at the chosen factor
+                    if candidate.outputscale_factor in losses
+                    else held_out_score(phase.final_model(), *phase.validation, phase.recipe.outputscale_fit_steps)
+                )
+            chosen_score = scores[select_by]
+            if chosen_score is None or not math.isfinite(chosen_score):
+                raise FloatingPointError(f"the {select_by} score is {chosen_score}")
+            outcomes[name] = (candidate, [parameter.detach().clone() for parameter in others])
+        except RECOVERABLE_ERRORS as error:
+            scores["error"] = f"{type(error).__name__}: {error}"
+            warnings.warn(f"fit_mll: kernel {name!r} skipped ({scores['error']}).", RuntimeWarning, stacklevel=4)
+        scores["seconds"] = time.perf_counter() - start
+        report.kernel_scores[name] = scores
+    if not outcomes:
+        errors = "; ".join(f"{name}: {scores['error']}" for name, scores in report.kernel_scores.items())
+        raise RuntimeError(f"fit_mll: every candidate kernel failed ({errors}).")
+    chosen = min(outcomes, key=lambda name: report.kernel_scores[name][select_by])
+    candidate, learnt = outcomes[chosen]
+    model.covar_module = candidates[chosen]
+    _restore(others, learnt)
+    scores = report.kernel_scores
+    for field in dataclasses.fields(LearningReport):
+        setattr(report, field.name, getattr(candidate, field.name))
+    report.kernel, report.kernel_scores = chosen, scores
+    if phase.held_out is not None:
+        report.validation_rows, report.validation_points = phase.held_out.tolist(), len(phase.held_out)
+
+
+def _share(deadline: float | None, candidates_left: int) -> float | None:
+    """The deadline of the next candidate: an equal share of the time left among ``candidates_left``."""
+    if deadline is None:
+        return None
+    now = time.perf_counter()
+    return now + max(deadline - now, 0.0) / candidates_left
+
+
+def _restore(parameters: list[Tensor], values: list[Tensor]) -> None:
+    with torch.no_grad():
+        for parameter, value in zip(parameters, values, strict=True):
+            parameter.copy_(value)
+
+
+def learnt_evidence(learner: Any) -> float:
+    r""":math:`-\log q(\mathbf y \mid \theta) / M` of ``learner``'s :math:`M` training points (the objective ``fit_mll``
+    minimised: Laplace's or EP's evidence, R&W eqs. 3.32, 3.65, with the hyperparameters' log priors), at its
+    current hyperparameters, dense and exact (``settings.exact_evidence_size`` raised to its :math:`M C` latent
+    values: no stochastic estimate, so candidates compare without noise), after a whole fit (no ``train_fit_steps``,
+    no covariance phase)."""
+    strategy = learner.variational_strategy
+    evidence = EPMarginalLogLikelihood if isinstance(strategy, EPStrategy) else LaplaceMarginalLogLikelihood
+    mll = evidence(strategy.likelihood, learner)
+    size = max(strategy.num_data * strategy.num_latents, settings.exact_evidence_size.value())
+    learner.train()
+    with (
+        torch.no_grad(),
+        settings.exact_evidence_size(size),
+        strategy.overriding(covariance_iterations=0, train_fit_steps=None),
+    ):
+        return float(-mll(learner(strategy.train_inputs), strategy.train_targets))
+
+
+def held_out_score(model: gpytorch.models.ApproximateGP, inputs: Tensor, targets: Tensor, fit_steps: int) -> float:
+    """The held-out score of ``model`` (fitted here, cold, with at most ``fit_steps`` Newton steps or EP sweeps, as
+    the outputscale phase's candidates): the log-loss (:func:`~.outputscale.log_loss`) of a classifier's predictive
+    probabilities, the mean Poisson deviance (:func:`poisson_deviance`) of the expected counts of a Poisson likelihood.
+
+    :param inputs: the held-out rows' inputs ``(V, D)``; ``targets``: their labels or counts ``(V,)`` (or ``(V, C)``).
+    :raises TypeError: for another likelihood (no held-out score: choose by ``select_by="bic"``).
+    """
+    strategy = model.variational_strategy
+    counts = _count_adapter(strategy.likelihood)
+    if not (strategy.adapter.classification or counts is not None):
+        raise TypeError(held_out_unavailable(strategy.likelihood))
+    model.eval()
+    with torch.no_grad():
+        strategy.fit(show_progress=False, limit_warning=False, **{strategy.max_steps_option: fit_steps})
+        if counts is None:
+            return log_loss(strategy.predictive_probabilities(inputs), targets)
+        mean, variance = strategy.marginal_latent(inputs)
+        if strategy.num_latents == 1:
+            mean, variance = mean[:, 0], variance[:, 0]
+        return poisson_deviance(counts.predictive_mean(mean, variance), targets)
+
+
+def has_held_out_score(likelihood: gpytorch.likelihoods.Likelihood) -> bool:
+    """Whether :func:`held_out_score` scores ``likelihood``'s models: classifiers and Poisson likelihoods."""
+    return likelihood_adapter(likelihood).classification or _count_adapter(likelihood) is not None
+
+
+def held_out_unavailable(likelihood: gpytorch.likelihoods.Likelihood) -> str:
+    """Why a ``likelihood`` has no held-out score, and what to use instead."""
+    return (
+        f"fit_mll: the held-out score is the log-loss of a classifier or the Poisson deviance of counts; "
+        f"{type(likelihood).__name__} has neither: choose the kernel by select_by='bic' (or 'evidence')."
+    )
+
+
+def _count_adapter(likelihood: gpytorch.likelihoods.Likelihood) -> Any:
+    """The closed-form adapter whose ``predictive_mean`` is a Poisson likelihood's :math:`\\mathbb E[y_*]` (the
+    quasi-likelihoods of non-integer targets included), or ``None`` for another likelihood."""
+    if isinstance(likelihood, MultitaskPoissonLikelihood):
+        return likelihood_adapter(likelihood)
+    if isinstance(likelihood, ExpPoissonLikelihood):
+        return likelihood_adapter(ExpPoissonLikelihood())
+    if isinstance(likelihood, PoissonLikelihood):
+        return likelihood_adapter(PoissonLikelihood())
+    return None
+
+
+def poisson_deviance(expected: Tensor, counts: Tensor) -> float:
+    r"""The mean Poisson deviance :math:`\frac 1 V \sum_i 2 (y_i \log(y_i / \mu_i) - y_i + \mu_i)` of the expected
+    counts ``expected`` :math:`\mu` at the observed ``counts`` :math:`y` (same shape; missing counts, NaN, skipped), as
+    scikit-learn's ``mean_poisson_deviance``; :math:`\mu` clipped at the dtype's machine epsilon."""
+    observed = torch.isfinite(counts)
+    y, mu = counts[observed], expected[observed].clamp_min(torch.finfo(expected.dtype).eps)
+    return float((2 * (torch.special.xlogy(y, y) - y * mu.log() - y + mu)).mean())

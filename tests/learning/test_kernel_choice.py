@@ -1,0 +1,283 @@
+"""The kernel chosen by the evidence (``fit_mll(kernels=...)``, the estimators' ``kernel="auto"``): the family, the
+choice on data with a known structure (linear, one relevant feature, isotropic), the report, the errors."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+import warnings
+
+import gpytorch
+import numpy as np
+import pytest
+import torch
+
+from gpytorch_iterncgp import (
+    ExpPoissonLikelihood,
+    LaplaceMarginalLogLikelihood,
+    LearningRecipe,
+    LogitBernoulliLikelihood,
+    fit_mll,
+)
+from gpytorch_iterncgp.learning.estimator_policy import default_kernel
+from gpytorch_iterncgp.learning.kernel_choice import candidate_kernels, kernel_family, poisson_deviance
+from tests.common import IterNCGPModel, count_data
+
+#: the solver and learning of every fit here: CG to a tolerance (cheaper than the exact unit-vector solves the
+#: estimators take at this size), 10 L-BFGS iterations
+SOLVER = dict(policy="cg", max_solver_iterations=None, abs_tol=1e-4, rel_tol=1e-4)
+RECIPE = LearningRecipe(optimizer_steps=10)
+
+
+def _model(x, y, likelihood=None, kernel=None, **options):
+    """An IterNCGP Laplace model of ``x``, ``y`` with ``kernel`` (default: the estimators' Matérn)."""
+    likelihood = LogitBernoulliLikelihood() if likelihood is None else likelihood
+    model = IterNCGPModel(x, y, likelihood, **{**SOLVER, **options})
+    model.covar_module = default_kernel(x.shape[1]) if kernel is None else kernel
+    return model, LaplaceMarginalLogLikelihood(likelihood, model)
+
+
+def _labels(latent: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Bernoulli labels of the logistic model :math:`p(y = 1) = \\sigma(f)`."""
+    return (torch.rand(latent.shape, generator=generator, dtype=latent.dtype) < torch.sigmoid(latent)).double()
+
+
+def linear_data(num_data: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """3 standard normal features, labels from a logistic model on :math:`f = 3 (2 x_1 - 1.5 x_2 + x_3)`."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_data, 3, generator=generator, dtype=torch.float64)
+    return x, _labels(3 * x @ torch.tensor([2.0, -1.5, 1.0], dtype=torch.float64), generator)
+
+
+def one_relevant_feature(num_data: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """4 standard normal features, labels from :math:`f = 3 \\sin(2 x_1)`: the last three are noise."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_data, 4, generator=generator, dtype=torch.float64)
+    return x, _labels(3 * torch.sin(2 * x[:, 0]), generator)
+
+
+def radial_data(num_data: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """2 features uniform on :math:`[-2, 2]^2`, labels from :math:`f = 4 \\sin(2.5 \\lVert x \\rVert)` (isotropic)."""
+    generator = torch.Generator().manual_seed(seed)
+    x = 4 * torch.rand(num_data, 2, generator=generator, dtype=torch.float64) - 2
+    return x, _labels(4 * torch.sin(2.5 * x.norm(dim=1)), generator)
+
+
+def _lengthscales(kernel) -> torch.Tensor:
+    (matern,) = [module for module in kernel.modules() if isinstance(module, gpytorch.kernels.MaternKernel)]
+    return matern.lengthscale.detach().reshape(-1)
+
+
+class _BrokenKernel(gpytorch.kernels.Kernel):
+    """A kernel whose every evaluation fails as a failed Cholesky would (a candidate to skip)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_parameter("raw_scale", torch.nn.Parameter(torch.zeros((), dtype=torch.float64)))
+
+    def forward(self, x1, x2, diag=False, **params):
+        raise torch.linalg.LinAlgError("broken kernel")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The family
+# ---------------------------------------------------------------------------------------------------
+def test_the_family_is_the_default_matern_its_ard_form_and_their_sums_with_a_linear_kernel():
+    family = kernel_family(4)
+    assert list(family) == ["matern", "matern_ard", "linear+matern", "linear+matern_ard"]
+    reference = default_kernel(4)
+    assert all(
+        torch.equal(value, reference.state_dict()[name]) for name, value in family["matern"].state_dict().items()
+    )
+    for name, kernel in family.items():
+        assert isinstance(kernel, gpytorch.kernels.ScaleKernel) and kernel.batch_shape == torch.Size([])
+        assert float(kernel.outputscale.detach()) == 1.0 and kernel.raw_outputscale.dtype == torch.float64
+        assert torch.allclose(_lengthscales(kernel), torch.full((4 if "ard" in name else 1,), 2.0, dtype=torch.float64))
+        linear = [module for module in kernel.modules() if isinstance(module, gpytorch.kernels.LinearKernel)]
+        assert len(linear) == ("linear" in name)
+        for module in linear:
+            assert float(module.raw_variance.detach()) == pytest.approx(math.log(1 / 4))  # log-parametrised (exp)
+            assert torch.equal(module.raw_variance_constraint.transform(torch.zeros(1)), torch.ones(1))
+    assert family["matern"] is not kernel_family(4)["matern"]  # new kernels on every call
+    assert kernel_family(3, torch.float32)["linear+matern"].raw_outputscale.dtype == torch.float32
+
+
+def test_candidates_are_named_and_checked():
+    x, y = linear_data(20)
+    model, _ = _model(x, y)
+    named = candidate_kernels([default_kernel(3), kernel_family(3)["linear+matern"]], model, "bic")
+    assert list(named) == ["0:ScaleKernel(MaternKernel)", "1:ScaleKernel(AdditiveKernel(LinearKernel, MaternKernel))"]
+    np.testing.assert_allclose(
+        poisson_deviance(torch.tensor([1.0, 2.0, 0.5]), torch.tensor([0.0, 3.0, 1.0])),
+        np.mean([2 * 1.0, 2 * (3 * math.log(1.5) - 1.0), 2 * (math.log(2.0) - 0.5)]),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# The choice on data of a known structure
+# ---------------------------------------------------------------------------------------------------
+def test_a_linear_decision_boundary_chooses_a_linear_kernel():
+    """Labels from a logistic model on a linear function of 3 features: the evidence, penalised for the
+    hyperparameters (BIC), prefers a kernel with the linear part to the Matérn alone."""
+    x, y = linear_data(150)
+    model, mll = _model(x, y)
+    kernels = kernel_family(3)
+    report = fit_mll(mll, kernels=kernels, recipe=RECIPE, seed=0)
+    assert "linear" in report.kernel and model.covar_module is kernels[report.kernel]
+    scores = report.kernel_scores
+    assert scores[report.kernel]["bic"] < scores["matern"]["bic"] - 0.005
+    assert report.learning_rows is None and all(score["held_out"] is None for score in scores.values())
+
+
+def test_one_relevant_feature_among_four_chooses_ard_and_lengthens_the_noise_features():
+    """Labels from a function of the first of 4 features: an ARD kernel is chosen, and its learnt lengthscales of
+    the 3 noise features are longer than that of the relevant one."""
+    x, y = one_relevant_feature(150)
+    model, mll = _model(x, y)
+    report = fit_mll(mll, kernels=kernel_family(4), recipe=RECIPE, seed=0)
+    assert report.kernel.endswith("_ard")
+    lengthscales = _lengthscales(model.covar_module)
+    assert bool((lengthscales[1:] > 2 * lengthscales[0]).all()), lengthscales
+
+
+def test_an_isotropic_function_keeps_a_good_kernel_and_the_report_has_every_candidate():
+    """Labels from sin of the radius: the chosen kernel's held-out log-loss is within 0.02 of the best candidate's.
+    The report: every candidate scored (a failing one skipped with its error), the chosen one's score the least,
+    the learning fields the chosen one's, JSON-able, said in its text."""
+    x, y = radial_data(250)
+    model, mll = _model(x, y)
+    kernels = {**kernel_family(2), "broken": _BrokenKernel()}
+    recipe = dataclasses.replace(RECIPE, outputscale_factors=(1.0, 0.5, 2.0))
+    with pytest.warns(RuntimeWarning, match="kernel 'broken' skipped"):
+        report = fit_mll(mll, kernels=kernels, subset=130, recipe=recipe, seed=0)
+    scores = report.kernel_scores
+    assert list(scores) == list(kernels) and report.kernel in kernel_family(2)
+    assert scores["broken"]["error"].endswith("LinAlgError: broken kernel") and scores["broken"]["bic"] is None
+    scored = {name: score for name, score in scores.items() if name != "broken"}
+    for score in scored.values():
+        assert score["error"] is None and score["seconds"] > 0
+        assert all(math.isfinite(score[key]) for key in ("held_out", "evidence", "bic"))
+        assert score["bic"] > score["evidence"]
+    assert [score["hyperparameters"] for score in scored.values()] == [2, 3, 3, 4]
+    assert report.kernel == min(scored, key=lambda name: scored[name]["bic"])
+    assert scores[report.kernel]["held_out"] <= min(score["held_out"] for score in scored.values()) + 0.02
+    # the learning fields are the chosen candidate's, the held-out rows those it was scored on
+    assert report.data_points == 130 and report.validation_points == 120 and len(report.validation_rows) == 120
+    assert scores[report.kernel]["evidence"] == pytest.approx(min(report.losses), rel=1e-6)
+    assert scores[report.kernel]["held_out"] == report.outputscale_log_loss[report.outputscale_factor]
+    assert report.fit_report.converged and model.covar_module is kernels[report.kernel]
+    json.dumps({key: value for key, value in dataclasses.asdict(report).items() if key != "fit_report"})
+    assert f"kernel {report.kernel!r} of 5 candidates" in str(report) and "broken: skipped" in str(report)
+
+
+def test_without_kernels_fit_mll_learns_as_before_and_one_candidate_learns_the_same():
+    """``kernels=None`` is ``fit_mll`` without the option: the same losses, hyperparameters and rows, no choice in
+    the report; a single candidate, a copy of the model's kernel, is learnt exactly as the model's own kernel."""
+    x, y = radial_data(160, seed=1)
+    recipe = LearningRecipe(optimizer_steps=5, min_validation_points=20)
+    model, mll = _model(x, y)
+    same, single, own = copy.deepcopy(model), copy.deepcopy(model), copy.deepcopy(model.covar_module)
+    same_mll = LaplaceMarginalLogLikelihood(same.variational_strategy.likelihood, same)
+    single_mll = LaplaceMarginalLogLikelihood(single.variational_strategy.likelihood, single)
+    plain = fit_mll(mll, subset=60, recipe=recipe, seed=0)
+    explicit = fit_mll(same_mll, subset=60, recipe=recipe, seed=0, kernels=None)
+    chosen = fit_mll(single_mll, subset=60, recipe=recipe, seed=0, kernels={"own": own})
+    assert plain.kernel is None and plain.kernel_scores == {} and "kernel" not in str(plain)
+    for report in (explicit, chosen):
+        assert report.losses == plain.losses and report.learning_rows == plain.learning_rows
+        assert report.outputscale_log_loss == plain.outputscale_log_loss
+        assert report.validation_rows == plain.validation_rows
+    for other in (same, single):
+        for mine, theirs in zip(model.parameters(), other.parameters(), strict=True):
+            assert torch.equal(mine, theirs)
+    assert explicit.kernel is None and chosen.kernel == "own"
+
+
+def test_counts_are_scored_by_their_held_out_poisson_deviance():
+    """A Poisson model: the held-out score is the mean Poisson deviance of the expected counts; choosing by it keeps
+    the candidate with the least, and the mean's learnt constant is the chosen candidate's."""
+    x, y = count_data(160, seed=2)
+    likelihood = ExpPoissonLikelihood()
+    model, mll = _model(x, y, likelihood, constant_mean=0.5)
+    kernels = {name: kernel for name, kernel in kernel_family(1).items() if name in ("matern", "linear+matern")}
+    recipe = LearningRecipe(optimizer_steps=5, min_validation_points=20)
+    report = fit_mll(mll, kernels=kernels, subset=80, select_by="held_out", recipe=recipe, seed=0)
+    scores = report.kernel_scores
+    assert report.kernel == min(scores, key=lambda name: scores[name]["held_out"])
+    assert all(0 < score["held_out"] < 5 for score in scores.values()) and report.outputscale_log_loss == {}
+    assert report.validation_points == 80 and float(model.mean_module.constant.detach()) != 0.5
+
+
+# ---------------------------------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------------------------------
+class _NoCovarModule(gpytorch.models.ApproximateGP):
+    """A model whose kernel is not called ``covar_module``."""
+
+    def __init__(self, x, y, likelihood):
+        from gpytorch_iterncgp import IterNCGPStrategy
+
+        super().__init__(IterNCGPStrategy(self, x, y, likelihood, show_progress=False))
+        self.kernel = default_kernel(x.shape[1])
+
+    def forward(self, x):
+        return gpytorch.distributions.MultivariateNormal(torch.zeros(x.shape[:-1], dtype=x.dtype), self.kernel(x))
+
+
+def test_fit_mll_refuses_kernels_it_cannot_choose_among():
+    x, y = linear_data(40)
+    likelihood = LogitBernoulliLikelihood()
+    other = _NoCovarModule(x, y, likelihood)
+    with pytest.raises(TypeError, match="no covar_module attribute"):
+        fit_mll(LaplaceMarginalLogLikelihood(likelihood, other), kernels=kernel_family(3))
+    model, mll = _model(x, y)
+    bad = [
+        (dict(kernels=kernel_family(3), select_by="loss"), ValueError, "select_by must be"),
+        (dict(select_by="evidence"), ValueError, "pass them as kernels="),
+        (dict(kernels=kernel_family(3), select_by="held_out"), ValueError, "none are held out .*all 40 rows"),
+        (dict(kernels=kernel_family(3), select_by="held_out", subset=30), ValueError, "recipe.min_validation_points"),
+        (dict(kernels={}), ValueError, "no candidate"),
+        (dict(kernels=["rbf"]), TypeError, "must be a gpytorch.kernels.Kernel"),
+        (dict(kernels=default_kernel(3)), TypeError, "a dict"),
+        (dict(kernels=kernel_family(3), recipe=LearningRecipe(optimizer_steps=0)), ValueError, "optimizer_steps=0"),
+    ]
+    for options, error, message in bad:
+        with pytest.raises(error, match=message):
+            fit_mll(mll, **options)
+    assert model.variational_strategy.state is None  # refused before anything was learnt
+    with pytest.raises(RuntimeError, match="every candidate kernel failed"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        fit_mll(mll, kernels={"broken": _BrokenKernel()}, recipe=RECIPE)
+
+
+def test_the_estimators_refuse_auto_where_they_cannot_choose():
+    from gpytorch_iterncgp.sklearn import IterNCGPClassifier, IterNCGPPoissonRegressor
+
+    x, y = (tensor.numpy() for tensor in linear_data(40))
+    with pytest.raises(ValueError, match="kernel='auto' .*inference='sparse_ep'"):
+        IterNCGPClassifier(kernel="auto", inference="sparse_ep").fit(x, y)
+    with pytest.raises(ValueError, match="kernel='auto' .*optimize_hyperparameters=False"):
+        IterNCGPPoissonRegressor(kernel="auto", optimize_hyperparameters=False).fit(x, y)
+    with pytest.raises(ValueError, match="'kernel' parameter .*'auto'"):
+        IterNCGPClassifier(kernel="ard").fit(x, y)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The estimator
+# ---------------------------------------------------------------------------------------------------
+def test_the_classifier_with_kernel_auto_chooses_a_linear_kernel_on_linear_data_and_predicts():
+    from gpytorch_iterncgp.sklearn import IterNCGPClassifier
+
+    x, y = (tensor.numpy() for tensor in linear_data(350, seed=3))
+    classifier = IterNCGPClassifier(
+        kernel="auto", policy="cg", max_solver_iterations=None, solver_tol=1e-4, optimizer_steps=10, random_state=0
+    ).fit(x[:150], y[:150])
+    report = classifier.learning_report_
+    assert classifier.inference_ == "ep" and report.evidence == "EP" and len(report.kernel_scores) == 4
+    assert "linear" in report.kernel and classifier.kernel_ is classifier.model_.covar_module
+    assert any(isinstance(module, gpytorch.kernels.LinearKernel) for module in classifier.kernel_.modules())
+    assert f"kernel {report.kernel!r} of 4 candidates" in str(classifier.fit_report_)
+    probabilities = classifier.predict_proba(x[150:])
+    assert probabilities.shape == (200, 2) and classifier.score(x[150:], y[150:]) > 0.85
