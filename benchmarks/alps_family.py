@@ -32,10 +32,11 @@ seeds: the selection rates, and the RMSE relative to the best family on the same
 standard deviation). The winner: the highest rate of correct selections (both criteria summed), ties broken by the
 mean relative RMSE.
 
-Writes ``results/alps_family.json`` and ``.png`` (``--quick``: tiny settings, ``alps_family_quick.*``).
+Writes ``results/alps_family.json`` and ``.png`` (``--smoke``, or its alias ``--quick``: tiny settings,
+``alps_family_smoke.*``).
 
     python -m benchmarks.alps_family            # about 20 minutes on one unloaded CPU thread
-    python -m benchmarks.alps_family --quick    # seconds: a functional check
+    python -m benchmarks.alps_family --smoke    # seconds: a functional check
 """
 
 from __future__ import annotations
@@ -43,27 +44,21 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+if not __package__:  # run as a file, not with -m: the package imports below need the repository's root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import gpytorch
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCHMARKS))
-try:  # run from a checkout without installing the package
-    import gpytorch_iterncgp  # noqa: F401
-except ImportError:
-    sys.path.insert(0, str(BENCHMARKS.parent))
+from benchmarks.common import add_smoke_flag, load_average, machine
+from gpytorch_iterncgp.alps import GPALPS, GPALPSELBO, VARIATIONAL_FAMILIES
 
-from common import machine  # noqa: E402
-
-from gpytorch_iterncgp.alps import GPALPS, GPALPSELBO, VARIATIONAL_FAMILIES  # noqa: E402
-
-RESULTS = BENCHMARKS / "results"
+RESULTS = Path(__file__).resolve().parent / "results"
 DTYPE = torch.float64
 LEARNING_RATE = 0.1
 NUM_SAMPLES = 8  # draws of (H, b) per step under "concrete", as in the examples
@@ -369,7 +364,7 @@ def plot(output: dict, path: Path) -> None:
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny settings (a functional check, seconds)")
+    add_smoke_flag(parser, "tiny settings (a functional check, seconds)")
     parser.add_argument("--quiet", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--families", nargs="+", choices=VARIATIONAL_FAMILIES, default=list(VARIATIONAL_FAMILIES))
@@ -383,7 +378,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--merge", nargs="+", type=Path, help="JSON files of earlier invocations to combine into one result"
     )
     args = parser.parse_args(argv)
-    if args.quick:
+    if args.smoke:
         args.steps_square_wave, args.steps_mixture, args.seeds = 20, 10, args.seeds[:1]
         args.problems = [name for name in args.problems if name in ("square_0.1", "mixture_5_11_19")] or args.problems
     return args
@@ -456,7 +451,7 @@ def report(output: dict, path: Path) -> None:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    name = args.name or ("alps_family_quick" if args.quick else "alps_family")
+    name = args.name or ("alps_family_smoke" if args.smoke else "alps_family")
     if args.merge:
         output = merge(args.merge)
         save(output, args.out, name)
@@ -464,7 +459,7 @@ def main(argv=None) -> dict:
             report(output, args.out / f"{name}.json")
         return output
     torch.set_num_threads(max(1, args.threads))
-    load_before = os.getloadavg()
+    load_before = load_average()
     start = time.perf_counter()
     runs: list[dict] = []
     output = {"machine": machine(), "settings": _settings(args), "runs": runs}
@@ -486,7 +481,7 @@ def main(argv=None) -> dict:
                     )
     output["summary"] = summarise(runs, args.families, args.problems)
     output["total_seconds"] = time.perf_counter() - start
-    output["load_average_1min"] = {"before": load_before[0], "after": os.getloadavg()[0]}
+    output["load_average_1min"] = {"before": load_before, "after": load_average()}
     save(output, args.out, name)
     if not args.quiet:
         report(output, args.out / f"{name}.json")

@@ -15,11 +15,11 @@ of the data; ``--adam-gates``: by Adam instead). Records per epoch the
 mean mini-batch ELBO (per data point) and the wall time; at the end the activation probabilities, the RMSE of the
 predictive mean on 2000 held-out inputs (against the noisy targets and against the noiseless mixture
 :math:`\\mathbf H^* \\mathbf s(t)`), total wall time, and the peak resident memory of the process above the memory
-before training (Linux VmHWM). Writes ``results/alps_scale/alps_scale.json`` and ``.png`` (``--quick``: tiny
-sizes, ``alps_scale_quick.*``).
+before training (Linux VmHWM). Writes ``results/alps_scale/alps_scale.json`` and ``.png`` (``--smoke``, or its
+alias ``--quick``: tiny sizes, ``alps_scale_smoke.*``).
 
     python -m benchmarks.alps_scale            # about 2-5 minutes on one (shared) CPU core
-    python -m benchmarks.alps_scale --quick    # seconds: a functional check
+    python -m benchmarks.alps_scale --smoke    # seconds: a functional check
 """
 
 from __future__ import annotations
@@ -27,26 +27,21 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
 
+if not __package__:  # run as a file, not with -m: the package imports below need the repository's root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import gpytorch
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCHMARKS))
-try:  # run from a checkout without installing the package
-    import gpytorch_iterncgp  # noqa: F401
-except ImportError:
-    sys.path.insert(0, str(BENCHMARKS.parent))
+from benchmarks.alps_family import single_sinusoid_kernel
+from benchmarks.common import add_smoke_flag, load_average, machine, peak_rss_bytes, reset_peak_rss, rss_bytes
+from gpytorch_iterncgp.alps import GPALPS, GPALPSELBO, VARIATIONAL_FAMILIES
 
-from common import machine, peak_rss_bytes, reset_peak_rss, rss_bytes  # noqa: E402
-
-from gpytorch_iterncgp.alps import GPALPS, GPALPSELBO, VARIATIONAL_FAMILIES  # noqa: E402
-
-RESULTS = BENCHMARKS / "results" / "alps_scale"
+RESULTS = Path(__file__).resolve().parent / "results" / "alps_scale"
 SIGNAL_PERIODS = (7.0, 17.0, 23.0)
 LATENT_PERIODS = (3.0, 7.0, 7.0, 11.0, 13.0, 17.0, 19.0, 23.0, 23.0)
 SIGNAL_NOISE, OUTPUT_NOISE, SPAN = 0.2, 0.1, 250.0
@@ -79,24 +74,12 @@ def data(num: int, seed: int, missing: float) -> tuple[torch.Tensor, torch.Tenso
     return t[:, None], targets, source @ mixing.mT
 
 
-def periodic_kernel(period: float) -> gpytorch.kernels.Kernel:
-    """The linear-periodic kernel :math:`\\cos(2\\pi (t - t') / P)`, outputscale 1, fixed (``CosineKernel``
-    computes :math:`\\cos(\\pi |t - t'| / p)`, so ``period_length = P / 2``)."""
-    kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.CosineKernel()).double()
-    kernel.base_kernel.period_length = period / 2
-    kernel.outputscale = 1.0
-    kernel.requires_grad_(False)
-    return kernel
-
-
-def run(args: argparse.Namespace) -> dict:
-    torch.manual_seed(args.seed)
-    train_t, train_y, _ = data(args.num_train, seed=args.seed + 1, missing=args.missing)
-    test_t, test_y, test_clean = data(args.num_test, seed=args.seed + 2, missing=0.0)
-    num_outputs = train_y.shape[1]
+def build(args: argparse.Namespace, num_outputs: int):
+    """GP-ALPS with the latents of :data:`LATENT_PERIODS` and a grid of inducing inputs, its multitask Gaussian
+    likelihood (noises learnt, starting at 0.1) and the ELBO."""
     inducing = torch.linspace(0, SPAN, args.num_inducing, dtype=torch.float64)[:, None]
     model = GPALPS(
-        [periodic_kernel(period) for period in LATENT_PERIODS],
+        [single_sinusoid_kernel(period) for period in LATENT_PERIODS],
         inducing,
         num_outputs=num_outputs,
         variational_family=args.family,
@@ -105,12 +88,13 @@ def run(args: argparse.Namespace) -> dict:
         num_tasks=num_outputs, rank=0, has_global_noise=False
     ).double()
     likelihood.task_noises = torch.full((num_outputs,), 0.1, dtype=torch.float64)
-    elbo = GPALPSELBO(likelihood, model, num_data=args.num_train)
-    # Bernoulli gates: held on for --gate-warmup epochs (random initial slabs make every latent look harmful: a gate
-    # closed at once freezes its q(X^z_j)), then coordinate ascent (GPALPSELBO.update_gates) after each Adam step,
-    # damped by the batch's share of the data (the estimate averaged over about one epoch); Adam for the rest
-    gate_updates = args.family != "concrete" and not args.adam_gates
-    gate_step = min(1.0, args.batch_size / args.num_train)
+    return model, likelihood, GPALPSELBO(likelihood, model, num_data=args.num_train)
+
+
+def train(args: argparse.Namespace, model, likelihood, elbo, train_t, train_y, gate_updates: bool, gate_step: float):
+    """Adam on minibatches of the ELBO for ``args.epochs`` epochs; with ``gate_updates`` the gates by coordinate ascent
+    after each step past the warm-up. The history per epoch, the seconds of training and the peak memory above the
+    memory before it."""
     parameters = [
         p
         for p in (*model.parameters(), *likelihood.parameters())
@@ -118,7 +102,6 @@ def run(args: argparse.Namespace) -> dict:
     ]
     optimizer = torch.optim.Adam(parameters, lr=args.lr)
     generator = torch.Generator().manual_seed(args.seed + 3)
-
     before = rss_bytes()
     reset_peak_rss()
     history = []
@@ -150,9 +133,22 @@ def run(args: argparse.Namespace) -> dict:
                 + " ".join(f"{p:.2f}" for p in history[-1]["activation_probabilities"]),
                 flush=True,
             )
-    train_seconds = time.perf_counter() - start
-    peak = peak_rss_bytes() - before
+    return history, time.perf_counter() - start, peak_rss_bytes() - before
 
+
+def run(args: argparse.Namespace) -> dict:
+    """Train on the mixture and score the predictive mean on held-out inputs (the module docstring)."""
+    torch.manual_seed(args.seed)
+    train_t, train_y, _ = data(args.num_train, seed=args.seed + 1, missing=args.missing)
+    test_t, test_y, test_clean = data(args.num_test, seed=args.seed + 2, missing=0.0)
+    num_outputs = train_y.shape[1]
+    model, likelihood, elbo = build(args, num_outputs)
+    # Bernoulli gates: held on for --gate-warmup epochs (random initial slabs make every latent look harmful: a gate
+    # closed at once freezes its q(X^z_j)), then coordinate ascent (GPALPSELBO.update_gates) after each Adam step,
+    # damped by the batch's share of the data (the estimate averaged over about one epoch); Adam for the rest
+    gate_updates = args.family != "concrete" and not args.adam_gates
+    gate_step = min(1.0, args.batch_size / args.num_train)
+    history, train_seconds, peak = train(args, model, likelihood, elbo, train_t, train_y, gate_updates, gate_step)
     mean, _ = model.predict(test_t, num_samples=256, generator=torch.Generator().manual_seed(args.seed + 4))
     rmse_noisy = float((mean - test_y).square().mean().sqrt())
     rmse_clean = float((mean - test_clean).square().mean().sqrt())
@@ -223,7 +219,7 @@ def plot(result: dict, path: Path) -> None:
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes (a functional check, seconds)")
+    add_smoke_flag(parser)
     parser.add_argument("--quiet", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--family", choices=VARIATIONAL_FAMILIES, default="spike_and_slab")
@@ -243,7 +239,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
-    if args.quick:
+    if args.smoke:
         args.num_train, args.num_test, args.batch_size, args.epochs = 400, 100, 100, 3
         args.gate_warmup = min(args.gate_warmup, 1)
     return args
@@ -252,14 +248,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(max(1, args.threads))
-    load_before = os.getloadavg()
+    load_before = load_average()
     start = time.perf_counter()
     result = run(args)
     result["total_seconds"] = time.perf_counter() - start
-    result["load_average_1min"] = {"before": load_before[0], "after": os.getloadavg()[0]}
+    result["load_average_1min"] = {"before": load_before, "after": load_average()}
     output = {"machine": machine(), "arguments": {k: str(v) for k, v in vars(args).items()}, "result": result}
     args.out.mkdir(parents=True, exist_ok=True)
-    name = "alps_scale_quick" if args.quick else "alps_scale"
+    name = "alps_scale_smoke" if args.smoke else "alps_scale"
     (args.out / f"{name}.json").write_text(json.dumps(output, indent=1) + "\n")
     plot(result, args.out / f"{name}.png")
     if not args.quiet:

@@ -5,7 +5,7 @@ r"""Where ``inference="auto"`` switches from dense EP to stochastic EP: both est
     python -m benchmarks.auto_switch --datasets binary20000 --inferences ep  # replaces only dense EP's rows
     python -m benchmarks.auto_switch --smoke                           # tiny sizes, seconds
 
-For each data set (the mixture of :mod:`benchmarks.learned`: ``binary<N>``, ``mixture<N>`` with 10 classes) and seed,
+For each data set (the mixture of :func:`benchmarks.data.load`: ``binary<N>``, ``mixture<N>`` with 10 classes) and seed,
 ``IterNCGPClassifier(inference=...)`` with its other defaults for ``"ep"`` (dense computation-aware EP) and
 ``"sparse_ep"`` (stochastic EP with inducing inputs), one after the other in one process on ``--threads`` threads:
 each fit's wall time (learning included) and test NLL, and which of the two ``"auto"`` picks
@@ -24,10 +24,14 @@ import json
 import sys
 from pathlib import Path
 
+if not __package__:  # run as a file, not with -m: the package imports below need the repository's root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import torch
 
-from benchmarks.common import machine
-from benchmarks.learned import load, run_estimator
+from benchmarks.common import add_smoke_flag, machine
+from benchmarks.data import load
+from benchmarks.learned import run_estimator
 from gpytorch_iterncgp import MinibatchRecipe
 from gpytorch_iterncgp.learning.estimator_policy import auto_inference
 
@@ -40,7 +44,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0])
     parser.add_argument("--inferences", nargs="+", default=["ep", "sparse_ep"], choices=["ep", "sparse_ep"])
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--smoke", action="store_true", help="tiny data, seconds")
+    add_smoke_flag(parser, "tiny data, seconds")
     parser.add_argument("--out", type=Path, default=RESULTS / "auto_switch.json")
     return parser.parse_args(argv)
 

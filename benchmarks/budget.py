@@ -7,21 +7,25 @@ of the predictive (computational uncertainty included). A fit with CG run to con
 is the reference (the exact Laplace posterior; binary problem only). Writes ``results/budget.json`` and ``results/budget.png``.
 
     python -m benchmarks.budget            # a few minutes on a 2-core CPU
-    python -m benchmarks.budget --quick    # tiny sizes, a functional check
+    python -m benchmarks.budget --smoke    # tiny sizes, a functional check (--quick: the same)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 import warnings
 from pathlib import Path
 
+if not __package__:  # run as a file, not with -m: the package imports below need the repository's root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import gpytorch
 import torch
 
-from benchmarks.common import machine
+from benchmarks.common import add_smoke_flag, machine
 from gpytorch_iterncgp import IterNCGPStrategy, LogitBernoulliLikelihood
 from gpytorch_iterncgp.datasets import gaussian_mixture
 
@@ -52,13 +56,13 @@ class Model(gpytorch.models.ApproximateGP):
         return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
 
 
-def problems(quick: bool) -> dict:
+def problems(smoke: bool) -> dict:
     from sklearn.datasets import make_moons
 
-    size = 100 if quick else 1000
+    size = 100 if smoke else 1000
     x, y = make_moons(2 * size, noise=0.25, random_state=0)
     x, y = torch.tensor(x, dtype=torch.float32), torch.tensor(y, dtype=torch.float32)
-    mixture = gaussian_mixture(200 if quick else 1000, 200 if quick else 1000, sample_seed=1, dtype=torch.float32)
+    mixture = gaussian_mixture(200 if smoke else 1000, 200 if smoke else 1000, sample_seed=1, dtype=torch.float32)
     return {
         f"two moons (N = {size}, logit)": (x[:size], y[:size], x[size:], y[size:], LogitBernoulliLikelihood),
         f"10-class mixture (N = {len(mixture[0])}, softmax)": (
@@ -116,17 +120,24 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes (a functional check)")
+def parse_args(argv: list[str] | None, description: str) -> argparse.Namespace:
+    """The budget benchmarks' options (``--smoke``, ``--out``); this one and :mod:`benchmarks.ep_budget` run on at most
+    two threads."""
+    parser = argparse.ArgumentParser(description=description)
+    add_smoke_flag(parser, "tiny sizes (a functional check)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     torch.set_num_threads(min(2, torch.get_num_threads()))
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv, __doc__.splitlines()[0])
     results: dict = {}
-    for problem, data in problems(args.quick).items():
+    for problem, data in problems(args.smoke).items():
         results[problem] = {}
         for name, options in CONFIGS.items():
-            if "exact" in name and "mixture" in problem and not args.quick:
+            if "exact" in name and "mixture" in problem and not args.smoke:
                 continue  # N C = 10^4: the buffer of a fully converged fit makes the virtual runs too slow here
             trace = run(*data, options)
             results[problem][name] = trace
@@ -137,7 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
                 flush=True,
             )
     args.out.mkdir(parents=True, exist_ok=True)
-    name = "budget_quick" if args.quick else "budget"
+    name = "budget_smoke" if args.smoke else "budget"
     (args.out / f"{name}.json").write_text(json.dumps({"machine": machine(), "results": results}, indent=1))
     plot(results, args.out / f"{name}.png")
     return results

@@ -27,6 +27,9 @@ import sys
 import time
 from pathlib import Path
 
+if not __package__:  # run as a file, not with -m: the package imports below need the repository's root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 RESULTS = Path(__file__).resolve().parent / "results"
 WORKLOADS = ("multiclass_ep_300", "binary_ep_2000", "sep_multiclass")
 COMPETITOR = "import torch\ntorch.set_num_threads(2)\na = torch.randn(1500, 1500)\nwhile True:\n    a @ a\n"
@@ -100,7 +103,8 @@ def measure(name: str, busy: bool, limits: bool, smoke: bool) -> float:
         command = [sys.executable, "-m", "benchmarks.busy_machine", "--one", name]
         command += [] if limits else ["--no-limits"]
         command += ["--smoke"] if smoke else []
-        output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+        root = Path(__file__).resolve().parents[1]  # where `-m benchmarks.busy_machine` is found
+        output = subprocess.run(command, check=True, capture_output=True, text=True, cwd=root).stdout
         return float(output.strip().splitlines()[-1])
     finally:
         if competitor is not None:

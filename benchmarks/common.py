@@ -1,8 +1,11 @@
-"""What every benchmark records: the machine it ran on, and the process's peak resident memory."""
+"""What every benchmark shares: the record of the machine it ran on and its load, the process's peak resident memory,
+and the command-line flag of a tiny run."""
 
 from __future__ import annotations
 
+import argparse
 import datetime
+import math
 import os
 import platform
 
@@ -85,3 +88,16 @@ def reset_peak_rss() -> None:
             clear_refs.write("5")
     except OSError:
         pass
+
+
+def load_average() -> float:
+    """The machine's load average over the last minute (NaN where the platform has none)."""
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return math.nan
+
+
+def add_smoke_flag(parser: argparse.ArgumentParser, help: str = "tiny sizes (a functional check, seconds)") -> None:
+    """``--smoke`` (``args.smoke``): the benchmark at tiny sizes, as the tests run it; ``--quick`` is the same flag."""
+    parser.add_argument("--smoke", "--quick", dest="smoke", action="store_true", help=f"{help}; --quick: the same")

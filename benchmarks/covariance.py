@@ -11,9 +11,9 @@ exact Laplace (``--exact`` runs it here: about 11 minutes at N = 5000 on a quiet
 2. The phase with 0, 4, 8, ... blocks from the fitted state (``DampedNewton.finalize``), each timed alone.
 3. End-to-end fits ``IterNCGPStrategy(covariance_iterations=k)`` for ``--end-to-end`` values of k: wall time.
 
-    python benchmarks/covariance.py --threads 1 --tag _j20   # ~7 min on a loaded 2-core CPU
-    python benchmarks/covariance.py --quick              # N = 500, a functional check
-    python benchmarks/covariance.py --exact              # also exact Laplace by Cholesky (R&W 3.3/3.4)
+    python -m benchmarks.covariance --threads 1 --tag _j20   # ~7 min on a loaded 2-core CPU
+    python -m benchmarks.covariance --smoke                  # N = 500, a functional check (--quick: the same)
+    python -m benchmarks.covariance --exact                  # also exact Laplace by Cholesky (R&W 3.3/3.4)
 
 Writes ``results/covariance/covariance.json`` (with the machine) and ``results/covariance/covariance.png``.
 """
@@ -22,34 +22,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 import warnings
 from pathlib import Path
 
+if not __package__:  # run as a file, not with -m: the package imports below need the repository's root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCHMARKS))
-try:  # run from a checkout without installing the package
-    import gpytorch_iterncgp  # noqa: F401
-except ImportError:
-    sys.path.insert(0, str(BENCHMARKS.parent))
+from benchmarks import methods
+from benchmarks.common import add_smoke_flag, load_average, machine
+from benchmarks.suite import load_problem
 
-import methods  # noqa: E402
-from common import machine  # noqa: E402
-from suite import load_problem  # noqa: E402
-
-RESULTS = BENCHMARKS / "results" / "covariance"
+RESULTS = Path(__file__).resolve().parent / "results" / "covariance"
 FIT = dict(policy="cg", max_solver_iterations=5, max_newton_steps=60, outer_tol=1e-3, min_curvature=1e-6)
-
-
-def load_average() -> float:
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return float("nan")
 
 
 def test_nll(problem, state) -> dict:
@@ -76,7 +64,7 @@ def fit(problem, **options):
     return strategy, report, seconds
 
 
-def main(argv: list[str] | None = None) -> dict:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n-train", type=int, default=5000)
     parser.add_argument("--n-test", type=int, default=10_000)
@@ -91,12 +79,91 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--solver-iterations", type=int, default=20, help="j per Newton step (suite: 5)")
     parser.add_argument("--compression-rank", type=int, default=None, help="R of the fit (default: all actions)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--quick", action="store_true", help="N = 500, 1000 test points, few blocks")
+    add_smoke_flag(parser, "N = 500, 1000 test points, few blocks")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--tag", default="", help="suffix of the result files' names")
     args = parser.parse_args(argv)
-    if args.quick:
+    if args.smoke:
         args.n_train, args.n_test, args.blocks, args.end_to_end = 500, 1000, [0, 2, 4], [2]
+    return args
+
+
+def newton_loop(problem) -> tuple:
+    """1. The Newton loop without the phase: its strategy, and its products, time, rank and test metrics."""
+    strategy, report, seconds = fit(problem)
+    entry = {
+        "seconds": seconds,
+        "products": report.kernel_products,
+        "columns": report.kernel_columns,
+        "newton_steps": report.steps,
+        "converged": report.converged,
+        "rank": int(strategy.state.precision_root.shape[-1]),
+        **test_nll(problem, strategy.state),
+    }
+    print(f"fit: {entry}", flush=True)
+    return strategy, entry
+
+
+def phase_alone(problem, strategy, fitted: dict, blocks_list: list[int], block_size: int) -> list[dict]:
+    """2. The phase alone from the fitted state (``DampedNewton.finalize``), for each number of blocks, each timed."""
+    loop = strategy._make_loop(strategy.train_prior(), strategy.options)
+    committed = strategy.state
+    phase = []
+    for blocks in blocks_list:
+        loop.options.covariance_iterations, loop.options.covariance_block_size = blocks, block_size
+        products, columns = loop.prior.products, loop.prior.columns
+        with torch.no_grad():
+            tic = time.perf_counter()
+            state = loop.finalize(committed)
+            elapsed = time.perf_counter() - tic
+        entry = {
+            "blocks": blocks,
+            "phase_seconds": elapsed,
+            "phase_products": loop.prior.products - products,
+            "phase_columns": loop.prior.columns - columns,
+            "rank": int(state.precision_root.shape[-1]),
+            "total_products": fitted["products"] + loop.prior.products - products,
+            "total_seconds": fitted["seconds"] + elapsed,
+            "load": load_average(),
+            **test_nll(problem, state),
+        }
+        phase.append(entry)
+        print(f"phase: {entry}", flush=True)
+    return phase
+
+
+def end_to_end(problem, blocks_list: list[int], block_size: int) -> list[dict]:
+    """3. End-to-end fits ``IterNCGPStrategy(covariance_iterations=k)`` for each k: wall time, products, test metrics."""
+    entries = []
+    for blocks in blocks_list:
+        strategy, report, seconds = fit(problem, covariance_iterations=blocks, covariance_block_size=block_size)
+        entry = {
+            "covariance_iterations": blocks,
+            "seconds": seconds,
+            "products": report.kernel_products,
+            "columns": report.kernel_columns,
+            "product_seconds": report.kernel_product_seconds,
+            "rank": int(strategy.state.precision_root.shape[-1]),
+            "load": load_average(),
+            **test_nll(problem, strategy.state),
+        }
+        entries.append(entry)
+        print(f"end to end: {entry}", flush=True)
+    return entries
+
+
+def exact_laplace(problem, args: argparse.Namespace) -> dict:
+    """Exact Laplace's test NLL: measured here with ``--exact``, else the ``--exact-nll`` given."""
+    if not args.exact:
+        return {"nll": args.exact_nll, "source": "--exact-nll (methods.run_sod_laplace on all 5000 points: 0.4104)"}
+    exact = methods.run_sod_laplace(problem, problem.num_train)
+    result = {"nll": exact["history"][-1]["nll"], "seconds": exact["fit_seconds"], "source": "this run"}
+    print(f"exact: {result}", flush=True)
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     FIT.update(
         max_newton_steps=args.newton_steps,
@@ -109,75 +176,13 @@ def main(argv: list[str] | None = None) -> dict:
         "args": {k: str(v) for k, v in vars(args).items()},
         "load_start": load_average(),
     }
-
-    # 1. the Newton loop without the phase
-    strategy, report, seconds = fit(problem)
-    results["fit"] = {
-        "seconds": seconds,
-        "products": report.kernel_products,
-        "columns": report.kernel_columns,
-        "newton_steps": report.steps,
-        "converged": report.converged,
-        "rank": int(strategy.state.precision_root.shape[-1]),
-        **test_nll(problem, strategy.state),
-    }
-    print(f"fit: {results['fit']}", flush=True)
-
-    # 2. the phase alone, from the fitted state, for each number of blocks
-    loop = strategy._make_loop(strategy.train_prior(), strategy.options)
-    committed = strategy.state
-    phase = []
-    for blocks in args.blocks:
-        loop.options.covariance_iterations, loop.options.covariance_block_size = blocks, args.block_size
-        products, columns = loop.prior.products, loop.prior.columns
-        with torch.no_grad():
-            tic = time.perf_counter()
-            state = loop.finalize(committed)
-            elapsed = time.perf_counter() - tic
-        entry = {
-            "blocks": blocks,
-            "phase_seconds": elapsed,
-            "phase_products": loop.prior.products - products,
-            "phase_columns": loop.prior.columns - columns,
-            "rank": int(state.precision_root.shape[-1]),
-            "total_products": results["fit"]["products"] + loop.prior.products - products,
-            "total_seconds": results["fit"]["seconds"] + elapsed,
-            "load": load_average(),
-            **test_nll(problem, state),
-        }
-        phase.append(entry)
-        print(f"phase: {entry}", flush=True)
-    results["phase"] = phase
-
-    # 3. end to end: IterNCGPStrategy(covariance_iterations=k)
-    results["end_to_end"] = []
-    for blocks in args.end_to_end:
-        strategy, report, seconds = fit(problem, covariance_iterations=blocks, covariance_block_size=args.block_size)
-        entry = {
-            "covariance_iterations": blocks,
-            "seconds": seconds,
-            "products": report.kernel_products,
-            "columns": report.kernel_columns,
-            "product_seconds": report.kernel_product_seconds,
-            "rank": int(strategy.state.precision_root.shape[-1]),
-            "load": load_average(),
-            **test_nll(problem, strategy.state),
-        }
-        results["end_to_end"].append(entry)
-        print(f"end to end: {entry}", flush=True)
-
-    results["exact"] = {
-        "nll": args.exact_nll,
-        "source": "--exact-nll (methods.run_sod_laplace on all 5000 points: 0.4104)",
-    }
-    if args.exact:
-        exact = methods.run_sod_laplace(problem, problem.num_train)
-        results["exact"] = {"nll": exact["history"][-1]["nll"], "seconds": exact["fit_seconds"], "source": "this run"}
-        print(f"exact: {results['exact']}", flush=True)
+    strategy, results["fit"] = newton_loop(problem)
+    results["phase"] = phase_alone(problem, strategy, results["fit"], args.blocks, args.block_size)
+    results["end_to_end"] = end_to_end(problem, args.end_to_end, args.block_size)
+    results["exact"] = exact_laplace(problem, args)
     results["load_end"] = load_average()
     args.out.mkdir(parents=True, exist_ok=True)
-    name = "covariance_quick" if args.quick else "covariance"
-    name += args.tag
+    name = ("covariance_smoke" if args.smoke else "covariance") + args.tag
     (args.out / f"{name}.json").write_text(json.dumps(results, indent=1))
     plot(results, args.out / f"{name}.png")
     return results

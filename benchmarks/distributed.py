@@ -1,14 +1,15 @@
 """Kernel products and Newton steps on several processes (``ShardedKernel``, gloo) against one process.
 
-    python benchmarks/distributed.py                  # N = 10^4, C = 10, float32, fused products
-    python benchmarks/distributed.py --smoke --out /tmp/distributed
+    python -m benchmarks.distributed                  # N = 10^4, C = 10, float32, fused products
+    python -m benchmarks.distributed --smoke --out /tmp/distributed
 
 The paper's 10-class mixture in 3-D, a softmax likelihood over C latents sharing one Matérn-3/2 kernel, the fused
 products of ``gpytorch_iterncgp.core.kernel_products`` (``dense_kernel_limit`` 0: the path of N = 10^6, where K is
 never cached). Three configurations, each in fresh processes spawned here: one process with one thread, one process
 with two threads, and two processes (gloo on localhost, ``ShardedKernel``) with one thread each. Each times, after
 a warm-up product (which compiles the tile), ``--products`` products with one action (an ``(N C, 1)`` right-hand
-side, as a CG iteration takes) and a fit of ``--steps`` Newton steps (CG, 5 products per step, R = 10), and counts
+side, as a CG iteration takes) and a fit of ``--steps`` Newton steps (the paper's CG without preconditioner, 5
+products per step, R = 10), and counts
 the bytes each rank sent per product; with two processes also the two parts of a product on each rank (its rows,
 and the ``all_gather``, which includes the wait for the slower rank). ``OMP_WAIT_POLICY=PASSIVE`` (``benchmarks/README.md`` §3). Writes
 ``results/distributed.json`` and ``.png`` (with the machine and its load average) and prints a table.
@@ -23,13 +24,18 @@ import json
 import os
 import socket
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
-from common import machine
+
+if not __package__:  # run as a file, not with -m: the package imports below need the repository's root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import machine
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CONFIGURATIONS = (  # label, processes, threads per process, shard_state
@@ -46,31 +52,21 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def worker(
-    rank: int, world_size: int, port: int, threads: int, shard_state: bool, options: dict, directory: str
-) -> None:
-    """One process of a configuration: time products and a fit; rank 0 saves the timings."""
+def _model(train_x, train_y, classes: int, sharded: bool, shard_state: bool):
+    """The softmax model on the fused products: CG with 5 iterations per Newton step and R = 10 (the paper's solver,
+    ``preconditioner_rank=0``: the configuration of the recorded results), one Matérn-3/2 kernel shared by the
+    classes, sharded over the ranks with ``ShardedKernel`` where ``sharded``."""
     import gpytorch
-    import torch.distributed as dist
 
-    from gpytorch_iterncgp import IterNCGPStrategy, settings
-    from gpytorch_iterncgp.datasets import gaussian_mixture
+    from gpytorch_iterncgp import IterNCGPStrategy
     from gpytorch_iterncgp.distributed import ShardedKernel
-
-    torch.set_num_threads(threads)
-    sharded = world_size > 1
-    if sharded:
-        timeout = datetime.timedelta(minutes=10)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                                timeout=timeout)  # fmt: skip
-    num, classes = options["num_data"], options["classes"]
-    train_x, train_y, _, _ = gaussian_mixture(num, classes, num_classes=classes, dtype=torch.float32)
 
     class Model(gpytorch.models.ApproximateGP):
         def __init__(self):
             likelihood = gpytorch.likelihoods.SoftmaxLikelihood(num_classes=classes, mixing_weights=False)
             strategy = IterNCGPStrategy(self, train_x, train_y, likelihood, policy="cg", max_solver_iterations=5,
-                                        compression_rank=10, min_curvature=1e-6, show_progress=False)  # fmt: skip
+                                        compression_rank=10, preconditioner_rank=0, min_curvature=1e-6,
+                                        show_progress=False)  # fmt: skip
             super().__init__(strategy)
             self.mean_module = gpytorch.means.ZeroMean()
             kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=1.5))
@@ -80,63 +76,101 @@ def worker(
         def forward(self, x):
             return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
 
-    model = Model().to(torch.float32)
+    return Model().to(torch.float32)
+
+
+def _product_seconds(prior, rhs: torch.Tensor, count: int, barrier) -> list[float]:
+    """Seconds of ``count`` products of the prior with ``rhs``, after a warm-up product (which compiles the tile)."""
+    prior.matmul(rhs)
+    seconds = []
+    for _ in range(count):
+        barrier()
+        start = time.perf_counter()
+        prior.matmul(rhs)
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def _sharded_parts(prior, rhs: torch.Tensor, num: int, classes: int, count: int, barrier) -> tuple[list, list]:
+    """The two parts of ``count`` sharded products: this rank's rows, and the ``all_gather`` (waits included)."""
+    from gpytorch_iterncgp.core.prior import _local_matmul, _sharded
+
+    matrix = _sharded(prior.covariance)
+    shared_rhs = rhs.reshape(num, classes)
+    local_seconds, gather_seconds = [], []
+    for _ in range(count):
+        barrier()
+        start = time.perf_counter()
+        local = _local_matmul(matrix.local_rows, shared_rhs)
+        middle = time.perf_counter()
+        matrix.gather(local)
+        local_seconds.append(middle - start)
+        gather_seconds.append(time.perf_counter() - middle)
+    return local_seconds, gather_seconds
+
+
+def _fit_and_phase(model, options: dict, sharded: bool, barrier) -> dict:
+    """A fit of ``options["steps"]`` Newton steps, then the covariance phase alone (no further Newton step, then the
+    final precision with the phase's blocks): their reports' totals and the bytes the kernel sent."""
     strategy = model.variational_strategy
-
-    def barrier() -> None:
-        if sharded:
-            dist.barrier()
-
-    with torch.no_grad(), settings.dense_kernel_limit(0):
-        prior = strategy.train_prior()
-        rhs = torch.randn(num * classes, 1, generator=torch.Generator().manual_seed(rank), dtype=torch.float32)
-        prior.matmul(rhs)  # warm-up: compiles the tile
-        seconds = []
-        for _ in range(options["products"]):
-            barrier()
-            start = time.perf_counter()
-            prior.matmul(rhs)
-            seconds.append(time.perf_counter() - start)
-        local_seconds, gather_seconds = [], []
-        if sharded:  # the two parts of a sharded product: this rank's rows, and the all_gather (waits included)
-            from gpytorch_iterncgp.core.prior import _local_matmul, _sharded
-
-            matrix = _sharded(prior.covariance)
-            shared_rhs = rhs.reshape(num, classes)
-            for _ in range(options["products"]):
-                barrier()
-                start = time.perf_counter()
-                local = _local_matmul(matrix.local_rows, shared_rhs)
-                middle = time.perf_counter()
-                matrix.gather(local)
-                local_seconds.append(middle - start)
-                gather_seconds.append(time.perf_counter() - middle)
-        barrier()
-        report = strategy.fit(max_newton_steps=options["steps"])
-        # the covariance phase alone: no further Newton step, then the final precision with the phase's blocks
-        strategy.options = dataclasses.replace(strategy.options, covariance_iterations=options["phase_iterations"])
-        kernel = model.covar_module
-        products, sent = (kernel.products, kernel.bytes_sent) if sharded else (0, 0)
-        sent_per_product = sent / products if sharded else 0
-        barrier()
-        phase = strategy.fit(max_newton_steps=0)
-    result = {
-        "product_seconds": seconds,
-        "product_median_seconds": statistics.median(seconds),
+    barrier()
+    report = strategy.fit(max_newton_steps=options["steps"])
+    strategy.options = dataclasses.replace(strategy.options, covariance_iterations=options["phase_iterations"])
+    kernel = model.covar_module
+    products, sent = (kernel.products, kernel.bytes_sent) if sharded else (0, 0)
+    barrier()
+    phase = strategy.fit(max_newton_steps=0)
+    return {
         "newton_steps": report.steps,
         "fit_products": report.kernel_products,
         "fit_seconds": report.wall_time,
         "fit_product_seconds": report.kernel_product_seconds,
         "seconds_per_newton_step": report.wall_time / max(1, report.steps),
-        "bytes_sent_per_product": sent_per_product,
-        "local_rows_median_seconds": statistics.median(local_seconds) if sharded else None,
-        "all_gather_median_seconds": statistics.median(gather_seconds) if sharded else None,
+        "bytes_sent_per_product": sent / products if sharded else 0,
         "phase_seconds": phase.wall_time,
         "phase_products": phase.kernel_products,
         "phase_product_seconds": phase.kernel_product_seconds,
         "phase_columns": phase.kernel_columns,
         "phase_bytes_sent": kernel.bytes_sent - sent if sharded else 0,
         "phase_collective_products": kernel.products - products if sharded else 0,
+    }
+
+
+def worker(
+    rank: int, world_size: int, port: int, threads: int, shard_state: bool, options: dict, directory: str
+) -> None:
+    """One process of a configuration: time products and a fit; each rank saves its timings."""
+    import torch.distributed as dist
+
+    from gpytorch_iterncgp import settings
+    from gpytorch_iterncgp.datasets import gaussian_mixture
+
+    torch.set_num_threads(threads)
+    sharded = world_size > 1
+    if sharded:
+        timeout = datetime.timedelta(minutes=10)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                                timeout=timeout)  # fmt: skip
+    num, classes = options["num_data"], options["classes"]
+    train_x, train_y, _, _ = gaussian_mixture(num, classes, num_classes=classes, dtype=torch.float32)
+    model = _model(train_x, train_y, classes, sharded, shard_state)
+
+    def barrier() -> None:
+        if sharded:
+            dist.barrier()
+
+    with torch.no_grad(), settings.dense_kernel_limit(0):
+        prior = model.variational_strategy.train_prior()
+        rhs = torch.randn(num * classes, 1, generator=torch.Generator().manual_seed(rank), dtype=torch.float32)
+        seconds = _product_seconds(prior, rhs, options["products"], barrier)
+        parts = _sharded_parts(prior, rhs, num, classes, options["products"], barrier) if sharded else None
+        fit = _fit_and_phase(model, options, sharded, barrier)
+    result = {
+        "product_seconds": seconds,
+        "product_median_seconds": statistics.median(seconds),
+        "local_rows_median_seconds": statistics.median(parts[0]) if parts else None,
+        "all_gather_median_seconds": statistics.median(parts[1]) if parts else None,
+        **fit,
     }
     (Path(directory) / f"result{rank}.json").write_text(json.dumps(result))
     if sharded:

@@ -10,25 +10,27 @@ too wide). Laplace with an exact solve is the horizontal reference: what EP is f
 ``results/ep_budget.json`` and ``results/ep_budget.png``.
 
     python -m benchmarks.ep_budget            # about two minutes on a 2-core CPU
-    python -m benchmarks.ep_budget --quick    # tiny sizes, a functional check
+    python -m benchmarks.ep_budget --smoke    # tiny sizes, a functional check (--quick: the same)
 """
 
 from __future__ import annotations
 
-import argparse
 import json
+import sys
 import time
 import warnings
 from pathlib import Path
 
+if not __package__:  # run as a file, not with -m: the package imports below need the repository's root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import gpytorch
 import torch
 
-from benchmarks.budget import nll_and_accuracy
+from benchmarks.budget import nll_and_accuracy, parse_args
 from benchmarks.common import machine
 from gpytorch_iterncgp import EPStrategy, IterNCGPStrategy
 
-RESULTS = Path(__file__).parent / "results"
 EXACT = "exact EP (complete solve every sweep)"
 CONFIGS = {
     EXACT: dict(policy="unit", max_solver_iterations=None, abs_tol=0.0, rel_tol=0.0, max_sweeps=60),
@@ -55,10 +57,10 @@ class Model(gpytorch.models.ApproximateGP):
         return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
 
 
-def problem(quick: bool):
+def problem(smoke: bool):
     from sklearn.datasets import make_moons
 
-    size = 150 if quick else 1000
+    size = 150 if smoke else 1000
     x, y = make_moons(2 * size, noise=0.25, random_state=0)
     x, y = torch.tensor(x, dtype=torch.float64), torch.tensor(y, dtype=torch.float64)
     return x[:size], y[:size], x[size:], y[size:]
@@ -119,12 +121,8 @@ def plot(results: dict, laplace_nll: float, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes (a functional check)")
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(min(2, torch.get_num_threads()))
-    data = problem(args.quick)
+    args = parse_args(argv, __doc__.splitlines()[0])
+    data = problem(args.smoke)
     results: dict = {}
     exact_sites = None
     for name, options in CONFIGS.items():
@@ -147,7 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
     laplace_nll, laplace_accuracy = nll_and_accuracy(laplace, data[2], data[3])
     print(f"{'exact Laplace':40s} NLL {laplace_nll:.4f}  acc {laplace_accuracy:.3f}")
     args.out.mkdir(parents=True, exist_ok=True)
-    name = "ep_budget_quick" if args.quick else "ep_budget"
+    name = "ep_budget_smoke" if args.smoke else "ep_budget"
     output = {"machine": machine(), "laplace": {"nll": laplace_nll, "accuracy": laplace_accuracy}, "results": results}
     (args.out / f"{name}.json").write_text(json.dumps(output, indent=1))
     plot(results, laplace_nll, args.out / f"{name}.png")

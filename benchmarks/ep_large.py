@@ -29,7 +29,8 @@ import gpytorch
 import torch
 
 from benchmarks.common import machine
-from benchmarks.learned import load, log_loss
+from benchmarks.data import load
+from benchmarks.scoring import log_loss
 from gpytorch_iterncgp import EPStrategy
 
 RESULTS = Path(__file__).resolve().parent / "results"

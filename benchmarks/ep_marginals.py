@@ -5,10 +5,13 @@ Prints the fit's totals as JSON and then one line per evaluated sweep (or SVGP e
 (evaluations excluded), test NLL and accuracy of the predictive, NLL of the plug-in (the latent mean alone), and for
 EP the bounded cavities of that sweep and the products with K so far. Run from the repository root:
 
-    OMP_NUM_THREADS=1 python benchmarks/ep_marginals.py ep --num-train 10000 --sweeps 20 --marginal-iterations 3 \\
-        --marginal-every 10 --eval 10 11 20
-    OMP_NUM_THREADS=1 python benchmarks/ep_marginals.py svgp --num-train 10000 --inducing 1000 --lr 0.01 --budget 120
-    python benchmarks/ep_marginals.py plot        # the figure of every saved run
+    python -m benchmarks.ep_marginals ep --num-train 10000 --sweeps 20 --marginal-iterations 3 --marginal-every 10 \\
+        --eval 5 10 11 15 20 --threads 2
+    python -m benchmarks.ep_marginals svgp --num-train 10000 --inducing 1000 --lr 0.01 --budget 92 --threads 2
+    python -m benchmarks.ep_marginals plot        # the figure of every saved run
+
+(``benchmarks/README.md`` §6 and §11 have the commands of their tables.) The SVGP runs are the suite's
+(:func:`benchmarks.methods.run_svgp`).
 
 Each run is saved as ``results/ep_marginals/<label>.json`` (``--label``; with the machine); ``plot`` draws the test NLL
 of every saved run against its wall time into ``results/ep_marginals/ep_marginals.png``.
@@ -22,14 +25,15 @@ import sys
 import warnings
 from pathlib import Path
 
+if not __package__:  # run as a file, not with -m: the package imports below need the repository's root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parent
-RESULTS = BENCHMARKS / "results" / "ep_marginals"
-sys.path.insert(0, str(BENCHMARKS))
-import methods  # noqa: E402
-import suite  # noqa: E402
-from common import machine  # noqa: E402
+from benchmarks import methods, suite
+from benchmarks.common import machine
+
+RESULTS = Path(__file__).resolve().parent / "results" / "ep_marginals"
 
 KEYS = ("time", "step", "nll", "accuracy", "plug_in_nll", "bounded_cavities", "products", "adam_steps", "final")
 

@@ -3,7 +3,7 @@ r"""EP's outputscale at the lengthscale the estimator learns: where the N = 5000
     python -m benchmarks.ep_outputscale full --seed 0 --lengthscale 0.499 --outputscales 1.25 2.5 5 10 20
     python -m benchmarks.ep_outputscale subset --seed 1 --lengthscale 0.5215 --outputscales 40 20 10 5 2.5 1.25
 
-The paper's 10-class mixture (``benchmarks.learned``'s ``mixture5000``, data seed ``--seed``), the estimator's
+The paper's 10-class mixture (:func:`benchmarks.data.load`'s ``mixture5000``, data seed ``--seed``), the estimator's
 default kernel (Matérn-5/2) with the lengthscale the estimator learnt on that seed (``learning_report_`` of
 ``python -m benchmarks.learned --datasets mixture5000 --methods estimator --seed S``: 0.499, 0.5215, 0.5132 on seeds
 0, 1, 2) held fixed, and each outputscale of ``--outputscales``:
@@ -27,13 +27,17 @@ import sys
 import time
 from pathlib import Path
 
+if not __package__:  # run as a file, not with -m: the package imports below need the repository's root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import gpytorch
 import numpy as np
 import torch
 from sklearn.utils import check_random_state, resample
 
 from benchmarks.common import machine
-from benchmarks.learned import load, log_loss
+from benchmarks.data import load
+from benchmarks.scoring import log_loss
 from gpytorch_iterncgp import EPMarginalLogLikelihood
 from gpytorch_iterncgp.integrations.sklearn import IterNCGPClassifier
 from gpytorch_iterncgp.learning.estimator_policy import default_kernel

@@ -18,12 +18,17 @@ import json
 import sys
 from pathlib import Path
 
+if not __package__:  # run as a file, not with -m: the package imports below need the repository's root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import gpytorch
 import torch
 
-from benchmarks.common import machine
-from benchmarks.learned import Data, SVGPModel, load, log_loss, svgp_probabilities
+from benchmarks.common import add_smoke_flag, machine
+from benchmarks.data import Data, load
 from benchmarks.scalable_ep import SEPModel
+from benchmarks.scoring import log_loss
+from benchmarks.svgp import SVGPModel, svgp_probabilities
 from gpytorch_iterncgp import StochasticEPMarginalLogLikelihood
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -113,7 +118,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 4])
     parser.add_argument("--steps", type=int, default=1700, help="steps before the variants (about 60 s here)")
     parser.add_argument("--more", type=int, default=300)
-    parser.add_argument("--smoke", action="store_true", help="tiny data, seconds")
+    add_smoke_flag(parser, "tiny data, seconds")
     parser.add_argument("--out", type=Path, default=RESULTS / "frozen_inducing.json")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)

@@ -16,7 +16,7 @@ default constraints), with the strategy's defaults. Methods:
 * ``loop_laplace``, ``loop_ep``: the same model in the plain GPyTorch loop of ``docs/user_guide/hyperparameters.md`` (Adam, learning rate
   0.05, on ``-mll(model(train_x), train_y)``) for ``--budget`` seconds, scored ten times along the way;
 * ``svgp``: GPyTorch's SVGP, 100 learnt inducing inputs per latent, Adam (learning rate 0.01) on the ELBO in batches
-  of 1024, for ``--budget`` seconds (``benchmarks.learned.run_svgp``);
+  of 1024, for ``--budget`` seconds (:func:`benchmarks.svgp.run_svgp`);
 * ``logistic``, ``boosting``: scikit-learn's ``LogisticRegression`` and ``HistGradientBoostingClassifier`` with their
   defaults, what a practitioner would pick instead.
 
@@ -33,19 +33,25 @@ import copy
 import dataclasses
 import json
 import math
-import statistics
 import sys
 import time
 import warnings
 from pathlib import Path
+
+if not __package__:  # run as a file, not with -m: the package imports below need the repository's root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import gpytorch
 import numpy as np
 import torch
 
 from benchmarks import real_data
-from benchmarks.common import machine
-from benchmarks.learned import Clock, Data, _evidence_steps, load, run_svgp
+from benchmarks.common import add_smoke_flag, machine
+from benchmarks.data import Data, load
+from benchmarks.loops import evidence_loop
+from benchmarks.models import ep_likelihood
+from benchmarks.scoring import Clock, nll_at, spread
+from benchmarks.svgp import run_svgp
 from gpytorch_iterncgp import (
     ConvergenceWarning,
     EPMarginalLogLikelihood,
@@ -53,7 +59,6 @@ from gpytorch_iterncgp import (
     IterNCGPStrategy,
     LaplaceMarginalLogLikelihood,
     LogitBernoulliLikelihood,
-    MultinomialProbitLikelihood,
     fit_mll,
 )
 
@@ -61,13 +66,6 @@ RESULTS = Path(__file__).resolve().parent / "results"
 DATASETS = ("mixture5000", *real_data.DATASETS)
 METHODS = ("svgp", "fit_mll_laplace", "fit_mll_ep", "loop_laplace", "loop_ep", "logistic", "boosting")
 MARKS = (30.0, 60.0, 120.0)
-
-
-def load_data(name: str, smoke: bool, seed: int) -> Data:
-    """``mixture<N>`` (the data seed draws the samples) or a real data set (the seed draws the split)."""
-    if name in real_data.DATASETS:
-        return real_data.load(name, smoke, seed)
-    return load(name, smoke, seed)
 
 
 class SwapModel(gpytorch.models.ApproximateGP):
@@ -98,11 +96,7 @@ def _swap_model(data: Data, inference: str) -> tuple[SwapModel, type]:
         )
         strategy, evidence = IterNCGPStrategy, LaplaceMarginalLogLikelihood
     else:
-        likelihood = (
-            MultinomialProbitLikelihood(num_classes=data.num_classes)
-            if multiclass
-            else gpytorch.likelihoods.BernoulliLikelihood()
-        )
+        likelihood = ep_likelihood(data.num_classes)
         strategy, evidence = EPStrategy, EPMarginalLogLikelihood
     targets = data.train_y.to(data.train_x)
     return SwapModel(data, targets, strategy, likelihood), evidence
@@ -134,7 +128,7 @@ def run_loop(data: Data, inference: str, budget: float, seed: int, learning_rate
     """The plain GPyTorch loop on the docs' model: Adam on ``-mll(model(train_x), train_y)`` for ``budget`` seconds,
     scored ten times along the way."""
     torch.manual_seed(seed)
-    clock, history = Clock(), []
+    clock = Clock()
     model, evidence = _swap_model(data, inference)
     mll = evidence(model.variational_strategy.likelihood, model)
 
@@ -145,13 +139,7 @@ def run_loop(data: Data, inference: str, budget: float, seed: int, learning_rate
             warnings.simplefilter("ignore", ConvergenceWarning)  # the copy's fit at the strategy's own limit
             return scored.variational_strategy.predictive_probabilities(data.test_x)
 
-    next_evaluation = 0.0
-    for step in _evidence_steps(model, mll, learning_rate, budget):
-        if clock.elapsed() >= next_evaluation or clock.elapsed() >= budget:
-            clock.evaluate(history, probabilities, data.test_y, optimizer_steps=step)
-            next_evaluation = clock.elapsed() + budget / 10
-        if clock.elapsed() >= budget:
-            break
+    history = evidence_loop(model, mll, learning_rate, budget, clock, probabilities, data.test_y)
     return {"label": f"plain loop ({inference}, Adam lr {learning_rate})", "history": history}
 
 
@@ -172,13 +160,6 @@ def run_sklearn(data: Data, method: str, seed: int) -> dict:
     return {"label": type(estimator).__name__, "history": history}
 
 
-def nll_at(run: dict, seconds: float) -> float:
-    """The run's test NLL at its last evaluation within ``seconds`` (5% grace: a run of a 120 s budget is scored at
-    about 120.1 s; NaN if none)."""
-    entries = [entry for entry in run["history"] if entry["time"] <= 1.05 * seconds]
-    return entries[-1]["nll"] if entries else math.nan
-
-
 def run_one(data: Data, method: str, budget: float, seed: int) -> dict:
     if method in ("logistic", "boosting"):
         return run_sklearn(data, method, seed)
@@ -189,14 +170,6 @@ def run_one(data: Data, method: str, budget: float, seed: int) -> dict:
     if approach == "fit_mll":
         return run_fit_mll(data, inference, seed)
     return run_loop(data, inference, budget, seed)
-
-
-def spread(values: list[float]) -> dict:
-    """Mean, (population) standard deviation and count of the values that are not NaN."""
-    values = [value for value in values if not math.isnan(value)]
-    if not values:
-        return {"mean": math.nan, "std": math.nan, "n": 0}
-    return {"mean": statistics.fmean(values), "std": statistics.pstdev(values), "n": len(values)}
 
 
 def aggregate(runs_by_seed: dict[int, dict[str, dict]], marks: tuple[float, ...]) -> dict:
@@ -265,7 +238,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seeds", nargs="+", type=int, default=None, help="default: 0 1 2 (mixture), 0 (real data)")
     parser.add_argument("--budget", type=float, default=120.0, help="seconds for SVGP and the plain loops")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes and budgets (seconds)")
+    add_smoke_flag(parser, "tiny sizes and budgets (seconds)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if args.smoke:
@@ -289,7 +262,7 @@ def main(argv: list[str] | None = None) -> dict:
         seeds = args.seeds if args.seeds is not None else ([0, 1, 2] if name.startswith("mixture") else [0])
         runs_by_seed: dict[int, dict[str, dict]] = {}
         for seed in seeds:
-            data = load_data(name, args.smoke, seed)
+            data = load(name, args.smoke, seed)
             runs_by_seed[seed] = {}
             for method in args.methods:
                 run = run_one(data, method, args.budget, seed)

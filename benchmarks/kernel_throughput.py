@@ -1,8 +1,8 @@
 """Throughput of one product with K (kernel entries per second): fused, chunked torch, KeOps, cached dense.
 
-    python benchmarks/kernel_throughput.py                        # CPU: N in {1e4, 1e5}, C in {1, 10}
-    python benchmarks/kernel_throughput.py --device cuda          # the same on a GPU (fused: IEEE and TF32)
-    python benchmarks/kernel_throughput.py --sizes 2000 --classes 3 --paths fused chunked --repeats 1
+    python -m benchmarks.kernel_throughput                        # CPU: N in {1e4, 1e5}, C in {1, 10}
+    python -m benchmarks.kernel_throughput --device cuda          # the same on a GPU (fused: IEEE and TF32)
+    python -m benchmarks.kernel_throughput --sizes 2000 --classes 3 --paths fused chunked --repeats 1
 
 A product with K is one N × N kernel (Matérn-3/2 on 3-D inputs, lengthscale 0.05 in a ScaleKernel, as in
 the paper's large-scale experiment) times an N × C block (one kernel shared by C classes), through
@@ -26,13 +26,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
+if not __package__:  # run as a file, not with -m: the package imports below need the repository's root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import gpytorch
 import torch
-from common import machine
 
+from benchmarks.common import machine
 from gpytorch_iterncgp.core.prior import LatentPrior
 from gpytorch_iterncgp.settings import dense_kernel_limit, fused_kernel_products
 

@@ -5,7 +5,7 @@ and how far is it from the same kernel fitted to convergence?
     python -m benchmarks.laplace_door --smoke                  # tiny sizes, seconds (the tests run it)
 
 Data: the paper's 10-class mixture in 3-D (``mixture5000``: N = 5000 training and 2000 test points, the samples
-drawn by the data seed; :func:`benchmarks.learned.load`). For each data seed and each ``preconditioner_rank`` (0, the
+drawn by the data seed; :func:`benchmarks.data.load`). For each data seed and each ``preconditioner_rank`` (0, the
 paper's plain CG, and the default):
 
 * ``fit_mll``: the docs' model (:class:`benchmarks.gpytorch_door.SwapModel`, softmax, the strategy's defaults) and
@@ -37,13 +37,16 @@ import time
 import warnings
 from pathlib import Path
 
+if not __package__:  # run as a file, not with -m: the package imports below need the repository's root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import numpy as np
 import torch
 from sklearn.exceptions import ConvergenceWarning as SklearnConvergenceWarning
 
-from benchmarks.common import machine
+from benchmarks.common import add_smoke_flag, machine
+from benchmarks.data import Data, load
 from benchmarks.gpytorch_door import SwapModel, _swap_model
-from benchmarks.learned import Data, load
 from gpytorch_iterncgp import ConvergenceWarning, IterNCGPStrategy, fit_mll
 from gpytorch_iterncgp.sklearn import IterNCGPClassifier
 
@@ -235,7 +238,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--ranks", nargs="+", type=int, default=list(RANKS))
     parser.add_argument("--doors", nargs="+", default=["fit_mll", "estimator"], choices=["fit_mll", "estimator"])
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes (seconds)")
+    add_smoke_flag(parser, "tiny sizes (seconds)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)

@@ -1,4 +1,5 @@
-r"""The methods the benchmark suite compares, each on a :class:`Problem` with a fixed Matérn-3/2 kernel.
+r"""The methods the benchmark suite compares, each on a :class:`~benchmarks.data.Data` problem with a fixed Matérn-3/2
+kernel (its ``lengthscale`` and ``outputscale``).
 
 Every method reports a *history*: after each of its natural units of work (a Newton step, a number of Adam
 steps, a subset size) the test accuracy, NLL and ECE, stamped with the method's own wall time so far (the
@@ -12,8 +13,8 @@ predictive rules. (``results/suite.json`` was measured with the earlier rule, th
   products with K and everything else, and the size of its buffers.
 * :func:`run_ep`: multi-class EP (multinomial probit, :math:`C \times C` sites, nested EP), with the package's
   predictive for that likelihood (nested EP's normaliser under each point's :math:`C \times C` covariance).
-* :func:`run_svgp`: GPyTorch's SVGP (``VariationalStrategy`` with learnt inducing locations, one set of
-  U / C per class, Adam, mini-batches) for a wall-clock budget.
+* :func:`run_svgp`: the SVGP baseline (:class:`benchmarks.svgp.SVGPModel`: learnt inducing locations, one set of
+  U / C per class, Adam, mini-batches) with the fixed kernel, for a wall-clock budget.
 * :func:`run_sod_laplace`: exact Laplace (Rasmussen & Williams, Algorithms 3.3 and 3.4, damped) on a random
   subset of the training data; with the whole training set it is the exact (dense) Laplace approximation.
 """
@@ -27,34 +28,19 @@ from dataclasses import dataclass, field
 
 import gpytorch
 import torch
-from common import peak_rss_bytes, reset_peak_rss, rss_bytes
 from torch import Tensor
 from torchmetrics.classification import MulticlassCalibrationError
 
+from benchmarks.common import peak_rss_bytes, reset_peak_rss, rss_bytes
+from benchmarks.data import Data
+from benchmarks.loops import minibatch_steps
+from benchmarks.svgp import SVGPModel, svgp_marginals
 from gpytorch_iterncgp import IterNCGPStrategy
 from gpytorch_iterncgp.likelihoods.adapters import likelihood_adapter
 from gpytorch_iterncgp.settings import dense_kernel_limit
 
 
-@dataclass
-class Problem:
-    """A multi-class problem and the fixed kernel hyperparameters every method uses."""
-
-    name: str
-    train_x: Tensor
-    train_y: Tensor
-    test_x: Tensor
-    test_y: Tensor
-    num_classes: int
-    lengthscale: float
-    outputscale: float
-
-    @property
-    def num_train(self) -> int:
-        return len(self.train_y)
-
-
-def fixed_kernel(problem: Problem, keops: bool = False) -> gpytorch.kernels.ScaleKernel:
+def fixed_kernel(problem: Data, keops: bool = False) -> gpytorch.kernels.ScaleKernel:
     """Matérn-3/2 with the problem's lengthscale and outputscale, not trained (GPyTorch's or its KeOps version)."""
     base = gpytorch.kernels.keops.MaternKernel(nu=1.5) if keops else gpytorch.kernels.MaternKernel(nu=1.5)
     kernel = gpytorch.kernels.ScaleKernel(base).to(problem.train_x)  # first, so the values are not rounded
@@ -93,7 +79,7 @@ class Recorder:
     ``baseline_rss`` is the resident memory when the recorder was made (interpreter, libraries, data).
     """
 
-    problem: Problem
+    problem: Data
     start: float = field(default_factory=time.perf_counter)
     baseline_rss: int = field(default_factory=rss_bytes)
     evaluation_seconds: float = 0.0
@@ -149,7 +135,7 @@ class IterNCGPModel(gpytorch.models.ApproximateGP):
     """C latent GPs sharing one fixed Matérn-3/2 kernel (one N × C product per solver iteration); softmax and
     IterNCGP (Laplace) unless told otherwise."""
 
-    def __init__(self, problem: Problem, keops: bool, strategy_class=IterNCGPStrategy, likelihood=None, **options):
+    def __init__(self, problem: Data, keops: bool, strategy_class=IterNCGPStrategy, likelihood=None, **options):
         likelihood = likelihood or softmax_likelihood(problem.num_classes)
         strategy = strategy_class(self, problem.train_x, problem.train_y, likelihood, **options)
         super().__init__(strategy)
@@ -199,7 +185,7 @@ def buffer_bytes(state) -> dict[str, int]:
     }
 
 
-def _fit_and_record(problem: Problem, model, test_posterior, describe, kernel_path: str, evaluate=True, adapter=None):
+def _fit_and_record(problem: Data, model, test_posterior, describe, kernel_path: str, evaluate=True, adapter=None):
     """Fit ``model``'s strategy, evaluating after the outer steps in ``EVALUATION_STEPS`` and at the end.
 
     ``test_posterior(state, cross_kernel)`` gives the test marginals from the dense cross kernel (in chunks of test
@@ -262,7 +248,7 @@ def _fit_and_record(problem: Problem, model, test_posterior, describe, kernel_pa
 
 
 def run_iterncgp(
-    problem: Problem,
+    problem: Data,
     policy: str = "cg",
     compression_rank: int | None = None,
     max_solver_iterations: int = 5,
@@ -304,7 +290,7 @@ def run_iterncgp(
 
 # -- EP (multinomial probit) ---------------------------------------------------------------------------------
 def run_ep(
-    problem: Problem,
+    problem: Data,
     max_sweeps: int = 60,
     max_solver_iterations: int = 5,
     compression_rank: int | None = None,
@@ -349,45 +335,15 @@ def run_ep(
 
 
 # -- SVGP ----------------------------------------------------------------------------------------------------
-class SVGPModel(gpytorch.models.ApproximateGP):
-    """GPyTorch's SVGP for C independent latents with one fixed kernel: U / C learnt inducing points per class (at
-    most N), started at distinct training inputs; the classes share no start while U <= N."""
-
-    def __init__(self, problem: Problem, num_inducing: int, generator: torch.Generator):
-        num_train, num_classes = problem.num_train, problem.num_classes
-        per_class = min(max(1, num_inducing // num_classes), num_train)
-        if per_class * num_classes <= num_train:
-            index = torch.randperm(num_train, generator=generator)[: per_class * num_classes]
-        else:  # more inducing points than data: each class starts from its own draw
-            index = torch.cat([torch.randperm(num_train, generator=generator)[:per_class] for _ in range(num_classes)])
-        inducing = problem.train_x[index].reshape(problem.num_classes, per_class, -1).clone()
-        distribution = gpytorch.variational.CholeskyVariationalDistribution(
-            per_class, batch_shape=torch.Size([problem.num_classes])
-        )
-        strategy = gpytorch.variational.IndependentMultitaskVariationalStrategy(
-            gpytorch.variational.VariationalStrategy(self, inducing, distribution, learn_inducing_locations=True),
-            num_tasks=problem.num_classes,
-        )
-        super().__init__(strategy)
-        self.mean_module = gpytorch.means.ZeroMean(batch_shape=torch.Size([problem.num_classes]))
-        self.covar_module = fixed_kernel(problem)
-        self.to(problem.train_x)  # the variational parameters are created on the CPU
-
-    def forward(self, x):
-        return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
-
-
-def svgp_marginals(model: SVGPModel, inputs: Tensor, batch_size: int = 4096) -> tuple[Tensor, Tensor]:
-    means, variances = [], []
-    for batch in inputs.split(batch_size):
-        output = model(batch)
-        means.append(output.mean)
-        variances.append(output.variance)
-    return torch.cat(means), torch.cat(variances)
+def fixed_kernel_svgp(problem: Data, num_inducing: int, generator: torch.Generator) -> SVGPModel:
+    """The SVGP baseline (:class:`benchmarks.svgp.SVGPModel`) for the suite's C > 2 classes with the problem's fixed
+    kernel and a zero mean, U / C inducing inputs per class started at distinct training inputs while U <= N."""
+    mean = gpytorch.means.ZeroMean(batch_shape=torch.Size([problem.num_classes]))
+    return SVGPModel(problem, num_inducing, generator, mean, fixed_kernel(problem), disjoint_starts=True)
 
 
 def run_svgp(
-    problem: Problem,
+    problem: Data,
     num_inducing: int,
     learning_rate: float,
     budget_seconds: float,
@@ -395,12 +351,12 @@ def run_svgp(
     evaluations: int = 20,
     seed: int = 0,
 ) -> dict:
-    """Maximise the ELBO with Adam on mini-batches for ``budget_seconds`` of wall time (kernel fixed).
-
-    The test set is evaluated ``evaluations`` times, evenly in time, and after the last step.
+    """:func:`fixed_kernel_svgp`, Adam on the ELBO in mini-batches for ``budget_seconds`` of wall time
+    (:func:`benchmarks.loops.minibatch_steps`). The test set is evaluated ``evaluations`` times, evenly in time, and
+    after the last step.
     """
     generator = torch.Generator().manual_seed(seed)
-    model = SVGPModel(problem, num_inducing, generator)
+    model = fixed_kernel_svgp(problem, num_inducing, generator)
     likelihood = softmax_likelihood(problem.num_classes).to(problem.train_x)
     objective = gpytorch.mlls.VariationalELBO(likelihood, model, num_data=problem.num_train)
     optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=learning_rate)
@@ -411,24 +367,25 @@ def run_svgp(
         model.train()
         return mean, variance
 
+    def evaluate(steps: int, epochs: int, loss: Tensor | None) -> None:
+        elbo = {} if loss is None else {"elbo": -loss.item()}
+        recorder.record(marginals, adam_steps=steps, epochs=epochs, **elbo)
+
     reset_peak_rss()
     recorder = Recorder(problem)
-    steps, epochs, next_evaluation = 0, 0, 0.0
-    while recorder.elapsed() < budget_seconds:
-        for batch in torch.randperm(problem.num_train, generator=generator).split(batch_size):
-            optimizer.zero_grad()
-            loss = -objective(model(problem.train_x[batch]), problem.train_y[batch])
-            loss.backward()
-            optimizer.step()
-            steps += 1
-            if recorder.elapsed() >= next_evaluation:
-                recorder.record(marginals, adam_steps=steps, epochs=epochs, elbo=-loss.item())
-                next_evaluation = recorder.elapsed() + budget_seconds / evaluations
-            if recorder.elapsed() >= budget_seconds:
-                break
-        else:
-            epochs += 1
-    recorder.record(marginals, adam_steps=steps, epochs=epochs)
+    steps, epochs = minibatch_steps(
+        model,
+        objective,
+        optimizer,
+        problem.train_x,
+        problem.train_y,
+        budget_seconds,
+        generator,
+        recorder,
+        evaluate,
+        batch_size=batch_size,
+        evaluations=evaluations,
+    )
     parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     return {
         "history": recorder.history,
@@ -506,7 +463,7 @@ def softmax_laplace_marginals(cross_kernel, prior_variance, gradient, blocks, su
     return mean, (prior_variance - reduction + correction).mT.clamp_min(0)
 
 
-def run_sod_laplace(problem: Problem, subset_size: int, seed: int = 0, dtype: torch.dtype = torch.float64) -> dict:
+def run_sod_laplace(problem: Data, subset_size: int, seed: int = 0, dtype: torch.dtype = torch.float64) -> dict:
     """Exact Laplace (Cholesky) on ``subset_size`` random training points; the whole set: exact Laplace."""
     generator = torch.Generator().manual_seed(seed)
     subset_size = min(subset_size, problem.num_train)
@@ -544,7 +501,6 @@ def run_sod_laplace(problem: Problem, subset_size: int, seed: int = 0, dtype: to
 
 
 __all__ = [
-    "Problem",
     "run_iterncgp",
     "run_sod_laplace",
     "run_svgp",

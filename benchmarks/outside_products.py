@@ -1,8 +1,8 @@
 """IterNCGP's time outside the products with K: how much of a fit is the solver's own work, and where it goes.
 
-    python benchmarks/outside_products.py                       # N = 10^4, C = 10, cached and chunked K
-    python benchmarks/outside_products.py --paths dense --steps 10 --label quick
-    python benchmarks/outside_products.py --replot results/outside_products.json
+    python -m benchmarks.outside_products                       # N = 10^4, C = 10, cached and chunked K
+    python -m benchmarks.outside_products --paths dense --steps 10 --label quick
+    python -m benchmarks.outside_products --replot benchmarks/results/outside_products.json
 
 On the paper's 10-class mixture (lengthscale 0.3, outputscale 5, float32) each configuration — policy (CG with
 j <= 5 solver iterations per Newton step, unit vectors with j <= 10), compression rank R (infinity, 10) and the
@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
-import math
 import pstats
 import subprocess
 import sys
@@ -31,15 +30,14 @@ import time
 import warnings
 from pathlib import Path
 
+if not __package__:  # run as a file, not with -m: the package imports below need the repository's root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parent
-RESULTS = BENCHMARKS / "results"
-sys.path.insert(0, str(BENCHMARKS))
-try:  # run from a checkout without installing the package
-    import gpytorch_iterncgp  # noqa: F401
-except ImportError:
-    sys.path.insert(0, str(BENCHMARKS.parent))
+from benchmarks.common import load_average, machine, peak_rss_bytes, reset_peak_rss, rss_bytes
+
+RESULTS = Path(__file__).resolve().parent / "results"
 
 # Package functions whose cumulative time the profile reports (file name, function name).
 PROFILED = [
@@ -57,10 +55,9 @@ PROFILED = [
 def run_one(config: dict) -> dict:
     """Fit one configuration in this process; the result's entry for the JSON."""
     import gpytorch
-    from common import peak_rss_bytes, reset_peak_rss, rss_bytes
-    from methods import IterNCGPModel, buffer_bytes
-    from suite import load_problem
 
+    from benchmarks.methods import IterNCGPModel, buffer_bytes
+    from benchmarks.suite import load_problem
     from gpytorch_iterncgp.settings import dense_kernel_limit, fused_kernel_products
 
     torch.set_num_threads(config["threads"])
@@ -239,12 +236,10 @@ def main(argv=None) -> None:
         print_table(saved["runs"])
         plot(saved["runs"], args.replot.with_suffix(".png"))
         return
-    from common import machine
-
     saved = json.loads(args.out.read_text()) if args.out.exists() else {"runs": []}
     saved["runs"] = [run for run in saved["runs"] if run["label"] != args.label]
     saved.setdefault("machines", {})
-    saved["machines"][args.label] = {**machine(), "torch_threads": args.threads, "load_average": _load()}
+    saved["machines"][args.label] = {**machine(), "torch_threads": args.threads, "load_average": load_average()}
     for path in args.paths:
         for policy in args.policies:
             for rank in args.ranks:
@@ -261,7 +256,7 @@ def main(argv=None) -> None:
                     "device": args.device,
                     "profile": args.profile,
                 }
-                load_before = _load()
+                load_before = load_average()
                 output = subprocess.run(
                     [sys.executable, __file__, "--one", json.dumps(config)], capture_output=True, text=True
                 )
@@ -269,7 +264,7 @@ def main(argv=None) -> None:
                     print(output.stderr, file=sys.stderr)
                     raise SystemExit(f"{label_of(config)} failed")
                 run = json.loads(output.stdout.strip().splitlines()[-1])
-                run["load_average"] = [load_before, _load()]
+                run["load_average"] = [load_before, load_average()]
                 saved["runs"].append(run)
                 print_table([run])
                 if run.get("profile_cumulative_seconds"):
@@ -279,13 +274,6 @@ def main(argv=None) -> None:
                 args.out.write_text(json.dumps(saved, indent=1))
     print_table(saved["runs"])
     plot(saved["runs"], args.out.with_suffix(".png"))
-
-
-def _load() -> float:
-    try:
-        return float(Path("/proc/loadavg").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return math.nan
 
 
 if __name__ == "__main__":

@@ -67,14 +67,18 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 import warnings
 from pathlib import Path
 
+if not __package__:  # run as a file, not with -m: the package imports below need the repository's root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import gpytorch
 import torch
 
-from benchmarks.common import machine, peak_rss_bytes
+from benchmarks.common import add_smoke_flag, machine, peak_rss_bytes
 from gpytorch_iterncgp import EPStrategy, IterNCGPStrategy, LogitBernoulliLikelihood, MultinomialProbitLikelihood
 from gpytorch_iterncgp.core.recycling import ActionBuffer
 from gpytorch_iterncgp.core.solver import itergp_solve
@@ -489,7 +493,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--solve-rtol", type=float, default=1e-6)
     parser.add_argument("--solve-cap", type=int, default=1500, help="most products of the one solve (b)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--smoke", action="store_true", help="N = 100, two kernels, seconds")
+    add_smoke_flag(parser, "N = 100, two kernels, seconds")
     parser.add_argument("--append", action="store_true", help="add to the JSON's rows (same keys replaced)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--table", action="store_true", help="print the saved results' markdown tables, run nothing")

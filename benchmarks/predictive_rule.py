@@ -1,7 +1,7 @@
 r"""Which predictive rule, on one softmax Laplace posterior: the package's against the approximations.
 
-    python benchmarks/predictive_rule.py             # N = 5000, float32, about a minute here (one thread)
-    python benchmarks/predictive_rule.py --quick     # N = 500
+    python -m benchmarks.predictive_rule             # N = 5000, float32, about a minute here (one thread)
+    python -m benchmarks.predictive_rule --smoke     # N = 500 (--quick: the same)
 
 The suite's 10-class mixture (``suite.load_problem``: Matérn-3/2, lengthscale 0.3, outputscale 5 shared by the
 classes, 2000 test points), ``IterNCGPStrategy`` with CG (j <= 5, <= 60 Newton steps) and ``covariance_iterations=10``.
@@ -29,17 +29,18 @@ import sys
 import time
 from pathlib import Path
 
+if not __package__:  # run as a file, not with -m: the package imports below need the repository's root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCHMARKS))
+from benchmarks import methods
+from benchmarks.common import add_smoke_flag, machine
+from benchmarks.suite import load_problem
+from gpytorch_iterncgp import IterNCGPStrategy
+from gpytorch_iterncgp.likelihoods.adapters import softmax_gaussian
 
-import methods  # noqa: E402
-from common import machine  # noqa: E402
-from suite import load_problem  # noqa: E402
-
-from gpytorch_iterncgp import IterNCGPStrategy  # noqa: E402
-from gpytorch_iterncgp.likelihoods.adapters import softmax_gaussian  # noqa: E402
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def test_nll(probabilities: torch.Tensor, labels: torch.Tensor) -> float:
@@ -48,11 +49,11 @@ def test_nll(probabilities: torch.Tensor, labels: torch.Tensor) -> float:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description="the package's predictive rule against approximations")
-    parser.add_argument("--quick", action="store_true", help="N = 500")
-    parser.add_argument("--out", type=Path, default=BENCHMARKS / "results")
+    add_smoke_flag(parser, "N = 500")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    num_train = 500 if args.quick else 5000
+    num_train = 500 if args.smoke else 5000
     problem = load_problem("mixture", "sensible", num_train, 2000, 0)
     problem.train_x, problem.test_x = problem.train_x.float(), problem.test_x.float()
     model = methods.IterNCGPModel(
@@ -78,7 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
         difference_variance = (centring @ blocks @ centring).diagonal(dim1=-2, dim2=-1).mean()
     results = {
         "machine": machine(),
-        "command": "python benchmarks/predictive_rule.py" + (" --quick" if args.quick else ""),
+        "command": "python -m benchmarks.predictive_rule" + (" --smoke" if args.smoke else ""),
         "num_train": num_train,
         "fit_seconds": fit_seconds,
         "test_nll": {name: test_nll(probabilities, labels) for name, probabilities in rules.items()},
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
         "prior_variance": problem.outputscale,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"predictive_rule{'_quick' if args.quick else ''}.json").write_text(json.dumps(results, indent=1))
+    (args.out / f"predictive_rule{'_smoke' if args.smoke else ''}.json").write_text(json.dumps(results, indent=1))
     print(json.dumps({key: value for key, value in results.items() if key != "machine"}, indent=1))
     return results
 

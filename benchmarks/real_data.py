@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from benchmarks.learned import Data
+from benchmarks.data import Data
 
 DATASETS = ("affairs", "satimage")
 NAMES = (*DATASETS, "magic", "letter")  # every data set load() knows

@@ -1,23 +1,27 @@
 r"""Stochastic EP with inducing inputs beside GPyTorch's SVGP on minibatches, each learning its kernel and inducing
 inputs in the same plain loop, in one run on one machine.
 
-    python -m benchmarks.scalable_ep                                   # binary and 10-class mixture, N = 10^5
-    python -m benchmarks.scalable_ep --datasets magic letter --budget 300
+    python -m benchmarks.scalable_ep                                   # binary and 10-class mixture, N = 10^5, seed 0
+    python -m benchmarks.scalable_ep --seed S --datasets binary100000 binary1000000 mixture100000 magic letter
+    python -m benchmarks.scalable_ep --summarise                       # over the seeds in --out: summary.json
     python -m benchmarks.scalable_ep --smoke                           # tiny sizes, seconds
     python -m benchmarks.scalable_ep --device cuda --out benchmarks/results/scalable_ep_cuda
 
-Data: the paper's mixture in 3-D with :math:`N = 10^5` training points (``mixture100000``: 10 classes;
-``binary100000``: classes 0-4 against 5-9) and 2000 test points, and the real data sets of
+(the second line for S = 0, 1, 2 and the summary are ``benchmarks/README.md`` §18's table; its section lists the
+other rows' commands). Data: the paper's mixture in 3-D with :math:`N = 10^5` training points (``mixture100000``: 10
+classes; ``binary100000``: classes 0-4 against 5-9) and 2000 test points, and the real data sets of
 :mod:`benchmarks.real_data` past :math:`10^4` points (``magic``: binary, ``letter``: 26 classes). Both methods use
 GPyTorch's idiom, SVGP's loop (Adam, learning rate 0.01, minibatches of 1024, ``-mll(model(x_b), y_b)``) with the same
 Matérn-5/2 kernel (one per class for multi-class data), constant mean, and :math:`M` = ``--inducing`` learnt inducing
-inputs started at training inputs:
+inputs in all, started at training inputs:
 
 * ``sep``: :class:`~gpytorch_iterncgp.StochasticEPStrategy` and :class:`~gpytorch_iterncgp.StochasticEPMarginalLogLikelihood`
-  (probit for binary data, the multinomial probit for classes), one set of inducing inputs shared by the classes;
+  (probit for binary data, the multinomial probit for classes); by default (``--sep-layout per-class``) in SVGP's
+  layout, :math:`M / C` inducing inputs per class for :math:`C` classes (one set of :math:`M` for binary data);
+  ``--sep-layout shared``: one set of :math:`M` shared by the classes;
 * ``svgp``: ``VariationalStrategy`` with a Cholesky variational distribution (independent per class) and
-  ``VariationalELBO``; Bernoulli (probit) or softmax likelihood (``benchmarks.learned.SVGPModel``, :math:`M` inducing
-  inputs per class).
+  ``VariationalELBO``; Bernoulli (probit) or softmax likelihood (:class:`benchmarks.svgp.SVGPModel`, :math:`M / C`
+  inducing inputs per class).
 
 Test NLL of each method's own predictive against its wall time (evaluations not counted), ``--threads`` threads (one
 by default) and the peak resident memory of the process. Writes ``results/scalable_ep/<dataset>_seed<S>.json`` (with the
@@ -27,27 +31,30 @@ machine) and ``.png``.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import sys
 from pathlib import Path
 
-import gpytorch
+if not __package__:  # run as a file, not with -m: the package imports below need the repository's root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import torch
 
-from benchmarks import real_data
-from benchmarks.common import machine, peak_rss_bytes
-from benchmarks.gpytorch_door import nll_at, spread
-from benchmarks.learned import BenchmarkGP, Data, inducing_starts, load, minibatch_loop, run_svgp
-from gpytorch_iterncgp import MultinomialProbitLikelihood, StochasticEPMarginalLogLikelihood, StochasticEPStrategy
+from benchmarks.common import add_smoke_flag, machine, peak_rss_bytes
+from benchmarks.data import Data, load
+from benchmarks.loops import minibatch_loop
+from benchmarks.models import BenchmarkGP, ep_likelihood, inducing_starts, training_targets
+from benchmarks.scoring import nll_at, spread
+from benchmarks.svgp import run_svgp
+from gpytorch_iterncgp import StochasticEPMarginalLogLikelihood, StochasticEPStrategy
 
 RESULTS = Path(__file__).resolve().parent / "results" / "scalable_ep"
 MARKS = (60.0, 90.0, 120.0, 150.0, 180.0)  # seconds at which the summary compares the methods
 
 
 class SEPModel(BenchmarkGP):
-    """The benchmarks' shared prior (``benchmarks.learned``) with stochastic EP and ``num_inducing`` inducing inputs
+    """The benchmarks' shared prior (:class:`benchmarks.models.BenchmarkGP`) with stochastic EP and ``num_inducing`` inducing inputs
     started at training inputs: shared by the classes, or (``per_class``) ``num_inducing / C`` per class, SVGP's
     layout."""
 
@@ -67,15 +74,12 @@ def run_sep(
     schedule: str = "constant",
 ) -> dict:
     """Stochastic EP in SVGP's loop (module docstring) for ``budget`` seconds, scored ten times along the way
-    (``schedule``: :func:`benchmarks.learned.minibatch_loop`)."""
+    (``schedule``: :func:`benchmarks.loops.minibatch_steps`)."""
     generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
-    multiclass = data.num_classes > 2
-    likelihood = (
-        MultinomialProbitLikelihood(data.num_classes) if multiclass else gpytorch.likelihoods.BernoulliLikelihood()
-    )
+    likelihood = ep_likelihood(data.num_classes)
     model = SEPModel(data, num_inducing, likelihood, generator, per_class)
-    targets = data.train_y if multiclass else data.train_y.to(data.train_x)
+    targets = training_targets(data)
     objective = StochasticEPMarginalLogLikelihood(likelihood, model)
     optimizer = torch.optim.Adam(model.parameters(), lr=learning_rate)
     strategy = model.variational_strategy
@@ -92,13 +96,6 @@ def run_sep(
     layout = f"{num_inducing // data.num_classes}/class" if per_class and data.num_classes > 2 else f"M={num_inducing}"
     suffix = "" if schedule == "constant" else f" {schedule}"
     return {"label": f"SEP {layout} lr {learning_rate}{suffix}", "history": history}
-
-
-def load_data(name: str, smoke: bool, seed: int) -> Data:
-    """The mixture (``mixture<N>``, ``binary<N>``) or a real data set of :mod:`benchmarks.real_data`."""
-    if name in real_data.NAMES:
-        return real_data.load(name, smoke, seed)
-    return load(name, smoke, seed)
 
 
 def plot(results: dict, path: Path) -> None:
@@ -123,7 +120,7 @@ def plot(results: dict, path: Path) -> None:
 
 def window_nll(run: dict, start: float, stop: float) -> float:
     """The mean test NLL of the run's evaluations from ``start`` to ``stop`` seconds (5% grace, as
-    :func:`~benchmarks.gpytorch_door.nll_at`): one number per run with less of one evaluation's noise."""
+    :func:`~benchmarks.scoring.nll_at`): one number per run with less of one evaluation's noise."""
     values = [entry["nll"] for entry in run["history"] if 0.95 * start <= entry["time"] <= 1.05 * stop]
     return sum(values) / len(values) if values else math.nan
 
@@ -132,7 +129,7 @@ def summarise(directory: Path, marks: tuple[float, ...] = MARKS) -> dict:
     """Over the seeds of each data set in ``directory``: each method's test NLL at each mark (mean, standard deviation,
     seeds), SEP's minus SVGP's paired by seed, how many seeds SEP was at or below SVGP, the paired difference of the
     mean NLL from the first mark to the last (:func:`window_nll`), and each method's peak memory
-    (:func:`benchmarks.gpytorch_door.spread`). Written to ``summary.json`` beside the runs."""
+    (:func:`benchmarks.scoring.spread`). Written to ``summary.json`` beside the runs."""
     by_dataset: dict[str, list[dict]] = {}
     for path in sorted(directory.glob("*_seed*.json")):
         results = json.loads(path.read_text())
@@ -164,7 +161,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--methods", nargs="+", default=["sep", "svgp"], choices=["sep", "svgp"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--budget", type=float, default=180.0, help="seconds of each method's own work")
-    parser.add_argument("--inducing", type=int, default=200, help="M (SVGP: per class)")
+    parser.add_argument("--inducing", type=int, default=200, help="M in all (SVGP: M / C per class)")
     parser.add_argument(
         "--sep-layout",
         choices=["shared", "per-class"],
@@ -180,7 +177,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu", help="where the data and models live (cpu, cuda)")
-    parser.add_argument("--smoke", action="store_true", help="tiny data and a few seconds")
+    add_smoke_flag(parser, "tiny data and a few seconds")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--summarise", action="store_true", help="only summarise the runs in --out over their seeds")
     return parser.parse_args(argv)
@@ -207,11 +204,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args.out.mkdir(parents=True, exist_ok=True)
     written = []
     for name in args.datasets:
-        data = load_data(name, args.smoke, args.seed)
-        data = dataclasses.replace(
-            data,
-            **{field: getattr(data, field).to(args.device) for field in ("train_x", "train_y", "test_x", "test_y")},
-        )
+        data = load(name, args.smoke, args.seed).to(args.device)
         runs = []
         for method in args.methods:
             if method == "sep":

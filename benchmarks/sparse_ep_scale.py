@@ -7,20 +7,24 @@ above the memory before the fit, and the test accuracy on 2000 held-out points. 
 ``results/sparse_ep_scale.json`` and ``results/sparse_ep_scale.png``.
 
     python -m benchmarks.sparse_ep_scale            # about 2-4 minutes on a 2-core CPU
-    python -m benchmarks.sparse_ep_scale --quick    # tiny sizes, a functional check
+    python -m benchmarks.sparse_ep_scale --smoke    # tiny sizes, a functional check (--quick: the same)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
+
+if not __package__:  # run as a file, not with -m: the package imports below need the repository's root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import gpytorch
 import torch
 
-from benchmarks.common import machine, peak_rss_bytes, reset_peak_rss, rss_bytes
+from benchmarks.common import add_smoke_flag, machine, peak_rss_bytes, reset_peak_rss, rss_bytes
 from gpytorch_iterncgp import SparseEPStrategy
 
 RESULTS = Path(__file__).parent / "results"
@@ -102,16 +106,16 @@ def plot(results: list[dict], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny sizes (a functional check)")
+    add_smoke_flag(parser, "tiny sizes (a functional check)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    sizes, num_inducing = ((500, 1000), 32) if args.quick else ((10_000, 30_000, 100_000), 256)
+    sizes, num_inducing = ((500, 1000), 32) if args.smoke else ((10_000, 30_000, 100_000), 256)
     results = []
     for num in sizes:
         results.append(run(num, num_inducing))
         print(json.dumps(results[-1]), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    name = "sparse_ep_scale_quick" if args.quick else "sparse_ep_scale"
+    name = "sparse_ep_scale_smoke" if args.smoke else "sparse_ep_scale"
     (args.out / f"{name}.json").write_text(json.dumps({"machine": machine(), "results": results}, indent=1))
     plot(results, args.out / f"{name}.png")
 

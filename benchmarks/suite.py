@@ -1,15 +1,15 @@
 """IterNCGP and multi-class EP against SVGP, subset-of-data Laplace and exact Laplace: test accuracy, NLL and ECE
 against wall time.
 
-    python benchmarks/suite.py                 # mixture (N = 10^4, both kernel settings) + digits, ~1 h here
-    python benchmarks/suite.py --large         # also IterNCGP (R = 10) at N = 10^5: memory and time split
-    python benchmarks/suite.py --quick         # tiny sizes, a minute: checks that everything runs
-    python benchmarks/suite.py --methods ep svgp --svgp-inducing 1000 --svgp-lr 0.01   # a subset of the methods
+    python -m benchmarks.suite                 # mixture (N = 10^4, both kernel settings) + digits, ~1 h here
+    python -m benchmarks.suite --large         # also IterNCGP (R = 10) at N = 10^5: memory and time split
+    python -m benchmarks.suite --smoke         # tiny sizes, a minute: checks that everything runs (--quick: the same)
+    python -m benchmarks.suite --methods ep svgp --svgp-inducing 1000 --svgp-lr 0.01   # a subset of the methods
 
-Every run happens in a fresh process (one at a time), so its peak resident memory is its own. All methods use
-the same fixed Matérn-3/2 kernel per setting; the softmax models share one predictive rule (E[softmax] under
-independent latent marginals), EP (multinomial probit) uses its likelihood's own predictive. The SVGP runs get
-the wall-clock budget of the slowest IterNCGP-CG or EP run of their setting.
+(``python benchmarks/suite.py`` runs it too.) Every run happens in a fresh process (one at a time), so its peak
+resident memory is its own. All methods use the same fixed Matérn-3/2 kernel per setting; the softmax models share one
+predictive rule (E[softmax] under independent latent marginals), EP (multinomial probit) uses its likelihood's own
+predictive. The SVGP runs get the wall-clock budget of the slowest IterNCGP-CG or EP run of their setting.
 
 Writes ``results/suite.json`` (and ``results/suite_large.json`` with ``--large``) with the machine they ran
 on, one ``results/suite_<dataset>_<setting>.png`` per problem, and prints a table per problem.
@@ -21,18 +21,19 @@ import argparse
 import concurrent.futures
 import json
 import multiprocessing
+import os
 import sys
 from pathlib import Path
 
+if not __package__:  # run as a file, not with -m: the package imports below need the repository's root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parent
-RESULTS = BENCHMARKS / "results"
-sys.path.insert(0, str(BENCHMARKS))
-try:  # run from a checkout without installing the package
-    import gpytorch_iterncgp  # noqa: F401
-except ImportError:
-    sys.path.insert(0, str(BENCHMARKS.parent))
+from benchmarks.common import add_smoke_flag, machine
+from benchmarks.data import Data
+
+RESULTS = Path(__file__).resolve().parent / "results"
 
 # Kernel settings (lengthscale, outputscale): the paper's, and one that suits the data better.
 SETTINGS = {
@@ -43,8 +44,6 @@ SETTINGS = {
 
 def load_problem(dataset: str, setting: str, num_train: int, num_test: int, seed: int, device: str = "cpu"):
     """The problem of a job, built inside its worker process (float32), its tensors on ``device``."""
-    from methods import Problem
-
     from gpytorch_iterncgp.datasets import gaussian_mixture
 
     lengthscale, outputscale = SETTINGS[dataset][setting]
@@ -64,15 +63,14 @@ def load_problem(dataset: str, setting: str, num_train: int, num_test: int, seed
         center, scale = inputs[train].mean(0), inputs[train].std(0).clamp_min(1e-3)
         inputs = (inputs - center) / scale
         train_x, train_y, test_x, test_y = inputs[train], labels[train], inputs[test], labels[test]
-    train_x, train_y, test_x, test_y = (tensor.to(device) for tensor in (train_x, train_y, test_x, test_y))
-    return Problem(f"{dataset}/{setting}", train_x, train_y, test_x, test_y, 10, lengthscale, outputscale)
+    return Data(f"{dataset}/{setting}", train_x, train_y, test_x, test_y, 10, lengthscale, outputscale).to(device)
 
 
 def run_job(job: dict) -> dict:
     """Run one method on one problem (in a worker process) and return its results with the job's description."""
     import warnings
 
-    import methods
+    from benchmarks import methods
 
     torch.set_num_threads(job["threads"])
     warnings.filterwarnings("ignore", message=".*CUDA.*")
@@ -370,15 +368,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--large-n", type=int, default=100_000)
     parser.add_argument("--large-steps", type=int, default=2, help="Newton steps of the large run")
     parser.add_argument("--no-keops", action="store_true", help="chunked torch products instead of KeOps")
-    parser.add_argument("--threads", type=int, default=os_threads(), help="torch threads per run")
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads per run")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="torch device of every method's tensors (e.g. cuda)")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes: a functional check in about a minute")
+    add_smoke_flag(parser, "tiny sizes: a functional check in about a minute")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--quiet", action="store_true")
     parser.add_argument("--replot", type=Path, default=None, help="redraw the figures and tables of a suite.json")
     args = parser.parse_args(argv)
-    if args.quick:
+    if args.smoke:
         args.n_train, args.n_test, args.newton_steps, args.unit_iterations = 300, 300, 3, 10
         args.dense_newton_steps, args.ep_sweeps = 4, 3
         args.svgp_inducing, args.svgp_lr, args.sod_sizes, args.exact_max = [20], [0.01], [100], 300
@@ -386,10 +384,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def os_threads() -> int:
-    import os
-
-    return os.cpu_count() or 1
+def write_tables(output: dict, out: Path) -> None:
+    """suite.json and suite.md (a Markdown table per problem)."""
+    (out / "suite.json").write_text(json.dumps(output, indent=1, default=str))
+    tables = [
+        f"### {problem['title']}\n\n{markdown_table(problem['summary'])}\n" for problem in output["problems"].values()
+    ]
+    (out / "suite.md").write_text("\n".join(tables))
 
 
 def write_outputs(output: dict, out: Path) -> None:
@@ -397,11 +398,7 @@ def write_outputs(output: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for name, problem in output["problems"].items():
         plot_problem(problem["title"], problem["runs"], out / f"suite_{name}.png")
-    (out / "suite.json").write_text(json.dumps(output, indent=1, default=str))
-    tables = [
-        f"### {problem['title']}\n\n{markdown_table(problem['summary'])}\n" for problem in output["problems"].values()
-    ]
-    (out / "suite.md").write_text("\n".join(tables))
+    write_tables(output, out)
     print(f"saved {out / 'suite.json'}, suite.md and the figures")
 
 
@@ -413,8 +410,6 @@ def main(argv=None) -> dict:
             problem["summary"] = summary_rows(problem["runs"])
         write_outputs(output, args.out)
         return output
-    from common import machine
-
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     context = multiprocessing.get_context("spawn")
@@ -437,12 +432,7 @@ def main(argv=None) -> dict:
                     print_table(title, rows)
                     plot_problem(title, runs, args.out / f"suite_{name}.png")
                     output["problems"][name] = {"title": title, "summary": rows, "runs": runs}
-            (args.out / "suite.json").write_text(json.dumps(output, indent=1, default=str))
-            tables = [
-                f"### {problem['title']}\n\n{markdown_table(problem['summary'])}\n"
-                for problem in output["problems"].values()
-            ]
-            (args.out / "suite.md").write_text("\n".join(tables))
+            write_tables(output, args.out)
             print(f"saved {args.out / 'suite.json'} and suite.md")
         if args.large or args.large_only:
             large = {"machine": output["machine"], "run": run_large(args, executor)}

@@ -12,34 +12,28 @@ from __future__ import annotations
 
 import json
 import math
-import sys
-from pathlib import Path
 
 import gpytorch
 import pytest
 import torch
 
+from benchmarks import alps_family, alps_scale, methods, suite
+from benchmarks.data import Data
 from gpytorch_iterncgp.datasets import gaussian_mixture
 
 from .reference import data_major, laplace_mode
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import alps_family  # noqa: E402
-import alps_scale  # noqa: E402
-import methods  # noqa: E402
-import suite  # noqa: E402
-
 NUM_CLASSES = 4
 
 
-def _problem(num_train=48, num_test=20, lengthscale=0.4, outputscale=3.0, dtype=torch.float64) -> methods.Problem:
+def _problem(num_train=48, num_test=20, lengthscale=0.4, outputscale=3.0, dtype=torch.float64) -> Data:
     train_x, train_y, test_x, test_y = gaussian_mixture(
         num_train, num_test, num_classes=NUM_CLASSES, dim=2, mixture_seed=3, sample_seed=1, dtype=dtype
     )
-    return methods.Problem("toy", train_x, train_y, test_x, test_y, NUM_CLASSES, lengthscale, outputscale)
+    return Data("toy", train_x, train_y, test_x, test_y, NUM_CLASSES, lengthscale, outputscale)
 
 
-def _dense_reference(problem: methods.Problem):
+def _dense_reference(problem: Data):
     """Exact Laplace marginals at the test points from the dense (N C)² reference implementation."""
     kernel = methods.fixed_kernel(problem)
     with torch.no_grad():
@@ -182,7 +176,7 @@ def test_svgp_learns_within_its_budget():
 def test_svgp_with_more_inducing_points_than_data():
     """U / C inducing points per class with U > N (once a reshape error): each class starts at N distinct inputs."""
     problem = _problem(num_train=32, num_test=8, dtype=torch.float32)
-    model = methods.SVGPModel(problem, num_inducing=1000, generator=torch.Generator().manual_seed(0))
+    model = methods.fixed_kernel_svgp(problem, num_inducing=1000, generator=torch.Generator().manual_seed(0))
     inducing = model.variational_strategy.base_variational_strategy.inducing_points.detach()
     assert inducing.shape == (problem.num_classes, 32, problem.train_x.shape[-1])
     for points in inducing:  # a permutation of the training inputs
@@ -191,12 +185,12 @@ def test_svgp_with_more_inducing_points_than_data():
         )
 
 
-@pytest.mark.slow  # over 75 s on an H100 machine: the quick suite runs every method of `benchmarks/suite.py`
+@pytest.mark.slow  # over 75 s on an H100 machine: the smoke suite runs every method of `benchmarks/suite.py`
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_suite_quick_run_on_cuda(tmp_path):
+def test_suite_smoke_run_on_cuda(tmp_path):
     """Every method of the suite runs with its tensors on the GPU (SVGP's variational parameters included)."""
     output = suite.main(
-        ["--quick", "--quiet", "--datasets", "mixture", "--out", str(tmp_path), "--threads", "1", "--device", "cuda"]
+        ["--smoke", "--quiet", "--datasets", "mixture", "--out", str(tmp_path), "--threads", "1", "--device", "cuda"]
     )
     for problem in output["problems"].values():
         assert {row["method"] for row in problem["summary"]} and all(
@@ -204,9 +198,9 @@ def test_suite_quick_run_on_cuda(tmp_path):
         )
 
 
-@pytest.mark.slow  # about 70 s on one core: the quick suite runs every method of `benchmarks/suite.py`
-def test_suite_quick_run_writes_results(tmp_path):
-    arguments = ["--quick", "--quiet", "--datasets", "mixture", "--settings", "sensible", "--threads", "1"]
+@pytest.mark.slow  # about 70 s on one core: the smoke suite runs every method of `benchmarks/suite.py`
+def test_suite_smoke_run_writes_results(tmp_path):
+    arguments = ["--smoke", "--quiet", "--datasets", "mixture", "--settings", "sensible", "--threads", "1"]
     output = suite.main([*arguments, "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "suite.json").read_text())
     assert saved["machine"]["cpu_count"] >= 1 and "torch" in saved["machine"]
@@ -221,9 +215,9 @@ def test_suite_quick_run_writes_results(tmp_path):
             assert math.isfinite(row["nll"]) and row["peak_rss_MiB"] > 0
 
 
-def test_alps_scale_quick_run_writes_results(tmp_path):
-    output = alps_scale.main(["--quick", "--quiet", "--out", str(tmp_path)])
-    saved = json.loads((tmp_path / "alps_scale_quick.json").read_text())
+def test_alps_scale_smoke_run_writes_results(tmp_path):
+    output = alps_scale.main(["--quick", "--quiet", "--out", str(tmp_path)])  # --quick: --smoke's alias
+    saved = json.loads((tmp_path / "alps_scale_smoke.json").read_text())
     assert saved["machine"]["cpu_count"] >= 1 and "torch" in saved["machine"]
     result = output["result"]
     assert len(result["history"]) == result["epochs"] == 3 and len(result["activation_probabilities"]) == 9
@@ -231,7 +225,7 @@ def test_alps_scale_quick_run_writes_results(tmp_path):
     assert result["history"][-1]["elbo_per_point"] > result["history"][0]["elbo_per_point"]
     assert 0.05 < result["missing_fraction_observed"] < 0.15
     assert math.isfinite(result["test_rmse_to_noisy_targets"]) and result["peak_memory_above_start_bytes"] >= 0
-    assert (tmp_path / "alps_scale_quick.png").stat().st_size > 10_000
+    assert (tmp_path / "alps_scale_smoke.png").stat().st_size > 10_000
 
 
 def test_fixed_kernel_is_not_trained():
@@ -242,11 +236,11 @@ def test_fixed_kernel_is_not_trained():
     assert isinstance(kernel.base_kernel, gpytorch.kernels.MaternKernel) and kernel.base_kernel.nu == 1.5
 
 
-def test_covariance_benchmark_quick_run_writes_results(tmp_path):
-    import covariance
+def test_covariance_benchmark_smoke_run_writes_results(tmp_path):
+    from benchmarks import covariance
 
-    results = covariance.main(["--quick", "--threads", "1", "--out", str(tmp_path)])
-    assert (tmp_path / "covariance_quick.json").exists() and (tmp_path / "covariance_quick.png").exists()
+    results = covariance.main(["--smoke", "--threads", "1", "--out", str(tmp_path)])
+    assert (tmp_path / "covariance_smoke.json").exists() and (tmp_path / "covariance_smoke.png").exists()
     nll = [entry["nll"] for entry in results["phase"]]
     assert nll[-1] < nll[0]  # the phase lowers the test NLL of the converged mode
     assert [entry["phase_products"] for entry in results["phase"]] == [0, 2, 4]
@@ -255,36 +249,37 @@ def test_covariance_benchmark_quick_run_writes_results(tmp_path):
 def test_learned_log_loss_matches_scikit_learn():
     from sklearn.metrics import log_loss
 
-    from benchmarks import learned
+    from benchmarks.scoring import log_loss as benchmark_log_loss
 
     generator = torch.Generator().manual_seed(0)
     probabilities = torch.softmax(3 * torch.randn(50, 4, generator=generator, dtype=torch.float64), -1)
     labels = torch.randint(0, 4, (50,), generator=generator)
-    scores = learned.log_loss(probabilities, labels)
+    scores = benchmark_log_loss(probabilities, labels)
     assert math.isclose(scores["nll"], log_loss(labels.numpy(), probabilities.numpy(), labels=range(4)), rel_tol=1e-12)
     assert scores["accuracy"] == float((probabilities.argmax(-1) == labels).double().mean())
-    binary = learned.log_loss(probabilities[:, 0], (labels == 0).long())  # p(y = 1) alone
+    binary = benchmark_log_loss(probabilities[:, 0], (labels == 0).long())  # p(y = 1) alone
     assert math.isclose(binary["nll"], log_loss((labels == 0).numpy(), probabilities[:, 0].numpy()), rel_tol=1e-12)
 
 
-def test_learned_svgp_predictive_is_its_exact_predictive():
+def test_svgp_predictive_is_its_exact_predictive():
     """Binary: the probit closed form; multi-class: Monte Carlo within 4 standard errors of a 10^5-sample estimate."""
-    from benchmarks import learned
+    from benchmarks import svgp
+    from benchmarks.data import load
 
-    data = learned.load("binary10000", smoke=True, seed=0)
-    model = learned.SVGPModel(data, 10, torch.Generator().manual_seed(0))
+    data = load("binary10000", smoke=True, seed=0)
+    model = svgp.SVGPModel(data, 10, torch.Generator().manual_seed(0))
     model.eval()
     output = model(data.test_x[:5])
     expected = torch.special.ndtr(output.mean / (1 + output.variance).sqrt())
-    torch.testing.assert_close(learned.svgp_probabilities(model, data.test_x[:5], 2), expected)
-    data = learned.load("mixture5000", smoke=True, seed=0)
-    model = learned.SVGPModel(data, 20, torch.Generator().manual_seed(0))
+    torch.testing.assert_close(svgp.svgp_probabilities(model, data.test_x[:5], 2), expected)
+    data = load("mixture5000", smoke=True, seed=0)
+    model = svgp.SVGPModel(data, 20, torch.Generator().manual_seed(0))
     model.eval()
     output = model(data.test_x[:3])
     samples = output.mean + output.variance.sqrt() * torch.randn(100_000, 3, 10, dtype=torch.float64)
     reference = torch.softmax(samples, -1)
     error = 4 * reference.std(0) / math.sqrt(512) + 1e-12
-    got = learned.svgp_probabilities(model, data.test_x[:3], 10)
+    got = svgp.svgp_probabilities(model, data.test_x[:3], 10)
     assert bool(((got - reference.mean(0)).abs() <= error).all())
 
 
@@ -349,8 +344,8 @@ def test_alps_family_problems_have_the_stated_structure():
     assert mixture.train_y.shape == (300, 9) and mixture.score_clean.shape == (100, 9)
 
 
-def test_alps_family_quick_run_and_merge_write_results(tmp_path):
-    arguments = ["--quick", "--quiet", "--families", "spike_and_slab", "concrete", "--out", str(tmp_path)]
+def test_alps_family_smoke_run_and_merge_write_results(tmp_path):
+    arguments = ["--smoke", "--quiet", "--families", "spike_and_slab", "concrete", "--out", str(tmp_path)]
     alps_family.main([*arguments, "--problems", "square_0.1", "--name", "a"])
     alps_family.main([*arguments, "--problems", "mixture_5_11_19", "--name", "b"])
     output = alps_family.main(["--quiet", "--merge", str(tmp_path / "a.json"), str(tmp_path / "b.json"),
@@ -370,6 +365,7 @@ def test_gpytorch_door_smoke_run_writes_results(tmp_path):
     """``fit_mll``, the plain loops and SVGP on two data seeds of the mixture (tiny): one point per ``fit_mll`` run, the
     loops' and SVGP's curves, and the summary over seeds computed from the runs."""
     from benchmarks import gpytorch_door
+    from benchmarks.scoring import nll_at
 
     output = gpytorch_door.main(["--smoke", "--datasets", "mixture5000", "--seeds", "0", "1", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "gpytorch_door_smoke.json").read_text())
@@ -383,7 +379,7 @@ def test_gpytorch_door_smoke_run_writes_results(tmp_path):
     assert summary["nll"]["mean"] == pytest.approx(sum(nlls) / 2) and summary["nll"]["n"] == 2
     assert summary["seeds_at_or_below_svgp_at_60s"] in (0, 1, 2)
     history = {"history": [{"time": 1.0, "nll": 0.5}, {"time": 2.05, "nll": 0.45}, {"time": 3.0, "nll": 0.4}]}
-    assert gpytorch_door.nll_at(history, 2.0) == 0.45 and gpytorch_door.nll_at(history, 1.5) == 0.5
+    assert nll_at(history, 2.0) == 0.45 and nll_at(history, 1.5) == 0.5
 
 
 def test_scalable_ep_smoke_run_writes_results(tmp_path):

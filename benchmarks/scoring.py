@@ -1,0 +1,59 @@
+"""How the benchmarks that learn their kernels score a method: test log-loss and accuracy against the method's own wall
+time, the evaluations not counted, and a run's NLL at a time and its spread over seeds."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+
+def log_loss(probabilities: Tensor, labels: Tensor) -> dict[str, float]:
+    """Test NLL (mean negative log probability of the true class, clamped at 1e-15) and accuracy; ``probabilities``
+    ``(N*, C)``, or ``(N*,)`` for :math:`p(y = 1)`."""
+    if probabilities.dim() == 1:
+        probabilities = torch.stack([1 - probabilities, probabilities], dim=-1)
+    probabilities = probabilities.double()
+    true_class = probabilities.gather(-1, labels[:, None])[:, 0].clamp_min(1e-15)
+    accuracy = (probabilities.argmax(-1) == labels).double().mean()
+    return {"nll": float(-true_class.log().mean()), "accuracy": float(accuracy)}
+
+
+class Clock:
+    """Wall time of a method's own work: :meth:`evaluate` blocks (the evaluations) are not counted."""
+
+    def __init__(self) -> None:
+        self.start, self.paused_seconds = time.perf_counter(), 0.0
+
+    def elapsed(self) -> float:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # the work queued so far, not only launched
+        return time.perf_counter() - self.start - self.paused_seconds
+
+    def evaluate(self, history: list[dict], probabilities: Callable[[], Tensor], labels: Tensor, **extra) -> dict:
+        """Score ``probabilities()`` against ``labels`` into ``history``, the time spent not counted."""
+        now, tic = self.elapsed(), time.perf_counter()
+        with torch.no_grad():
+            entry = {"time": now, **log_loss(probabilities(), labels), **extra}
+        history.append(entry)
+        self.paused_seconds += time.perf_counter() - tic
+        return entry
+
+
+def nll_at(run: dict, seconds: float) -> float:
+    """The run's test NLL at its last evaluation within ``seconds`` (5% grace: a run of a 120 s budget is scored at
+    about 120.1 s; NaN if none)."""
+    entries = [entry for entry in run["history"] if entry["time"] <= 1.05 * seconds]
+    return entries[-1]["nll"] if entries else math.nan
+
+
+def spread(values: list[float]) -> dict:
+    """Mean, (population) standard deviation and count of the values that are not NaN."""
+    values = [value for value in values if not math.isnan(value)]
+    if not values:
+        return {"mean": math.nan, "std": math.nan, "n": 0}
+    return {"mean": statistics.fmean(values), "std": statistics.pstdev(values), "n": len(values)}
