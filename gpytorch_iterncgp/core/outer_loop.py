@@ -18,7 +18,8 @@ one (:meth:`OuterLoop.made_progress`), and :data:`STALL_STEPS` steps without pro
 every :data:`ESCALATION_STEPS` steps without progress the driver asks the loop to spend more computation on its
 next steps (``escalate``: EP refreshes its marginals, or gives its solves more iterations), as Newton–Krylov methods
 tighten their forcing term where the inexact solves limit progress; a loop that raised its budget gets a fresh
-window to progress in (its next step the new reference), one that cannot has the rest of the :data:`STALL_STEPS`.
+window to progress in (its next step the new reference), up to :data:`MAX_ESCALATIONS` times a fit; one that cannot
+has the rest of the :data:`STALL_STEPS`.
 It is a rule of one call of the driver, as ``max_steps`` is: a fit resumed after a stall starts again from the loop's
 own budget.
 
@@ -50,6 +51,8 @@ from .validation import check_count, check_nonnegative
 STALL_STEPS = 20
 #: steps without progress after which (and after each further this many) the driver asks the loop to escalate
 ESCALATION_STEPS = 5
+#: the most escalations of one fit that open a fresh window (each at least doubles a budget: 2^10 times the first)
+MAX_ESCALATIONS = 10
 
 
 class LoopStatus(enum.Enum):
@@ -425,6 +428,7 @@ class _StallRule:
     def __init__(self, loop: OuterLoop):
         self.loop, self.made_progress = loop, getattr(loop, "made_progress", None)
         self.escalate = getattr(loop, "escalate", None)
+        self.escalations = 0  # escalations that raised the loop's budget
         self.reference: StepRecord | None = None  # the last step with progress
         self.steps_without_progress = 0
 
@@ -437,9 +441,11 @@ class _StallRule:
             return None
         self.steps_without_progress += 1
         if self.steps_without_progress < STALL_STEPS:
-            if self.escalate is not None and self.steps_without_progress % ESCALATION_STEPS == 0:
-                if self.escalate(record):  # more computation from the next step: a fresh window to progress in
-                    self.reference, self.steps_without_progress = None, 0
+            escalate, due = self.escalate, self.steps_without_progress % ESCALATION_STEPS == 0
+            if escalate is not None and due and self.escalations < MAX_ESCALATIONS and escalate(record):
+                # more computation from the next step: a fresh window to progress in
+                self.reference, self.steps_without_progress = None, 0
+                self.escalations += 1
             return None
         last = ", ".join(f"{name}={value}" for name, value in record.progress().items())
         advice = getattr(self.loop, "stall_advice", "")

@@ -24,9 +24,9 @@ than the exact marginal variance where the actions have not yet looked, so the c
 sweep (skipped and counted, as GPstuff does for negative cavities); the recycled actions accumulate across
 sweeps (all of them unless ``compression_rank`` is set), so later sweeps resolve more sites, and once the
 actions span the space the sweeps are exact EP. A cavity raised to the prior precision (*bounded*) marks a point
-whose computation-aware variance is too wide for its site: up to ``bounded_point_actions`` such points a sweep get
-their unit vectors as actions (with their kernel columns, no product with :math:`\mathbf K`), after which their
-variance is at most that of the point observed alone and no later sweep bounds them. The loop reports convergence
+whose computation-aware variance is too wide for its site: up to ``bounded_point_actions`` actions a sweep go to such
+points (their unit vectors, :math:`C - 1` per point for :math:`C` classes, with their kernel columns: no product with
+:math:`\mathbf K`), after which their variance is at most that of the point observed alone and no later sweep bounds them. The loop reports convergence
 only for a complete solve with no skipped or bounded site and a site change below ``site_tol``. Where the sweeps stop
 making progress, the driver's stall rule makes the loop escalate (:meth:`ExpectationPropagation.escalate`): more
 iterations per solve, or a burst of the covariance phase that refreshes the marginals.
@@ -124,7 +124,8 @@ class EPOptions(SweepOptions, IterGPOptions, CovarianceOptions, TrainModeFits):
 
     marginal_iterations: int = 0  # covariance-phase blocks (products with K) for the marginals during the sweeps
     marginal_every: int = 1  # ... after every this many sweeps (see ExpectationPropagation.refine_marginals)
-    # unit-vector actions a sweep adds at most at points whose cavity it bounded, largest site precision first (0: none)
+    # unit-vector actions a sweep adds at most at points whose cavity it bounded (C - 1 per point for C classes),
+    # largest site precision first (0: none)
     bounded_point_actions: int = 50
 
     def validate(self) -> None:
@@ -214,7 +215,7 @@ class ExpectationPropagation:
     step_name = "sweeps"
     # this fit's budget (escalate raises it; reset at the start of every fit)
     solver_iterations: int | None  # of each solve
-    last_solve_converged: bool
+    last_solve_at_budget: bool  # the last solve stopped at its iteration budget, unconverged
     refresh_blocks: int  # covariance-phase blocks of the next sweep's refresh burst
     last_refresh_blocks: int  # ... of the last burst
     actions_exhausted: bool  # the last refresh found no new direction: the actions span the space
@@ -239,7 +240,7 @@ class ExpectationPropagation:
         actions span the space, so the fit either converges or spends its ``max_time``; where a burst found no new
         direction (the actions span the space) there is nothing left to raise, and the stall rule may end the fit."""
         budget = self.solver_iterations
-        if not self.last_solve_converged and budget is not None:
+        if self.last_solve_at_budget and budget is not None:
             self.solver_iterations = 2 * budget
             return True
         if self.actions_exhausted:  # the last burst found no new direction: the marginals are exact already
@@ -285,7 +286,7 @@ class ExpectationPropagation:
     def _reset_budget(self) -> None:
         """A fit's own budget (:meth:`escalate` raises it): the options' solver iterations, no refresh burst."""
         self.solver_iterations = self.options.max_solver_iterations
-        self.last_solve_converged = True
+        self.last_solve_at_budget = False
         self.refresh_blocks = self.last_refresh_blocks = 0
         self.actions_exhausted = False
 
@@ -464,7 +465,8 @@ class ExpectationPropagation:
         )
 
     def _bounded_points(self, update: SiteUpdate) -> Tensor:
-        """The indices of at most ``bounded_point_actions`` points whose cavity ``update`` bounded, those with the
+        """The indices of the points whose cavity ``update`` bounded, as many as ``bounded_point_actions`` actions
+        allow (one per point for :math:`C = 1`, :math:`C - 1` for :math:`C` classes, at least one point), those with the
         largest new site precision (trace of the block for :math:`C > 1`) first: where the computation-aware
         marginal is furthest above what the site allows. The same on every rank (gathered from each rank's points)."""
         precision = update.site_precision
@@ -472,7 +474,9 @@ class ExpectationPropagation:
             precision = precision.diagonal(dim1=-2, dim2=-1).sum(-1)
         score = torch.where(update.bounded, precision.to(self.prior_mean), -1.0)
         score = self.rows_block.all_points(score[:, None].expand(-1, self.num_latents).contiguous())[:, 0]
-        number = min(self.options.bounded_point_actions, int((score >= 0).sum()))
+        allowed = self.options.bounded_point_actions
+        per_point = self.preconditioning.latents_per_point
+        number = min(0 if allowed == 0 else max(1, allowed // per_point), int((score >= 0).sum()))
         return torch.topk(score, number).indices.sort().values
 
     @staticmethod
@@ -516,7 +520,8 @@ class ExpectationPropagation:
             counts = block.summed(torch.stack([update.skipped.sum(), update.bounded.sum(), update.clipped.sum()]))
             skipped, bounded, clipped = (int(count) for count in counts)
             state = self._solved(state, result, update.site_precision, update.site_natural_mean, state.sweeps + 1)
-            self.last_solve_converged = result.converged
+            budget = self.solver_iterations
+            self.last_solve_at_budget = not result.converged and budget is not None and result.iterations >= budget
             blocks = options.marginal_iterations if state.sweeps % options.marginal_every == 0 else 0
             if self.refresh_blocks > 0:  # escalate's burst, once
                 blocks += self.refresh_blocks

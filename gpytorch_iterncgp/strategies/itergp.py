@@ -399,10 +399,11 @@ class EPStrategy(_IterGPStrategy):
         (:meth:`.ExpectationPropagation.refine_marginals`). They move the sites towards exact EP's at the cost of a
         larger buffer; ``0``: none.
     :param marginal_every: sweeps between those refreshes.
-    :param bounded_point_actions: at most this many points whose cavity a sweep bounded (largest site precision first)
-        get their unit vectors as actions, with their kernel columns (no product with :math:`\mathbf K`): no later
-        sweep bounds them (the variance there is at most that of the point observed alone). ``0``: none. Each adds a
-        column to the recycled actions, which every later sweep's virtual solver run pays for.
+    :param bounded_point_actions: at most this many actions a sweep (one per point, :math:`C - 1` per point for
+        :math:`C` classes; at least one point) go to points whose cavity it bounded (largest site precision first):
+        their unit vectors, with their kernel columns (no product with :math:`\mathbf K`), so that no later sweep
+        bounds them (the variance there is at most that of the point observed alone). ``0``: none. Each is a column
+        of the recycled actions, which every later sweep's virtual solver run pays for.
     """
 
     _state_type = EPState

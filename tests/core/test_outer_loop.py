@@ -16,6 +16,7 @@ import pytest
 from gpytorch_iterncgp import ConvergenceWarning, NotConvergedWarning, NumericalBreakdownWarning
 from gpytorch_iterncgp.core.outer_loop import (
     ESCALATION_STEPS,
+    MAX_ESCALATIONS,
     STALL_STEPS,
     EPSweep,
     FitReport,
@@ -227,6 +228,11 @@ def test_the_stall_rule_asks_the_loop_to_escalate_before_it_stops_the_fit():
     second = first + 1 + ESCALATION_STEPS
     assert raised.escalated_after[:3] == [first, second, second + 1 + ESCALATION_STEPS]
     assert report.stalled and report.steps == second + 1 + STALL_STEPS
+    endless = EscalatingHeron(Counter(), escalations=10**6)  # a loop that always raises: at most MAX_ESCALATIONS
+    (report, _), _ = _caught(lambda: _run(endless, max_steps=None))
+    window = 1 + ESCALATION_STEPS  # its reference step and the steps without progress before each raise
+    assert len(endless.escalated_after) == MAX_ESCALATIONS and report.stalled
+    assert report.steps == MAX_ESCALATIONS * window + 1 + STALL_STEPS
 
 
 def test_time_limit_stops_after_a_step_and_warns_naming_it():
