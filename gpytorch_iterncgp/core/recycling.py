@@ -316,6 +316,21 @@ def _top_eigenpairs(gram: Tensor, tolerance: float, limit: int | None) -> tuple[
     return eigenvectors[:, :rank], eigenvalues[:rank]
 
 
+def _cholesky_root(gram: Tensor, tolerance: float) -> Tensor | None:
+    r""":math:`\mathbf E = \mathbf L^{-\top}` for the Cholesky factor :math:`\mathbf L \mathbf L^\top` of ``gram``
+    ``(B, B)``, so that :math:`\mathbf E^\top \mathbf M \mathbf E = \mathbf I` (:math:`B^3/3` multiply-adds for the
+    factor and as many for the inverse, where an eigendecomposition takes several times that); ``None`` where a pivot
+    falls below ``1000 * tolerance`` times the largest diagonal entry (nearly dependent actions, which only the
+    eigendecomposition drops)."""
+    factor, info = torch.linalg.cholesky_ex(gram)
+    if int(info) != 0:
+        return None
+    if bool((factor.diagonal().square() <= 1000 * tolerance * gram.diagonal().max()).any()):
+        return None
+    identity = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
+    return torch.linalg.solve_triangular(factor.mT, identity, upper=True)
+
+
 def _combination(rows: Tensor, extra: Tensor | None, coefficients: Tensor, capacity: int) -> ColumnStore:
     r"""A new store with the columns :math:`[\mathbf S, \mathbf x] \mathbf E` (``rows`` is :math:`\mathbf S^\top`,
     ``extra`` the optional :math:`\mathbf x`, ``coefficients`` :math:`\mathbf E` ``(B (+1), r)``)."""
@@ -377,6 +392,10 @@ def virtual_solver_run(
         return ImplicitRoot(buffer, rows.new_zeros(0, 0))
     # M = S^T K S (kept by the buffer) + S^T W^{-1} S (this W), decomposed in float64 (float32 eigh fails on it).
     gram = buffer.kernel_gram() + noise_gram(buffer, noise_inverse)
+    if extra is None and compression_rank is None:  # nothing to compress: any root of M^{-1} will do, Cholesky's first
+        root = _cholesky_root(gram, relative_eigenvalue_tolerance)
+        if root is not None:
+            return ImplicitRoot(buffer, root.to(dtype))
     if extra is None:
         coefficients, eigenvalues = _top_eigenpairs(gram, relative_eigenvalue_tolerance, compression_rank)
         if compression_rank is None or coefficients.shape[-1] == buffer.size:
