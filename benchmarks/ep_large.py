@@ -4,6 +4,7 @@ the strategy's defaults (no step limit: until it converges or stalls).
     python -m benchmarks.ep_large                                   # N 20000 and 30000, seeds 0 1 2 (about an hour)
     python -m benchmarks.ep_large --sizes 20000 --actions 0 50      # without and with the bounded points' actions
     python -m benchmarks.ep_large --sizes 10000 --seeds 0 --actions 0 50 --max-sweeps 20   # docs/design_notes.md
+    python -m benchmarks.ep_large --sizes 30000 --marginal-tol 1e-3     # stopped on the marginals, as the estimator
     python -m benchmarks.ep_large --smoke                           # tiny, seconds
 
 ``EPStrategy`` (probit, a Matérn-5/2 kernel at :math:`s^2` 19.3, :math:`\ell` 0.37: what the estimator learnt on
@@ -48,10 +49,14 @@ class _Model(gpytorch.models.ApproximateGP):
         return gpytorch.distributions.MultivariateNormal(self.mean_module(x), self.covar_module(x))
 
 
-def run(size: str, seed: int, actions: int, smoke: bool, max_sweeps: int | None = None) -> dict:
-    """One EP fit with the defaults, ``bounded_point_actions=actions`` and ``max_sweeps``; its row."""
+def run(
+    size: str, seed: int, actions: int, smoke: bool, max_sweeps: int | None = None, marginal_tol: float | None = None
+) -> dict:
+    """One EP fit with the defaults, ``bounded_point_actions=actions``, ``max_sweeps`` and ``marginal_tol``; its row."""
     data = load(f"binary{size}", smoke, seed)
-    model = _Model(data.train_x, data.train_y.to(data.train_x), bounded_point_actions=actions).double()
+    model = _Model(
+        data.train_x, data.train_y.to(data.train_x), bounded_point_actions=actions, marginal_tol=marginal_tol
+    ).double()
     model.covar_module.outputscale = OUTPUTSCALE
     model.covar_module.base_kernel.lengthscale = LENGTHSCALE
     start = time.perf_counter()
@@ -67,6 +72,7 @@ def run(size: str, seed: int, actions: int, smoke: bool, max_sweeps: int | None 
         "num_train": len(data.train_y),
         "seed": seed,
         "bounded_point_actions": actions,
+        "marginal_tol": marginal_tol,
         "sweeps": report.steps,
         "converged": report.converged,
         "stalled": report.stalled,
@@ -115,6 +121,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--actions", nargs="+", type=int, default=[50])
     parser.add_argument("--max-sweeps", type=int, default=None, help="a step limit (default: none, the strategy's)")
+    parser.add_argument(
+        "--marginal-tol", type=float, default=None, help="EPStrategy's marginal_tol (default: none, the sites' test)"
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--smoke", action="store_true", help="tiny data, seconds")
     parser.add_argument("--out", type=Path, default=RESULTS / "ep_large.json")
@@ -124,7 +133,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for size in args.sizes:
         for seed in args.seeds:
             for actions in args.actions:
-                row = run(size, seed, actions, args.smoke, args.max_sweeps)
+                row = run(size, seed, actions, args.smoke, args.max_sweeps, args.marginal_tol)
                 rows.append(row)
                 print(
                     f"N {row['num_train']:>6} seed {seed} actions {actions:>3}: {row['sweeps']} sweeps, "

@@ -168,6 +168,9 @@ class EPSweep:
     solver_iterations: int
     residual_norm: float
     marginal_blocks: int = 0  # covariance-phase blocks refreshing the marginals after the solve (a product each)
+    # how far the marginals the sweep updated from moved since the last sweep's: their mean KL divergence per latent
+    # value (nats; nan on a fit's first sweep, and for the loops that do not measure it)
+    marginal_change: float = math.nan
     kernel_products: int = 0  # filled in by the driver
     kernel_product_seconds: float = 0.0  # filled in by the driver
 
@@ -177,6 +180,7 @@ class EPSweep:
             "site_change": f"{self.site_change:.2g}",
             "bounded": str(self.bounded_cavities),
             "residual": f"{self.residual_norm:.2g}",
+            **({} if math.isnan(self.marginal_change) else {"marginal_change": f"{self.marginal_change:.2g}"}),
         }
 
     def details(self, report: FitReport) -> str:
@@ -184,6 +188,7 @@ class EPSweep:
         return (
             f"bounded cavities={report.bounded_cavities}, skipped site updates={report.skipped_sites}, "
             f"site change={self.site_change:.3g}"
+            + ("" if math.isnan(self.marginal_change) else f", marginal change={self.marginal_change:.3g} nats")
         )
 
 

@@ -27,7 +27,13 @@ actions span the space the sweeps are exact EP. A cavity raised to the prior pre
 whose computation-aware variance is too wide for its site: up to ``bounded_point_actions`` actions a sweep go to such
 points (their unit vectors, :math:`C - 1` per point for :math:`C` classes, with their kernel columns: no product with
 :math:`\mathbf K`), after which their variance is at most that of the point observed alone and no later sweep bounds them. The loop reports convergence
-only for a complete solve with no skipped or bounded site and a site change below ``site_tol``. Where the sweeps stop
+only for a complete solve with no skipped or bounded site and a site change below ``site_tol``, or, with
+``marginal_tol``, for a complete solve with no skipped site after which the marginals moved by at most ``marginal_tol``
+(:func:`marginal_divergence`: their mean KL divergence per latent value from the marginals the sweep updated from;
+bounded cavities allowed). Parallel EP converges linearly, so the marginals' distance from the fixed point is a small
+multiple of the last sweep's change; predictions and the evidence are made of the marginals, and they settle long
+before the largest relative site change reaches ``site_tol``. Marginals that settled while the solve stopped at its
+budget double the budget at once. Where the sweeps stop
 making progress, the driver's stall rule makes the loop escalate (:meth:`ExpectationPropagation.escalate`): more
 iterations per solve, or a burst of the covariance phase that refreshes the marginals.
 
@@ -47,6 +53,7 @@ right-hand side :math:`(\tilde\nu_i - \tilde\tau_i m_i)/\max(\tilde\tau_i, \tau_
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Generator
 from dataclasses import dataclass
 
@@ -97,6 +104,36 @@ def posterior_marginal_blocks(
     return mean, (covariance + covariance.mT) / 2
 
 
+def marginal_divergence(
+    marginals: tuple[Tensor, Tensor], previous: tuple[Tensor, Tensor], rows_block: RowBlock, num_points: int
+) -> float:
+    r"""How far the posterior marginals moved: the mean over the :math:`N` points of
+    :math:`\operatorname{KL}(\mathcal N(\boldsymbol\mu_i, \boldsymbol\Sigma_i) \,\|\, \mathcal N(\boldsymbol\mu_i',
+    \boldsymbol\Sigma_i'))`, divided by the :math:`C` latent values of a point (nats per latent value).
+
+    ``marginals`` and ``previous`` are :meth:`ExpectationPropagation.marginals`' ``(mean, variance)``: ``(N,)`` each,
+    or ``(N, C)`` and ``(N, C, C)`` blocks; of this rank's points where held by rows (the sum is reduced over the
+    ranks of ``rows_block``). ``inf`` where a variance is not positive (a block not positive definite).
+    """
+    (mean, variance), (old_mean, old_variance) = marginals, previous
+    if variance.dim() == 1:
+        ratio = variance / old_variance
+        divergence = 0.5 * (ratio + (mean - old_mean).square() / old_variance - 1 - ratio.log())
+        num_latents = 1
+    else:
+        num_latents = variance.shape[-1]
+        old_factor, old_info = torch.linalg.cholesky_ex(old_variance)
+        factor, info = torch.linalg.cholesky_ex(variance)
+        if bool((old_info != 0).any() | (info != 0).any()):
+            return math.inf
+        whitened = torch.linalg.solve_triangular(old_factor, factor, upper=False)  # L'^{-1} L: tr = ||.||_F^2
+        offset = torch.linalg.solve_triangular(old_factor, (mean - old_mean)[..., None], upper=False)[..., 0]
+        log_ratio = 2 * (old_factor.diagonal(dim1=-2, dim2=-1).log() - factor.diagonal(dim1=-2, dim2=-1).log()).sum(-1)
+        divergence = 0.5 * (whitened.square().sum((-2, -1)) + offset.square().sum(-1) - num_latents + log_ratio)
+    total = float(rows_block.summed(divergence.sum().detach()))
+    return total / (num_points * num_latents) if math.isfinite(total) else math.inf
+
+
 @dataclass
 class SweepOptions(FitLimits):
     """The settings of the sweeps of any EP loop (dense EP, EP-DTC): how many, how far each moves the sites, and when
@@ -127,6 +164,9 @@ class EPOptions(SweepOptions, IterGPOptions, CovarianceOptions, TrainModeFits):
     # unit-vector actions a sweep adds at most at points whose cavity it bounded (C - 1 per point for C classes),
     # largest site precision first (0: none)
     bounded_point_actions: int = 50
+    # converged also where the marginals moved by at most this (marginal_divergence, nats per latent value) in a sweep
+    # with a complete solve and no skipped site, bounded cavities allowed (None: the sites' test alone)
+    marginal_tol: float | None = None
 
     def validate(self) -> None:
         """:raises ValueError: naming the option that is out of range."""
@@ -137,6 +177,8 @@ class EPOptions(SweepOptions, IterGPOptions, CovarianceOptions, TrainModeFits):
         check_count(self.marginal_iterations, "marginal_iterations")
         check_count(self.marginal_every, "marginal_every", minimum=1)
         check_count(self.bounded_point_actions, "bounded_point_actions")
+        if self.marginal_tol is not None:
+            check_nonnegative(self.marginal_tol, "marginal_tol", positive=True)
 
 
 @dataclass
@@ -404,9 +446,10 @@ class ExpectationPropagation:
             return posterior_marginals(prior.mean.reshape(-1), prior.diagonal().reshape(-1), state, block)
         return posterior_marginal_blocks(prior.mean.reshape(-1, prior.num_latents), prior.point_blocks(), state, block)
 
-    def update(self, state: EPState) -> SiteUpdate:
-        """One parallel sweep's site update from the marginals of ``state``'s regression."""
-        mean, variance = self.marginals(state)
+    def update(self, state: EPState, marginals: tuple[Tensor, Tensor] | None = None) -> SiteUpdate:
+        """One parallel sweep's site update from the marginals of ``state``'s regression (:meth:`marginals`, unless
+        given)."""
+        mean, variance = self.marginals(state) if marginals is None else marginals
         damping, block = self.options.damping, self.rows_block
         if self.num_latents == 1:
             sites = (state.site_precision, state.site_natural_mean)
@@ -505,8 +548,11 @@ class ExpectationPropagation:
             result = self.solve(state, buffer, state.site_precision, state.site_natural_mean)
             buffer, extra_iterations = result.buffer, result.iterations
             state = self._solved(state, result, state.site_precision, state.site_natural_mean, state.sweeps)
+        marginals: tuple[Tensor, Tensor] | None = None  # of the state, where the last sweep measured them
         while True:
-            update = self.update(state)
+            if marginals is None:
+                marginals = self.marginals(state)
+            update, update_marginals = self.update(state, marginals), marginals
             if not options.recycle:
                 buffer = ActionBuffer.empty(self.rows_block, self.prior_mean.dtype, self.prior_mean.device)
                 self.policy.reset()
@@ -528,6 +574,12 @@ class ExpectationPropagation:
                 self.last_refresh_blocks, self.refresh_blocks = self.refresh_blocks, 0
             if blocks > 0:
                 state, buffer = self.refine_marginals(state, buffer, blocks)
+            # how far this sweep moved the marginals (the next sweep updates from the new ones)
+            marginal_change, marginals = math.nan, None
+            if options.marginal_tol is not None:
+                new_marginals = self.marginals(state)
+                marginal_change = marginal_divergence(new_marginals, update_marginals, block, self.num_points)
+                marginals = new_marginals
             record = EPSweep(
                 step=state.sweeps,
                 site_change=update.change,
@@ -538,11 +590,16 @@ class ExpectationPropagation:
                 solver_iterations=result.iterations + extra_iterations,
                 residual_norm=result.residual_norm,
                 marginal_blocks=blocks,
+                marginal_change=marginal_change,
             )
             extra_iterations = 0
             status, message = LoopStatus.CONTINUE, ""
-            if result.converged and skipped == 0 and bounded == 0 and update.change <= options.site_tol:
+            sites_settled = bounded == 0 and update.change <= options.site_tol
+            marginals_settled = options.marginal_tol is not None and marginal_change <= options.marginal_tol
+            if result.converged and skipped == 0 and (sites_settled or marginals_settled):
                 status = LoopStatus.CONVERGED
+            elif marginals_settled and self.last_solve_at_budget and budget is not None:
+                self.solver_iterations = 2 * budget  # settled marginals of an unsolved regression: solve it
             elif skipped == self.num_points and result.iterations == 0:
                 status = LoopStatus.STALLED
                 message = (

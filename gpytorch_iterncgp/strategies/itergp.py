@@ -404,6 +404,11 @@ class EPStrategy(_IterGPStrategy):
         their unit vectors, with their kernel columns (no product with :math:`\mathbf K`), so that no later sweep
         bounds them (the variance there is at most that of the point observed alone). ``0``: none. Each is a column
         of the recycled actions, which every later sweep's virtual solver run pays for.
+    :param marginal_tol: converged also where a sweep moved the posterior marginals at the training points by at most
+        this, their mean Kullback–Leibler divergence from the marginals it updated from per latent value (nats;
+        :func:`~gpytorch_iterncgp.ep.sweeps.marginal_divergence`), with a complete solve and no site skipped, even
+        while some cavities are bounded or the sites still move by more than ``site_tol``: what predictions and
+        the evidence are made of has settled. ``None``: the sites' test alone.
     """
 
     _state_type = EPState

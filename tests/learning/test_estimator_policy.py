@@ -26,6 +26,7 @@ from gpytorch_iterncgp import (
 )
 from gpytorch_iterncgp.learning import estimator_policy
 from gpytorch_iterncgp.learning.estimator_policy import (
+    EP_MARGINAL_TOL,
     ESTIMATOR_DEFAULTS,
     auto_inference,
     check_parameters_apply,
@@ -139,7 +140,7 @@ def test_documented_constants():
 # ---------------------------------------------------------------------------------------------------
 def test_strategy_options_map_the_estimators_parameters():
     policy = UnitVectorPolicy(seed=1)
-    budget = dict(policy=policy, max_solver_iterations=9, solver_tol=1e-6)
+    budget = dict(policy=policy, max_solver_iterations=9, solver_tol=1e-6, exact=False)
     common = dict(
         seed=4,
         max_newton_steps=12,
@@ -163,10 +164,15 @@ def test_strategy_options_map_the_estimators_parameters():
     laplace = strategy_options(budget, "laplace", outer_tol=None, **common)
     assert isinstance(laplace.pop("policy"), UnitVectorPolicy)
     assert laplace == {**expected, "max_newton_steps": 12}
-    ep = strategy_options(budget, "ep", outer_tol=1e-3, **common)
+    ep = strategy_options(budget, "ep", outer_tol=None, **common)
     assert ep.pop("policy") is not policy  # a copy: the estimator's policy is not advanced by its fits
-    assert ep == {**expected, "max_sweeps": 12, "site_tol": 1e-3}
+    assert ep == {**expected, "max_sweeps": 12, "marginal_tol": EP_MARGINAL_TOL}
+    # a tolerance given for the sites: the sites' test alone
+    ep = strategy_options(budget, "ep", outer_tol=1e-3, **common)
+    assert ep["site_tol"] == 1e-3 and "marginal_tol" not in ep
     assert strategy_options(budget, "laplace", outer_tol=1e-3, **common)["outer_tol"] == 1e-3
+    # exact solves (a few hundred latent values): EP to its sites' tolerance, exact EP
+    assert "marginal_tol" not in strategy_options({**budget, "exact": True}, "ep", outer_tol=None, **common)
 
 
 def test_the_evidence_class_follows_the_strategy():
