@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import math
 import os
 import platform
+import sys
+from pathlib import Path
 
 import gpytorch
 import linear_operator
@@ -101,3 +104,11 @@ def load_average() -> float:
 def add_smoke_flag(parser: argparse.ArgumentParser, help: str = "tiny sizes (a functional check, seconds)") -> None:
     """``--smoke`` (``args.smoke``): the benchmark at tiny sizes, as the tests run it; ``--quick`` is the same flag."""
     parser.add_argument("--smoke", "--quick", dest="smoke", action="store_true", help=f"{help}; --quick: the same")
+
+
+def write_results(path: Path, module: str, argv: list[str] | None, **fields) -> None:
+    """``fields`` as JSON at ``path`` (its folder made), with :func:`machine` and the command line that ran
+    (``python -m benchmarks.<module>`` and ``argv``, or the process's own arguments)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    command = f"python -m benchmarks.{module} " + " ".join(sys.argv[1:] if argv is None else argv)
+    path.write_text(json.dumps({"machine": machine(), "command": command, **fields}, indent=1))

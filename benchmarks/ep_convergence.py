@@ -23,15 +23,13 @@ final fit's seconds).
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
 import warnings
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import add_smoke_flag, machine
+from benchmarks.common import add_smoke_flag, write_results
 from benchmarks.data import load
 from benchmarks.scoring import log_loss
 from gpytorch_iterncgp.learning.estimator_policy import EP_MARGINAL_TOL
@@ -128,7 +126,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
         args.chunk, args.max_sweeps = 2, 4
     torch.set_num_threads(args.threads)
     rows = []
-    command = "python -m benchmarks.ep_convergence " + " ".join(sys.argv[1:] if argv is None else argv)
     for name in args.datasets:
         for seed in args.seeds:
             row = run(name, seed, args.chunk, args.max_sweeps, args.smoke)
@@ -140,9 +137,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 f"NLL {last['nll']:.4f} (converged {last['converged']})",
                 flush=True,
             )
-            args.out.parent.mkdir(parents=True, exist_ok=True)  # (written after every row: a long run keeps rows)
-            results = {"machine": machine(), "command": command, "marginal_tol": EP_MARGINAL_TOL, "rows": rows}
-            args.out.write_text(json.dumps(results, indent=1))
+            # (written after every row: a long run keeps rows)
+            write_results(args.out, "ep_convergence", argv, marginal_tol=EP_MARGINAL_TOL, rows=rows)
     plot(rows, args.out.with_suffix(".png"))
     return rows
 

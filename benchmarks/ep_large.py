@@ -20,7 +20,6 @@ Writes ``results/ep_large.json`` (with the machine) and ``results/ep_large.png``
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 import warnings
@@ -29,7 +28,7 @@ from pathlib import Path
 import gpytorch
 import torch
 
-from benchmarks.common import machine
+from benchmarks.common import write_results
 from benchmarks.data import load
 from benchmarks.scoring import log_loss
 from gpytorch_iterncgp import EPStrategy
@@ -141,9 +140,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     f"NLL {row['nll']:.4f}, {row['seconds']:.1f} s",
                     flush=True,
                 )
-                args.out.parent.mkdir(parents=True, exist_ok=True)  # (written after every fit: a long run keeps rows)
-                command = "python -m benchmarks.ep_large " + " ".join(sys.argv[1:] if argv is None else argv)
-                args.out.write_text(json.dumps({"machine": machine(), "command": command, "rows": rows}, indent=1))
+                write_results(args.out, "ep_large", argv, rows=rows)  # (after every fit: a long run keeps rows)
     plot(rows, args.out.with_suffix(".png"))
     return rows
 
