@@ -168,8 +168,8 @@ class EPSweep:
     solver_iterations: int
     residual_norm: float
     marginal_blocks: int = 0  # covariance-phase blocks refreshing the marginals after the solve (a product each)
-    # how far the marginals the sweep updated from moved since the last sweep's: their mean KL divergence per latent
-    # value (nats; nan on a fit's first sweep, and for the loops that do not measure it)
+    # how far the sweep moved the posterior marginals at the training points: the mean KL divergence per latent value
+    # of the new ones from those it updated from (nats; nan where the loop does not measure it: no marginal_tol)
     marginal_change: float = math.nan
     kernel_products: int = 0  # filled in by the driver
     kernel_product_seconds: float = 0.0  # filled in by the driver

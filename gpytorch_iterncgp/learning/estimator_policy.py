@@ -300,8 +300,8 @@ def strategy_options(
     and ``outer_tol`` is EP's ``site_tol`` (``None``: the strategy's own default, absent from the result); EP also
     converges where its marginals settle (``marginal_tol`` :data:`EP_MARGINAL_TOL`), unless its solves are exact
     (``budget["exact"]``: a few hundred latent values, where exact EP to ``site_tol`` is cheap) or ``outer_tol`` is
-    given. The policy
-    is copied, so that a :class:`~gpytorch_iterncgp.Policy` given to the estimator is not advanced by its fits.
+    given. The policy is copied, so that a :class:`~gpytorch_iterncgp.Policy` given to the estimator is not advanced
+    by its fits.
 
     :param budget: :func:`solver_budget`'s result.
     :param inference: ``"laplace"`` or ``"ep"``.
