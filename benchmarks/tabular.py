@@ -40,7 +40,7 @@ from benchmarks.common import add_smoke_flag, write_results
 from benchmarks.data import Data, load
 from benchmarks.gpytorch_door import run_sklearn
 from benchmarks.real_data import COUNTS, TABULAR
-from benchmarks.scoring import nll_at, spread
+from benchmarks.scoring import log_loss, nll_at, spread
 from benchmarks.svgp import run_svgp
 from gpytorch_iterncgp.sklearn import IterNCGPClassifier, IterNCGPPoissonRegressor
 
@@ -74,8 +74,6 @@ def _estimator(data: Data, seed: int, auto: bool) -> dict:
 
 
 def _log_loss(probabilities: np.ndarray, labels: torch.Tensor) -> dict:
-    from benchmarks.scoring import log_loss
-
     return log_loss(torch.as_tensor(probabilities), labels)
 
 
