@@ -8,7 +8,7 @@ the same fit run on by its sites' test alone, with the test log-loss along the w
 For each data set and seed (one after the other, ``--threads`` threads):
 
 * ``IterNCGPClassifier(random_state=seed)`` with its defaults (the kernel learnt on a subset, the final EP fit stopped
-  where a sweep moves the marginals by less than ``EP_MARGINAL_TOL``): its final fit's sweeps and seconds, the test
+  where a sweep moves the marginals by less than the default ``marginal_tol``): its final fit's sweeps and seconds, the test
   NLL and accuracy;
 * at the kernel it learnt, ``IterNCGPClassifier(kernel_, optimize_hyperparameters=False, outer_tol=1e-4)``: the same
   final fit with the sites' test alone (``site_tol`` 1e-4, no bounded cavity), ``--chunk`` sweeps at a time
@@ -32,7 +32,7 @@ import torch
 from benchmarks.common import add_smoke_flag, write_results
 from benchmarks.data import load
 from benchmarks.scoring import log_loss
-from gpytorch_iterncgp.learning.estimator_policy import EP_MARGINAL_TOL
+from gpytorch_iterncgp.ep.sweeps import EPOptions
 from gpytorch_iterncgp.sklearn import IterNCGPClassifier
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 flush=True,
             )
             # (written after every row: a long run keeps rows)
-            write_results(args.out, "ep_convergence", argv, marginal_tol=EP_MARGINAL_TOL, rows=rows)
+            write_results(args.out, "ep_convergence", argv, marginal_tol=EPOptions.marginal_tol, rows=rows)
     plot(rows, args.out.with_suffix(".png"))
     return rows
 

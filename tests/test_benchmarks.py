@@ -555,17 +555,18 @@ def test_ep_large_smoke_run_writes_results(tmp_path):
 
 def test_ep_convergence_smoke_run_scores_both_stops(tmp_path):
     """The EP convergence benchmark at 200 points of 10 classes: the estimator's fit stopped on its marginals (each
-    sweep's recorded change, the last at most ``EP_MARGINAL_TOL``) and the sites-only fit scored after every chunk."""
+    sweep's recorded change, the last at most the default ``marginal_tol``) and the sites-only fit scored after every
+    chunk."""
     from benchmarks import ep_convergence
-    from gpytorch_iterncgp.learning.estimator_policy import EP_MARGINAL_TOL
+    from gpytorch_iterncgp.ep.sweeps import EPOptions
 
     out = tmp_path / "epc.json"
     (row,) = ep_convergence.main(["--smoke", "--datasets", "mixture5000", "--seeds", "0", "--out", str(out)])
     default = row["default"]
-    assert default["inference"] == "ep" and default["converged"] and default["marginal_change"][-1] <= EP_MARGINAL_TOL
+    assert default["inference"] == "ep" and default["converged"] and default["marginal_change"][-1] <= EPOptions.marginal_tol
     assert all(0 < score < 3 for score in (default["nll"], *(point["nll"] for point in row["sites_only"])))
     assert [point["sweeps"] for point in row["sites_only"]] == [2, 4]  # --smoke: chunks of 2 up to 4 sweeps
-    assert json.loads(out.read_text())["marginal_tol"] == EP_MARGINAL_TOL and out.with_suffix(".png").exists()
+    assert json.loads(out.read_text())["marginal_tol"] == EPOptions.marginal_tol and out.with_suffix(".png").exists()
 
 
 def test_tabular_smoke_run_scores_every_method_on_classes_and_counts(tmp_path):

@@ -27,8 +27,8 @@ actions span the space the sweeps are exact EP. A cavity raised to the prior pre
 whose computation-aware variance is too wide for its site: up to ``bounded_point_actions`` actions a sweep go to such
 points (their unit vectors, :math:`C - 1` per point for :math:`C` classes, with their kernel columns: no product with
 :math:`\mathbf K`), after which their variance is at most that of the point observed alone and no later sweep bounds them. The loop reports convergence
-only for a complete solve with no skipped or bounded site and a site change below ``site_tol``, or, with
-``marginal_tol``, for a complete solve with no skipped site after which the marginals moved by at most ``marginal_tol``
+only for a complete solve with no skipped or bounded site and a site change below ``site_tol``, or
+(``marginal_tol``, 1e-3 by default) for a complete solve with no skipped site after which the marginals moved by at most ``marginal_tol``
 (:func:`marginal_divergence`: their mean KL divergence per latent value from the marginals the sweep updated from;
 bounded cavities allowed). Parallel EP converges linearly, so the marginals' distance from the fixed point is a small
 multiple of the last sweep's change; predictions and the evidence are made of the marginals, and they settle long
@@ -166,7 +166,7 @@ class EPOptions(SweepOptions, IterGPOptions, CovarianceOptions, TrainModeFits):
     bounded_point_actions: int = 50
     # converged also where the marginals moved by at most this (marginal_divergence, nats per latent value) in a sweep
     # with a complete solve and no skipped site, bounded cavities allowed (None: the sites' test alone)
-    marginal_tol: float | None = None
+    marginal_tol: float | None = 1e-3
 
     def validate(self) -> None:
         """:raises ValueError: naming the option that is out of range."""

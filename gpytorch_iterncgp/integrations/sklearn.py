@@ -531,8 +531,8 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
         when no site would change by more (``site_tol``); ``None`` (default): the strategy's own (``1e-2`` for
         Newton, ``1e-4`` for EP); with ``None``, past the exact solves (:math:`N C > 1000` latent values) EP also
         stops, converged, once a sweep moves the posterior marginals at the training points by less than
-        ``EP_MARGINAL_TOL`` (1e-3 nats per latent value on average,
-        :mod:`gpytorch_iterncgp.learning.estimator_policy`): the test log-loss has settled by then.
+        :class:`~gpytorch_iterncgp.EPStrategy`'s ``marginal_tol`` (1e-3 nats per latent value on average): the
+        test log-loss has settled by then.
     :param solver_tol: IterGP stops a Newton step early when the residual norm is below
         ``solver_tol * max(1, ||b||)`` (with ``max_solver_iterations=None`` this is the only stop).
     :param optimize_hyperparameters: learn the kernel's hyperparameters by maximising the Laplace or EP evidence

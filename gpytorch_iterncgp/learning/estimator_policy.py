@@ -37,7 +37,6 @@ __all__ = [
     "CLASSIFIER_INFERENCE",
     "DEFAULT_SOLVER_ITERATIONS",
     "DENSE_ONLY",
-    "EP_MARGINAL_TOL",
     "EP_POINTS_PER_BUDGET",
     "ESTIMATOR_DEFAULTS",
     "EXACT_SOLVE_SIZE",
@@ -80,11 +79,6 @@ DEFAULT_SOLVER_ITERATIONS = cast(int, SolverOptions.max_solver_iterations)  # an
 #: (``benchmarks/README.md`` §20). Laplace's Newton steps use only the mean, and multi-class EP did not need more
 #: (same section).
 EP_POINTS_PER_BUDGET = 10_000
-#: The estimators' EP fits also converge where a sweep moves the posterior marginals at the training points by at most
-#: this many nats per latent value on average (:class:`~gpytorch_iterncgp.EPStrategy`'s ``marginal_tol``): the test
-#: log-loss is settled long before every site is (``benchmarks/README.md`` §24). Not where the solves are exact
-#: (:data:`EXACT_SOLVE_SIZE`): there exact EP to its ``site_tol`` is cheap, and its evidence exact.
-EP_MARGINAL_TOL = 1e-3
 
 #: the parameters only dense inference (``"laplace"``, ``"ep"``) uses: its solver and its learning on a subset
 DENSE_ONLY = (
@@ -297,10 +291,11 @@ def strategy_options(
     :class:`~gpytorch_iterncgp.EPStrategy`) from the estimator's parameters.
 
     ``solver_tol`` is both ``abs_tol`` and ``rel_tol``; ``max_newton_steps`` bounds EP's sweeps too (``max_sweeps``),
-    and ``outer_tol`` is EP's ``site_tol`` (``None``: the strategy's own default, absent from the result); EP also
-    converges where its marginals settle (``marginal_tol`` :data:`EP_MARGINAL_TOL`), unless its solves are exact
-    (``budget["exact"]``: a few hundred latent values, where exact EP to ``site_tol`` is cheap) or ``outer_tol`` is
-    given. The policy is copied, so that a :class:`~gpytorch_iterncgp.Policy` given to the estimator is not advanced
+    and ``outer_tol`` is EP's ``site_tol`` (``None``: the strategy's own default, absent from the result); EP
+    converges where its marginals settle (the strategy's default ``marginal_tol``) unless its solves are exact
+    (``budget["exact"]``: a few hundred latent values, where exact EP to ``site_tol`` is cheap and its evidence
+    exact) or ``outer_tol`` is given: then the sites' test alone (``marginal_tol=None``). The policy is copied, so
+    that a :class:`~gpytorch_iterncgp.Policy` given to the estimator is not advanced
     by its fits.
 
     :param budget: :func:`solver_budget`'s result.
@@ -324,7 +319,7 @@ def strategy_options(
     tolerance = {} if outer_tol is None else {"site_tol" if inference == "ep" else "outer_tol": outer_tol}
     if inference == "ep":
         # exact solves: exact EP, cheaply; a tolerance given for the sites: theirs alone
-        marginal = {} if budget["exact"] or outer_tol is not None else {"marginal_tol": EP_MARGINAL_TOL}
+        marginal = {"marginal_tol": None} if budget["exact"] or outer_tol is not None else {}
         return {**options, "max_sweeps": max_newton_steps, **marginal, **tolerance}
     return {**options, "max_newton_steps": max_newton_steps, **tolerance}
 

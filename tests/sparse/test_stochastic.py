@@ -185,7 +185,9 @@ def _converged(sep, site, batch, targets, max_steps=600):
 def test_point_sites_at_the_data_are_the_packages_dense_ep():
     x, y = binary_data(40, seed=0)
     likelihood = gpytorch.likelihoods.BernoulliLikelihood()
-    complete = dict(policy="unit", max_solver_iterations=None, abs_tol=0.0, rel_tol=0.0, site_tol=1e-12)
+    complete = dict(
+        policy="unit", max_solver_iterations=None, abs_tol=0.0, rel_tol=0.0, site_tol=1e-12, marginal_tol=None
+    )
     model = IterNCGPModel(x, y, likelihood, strategy_class=EPStrategy, max_sweeps=400, **complete)
     assert model.variational_strategy.fit().converged
     kernel = model.covar_module
