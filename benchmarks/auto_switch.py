@@ -75,9 +75,22 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(figure)
 
 
+def _write(rows: list[dict], args: argparse.Namespace, earlier: list[dict]) -> list[dict]:
+    """The results file: ``rows`` and the ``earlier`` rows of other data sets, seeds and inferences, each marked
+    with the rule as it is now; returns them all."""
+    measured = {(row["dataset"], row["seed"], row["inference"]) for row in rows}
+    rows = [row for row in earlier if (row["dataset"], row["seed"], row["inference"]) not in measured] + rows
+    for row in rows:
+        row["auto_picks"] = auto_inference(row["num_train"], row["num_classes"]) == row["inference"]
+    args.out.write_text(json.dumps({"machine": machine(), "threads": args.threads, "rows": rows}, indent=1))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    earlier = json.loads(args.out.read_text())["rows"] if args.out.exists() else []  # kept, but for those rerun
     rows = []
     for name in args.datasets:
         for seed in args.seeds:
@@ -105,14 +118,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     f"NLL {row['nll']:.4f} acc {row['accuracy']:.4f} {row['seconds']:7.1f} s",
                     flush=True,
                 )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    if args.out.exists():  # keep the rows of other data sets, seeds and inferences from an earlier call
-        measured = {(row["dataset"], row["seed"], row["inference"]) for row in rows}
-        earlier = json.loads(args.out.read_text())["rows"]
-        rows = [row for row in earlier if (row["dataset"], row["seed"], row["inference"]) not in measured] + rows
-    for row in rows:  # the rule as it is now
-        row["auto_picks"] = auto_inference(row["num_train"], row["num_classes"]) == row["inference"]
-    args.out.write_text(json.dumps({"machine": machine(), "threads": args.threads, "rows": rows}, indent=1))
+                _write(rows, args, earlier)  # after every fit: a long run keeps what it measured
+    rows = _write(rows, args, earlier)
     plot(rows, args.out.with_suffix(".png"))
     return rows
 

@@ -2,6 +2,7 @@ r"""IterNCGP Laplace through its two doors at the kernels learning finds: does t
 and how far is it from the same kernel fitted to convergence?
 
     python -m benchmarks.laplace_door                          # the 10-class mixture, N = 5000, 3 data seeds
+    python -m benchmarks.laplace_door --grid --doors fit_mll --ranks 100   # and the kernel grid below
     python -m benchmarks.laplace_door --smoke                  # tiny sizes, seconds (the tests run it)
 
 Data: the paper's 10-class mixture in 3-D (``mixture5000``: N = 5000 training and 2000 test points, the samples
@@ -23,6 +24,12 @@ scikit-learn's); ``other_warnings`` the distinct texts of any others. A row also
 (``preconditioner``: none at rank 0). Writes ``results/laplace_door.json`` with the machine and the checkout's commit
 (``code``; ``package_changes``: uncommitted changes of the package at the start). Seconds are wall time: on a shared
 CPU another job's threads inflate them several-fold.
+
+With ``--grid``, each ``fit_mll`` row also has ``grid``: the Laplace approximation on all the training points, fitted
+to convergence (``max_newton_steps=300``), at the kernel the evidence learnt with its outputscale times each of
+:data:`GRID_OUTPUTSCALE_FACTORS` and its lengthscale times each of :data:`GRID_LENGTHSCALE_FACTORS`: the test NLL of
+each, so that the held-out choice of the outputscale (the recipe's factors) can be compared with no choice (factor
+1) and with the best of the grid, the approximation's own best near the learnt kernel.
 """
 
 from __future__ import annotations
@@ -52,6 +59,10 @@ from gpytorch_iterncgp.sklearn import IterNCGPClassifier
 
 RESULTS = Path(__file__).resolve().parent / "results"
 RANKS = (0, 100)
+#: ``--grid``: the learnt outputscale (before the held-out choice) times these, ...
+GRID_OUTPUTSCALE_FACTORS = (1.0, 1 / 2, 1 / 4, 1 / 8, 1 / 16, 1 / 32, 1 / 64)
+#: ... and the learnt lengthscale times these
+GRID_LENGTHSCALE_FACTORS = (0.7, 1.0, 1.4)
 
 
 CONVERGENCE_WARNINGS = (ConvergenceWarning, SklearnConvergenceWarning)
@@ -105,8 +116,25 @@ def _learning(report) -> dict:
     }
 
 
-def run_fit_mll(data: Data, seed: int, rank: int) -> dict:
-    """``fit_mll`` with its defaults on the docs' model (preconditioner of ``rank``), then fitted on to convergence."""
+def _grid(strategy, kernel, factor: float, data: Data, probabilities) -> list[dict]:
+    """The converged fit's test NLL at the learnt kernel (outputscale divided by the held-out ``factor`` chosen)
+    scaled by the grid's factors; the kernel is left as it was."""
+    outputscale, lengthscale = kernel.outputscale.detach().clone(), kernel.base_kernel.lengthscale.detach().clone()
+    learnt = outputscale / factor
+    points = []
+    for outputscale_factor in GRID_OUTPUTSCALE_FACTORS:
+        for lengthscale_factor in GRID_LENGTHSCALE_FACTORS:
+            kernel.outputscale = learnt * outputscale_factor
+            kernel.base_kernel.lengthscale = lengthscale * lengthscale_factor
+            point = _continued(strategy, data, probabilities)
+            points.append({"outputscale_factor": outputscale_factor, "lengthscale_factor": lengthscale_factor, **point})
+    kernel.outputscale, kernel.base_kernel.lengthscale = outputscale, lengthscale
+    return points
+
+
+def run_fit_mll(data: Data, seed: int, rank: int, grid: bool = False) -> dict:
+    """``fit_mll`` with its defaults on the docs' model (preconditioner of ``rank``), then fitted on to convergence
+    (and with ``grid`` at the kernels of :func:`_grid`)."""
     docs_model, evidence = _swap_model(data, "laplace")  # the likelihood and evidence of the docs' model
     likelihood = docs_model.variational_strategy.likelihood
     torch.manual_seed(seed)
@@ -129,7 +157,7 @@ def run_fit_mll(data: Data, seed: int, rank: int) -> dict:
             return strategy.predictive_probabilities(data.test_x)
 
     final = report.fit_report
-    return {
+    row = {
         "door": "fit_mll",
         "seed": seed,
         "preconditioner_rank": rank,
@@ -145,6 +173,9 @@ def run_fit_mll(data: Data, seed: int, rank: int) -> dict:
         "nll": _nll(probabilities(), data.test_y),
         "to_convergence": _continued(strategy, data, probabilities),
     }
+    if grid:
+        row["grid"] = _grid(strategy, model.covar_module, report.outputscale_factor, data, probabilities)
+    return row
 
 
 def run_estimator(data: Data, seed: int, rank: int) -> dict:
@@ -238,12 +269,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--ranks", nargs="+", type=int, default=list(RANKS))
     parser.add_argument("--doors", nargs="+", default=["fit_mll", "estimator"], choices=["fit_mll", "estimator"])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--grid", action="store_true", help="fit_mll rows: the converged fit at a grid of kernels")
     add_smoke_flag(parser, "tiny sizes (seconds)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     code = _code()  # at the start, when the package is imported
-    runners = {"fit_mll": run_fit_mll, "estimator": run_estimator}
+    runners = {"fit_mll": functools.partial(run_fit_mll, grid=args.grid), "estimator": run_estimator}
     rows = []
     for seed in args.seeds:
         data = load("mixture5000", args.smoke, seed)
@@ -258,11 +290,17 @@ def main(argv: list[str] | None = None) -> dict:
                     f"{row['to_convergence']['nll']:.4f}",
                     flush=True,
                 )
+                for point in row.get("grid", []):
+                    print(
+                        f"   s2 x {point['outputscale_factor']:.3g} (of the learnt), l x {point['lengthscale_factor']}: "
+                        f"NLL {point['nll']:.4f} ({point['steps']} steps, converged {point['converged']})",
+                        flush=True,
+                    )
     results = {"machine": machine(), "code": code, "threads": args.threads, "smoke": args.smoke, "rows": rows}
     results["table"] = summarise(rows)
     print(results["table"])
     args.out.mkdir(parents=True, exist_ok=True)
-    name = "laplace_door_smoke.json" if args.smoke else "laplace_door.json"
+    name = f"laplace_door{'_grid' if args.grid else ''}{'_smoke' if args.smoke else ''}.json"
     (args.out / name).write_text(json.dumps(results, indent=1))
     return results
 

@@ -15,6 +15,7 @@ from .core.outer_loop import EPSweep, FitReport, NewtonStep
 from .core.policies import ConjugateGradientPolicy, Policy, UnitVectorPolicy
 from .ep.sweeps import EPState
 from .exceptions import (
+    BufferLimitWarning,
     ConvergenceWarning,
     EstimatedEvidenceWarning,
     NonFiniteEvidenceError,
@@ -42,6 +43,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ConjugateGradientPolicy",
+    "BufferLimitWarning",
     "ConvergenceWarning",
     "EPMarginalLogLikelihood",
     "EPState",

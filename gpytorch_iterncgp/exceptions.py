@@ -15,6 +15,9 @@ each can be filtered on its own:
   scikit-learn's ``ConvergenceWarning`` instead.)
 * :class:`EstimatedEvidenceWarning`: EP's evidence is estimated from an incomplete solve, whose maximiser is biased
   (towards large outputscales); :func:`~gpytorch_iterncgp.fit_mll` learns EP's hyperparameters without it.
+* :class:`BufferLimitWarning`: the recycled solver actions would have outgrown
+  :class:`~gpytorch_iterncgp.settings.recycled_buffer_limit`, so they were compressed to fit (the fit goes on, with
+  less recycled information, and may need more steps).
 * :class:`MonteCarloPsiWarning`: the Ψ statistics of a kernel without a closed form are Monte Carlo estimates
   (:func:`~gpytorch_iterncgp.sparse.psi_statistics.psi_statistics`).
 
@@ -27,6 +30,7 @@ from __future__ import annotations
 from linear_operator.utils.warnings import NumericalWarning
 
 __all__ = [
+    "BufferLimitWarning",
     "ConvergenceWarning",
     "EstimatedEvidenceWarning",
     "MonteCarloPsiWarning",
@@ -51,6 +55,10 @@ class ConvergenceWarning(NumericalWarning):
 
 class EstimatedEvidenceWarning(NumericalWarning):
     """An evidence estimated from an incomplete solve, whose maximiser is known to be biased."""
+
+
+class BufferLimitWarning(NumericalWarning):
+    """The recycled actions were compressed to fit the memory limit of ``settings.recycled_buffer_limit``."""
 
 
 class MonteCarloPsiWarning(NumericalWarning):

@@ -21,6 +21,7 @@ __all__ = [
     "fused_kernel_backend",
     "fused_kernel_products",
     "kernel_chunk_bytes",
+    "recycled_buffer_limit",
     "softmax_samples",
 ]
 
@@ -44,6 +45,21 @@ class dense_kernel_limit(_value_context):
     over row chunks of ``kernel_chunk_bytes`` each, so the dense matrix is never formed (and each product
     re-evaluates the kernel). KeOps kernels never form the matrix and are never chunked. Chunking applies
     where no gradient is recorded (fits, predictions).
+    """
+
+    _global_value = 4 * 2**30
+
+
+class recycled_buffer_limit(_value_context):
+    r"""Largest recycled-action buffer, in bytes, that a solve keeps (4 GiB): its actions and their kernel
+    products, :math:`2 N C B` numbers for :math:`B` actions of :math:`N C` latent values.
+
+    Recycling keeps every action of earlier solves unless ``compression_rank`` is set; EP's sweeps add their CG
+    actions and unit vectors at bounded points, so at large :math:`N C` the buffer can outgrow the machine (10 classes
+    at :math:`N = 2 \cdot 10^4` passed 20 GB). A solve whose buffer, with its own new actions, would pass this limit
+    compresses it first to the largest rank that fits (:func:`~gpytorch_iterncgp.virtual_solver_run`, the top
+    eigen-directions), with a :class:`~gpytorch_iterncgp.exceptions.BufferLimitWarning`. The count is of all
+    :math:`N C` rows, also where they are sharded (every rank compresses alike).
     """
 
     _global_value = 4 * 2**30

@@ -589,4 +589,9 @@ def test_tabular_smoke_run_scores_every_method_on_classes_and_counts(tmp_path):
     summary = output["summary"]
     assert summary["phoneme"]["metric"] == "nll" and summary["doctor_visits"]["metric"] == "deviance"
     assert isinstance(summary["phoneme"]["methods"]["estimator_auto"]["at_or_below_baselines"], bool)
+    # the rules of choice, each scored by the test score of the estimator with the kernel it chose
+    rules = summary["doctor_visits"]["methods"]["estimator_auto"]["rules"]
+    assert rules["matern"]["deviance"]["mean"] == counts["methods"]["estimator"]["deviance"]
+    assert rules["oracle"]["deviance"]["mean"] <= min(rule["deviance"]["mean"] for rule in rules.values())
+    assert rules["bic"]["kernels"] == [counts["methods"]["estimator_auto"]["kernel"]]
     assert out.exists() and out.with_suffix(".png").exists()

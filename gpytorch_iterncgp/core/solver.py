@@ -47,7 +47,8 @@ import torch
 from linear_operator.operators import LinearOperator
 from torch import Tensor
 
-from ..exceptions import NumericalBreakdownWarning
+from .. import settings
+from ..exceptions import BufferLimitWarning, NumericalBreakdownWarning
 from .noise import NoiseOperator
 from .policies import Policy
 from .precision import LowRankPrecision
@@ -548,6 +549,28 @@ class _IterGPIterations:
         )
 
 
+def memory_capped_rank(compression_rank: int | None, buffer: ActionBuffer, new_actions: int) -> int | None:
+    r"""``compression_rank``, or where the buffer's :math:`B` actions and the solve's ``new_actions`` would pass
+    :class:`~gpytorch_iterncgp.settings.recycled_buffer_limit` (actions and kernel products, :math:`2 n (B + k)`
+    numbers of ``buffer``'s dtype, :math:`n = N C` of all ranks) the largest rank that leaves room for them (at least
+    one), with a :class:`~gpytorch_iterncgp.exceptions.BufferLimitWarning`. The same on every rank."""
+    column_bytes = 2 * buffer.num_rows * buffer.actions.rows.element_size()
+    room = settings.recycled_buffer_limit.value() // column_bytes - new_actions
+    if buffer.size <= room or (compression_rank is not None and compression_rank <= room):
+        return compression_rank
+    cap = max(int(room), 1)
+    warnings.warn(
+        f"The recycled solver actions ({buffer.size} of {buffer.num_rows} latent values, "
+        f"{buffer.size * column_bytes / 2**30:.1f} GiB with their kernel products) would pass "
+        f"settings.recycled_buffer_limit ({settings.recycled_buffer_limit.value() / 2**30:.1f} GiB): compressed to "
+        f"the top {cap} directions. The fit goes on with less recycled information; set compression_rank, raise the "
+        "limit where memory allows, or (for many points) use stochastic EP with inducing points.",
+        BufferLimitWarning,
+        stacklevel=2,
+    )
+    return cap
+
+
 def itergp_solve(
     kernel_matmul: Callable[[Tensor], Tensor],
     noise_inverse: LinearOperator,
@@ -608,6 +631,7 @@ def itergp_solve(
     rows_block = buffer.rows_block
     limit = num_rows if max_solver_iterations is None else max_solver_iterations
     full_rank = num_rows if action_space_dimension is None else action_space_dimension
+    compression_rank = memory_capped_rank(compression_rank, buffer, min(limit, full_rank))
     virtual = virtual_solver_run(buffer, noise_inverse, compression_rank, keep=keep, spare=min(limit, 64))
     buffer, root_coefficients = virtual.buffer, virtual.root_coefficients  # Q = S E, K Q = T E (rows of E: B)
     sparse_limit = max(16, num_rows // 64)

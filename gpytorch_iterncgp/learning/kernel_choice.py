@@ -195,11 +195,15 @@ def choose_kernel(
     select_by: str,
     report: LearningReport,
     deadline: float | None,
+    choice: LearningPhase | None = None,
 ) -> None:
-    r"""Put each candidate in ``model`` (``model.covar_module = kernel``), learn it (``phase``: type-II maximum
-    likelihood on the :math:`M` learning rows and, for a classifier, the outputscale on the held-out rows), score it,
-    and leave the model with the best one and its learnt hyperparameters (the kernel's, and the mean's and
-    likelihood's, which every candidate learns from their values on entry).
+    r"""Put each candidate in ``model`` (``model.covar_module = kernel``), learn it (``choice``, or ``phase`` without
+    one: type-II maximum likelihood on the :math:`M` learning rows and, for a classifier, the outputscale on the
+    held-out rows), score it, and leave the model with the best one and its learnt hyperparameters (the kernel's, and
+    the mean's and likelihood's, which every candidate learns from their values on entry). With ``choice`` (the same
+    phase on fewer of the learning rows), the chosen candidate is then learnt again in ``phase``, from the
+    hyperparameters it learnt in the choice (its outputscale before the held-out factor): a cheap low-fidelity
+    ranking, then one full learning (successive halving's two rungs, Jamieson & Talwalkar 2016).
 
     Scores, each the lower the better, all recorded in ``report.kernel_scores[name]`` (with the candidate's number of
     kernel ``hyperparameters`` :math:`k`, its ``seconds`` and its ``error``):
@@ -217,7 +221,7 @@ def choose_kernel(
     The candidate with the lowest ``select_by`` score is chosen (``report.kernel``; the first of equal ones); the
     report's learning fields are its. A candidate whose learning or scoring fails (:data:`~.recipe.RECOVERABLE_ERRORS`,
     or a non-finite score) is skipped, with a ``RuntimeWarning``, and its ``error`` recorded. With ``deadline``, each
-    candidate gets an equal share of the time left when it starts.
+    candidate (and the chosen one's second learning) gets an equal share of the time left when it starts.
 
     :param model: the model (its ``covar_module`` is replaced).
     :param likelihood: the model's likelihood (its parameters are restored with the mean's).
@@ -225,6 +229,7 @@ def choose_kernel(
         learnt in place (each keeps its learnt hyperparameters).
     :param phase: the learning phase (:class:`LearningPhase`).
     :param select_by: one of :data:`SELECT_BY`.
+    :param choice: the phase the candidates are learnt and scored in, on fewer rows (``None``: ``phase``).
     :param report: filled: the chosen candidate's learning fields, ``kernel`` and ``kernel_scores``.
     :param deadline: ``time.perf_counter()`` by which learning stops (``None``: none).
     :raises RuntimeError: where every candidate failed (naming each error).
@@ -236,27 +241,28 @@ def choose_kernel(
     initial = [parameter.detach().clone() for parameter in others]
     outcomes: dict[str, tuple[LearningReport, list[Tensor]]] = {}
     report.kernel_scores = {}
+    screen = phase if choice is None else choice
     for index, (name, kernel) in enumerate(candidates.items()):
-        candidate_deadline = _share(deadline, len(candidates) - index)
+        candidate_deadline = _share(deadline, len(candidates) - index + (choice is not None))
         model.covar_module = kernel.to(device=inputs.device, dtype=inputs.dtype)
         _restore(others, initial)
         candidate = dataclasses.replace(report, losses=[], outputscale_log_loss={}, kernel_scores={})
         start = time.perf_counter()
         count = sum(parameter.numel() for parameter in kernel.parameters() if parameter.requires_grad)
         scores: dict[str, Any] = dict(held_out=None, evidence=None, bic=None, hyperparameters=count, seconds=0.0)
-        scores["error"] = None
+        scores.update(rows=None, error=None)
         try:
-            learner = phase.learn(candidate, candidate_deadline, name)
-            rows = learner.variational_strategy.num_data
+            learner = screen.learn(candidate, candidate_deadline, name)
+            rows = scores["rows"] = learner.variational_strategy.num_data
             scores["evidence"] = learnt_evidence(learner)
             scores["bic"] = scores["evidence"] + count * math.log(rows) / (2 * rows)
-            phase.choose_outputscale(candidate, candidate_deadline)
-            if phase.validation is not None:
+            screen.choose_outputscale(candidate, candidate_deadline)
+            if screen.validation is not None:
                 losses = candidate.outputscale_log_loss
                 scores["held_out"] = (
                     losses[candidate.outputscale_factor]  # the outputscale phase's fit at the chosen factor
                     if candidate.outputscale_factor in losses
-                    else held_out_score(phase.final_model(), *phase.validation, phase.recipe.outputscale_fit_steps)
+                    else held_out_score(screen.final_model(), *screen.validation, screen.recipe.outputscale_fit_steps)
                 )
             chosen_score = scores[select_by]
             if chosen_score is None or not math.isfinite(chosen_score):
@@ -274,12 +280,23 @@ def choose_kernel(
     candidate, learnt = outcomes[chosen]
     model.covar_module = candidates[chosen]
     _restore(others, learnt)
+    if choice is not None:  # the chosen kernel learnt again on all the learning rows, from where the choice left it
+        _undo_outputscale_factor(model.covar_module, candidate.outputscale_factor)
+        candidate = dataclasses.replace(report, losses=[], outputscale_log_loss={}, kernel_scores={})
+        phase.learn(candidate, deadline, chosen)
+        phase.choose_outputscale(candidate, deadline)
     scores = report.kernel_scores
     for field in dataclasses.fields(LearningReport):
         setattr(report, field.name, getattr(candidate, field.name))
     report.kernel, report.kernel_scores = chosen, scores
     if phase.held_out is not None:
         report.validation_rows, report.validation_points = phase.held_out.tolist(), len(phase.held_out)
+
+
+def _undo_outputscale_factor(kernel: Kernel, factor: float) -> None:
+    """Divide a ``ScaleKernel``'s outputscale by the held-out ``factor`` the outputscale phase multiplied it by."""
+    if factor != 1.0 and isinstance(kernel, gpytorch.kernels.ScaleKernel):
+        kernel.outputscale = kernel.outputscale.detach() / factor
 
 
 def _share(deadline: float | None, candidates_left: int) -> float | None:

@@ -11,13 +11,18 @@ from linear_operator.utils.errors import NanError
 
 from ..core.validation import check_count, check_nonnegative
 
-__all__ = ["LEARNING_SUBSET_COST", "LearningRecipe", "LearningReport"]
+__all__ = ["KERNEL_CHOICE_COST", "LEARNING_SUBSET_COST", "LearningRecipe", "LearningReport"]
 
 #: ``subset="auto"``: the hyperparameters are learnt on a random (stratified by class, for classifiers) subset of
 #: :math:`M = \lfloor \sqrt{\text{this} / C} \rfloor` points, so that a product with the subset's kernel matrix costs
 #: at most this many multiply-adds :math:`M^2 C` (1000 points for 10 classes, 3162 for binary data); chosen by
 #: measurement (``benchmarks/README.md`` §14).
 LEARNING_SUBSET_COST = 10**7
+#: ``kernel_choice_subset="auto"``: with candidate kernels, each is learnt and scored for the choice on
+#: :math:`M_c = \lfloor \sqrt{\text{this} / C} \rfloor` of the learning rows (1000 for binary data, 316 for 10
+#: classes), a product with their kernel matrix a tenth of the learning's; only the chosen kernel is then learnt on all
+#: the learning rows, so the choice costs about twice the learning of one kernel instead of once per candidate.
+KERNEL_CHOICE_COST = 10**6
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,11 @@ class LearningRecipe:
         learnt one times these factors by the log-loss of held-out training rows (``benchmarks/README.md`` §14, §16).
     :param outputscale_fit_steps: EP sweeps or Newton steps of each candidate's fit on the learning rows.
     :param min_validation_points: fewer spare rows than this: no held-out choice.
+    :param kernel_choice_subset: with candidate kernels (``fit_mll(kernels=...)``), the learning rows each candidate is
+        learnt and scored on for the choice: ``"auto"`` (:data:`KERNEL_CHOICE_COST`), a number of rows, or ``None``
+        (all the learning rows, no second learning). Where fewer, the chosen kernel is learnt again on all the learning
+        rows from the hyperparameters it learnt in the choice (two fidelities, as successive halving: Jamieson &
+        Talwalkar 2016).
     """
 
     optimizer_steps: int = 25
@@ -51,6 +61,7 @@ class LearningRecipe:
     outputscale_factors: tuple[float, ...] = (1.0, 1 / 2, 1 / 4, 1 / 8, 1 / 16, 2.0)
     outputscale_fit_steps: int = 10
     min_validation_points: int = 100
+    kernel_choice_subset: int | str | None = "auto"
 
     def validate(self) -> None:
         """:raises ValueError: naming the field that is out of range."""
@@ -61,6 +72,11 @@ class LearningRecipe:
         check_nonnegative(self.learning_rate, "learning_rate", positive=True)
         if not self.outputscale_factors or any(not factor > 0 for factor in self.outputscale_factors):
             raise ValueError(f"outputscale_factors must be positive numbers, got {self.outputscale_factors!r}.")
+        subset = self.kernel_choice_subset
+        if not (subset is None or subset == "auto" or (isinstance(subset, int) and not isinstance(subset, bool))):
+            raise ValueError(f"kernel_choice_subset must be 'auto', None or a number of rows; got {subset!r}.")
+        if isinstance(subset, int):
+            check_count(subset, "kernel_choice_subset", minimum=2)
 
 
 #: the errors an evidence evaluation or a candidate's fit can stop on and learning recover from (keeping the best
@@ -97,10 +113,11 @@ class LearningReport:
     Kernel choice (``fit_mll(kernels=...)``, the estimators' ``kernel="auto"``): ``kernel``, the name of the chosen
     candidate (``None``: no choice, the model's own kernel), and ``kernel_scores``, for every candidate a dict:
     ``held_out``, its log-loss (classifiers) or mean Poisson deviance (counts) on the ``validation_rows`` (``None``
-    without them); ``evidence``, its learnt evidence ``-log q(y) / M`` on the ``M`` learning rows; ``bic``, that plus
-    ``k log(M) / (2 M)`` for its ``hyperparameters`` ``k``; ``seconds``, its learning and scoring; ``error``, why it
-    was skipped (``None``: scored) (:func:`~gpytorch_iterncgp.learning.kernel_choice.choose_kernel`). The learning and
-    outputscale fields above are then the chosen candidate's.
+    without them); ``evidence``, its learnt evidence ``-log q(y) / M`` on the ``M`` rows it was learnt on (``rows``:
+    the recipe's ``kernel_choice_subset`` of the learning rows); ``bic``, that plus ``k log(M) / (2 M)`` for its
+    ``hyperparameters`` ``k``; ``seconds``, its learning and scoring; ``error``, why it was skipped (``None``: scored)
+    (:func:`~gpytorch_iterncgp.learning.kernel_choice.choose_kernel`). The learning and outputscale fields above are
+    then the chosen candidate's (learnt again on all the learning rows where the choice used fewer).
 
     Final fit: ``fit_report``, the :class:`~gpytorch_iterncgp.FitReport` of the fit on all the data.
 

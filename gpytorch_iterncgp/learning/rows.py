@@ -8,14 +8,19 @@ import math
 import torch
 from torch import Tensor
 
-from .recipe import LEARNING_SUBSET_COST
+from .recipe import KERNEL_CHOICE_COST, LEARNING_SUBSET_COST
 
-__all__ = ["auto_subset_size", "draw_rows", "held_out_rows"]
+__all__ = ["auto_choice_size", "auto_subset_size", "draw_rows", "held_out_rows"]
 
 
 def auto_subset_size(num_latents: int) -> int:
     r""":math:`M = \lfloor \sqrt{10^7 / C} \rfloor` (:data:`~gpytorch_iterncgp.learning.recipe.LEARNING_SUBSET_COST`)."""
     return max(2, math.isqrt(LEARNING_SUBSET_COST // num_latents))
+
+
+def auto_choice_size(num_latents: int) -> int:
+    r""":math:`M_c = \lfloor \sqrt{10^6 / C} \rfloor` (:data:`~gpytorch_iterncgp.learning.recipe.KERNEL_CHOICE_COST`)."""
+    return max(2, math.isqrt(KERNEL_CHOICE_COST // num_latents))
 
 
 def draw_rows(candidates: Tensor, size: int, labels: Tensor | None, generator: torch.Generator) -> Tensor:

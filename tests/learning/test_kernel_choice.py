@@ -142,6 +142,33 @@ def test_one_relevant_feature_among_four_chooses_ard_and_lengthens_the_noise_fea
     assert bool((lengthscales[1:] > 2 * lengthscales[0]).all()), lengthscales
 
 
+def test_the_choice_learns_the_candidates_on_fewer_rows_and_the_chosen_one_again_on_all():
+    """``kernel_choice_subset``: every candidate is learnt and scored on that many of the learning rows, and the
+    chosen one learnt again on all of them, starting where the choice left it: its first evidence of all the rows is
+    far better than a cold start's, and learning on from there only improves it. ``None``: every candidate on all."""
+    x, y = one_relevant_feature(240)
+    model, mll = _model(x, y)
+    kernels = kernel_family(4)
+    report = fit_mll(mll, kernels=kernels, recipe=dataclasses.replace(RECIPE, kernel_choice_subset=100), seed=0)
+    assert [score["rows"] for score in report.kernel_scores.values()] == [100] * 4
+    assert report.kernel.endswith("_ard") and model.covar_module is kernels[report.kernel]
+    assert report.data_points == 240 and report.learning_rows is None  # the second learning: all the rows
+    lengthscales = _lengthscales(model.covar_module)
+    assert bool((lengthscales[1:] > 2 * lengthscales[0]).all()), lengthscales
+    cold_model, cold_mll = _model(x, y, kernel=kernel_family(4)[report.kernel])
+    cold = fit_mll(cold_mll, recipe=RECIPE, seed=0)
+    assert report.losses[0] < cold.losses[0] - 0.02 and min(report.losses) <= report.losses[0]
+    assert min(report.losses) <= min(cold.losses) + 0.01  # as good as learning the chosen kernel from the start
+    every = fit_mll(
+        _model(x, y)[1], kernels=kernel_family(4), recipe=dataclasses.replace(RECIPE, kernel_choice_subset=None), seed=0
+    )
+    assert [score["rows"] for score in every.kernel_scores.values()] == [240] * 4
+    with pytest.raises(ValueError, match="kernel_choice_subset must be 'auto', None or a number of rows"):
+        LearningRecipe(kernel_choice_subset="all").validate()
+    with pytest.raises(ValueError, match="kernel_choice_subset"):
+        LearningRecipe(kernel_choice_subset=1).validate()
+
+
 def test_an_isotropic_function_keeps_a_good_kernel_and_the_report_has_every_candidate():
     """Labels from sin of the radius: the chosen kernel's held-out log-loss is within 0.02 of the best candidate's.
     The report: every candidate scored (a failing one skipped with its error), the chosen one's score the least,
