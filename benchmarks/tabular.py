@@ -75,6 +75,16 @@ def _estimator(data: Data, seed: int, kernel: str | None) -> dict:
         "inference": estimator.inference_,
         "kernel": report.kernel,
         "kernel_scores": report.kernel_scores,
+        # the learning as it ended: the last and least -evidence / M (Adam's estimates where M C > 1000), and the
+        # held-out log-loss at the outputscale factor chosen (classifiers learnt on a subset)
+        "learning": {
+            "rows": report.data_points,
+            "last_loss": report.losses[-1] if report.losses else None,
+            "least_loss": min(report.losses) if report.losses else None,
+            "outputscale_factor": report.outputscale_factor,
+            "held_out": report.outputscale_log_loss.get(report.outputscale_factor),
+            "seconds": report.seconds,
+        },
         "warnings": sorted({warning.category.__name__ for warning in caught}),
         **_test_score(estimator, data),
     }

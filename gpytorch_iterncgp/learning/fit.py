@@ -56,7 +56,7 @@ from .kernel_choice import (
 from .learner import LearnerModel, laplace_likelihood
 from .minibatch import MinibatchRecipe, fit_minibatches
 from .outputscale import choose_outputscale
-from .recipe import RECOVERABLE_ERRORS, LearningRecipe, LearningReport, LearningStop
+from .recipe import RECOVERABLE_ERRORS, LearningRecipe, LearningReport, LearningStop, cg_nans_as_nan_errors
 from .rows import auto_choice_size, auto_subset_size, draw_rows, held_out_rows
 from .scale import LogScale
 
@@ -548,7 +548,8 @@ def _learn(
         output = learner(inputs)  # the strategy's fit, warm-started from the last posterior
         report.fit_seconds += time.perf_counter() - tic
         tic = time.perf_counter()
-        loss = -mll(output, targets)
+        with cg_nans_as_nan_errors():
+            loss = -mll(output, targets)
         report.evidence_seconds += time.perf_counter() - tic
         value = float(loss.detach())
         report.losses.append(value)
@@ -560,7 +561,8 @@ def _learn(
 
     def backward(loss: Tensor) -> None:
         tic = time.perf_counter()
-        loss.backward()
+        with cg_nans_as_nan_errors():
+            loss.backward()
         scale.pull_gradients()
         report.gradient_seconds += time.perf_counter() - tic
 

@@ -2,7 +2,9 @@ r"""What :func:`~gpytorch_iterncgp.fit_mll` does (:class:`LearningRecipe`) and w
 
 from __future__ import annotations
 
+import contextlib
 import enum
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +84,22 @@ class LearningRecipe:
 #: the errors an evidence evaluation or a candidate's fit can stop on and learning recover from (keeping the best
 #: hyperparameters seen, or skipping the candidate): non-finite values, a failed Cholesky, bad input to a solve
 RECOVERABLE_ERRORS = (FloatingPointError, ValueError, torch.linalg.LinAlgError, NanError)
+
+
+@contextlib.contextmanager
+def cg_nans_as_nan_errors() -> Iterator[None]:
+    """Re-raise linear_operator's CG stop on a NaN product (``linear_operator.utils.linear_cg``: a plain
+    ``RuntimeError``, "NaNs encountered when trying to perform matrix-vector multiplication", e.g. in the backward
+    solve of an evidence at extreme hyperparameters) as linear_operator's ``NanError``, one of
+    :data:`RECOVERABLE_ERRORS`, so that learning recovers from it as from any other non-finite value."""
+    try:
+        yield
+    except NanError:
+        raise
+    except RuntimeError as error:
+        if str(error).startswith("NaNs encountered"):
+            raise NanError(str(error)) from error
+        raise
 
 
 class LearningStop(enum.StrEnum):

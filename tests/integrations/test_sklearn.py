@@ -453,11 +453,12 @@ def test_hyperparameter_learning_above_the_exact_evidence_size_is_adam():
         ("exact (L-BFGS)", FloatingPointError),
         ("matrix-free (Adam)", FloatingPointError),
         ("matrix-free (Adam)", NanError),
+        ("matrix-free (Adam)", RuntimeError),  # linear_operator's CG on a NaN product: a plain RuntimeError
     ],
 )
 def test_failing_evidence_keeps_the_best_hyperparameters(monkeypatch, regime, failure):
     """If the evidence fails after some evaluations (here: forced on the 4th call; linear_operator's CG raises a
-    ``NanError`` when a product with K is not finite), learning stops with a ConvergenceWarning and the model keeps the
+    ``NanError`` when a product with K is not finite, its ``linear_cg`` a plain ``RuntimeError``), learning stops with a ConvergenceWarning and the model keeps the
     hyperparameters of the best evidence seen (recorded at every call); a failure at the initial hyperparameters is
     raised."""
     from sklearn.exceptions import ConvergenceWarning
@@ -471,7 +472,7 @@ def test_failing_evidence_keeps_the_best_hyperparameters(monkeypatch, regime, fa
         def forward(self, function_dist, target, **kwargs):
             seen.append([p.detach().clone() for p in self.model.covar_module.parameters()])
             if len(seen) == fail_at:
-                raise failure("forced")
+                raise failure("NaNs encountered when trying to perform matrix-vector multiplication (forced)")
             return super().forward(function_dist, target, **kwargs)
 
     monkeypatch.setattr(estimator_policy, "LaplaceMarginalLogLikelihood", FailingEvidence)
