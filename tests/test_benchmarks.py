@@ -563,7 +563,11 @@ def test_ep_convergence_smoke_run_scores_both_stops(tmp_path):
     out = tmp_path / "epc.json"
     (row,) = ep_convergence.main(["--smoke", "--datasets", "mixture5000", "--seeds", "0", "--out", str(out)])
     default = row["default"]
-    assert default["inference"] == "ep" and default["converged"] and default["marginal_change"][-1] <= EPOptions.marginal_tol
+    assert (
+        default["inference"] == "ep"
+        and default["converged"]
+        and default["marginal_change"][-1] <= EPOptions.marginal_tol
+    )
     assert all(0 < score < 3 for score in (default["nll"], *(point["nll"] for point in row["sites_only"])))
     assert [point["sweeps"] for point in row["sites_only"]] == [2, 4]  # --smoke: chunks of 2 up to 4 sweeps
     assert json.loads(out.read_text())["marginal_tol"] == EPOptions.marginal_tol and out.with_suffix(".png").exists()

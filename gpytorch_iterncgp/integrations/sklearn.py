@@ -475,8 +475,9 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
         see ``num_inducing``) or ``"auto"`` (default:
         :func:`~gpytorch_iterncgp.learning.estimator_policy.auto_inference`: dense EP,
         :data:`~gpytorch_iterncgp.learning.estimator_policy.CLASSIFIER_INFERENCE`, chosen by measurement,
-        ``benchmarks/learned.py`` and ``benchmarks/sklearn_defaults.py``, up to :math:`1.5 \cdot 10^4` points and, for :math:`C` classes,
-        :math:`N C^3 \le 4 \cdot 10^7`, then stochastic EP, ``benchmarks/auto_switch.py``). EP matches the moments of each
+        ``benchmarks/learned.py`` and ``benchmarks/sklearn_defaults.py``, up to :math:`1.5 \cdot 10^4` points and, for
+        :math:`C > 2` classes, :math:`N C \le 8 \cdot 10^4` and :math:`N C^3 \le 4 \cdot 10^7`, then stochastic EP,
+        ``benchmarks/auto_switch.py``). EP matches the moments of each
         likelihood factor instead of the curvature at the mode: better calibrated predictive probabilities, at the
         cost of tilted moments per sweep (nested EP for the multinomial probit). A parameter the inference in use
         does not read (the dense solver's and learning's under ``"sparse_ep"``, ``num_inducing`` and ``batch_size``

@@ -41,6 +41,7 @@ __all__ = [
     "ESTIMATOR_DEFAULTS",
     "EXACT_SOLVE_SIZE",
     "REGRESSOR_INFERENCE",
+    "SPARSE_EP_LATENT_VALUES",
     "SPARSE_EP_NESTED_WORK",
     "SPARSE_EP_POINTS",
     "SPARSE_ONLY",
@@ -66,10 +67,11 @@ CLASSIFIER_INFERENCE = "ep"
 #: ``inference="auto"`` of the Poisson regressor (EP needs integer counts; the quasi-likelihood of non-integer targets
 #: has no tilted moments).
 REGRESSOR_INFERENCE = "laplace"
-#: ``inference="auto"`` picks stochastic EP past this many training points on a CPU, or past this much nested EP work
-#: :math:`N C^3` for :math:`C` classes: where stochastic EP became the faster at a test log-loss as good as dense EP's
-#: (``benchmarks/auto_switch.py``, ``benchmarks/README.md`` §20).
-SPARSE_EP_POINTS, SPARSE_EP_NESTED_WORK = 15_000, 4 * 10**7
+#: ``inference="auto"`` picks stochastic EP past this many training points on a CPU, past this many latent values
+#: :math:`N C` for :math:`C > 2` classes, or past this much nested EP work :math:`N C^3`: where stochastic EP became the
+#: faster at a test log-loss as good as dense EP's (``benchmarks/auto_switch.py``, ``benchmarks/README.md`` §20; 10
+#: classes: dense EP run to convergence was the faster at 6000 points, stochastic EP at 10⁴, 1.6–2.2 times).
+SPARSE_EP_POINTS, SPARSE_EP_LATENT_VALUES, SPARSE_EP_NESTED_WORK = 15_000, 80_000, 4 * 10**7
 #: ``max_solver_iterations="auto"`` above :data:`EXACT_SOLVE_SIZE`: the strategy's own default budget per Newton step.
 DEFAULT_SOLVER_ITERATIONS = cast(int, SolverOptions.max_solver_iterations)  # an int (the dataclass field allows None)
 #: ``max_solver_iterations="auto"`` for EP with one latent value per point (measured on binary data; counts get the same
@@ -127,6 +129,7 @@ ESTIMATOR_DEFAULTS = EstimatorDefaults()
 def auto_inference(num_data: int, num_classes: int) -> str:
     r"""``inference="auto"`` for a classifier: ``"sparse_ep"`` (stochastic EP, :math:`O(C(M^3 + B M^2))` a minibatch
     whatever :math:`N`) past :data:`SPARSE_EP_POINTS` training points, or for :math:`C > 2` classes past
+    :data:`SPARSE_EP_LATENT_VALUES` latent values :math:`N C` (dense EP's products and recycled actions) or
     :data:`SPARSE_EP_NESTED_WORK` in :math:`N C^3` (dense multi-class EP's per-point work); else
     :data:`CLASSIFIER_INFERENCE` (dense computation-aware EP). The estimators fit on the CPU, where both limits were
     measured (``benchmarks/auto_switch.py``).
@@ -135,8 +138,10 @@ def auto_inference(num_data: int, num_classes: int) -> str:
     :param num_classes: :math:`C`, the number of classes (2 for binary data).
     :return: ``"sparse_ep"`` or :data:`CLASSIFIER_INFERENCE`.
     """
-    nested = num_classes > 2 and num_data * num_classes**3 > SPARSE_EP_NESTED_WORK
-    return "sparse_ep" if num_data > SPARSE_EP_POINTS or nested else CLASSIFIER_INFERENCE
+    classes = num_classes > 2 and (
+        num_data * num_classes > SPARSE_EP_LATENT_VALUES or num_data * num_classes**3 > SPARSE_EP_NESTED_WORK
+    )
+    return "sparse_ep" if num_data > SPARSE_EP_POINTS or classes else CLASSIFIER_INFERENCE
 
 
 def check_parameters_apply(

@@ -234,7 +234,7 @@ def test_inference_parameter(monkeypatch):
     x, y, _ = _multiclass()
     assert IterNCGPClassifier(optimize_hyperparameters=False).fit(x, y).inference_ == CLASSIFIER_INFERENCE
     assert auto_inference(15_000, 2) == CLASSIFIER_INFERENCE and auto_inference(15_001, 2) == "sparse_ep"
-    assert auto_inference(15_000, 10) == CLASSIFIER_INFERENCE and auto_inference(15_001, 10) == "sparse_ep"
+    assert auto_inference(8_000, 10) == CLASSIFIER_INFERENCE and auto_inference(8_001, 10) == "sparse_ep"
     assert auto_inference(2_275, 26) == CLASSIFIER_INFERENCE and auto_inference(2_276, 26) == "sparse_ep"
     monkeypatch.setattr(estimator_policy, "SPARSE_EP_POINTS", len(x) - 1)  # this data past the switch
     switched = IterNCGPClassifier(optimize_hyperparameters=False, max_time=0.5, num_inducing=8).fit(x, y)

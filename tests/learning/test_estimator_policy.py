@@ -44,8 +44,8 @@ from tests.common import IterNCGPModel, binary_data
     ("num_classes", "last_dense"),
     [
         (2, 15_000),  # binary: the points' limit alone
-        (3, 15_000),  # 15 001 * 27 < 4e7: the points' limit
-        (10, 15_000),  # 15 001 * 1000 < 4e7: the points' limit
+        (3, 15_000),  # 15 001 * 3 < 8e4 and 15 001 * 27 < 4e7: the points' limit
+        (10, 8_000),  # 8001 * 10 > 8e4: the latent values' limit (8001 * 1000 < 4e7)
         (26, 2_275),  # 2275 * 26**3 = 39 985 400 <= 4e7 < 2276 * 26**3 = 40 002 976
         (40, 625),  # 625 * 64 000 = 4e7 exactly (not past it) < 626 * 64 000
     ],
@@ -59,6 +59,10 @@ def test_auto_inference_switches_to_stochastic_ep_just_past_its_limits(num_class
 def test_auto_inference_counts_nested_work_only_for_more_than_two_classes(monkeypatch):
     monkeypatch.setattr(estimator_policy, "SPARSE_EP_NESTED_WORK", 10)
     assert auto_inference(100, 2) == "ep"  # binary EP has no nested EP
+    assert auto_inference(100, 3) == "sparse_ep"
+    monkeypatch.setattr(estimator_policy, "SPARSE_EP_NESTED_WORK", 10**12)
+    monkeypatch.setattr(estimator_policy, "SPARSE_EP_LATENT_VALUES", 10)
+    assert auto_inference(100, 2) == "ep"  # the latent values' limit is for classes only
     assert auto_inference(100, 3) == "sparse_ep"
     assert estimator_policy.CLASSIFIER_INFERENCE == "ep" and estimator_policy.REGRESSOR_INFERENCE == "laplace"
 
