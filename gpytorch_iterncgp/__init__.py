@@ -42,8 +42,8 @@ from .strategies.stochastic import StochasticEPStrategy
 __version__ = "0.1.0"
 
 __all__ = [
-    "ConjugateGradientPolicy",
     "BufferLimitWarning",
+    "ConjugateGradientPolicy",
     "ConvergenceWarning",
     "EPMarginalLogLikelihood",
     "EPState",

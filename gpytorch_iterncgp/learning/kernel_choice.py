@@ -229,9 +229,9 @@ def choose_kernel(
         learnt in place (each keeps its learnt hyperparameters).
     :param phase: the learning phase (:class:`LearningPhase`).
     :param select_by: one of :data:`SELECT_BY`.
-    :param choice: the phase the candidates are learnt and scored in, on fewer rows (``None``: ``phase``).
     :param report: filled: the chosen candidate's learning fields, ``kernel`` and ``kernel_scores``.
     :param deadline: ``time.perf_counter()`` by which learning stops (``None``: none).
+    :param choice: the phase the candidates are learnt and scored in, on fewer rows (``None``: ``phase``).
     :raises RuntimeError: where every candidate failed (naming each error).
     """
     inputs = model.variational_strategy.train_inputs

@@ -23,7 +23,8 @@ LEARNING_SUBSET_COST = 10**7
 #: ``kernel_choice_subset="auto"``: with candidate kernels, each is learnt and scored for the choice on
 #: :math:`M_c = \lfloor \sqrt{\text{this} / C} \rfloor` of the learning rows (1000 for binary data, 316 for 10
 #: classes), a product with their kernel matrix a tenth of the learning's; only the chosen kernel is then learnt on all
-#: the learning rows, so the choice costs about twice the learning of one kernel instead of once per candidate.
+#: the learning rows (measured: 1.6–3.7 times the default fit, where every candidate on all the rows took 4–5 times;
+#: ``benchmarks/README.md`` §25, §26).
 KERNEL_CHOICE_COST = 10**6
 
 
