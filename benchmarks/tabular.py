@@ -52,6 +52,8 @@ from gpytorch_iterncgp.sklearn import IterNCGPClassifier, IterNCGPPoissonRegress
 RESULTS = Path(__file__).resolve().parent / "results"
 #: the estimator with each kernel of the family but the default (``estimator``), by the kernel's name
 FAMILY = {f"estimator_{name}": name for name in kernel_family(1) if name != "matern"}
+#: the family's kernels by the method that fits each
+KERNEL_METHODS = {"matern": "estimator", **{name: method for method, name in FAMILY.items()}}
 CLASSIFICATION_METHODS = ("estimator", "estimator_auto", *FAMILY, "logistic", "boosting", "svgp")
 COUNT_METHODS = ("estimator", "estimator_auto", *FAMILY, "poisson", "boosting")
 
@@ -70,7 +72,7 @@ def _estimator(data: Data, seed: int, kernel: str | None) -> dict:
         estimator.fit(data.train_x.numpy(), data.train_y.numpy())
         seconds = time.perf_counter() - start
     report = estimator.learning_report_
-    row = {
+    return {
         "seconds": seconds,
         "inference": estimator.inference_,
         "kernel": report.kernel,
@@ -88,7 +90,6 @@ def _estimator(data: Data, seed: int, kernel: str | None) -> dict:
         "warnings": sorted({warning.category.__name__ for warning in caught}),
         **_test_score(estimator, data),
     }
-    return row
 
 
 def _test_score(estimator, data: Data) -> dict:
@@ -189,10 +190,7 @@ def _rules(rows: list[dict], metric: str) -> dict:
     for rule in ("bic", "evidence", "held_out", "matern", "oracle"):
         kernels, scores = [], []
         for row in rows:
-            tested = {
-                name: row["methods"]["estimator" if name == "matern" else f"estimator_{name}"][metric]
-                for name in kernel_family(1)
-            }
+            tested = {name: row["methods"][method][metric] for name, method in KERNEL_METHODS.items()}
             scored = {
                 name: score
                 for name, score in row["methods"]["estimator_auto"]["kernel_scores"].items()
