@@ -276,6 +276,7 @@ def run_iterncgp(
         max_newton_steps=max_newton_steps,
         outer_tol=1e-3,
         min_curvature=1e-6,
+        covariance_iterations=0,  # the paper's method (Alg. 2): the Newton steps' actions alone
         show_progress=show_progress,
     )
 

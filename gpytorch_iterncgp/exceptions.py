@@ -17,7 +17,8 @@ each can be filtered on its own:
   (towards large outputscales); :func:`~gpytorch_iterncgp.fit_mll` learns EP's hyperparameters without it.
 * :class:`BufferLimitWarning`: the recycled solver actions would have outgrown
   :class:`~gpytorch_iterncgp.settings.recycled_buffer_limit`, so they were compressed to fit (the fit goes on, with
-  less recycled information, and may need more steps).
+  less recycled information, and may need more steps), or the covariance phase's actions would have, so it stopped
+  early (the predictive variances keep more computational uncertainty).
 * :class:`MonteCarloPsiWarning`: the Ψ statistics of a kernel without a closed form are Monte Carlo estimates
   (:func:`~gpytorch_iterncgp.sparse.psi_statistics.psi_statistics`).
 
@@ -58,7 +59,8 @@ class EstimatedEvidenceWarning(NumericalWarning):
 
 
 class BufferLimitWarning(NumericalWarning):
-    """The recycled actions were compressed to fit the memory limit of ``settings.recycled_buffer_limit``."""
+    """The recycled actions were compressed, or the covariance phase stopped, to fit the memory limit of
+    ``settings.recycled_buffer_limit``."""
 
 
 class MonteCarloPsiWarning(NumericalWarning):

@@ -59,7 +59,9 @@ class recycled_buffer_limit(_value_context):
     at :math:`N = 2 \cdot 10^4` passed 20 GB). A solve whose buffer, with its own new actions, would pass this limit
     compresses it first to the largest rank that fits (:func:`~gpytorch_iterncgp.virtual_solver_run`, the top
     eigen-directions), with a :class:`~gpytorch_iterncgp.exceptions.BufferLimitWarning`. The count is of all
-    :math:`N C` rows, also where they are sharded (every rank compresses alike).
+    :math:`N C` rows, also where they are sharded (every rank compresses alike). The covariance phase
+    (:mod:`~gpytorch_iterncgp.core.covariance`) stops where the posterior's precision root :math:`\mathbf Q` and
+    :math:`\mathbf K \mathbf Q` would pass it, with the same warning.
     """
 
     _global_value = 4 * 2**30

@@ -346,6 +346,7 @@ def test_model_buffer_bounded_by_compression_rank():
         max_newton_steps=8,
         outer_tol=0.0,
         preconditioner_rank=0,  # the paper's CG (a preconditioner's factor adds its actions to the first buffer)
+        covariance_iterations=0,  # (the phase's actions enlarge Q after the steps, not the buffer)
     )
     sizes = []
 
@@ -388,14 +389,17 @@ def test_one_kernel_product_per_solver_iteration(name):
     strategy = model.variational_strategy
     # (preconditioned by a rank-4 factor of K, whose kernel columns are not products: with the default rank its
     # actions would span these few points and leave nothing to iterate)
-    report = strategy.fit(preconditioner_rank=4)
-    assert report.solver_iterations > 0
+    # (and no covariance phase: the products of the loop alone, paper Alg. 2)
+    report = strategy.fit(preconditioner_rank=4, covariance_iterations=0)
+    assert report.solver_iterations > 0 and report.covariance_products == 0
     assert report.kernel_products == report.solver_iterations
     assert report.kernel_columns == report.kernel_products  # one vector per product
     assert all(step.kernel_products == step.solver_iterations for step in report.records)
     assert sum(step.solver_iterations for step in report.records) == report.solver_iterations
     # continuing with the same hyperparameters: still one product per iteration
-    more = dict(outer_tol=0.0, abs_tol=0.0, rel_tol=0.0, max_newton_steps=2, preconditioner_rank=4)
+    more = dict(
+        outer_tol=0.0, abs_tol=0.0, rel_tol=0.0, max_newton_steps=2, preconditioner_rank=4, covariance_iterations=0
+    )
     again = strategy.fit(**more)
     assert again.solver_iterations > 0 and again.kernel_products == again.solver_iterations
     # after a change of the kernel, one extra product renews K a and K S (a warm start)

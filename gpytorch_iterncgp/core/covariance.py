@@ -46,6 +46,7 @@ these properties.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -53,6 +54,8 @@ import torch
 from linear_operator.operators import LinearOperator
 from torch import Tensor
 
+from .. import settings
+from ..exceptions import BufferLimitWarning
 from .noise import curvature_matmul
 from .precision import ColumnStore
 from .sharding import RowBlock
@@ -89,6 +92,27 @@ class CovariancePhase:
     kernel_precision_root: Tensor  # K Q, likewise
     products: int
     added: int  # columns added to Q
+
+
+def _memory_capped_rank(rank: int, target: int, size: int, dtype: torch.dtype) -> int:
+    r"""``target``, the rank of :math:`\mathbf Q` the phase may reach, or where :math:`\mathbf Q` and
+    :math:`\mathbf K \mathbf Q` at that rank (:math:`2 n` numbers of ``dtype`` a column, :math:`n` = ``size`` of
+    all ranks) would pass :class:`~gpytorch_iterncgp.settings.recycled_buffer_limit`, the largest rank that fits (at
+    least ``rank``, the columns already there), with a :class:`~gpytorch_iterncgp.exceptions.BufferLimitWarning`."""
+    column_bytes = 2 * size * torch.empty((), dtype=dtype).element_size()
+    room = max(rank, settings.recycled_buffer_limit.value() // column_bytes)
+    if target <= room:
+        return target
+    warnings.warn(
+        f"The covariance phase would grow the posterior's precision root to {target} columns of {size} latent values "
+        f"({target * column_bytes / 2**30:.1f} GiB with their kernel products), past "
+        f"settings.recycled_buffer_limit ({settings.recycled_buffer_limit.value() / 2**30:.1f} GiB): it stops at "
+        f"{room} columns, so the predictive variances keep more computational uncertainty (never less than the "
+        "exact ones). Lower covariance_iterations or covariance_block_size, or raise the limit where memory allows.",
+        BufferLimitWarning,
+        stacklevel=3,
+    )
+    return int(room)
 
 
 def covariance_phase(
@@ -149,6 +173,8 @@ def covariance_phase(
     tolerance = _RELATIVE_EIGENVALUE_TOLERANCE.get(dtype, 1e-5)
     new_fraction = _NEW_FRACTION.get(dtype, 1e-2)
     rank, products = precision_root.shape[-1], 0
+    if iterations > 0:
+        full_rank = _memory_capped_rank(rank, min(full_rank, rank + iterations * block_size), size, dtype)
     if iterations == 0 or rank >= full_rank:
         return CovariancePhase(rows_block.own_rows(precision_root), rows_block.own_rows(kernel_precision_root), 0, 0)
     # this rank's rows of Q, K Q (all rows in one process), growing without copies

@@ -262,6 +262,8 @@ class FitReport:
     kernel_product_seconds: float = 0.0  # wall time spent in those calls (the rest of wall_time is everything else)
     preconditioner_seconds: float = 0.0  # wall time building the preconditioner (core.preconditioner), not in products
     preconditioner_products: int = 0  # its calls of the kernel's columns or products (not in kernel_products)
+    covariance_products: int = 0  # of kernel_products, the covariance phase's after the loop (covariance_iterations)
+    covariance_seconds: float = 0.0  # wall time of the loop's finalize (the covariance phase), in wall_time
     converged: bool = False
     breakdown: bool = False
     stopped_by_callback: bool = False
@@ -307,7 +309,9 @@ class FitReport:
         details = last.details(self) if last is not None else "no step taken"
         return (
             f"{self.method} fit: {self.steps} {self.step_name}, {self.solver_iterations} solver iterations, "
-            f"{self.kernel_products} products with K ({self.kernel_product_seconds:.2f}s), "
+            f"{self.kernel_products} products with K ({self.kernel_product_seconds:.2f}s"
+            + (f"; {self.covariance_products} in the covariance phase" if self.covariance_products else "")
+            + "), "
             f"converged={self.converged}, breakdown={self.breakdown}, {details}, "
             f"residual={last.residual_norm if last else float('nan'):.3g}, {self.wall_time:.2f}s"
             + (f"; {self.budget}" if self.budget else "")
@@ -394,8 +398,11 @@ def run_outer_loop(
     finally:
         iterator.close()
         progress.close()
+    loop_products, finalize_start = counter.products, time.perf_counter()
     with small_operations():
         final = loop.finalize(state)
+    report.covariance_products = counter.products - loop_products
+    report.covariance_seconds = time.perf_counter() - finalize_start
     commit(final)  # also after no step: the starting state (e.g. renewed after a change of K)
     report.kernel_products = counter.products
     report.kernel_columns = counter.columns

@@ -157,7 +157,7 @@ class _IterNCGPEstimator(BaseEstimator):
         max_solver_iterations=ESTIMATOR_DEFAULTS.max_solver_iterations,
         compression_rank=SolverOptions.compression_rank,
         preconditioner_rank=SolverOptions.preconditioner_rank,
-        covariance_iterations=SolverOptions.covariance_iterations,
+        covariance_iterations=None,
         recycle=SolverOptions.recycle,
         outer_tol=None,
         solver_tol=ESTIMATOR_DEFAULTS.solver_tol,
@@ -232,7 +232,7 @@ class _IterNCGPEstimator(BaseEstimator):
             self._check(check_count, "max_solver_iterations", minimum=1, allow_none=True)
         self._check(check_count, "compression_rank", minimum=1, allow_none=True)
         self._check(check_count, "preconditioner_rank")
-        self._check(check_count, "covariance_iterations")
+        self._check(check_count, "covariance_iterations", allow_none=True)
         self._check(check_count, "optimizer_steps")
         self._check(check_count, "learning_fit_steps", minimum=1)
         if isinstance(self.learning_subset, str):
@@ -527,7 +527,8 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
     :param covariance_iterations: blocks of the covariance phase after the final fit (one product with the kernel
         matrix each; :mod:`gpytorch_iterncgp.core.covariance`): they shrink the predictive variance towards the Laplace
         posterior's where the solver budget left computational uncertainty (:math:`N C >` 1000). Not run while the
-        hyperparameters are learnt.
+        hyperparameters are learnt; run in the held-out outputscale choice's fits. ``None``: the approximation's
+        default (Laplace's 5, EP's 0: for EP it did not help).
     :param recycle: recycle solver actions across Newton steps.
     :param outer_tol: stop the Newton loop when the representer weights change by less than this (relative), or EP
         when no site would change by more (``site_tol``); ``None`` (default): the strategy's own (``1e-2`` for

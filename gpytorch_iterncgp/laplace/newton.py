@@ -65,6 +65,7 @@ class SolverOptions(IterGPOptions, CovarianceOptions, FitLimits, TrainModeFits):
 
     max_newton_steps: int | None = None  # None: until converged, stalled or max_time
     outer_tol: float = 1e-2
+    covariance_iterations: int = 5
     min_step_size: float = 2.0**-10
 
     def validate(self) -> None:

@@ -287,7 +287,7 @@ def strategy_options(
     max_newton_steps: int | None,
     compression_rank: int | None,
     preconditioner_rank: int,
-    covariance_iterations: int,
+    covariance_iterations: int | None,
     recycle: bool,
     outer_tol: float | None,
     show_progress: bool,
@@ -319,8 +319,9 @@ def strategy_options(
         rel_tol=budget["solver_tol"],
         seed=seed,
         show_progress=bool(show_progress),
-        covariance_iterations=int(covariance_iterations),
     )
+    if covariance_iterations is not None:
+        options["covariance_iterations"] = int(covariance_iterations)
     tolerance = {} if outer_tol is None else {"site_tol" if inference == "ep" else "outer_tol": outer_tol}
     if inference == "ep":
         # exact solves: exact EP, cheaply; a tolerance given for the sites: theirs alone

@@ -313,7 +313,9 @@ class IterNCGPStrategy(_IterGPStrategy):
         random data points). Once the mode has converged the predictive variance still carries most of the
         computational uncertainty; these actions remove it where the predictions need it. They enlarge
         :math:`\mathbf C` only (not the recycled actions): the covariance stays at least the exact Laplace
-        covariance, shrinks with every block, and is exact once the actions span the space. ``0``: no phase.
+        covariance, shrinks with every block, and is exact once the actions span the space. ``0``: no phase (the
+        paper's method); the default, 5, is measured in ``benchmarks/README.md`` §22 (at learnt kernels it narrows
+        the predictive where the Newton steps' actions left it wide; more blocks barely changed it).
     :param covariance_block_size: actions per product in the covariance phase (the start block takes the
         :math:`C` latents of ``covariance_block_size // C`` data points). Memory: :math:`\mathbf Q` and
         :math:`\mathbf K \mathbf Q` grow by up to ``covariance_iterations * covariance_block_size`` columns of

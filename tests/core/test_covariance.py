@@ -11,7 +11,7 @@ import gpytorch
 import pytest
 import torch
 
-from gpytorch_iterncgp import EPStrategy, MultinomialProbitLikelihood
+from gpytorch_iterncgp import EPStrategy, MultinomialProbitLikelihood, settings
 from gpytorch_iterncgp.core.covariance import covariance_phase
 from gpytorch_iterncgp.core.noise import (
     DiagonalNoiseInverse,
@@ -20,6 +20,7 @@ from gpytorch_iterncgp.core.noise import (
     curvature_matmul,
 )
 from gpytorch_iterncgp.core.sharding import RowBlock
+from gpytorch_iterncgp.exceptions import BufferLimitWarning
 from tests.common import IterNCGPModel, binary_data, multiclass_data
 from tests.test_exact_laplace import (
     EXACT,
@@ -46,7 +47,7 @@ def test_enough_covariance_actions_give_the_exact_laplace_covariance(case):
     covariance well above the exact one; 20 blocks of 12 actions span the space and give the dense Laplace covariance
     (R&W Algorithm 3.4) to 1e-6, for a product count of the phase's 20 blocks at most."""
     model, _, x, y, name, num_classes = build(case, **CG_MODE, covariance_iterations=20, covariance_block_size=12)
-    plain, *_ = build(case, **CG_MODE)
+    plain, *_ = build(case, **CG_MODE, covariance_iterations=0)
     report = model.variational_strategy.fit()
     plain_report = plain.variational_strategy.fit()
     assert report.converged
@@ -163,6 +164,12 @@ def test_phase_counts_products_and_stops_at_the_action_space():
         covariance_phase(kernel_matmul, noise, empty, empty, 1, iterations=0, block_size=8, rows_block=rows).products
         == 0
     )
+    # the memory limit: Q and K Q of 20 rows in float64 take 320 bytes a column; room for 12 columns
+    with settings.recycled_buffer_limit(12 * 320), pytest.warns(BufferLimitWarning, match="covariance phase"):
+        capped = covariance_phase(kernel_matmul, noise, empty, empty, 1, iterations=10, block_size=8, rows_block=rows)
+    assert capped.precision_root.shape[-1] == 12
+    gram = capped.precision_root.mT @ (kernel + 0.5 * torch.eye(20, dtype=torch.float64)) @ capped.precision_root
+    assert_relative(gram, torch.eye(12, dtype=torch.float64), tol=1e-8)
     with pytest.raises(ValueError, match="covariance_iterations"):
         build("probit", covariance_iterations=-1)
     with pytest.raises(ValueError, match="covariance_block_size"):

@@ -220,9 +220,11 @@ def test_report_is_consistent(name):
     strategy = model.variational_strategy
     assert report.steps == len(report.records) == strategy.state.newton_steps
     assert report.solver_iterations == sum(step.solver_iterations for step in report.records)
-    assert report.kernel_products == sum(step.kernel_products for step in report.records)
-    # CG: exactly one product with K per solver iteration.
-    assert report.kernel_products == report.solver_iterations
+    # CG: exactly one product with K per solver iteration, and one per block of the covariance phase after the steps
+    assert report.kernel_products == sum(step.kernel_products for step in report.records) + report.covariance_products
+    assert report.kernel_products == report.solver_iterations + report.covariance_products
+    assert 0 < report.covariance_products <= strategy.options.covariance_iterations
+    assert f"; {report.covariance_products} in the covariance phase)" in str(report)
     assert [step.step for step in report.records] == list(range(1, report.steps + 1))
     assert report.log_posteriors == [step.log_posterior for step in report.records]
     # Damped Newton: the log posterior never decreases.
