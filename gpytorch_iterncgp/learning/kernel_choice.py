@@ -16,6 +16,7 @@ grammar, and by its held-out predictions where rows are held out (cross-validati
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
 import math
@@ -201,9 +202,10 @@ def choose_kernel(
     one: type-II maximum likelihood on the :math:`M` learning rows and, for a classifier, the outputscale on the
     held-out rows), score it, and leave the model with the best one and its learnt hyperparameters (the kernel's, and
     the mean's and likelihood's, which every candidate learns from their values on entry). With ``choice`` (the same
-    phase on fewer of the learning rows), the chosen candidate is then learnt again in ``phase``, from the
-    hyperparameters it learnt in the choice (its outputscale before the held-out factor): a cheap low-fidelity
-    ranking, then one full learning (successive halving's two rungs, Jamieson & Talwalkar 2016).
+    phase on fewer of the learning rows), the chosen candidate is then learnt again in ``phase``, from its values on
+    entry (a cold start: the result is the chosen kernel learnt as if it had been given alone, whatever the choice's
+    fewer rows made of it): a cheap low-fidelity ranking, then one full learning (successive halving's two rungs,
+    Jamieson & Talwalkar 2016).
 
     Scores, each the lower the better, all recorded in ``report.kernel_scores[name]`` (with the candidate's number of
     kernel ``hyperparameters`` :math:`k`, its ``seconds`` and its ``error``):
@@ -239,6 +241,7 @@ def choose_kernel(
     others = list({id(p): p for p in itertools.chain(model.parameters(), likelihood.parameters())}.values())
     others = [parameter for parameter in others if id(parameter) not in initial_kernel]
     initial = [parameter.detach().clone() for parameter in others]
+    initial_kernels = {name: copy.deepcopy(kernel.state_dict()) for name, kernel in candidates.items()}
     outcomes: dict[str, tuple[LearningReport, list[Tensor]]] = {}
     report.kernel_scores = {}
     screen = phase if choice is None else choice
@@ -280,8 +283,9 @@ def choose_kernel(
     candidate, learnt = outcomes[chosen]
     model.covar_module = candidates[chosen]
     _restore(others, learnt)
-    if choice is not None:  # the chosen kernel learnt again on all the learning rows, from where the choice left it
-        _undo_outputscale_factor(model.covar_module, candidate.outputscale_factor)
+    if choice is not None:  # the chosen kernel learnt again on all the learning rows, cold
+        model.covar_module.load_state_dict(initial_kernels[chosen])
+        _restore(others, initial)
         candidate = dataclasses.replace(report, losses=[], outputscale_log_loss={}, kernel_scores={})
         phase.learn(candidate, deadline, chosen)
         phase.choose_outputscale(candidate, deadline)
@@ -291,12 +295,6 @@ def choose_kernel(
     report.kernel, report.kernel_scores = chosen, scores
     if phase.held_out is not None:
         report.validation_rows, report.validation_points = phase.held_out.tolist(), len(phase.held_out)
-
-
-def _undo_outputscale_factor(kernel: Kernel, factor: float) -> None:
-    """Divide a ``ScaleKernel``'s outputscale by the held-out ``factor`` the outputscale phase multiplied it by."""
-    if factor != 1.0 and isinstance(kernel, gpytorch.kernels.ScaleKernel):
-        kernel.outputscale = kernel.outputscale.detach() / factor
 
 
 def _share(deadline: float | None, candidates_left: int) -> float | None:
