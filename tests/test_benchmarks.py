@@ -599,3 +599,29 @@ def test_tabular_smoke_run_scores_every_method_on_classes_and_counts(tmp_path):
     assert rules["oracle"]["deviance"]["mean"] <= min(rule["deviance"]["mean"] for rule in rules.values())
     assert rules["bic"]["kernels"] == [counts["methods"]["estimator_auto"]["kernel"]]
     assert out.exists() and out.with_suffix(".png").exists()
+
+
+def test_gpu_run_smoke_writes_every_steps_record(tmp_path):
+    """The prepared GPU run at smoke size on the CPU (two of its steps, each a child process): its manifest records
+    every step's command, exit status and seconds, and each step's own results lie in its folder."""
+    from benchmarks import gpu_run
+
+    results = gpu_run.main(["--smoke", "--steps", "cuda_tests", "stochastic_ep", "--out", str(tmp_path)])
+    assert results["device"] == "cpu" and [entry["step"] for entry in results["steps"]] == [
+        "cuda_tests",
+        "stochastic_ep",
+    ]
+    for entry in results["steps"]:
+        assert entry["returncode"] == 0 and not entry["timed_out"] and 0 < entry["seconds"] < entry["limit_seconds"]
+    assert "-k cuda" in results["steps"][0]["command"] and "collected" in results["steps"][0]["tail"][-1]
+    assert (tmp_path / "stochastic_ep" / "binary100000_seed0.json").exists()
+    assert json.loads((tmp_path / "gpu_run.json").read_text())["steps"] == results["steps"]
+
+
+def test_gpu_run_records_a_step_past_its_limit(tmp_path):
+    from benchmarks import gpu_run
+
+    sleeper = gpu_run.Step("sleeper", 0.5, 0.5, lambda out, device, smoke: ["-c", "import time; time.sleep(30)"])
+    entry = gpu_run.run_step(sleeper, tmp_path, "cpu", smoke=True)
+    assert entry["timed_out"] and entry["returncode"] is None and entry["seconds"] < 10
+    assert gpu_run.table([entry]).splitlines()[1].split()[:3] == ["sleeper", "timed", "out"]
