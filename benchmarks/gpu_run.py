@@ -6,8 +6,8 @@ r"""The prepared GPU run: every measurement a lent GPU is for, in one command th
 Steps, in order, each a child process with its own time limit (a step that fails, runs out of memory or past its
 limit is recorded as such and the next one starts; :data:`STEPS`):
 
-1. ``cuda_tests``: the test suite's CUDA tests (``pytest -k cuda``, not the slow ones: the fused products and the
-   strategies on the device, equal to the CPU within float tolerance);
+1. ``cuda_tests``: the test suite's CUDA tests (``pytest -k cuda``, not the slow ones: the fused products, the
+   strategies and the estimators (``device="cuda"``) on the device, equal to the CPU within float tolerance);
 2. ``throughput``: :mod:`benchmarks.kernel_throughput` at :math:`N = 10^5`, :math:`C \in \{1, 10\}`, the fused
    Triton path in IEEE float32 and in TF32, and the chunked GPyTorch path (target: :math:`\ge 10^{12}` kernel
    entries per second);
@@ -50,6 +50,7 @@ CUDA_TEST_FILES = (
     "tests/strategies/test_stochastic.py",
     "tests/likelihoods/test_tilted.py",
     "tests/test_benchmarks.py",
+    "tests/integrations/test_sklearn_device.py",
 )
 
 

@@ -18,7 +18,8 @@ optionally learn the kernel's hyperparameters by maximising the evidence
 (:class:`~gpytorch_iterncgp.LaplaceMarginalLogLikelihood`, :class:`~gpytorch_iterncgp.EPMarginalLogLikelihood`;
 L-BFGS where the evidence is exact, Adam with loose fits where it is estimated, and there Laplace's evidence for EP
 too) of a stratified random subset of the data (``learning_subset``; by default 1000 points for 10 classes), then
-fit the posterior on all the data at the learnt hyperparameters. Everything is computed in float64.
+fit the posterior on all the data at the learnt hyperparameters. Everything is computed in float64, on ``device``
+(numpy in and out).
 
 The estimators are a scikit-learn facade (validation, labels, numpy in and out, scikit-learn's warnings): how they
 choose the inference, the solver budget, the default kernel and the strategy's options from the data is
@@ -170,6 +171,7 @@ class _IterNCGPEstimator(BaseEstimator):
         batch_size=MinibatchRecipe.batch_size,
         max_time=None,
         random_state=None,
+        device="cpu",
         verbose=False,
     ):
         self.kernel = kernel
@@ -193,6 +195,7 @@ class _IterNCGPEstimator(BaseEstimator):
         self.batch_size = batch_size
         self.max_time = max_time
         self.random_state = random_state
+        self.device = device
         self.verbose = verbose
 
     @property
@@ -204,6 +207,15 @@ class _IterNCGPEstimator(BaseEstimator):
     def _kernel_batch_shape(self) -> torch.Size:
         """The batch shape of the prior mean: the user's kernel's (one GP per class), ``[]`` otherwise."""
         return self.kernel.batch_shape if isinstance(self.kernel, gpytorch.kernels.Kernel) else torch.Size([])
+
+    @property
+    def _device(self) -> torch.device:
+        """``device`` as a ``torch.device`` (validated by :meth:`_validate_params`)."""
+        return torch.device(self.device)
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        """A float64 copy of ``array`` on ``device`` (never sharing the caller's memory, which may be read-only)."""
+        return torch.tensor(array, dtype=_DTYPE, device=self._device)
 
     @property
     def _link(self) -> str:
@@ -252,6 +264,20 @@ class _IterNCGPEstimator(BaseEstimator):
             self._check(check_nonnegative, "max_time")
         for name in ("recycle", "optimize_hyperparameters", "verbose"):
             self._check(check_flag, name)
+        self._check_device()
+
+    def _check_device(self) -> None:
+        """:raises ValueError: for a ``device`` torch does not know, or a CUDA device where none is available."""
+        try:
+            device = torch.device(self.device)
+        except (RuntimeError, TypeError) as error:
+            raise _param_error(self, "device", "a torch device such as 'cpu' or 'cuda'", self.device) from error
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(
+                f"The 'device' parameter of {type(self).__name__} is {self.device!r}, but torch finds no CUDA device "
+                "(torch.cuda.is_available() is False): use device='cpu', or a CUDA build of torch on a machine with "
+                "a GPU."
+            )
 
     def _solver_budget(self, num_points: int, num_latents: int = 1, inference: str = "laplace") -> dict:
         """:func:`~gpytorch_iterncgp.learning.estimator_policy.solver_budget` at this estimator's ``policy``,
@@ -290,7 +316,8 @@ class _IterNCGPEstimator(BaseEstimator):
         num_inducing = min(int(self.num_inducing), len(X))
         centres = MiniBatchKMeans(n_clusters=num_inducing, random_state=seed, n_init=1).fit(X).cluster_centers_
         kernel = default_kernel(X.shape[1]) if self.kernel is None else copy.deepcopy(self.kernel).to(_DTYPE)
-        model = _SparseLatentGP(torch.tensor(centres, dtype=_DTYPE), likelihood, kernel, mean, len(X)).to(_DTYPE)
+        model = _SparseLatentGP(self._tensor(centres), likelihood, kernel, mean, len(X))
+        model = model.to(device=self._device, dtype=_DTYPE)
         if not self.optimize_hyperparameters:
             for parameter in model.parameters():
                 parameter.requires_grad_(False)
@@ -299,7 +326,7 @@ class _IterNCGPEstimator(BaseEstimator):
             torch.manual_seed(seed)
             report = fit_mll(
                 mll,
-                data=(torch.tensor(X, dtype=_DTYPE), targets),
+                data=(self._tensor(X), targets),
                 max_time=self.max_time,
                 recipe=MinibatchRecipe(batch_size=int(self.batch_size)),
                 seed=seed,
@@ -332,7 +359,7 @@ class _IterNCGPEstimator(BaseEstimator):
             self._fit_sparse_model(X, targets, likelihood, mean)
             return
         seed = int(check_random_state(self.random_state).randint(np.iinfo(np.int32).max))
-        train_x = torch.tensor(X, dtype=_DTYPE)
+        train_x = self._tensor(X)
         # kernel="auto": the model starts with the default kernel; fit_mll tries each candidate, keeps the best
         candidates = kernel_family(X.shape[1]) if self._auto_kernel else None
         if candidates is not None:
@@ -351,7 +378,8 @@ class _IterNCGPEstimator(BaseEstimator):
         )
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)  # probe vectors of the matrix-free evidence, random actions
-            model = _LatentGP(train_x, targets, likelihood, kernel, mean, strategy_type, options).to(_DTYPE)
+            model = _LatentGP(train_x, targets, likelihood, kernel, mean, strategy_type, options)
+            model = model.to(device=self._device, dtype=_DTYPE)
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 report = fit_mll(
@@ -388,7 +416,7 @@ class _IterNCGPEstimator(BaseEstimator):
     def _validated_test_inputs(self, X) -> torch.Tensor:
         check_is_fitted(self)
         X = validate_data(self, X, dtype=np.float64, reset=False)
-        return torch.tensor(X, dtype=_DTYPE)
+        return self._tensor(X)
 
     def _chunked(self, function, inputs: torch.Tensor) -> list[torch.Tensor]:
         """``function`` on rows of ``inputs`` in chunks; each output concatenated over the chunks."""
@@ -418,7 +446,7 @@ class _IterNCGPEstimator(BaseEstimator):
         mean, variance = self._latent(self._validated_test_inputs(X))
         if mean.shape[-1] == 1:
             mean, variance = mean[:, 0], variance[:, 0]
-        return mean.numpy(), variance.sqrt().numpy()
+        return mean.cpu().numpy(), variance.sqrt().cpu().numpy()
 
     def log_marginal_likelihood(self) -> float:
         """The Laplace (or, with ``inference_ == "ep"``, EP) approximation of :math:`\\log p(\\mathbf y \\mid \\mathbf X,
@@ -572,6 +600,9 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
         evaluation running when they have passed, keeping the best hyperparameters seen, and the final fit follows.
     :param random_state: seeds the unit-vector policy and the probe vectors of the matrix-free evidence
         (the global torch RNG is left as it was).
+    :param device: where the model's tensors live and the fit and predictions compute (a torch device: ``"cpu"``,
+        ``"cuda"``, ``"cuda:1"``, as skorch's estimators take it); inputs and outputs stay numpy arrays. Float64 on
+        every device. A CUDA device torch cannot find is refused at ``fit``.
     :param verbose: a progress bar per phase: learning, the outputscale, the final fit
         (:func:`~gpytorch_iterncgp.fit_mll`).
 
@@ -627,7 +658,7 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
             )
         else:
             likelihood = gpytorch.likelihoods.SoftmaxLikelihood(num_classes=self.n_classes_, mixing_weights=False)
-        targets = torch.tensor(encoded, dtype=_DTYPE)
+        targets = self._tensor(encoded)
         mean = gpytorch.means.ZeroMean(batch_shape=self._kernel_batch_shape())
         self._fit_model(X, targets, likelihood, mean, inference)
         return self
@@ -660,11 +691,11 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
             probabilities, std = self._chunked(function, inputs)
         else:
             (probabilities,) = self._chunked(strategy.predictive_probabilities, inputs)
-        probabilities = probabilities.numpy()
+        probabilities = probabilities.cpu().numpy()
         if self.n_classes_ == 2:
             probabilities = np.stack([1 - probabilities, probabilities], axis=1)
         if return_std:
-            return probabilities, std.numpy()
+            return probabilities, std.cpu().numpy()
         return probabilities
 
     def predict(self, X):
@@ -732,7 +763,7 @@ class IterNCGPPoissonRegressor(RegressorMixin, _IterNCGPEstimator):
         mean = gpytorch.means.ConstantMean(batch_shape=self._kernel_batch_shape()).to(_DTYPE)
         with torch.no_grad():
             mean.constant.fill_(offset)
-        self._fit_model(X, torch.tensor(y, dtype=_DTYPE), likelihood, mean, inference)
+        self._fit_model(X, self._tensor(y), likelihood, mean, inference)
         return self
 
     def _predictive_mean(self, mean: torch.Tensor, variance: torch.Tensor) -> torch.Tensor:
@@ -743,9 +774,9 @@ class IterNCGPPoissonRegressor(RegressorMixin, _IterNCGPEstimator):
         """Expected counts :math:`\\mathbb E[y_*]` ``(n,)``; with ``return_std`` also the latent std ``(n,)``."""
         inputs = self._validated_test_inputs(X)
         mean, variance = self._latent(inputs)
-        expected = self._predictive_mean(mean[:, 0], variance[:, 0]).numpy()
+        expected = self._predictive_mean(mean[:, 0], variance[:, 0]).cpu().numpy()
         if return_std:
-            return expected, variance[:, 0].sqrt().numpy()
+            return expected, variance[:, 0].sqrt().cpu().numpy()
         return expected
 
     def score(self, X, y, sample_weight=None):
