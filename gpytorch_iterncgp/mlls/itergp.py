@@ -29,7 +29,14 @@ softmax curvature needs no eigendecomposition). Two regimes behind :class:`Lapla
   the log-determinant by stochastic Lanczos quadrature (``gpytorch.settings.num_trace_samples`` probe
   vectors, ``max_lanczos_quadrature_iterations``). Products with :math:`\mathbf K` only. Estimated, not
   exact: the log-determinant and its gradient (stochastic), and the implicit derivative (up to the CG
-  tolerance). The value's quadratic and likelihood terms are those of IterNCGP's (approximate) mode.
+  tolerance, at most :data:`NEWTON_STEP_CG_TOLERANCE`). The value's quadratic and likelihood terms are those of
+  IterNCGP's (approximate) mode. Far from the mode (a loose fit at new hyperparameters) an undamped Newton step
+  through an ill-conditioned :math:`\mathbf B` can land anywhere (an exp link at counts in the tens: latent values of
+  74, a log posterior of :math:`-10^{32}`); where it lowers the log posterior (by more than
+  :data:`NEWTON_STEP_TRUST`, relative) it is not used: the value is the evidence at the mode,
+  :math:`\ell(\hat{\mathbf f}) - \tfrac12 \hat{\mathbf a}^\top \mathbf K \hat{\mathbf a} - \tfrac12
+  \log\lvert\mathbf B(\hat{\mathbf f})\rvert`, and the gradient its explicit part with the mode held fixed (R&W
+  eq. 5.22 without the implicit term).
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import linear_operator
 import torch
 from gpytorch.mlls import MarginalLogLikelihood
 from linear_operator.operators import LinearOperator
@@ -162,6 +170,15 @@ def _whitened_system(prior: LatentPrior, adapter: LikelihoodAdapter, latent: Ten
     return log_likelihood, gradient, curvature, roots, system
 
 
+#: relative residual of the matrix-free evidence's differentiable Newton step (CG on B), at most: under GPyTorch's
+#: training default (``cg_tolerance`` 1) CG may stop at a relative residual near 1 (0.96, measured on a count data set)
+NEWTON_STEP_CG_TOLERANCE = 1e-2
+#: the Newton step is trusted where it lowers the log posterior by at most this times (1 + |Ψ(f̂)|): at a converged
+#: mode it moves it by rounding and the solve's tolerance; far from one, an ill-conditioned B (exp link, counts in the
+#: tens) can send it to e^74 and the log posterior to -1e32
+NEWTON_STEP_TRUST = 1e-4
+
+
 def matrix_free_laplace_evidence(prior: LatentPrior, adapter: LikelihoodAdapter, targets: Tensor, state) -> Tensor:
     r"""The Laplace evidence at IterNCGP's mode, with products with :math:`\mathbf K` only (see the module docstring).
 
@@ -182,16 +199,29 @@ def matrix_free_laplace_evidence(prior: LatentPrior, adapter: LikelihoodAdapter,
     _, gradient, curvature, roots, system = _whitened_system(prior, adapter, mode, targets)
     rhs = _block_times_dense(curvature, (mode - prior_mean)[:, None])[:, 0] + gradient.reshape(-1)
     kernel_rhs = prior.matmul(rhs[:, None])
-    correction = system.solve(_block_times_dense(roots.mT, kernel_rhs))
+    tolerance = min(linear_operator.settings.cg_tolerance.value(), NEWTON_STEP_CG_TOLERANCE)
+    with linear_operator.settings.cg_tolerance(tolerance):
+        correction = system.solve(_block_times_dense(roots.mT, kernel_rhs))
     new_weights = rhs - _block_times_dense(roots, correction)[:, 0]
     latent = prior_mean + prior.matmul(new_weights[:, None])[:, 0]
     log_likelihood, _, _, _, new_system = _whitened_system(prior, adapter, latent, targets)
     log_posterior = log_likelihood - 0.5 * (new_weights @ (latent - prior_mean))
-    mode_log_posterior = adapter.log_likelihood(mode.reshape(-1, adapter.num_latents), targets) - 0.5 * (
-        weights @ kernel_weights
-    )
-    # Value at the strategy's mode; gradient through the differentiable Newton step.
-    return log_posterior - 0.5 * new_system.logdet() + (mode_log_posterior - log_posterior).detach()
+    mode_likelihood = adapter.log_likelihood(mode.reshape(-1, adapter.num_latents), targets)
+    mode_log_posterior = mode_likelihood - 0.5 * (weights @ kernel_weights)
+    step = float(log_posterior.detach())
+    if math.isfinite(step) and step >= float(mode_log_posterior) - NEWTON_STEP_TRUST * (
+        1 + abs(float(mode_log_posterior))
+    ):
+        # Value at the strategy's mode; gradient through the differentiable Newton step.
+        log_det = new_system.logdet()
+        surrogate = log_posterior - 0.5 * log_det
+    else:
+        # The step is not trusted (far from the mode, B ill-conditioned): the gradient at the mode held fixed, the
+        # explicit derivative (R&W eq. 5.22 without its implicit term): d(-1/2 u^T K^-1 u) = 1/2 a^T dK a + a^T dm
+        # for u = f - m, a = K^-1 u, which 1/2 a^T K a + a^T m has with a held fixed.
+        log_det = system.logdet()
+        surrogate = 0.5 * (weights @ prior.matmul(weights[:, None])[:, 0]) + weights @ prior_mean - 0.5 * log_det
+    return surrogate - surrogate.detach() + (mode_log_posterior - 0.5 * log_det.detach())
 
 
 def log_prior(mll: MarginalLogLikelihood) -> Tensor:

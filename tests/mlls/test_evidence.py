@@ -426,6 +426,53 @@ def test_large_counts_damping_and_warm_start(make_likelihood, name):
     assert warm.kernel_products < fresh.kernel_products, (warm.kernel_products, fresh.kernel_products)
 
 
+def test_matrix_free_evidence_far_from_the_mode_is_the_value_at_the_mode():
+    """One damped Newton step from the prior on counts up to 1e4 (exp link): the evidence's undamped Newton step from
+    there sends the log posterior to -1e137, so the matrix-free evidence does not trust it: its value is
+    Psi(f) - 1/2 log|I + W K| at the strategy's state (dense reference to 1e-10; the earlier formula failed here with
+    a NotPSDError, and returned exactly 0 on a count data set), and its gradient the explicit derivative at that
+    state held fixed (central differences of -1/2 u^T K^-1 u - 1/2 log|I + W K| in the raw hyperparameters, u and W
+    held, to 1e-4)."""
+    x, y = _large_counts()
+    model = IterNCGPModel(x, y, ExpPoissonLikelihood(), lengthscale=0.2, outputscale=50.0, preconditioner_rank=0)
+    model.variational_strategy.fit(max_newton_steps=1, limit_warning=False)
+    kernel, mean = dense_prior(model, x, 1)
+    weights = model.variational_strategy.state.representer_weights.detach()
+    mode = mean + kernel @ weights
+    psi = float(reference.log_likelihood(mode, y, "poisson_exp") - 0.5 * weights @ (mode - mean))
+    stepped = newton_step(kernel, mean, y, "poisson_exp", mode)
+    stepped_weights = torch.linalg.solve(kernel, stepped - mean)
+    stepped_psi = reference.log_likelihood(stepped, y, "poisson_exp") - 0.5 * stepped_weights @ (stepped - mean)
+    assert float(stepped_psi) < -1e100  # the undamped step is not to be trusted here
+    _, curvature = reference.gradient_and_curvature(mode, y, "poisson_exp")
+
+    def held(perturbed_kernel: torch.Tensor) -> float:
+        centred = mode - mean
+        eye = torch.eye(len(mode), dtype=DTYPE)
+        return float(
+            -0.5 * centred @ torch.linalg.solve(perturbed_kernel, centred)
+            - 0.5 * torch.linalg.slogdet(eye + curvature @ perturbed_kernel)[1]
+        )
+
+    expected = psi - 0.5 * float(torch.linalg.slogdet(torch.eye(len(mode), dtype=DTYPE) + curvature @ kernel)[1])
+    value = package_evidence(model, model.variational_strategy.likelihood, x, y, exact=False, backward=True)
+    assert relative_error(float(value), expected) <= 1e-10, (float(value), expected)
+    for name, parameter in model.covar_module.named_parameters():
+        differences = []
+        for sign in (1, -1):
+            with torch.no_grad():
+                parameter.add_(sign * 1e-4)
+            differences.append(held(dense_prior(model, x, 1)[0]))
+            with torch.no_grad():
+                parameter.sub_(sign * 1e-4)
+        derivative = (differences[0] - differences[1]) / 2e-4
+        assert relative_error(float(parameter.grad.sum()), derivative) <= 1e-4, (
+            name,
+            float(parameter.grad),
+            derivative,
+        )
+
+
 # ---------------------------------------------------------------------------------------------------
 # 8. A numerically singular kernel: 100 copies of one input, lengthscale 1e3, alternating labels.
 # ---------------------------------------------------------------------------------------------------
