@@ -363,7 +363,8 @@ def default_kernel(num_features: int, dtype: torch.dtype = torch.float64) -> gpy
     kernel = gpytorch.kernels.ScaleKernel(
         gpytorch.kernels.MaternKernel(nu=2.5, lengthscale_constraint=log_positive()),
         outputscale_constraint=log_positive(),
-    ).to(dtype)  # before setting values, so they are not rounded through float32
-    kernel.base_kernel.lengthscale = math.sqrt(num_features)
-    kernel.outputscale = 1.0
+    ).to(dtype)
+    # values as tensors of the kernel's dtype: a Python float would be rounded through torch's default float32
+    kernel.base_kernel.lengthscale = torch.tensor(math.sqrt(num_features), dtype=dtype)
+    kernel.outputscale = torch.tensor(1.0, dtype=dtype)
     return kernel

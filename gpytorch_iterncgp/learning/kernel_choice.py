@@ -103,14 +103,14 @@ def _linear() -> gpytorch.kernels.LinearKernel:
 
 def _scaled(base: Kernel, num_features: int, dtype: torch.dtype) -> gpytorch.kernels.ScaleKernel:
     r"""``ScaleKernel(base)``: outputscale 1, every Matérn lengthscale :math:`\sqrt D`, every linear variance
-    :math:`1 / D` (set after the cast to ``dtype``, so they are not rounded through float32)."""
+    :math:`1 / D` (tensors of ``dtype``, so they are not rounded through float32)."""
     kernel = gpytorch.kernels.ScaleKernel(base, outputscale_constraint=log_positive()).to(dtype)
-    kernel.outputscale = 1.0
+    kernel.outputscale = torch.tensor(1.0, dtype=dtype)
     for module in kernel.modules():
         if isinstance(module, gpytorch.kernels.MaternKernel):
-            module.lengthscale = math.sqrt(num_features)
+            module.lengthscale = torch.tensor(math.sqrt(num_features), dtype=dtype)
         elif isinstance(module, gpytorch.kernels.LinearKernel):
-            module.variance = 1.0 / num_features
+            module.variance = torch.tensor(1.0 / num_features, dtype=dtype)
     return kernel
 
 

@@ -239,9 +239,9 @@ def test_default_kernel_is_a_log_parametrised_matern_at_root_d(num_features):
     assert isinstance(kernel.base_kernel, gpytorch.kernels.MaternKernel)
     assert kernel.base_kernel.nu == 2.5 and kernel.batch_shape == torch.Size([])
     assert kernel.raw_outputscale.dtype == torch.float64
-    # (GPyTorch's setter passes a Python float through torch's default dtype: sqrt(D) to float32 rounding)
-    assert float(kernel.base_kernel.lengthscale.detach()) == pytest.approx(math.sqrt(num_features), rel=1e-7)
-    assert float(kernel.base_kernel.raw_lengthscale.detach()) == pytest.approx(0.5 * math.log(num_features), abs=1e-7)
+    # (set as float64 tensors: GPyTorch's setter passes a Python float through torch's default float32)
+    assert float(kernel.base_kernel.lengthscale.detach()) == pytest.approx(math.sqrt(num_features), rel=1e-15)
+    assert float(kernel.base_kernel.raw_lengthscale.detach()) == pytest.approx(0.5 * math.log(num_features), abs=1e-15)
     assert float(kernel.outputscale.detach()) == 1.0 and float(kernel.raw_outputscale.detach()) == 0.0  # log 1
     assert torch.equal(kernel.base_kernel.raw_lengthscale_constraint.transform(torch.zeros(1)), torch.ones(1))  # exp
     assert default_kernel(num_features, torch.float32).raw_outputscale.dtype == torch.float32
