@@ -173,7 +173,7 @@ def _whitened_system(prior: LatentPrior, adapter: LikelihoodAdapter, latent: Ten
 #: relative residual of the matrix-free evidence's differentiable Newton step (CG on B), at most: under GPyTorch's
 #: training default (``cg_tolerance`` 1) CG may stop at a relative residual near 1 (0.96, measured on a count data set)
 NEWTON_STEP_CG_TOLERANCE = 1e-2
-#: the Newton step is trusted where it lowers the log posterior by at most this times (1 + |Ψ(f̂)|): at a converged
+#: the Newton step is trusted where it lowers the log posterior by at most this times one plus its magnitude: at a converged
 #: mode it moves it by rounding and the solve's tolerance; far from one, an ill-conditioned B (exp link, counts in the
 #: tens) can send it to e^74 and the log posterior to -1e32
 NEWTON_STEP_TRUST = 1e-4
