@@ -219,9 +219,11 @@ def matrix_free_laplace_evidence(prior: LatentPrior, adapter: LikelihoodAdapter,
         # The step is not trusted (far from the mode, B ill-conditioned): the gradient at the mode held fixed, the
         # explicit derivative (R&W eq. 5.22 without its implicit term): d(-1/2 u^T K^-1 u) = 1/2 a^T dK a + a^T dm
         # for u = f - m, a = K^-1 u, which 1/2 a^T K a + a^T m has with a held fixed.
+        # (and the likelihood's own parameters, if any, through the log-likelihood at the mode)
         log_det = system.logdet()
-        surrogate = 0.5 * (weights @ prior.matmul(weights[:, None])[:, 0]) + weights @ prior_mean - 0.5 * log_det
-    return surrogate - surrogate.detach() + (mode_log_posterior - 0.5 * log_det.detach())
+        quadratic = 0.5 * (weights @ prior.matmul(weights[:, None])[:, 0]) + weights @ prior_mean
+        surrogate = mode_likelihood + quadratic - 0.5 * log_det
+    return surrogate - surrogate.detach() + (mode_log_posterior - 0.5 * log_det).detach()
 
 
 def log_prior(mll: MarginalLogLikelihood) -> Tensor:
