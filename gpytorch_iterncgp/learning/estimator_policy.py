@@ -306,7 +306,8 @@ def strategy_options(
     :param budget: :func:`solver_budget`'s result.
     :param inference: ``"laplace"`` or ``"ep"``.
     :param seed: the strategy's seed (unit-vector policy, probe vectors).
-    :param covariance_iterations: the final fit's covariance-phase blocks (``fit_mll`` learns without).
+    :param covariance_iterations: the final fit's covariance-phase blocks (``fit_mll`` learns without); ``None``: the
+        strategy's own default (absent from the result).
     :return: a dict of the strategy's keyword arguments.
     """
     options = dict(
