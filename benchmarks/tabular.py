@@ -10,9 +10,11 @@ count sets), 80/20 splits by the seed, features standardised on the training par
 ``--threads`` threads:
 
 * ``estimator``: ``IterNCGPClassifier(random_state=seed)`` (``IterNCGPPoissonRegressor`` for counts) with its defaults;
-* ``estimator_auto``: the same with ``kernel="auto"`` (the family of
-  :func:`gpytorch_iterncgp.learning.kernel_choice.kernel_family`); the chosen kernel and every candidate's selection
-  scores are recorded;
+* ``estimator_auto``: the same with ``kernel="auto"`` (the Matérn or linear + Matérn, by the held-out score:
+  :func:`gpytorch_iterncgp.learning.estimator_policy.auto_kernel_names`); the chosen kernel, why, and every
+  candidate's selection scores are recorded;
+* ``estimator_negbin``, ``estimator_negbin_auto`` (counts): ``IterNCGPNegativeBinomialRegressor`` with the default
+  kernel and with ``kernel="auto"``; the learnt dispersion is recorded;
 * ``estimator_matern_ard``, ``estimator_linear+matern``, ``estimator_linear+matern_ard``: the estimator with that
   kernel of the family (``estimator`` is ``"matern"``'s), learnt as the default is: each candidate's own test score,
   so that the rules of choice (BIC, the evidence, the held-out score: ``estimator_auto``'s recorded scores) compare
@@ -47,7 +49,7 @@ from benchmarks.real_data import COUNTS, TABULAR
 from benchmarks.scoring import log_loss, nll_at, spread
 from benchmarks.svgp import run_svgp
 from gpytorch_iterncgp.learning.kernel_choice import kernel_family
-from gpytorch_iterncgp.sklearn import IterNCGPClassifier, IterNCGPPoissonRegressor
+from gpytorch_iterncgp.sklearn import IterNCGPClassifier, IterNCGPNegativeBinomialRegressor, IterNCGPPoissonRegressor
 
 RESULTS = Path(__file__).resolve().parent / "results"
 #: the estimator with each kernel of the family but the default (``estimator``), by the kernel's name
@@ -55,17 +57,23 @@ FAMILY = {f"estimator_{name}": name for name in kernel_family(1) if name != "mat
 #: the family's kernels by the method that fits each
 KERNEL_METHODS = {"matern": "estimator", **{name: method for method, name in FAMILY.items()}}
 CLASSIFICATION_METHODS = ("estimator", "estimator_auto", *FAMILY, "logistic", "boosting", "svgp")
-COUNT_METHODS = ("estimator", "estimator_auto", *FAMILY, "poisson", "boosting")
+#: the negative binomial regressor (overdispersed counts), with the default kernel and with ``kernel="auto"``
+NEGATIVE_BINOMIAL = {"estimator_negbin": None, "estimator_negbin_auto": "auto"}
+COUNT_METHODS = ("estimator", "estimator_auto", *FAMILY, *NEGATIVE_BINOMIAL, "poisson", "boosting")
 
 
-def _estimator(data: Data, seed: int, kernel: str | None) -> dict:
+def _estimator(
+    data: Data, seed: int, kernel: str | None, negative_binomial: bool = False, learning_subset: int | str = "auto"
+) -> dict:
     """The package's estimator with its defaults and ``kernel`` (``None``: the default, ``"auto"``, or a name of the
-    family); its scores, seconds and kernel."""
+    family), for counts the Poisson or (``negative_binomial``) the negative binomial regressor; its scores, seconds,
+    kernel (and the negative binomial's dispersion)."""
     counts = data.num_classes == 0
-    estimator_type = IterNCGPPoissonRegressor if counts else IterNCGPClassifier
+    regressor = IterNCGPNegativeBinomialRegressor if negative_binomial else IterNCGPPoissonRegressor
+    estimator_type = regressor if counts else IterNCGPClassifier
     if kernel not in (None, "auto"):
         kernel = kernel_family(data.train_x.shape[1])[kernel]
-    estimator = estimator_type(kernel=kernel, random_state=seed)
+    estimator = estimator_type(kernel=kernel, learning_subset=learning_subset, random_state=seed)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         start = time.perf_counter()
@@ -76,7 +84,9 @@ def _estimator(data: Data, seed: int, kernel: str | None) -> dict:
         "seconds": seconds,
         "inference": estimator.inference_,
         "kernel": report.kernel,
+        "kernel_choice": estimator.kernel_choice_,
         "kernel_scores": report.kernel_scores,
+        "dispersion": getattr(estimator, "dispersion_", None),
         # the learning as it ended: the last and least -evidence / M (Adam's estimates where M C > 1000), and the
         # held-out log-loss at the outputscale factor chosen (classifiers learnt on a subset)
         "learning": {
@@ -129,10 +139,16 @@ def _count_baseline(data: Data, method: str, seed: int) -> dict:
     }
 
 
-def run_method(data: Data, method: str, seed: int, budget: float, equal_time: float | None) -> dict:
-    """One method on one split: its scores and seconds (SVGP: scored at ``equal_time`` seconds and at the end)."""
+def run_method(
+    data: Data, method: str, seed: int, budget: float, equal_time: float | None, learning_subset: int | str = "auto"
+) -> dict:
+    """One method on one split: its scores and seconds (SVGP: scored at ``equal_time`` seconds and at the end); the
+    estimators learn on ``learning_subset`` rows."""
+    if method in NEGATIVE_BINOMIAL:
+        return _estimator(data, seed, NEGATIVE_BINOMIAL[method], True, learning_subset)
     if method.startswith("estimator"):
-        return _estimator(data, seed, "auto" if method == "estimator_auto" else FAMILY.get(method))
+        kernel = "auto" if method == "estimator_auto" else FAMILY.get(method)
+        return _estimator(data, seed, kernel, learning_subset=learning_subset)
     if data.num_classes == 0:
         return _count_baseline(data, method, seed)
     if method == "svgp":
@@ -243,11 +259,12 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--budget", type=float, default=240.0, help="SVGP's seconds")
     parser.add_argument("--threads", type=int, default=1)
-    add_smoke_flag(parser, "300 training rows a set, SVGP 2 s")
+    add_smoke_flag(parser, "300 training rows a set (150 learnt on, so kernel='auto' has rows to choose by), SVGP 2 s")
     parser.add_argument("--out", type=Path, default=RESULTS / "tabular.json")
     args = parser.parse_args(argv)
     if args.smoke:
         args.budget = min(args.budget, 2.0)
+    learning_subset = 150 if args.smoke else "auto"
     torch.set_num_threads(args.threads)
     rows = []
     for name in args.datasets:
@@ -257,7 +274,7 @@ def main(argv: list[str] | None = None) -> dict:
             allowed = COUNT_METHODS if counts else CLASSIFICATION_METHODS
             methods, equal_time = {}, None
             for method in [m for m in allowed if args.methods is None or m in args.methods]:  # (SVGP last)
-                methods[method] = run_method(data, method, seed, args.budget, equal_time)
+                methods[method] = run_method(data, method, seed, args.budget, equal_time, learning_subset)
                 if method == "estimator_auto":
                     equal_time = methods[method]["seconds"]
             rows.append(

@@ -28,6 +28,7 @@ from .learning.minibatch import MinibatchRecipe
 from .learning.recipe import LearningRecipe, LearningReport
 from .likelihoods.adapters import ExpPoissonLikelihood, LogitBernoulliLikelihood, MultitaskPoissonLikelihood
 from .likelihoods.multinomial_probit import MultinomialProbitLikelihood
+from .likelihoods.negative_binomial import NegativeBinomialLikelihood
 from .likelihoods.quasi_poisson import QuasiExpPoissonLikelihood, QuasiSoftplusPoissonLikelihood
 from .mlls.itergp import EPMarginalLogLikelihood, LaplaceMarginalLogLikelihood
 from .mlls.sparse import SparseEPMarginalLogLikelihood
@@ -64,6 +65,7 @@ __all__ = [
     "LogitBernoulliLikelihood",
     "MultinomialProbitLikelihood",
     "MultitaskPoissonLikelihood",
+    "NegativeBinomialLikelihood",
     "NewtonStep",
     "NoisyInputGPClassifier",
     "NonFiniteEvidenceError",

@@ -1,5 +1,5 @@
 """The scikit-learn estimators, by their public path (:mod:`.integrations.sklearn`)."""
 
-from .integrations.sklearn import IterNCGPClassifier, IterNCGPPoissonRegressor
+from .integrations.sklearn import IterNCGPClassifier, IterNCGPNegativeBinomialRegressor, IterNCGPPoissonRegressor
 
-__all__ = ["IterNCGPClassifier", "IterNCGPPoissonRegressor"]
+__all__ = ["IterNCGPClassifier", "IterNCGPNegativeBinomialRegressor", "IterNCGPPoissonRegressor"]

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+#: (and ``"negative_binomial:r"``, the dispersion ``r`` in the name)
 LIKELIHOODS = ("probit", "logit", "poisson_exp", "poisson_softplus", "softmax")
 
 
@@ -52,7 +53,16 @@ def log_likelihood(latent: Tensor, targets: Tensor, likelihood: str, num_classes
     if likelihood == "poisson_softplus":
         rate = torch.nn.functional.softplus(latent)
         return (targets * rate.log() - rate - torch.lgamma(targets + 1)).sum()
+    if likelihood.startswith("negative_binomial:"):  # NB(mean e^f, dispersion r), the pmf as written (Hilbe 2011)
+        r, mean = _dispersion(likelihood), latent.exp()
+        log_coefficient = torch.lgamma(targets + r) - math.lgamma(r) - torch.lgamma(targets + 1)
+        return (log_coefficient + r * math.log(r) - (targets + r) * torch.log(r + mean) + targets * latent).sum()
     raise ValueError(likelihood)
+
+
+def _dispersion(likelihood: str) -> float:
+    """``r`` of ``"negative_binomial:r"``."""
+    return float(likelihood.split(":", 1)[1])
 
 
 def gradient_and_curvature(
@@ -80,6 +90,10 @@ def gradient_and_curvature(
         observed, counts = _observed(targets, latent)
         gradient = torch.where(observed, counts - latent.exp(), 0)
         curvature = torch.where(observed, latent.exp(), 0)
+    elif likelihood.startswith("negative_binomial:"):
+        r, mean = _dispersion(likelihood), latent.exp()
+        gradient = targets - (targets + r) * mean / (r + mean)
+        curvature = (targets + r) * r * mean / (r + mean) ** 2
     elif likelihood == "poisson_softplus":
         rate = torch.nn.functional.softplus(latent)
         slope, bend = torch.sigmoid(latent), torch.sigmoid(latent) * (1 - torch.sigmoid(latent))

@@ -589,6 +589,8 @@ def test_tabular_smoke_run_scores_every_method_on_classes_and_counts(tmp_path):
     assert all(0 < run["deviance"] < 10 for run in counts["methods"].values())
     auto = classes["methods"]["estimator_auto"]
     assert auto["kernel"] in auto["kernel_scores"] and classes["methods"]["estimator"]["kernel"] is None
+    assert list(auto["kernel_scores"]) == ["matern", "linear+matern"] and "held-out" in auto["kernel_choice"]
+    assert counts["methods"]["estimator_negbin"]["dispersion"] > 0
     assert classes["methods"]["svgp"]["equal_time"] == auto["seconds"]
     summary = output["summary"]
     assert summary["phoneme"]["metric"] == "nll" and summary["doctor_visits"]["metric"] == "deviance"
@@ -597,7 +599,7 @@ def test_tabular_smoke_run_scores_every_method_on_classes_and_counts(tmp_path):
     rules = summary["doctor_visits"]["methods"]["estimator_auto"]["rules"]
     assert rules["matern"]["deviance"]["mean"] == counts["methods"]["estimator"]["deviance"]
     assert rules["oracle"]["deviance"]["mean"] <= min(rule["deviance"]["mean"] for rule in rules.values())
-    assert rules["bic"]["kernels"] == [counts["methods"]["estimator_auto"]["kernel"]]
+    assert rules["held_out"]["kernels"] == [counts["methods"]["estimator_auto"]["kernel"]]
     assert out.exists() and out.with_suffix(".png").exists()
 
 

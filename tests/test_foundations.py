@@ -140,7 +140,10 @@ LAYERS: list[tuple[str, list[set[str]]]] = [
             {"solver", "outer_loop", "preconditioner"},
         ],
     ),
-    ("likelihoods", [{"multinomial_probit", "tilted"}, {"adapters", "factorised"}, {"quasi_poisson"}]),
+    (
+        "likelihoods",
+        [{"multinomial_probit", "tilted", "negative_binomial"}, {"adapters", "factorised"}, {"quasi_poisson"}],
+    ),
     ("laplace", [{"line_search"}, {"newton"}]),
     ("ep", [{"sites"}, {"sweeps"}]),
     ("sparse", [{"psi_statistics"}, {"dtc"}, {"uncertain", "uncertain_prediction", "stochastic"}]),
@@ -149,8 +152,9 @@ LAYERS: list[tuple[str, list[set[str]]]] = [
     (
         "learning",
         [
-            {"recipe", "scale", "estimator_policy"},
+            {"recipe", "scale"},
             {"rows", "learner", "outputscale", "minibatch"},
+            {"estimator_policy"},
             {"kernel_choice"},
             {"fit"},
         ],

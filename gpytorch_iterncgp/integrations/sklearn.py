@@ -57,7 +57,7 @@ from ..learning.estimator_policy import (
     ESTIMATOR_DEFAULTS,
     REGRESSOR_INFERENCE,
     auto_inference,
-    check_auto_kernel,
+    auto_kernel_names,
     check_parameters_apply,
     default_kernel,
     evidence_class,
@@ -70,12 +70,13 @@ from ..learning.minibatch import MinibatchRecipe
 from ..learning.recipe import LearningRecipe, LearningReport
 from ..likelihoods.adapters import ExpPoissonLikelihood, LogitBernoulliLikelihood, likelihood_adapter
 from ..likelihoods.multinomial_probit import MultinomialProbitLikelihood
+from ..likelihoods.negative_binomial import NegativeBinomialLikelihood
 from ..likelihoods.quasi_poisson import QuasiExpPoissonLikelihood, QuasiSoftplusPoissonLikelihood
 from ..mlls.stochastic import StochasticEPMarginalLogLikelihood
 from ..strategies.itergp import EPStrategy, IterNCGPStrategy
 from ..strategies.stochastic import StochasticEPStrategy
 
-__all__ = ["IterNCGPClassifier", "IterNCGPPoissonRegressor", "LearningReport"]
+__all__ = ["IterNCGPClassifier", "IterNCGPNegativeBinomialRegressor", "IterNCGPPoissonRegressor", "LearningReport"]
 
 _DTYPE = torch.float64
 _PREDICT_CHUNK = 4096  # test points per kernel evaluation: bounds the (chunk, N) cross-covariance in memory
@@ -149,7 +150,7 @@ class _IterNCGPEstimator(BaseEstimator):
 
     def __init__(
         self,
-        kernel=None,
+        kernel=ESTIMATOR_DEFAULTS.kernel,
         *,
         link=None,
         inference=ESTIMATOR_DEFAULTS.inference,
@@ -200,9 +201,16 @@ class _IterNCGPEstimator(BaseEstimator):
 
     @property
     def _auto_kernel(self) -> bool:
-        """``kernel="auto"``: the kernel chosen among
-        :func:`~gpytorch_iterncgp.learning.kernel_choice.kernel_family`'s."""
+        """``kernel="auto"``: the kernel chosen by
+        :func:`~gpytorch_iterncgp.learning.estimator_policy.auto_kernel_names`'s rule."""
         return isinstance(self.kernel, str) and self.kernel == "auto"
+
+    def _given_kernel(self, num_features: int) -> gpytorch.kernels.Kernel:
+        """A float64 copy of the ``kernel`` given (fitted in place of it), or the default Matérn for ``None`` and for
+        ``"auto"`` where it does not choose (:func:`~gpytorch_iterncgp.learning.estimator_policy.auto_kernel_names`)."""
+        if isinstance(self.kernel, gpytorch.kernels.Kernel):
+            return copy.deepcopy(self.kernel).to(_DTYPE)
+        return default_kernel(num_features)
 
     def _kernel_batch_shape(self) -> torch.Size:
         """The batch shape of the prior mean: the user's kernel's (one GP per class), ``[]`` otherwise."""
@@ -315,7 +323,7 @@ class _IterNCGPEstimator(BaseEstimator):
         seed = int(check_random_state(self.random_state).randint(np.iinfo(np.int32).max))
         num_inducing = min(int(self.num_inducing), len(X))
         centres = MiniBatchKMeans(n_clusters=num_inducing, random_state=seed, n_init=1).fit(X).cluster_centers_
-        kernel = default_kernel(X.shape[1]) if self.kernel is None else copy.deepcopy(self.kernel).to(_DTYPE)
+        kernel = self._given_kernel(X.shape[1])
         model = _SparseLatentGP(self._tensor(centres), likelihood, kernel, mean, len(X))
         model = model.to(device=self._device, dtype=_DTYPE)
         if not self.optimize_hyperparameters:
@@ -352,30 +360,33 @@ class _IterNCGPEstimator(BaseEstimator):
         check_parameters_apply(
             type(self).__name__, self.get_params(deep=False), defaults, inference, self.inference, len(X)
         )
+        likelihood = likelihood.to(device=self._device, dtype=_DTYPE)  # its parameters, if any (not the model's)
         learn = bool(self.optimize_hyperparameters) and self.optimizer_steps > 0
-        if self._auto_kernel:
-            check_auto_kernel(type(self).__name__, inference, self.inference, len(X), learn)
-        if inference == "sparse_ep":
-            self._fit_sparse_model(X, targets, likelihood, mean)
-            return
-        seed = int(check_random_state(self.random_state).randint(np.iinfo(np.int32).max))
-        train_x = self._tensor(X)
-        # kernel="auto": the model starts with the default kernel; fit_mll tries each candidate, keeps the best
-        candidates = kernel_family(X.shape[1]) if self._auto_kernel else None
-        if candidates is not None:
-            kernel = candidates["matern"]
-        else:
-            kernel = default_kernel(X.shape[1]) if self.kernel is None else copy.deepcopy(self.kernel).to(_DTYPE)
         num_latents = likelihood_adapter(likelihood).num_latents
-        self.inference_ = inference
-        self.solver_budget_ = budget = self._solver_budget(len(X), num_latents, inference)
-        options = self._strategy_options(seed, budget, inference)
-        strategy_type = EPStrategy if inference == "ep" else IterNCGPStrategy
         recipe = LearningRecipe(
             optimizer_steps=int(self.optimizer_steps) if learn else 0,
             learning_rate=float(self.learning_rate),
             fit_steps=int(self.learning_fit_steps),
         )
+        names, why = (
+            auto_kernel_names(inference, learn, len(X), num_latents, self.learning_subset, recipe.min_validation_points)
+            if self._auto_kernel
+            else ((), "")
+        )
+        self.kernel_choice_ = f"{names[0]!r}: {why}" if names else None
+        if inference == "sparse_ep":
+            self._fit_sparse_model(X, targets, likelihood, mean)
+            return
+        seed = int(check_random_state(self.random_state).randint(np.iinfo(np.int32).max))
+        train_x = self._tensor(X)
+        # kernel="auto": the model starts with the first candidate; fit_mll learns each, keeps the best held-out one
+        family = kernel_family(X.shape[1]) if names else {}
+        candidates = {name: family[name] for name in names} if len(names) > 1 else None
+        kernel = family[names[0]] if names else self._given_kernel(X.shape[1])
+        self.inference_ = inference
+        self.solver_budget_ = budget = self._solver_budget(len(X), num_latents, inference)
+        options = self._strategy_options(seed, budget, inference)
+        strategy_type = EPStrategy if inference == "ep" else IterNCGPStrategy
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)  # probe vectors of the matrix-free evidence, random actions
             model = _LatentGP(train_x, targets, likelihood, kernel, mean, strategy_type, options)
@@ -391,7 +402,7 @@ class _IterNCGPEstimator(BaseEstimator):
                     else int(self.learning_subset),
                     seed=seed,
                     show_progress=bool(self.verbose),
-                    **({} if candidates is None else {"kernels": candidates}),
+                    **({} if candidates is None else {"kernels": candidates, "select_by": "held_out"}),
                 )
         # the final fit stopped at its step limit: the package's warning names the strategy's option
         at_step_limit = report.fit_report.limit == model.variational_strategy.max_steps_option
@@ -405,6 +416,8 @@ class _IterNCGPEstimator(BaseEstimator):
         self.validation_rows_ = None if report.validation_rows is None else np.asarray(report.validation_rows)
         self.loss_curve_ = report.losses
         self.learning_report_ = report
+        if candidates is not None:
+            self.kernel_choice_ = f"{report.kernel!r}: {why} of {report.validation_points} points"
         self.fit_report_ = report.fit_report
         # str(fit_report_) says what was done, why, and where the time before the final fit went
         self.fit_report_.budget = f"{budget['rule']}; {report}"
@@ -485,19 +498,19 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
     under EP; ``link="probit"`` with Laplace is refused there.
     Labels can be of any type; they are mapped to ``classes_`` (sorted) as scikit-learn does.
 
-    :param kernel: a GPyTorch kernel (not fitted in place: a deep copy is fitted and stored as
-        ``kernel_``). Default :func:`~gpytorch_iterncgp.learning.estimator_policy.default_kernel`:
-        ``ScaleKernel(MaternKernel(nu=2.5))``, lengthscale :math:`\sqrt{D}`, outputscale 1 (meant for standardised
-        features). A kernel with
-        ``batch_shape=[n_classes]`` gives one independent GP per class. ``"auto"``: the kernel chosen among
-        :func:`~gpytorch_iterncgp.learning.kernel_choice.kernel_family`'s (``"matern"``, the default above;
-        ``"matern_ard"``, a lengthscale per feature; ``"linear+matern"`` and ``"linear+matern_ard"``, a linear kernel
-        plus the Matérn), each learnt by type-II maximum likelihood on the learning rows, by the evidence penalised
-        for its hyperparameters (BIC, :func:`~gpytorch_iterncgp.learning.kernel_choice.choose_kernel`):
-        :func:`~gpytorch_iterncgp.fit_mll`'s ``kernels=``: each candidate learnt on :math:`\lfloor\sqrt{10^6/C}\rfloor`
-        of the learning rows, the chosen one again on all of them (1.6–3.7 times the default fit, measured). Dense inference
-        only (``"sparse_ep"`` refuses it), with ``optimize_hyperparameters``; the choice and every candidate's scores
-        are in ``learning_report_`` (``kernel``, ``kernel_scores``).
+    :param kernel: ``"auto"`` (default), ``None`` or a GPyTorch kernel (not fitted in place: a deep copy is fitted
+        and stored as ``kernel_``; with ``batch_shape=[n_classes]``, one independent GP per class). ``None``:
+        :func:`~gpytorch_iterncgp.learning.estimator_policy.default_kernel`, ``ScaleKernel(MaternKernel(nu=2.5))``,
+        lengthscale :math:`\sqrt{D}`, outputscale 1 (meant for standardised features). ``"auto"``: that Matérn or a
+        linear kernel plus it (``"linear+matern"`` of :func:`~gpytorch_iterncgp.learning.kernel_choice.kernel_family`),
+        each learnt by type-II maximum likelihood on :math:`\lfloor\sqrt{10^6/C}\rfloor` of the learning rows and
+        chosen by the log-loss (counts: the Poisson deviance) of the held-out rows, the chosen one then learnt on all
+        the learning rows (:func:`~gpytorch_iterncgp.fit_mll`'s ``kernels=`` with ``select_by="held_out"``;
+        ``benchmarks/README.md`` §27: lower test log-loss on average, 1.1 to 2.5 times the fit's seconds); the
+        Matérn alone, fitted exactly as ``None``, where nothing is held out to choose by (data within the learning
+        subset), nothing is learnt, or under ``"sparse_ep"``
+        (:func:`~gpytorch_iterncgp.learning.estimator_policy.auto_kernel_names`). ``kernel_choice_`` says which and
+        why; the candidates' scores are in ``learning_report_`` (``kernel``, ``kernel_scores``).
     :param link: ``"logit"`` (default, also ``None``) or ``"probit"``: binary data's link (multi-class data: see
         above).
     :param inference: ``"laplace"``, ``"ep"``, ``"sparse_ep"`` (stochastic EP with inducing inputs on minibatches,
@@ -609,6 +622,7 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
     Fitted attributes: ``classes_``, ``n_classes_``, ``n_features_in_`` (``feature_names_in_``), ``inference_``
     (``"laplace"``, ``"ep"`` or ``"sparse_ep"``), ``model_`` (the GPyTorch ``ApproximateGP``; ``model_.variational_strategy`` is the
     :class:`~gpytorch_iterncgp.IterNCGPStrategy` or :class:`~gpytorch_iterncgp.EPStrategy`), ``likelihood_``, ``kernel_`` (the fitted kernel),
+    ``kernel_choice_`` (with ``kernel="auto"``: the kernel's name and why it was chosen; ``None`` otherwise),
     ``learning_rows_`` (the rows of ``X`` the hyperparameters were learnt on, or ``None``: all), ``validation_rows_``
     (the held-out rows the outputscale was chosen on where the kernel was learnt on a subset, or ``None``),
     ``fit_report_`` (the final :class:`~gpytorch_iterncgp.FitReport`; its text also says where the learning's time went), ``learning_report_`` (a :class:`LearningReport`: evidence evaluations, seconds in fits, evidence and gradients, why it stopped), ``loss_curve_`` (``-evidence / n``
@@ -735,7 +749,7 @@ class IterNCGPPoissonRegressor(RegressorMixin, _IterNCGPEstimator):
     Laplace here, and ``inference="ep"`` needs integer counts (EP's tilted moments are the Poisson likelihood's).
     """
 
-    _links = ("exp", "softplus")
+    _links: tuple[str, ...] = ("exp", "softplus")
 
     def fit(self, X, y):
         """Fit the Laplace posterior (and, optionally, hyperparameters) to ``X`` ``(n, d)`` and counts ``y`` ``(n,)``."""
@@ -748,15 +762,7 @@ class IterNCGPPoissonRegressor(RegressorMixin, _IterNCGPEstimator):
             )
         integer = bool(np.all(y == np.round(y)))
         inference = REGRESSOR_INFERENCE if self.inference == "auto" else self.inference
-        if inference in ("ep", "sparse_ep") and not integer:
-            raise ValueError(
-                f"{type(self).__name__}(inference='ep') needs integer counts (EP's tilted moments are those of the "
-                "Poisson likelihood); y has non-integer values. Use inference='laplace' (the quasi-likelihood)."
-            )
-        if self._link == "exp":
-            likelihood = ExpPoissonLikelihood() if integer else QuasiExpPoissonLikelihood()
-        else:
-            likelihood = gpytorch.likelihoods.PoissonLikelihood() if integer else QuasiSoftplusPoissonLikelihood()
+        likelihood = self._count_likelihood(integer, inference)
         # Prior mean of f: the inverse link of the (smoothed) mean count.
         rate = max(float(y.mean()), 0.5 / len(y))
         offset = math.log(rate) if self._link == "exp" else rate + math.log(-math.expm1(-rate))
@@ -765,6 +771,20 @@ class IterNCGPPoissonRegressor(RegressorMixin, _IterNCGPEstimator):
             mean.constant.fill_(offset)
         self._fit_model(X, self._tensor(y), likelihood, mean, inference)
         return self
+
+    def _count_likelihood(self, integer: bool, inference: str) -> gpytorch.likelihoods.Likelihood:
+        """The Poisson likelihood of the ``link``; for non-integer targets its quasi-likelihood (Laplace only).
+
+        :raises ValueError: for non-integer targets under EP.
+        """
+        if inference in ("ep", "sparse_ep") and not integer:
+            raise ValueError(
+                f"{type(self).__name__}(inference='ep') needs integer counts (EP's tilted moments are those of the "
+                "Poisson likelihood); y has non-integer values. Use inference='laplace' (the quasi-likelihood)."
+            )
+        if self._link == "exp":
+            return ExpPoissonLikelihood() if integer else QuasiExpPoissonLikelihood()
+        return gpytorch.likelihoods.PoissonLikelihood() if integer else QuasiSoftplusPoissonLikelihood()
 
     def _predictive_mean(self, mean: torch.Tensor, variance: torch.Tensor) -> torch.Tensor:
         closed_form = ExpPoissonLikelihood() if self._link == "exp" else gpytorch.likelihoods.PoissonLikelihood()
@@ -787,3 +807,49 @@ class IterNCGPPoissonRegressor(RegressorMixin, _IterNCGPEstimator):
         tags = super().__sklearn_tags__()
         tags.target_tags.positive_only = True
         return tags
+
+
+# ---------------------------------------------------------------------------------------------------
+# Negative binomial regressor
+# ---------------------------------------------------------------------------------------------------
+class IterNCGPNegativeBinomialRegressor(IterNCGPPoissonRegressor):
+    r"""Gaussian process regression of overdispersed counts by IterNCGP Laplace:
+    :math:`y \sim \operatorname{NegBin}(\text{mean } e^{f(x)}, \text{dispersion } r)`, variance
+    :math:`e^f + e^{2f} / r` (:class:`~gpytorch_iterncgp.NegativeBinomialLikelihood`).
+
+    Where the counts vary more than a Poisson's mean allows (visits, claims, species counts), a Poisson likelihood
+    explains the excess only by a rougher latent function, and its evidence rewards that; here the dispersion
+    :math:`r` is learnt with the kernel by the Laplace evidence instead (fitted as ``dispersion_``; :math:`r \to
+    \infty` is the Poisson model). Measured on real count data in ``benchmarks/README.md`` §27.
+
+    Parameters, predictions (``predict`` is :math:`\mathbb E[y_*] = e^{\mu + \sigma^2/2}`, ``score`` the fraction
+    of Poisson deviance explained) and fitted attributes as :class:`IterNCGPPoissonRegressor`, with ``link="exp"``
+    only, integer counts and Laplace inference (``inference="auto"`` or ``"laplace"``: the package has no EP tilted
+    moments for it).
+    """
+
+    _links = ("exp",)
+
+    def _count_likelihood(self, integer: bool, inference: str) -> gpytorch.likelihoods.Likelihood:
+        """:class:`~gpytorch_iterncgp.NegativeBinomialLikelihood`, its dispersion started at 1.
+
+        :raises ValueError: for non-integer targets, or an inference other than Laplace.
+        """
+        if not integer:
+            raise ValueError(
+                f"{type(self).__name__} models integer counts; y has non-integer values. For rates or averages use "
+                "IterNCGPPoissonRegressor (the Poisson quasi-likelihood)."
+            )
+        if inference != "laplace":
+            raise ValueError(
+                f"{type(self).__name__}(inference={inference!r}): the negative binomial likelihood is fitted by Laplace "
+                "only (the package has no EP tilted moments for it); use inference='auto' or 'laplace'."
+            )
+        return NegativeBinomialLikelihood()
+
+    def fit(self, X, y):
+        """Fit the Laplace posterior, the kernel hyperparameters and the dispersion (with ``optimize_hyperparameters``)
+        to ``X`` ``(n, d)`` and integer counts ``y`` ``(n,)``; ``dispersion_`` is the fitted :math:`r`."""
+        super().fit(X, y)
+        self.dispersion_ = float(self.likelihood_.dispersion.detach())
+        return self

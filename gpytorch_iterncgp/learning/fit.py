@@ -58,7 +58,7 @@ from .minibatch import MinibatchRecipe, fit_minibatches
 from .outputscale import choose_outputscale
 from .recipe import RECOVERABLE_ERRORS, LearningRecipe, LearningReport, LearningStop, cg_nans_as_nan_errors
 from .rows import auto_choice_size, auto_subset_size, draw_rows, held_out_rows
-from .scale import LogScale
+from .scale import LogScale, trainable_parameters
 
 __all__ = ["fit_dense_mll", "fit_minibatch_mll", "fit_mll"]
 
@@ -189,7 +189,7 @@ def fit_dense_mll(
     start_peak_memory(device)
     model = mll.model
     labels = strategy.train_targets.cpu() if strategy.adapter.classification else None
-    parameters = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    parameters = trainable_parameters([model, mll.likelihood])
     learn = recipe.optimizer_steps > 0 and (bool(parameters) or candidates is not None)
     rows = _learning_rows(strategy, subset, labels, generator) if learn else None
     report = LearningReport(num_data=strategy.num_data, data_points=strategy.num_data if rows is None else len(rows))
@@ -531,8 +531,9 @@ def _learn(
     evidence = EPMarginalLogLikelihood if isinstance(strategy, EPStrategy) else LaplaceMarginalLogLikelihood
     mll = evidence(strategy.likelihood, learner)
     report.method, report.evidence = ("L-BFGS" if exact else "Adam"), evidence.approximation
-    parameters = [parameter for parameter in learner.parameters() if parameter.requires_grad]
-    scale = LogScale(learner, parameters)  # positive hyperparameters on the log scale, whatever their constraint
+    modules = [learner, strategy.likelihood]
+    parameters = trainable_parameters(modules)
+    scale = LogScale(modules, parameters)  # positive hyperparameters on the log scale, whatever their constraint
     inputs, targets = strategy.train_inputs, strategy.train_targets
     best: dict[str, Any] = {"loss": math.inf, "state": None}
     start = time.perf_counter()

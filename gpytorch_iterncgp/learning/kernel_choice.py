@@ -33,6 +33,7 @@ from torch import Tensor
 
 from .. import settings
 from ..likelihoods.adapters import ExpPoissonLikelihood, MultitaskPoissonLikelihood, likelihood_adapter
+from ..likelihoods.negative_binomial import NegativeBinomialLikelihood
 from ..mlls.itergp import EPMarginalLogLikelihood, LaplaceMarginalLogLikelihood
 from ..strategies.itergp import EPStrategy
 from .estimator_policy import default_kernel, log_positive
@@ -368,10 +369,11 @@ def held_out_unavailable(likelihood: gpytorch.likelihoods.Likelihood) -> str:
 
 def _count_adapter(likelihood: gpytorch.likelihoods.Likelihood) -> Any:
     """The closed-form adapter whose ``predictive_mean`` is a Poisson likelihood's :math:`\\mathbb E[y_*]` (the
-    quasi-likelihoods of non-integer targets included), or ``None`` for another likelihood."""
+    quasi-likelihoods of non-integer targets and the negative binomial, of the same mean, included), or ``None`` for
+    another likelihood."""
     if isinstance(likelihood, MultitaskPoissonLikelihood):
         return likelihood_adapter(likelihood)
-    if isinstance(likelihood, ExpPoissonLikelihood):
+    if isinstance(likelihood, ExpPoissonLikelihood | NegativeBinomialLikelihood):  # the same E[y*] = E[e^f]
         return likelihood_adapter(ExpPoissonLikelihood())
     if isinstance(likelihood, PoissonLikelihood):
         return likelihood_adapter(PoissonLikelihood())

@@ -18,7 +18,7 @@ from ..core.threads import small_operations
 from ..core.validation import check_count, check_inputs, check_nonnegative
 from ..mlls.stochastic import StochasticEPMarginalLogLikelihood
 from .recipe import LearningReport, LearningStop
-from .scale import LogScale
+from .scale import LogScale, trainable_parameters
 
 
 @dataclass(frozen=True)
@@ -90,8 +90,9 @@ def fit_minibatches(
             f"fit_mll: the data has {len(inputs)} inputs and {len(targets)} targets, but the objective's num_data is "
             f"{mll.num_data}."
         )
-    parameters = [parameter for parameter in model.parameters() if parameter.requires_grad]
-    scale = LogScale(model, parameters)
+    modules = [model, mll.likelihood]
+    parameters = trainable_parameters(modules)
+    scale = LogScale(modules, parameters)
     start = time.perf_counter()
     max_time = None if deadline is None else deadline - start
     schedule = (  # Adam and its learning rate (recipe.schedule); None: nothing to learn

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from .recipe import KERNEL_CHOICE_COST, LEARNING_SUBSET_COST
 
-__all__ = ["auto_choice_size", "auto_subset_size", "draw_rows", "held_out_rows"]
+__all__ = ["auto_choice_size", "auto_subset_size", "draw_rows", "held_out_rows", "holds_out_rows"]
 
 
 def auto_subset_size(num_latents: int) -> int:
@@ -21,6 +21,12 @@ def auto_subset_size(num_latents: int) -> int:
 def auto_choice_size(num_latents: int) -> int:
     r""":math:`M_c = \lfloor \sqrt{10^6 / C} \rfloor` (:data:`~gpytorch_iterncgp.learning.recipe.KERNEL_CHOICE_COST`)."""
     return max(2, math.isqrt(KERNEL_CHOICE_COST // num_latents))
+
+
+def holds_out_rows(num_data: int, learning_size: int | None, minimum: int) -> bool:
+    """Whether learning on ``learning_size`` of ``num_data`` rows (``None``: all) leaves rows to validate on: at least
+    ``minimum`` (and one) outside the learning rows, as :func:`held_out_rows` asks."""
+    return learning_size is not None and num_data - min(learning_size, num_data) >= max(minimum, 1)
 
 
 def draw_rows(candidates: Tensor, size: int, labels: Tensor | None, generator: torch.Generator) -> Tensor:
@@ -54,7 +60,7 @@ def held_out_rows(
     outside = torch.ones(num_data, dtype=torch.bool)
     outside[learning_rows] = False
     rest = outside.nonzero()[:, 0]
-    if len(rest) < max(minimum, 1):
+    if not holds_out_rows(num_data, len(learning_rows), minimum):
         return None
     if len(rest) <= len(learning_rows):
         return rest

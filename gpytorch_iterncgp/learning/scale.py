@@ -17,26 +17,35 @@ import gpytorch
 import torch
 from torch import Tensor
 
-__all__ = ["LogScale"]
+__all__ = ["LogScale", "trainable_parameters"]
+
+
+def trainable_parameters(modules: Iterable[gpytorch.Module]) -> list[Tensor]:
+    """Every parameter of ``modules`` with ``requires_grad``, each once (the model's and its likelihood's, as GPyTorch's
+    loop takes ``mll.parameters()``; a likelihood that is the model's submodule is not counted twice)."""
+    return list({id(p): p for module in modules for p in module.parameters() if p.requires_grad}.values())
 
 
 class LogScale:
-    r"""Optimisation variables for ``parameters`` of ``module``: :math:`\phi = \log(v - b)` for a parameter under a
+    r"""Optimisation variables for ``parameters`` of ``modules``: :math:`\phi = \log(v - b)` for a parameter under a
     ``GreaterThan(b)`` constraint (``Positive``: :math:`b = 0`), the parameter itself otherwise.
 
     :meth:`push` writes the variables into the parameters (before an evaluation); :meth:`pull_gradients` turns the
     parameters' gradients into the variables' by the chain rule,
     :math:`\partial L / \partial \phi = \partial L / \partial r \cdot (v - b) / T'(r)`.
 
-    :param module: the model (its ``named_parameters_and_constraints``).
+    :param modules: the modules that hold them (their ``named_parameters_and_constraints``): the model, and its
+        likelihood where that is not the model's submodule.
     :param parameters: the parameters to optimise (those with ``requires_grad``).
     """
 
-    def __init__(self, module: gpytorch.Module, parameters: Iterable[Tensor]):
+    def __init__(self, modules: Iterable[gpytorch.Module], parameters: Iterable[Tensor]):
+        parameters = list(parameters)
         wanted = {id(parameter) for parameter in parameters}
         self.entries: list[tuple[Tensor, object, Tensor]] = []  # (raw parameter, constraint or None, variable)
         seen: set[int] = set()
-        for _, raw, constraint in module.named_parameters_and_constraints():
+        named = (entry for module in modules for entry in module.named_parameters_and_constraints())
+        for _, raw, constraint in named:
             if id(raw) not in wanted or id(raw) in seen:
                 continue
             seen.add(id(raw))

@@ -13,6 +13,7 @@ Bernoulli, probit           :math:`s \phi(f) / \Phi(s f)`, s = 2y - 1    :math:`
 Poisson, exp                :math:`y - e^f`                              :math:`e^f`
 Poisson, exp, C outputs     :math:`y_c - e^{f_c}` (0 where missing)      :math:`\operatorname{diag}(e^{f_c})` (0 where missing)
 Poisson, softplus           :math:`(y/\lambda - 1)\lambda'`             :math:`y \lambda'^2/\lambda^2 - (y/\lambda - 1)\lambda''`
+negative binomial, exp      :math:`y - (y + r) s`                        :math:`(y + r) s (1 - s)`, :math:`s = \sigma(f - \log r)`
 Softmax                     :math:`\mathbf e_y - \boldsymbol\pi`         :math:`\operatorname{diag}(\boldsymbol\pi) - \boldsymbol\pi\boldsymbol\pi^\top`
 multinomial probit          autograd                                     autograd; EP: nested-EP tilted moments
 other                       autograd                                     autograd (:math:`C \times C` blocks)
@@ -47,6 +48,7 @@ from .. import settings
 from ..core.noise import BlockNoiseInverse, DiagonalNoiseInverse, SoftmaxPseudoInverse, project_to_zero_sum
 from ..core.validation import check_count, check_nonnegative
 from .multinomial_probit import MultinomialProbitLikelihood, multinomial_probit_moments
+from .negative_binomial import NegativeBinomialLikelihood
 from .tilted import probit_moments, quadrature_moments
 
 _PROBIT_TO_LOGIT = math.pi / 8  # sigma(x) ~ Phi(sqrt(pi / 8) x)
@@ -494,6 +496,46 @@ class ExpPoissonAdapter(_DiagonalAdapter):
         return torch.where((targets == 0) & (slope < 0), lambert, own)
 
 
+class NegativeBinomialAdapter(_DiagonalAdapter):
+    r"""The negative binomial likelihood with the exp link (:class:`~.negative_binomial.NegativeBinomialLikelihood`),
+    dispersion :math:`r`: with :math:`z = f - \log r` and :math:`s = \sigma(z) = \mu / (r + \mu)`,
+    :math:`\log p = \log\Gamma(y + r) - \log\Gamma(r) - \log y! + y \log\sigma(z) + r \log\sigma(-z)`,
+    :math:`g = y - (y + r) s`, :math:`W = (y + r) s (1 - s)`; differentiable in :math:`r` (the evidence's gradient).
+    EP has no tilted moments for it here (Laplace only)."""
+
+    name = "negative binomial (exp link)"
+    has_tilted_moments = False
+
+    def _check_support(self, targets: Tensor) -> None:
+        _check_counts(targets)
+
+    def _terms(self, latent, targets):
+        dispersion = self.likelihood.dispersion.to(latent)
+        logits = latent - dispersion.log()
+        log_terms = (
+            torch.lgamma(targets + dispersion)
+            - torch.lgamma(dispersion)
+            - torch.lgamma(targets + 1)
+            + targets * torch.nn.functional.logsigmoid(logits)
+            + dispersion * torch.nn.functional.logsigmoid(-logits)
+        )
+        total = targets + dispersion
+        return (
+            log_terms,
+            targets - total * torch.sigmoid(logits),
+            total * torch.sigmoid(logits) * torch.sigmoid(-logits),
+        )
+
+    def checked_tilted_moments(
+        self, targets: Tensor, cavity_mean: Tensor, cavity_variance: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        raise TypeError(f"{self.name} has no tilted moments for EP here: fit it by Laplace (IterNCGPStrategy).")
+
+    def predictive_mean(self, mean, variance):
+        r""":math:`\mathbb E[y_*] = \mathbb E[e^{f_*}] = e^{\mu + \sigma^2 / 2}`."""
+        return torch.exp(mean + variance / 2)
+
+
 class MultitaskPoissonAdapter(LikelihoodAdapter):
     r""":math:`C` exp-link Poisson outputs per point (:class:`MultitaskPoissonLikelihood`), targets ``(N, C)``.
 
@@ -829,6 +871,7 @@ def likelihood_adapter(likelihood: Likelihood, min_curvature: float | None = Non
         (PoissonLikelihood, SoftplusPoissonAdapter),
         (SoftmaxLikelihood, SoftmaxAdapter),
         (MultinomialProbitLikelihood, MultinomialProbitAdapter),
+        (NegativeBinomialLikelihood, NegativeBinomialAdapter),
     ]
     for likelihood_type, adapter_type in closed_forms:
         if type(likelihood) is likelihood_type:

@@ -208,10 +208,8 @@ def matrix_free_laplace_evidence(prior: LatentPrior, adapter: LikelihoodAdapter,
     log_posterior = log_likelihood - 0.5 * (new_weights @ (latent - prior_mean))
     mode_likelihood = adapter.log_likelihood(mode.reshape(-1, adapter.num_latents), targets)
     mode_log_posterior = mode_likelihood - 0.5 * (weights @ kernel_weights)
-    step = float(log_posterior.detach())
-    if math.isfinite(step) and step >= float(mode_log_posterior) - NEWTON_STEP_TRUST * (
-        1 + abs(float(mode_log_posterior))
-    ):
+    step, at_mode = float(log_posterior.detach()), float(mode_log_posterior.detach())
+    if math.isfinite(step) and step >= at_mode - NEWTON_STEP_TRUST * (1 + abs(at_mode)):
         # Value at the strategy's mode; gradient through the differentiable Newton step.
         log_det = new_system.logdet()
         surrogate = log_posterior - 0.5 * log_det

@@ -188,8 +188,8 @@ def test_ep_outputscale_is_chosen_by_the_held_out_log_loss():
     ``log_loss``) on the learning rows at each candidate; the final posterior holds the chosen outputscale."""
     x, y, _ = _binary(num=200, seed=3)
     with settings.exact_evidence_size(50):  # 80 learning rows: above it, so Laplace learns EP's kernel
-        classifier = IterNCGPClassifier(
-            link="probit", inference="ep", learning_subset=80, optimizer_steps=3, random_state=0
+        classifier = IterNCGPClassifier(  # the Matérn alone (kernel="auto" would choose between two)
+            kernel=None, link="probit", inference="ep", learning_subset=80, optimizer_steps=3, random_state=0
         ).fit(x, y)
     report = classifier.learning_report_
     rows, held_out = classifier.learning_rows_, classifier.validation_rows_
@@ -220,7 +220,7 @@ def test_ep_outputscale_needs_held_out_rows_an_outputscale_and_time():
         no_outputscale = IterNCGPClassifier(
             gpytorch.kernels.MaternKernel(nu=2.5), inference="ep", learning_subset=80, optimizer_steps=2, random_state=0
         )
-        out_of_time = IterNCGPClassifier(inference="ep", learning_subset=80, max_time=0.0, random_state=0)
+        out_of_time = IterNCGPClassifier(kernel=None, inference="ep", learning_subset=80, max_time=0.0, random_state=0)
         for classifier in (everything.fit(x, y), no_outputscale.fit(x, y), out_of_time.fit(x, y)):
             assert classifier.learning_report_.evidence == "Laplace"
             assert classifier.learning_report_.outputscale_log_loss == {}

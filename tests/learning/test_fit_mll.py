@@ -347,7 +347,7 @@ def test_positive_hyperparameters_are_optimised_on_the_log_scale():
     modules.kernel, modules.mean, modules.likelihood, modules.exp_kernel = kernel, mean, likelihood, exp_kernel
     kernel.outputscale, kernel.base_kernel.lengthscale, likelihood.noise = 30.0, 0.2, 0.5
     parameters = list(modules.parameters())
-    scale = LogScale(modules, parameters)
+    scale = LogScale([modules], parameters)
     variables = dict(zip([id(raw) for raw, _, _ in scale.entries], scale.variables, strict=True))
     assert variables[id(mean.raw_constant)] is mean.raw_constant
     assert variables[id(exp_kernel.raw_lengthscale)] is exp_kernel.raw_lengthscale

@@ -51,6 +51,16 @@ def linear_data(num_data: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tenso
     return x, _labels(3 * x @ torch.tensor([2.0, -1.5, 1.0], dtype=torch.float64), generator)
 
 
+def wide_linear_data(num_data: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""8 standard normal features, labels from a logistic model on :math:`f = 8.1\, w^\top x / \lVert w \rVert`, the
+    weights :math:`w` evenly spaced from 2 to -1.5: a linear function an isotropic Matérn learns slowly from few
+    points."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_data, 8, generator=generator, dtype=torch.float64)
+    weights = torch.linspace(2.0, -1.5, 8, dtype=torch.float64)
+    return x, _labels(8.1 * x @ weights / weights.norm(), generator)
+
+
 def one_relevant_feature(num_data: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """4 standard normal features, labels from :math:`f = 3 \\sin(2 x_1)`: the last three are noise."""
     generator = torch.Generator().manual_seed(seed)
@@ -279,14 +289,24 @@ def test_fit_mll_refuses_kernels_it_cannot_choose_among():
         fit_mll(mll, kernels={"broken": _BrokenKernel()}, recipe=RECIPE)
 
 
-def test_the_estimators_refuse_auto_where_they_cannot_choose():
+def test_the_estimators_auto_kernel_is_the_matern_where_it_cannot_choose_and_says_why():
+    """``kernel="auto"`` (the default) without rows held out (small data), without learning, or under stochastic EP is the default
+    Matérn, fitted exactly as ``kernel=None`` (scikit-learn's small sets keep their numbers), with the reason."""
     from gpytorch_iterncgp.sklearn import IterNCGPClassifier, IterNCGPPoissonRegressor
 
-    x, y = (tensor.numpy() for tensor in linear_data(40))
-    with pytest.raises(ValueError, match="kernel='auto' .*inference='sparse_ep'"):
-        IterNCGPClassifier(kernel="auto", inference="sparse_ep").fit(x, y)
-    with pytest.raises(ValueError, match="kernel='auto' .*optimize_hyperparameters=False"):
-        IterNCGPPoissonRegressor(kernel="auto", optimize_hyperparameters=False).fit(x, y)
+    x, y = (tensor.numpy() for tensor in linear_data(60))
+    cases = [
+        (IterNCGPClassifier, {}, y, "learnt on all 60 points, leaving fewer than 100 held-out points"),
+        (IterNCGPClassifier, dict(learning_subset=30), y, "learnt on 30 of the 60 points"),
+        (IterNCGPPoissonRegressor, dict(optimize_hyperparameters=False), 2 * y, "not learnt"),
+        (IterNCGPClassifier, dict(inference="sparse_ep", num_inducing=8), y, "inference='sparse_ep' learns one kernel"),
+    ]
+    for estimator_type, options, targets, reason in cases:
+        auto = estimator_type(random_state=0, **options).fit(x, targets)  # kernel="auto", the default
+        matern = estimator_type(kernel=None, random_state=0, **options).fit(x, targets)
+        assert auto.kernel == "auto" and auto.kernel_choice_.startswith("'matern': ") and reason in auto.kernel_choice_
+        assert matern.kernel_choice_ is None and auto.learning_report_.kernel is None
+        np.testing.assert_array_equal(auto.predict_latent(x)[0], matern.predict_latent(x)[0])
     with pytest.raises(ValueError, match="'kernel' parameter .*'auto'"):
         IterNCGPClassifier(kernel="ard").fit(x, y)
 
@@ -294,17 +314,48 @@ def test_the_estimators_refuse_auto_where_they_cannot_choose():
 # ---------------------------------------------------------------------------------------------------
 # The estimator
 # ---------------------------------------------------------------------------------------------------
-def test_the_classifier_with_kernel_auto_chooses_a_linear_kernel_on_linear_data_and_predicts():
+def test_the_classifier_with_kernel_auto_chooses_a_linear_kernel_on_linear_data_by_the_held_out_log_loss():
+    """8 features, learnt on 150 of 350 points, 150 of the others held out: the Matérn and linear + Matérn are each
+    learnt and scored by the held-out log-loss; the linear one is chosen (the lower score), reported, and predicts."""
     from gpytorch_iterncgp.sklearn import IterNCGPClassifier
 
-    x, y = (tensor.numpy() for tensor in linear_data(350, seed=3))
+    x, y = (tensor.numpy() for tensor in wide_linear_data(550, seed=3))
     classifier = IterNCGPClassifier(
-        kernel="auto", policy="cg", max_solver_iterations=None, solver_tol=1e-4, optimizer_steps=10, random_state=0
-    ).fit(x[:150], y[:150])
-    report = classifier.learning_report_
-    assert classifier.inference_ == "ep" and report.evidence == "EP" and len(report.kernel_scores) == 4
-    assert "linear" in report.kernel and classifier.kernel_ is classifier.model_.covar_module
+        kernel="auto",
+        learning_subset=150,
+        policy="cg",
+        max_solver_iterations=None,
+        solver_tol=1e-4,
+        optimizer_steps=10,
+        random_state=0,
+    ).fit(x[:350], y[:350])
+    report, scores = classifier.learning_report_, classifier.learning_report_.kernel_scores
+    assert classifier.inference_ == "ep" and report.evidence == "EP" and list(scores) == ["matern", "linear+matern"]
+    assert report.kernel == "linear+matern" and report.validation_points == 150
+    assert scores["linear+matern"]["held_out"] < scores["matern"]["held_out"] - 0.01
+    assert all(score["rows"] == 150 and score["error"] is None for score in scores.values())
+    assert classifier.kernel_choice_ == (
+        "'linear+matern': chosen among 'matern', 'linear+matern' by the held-out score of 150 points"
+    )
+    assert classifier.kernel_ is classifier.model_.covar_module
     assert any(isinstance(module, gpytorch.kernels.LinearKernel) for module in classifier.kernel_.modules())
-    assert f"kernel {report.kernel!r} of 4 candidates" in str(classifier.fit_report_)
-    probabilities = classifier.predict_proba(x[150:])
-    assert probabilities.shape == (200, 2) and classifier.score(x[150:], y[150:]) > 0.85
+    assert f"kernel {report.kernel!r} of 2 candidates" in str(classifier.fit_report_)
+    probabilities = classifier.predict_proba(x[350:])
+    assert probabilities.shape == (200, 2) and classifier.score(x[350:], y[350:]) > 0.85
+
+
+def test_the_poisson_regressor_with_kernel_auto_keeps_the_lower_held_out_deviance():
+    """Counts of log-rate :math:`0.8 x_1`, learnt on 150 of 300 points: each candidate's held-out score is the
+    Poisson deviance of the 150 others at its fit, recomputed here from the chosen model's predictions."""
+    from gpytorch_iterncgp.sklearn import IterNCGPPoissonRegressor
+
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(300, 2, generator=generator, dtype=torch.float64)
+    y = torch.poisson(torch.exp(0.8 * x[:, 0]), generator=generator)
+    regressor = IterNCGPPoissonRegressor(kernel="auto", learning_subset=150, optimizer_steps=10, random_state=0)
+    regressor.fit(x.numpy(), y.numpy())
+    report, scores = regressor.learning_report_, regressor.learning_report_.kernel_scores
+    assert list(scores) == ["matern", "linear+matern"] and report.validation_points == 150
+    assert report.kernel == min(scores, key=lambda name: scores[name]["held_out"])
+    assert regressor.kernel_choice_.startswith(f"{report.kernel!r}: chosen among")
+    assert np.isfinite(regressor.predict(x.numpy())).all()

@@ -19,6 +19,7 @@ from gpytorch_iterncgp import (
     ExpPoissonLikelihood,
     LaplaceMarginalLogLikelihood,
     LogitBernoulliLikelihood,
+    NegativeBinomialLikelihood,
     NumericalBreakdownWarning,
 )
 from tests import reference
@@ -75,6 +76,13 @@ CASES = {
         {"batch_classes": 3, "constant_mean": 0.0},
     ),
     "softmax-shared": (_softmax, lambda: multiclass_data(45, seed=26), "softmax", 3, {"outputscale": 4.0}),
+    "negative-binomial": (
+        lambda: NegativeBinomialLikelihood(dispersion=1.7),
+        lambda: count_data(60, seed=27, scale=2.0),
+        "negative_binomial",
+        1,
+        {"constant_mean": 0.5},
+    ),
 }
 GAUSSIAN_CASE = (_gaussian, _regression_data, "gaussian", 1, {"constant_mean": 0.3, "lengthscale": 0.25})
 
@@ -104,7 +112,14 @@ def reference_evidence(model, likelihood, x, y, name: str, num_classes: int) -> 
     kernel, mean = dense_prior(model, x, num_classes)
     if name == "gaussian":
         return float(reference.gaussian_log_marginal(kernel, mean, y, likelihood.noise.detach()))
-    return reference.laplace_evidence(kernel, mean, y, name, num_classes)[0]
+    return reference.laplace_evidence(kernel, mean, y, reference_name(likelihood, name), num_classes)[0]
+
+
+def reference_name(likelihood, name: str) -> str:
+    """The reference's likelihood name: the negative binomial's carries its current dispersion."""
+    if name == "negative_binomial":
+        return f"negative_binomial:{float(likelihood.dispersion.detach())!r}"
+    return name
 
 
 def package_evidence(model, likelihood, x, y, exact: bool | None = None, backward: bool = False) -> torch.Tensor:
@@ -167,7 +182,7 @@ def test_exact_regime_value(case):
     model, likelihood, x, y, name, num_classes = build(case)
     evidence = package_evidence(model, likelihood, x, y)  # N C <= 800: the exact regime by default
     kernel, mean = dense_prior(model, x, num_classes)
-    expected, result = reference.laplace_evidence(kernel, mean, y, name, num_classes)
+    expected, result = reference.laplace_evidence(kernel, mean, y, reference_name(likelihood, name), num_classes)
     assert result.converged
     assert relative_error(float(evidence), expected) <= 1e-6, (float(evidence), expected)
     if num_classes > 1:
@@ -227,7 +242,8 @@ def test_exact_regime_gradient(case):
 # 4. The matrix-free regime at small N (linear_operator's Cholesky inside): the same value and gradient.
 # ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    "case", ["probit", "logit-constant-mean", "poisson-exp", "poisson-softplus", "softmax-independent"]
+    "case",
+    ["probit", "logit-constant-mean", "poisson-exp", "poisson-softplus", "softmax-independent", "negative-binomial"],
 )
 def test_matrix_free_regime_equals_exact_at_small_n(case):
     values, gradients = {}, {}
