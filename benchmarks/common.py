@@ -101,6 +101,16 @@ def load_average() -> float:
         return math.nan
 
 
+def kernel_hyperparameters(kernel: gpytorch.kernels.Kernel) -> dict[str, list[float]]:
+    """Every hyperparameter of ``kernel`` by its dotted name without ``raw_`` (``base_kernel.lengthscale``,
+    ``outputscale``, ``base_kernel.kernels.0.variance``), constrained values, flattened: whatever the kernel's
+    structure (the estimators' ``kernel="auto"`` may choose a sum)."""
+    return {
+        name.replace("raw_", ""): (raw if constraint is None else constraint.transform(raw)).detach().flatten().tolist()
+        for name, raw, constraint in kernel.named_parameters_and_constraints()
+    }
+
+
 def add_smoke_flag(parser: argparse.ArgumentParser, help: str = "tiny sizes (a functional check, seconds)") -> None:
     """``--smoke`` (``args.smoke``): the benchmark at tiny sizes, as the tests run it; ``--quick`` is the same flag."""
     parser.add_argument("--smoke", "--quick", dest="smoke", action="store_true", help=f"{help}; --quick: the same")

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from benchmarks.common import add_smoke_flag, machine
+from benchmarks.common import add_smoke_flag, kernel_hyperparameters, machine
 from benchmarks.data import Data, load
 from benchmarks.loops import evidence_loop
 from benchmarks.models import BenchmarkGP, classification_likelihood, ep_likelihood, training_targets
@@ -88,10 +88,8 @@ def run_estimator(
     return {
         "label": label,
         "inference": estimator.inference_,
-        "kernel": {
-            "lengthscale": estimator.kernel_.base_kernel.lengthscale.detach().flatten().tolist(),
-            "outputscale": estimator.kernel_.outputscale.detach().flatten().tolist(),
-        },
+        "kernel": kernel_hyperparameters(estimator.kernel_),
+        "kernel_choice": estimator.kernel_choice_,
         "history": history,
         "learning": learning,  # where the hyperparameter learning's time went
         # stochastic EP learns and fits in one loop: no final fit
