@@ -9,12 +9,13 @@ Data: :data:`benchmarks.real_data.TABULAR` (nine classification sets) and :data:
 count sets), 80/20 splits by the seed, features standardised on the training part. Methods, one after the other on
 ``--threads`` threads:
 
-* ``estimator``: ``IterNCGPClassifier(random_state=seed)`` (``IterNCGPPoissonRegressor`` for counts) with its defaults;
+* ``estimator``: ``IterNCGPClassifier(kernel=None, random_state=seed)`` (``IterNCGPPoissonRegressor`` for counts): the
+  Matérn alone, the other parameters at their defaults;
 * ``estimator_auto``: the same with ``kernel="auto"`` (the Matérn or linear + Matérn, by the held-out score:
   :func:`gpytorch_iterncgp.learning.estimator_policy.auto_kernel_names`); the chosen kernel, why, and every
   candidate's selection scores are recorded;
-* ``estimator_negbin``, ``estimator_negbin_auto`` (counts): ``IterNCGPNegativeBinomialRegressor`` with the default
-  kernel and with ``kernel="auto"``; the learnt dispersion is recorded;
+* ``estimator_negbin``, ``estimator_negbin_auto`` (counts): ``IterNCGPNegativeBinomialRegressor`` with the Matérn
+  alone and with ``kernel="auto"``; the learnt dispersion is recorded;
 * ``estimator_matern_ard``, ``estimator_linear+matern``, ``estimator_linear+matern_ard``: the estimator with that
   kernel of the family (``estimator`` is ``"matern"``'s), learnt as the default is: each candidate's own test score,
   so that the rules of choice (BIC, the evidence, the held-out score: ``estimator_auto``'s recorded scores) compare
@@ -57,7 +58,7 @@ FAMILY = {f"estimator_{name}": name for name in kernel_family(1) if name != "mat
 #: the family's kernels by the method that fits each
 KERNEL_METHODS = {"matern": "estimator", **{name: method for method, name in FAMILY.items()}}
 CLASSIFICATION_METHODS = ("estimator", "estimator_auto", *FAMILY, "logistic", "boosting", "svgp")
-#: the negative binomial regressor (overdispersed counts), with the default kernel and with ``kernel="auto"``
+#: the negative binomial regressor (overdispersed counts), with the Matérn alone and with ``kernel="auto"``
 NEGATIVE_BINOMIAL = {"estimator_negbin": None, "estimator_negbin_auto": "auto"}
 COUNT_METHODS = ("estimator", "estimator_auto", *FAMILY, *NEGATIVE_BINOMIAL, "poisson", "boosting")
 
@@ -65,7 +66,7 @@ COUNT_METHODS = ("estimator", "estimator_auto", *FAMILY, *NEGATIVE_BINOMIAL, "po
 def _estimator(
     data: Data, seed: int, kernel: str | None, negative_binomial: bool = False, learning_subset: int | str = "auto"
 ) -> dict:
-    """The package's estimator with its defaults and ``kernel`` (``None``: the default, ``"auto"``, or a name of the
+    """The package's estimator with its defaults and ``kernel`` (``None``: the Matérn alone, ``"auto"``, or a name of the
     family), for counts the Poisson or (``negative_binomial``) the negative binomial regressor; its scores, seconds,
     kernel (and the negative binomial's dispersion)."""
     counts = data.num_classes == 0

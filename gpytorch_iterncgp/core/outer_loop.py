@@ -263,9 +263,7 @@ class FitReport:
     preconditioner_seconds: float = 0.0  # wall time building the preconditioner (core.preconditioner), not in products
     preconditioner_products: int = 0  # its calls of the kernel's columns or products (not in kernel_products)
     covariance_products: int = 0  # of kernel_products, the covariance phase's after the loop (covariance_iterations)
-    covariance_seconds: float = (
-        0.0  # wall time of the loop's finalize (final precision, covariance phase), in wall_time
-    )
+    covariance_seconds: float = 0.0  # wall time of the loop's finalize (its covariance phase too), in wall_time
     converged: bool = False
     breakdown: bool = False
     stopped_by_callback: bool = False

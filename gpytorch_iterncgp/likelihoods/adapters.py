@@ -519,12 +519,8 @@ class NegativeBinomialAdapter(_DiagonalAdapter):
             + targets * torch.nn.functional.logsigmoid(logits)
             + dispersion * torch.nn.functional.logsigmoid(-logits)
         )
-        total = targets + dispersion
-        return (
-            log_terms,
-            targets - total * torch.sigmoid(logits),
-            total * torch.sigmoid(logits) * torch.sigmoid(-logits),
-        )
+        total, share = targets + dispersion, torch.sigmoid(logits)  # s = mu / (r + mu)
+        return log_terms, targets - total * share, total * share * torch.sigmoid(-logits)
 
     def checked_tilted_moments(
         self, targets: Tensor, cavity_mean: Tensor, cavity_variance: Tensor
