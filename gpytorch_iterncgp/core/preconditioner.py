@@ -147,7 +147,7 @@ def _global_pivots(residual: Tensor, rows_block: RowBlock) -> tuple[Tensor, Tens
     return value, rows_block.reduce(candidate, op=dist.ReduceOp.MIN)
 
 
-def pivoted_cholesky_factor(prior: LatentPrior, rank: int) -> ClassFactor:
+def pivoted_cholesky_factor(prior: LatentPrior, rank: int, cache_kernel: bool = True) -> ClassFactor:
     r"""A partial pivoted Cholesky factor of rank :math:`k = \lceil r / C \rceil` of each class's kernel (one for a
     kernel shared by the classes; :math:`\mathbf L` then has :math:`C k \approx r` columns), from :math:`k` kernel
     columns per class (:meth:`LatentPrior.kernel_columns_by_rows`, all classes' in one
@@ -161,11 +161,15 @@ def pivoted_cholesky_factor(prior: LatentPrior, rank: int) -> ClassFactor:
     :param prior: a prior of layout ``"single"``, ``"shared"`` or ``"independent"``.
     :param rank: :math:`r`, the columns of :math:`\mathbf L` (:math:`\mathbf L^\top \mathbf W \mathbf L` costs
         :math:`O(N r^2)` per solve).
+    :param cache_kernel: evaluate and cache the kernel matrix where the prior's products would
+        (:meth:`LatentPrior.cache_kernel`), so that the columns are read from it; ``False``: each column is evaluated
+        (for a prior whose products never run, :math:`O(N D r)` instead of :math:`O(N^2 D)`).
     :return: the factor, this rank's rows where the prior's rows are sharded.
     """
     rows_block, num = prior.rows, prior.num_latents
     classes = num if prior.layout == "independent" else 1
-    prior.cache_kernel()  # (where the products would cache K: its columns are then read, not evaluated one by one)
+    if cache_kernel:
+        prior.cache_kernel()  # (where the products would cache K: its columns are then read, not evaluated one by one)
     # in float64 whatever the model's dtype: the pivots (ties broken by rounding) are then those of a float64 model
     diagonal = (
         rows_block.own_rows(prior.diagonal()).reshape(-1, num)[:, :classes].mT.double().contiguous()
@@ -244,14 +248,14 @@ def nystrom_factor(
 
 
 def low_rank_kernel_factor(
-    prior: LatentPrior, rank: int, project: Callable[[Tensor], Tensor] | None = None
+    prior: LatentPrior, rank: int, project: Callable[[Tensor], Tensor] | None = None, cache_kernel: bool = True
 ) -> LowRankKernelFactor:
-    """The preconditioner's factor of ``prior``'s kernel: :func:`pivoted_cholesky_factor` where the kernel is block
-    diagonal over the classes, :func:`nystrom_factor` (its sketch mapped by ``project``) for correlated latents
-    (``"multitask"``)."""
+    """The preconditioner's factor of ``prior``'s kernel: :func:`pivoted_cholesky_factor` (``cache_kernel`` passed on)
+    where the kernel is block diagonal over the classes, :func:`nystrom_factor` (its sketch mapped by ``project``) for
+    correlated latents (``"multitask"``)."""
     if prior.layout == "multitask":
         return nystrom_factor(prior, rank, project)
-    return pivoted_cholesky_factor(prior, rank)
+    return pivoted_cholesky_factor(prior, rank, cache_kernel)
 
 
 class WoodburyPreconditioner:

@@ -24,14 +24,15 @@ softmax curvature needs no eigendecomposition). Two regimes behind :class:`Lapla
   lengthscales (a numerically singular :math:`\mathbf K`) leave the evidence finite: this plays the role of
   a projection onto the well-conditioned eigenvectors of :math:`\mathbf K`.
 * **matrix-free** (larger): the mode from IterNCGP (warm-started, recycled actions); the same
-  differentiable Newton step in the symmetric form :math:`\mathbf a' = \mathbf b - \mathbf R \mathbf B^{-1}
-  \mathbf R^\top \mathbf K \mathbf b` solved by linear_operator's CG (``gpytorch.settings.cg_tolerance``);
-  the log-determinant by stochastic Lanczos quadrature (``gpytorch.settings.num_trace_samples`` probe
-  vectors, ``max_lanczos_quadrature_iterations``). Products with :math:`\mathbf K` only. Estimated, not
-  exact: the log-determinant and its gradient (stochastic), and the implicit derivative (up to the CG
-  tolerance, at most :data:`NEWTON_STEP_CG_TOLERANCE`). The value's quadratic and likelihood terms are those of
-  IterNCGP's (approximate) mode. Far from the mode (a loose fit at new hyperparameters) an undamped Newton step
-  through an ill-conditioned :math:`\mathbf B` can land anywhere (an exp link at counts in the tens: latent values of
+  differentiable Newton step, as an increment on the mode's weights in the symmetric form
+  (:func:`matrix_free_newton_step`), solved by linear_operator's CG; the log-determinant by stochastic Lanczos
+  quadrature (``gpytorch.settings.num_trace_samples`` probe vectors, ``max_lanczos_quadrature_iterations``); both
+  preconditioned by a low-rank factor of :math:`\mathbf K` of the strategy's ``preconditioner_rank``
+  (:func:`evidence_kernel_factor`). Products with :math:`\mathbf K` only. Estimated, not exact: the
+  log-determinant and its gradient (stochastic), and the implicit derivative (up to the CG tolerance, ``cg_tolerance``
+  and at most :data:`NEWTON_STEP_CG_TOLERANCE`, in the backward pass too). The value's quadratic and likelihood terms
+  are those of IterNCGP's (approximate) mode. Far from the mode (a loose fit at new hyperparameters) an undamped Newton
+  step through an ill-conditioned :math:`\mathbf B` can land anywhere (an exp link at counts in the tens: latent values of
   74, a log posterior of :math:`-10^{32}`); where it lowers the log posterior (by more than
   :data:`NEWTON_STEP_TRUST`, relative) it is not used: the value is the evidence at the mode,
   :math:`\ell(\hat{\mathbf f}) - \tfrac12 \hat{\mathbf a}^\top \mathbf K \hat{\mathbf a} - \tfrac12
@@ -49,10 +50,11 @@ from typing import Any
 import linear_operator
 import torch
 from gpytorch.mlls import MarginalLogLikelihood
-from linear_operator.operators import LinearOperator
+from linear_operator.operators import DiagLinearOperator, LinearOperator, PsdSumLinearOperator, RootLinearOperator
 from torch import Tensor
 
 from .. import settings
+from ..core.preconditioner import LowRankKernelFactor, low_rank_kernel_factor
 from ..core.prior import LatentPrior
 from ..ep.sites import (
     block_cavities,
@@ -137,11 +139,72 @@ class WhitenedKernel(LinearOperator):
     :param roots: :math:`\mathbf R_n`, ``(N, C, C)``.
     :param kernel: :math:`\mathbf K`, a data-major ``(N C, N C)`` LinearOperator.
     :param kernel_point_blocks: :math:`\mathbf K_{nn}`, ``(N, C, C)``.
+    :param cg_tolerance: the relative residual of every CG solve with :math:`\mathbf B`, those of backward passes
+        included (linear_operator's ``Solve`` solves again in its backward pass, under the settings active at
+        ``loss.backward()``: GPyTorch's training default of 1); ``None``: linear_operator's ``cg_tolerance``.
+    :param kernel_factor: :math:`\mathbf L` with :math:`\mathbf K \approx \mathbf L \mathbf L^\top` (all rows), or
+        ``None``: the preconditioner :math:`\mathbf P = \mathbf I + \mathbf R^\top \mathbf L \mathbf L^\top \mathbf R`
+        of the solves and of the log-determinant's stochastic Lanczos quadrature (which then estimates
+        :math:`\log\lvert\mathbf P^{-1}\mathbf B\rvert` and adds :math:`\log\lvert\mathbf P\rvert`; Gardner et al.
+        2018), :math:`\mathbf P^{-1} = \mathbf I - \mathbf R^\top \mathbf L \mathbf G^{-1} \mathbf L^\top \mathbf R`
+        with :math:`\mathbf G = \mathbf I + \mathbf L^\top \mathbf W \mathbf L` (Woodbury).
     """
 
-    def __init__(self, roots: Tensor, kernel: LinearOperator, kernel_point_blocks: Tensor):
-        super().__init__(roots, kernel, kernel_point_blocks)
+    def __init__(
+        self,
+        roots: Tensor,
+        kernel: LinearOperator,
+        kernel_point_blocks: Tensor,
+        cg_tolerance: float | None = None,
+        kernel_factor: LowRankKernelFactor | None = None,
+    ):
+        super().__init__(roots, kernel, kernel_point_blocks, cg_tolerance=cg_tolerance, kernel_factor=kernel_factor)
         self.roots, self.kernel, self.kernel_point_blocks = roots, kernel, kernel_point_blocks
+        self.cg_tolerance, self.kernel_factor = cg_tolerance, kernel_factor
+
+    def with_cg_tolerance(self, cg_tolerance: float) -> WhitenedKernel:
+        r"""The same :math:`\mathbf B`, its CG solves run to ``cg_tolerance``."""
+        return WhitenedKernel(self.roots, self.kernel, self.kernel_point_blocks, cg_tolerance, self.kernel_factor)
+
+    def _preconditioner(self) -> tuple[Callable[[Tensor], Tensor] | None, LinearOperator | None, Tensor | None]:
+        r""":math:`\mathbf P^{-1}` as a function, :math:`\mathbf P = \mathbf I + \mathbf U \mathbf U^\top` with
+        :math:`\mathbf U = \mathbf R^\top \mathbf L` ``(n, r)`` (linear_operator draws the log-determinant's probe vectors
+        from :math:`\mathcal N(\mathbf 0, \mathbf P)`), and :math:`\log\lvert\mathbf P\rvert = \log\lvert\mathbf I +
+        \mathbf U^\top \mathbf U\rvert` (held fixed: the gradient of :math:`\log\lvert\mathbf B\rvert` comes from the
+        probes); ``None`` each without a factor."""
+        factor = self.kernel_factor
+        if factor is None:
+            return None, None, None
+        roots = self.roots.detach()
+        eye = torch.eye(factor.rank, dtype=roots.dtype, device=roots.device)
+        rooted = _block_times_dense(roots.mT, factor.matmul(eye))  # U, (n, r)
+        rooted_double = rooted.double()  # G and its Cholesky factor in float64 whatever the model's dtype
+        gram = rooted_double.mT @ rooted_double
+        cholesky = torch.linalg.cholesky(
+            (gram + gram.mT) / 2 + torch.eye(len(gram), dtype=gram.dtype, device=gram.device)
+        )
+        log_det = 2 * cholesky.diagonal().log().sum().to(roots.dtype)
+
+        def precondition(rhs: Tensor) -> Tensor:
+            solved = torch.cholesky_solve(rooted_double.mT @ rhs.double(), cholesky).to(rhs.dtype)
+            return rhs - rooted @ solved
+
+        ones = torch.ones(rooted.shape[0], dtype=roots.dtype, device=roots.device)
+        return precondition, PsdSumLinearOperator(RootLinearOperator(rooted), DiagLinearOperator(ones)), log_det
+
+    def _solve(self, rhs: Tensor, preconditioner=None, num_tridiag: int = 0):
+        # linear_operator's CG treats a step p^T B p below its eps (1e-10) as zero, which with a preconditioner stalls
+        # it near a relative residual of 1e-5 (|p| ~ the residual): eps at the dtype's rounding squared instead
+        return linear_operator.utils.linear_cg(
+            self._matmul,
+            rhs,
+            n_tridiag=num_tridiag,
+            tolerance=self.cg_tolerance,  # None: linear_operator's cg_tolerance
+            eps=torch.finfo(rhs.dtype).eps ** 2,
+            max_iter=linear_operator.settings.max_cg_iterations.value(),
+            max_tridiag_iter=linear_operator.settings.max_lanczos_quadrature_iterations.value(),
+            preconditioner=preconditioner,
+        )
 
     def _size(self) -> torch.Size:
         return self.kernel.shape
@@ -161,51 +224,113 @@ class WhitenedKernel(LinearOperator):
         return 1 + quadratic.reshape(-1)
 
 
-def _whitened_system(prior: LatentPrior, adapter: LikelihoodAdapter, latent: Tensor, targets: Tensor):
+def _whitened_system(
+    prior: LatentPrior,
+    adapter: LikelihoodAdapter,
+    latent: Tensor,
+    targets: Tensor,
+    kernel_factor: LowRankKernelFactor | None = None,
+):
     r""":math:`\ell(\mathbf f)`, :math:`\mathbf g`, :math:`\mathbf W` blocks, :math:`\mathbf R` and :math:`\mathbf B = \mathbf I + \mathbf R^\top \mathbf K \mathbf R` (lazy)."""
     latent = latent.reshape(-1, adapter.num_latents)
     log_likelihood, gradient, curvature = adapter.local_terms(latent, targets)
     roots = curvature_root(curvature, _probabilities_if_softmax(adapter, latent))
-    system = WhitenedKernel(roots, prior.data_major_covariance(), prior.point_blocks())
+    system = WhitenedKernel(roots, prior.data_major_covariance(), prior.point_blocks(), kernel_factor=kernel_factor)
     return log_likelihood, gradient, curvature, roots, system
 
 
-#: relative residual of the matrix-free evidence's differentiable Newton step (CG on B), at most: under GPyTorch's
-#: training default (``cg_tolerance`` 1) CG may stop at a relative residual near 1 (0.96, measured on a count data set)
-NEWTON_STEP_CG_TOLERANCE = 1e-2
+#: relative residual of the matrix-free evidence's differentiable Newton step (CG on B, forward and backward), at most:
+#: the step's derivative is the implicit derivative of the mode, and at learnt-scale kernels (outputscale 16-19) B is
+#: ill-conditioned enough that a residual of 1e-2 leaves it wrong by a factor of 5 and 1e-4 by up to 8 % (GPyTorch's
+#: training default ``cg_tolerance`` of 1 stops CG near a residual of 1); preconditioned, 1e-6 costs 25-29 products
+NEWTON_STEP_CG_TOLERANCE = 1e-6
 #: the Newton step is trusted where it lowers the log posterior by at most this times one plus its magnitude: at a converged
 #: mode it moves it by rounding and the solve's tolerance; far from one, an ill-conditioned B (exp link, counts in the
 #: tens) can send it to e^74 and the log posterior to -1e32
 NEWTON_STEP_TRUST = 1e-4
 
 
-def matrix_free_laplace_evidence(prior: LatentPrior, adapter: LikelihoodAdapter, targets: Tensor, state) -> Tensor:
+def matrix_free_newton_step(
+    prior: LatentPrior,
+    adapter: LikelihoodAdapter,
+    targets: Tensor,
+    weights: Tensor,
+    kernel_factor: LowRankKernelFactor | None = None,
+) -> tuple[Tensor, Tensor, WhitenedKernel]:
+    r"""One differentiable Newton step from :math:`\hat{\mathbf f} = \mathbf m + \mathbf K \hat{\mathbf a}`, with products
+    with :math:`\mathbf K` only: the weights :math:`\mathbf a'` and latent values :math:`\mathbf m + \mathbf K \mathbf a'`,
+    both ``(N C,)``, and :math:`\mathbf B = \mathbf I + \mathbf R^\top \mathbf K \mathbf R` at :math:`\hat{\mathbf f}`.
+
+    The step is an increment on the weights (R&W eq. 3.18 with the matrix inversion lemma),
+
+    .. math::
+        \mathbf a' = \hat{\mathbf a} + \mathbf r - \mathbf R \mathbf B^{-1} \mathbf R^\top \mathbf K \mathbf r,
+        \qquad \mathbf r = \mathbf W (\hat{\mathbf f} - \mathbf m - \mathbf K \hat{\mathbf a}) + \mathbf g - \hat{\mathbf a},
+
+    with :math:`\hat{\mathbf f}`, :math:`\hat{\mathbf a}` held fixed and :math:`\mathbf K`, :math:`\mathbf m`
+    differentiable. At the hyperparameters :math:`\hat{\mathbf f}` was found at, :math:`\mathbf r = \mathbf g -
+    \hat{\mathbf a}` vanishes at the mode, so the CG solve's relative tolerance (``cg_tolerance``, at most
+    :data:`NEWTON_STEP_CG_TOLERANCE`) bounds the step's error by the mode's residual; the derivative of
+    :math:`\mathbf r`, :math:`-\mathbf W (d\mathbf m + d\mathbf K\, \hat{\mathbf a})`, carries the implicit term
+    :math:`d\hat{\mathbf f} / d\theta`.
+
+    :param weights: :math:`\hat{\mathbf a}`, ``(N C,)``, detached.
+    :param kernel_factor: a low-rank factor of :math:`\mathbf K` (all rows) that preconditions the solves, or ``None``.
+    """
+    prior_mean = prior.mean.reshape(-1)
+    kernel_weights = prior.matmul(weights[:, None])[:, 0]
+    mode = (prior_mean + kernel_weights).detach()
+    _, gradient, curvature, roots, system = _whitened_system(prior, adapter, mode, targets, kernel_factor)
+    residual = _block_times_dense(curvature, (mode - prior_mean - kernel_weights)[:, None])[:, 0]
+    residual = residual + gradient.reshape(-1) - weights
+    tolerance = min(linear_operator.settings.cg_tolerance.value(), NEWTON_STEP_CG_TOLERANCE)
+    correction = system.with_cg_tolerance(tolerance).solve(
+        _block_times_dense(roots.mT, prior.matmul(residual[:, None]))
+    )
+    increment = residual - _block_times_dense(roots, correction)[:, 0]
+    latent = prior_mean + kernel_weights + prior.matmul(increment[:, None])[:, 0]
+    return weights + increment, latent, system
+
+
+def evidence_kernel_factor(strategy: IterNCGPStrategy | EPStrategy, prior: LatentPrior) -> LowRankKernelFactor | None:
+    """The low-rank factor of the kernel that preconditions the matrix-free evidences' CG solves and Lanczos quadrature
+    (:class:`WhitenedKernel`): as the strategy's own preconditioner's
+    (:attr:`~gpytorch_iterncgp.core.solver.IterGPOptions.preconditioner_rank` columns, pivoted Cholesky or Nyström),
+    built from a prior without gradients; ``None`` where the rank is 0 or the rows are sharded (the evidences hold all
+    rows)."""
+    rank = strategy.options.preconditioner_rank
+    if rank == 0 or prior.rows.is_sharded:
+        return None
+    with torch.no_grad():
+        return low_rank_kernel_factor(strategy.train_prior(), rank, cache_kernel=False)
+
+
+def matrix_free_laplace_evidence(
+    prior: LatentPrior,
+    adapter: LikelihoodAdapter,
+    targets: Tensor,
+    state,
+    kernel_factor: LowRankKernelFactor | None = None,
+) -> Tensor:
     r"""The Laplace evidence at IterNCGP's mode, with products with :math:`\mathbf K` only (see the module docstring).
 
-    The gradient is the total derivative: one differentiable Newton step from the mode in the symmetric
-    form :math:`\mathbf a' = \mathbf b - \mathbf R \mathbf B^{-1} \mathbf R^\top \mathbf K \mathbf b`,
-    :math:`\mathbf b = \mathbf W (\hat{\mathbf f} - \mathbf m) + \mathbf g` (linear_operator's CG solve,
-    differentiable), then the evidence at :math:`\mathbf f' = \mathbf m + \mathbf K \mathbf a'` with the
-    log-determinant by stochastic Lanczos quadrature. The value is the evidence at the strategy's mode.
+    The gradient is the total derivative: one differentiable Newton step from the mode
+    (:func:`matrix_free_newton_step`), then the evidence at its latent values with the log-determinant by
+    stochastic Lanczos quadrature. The value is the evidence at the strategy's mode.
 
     :param prior: the prior at the training inputs, built *with* gradients.
     :param state: the strategy's :class:`~gpytorch_iterncgp.LaplaceState` for the same hyperparameters.
+    :param kernel_factor: preconditions the step's solves and the log-determinant (:func:`evidence_kernel_factor`), or
+        ``None``.
     """
     block = prior.rows  # where the state holds its rows: all of them gathered (the evidence is replicated)
     weights = block.all_rows(state.representer_weights).detach()
     kernel_weights = block.all_rows(state.kernel_representer_weights).detach()
     prior_mean = prior.mean.reshape(-1)
-    mode = prior_mean.detach() + kernel_weights
-    _, gradient, curvature, roots, system = _whitened_system(prior, adapter, mode, targets)
-    rhs = _block_times_dense(curvature, (mode - prior_mean)[:, None])[:, 0] + gradient.reshape(-1)
-    kernel_rhs = prior.matmul(rhs[:, None])
-    tolerance = min(linear_operator.settings.cg_tolerance.value(), NEWTON_STEP_CG_TOLERANCE)
-    with linear_operator.settings.cg_tolerance(tolerance):
-        correction = system.solve(_block_times_dense(roots.mT, kernel_rhs))
-    new_weights = rhs - _block_times_dense(roots, correction)[:, 0]
-    latent = prior_mean + prior.matmul(new_weights[:, None])[:, 0]
-    log_likelihood, _, _, _, new_system = _whitened_system(prior, adapter, latent, targets)
+    new_weights, latent, system = matrix_free_newton_step(prior, adapter, targets, weights, kernel_factor)
+    log_likelihood, _, _, _, new_system = _whitened_system(prior, adapter, latent, targets, kernel_factor)
     log_posterior = log_likelihood - 0.5 * (new_weights @ (latent - prior_mean))
+    mode = prior_mean.detach() + kernel_weights
     mode_likelihood = adapter.log_likelihood(mode.reshape(-1, adapter.num_latents), targets)
     mode_log_posterior = mode_likelihood - 0.5 * (weights @ kernel_weights)
     step, at_mode = float(log_posterior.detach()), float(mode_log_posterior.detach())
@@ -386,7 +511,8 @@ class LaplaceMarginalLogLikelihood(_StrategyEvidence):
                 prior.rows.all_rows(state.representer_weights),
             )
         else:
-            evidence = matrix_free_laplace_evidence(prior, strategy.adapter, targets, state)
+            factor = evidence_kernel_factor(strategy, prior)
+            evidence = matrix_free_laplace_evidence(prior, strategy.adapter, targets, state, factor)
         return self._per_point(evidence, strategy.num_data)
 
 
@@ -444,7 +570,8 @@ class EPMarginalLogLikelihood(_StrategyEvidence):
         marginals = None if exact else ExpectationPropagation.marginals_of(prior, state)
         block = prior.rows  # the sites of every rank where they are held by rows (the evidence is replicated)
         sites = block.all_points(state.site_precision), block.all_points(state.site_natural_mean)
-        evidence = ep_evidence(prior, strategy.adapter, targets, *sites, exact, marginals)
+        factor = None if exact else evidence_kernel_factor(strategy, prior)
+        evidence = ep_evidence(prior, strategy.adapter, targets, *sites, exact, marginals, factor)
         return self._per_point(evidence, strategy.num_data)
 
 
@@ -456,6 +583,7 @@ def ep_evidence(
     site_natural_mean: Tensor,
     exact: bool = True,
     marginals: tuple[Tensor, Tensor] | None = None,
+    kernel_factor: LowRankKernelFactor | None = None,
 ) -> Tensor:
     r"""The EP log marginal likelihood at fixed sites, differentiable in the prior's hyperparameters.
 
@@ -483,6 +611,8 @@ def ep_evidence(
     :param exact: dense Cholesky (and exact marginals) or linear_operator's CG and stochastic Lanczos quadrature.
     :param marginals: the posterior marginals for the cavities (means and variances ``(N,)``, or ``(N, C)`` and
         ``(N, C, C)``); required unless ``exact``.
+    :param kernel_factor: preconditions the matrix-free regime's CG and Lanczos quadrature
+        (:func:`evidence_kernel_factor`), or ``None``.
     """
     tau, nu = site_precision.detach(), site_natural_mean.detach()
     num_latents = prior.num_latents
@@ -509,7 +639,7 @@ def ep_evidence(
     else:
         if marginals is None:
             raise ValueError("ep_evidence: the matrix-free regime needs the posterior marginals (mean, variance).")
-        system = WhitenedKernel(roots, prior.data_major_covariance(), prior.point_blocks())
+        system = WhitenedKernel(roots, prior.data_major_covariance(), prior.point_blocks(), kernel_factor=kernel_factor)
         inv_quad, logdet = system.inv_quad_logdet(inv_quad_rhs=rhs[:, None], logdet=True)
         fixed_site_part = -0.5 * logdet - 0.5 * inv_quad
     mean, variance = (marginal.detach() for marginal in marginals)

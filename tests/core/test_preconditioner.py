@@ -32,6 +32,7 @@ from gpytorch_iterncgp.core.preconditioner import (
     PointFactor,
     WoodburyPreconditioner,
     low_rank_kernel_factor,
+    pivoted_cholesky_factor,
 )
 from gpytorch_iterncgp.core.prior import LatentPrior
 from gpytorch_iterncgp.core.recycling import ActionBuffer
@@ -83,6 +84,17 @@ def test_low_rank_factor_lies_below_the_kernel_and_reaches_it(layout):
         full = _dense_factor(low_rank_kernel_factor(prior, kernel.shape[0]))
     # (the factorisation stops where the remaining diagonal falls below PIVOT_TOLERANCE of the largest variance)
     torch.testing.assert_close(full @ full.mT, kernel, atol=PIVOT_TOLERANCE * scale, rtol=0)
+
+
+@pytest.mark.parametrize("layout", ["single", "shared", "independent"])
+def test_the_factor_without_the_cached_kernel_is_the_same(layout):
+    """``cache_kernel=False`` evaluates each pivot's column instead of reading it from the evaluated kernel matrix: the
+    same factor and pivots (a fresh prior each, so that neither finds the other's cache)."""
+    with torch.no_grad():
+        cached = pivoted_cholesky_factor(_prior(layout)[1], 12)
+        evaluated = pivoted_cholesky_factor(_prior(layout)[1], 12, cache_kernel=False)
+    assert torch.equal(cached.pivots, evaluated.pivots)
+    torch.testing.assert_close(evaluated.columns, cached.columns, rtol=0, atol=1e-12)
 
 
 def _noise(kind: str, num_data: int, num_latents: int, dtype, generator):
