@@ -69,10 +69,16 @@ class ExactInferenceModel(BenchmarkGP):
 
 # -- the methods ---------------------------------------------------------------------------------------------------
 def run_estimator(
-    data: Data, seed: int, inference: str | None = None, learning_subset: str = "auto", max_time: float | None = None
+    data: Data,
+    seed: int,
+    inference: str | None = None,
+    learning_subset: str = "auto",
+    max_time: float | None = None,
+    kernel: str = "auto",
 ) -> dict:
     """``IterNCGPClassifier(random_state=seed)`` with its defaults (or with ``inference``, ``learning_subset``: an
-    integer, ``"auto"`` or ``"none"``, and ``max_time``): one point, after ``fit``."""
+    integer, ``"auto"`` or ``"none"``, ``max_time``, and ``kernel``: ``"auto"``, the default, or ``"none"``, the
+    Matérn alone): one point, after ``fit``."""
     from gpytorch_iterncgp.sklearn import IterNCGPClassifier
 
     clock, history = Clock(), []
@@ -81,6 +87,8 @@ def run_estimator(
         options["learning_subset"] = None if learning_subset == "none" else int(learning_subset)
     if max_time is not None:
         options["max_time"] = max_time
+    if kernel == "none":
+        options["kernel"] = None
     label = f"estimator ({', '.join(f'{key}={value!r}' for key, value in options.items()) or 'defaults'})"
     estimator = IterNCGPClassifier(random_state=seed, **options).fit(data.train_x.numpy(), data.train_y.numpy())
     clock.evaluate(history, lambda: torch.as_tensor(estimator.predict_proba(data.test_x.numpy())), data.test_y)
@@ -139,7 +147,8 @@ def run_dataset(data: Data, args: argparse.Namespace) -> list[dict]:
     for method in args.methods:
         if method.startswith("estimator"):
             for learning_subset in args.learning_subsets:
-                done(run_estimator(data, args.seed, method.partition("_")[2] or None, learning_subset))
+                inference = method.partition("_")[2] or None
+                done(run_estimator(data, args.seed, inference, learning_subset, kernel=args.estimator_kernel))
         elif method in ("laplace", "ep"):
             done(run_gpytorch_path(data, method, args.budget, args.seed))
         else:
@@ -216,6 +225,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--svgp-within", nargs="+", type=float, default=[60.0], help="report SVGP's best test NLL within these seconds"
+    )
+    parser.add_argument(
+        "--estimator-kernel",
+        choices=["auto", "none"],
+        default="auto",
+        help="the estimators' kernel: 'auto' (their default) or 'none' (the Matérn alone, kernel=None)",
     )
     parser.add_argument("--threads", type=int, default=1)
     add_smoke_flag(parser, "tiny sizes and budgets (seconds)")

@@ -292,6 +292,7 @@ def test_learned_smoke_run_writes_results(tmp_path):
 
     arguments = ["--smoke", "--datasets", "mixture5000", "binary10000", "--budget", "1", "--out", str(tmp_path)]
     arguments += ["--methods", "estimator", "laplace", "ep", "svgp"]  # estimator_laplace / _ep: the same code path
+    arguments += ["--estimator-kernel", "none"]  # (at these sizes "auto" is the Matérn too: nothing held out)
     output = learned.main(arguments)
     saved = json.loads((tmp_path / "learned_smoke.json").read_text())
     assert saved["machine"]["cpu_count"] >= 1 and set(saved["datasets"]) == {"mixture5000", "binary10000"}
@@ -303,7 +304,8 @@ def test_learned_smoke_run_writes_results(tmp_path):
             estimator["evaluations"] >= 1
             and estimator["fit_seconds"] + estimator["evidence_seconds"] <= estimator["seconds"]
         )
-        assert labels[0].startswith("estimator") and any(label.startswith("SVGP") for label in labels)
+        assert labels[0] == "estimator (kernel=None)" and any(label.startswith("SVGP") for label in labels)
+        assert entry["runs"][0]["kernel_choice"] is None  # kernel=None: no choice made
         assert any(label.startswith("laplace") for label in labels) and any(label.startswith("ep") for label in labels)
         for run in entry["runs"]:
             times = [point["time"] for point in run["history"]]
