@@ -140,6 +140,7 @@ LAYERS: list[tuple[str, list[set[str]]]] = [
             {"solver", "outer_loop", "preconditioner"},
         ],
     ),
+    ("kernels", [{"sharded", "additive", "warping"}]),
     (
         "likelihoods",
         [{"multinomial_probit", "tilted", "negative_binomial"}, {"adapters", "factorised"}, {"quasi_poisson"}],
@@ -160,7 +161,6 @@ LAYERS: list[tuple[str, list[set[str]]]] = [
         ],
     ),
     ("models", [{"alps", "gplvm"}, {"alps_gibbs"}]),
-    ("kernels", [{"sharded"}]),
     ("integrations", [{"sklearn", "botorch"}]),
     # The public paths: thin modules that re-export what users import (and the package's own __init__).
     ("", [{"alps", "gplvm", "sklearn", "botorch", "uncertain", "distributed", "__init__"}]),

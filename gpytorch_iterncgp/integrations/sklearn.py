@@ -501,16 +501,16 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
     :param kernel: ``"auto"`` (default), ``None`` or a GPyTorch kernel (not fitted in place: a deep copy is fitted
         and stored as ``kernel_``; with ``batch_shape=[n_classes]``, one independent GP per class). ``None``:
         :func:`~gpytorch_iterncgp.learning.estimator_policy.default_kernel`, ``ScaleKernel(MaternKernel(nu=2.5))``,
-        lengthscale :math:`\sqrt{D}`, outputscale 1 (meant for standardised features). ``"auto"``: that Matérn or a
-        linear kernel plus it (``"linear+matern"`` of :func:`~gpytorch_iterncgp.learning.kernel_choice.kernel_family`),
-        each learnt by type-II maximum likelihood on :math:`\lfloor\sqrt{10^6/C}\rfloor` of the learning rows and
-        chosen by the log-loss (counts: the Poisson deviance) of the held-out rows, the chosen one then learnt on all
-        the learning rows (:func:`~gpytorch_iterncgp.fit_mll`'s ``kernels=`` with ``select_by="held_out"``;
-        ``benchmarks/README.md`` §27: lower test log-loss on average, 1.1 to 2.5 times the fit's seconds); the
-        Matérn alone, fitted exactly as ``None``, where nothing is held out to choose by (data within the learning
-        subset), nothing is learnt, or under ``"sparse_ep"``
-        (:func:`~gpytorch_iterncgp.learning.estimator_policy.auto_kernel_names`). ``kernel_choice_`` says which and
-        why; the candidates' scores are in ``learning_report_`` (``kernel``, ``kernel_scores``).
+        lengthscale :math:`\sqrt{D}`, outputscale 1 (meant for standardised features). ``"auto"``: that Matérn, a
+        linear kernel plus it, or the Matérn of the features warped by a learnt monotone map each (``"linear+matern"``
+        and ``"warped_matern"`` of :func:`~gpytorch_iterncgp.learning.kernel_choice.kernel_family`), each learnt by
+        type-II maximum likelihood on :math:`\lfloor\sqrt{10^6/C}\rfloor` of the learning rows and chosen by the
+        log-loss (counts: the Poisson deviance) of the held-out rows, the chosen one then learnt on all the learning
+        rows (:func:`~gpytorch_iterncgp.fit_mll`'s ``kernels=`` with ``select_by="held_out"``; ``benchmarks/README.md``
+        §27-§29: lower test log-loss on average, 2.0 to 2.2 times the fit's seconds on three sets); the Matérn alone,
+        fitted exactly as ``None``, where nothing is held out to choose by (data within the learning subset), nothing
+        is learnt, or under ``"sparse_ep"`` (:func:`~gpytorch_iterncgp.learning.estimator_policy.auto_kernel_names`).
+        ``kernel_choice_`` says which and why; the candidates' scores are in ``learning_report_`` (``kernel``, ``kernel_scores``).
     :param link: ``"logit"`` (default, also ``None``) or ``"probit"``: binary data's link (multi-class data: see
         above).
     :param inference: ``"laplace"``, ``"ep"``, ``"sparse_ep"`` (stochastic EP with inducing inputs on minibatches,

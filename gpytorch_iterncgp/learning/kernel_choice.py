@@ -32,6 +32,8 @@ from gpytorch.likelihoods import PoissonLikelihood
 from torch import Tensor
 
 from .. import settings
+from ..kernels.additive import FirstOrderAdditiveKernel
+from ..kernels.warping import KumaraswamyWarpedKernel
 from ..likelihoods.adapters import ExpPoissonLikelihood, MultitaskPoissonLikelihood, likelihood_adapter
 from ..likelihoods.negative_binomial import NegativeBinomialLikelihood
 from ..mlls.itergp import EPMarginalLogLikelihood, LaplaceMarginalLogLikelihood
@@ -72,7 +74,18 @@ def kernel_family(num_features: int, dtype: torch.dtype = torch.float64) -> dict
       :math:`\sigma^2 = 1 / D` (a prior variance :math:`\sigma^2 \lVert x \rVert^2 \approx 1` of the linear part,
       as the Matérn's, at standardised features): a linear decision function (Bayesian linear regression on the
       features, R&W sec. 2.1) plus a smooth non-linear correction (the sum of kernels, Duvenaud et al. 2013);
-    * ``"linear+matern_ard"``: the same with the ARD Matérn.
+    * ``"linear+matern_ard"``: the same with the ARD Matérn;
+    * ``"warped_matern"``: :math:`s^2 k_{5/2}(\lVert w(x) - w(x') \rVert / \ell)`, the Matérn of the features warped
+      one by one by a learnt monotone map :math:`w_d = F(\Phi(x_d); a_d, b_d)`, :math:`F` the Kumaraswamy CDF
+      (:class:`~gpytorch_iterncgp.kernels.warping.KumaraswamyWarpedKernel`, Snoek et al. 2014), starting at
+      :math:`a_d = b_d = 1` (:math:`w_d = \Phi(x_d)`, uniform for normal features) with :math:`\ell = \sqrt{D / 12}`
+      (the standard deviation of a uniform feature is :math:`1 / \sqrt{12}`): for skewed and heavy-tailed features,
+      whose tails would otherwise dominate the distances;
+    * ``"additive"``: :math:`s^2 \sum_d v_d k_{5/2}(\lvert x_d - x'_d \rvert / \ell_d)`, a weight and a lengthscale per
+      feature (the first-order additive kernel of Duvenaud, Nickisch & Rasmussen 2011,
+      :class:`~gpytorch_iterncgp.kernels.additive.FirstOrderAdditiveKernel`), starting at :math:`v_d = 1 / D`,
+      :math:`\ell_d = 1`: a sum of functions of one feature each, which the Matérn of all of them learns slowly
+      (and the ARD Matérn's products cannot write as a sum).
 
     The sums are written under one ``ScaleKernel`` (the same family as :math:`\sigma^2 x^\top x' + s^2 k_{5/2}`), so
     that a classifier learnt on a subset gets :func:`~gpytorch_iterncgp.fit_mll`'s outputscale phase whatever the
@@ -87,6 +100,8 @@ def kernel_family(num_features: int, dtype: torch.dtype = torch.float64) -> dict
         "matern_ard": _scaled(_matern(num_features, ard=True), num_features, dtype),
         "linear+matern": _scaled(_linear() + _matern(num_features, ard=False), num_features, dtype),
         "linear+matern_ard": _scaled(_linear() + _matern(num_features, ard=True), num_features, dtype),
+        "warped_matern": _scaled(_warped(_matern(num_features, ard=False), num_features), num_features, dtype),
+        "additive": _scaled(_additive(num_features), num_features, dtype),
     }
 
 
@@ -97,21 +112,38 @@ def _matern(num_features: int, ard: bool) -> gpytorch.kernels.MaternKernel:
     )
 
 
+def _warped(base: Kernel, num_features: int) -> KumaraswamyWarpedKernel:
+    """``base`` of the Kumaraswamy-warped normal CDFs of the features, log-positive concentrations."""
+    return KumaraswamyWarpedKernel(base, num_features, concentration_constraint=log_positive())
+
+
+def _additive(num_features: int) -> FirstOrderAdditiveKernel:
+    """A log-positive weight times a Matérn-5/2 of one feature, for each of ``num_features``."""
+    weighted = gpytorch.kernels.ScaleKernel(_matern(1, ard=False), outputscale_constraint=log_positive())
+    return FirstOrderAdditiveKernel(weighted, num_features)
+
+
 def _linear() -> gpytorch.kernels.LinearKernel:
     """:math:`\\sigma^2 x^\\top x'` with a log-positive variance."""
     return gpytorch.kernels.LinearKernel(variance_constraint=log_positive())
 
 
 def _scaled(base: Kernel, num_features: int, dtype: torch.dtype) -> gpytorch.kernels.ScaleKernel:
-    r"""``ScaleKernel(base)``: outputscale 1, every Matérn lengthscale :math:`\sqrt D`, every linear variance
-    :math:`1 / D` (tensors of ``dtype``, so they are not rounded through float32)."""
+    r"""``ScaleKernel(base)``: outputscale 1, every Matérn lengthscale :math:`\sqrt D` (of warped features
+    :math:`\sqrt{D / 12}`, of one feature 1), every linear variance and inner outputscale :math:`1 / D` (tensors of
+    ``dtype``, so they are not rounded through float32)."""
     kernel = gpytorch.kernels.ScaleKernel(base, outputscale_constraint=log_positive()).to(dtype)
     kernel.outputscale = torch.tensor(1.0, dtype=dtype)
+    warped = any(isinstance(module, KumaraswamyWarpedKernel) for module in kernel.modules())
+    additive = any(isinstance(module, FirstOrderAdditiveKernel) for module in kernel.modules())
+    lengthscale = 1.0 if additive else math.sqrt(num_features / (12 if warped else 1))
     for module in kernel.modules():
         if isinstance(module, gpytorch.kernels.MaternKernel):
-            module.lengthscale = torch.tensor(math.sqrt(num_features), dtype=dtype)
+            module.lengthscale = torch.tensor(lengthscale, dtype=dtype)
         elif isinstance(module, gpytorch.kernels.LinearKernel):
             module.variance = torch.tensor(1.0 / num_features, dtype=dtype)
+        elif isinstance(module, gpytorch.kernels.ScaleKernel) and module is not kernel:
+            module.outputscale = torch.tensor(1.0 / num_features, dtype=dtype)
     return kernel
 
 

@@ -21,7 +21,9 @@ from gpytorch_iterncgp import (
     LogitBernoulliLikelihood,
     fit_mll,
 )
-from gpytorch_iterncgp.learning.estimator_policy import default_kernel
+from gpytorch_iterncgp.kernels.additive import FirstOrderAdditiveKernel
+from gpytorch_iterncgp.kernels.warping import KumaraswamyWarpedKernel
+from gpytorch_iterncgp.learning.estimator_policy import AUTO_KERNELS, default_kernel
 from gpytorch_iterncgp.learning.kernel_choice import candidate_kernels, kernel_family, poisson_deviance
 from tests.common import IterNCGPModel, count_data
 
@@ -68,6 +70,23 @@ def one_relevant_feature(num_data: int, seed: int = 0) -> tuple[torch.Tensor, to
     return x, _labels(3 * torch.sin(2 * x[:, 0]), generator)
 
 
+def additive_data(num_data: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""3 standard normal features, labels from :math:`f = 3 \sum_d \sin(2 x_d)`: a sum of functions of one feature."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_data, 3, generator=generator, dtype=torch.float64)
+    return x, _labels(3 * torch.sin(2 * x).sum(dim=1), generator)
+
+
+def skewed_data(num_data: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""2 standardised log-normal features :math:`x_d \propto e^{2 z_d}` (:math:`z_d` standard normal), labels from
+    :math:`f = 4 \sin(2.5 z_1)`: the function varies where the standardised feature is bunched up near its minimum,
+    and not in its long tail."""
+    generator = torch.Generator().manual_seed(seed)
+    latent = torch.randn(num_data, 2, generator=generator, dtype=torch.float64)
+    x = torch.exp(2 * latent)
+    return (x - x.mean(dim=0)) / x.std(dim=0), _labels(4 * torch.sin(2.5 * latent[:, 0]), generator)
+
+
 def radial_data(num_data: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """2 features uniform on :math:`[-2, 2]^2`, labels from :math:`f = 4 \\sin(2.5 \\lVert x \\rVert)` (isotropic)."""
     generator = torch.Generator().manual_seed(seed)
@@ -75,9 +94,21 @@ def radial_data(num_data: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tenso
     return x, _labels(4 * torch.sin(2.5 * x.norm(dim=1)), generator)
 
 
+#: the Matérn, its ARD form and their sums with a linear kernel (the family without the warped and additive kernels,
+#: which cost more to learn)
+STRUCTURES = ("matern", "matern_ard", "linear+matern", "linear+matern_ard")
+
+
+def _family(num_features: int, names: tuple[str, ...]) -> dict[str, gpytorch.kernels.Kernel]:
+    """The kernels of :func:`kernel_family` named ``names``."""
+    family = kernel_family(num_features)
+    return {name: family[name] for name in names}
+
+
 def _lengthscales(kernel) -> torch.Tensor:
-    (matern,) = [module for module in kernel.modules() if isinstance(module, gpytorch.kernels.MaternKernel)]
-    return matern.lengthscale.detach().reshape(-1)
+    """Every Matérn lengthscale of ``kernel``, concatenated."""
+    materns = [module for module in kernel.modules() if isinstance(module, gpytorch.kernels.MaternKernel)]
+    return torch.cat([matern.lengthscale.detach().reshape(-1) for matern in materns])
 
 
 class _BrokenKernel(gpytorch.kernels.Kernel):
@@ -94,22 +125,33 @@ class _BrokenKernel(gpytorch.kernels.Kernel):
 # ---------------------------------------------------------------------------------------------------
 # The family
 # ---------------------------------------------------------------------------------------------------
-def test_the_family_is_the_default_matern_its_ard_form_and_their_sums_with_a_linear_kernel():
+def test_the_family_is_the_default_matern_its_ard_form_their_sums_with_a_linear_kernel_warped_and_additive():
     family = kernel_family(4)
-    assert list(family) == ["matern", "matern_ard", "linear+matern", "linear+matern_ard"]
+    assert list(family) == ["matern", "matern_ard", "linear+matern", "linear+matern_ard", "warped_matern", "additive"]
     reference = default_kernel(4)
     assert all(
         torch.equal(value, reference.state_dict()[name]) for name, value in family["matern"].state_dict().items()
     )
+    initial_lengthscales = {"warped_matern": math.sqrt(4 / 12), "additive": 1.0}  # of uniform features, of one
     for name, kernel in family.items():
         assert isinstance(kernel, gpytorch.kernels.ScaleKernel) and kernel.batch_shape == torch.Size([])
         assert float(kernel.outputscale.detach()) == 1.0 and kernel.raw_outputscale.dtype == torch.float64
-        assert torch.allclose(_lengthscales(kernel), torch.full((4 if "ard" in name else 1,), 2.0, dtype=torch.float64))
+        lengthscales = _lengthscales(kernel)
+        expected = torch.full((4 if "ard" in name or name == "additive" else 1,), initial_lengthscales.get(name, 2.0))
+        assert torch.allclose(lengthscales, expected.double()), (name, lengthscales)
         linear = [module for module in kernel.modules() if isinstance(module, gpytorch.kernels.LinearKernel)]
         assert len(linear) == ("linear" in name)
         for module in linear:
             assert float(module.raw_variance.detach()) == pytest.approx(math.log(1 / 4))  # log-parametrised (exp)
             assert torch.equal(module.raw_variance_constraint.transform(torch.zeros(1)), torch.ones(1))
+    warped = family["warped_matern"].base_kernel
+    assert isinstance(warped, KumaraswamyWarpedKernel) and warped.num_dims == 4
+    for concentration in (warped.concentration1, warped.concentration0):  # w = Phi(x) at first, log-parametrised
+        torch.testing.assert_close(concentration.detach(), torch.ones(1, 4, dtype=torch.float64), rtol=0, atol=1e-15)
+    additive = family["additive"].base_kernel
+    assert isinstance(additive, FirstOrderAdditiveKernel) and len(additive.base_kernels) == 4
+    weights = torch.stack([kernel.outputscale.detach() for kernel in additive.base_kernels])
+    torch.testing.assert_close(weights, torch.full((4,), 0.25, dtype=torch.float64), rtol=0, atol=1e-15)
     assert family["matern"] is not kernel_family(4)["matern"]  # new kernels on every call
     assert kernel_family(3, torch.float32)["linear+matern"].raw_outputscale.dtype == torch.float32
 
@@ -152,13 +194,43 @@ def test_one_relevant_feature_among_four_chooses_ard_and_lengthens_the_noise_fea
     assert bool((lengthscales[1:] > 2 * lengthscales[0]).all()), lengthscales
 
 
+def test_an_additive_function_chooses_the_additive_kernel():
+    """Labels from a sum of functions of one feature each: BIC prefers the first-order additive kernel (a weight and
+    a lengthscale per feature) to the Matérn of all features, despite its 5 more hyperparameters."""
+    x, y = additive_data(250)
+    model, mll = _model(x, y)
+    kernels = _family(3, ("matern", "additive"))
+    report = fit_mll(mll, kernels=kernels, recipe=RECIPE, seed=0)
+    assert report.kernel == "additive" and model.covar_module is kernels["additive"]
+    scores = report.kernel_scores
+    assert scores["additive"]["bic"] < scores["matern"]["bic"] - 0.02, scores
+
+
+def test_skewed_features_choose_the_warped_kernel():
+    """Labels varying where a log-normal feature is bunched up: BIC prefers the Matérn of the warped features to
+    the Matérn of the standardised ones, and the learnt warp of the relevant feature spreads its bulk (the warped
+    values of its middle half span more than under the initial warp, the normal CDF)."""
+    x, y = skewed_data(300)
+    model, mll = _model(x, y)
+    kernels = _family(2, ("matern", "warped_matern"))
+    report = fit_mll(mll, kernels=kernels, recipe=RECIPE, seed=0)
+    assert report.kernel == "warped_matern" and model.covar_module is kernels["warped_matern"]
+    scores = report.kernel_scores
+    assert scores["warped_matern"]["bic"] < scores["matern"]["bic"] - 0.01, scores
+    quartiles = torch.quantile(x[:, 0], torch.tensor([0.25, 0.75], dtype=torch.float64))
+    with torch.no_grad():
+        learnt = model.covar_module.base_kernel.warp(quartiles[:, None].expand(2, 2))[:, 0]
+    initial = torch.special.ndtr(quartiles)
+    assert float(learnt[1] - learnt[0]) > float(initial[1] - initial[0]), (learnt, initial)
+
+
 def test_the_choice_learns_the_candidates_on_fewer_rows_and_the_chosen_one_again_on_all():
     """``kernel_choice_subset``: every candidate is learnt and scored on that many of the learning rows, and the
     chosen one learnt again on all of them from its initial values: the same evidence evaluations and hyperparameters as
     ``fit_mll`` given the chosen kernel alone (L-BFGS here: deterministic). ``None``: every candidate on all."""
     x, y = one_relevant_feature(240)
     model, mll = _model(x, y)
-    kernels = kernel_family(4)
+    kernels = _family(4, STRUCTURES)
     report = fit_mll(mll, kernels=kernels, recipe=dataclasses.replace(RECIPE, kernel_choice_subset=100), seed=0)
     assert [score["rows"] for score in report.kernel_scores.values()] == [100] * 4
     assert report.kernel.endswith("_ard") and model.covar_module is kernels[report.kernel]
@@ -170,7 +242,10 @@ def test_the_choice_learns_the_candidates_on_fewer_rows_and_the_chosen_one_again
     assert report.losses == pytest.approx(cold.losses, rel=1e-9, abs=1e-12) and len(report.losses) > 2
     torch.testing.assert_close(lengthscales, _lengthscales(cold_model.covar_module))
     every = fit_mll(
-        _model(x, y)[1], kernels=kernel_family(4), recipe=dataclasses.replace(RECIPE, kernel_choice_subset=None), seed=0
+        _model(x, y)[1],
+        kernels=_family(4, STRUCTURES),
+        recipe=dataclasses.replace(RECIPE, kernel_choice_subset=None),
+        seed=0,
     )
     assert [score["rows"] for score in every.kernel_scores.values()] == [240] * 4
     with pytest.raises(ValueError, match="kernel_choice_subset must be 'auto', None or a number of rows"):
@@ -197,7 +272,7 @@ def test_an_isotropic_function_keeps_a_good_kernel_and_the_report_has_every_cand
         assert score["error"] is None and score["seconds"] > 0
         assert all(math.isfinite(score[key]) for key in ("held_out", "evidence", "bic"))
         assert score["bic"] > score["evidence"]
-    assert [score["hyperparameters"] for score in scored.values()] == [2, 3, 3, 4]
+    assert [score["hyperparameters"] for score in scored.values()] == [2, 3, 3, 4, 2 + 2 * 2, 1 + 2 * 2]
     assert report.kernel == min(scored, key=lambda name: scored[name]["bic"])
     assert scores[report.kernel]["held_out"] <= min(score["held_out"] for score in scored.values()) + 0.02
     # the learning fields are the chosen candidate's, the held-out rows those it was scored on
@@ -206,7 +281,7 @@ def test_an_isotropic_function_keeps_a_good_kernel_and_the_report_has_every_cand
     assert scores[report.kernel]["held_out"] == report.outputscale_log_loss[report.outputscale_factor]
     assert report.fit_report.converged and model.covar_module is kernels[report.kernel]
     json.dumps({key: value for key, value in dataclasses.asdict(report).items() if key != "fit_report"})
-    assert f"kernel {report.kernel!r} of 5 candidates" in str(report) and "broken: skipped" in str(report)
+    assert f"kernel {report.kernel!r} of 7 candidates" in str(report) and "broken: skipped" in str(report)
 
 
 def test_without_kernels_fit_mll_learns_as_before_and_one_candidate_learns_the_same():
@@ -330,16 +405,17 @@ def test_the_classifier_with_kernel_auto_chooses_a_linear_kernel_on_linear_data_
         random_state=0,
     ).fit(x[:350], y[:350])
     report, scores = classifier.learning_report_, classifier.learning_report_.kernel_scores
-    assert classifier.inference_ == "ep" and report.evidence == "EP" and list(scores) == ["matern", "linear+matern"]
+    assert classifier.inference_ == "ep" and report.evidence == "EP" and list(scores) == list(AUTO_KERNELS)
     assert report.kernel == "linear+matern" and report.validation_points == 150
-    assert scores["linear+matern"]["held_out"] < scores["matern"]["held_out"] - 0.01
-    assert all(score["rows"] == 150 and score["error"] is None for score in scores.values())
-    assert classifier.kernel_choice_ == (
-        "'linear+matern': chosen among 'matern', 'linear+matern' by the held-out score of 150 points"
+    assert scores["linear+matern"]["held_out"] < min(
+        scores[name]["held_out"] for name in scores if "linear" not in name
     )
+    assert all(score["rows"] == 150 and score["error"] is None for score in scores.values())
+    among = ", ".join(map(repr, AUTO_KERNELS))
+    assert classifier.kernel_choice_ == f"'linear+matern': chosen among {among} by the held-out score of 150 points"
     assert classifier.kernel_ is classifier.model_.covar_module
     assert any(isinstance(module, gpytorch.kernels.LinearKernel) for module in classifier.kernel_.modules())
-    assert f"kernel {report.kernel!r} of 2 candidates" in str(classifier.fit_report_)
+    assert f"kernel {report.kernel!r} of {len(AUTO_KERNELS)} candidates" in str(classifier.fit_report_)
     probabilities = classifier.predict_proba(x[350:])
     assert probabilities.shape == (200, 2) and classifier.score(x[350:], y[350:]) > 0.85
 
@@ -355,7 +431,7 @@ def test_the_poisson_regressor_with_kernel_auto_keeps_the_lower_held_out_devianc
     regressor = IterNCGPPoissonRegressor(kernel="auto", learning_subset=150, optimizer_steps=10, random_state=0)
     regressor.fit(x.numpy(), y.numpy())
     report, scores = regressor.learning_report_, regressor.learning_report_.kernel_scores
-    assert list(scores) == ["matern", "linear+matern"] and report.validation_points == 150
+    assert list(scores) == list(AUTO_KERNELS) and report.validation_points == 150
     assert report.kernel == min(scores, key=lambda name: scores[name]["held_out"])
     assert regressor.kernel_choice_.startswith(f"{report.kernel!r}: chosen among")
     assert np.isfinite(regressor.predict(x.numpy())).all()
