@@ -194,16 +194,22 @@ def test_one_relevant_feature_among_four_chooses_ard_and_lengthens_the_noise_fea
     assert bool((lengthscales[1:] > 2 * lengthscales[0]).all()), lengthscales
 
 
+def _chosen_over_the_matern(x, y, name: str, margin: float):
+    """``fit_mll`` choosing by BIC between the Matérn and the family's ``name``: checks that ``name`` is chosen, its
+    BIC lower by more than ``margin``; returns the model."""
+    model, mll = _model(x, y)
+    kernels = _family(x.shape[1], ("matern", name))
+    report = fit_mll(mll, kernels=kernels, recipe=RECIPE, seed=0)
+    assert report.kernel == name and model.covar_module is kernels[name]
+    scores = report.kernel_scores
+    assert scores[name]["bic"] < scores["matern"]["bic"] - margin, scores
+    return model
+
+
 def test_an_additive_function_chooses_the_additive_kernel():
     """Labels from a sum of functions of one feature each: BIC prefers the first-order additive kernel (a weight and
     a lengthscale per feature) to the Matérn of all features, despite its 5 more hyperparameters."""
-    x, y = additive_data(250)
-    model, mll = _model(x, y)
-    kernels = _family(3, ("matern", "additive"))
-    report = fit_mll(mll, kernels=kernels, recipe=RECIPE, seed=0)
-    assert report.kernel == "additive" and model.covar_module is kernels["additive"]
-    scores = report.kernel_scores
-    assert scores["additive"]["bic"] < scores["matern"]["bic"] - 0.02, scores
+    _chosen_over_the_matern(*additive_data(250), "additive", margin=0.02)
 
 
 def test_skewed_features_choose_the_warped_kernel():
@@ -211,12 +217,7 @@ def test_skewed_features_choose_the_warped_kernel():
     the Matérn of the standardised ones, and the learnt warp of the relevant feature spreads its bulk (the warped
     values of its middle half span more than under the initial warp, the normal CDF)."""
     x, y = skewed_data(300)
-    model, mll = _model(x, y)
-    kernels = _family(2, ("matern", "warped_matern"))
-    report = fit_mll(mll, kernels=kernels, recipe=RECIPE, seed=0)
-    assert report.kernel == "warped_matern" and model.covar_module is kernels["warped_matern"]
-    scores = report.kernel_scores
-    assert scores["warped_matern"]["bic"] < scores["matern"]["bic"] - 0.01, scores
+    model = _chosen_over_the_matern(x, y, "warped_matern", margin=0.01)
     quartiles = torch.quantile(x[:, 0], torch.tensor([0.25, 0.75], dtype=torch.float64))
     with torch.no_grad():
         learnt = model.covar_module.base_kernel.warp(quartiles[:, None].expand(2, 2))[:, 0]
