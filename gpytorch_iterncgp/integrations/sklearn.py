@@ -510,7 +510,8 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
         §27-§29: lower test log-loss on average, 2.0 to 2.2 times the fit's seconds on three sets); the Matérn alone,
         fitted exactly as ``None``, where nothing is held out to choose by (data within the learning subset), nothing
         is learnt, or under ``"sparse_ep"`` (:func:`~gpytorch_iterncgp.learning.estimator_policy.auto_kernel_names`).
-        ``kernel_choice_`` says which and why; the candidates' scores are in ``learning_report_`` (``kernel``, ``kernel_scores``).
+        ``kernel_choice_`` says which and why; the candidates' scores are in ``learning_report_`` (``kernel``,
+        ``kernel_scores``).
     :param link: ``"logit"`` (default, also ``None``) or ``"probit"``: binary data's link (multi-class data: see
         above).
     :param inference: ``"laplace"``, ``"ep"``, ``"sparse_ep"`` (stochastic EP with inducing inputs on minibatches,

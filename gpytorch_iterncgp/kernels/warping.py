@@ -10,6 +10,7 @@ learnt by the evidence with the kernel's other hyperparameters.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -61,9 +62,9 @@ class KumaraswamyWarpedKernel(Kernel):
         self.base_kernel = base_kernel
         self.num_dims = num_dims
         self.unit_cube = unit_cube
-        constraint = Positive() if concentration_constraint is None else concentration_constraint
         shape = (*self.batch_shape, 1, num_dims)
         for name in ("concentration1", "concentration0"):  # a_d, b_d (torch.distributions' names)
+            constraint = Positive() if concentration_constraint is None else copy.deepcopy(concentration_constraint)
             raw = torch.nn.Parameter(constraint.inverse_transform(torch.ones(shape)))
             self.register_parameter(f"raw_{name}", raw)
             self.register_constraint(f"raw_{name}", constraint)
