@@ -190,10 +190,9 @@ def auto_kernel_names(
     choose among, and why. :data:`AUTO_KERNELS` (``"matern"``, ``"linear+matern"`` and ``"warped_matern"``), each
     learnt on the learning rows and chosen by the held-out score of the rows the learning holds out (the log-loss of
     a classifier, the Poisson deviance of counts: cross-validation, R&W sec. 5.3), where the inference is dense
-    (:data:`AUTO_KERNEL_INFERENCES`),
-    the hyperparameters are learnt and rows are held out (:math:`N` beyond the learning subset,
-    :math:`\lfloor\sqrt{10^7 / C}\rfloor` rows by default, by at least ``min_validation_points``); otherwise
-    ``("matern",)``, :func:`default_kernel` alone.
+    (:data:`AUTO_KERNEL_INFERENCES`), the hyperparameters are learnt and rows are held out (:math:`N` beyond the
+    learning subset, :math:`\lfloor\sqrt{10^7 / C}\rfloor` rows by default, by at least ``min_validation_points``);
+    otherwise ``("matern",)``, :func:`default_kernel` alone.
 
     Why these three and this rule (``benchmarks/README.md`` §26-§29): on the tabular panel the linear part lowered the
     test log-loss on average and by up to a half (texture), the learnt warping of the features by up to a fifth

@@ -100,8 +100,10 @@ def kernel_family(num_features: int, dtype: torch.dtype = torch.float64) -> dict
         "matern_ard": _scaled(_matern(num_features, ard=True), num_features, dtype),
         "linear+matern": _scaled(_linear() + _matern(num_features, ard=False), num_features, dtype),
         "linear+matern_ard": _scaled(_linear() + _matern(num_features, ard=True), num_features, dtype),
-        "warped_matern": _scaled(_warped(_matern(num_features, ard=False), num_features), num_features, dtype),
-        "additive": _scaled(_additive(num_features), num_features, dtype),
+        "warped_matern": _scaled(
+            _warped(_matern(num_features, ard=False), num_features), num_features, dtype, math.sqrt(num_features / 12)
+        ),
+        "additive": _scaled(_additive(num_features), num_features, dtype, lengthscale=1.0),
     }
 
 
@@ -128,15 +130,15 @@ def _linear() -> gpytorch.kernels.LinearKernel:
     return gpytorch.kernels.LinearKernel(variance_constraint=log_positive())
 
 
-def _scaled(base: Kernel, num_features: int, dtype: torch.dtype) -> gpytorch.kernels.ScaleKernel:
-    r"""``ScaleKernel(base)``: outputscale 1, every Matérn lengthscale :math:`\sqrt D` (of warped features
-    :math:`\sqrt{D / 12}`, of one feature 1), every linear variance and inner outputscale :math:`1 / D` (tensors of
-    ``dtype``, so they are not rounded through float32)."""
+def _scaled(
+    base: Kernel, num_features: int, dtype: torch.dtype, lengthscale: float | None = None
+) -> gpytorch.kernels.ScaleKernel:
+    r"""``ScaleKernel(base)``: outputscale 1, every Matérn lengthscale ``lengthscale`` (default :math:`\sqrt D`),
+    every linear variance and inner outputscale :math:`1 / D` (tensors of ``dtype``, so they are not rounded through
+    float32)."""
     kernel = gpytorch.kernels.ScaleKernel(base, outputscale_constraint=log_positive()).to(dtype)
     kernel.outputscale = torch.tensor(1.0, dtype=dtype)
-    warped = any(isinstance(module, KumaraswamyWarpedKernel) for module in kernel.modules())
-    additive = any(isinstance(module, FirstOrderAdditiveKernel) for module in kernel.modules())
-    lengthscale = 1.0 if additive else math.sqrt(num_features / (12 if warped else 1))
+    lengthscale = math.sqrt(num_features) if lengthscale is None else lengthscale
     for module in kernel.modules():
         if isinstance(module, gpytorch.kernels.MaternKernel):
             module.lengthscale = torch.tensor(lengthscale, dtype=dtype)
