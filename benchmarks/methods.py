@@ -256,6 +256,7 @@ def run_iterncgp(
     kernel_path: str = "keops",
     evaluate: bool = True,
     show_progress: bool = False,
+    **strategy_options,
 ) -> dict:
     """Fit IterNCGP, evaluating on the test set along the way (from a dense cross kernel, not timed).
 
@@ -264,6 +265,7 @@ def run_iterncgp(
         ``dense_kernel_limit``).
     :param evaluate: evaluate after the Newton steps in ``EVALUATION_STEPS`` and at the end; otherwise only at
         the end, through ``IterNCGPStrategy.marginal_latent``.
+    :param strategy_options: further ``IterNCGPStrategy`` options (e.g. ``preconditioner_rank``).
     :return: ``history`` (per Newton step: time, metrics, products, time in products), the fit report's
         totals, buffer sizes and the peak resident memory of the fit.
     """
@@ -278,6 +280,7 @@ def run_iterncgp(
         min_curvature=1e-6,
         covariance_iterations=0,  # the paper's method (Alg. 2): the Newton steps' actions alone
         show_progress=show_progress,
+        **strategy_options,
     )
 
     def test_posterior(state, cross_kernel):

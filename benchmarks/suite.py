@@ -98,6 +98,7 @@ def iterncgp_jobs(args, path: str) -> list[tuple[str, dict]]:
     name = {"keops": "KeOps", "chunked": "chunked K"}[path]
     short = {"max_newton_steps": args.newton_steps, "max_solver_iterations": args.solver_iterations}
     long = {"max_newton_steps": args.dense_newton_steps, "max_solver_iterations": args.solver_iterations}
+    short, long = _preconditioned(args, short), _preconditioned(args, long)
     dense = f"cached dense K, ≤{args.dense_newton_steps} steps"
     return [
         (f"IterNCGP-CG R=∞ ({name})", {**short, "policy": "cg", "compression_rank": None, "kernel_path": path}),
@@ -109,6 +110,13 @@ def iterncgp_jobs(args, path: str) -> list[tuple[str, dict]]:
             {**short, "policy": "unit", "max_solver_iterations": args.unit_iterations, "kernel_path": "dense"},
         ),
     ]
+
+
+def _preconditioned(args, options: dict) -> dict:
+    """``options`` with ``--preconditioner-rank`` where given (otherwise the package's default preconditioner)."""
+    if args.preconditioner_rank is None:
+        return options
+    return {**options, "preconditioner_rank": args.preconditioner_rank}
 
 
 def _kernel_path(args) -> str:
@@ -313,14 +321,17 @@ def run_large(args, executor) -> dict:
         "device": args.device,
         "label": f"IterNCGP-CG R=10 ({path}), N={args.large_n}",
         "method": "iterncgp",
-        "options": {
-            "policy": "cg",
-            "compression_rank": 10,
-            "kernel_path": path,
-            "max_newton_steps": args.large_steps,
-            "max_solver_iterations": args.solver_iterations,
-            "evaluate": False,
-        },
+        "options": _preconditioned(
+            args,
+            {
+                "policy": "cg",
+                "compression_rank": 10,
+                "kernel_path": path,
+                "max_newton_steps": args.large_steps,
+                "max_solver_iterations": args.solver_iterations,
+                "evaluate": False,
+            },
+        ),
     }
     result = executor.submit(run_job, job).result()
     size = result["num_train"] * 10
@@ -354,6 +365,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--solver-iterations", type=int, default=5, help="j: IterGP iterations per Newton step")
     parser.add_argument("--unit-iterations", type=int, default=10, help="iterations per step for unit vectors")
+    parser.add_argument(
+        "--preconditioner-rank",
+        type=int,
+        default=None,
+        help="IterNCGP's preconditioner_rank (default: the package's; 0: unpreconditioned CG, as the paper and §1)",
+    )
     parser.add_argument(
         "--methods", nargs="+", default=["iterncgp", "ep", "svgp", "sod"], choices=["iterncgp", "ep", "svgp", "sod"]
     )
