@@ -6,12 +6,14 @@ r"""The estimators on real tabular data beside what practitioners use instead: t
     python -m benchmarks.tabular --smoke                          # tiny, seconds (the tests run it)
 
 Data: :data:`benchmarks.real_data.TABULAR` (nine classification sets) and :data:`benchmarks.real_data.COUNTS` (two
-count sets), 80/20 splits by the seed, features standardised on the training part. Methods, one after the other on
+count sets), and on request :data:`benchmarks.real_data.LARGE` (two sets where the estimators use stochastic EP),
+80/20 splits by the seed, features standardised on the training part. Methods, one after the other on
 ``--threads`` threads:
 
 * ``estimator``: ``IterNCGPClassifier(kernel=None, random_state=seed)`` (``IterNCGPPoissonRegressor`` for counts): the
   Matérn alone, the other parameters at their defaults;
-* ``estimator_auto``: the same with ``kernel="auto"`` (the Matérn or linear + Matérn, by the held-out score:
+* ``estimator_auto``: the same with ``kernel="auto"`` (a kernel of
+  :data:`gpytorch_iterncgp.learning.estimator_policy.AUTO_KERNELS`, by the held-out score:
   :func:`gpytorch_iterncgp.learning.estimator_policy.auto_kernel_names`); the chosen kernel, why, and every
   candidate's selection scores are recorded;
 * ``estimator_negbin``, ``estimator_negbin_auto`` (counts): ``IterNCGPNegativeBinomialRegressor`` with the Matérn
@@ -46,7 +48,7 @@ import torch
 from benchmarks.common import add_smoke_flag, write_results
 from benchmarks.data import Data, load
 from benchmarks.gpytorch_door import run_sklearn
-from benchmarks.real_data import COUNTS, TABULAR
+from benchmarks.real_data import COUNTS, LARGE, TABULAR
 from benchmarks.scoring import log_loss, nll_at, spread
 from benchmarks.svgp import run_svgp
 from gpytorch_iterncgp.learning.kernel_choice import kernel_family
@@ -249,7 +251,7 @@ def plot(results: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--datasets", nargs="+", default=[*TABULAR, *COUNTS], choices=[*TABULAR, *COUNTS])
+    parser.add_argument("--datasets", nargs="+", default=[*TABULAR, *COUNTS], choices=[*TABULAR, *COUNTS, *LARGE])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument(
         "--methods",

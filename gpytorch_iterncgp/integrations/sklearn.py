@@ -314,16 +314,23 @@ class _IterNCGPEstimator(BaseEstimator):
         """Appended to the fit's ``ConvergenceWarning``: nothing here (the classifier names a faster inference)."""
         return ""
 
-    def _fit_sparse_model(self, X: np.ndarray, targets: torch.Tensor, likelihood, mean) -> None:
+    def _fit_sparse_model(
+        self, X: np.ndarray, targets: torch.Tensor, likelihood, mean, names: tuple[str, ...], why: str
+    ) -> None:
         """``inference="sparse_ep"``: stochastic EP with ``num_inducing`` inducing inputs at k-means centres of ``X``
         (scikit-learn's ``MiniBatchKMeans``), learnt with the kernel by :func:`~gpytorch_iterncgp.fit_mll`'s
-        minibatch loop (batches of ``batch_size``, until its steps or ``max_time``); set the fitted attributes."""
+        minibatch loop (batches of ``batch_size``, until its steps or ``max_time``), after choosing it among the
+        ``names`` of the family where there are several (by the held-out score of dense EP on rows of ``X``,
+        :func:`~gpytorch_iterncgp.learning.fit.fit_minibatch_mll`; ``why``: the choice's reason); set the fitted
+        attributes."""
         from sklearn.cluster import MiniBatchKMeans
 
         seed = int(check_random_state(self.random_state).randint(np.iinfo(np.int32).max))
         num_inducing = min(int(self.num_inducing), len(X))
         centres = MiniBatchKMeans(n_clusters=num_inducing, random_state=seed, n_init=1).fit(X).cluster_centers_
-        kernel = self._given_kernel(X.shape[1])
+        family = kernel_family(X.shape[1]) if names else {}
+        candidates = {name: family[name] for name in names} if len(names) > 1 else None
+        kernel = family[names[0]] if names else self._given_kernel(X.shape[1])
         model = _SparseLatentGP(self._tensor(centres), likelihood, kernel, mean, len(X))
         model = model.to(device=self._device, dtype=_DTYPE)
         if not self.optimize_hyperparameters:
@@ -339,6 +346,13 @@ class _IterNCGPEstimator(BaseEstimator):
                 recipe=MinibatchRecipe(batch_size=int(self.batch_size)),
                 seed=seed,
                 show_progress=bool(self.verbose),
+                **({} if candidates is None else {"kernels": candidates, "select_by": "held_out"}),
+            )
+        if candidates is not None:
+            assert report.kernel is not None
+            rows = report.kernel_scores[report.kernel]["rows"]
+            self.kernel_choice_: str | None = (
+                f"{report.kernel!r}: {why} of {report.validation_points} points (each learnt by dense EP on {rows})"
             )
         self.inference_ = "sparse_ep"
         self.solver_budget_ = None
@@ -375,7 +389,7 @@ class _IterNCGPEstimator(BaseEstimator):
         )
         self.kernel_choice_ = f"{names[0]!r}: {why}" if names else None
         if inference == "sparse_ep":
-            self._fit_sparse_model(X, targets, likelihood, mean)
+            self._fit_sparse_model(X, targets, likelihood, mean, names, why)
             return
         seed = int(check_random_state(self.random_state).randint(np.iinfo(np.int32).max))
         train_x = self._tensor(X)

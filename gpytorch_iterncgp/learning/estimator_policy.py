@@ -30,11 +30,10 @@ from ..core.policies import Policy
 from ..laplace.newton import SolverOptions
 from ..mlls.itergp import EPMarginalLogLikelihood, LaplaceMarginalLogLikelihood
 from ..strategies.itergp import EPStrategy
-from .rows import auto_subset_size, holds_out_rows
+from .rows import auto_choice_size, auto_subset_size, holds_out_rows
 
 __all__ = [
     "AUTO_KERNELS",
-    "AUTO_KERNEL_INFERENCES",
     "CLASSIFIER_INFERENCE",
     "DEFAULT_SOLVER_ITERATIONS",
     "DENSE_ONLY",
@@ -101,9 +100,6 @@ DENSE_ONLY = (
 )
 #: the parameters only stochastic EP (``"sparse_ep"``) uses: its inducing inputs and minibatches
 SPARSE_ONLY = ("num_inducing", "batch_size")
-#: ``kernel="auto"``: the inferences that choose their kernel, each candidate learnt on the dense evidence of the
-#: learning rows (:func:`~gpytorch_iterncgp.fit_mll`'s ``kernels=``); stochastic EP learns one kernel on minibatches
-AUTO_KERNEL_INFERENCES = ("laplace", "ep")
 #: ``kernel="auto"``: the names of :func:`~gpytorch_iterncgp.learning.kernel_choice.kernel_family`'s kernels chosen
 #: among (:func:`auto_kernel_names`)
 AUTO_KERNELS = ("matern", "linear+matern", "warped_matern")
@@ -189,10 +185,12 @@ def auto_kernel_names(
     r"""``kernel="auto"``: the names of :func:`~gpytorch_iterncgp.learning.kernel_choice.kernel_family`'s kernels to
     choose among, and why. :data:`AUTO_KERNELS` (``"matern"``, ``"linear+matern"`` and ``"warped_matern"``), each
     learnt on the learning rows and chosen by the held-out score of the rows the learning holds out (the log-loss of
-    a classifier, the Poisson deviance of counts: cross-validation, R&W sec. 5.3), where the inference is dense
-    (:data:`AUTO_KERNEL_INFERENCES`), the hyperparameters are learnt and rows are held out (:math:`N` beyond the
-    learning subset, :math:`\lfloor\sqrt{10^7 / C}\rfloor` rows by default, by at least ``min_validation_points``);
-    otherwise ``("matern",)``, :func:`default_kernel` alone.
+    a classifier, the Poisson deviance of counts: cross-validation, R&W sec. 5.3), where the hyperparameters are
+    learnt and rows are held out: :math:`N` beyond the learning subset (:math:`\lfloor\sqrt{10^7 / C}\rfloor` rows
+    by default) by at least ``min_validation_points``; under ``"sparse_ep"``, beyond the
+    :math:`M_c = \lfloor\sqrt{10^6 / C}\rfloor` rows (at most half of them) each candidate is learnt on by dense EP
+    (:func:`~gpytorch_iterncgp.learning.fit.fit_minibatch_mll`'s ``kernels=``), stochastic EP then learning the
+    chosen one on all the data. Otherwise ``("matern",)``, :func:`default_kernel` alone.
 
     Why these three and this rule (``benchmarks/README.md`` §26-§29): on the tabular panel the linear part lowered the
     test log-loss on average and by up to a half (texture), the learnt warping of the features by up to a fifth
@@ -210,16 +208,17 @@ def auto_kernel_names(
     :return: ``(names, reason)``: the names (one: no choice) and why (a clause, for the estimators'
         ``kernel_choice_``).
     """
-    if inference not in AUTO_KERNEL_INFERENCES:
-        return ("matern",), f"inference={inference!r} learns one kernel on minibatches"
     if not learn:
         return ("matern",), "the hyperparameters are not learnt (nothing to choose by)"
-    size = auto_subset_size(num_latents) if learning_subset == "auto" else learning_subset
+    if inference == "sparse_ep":  # the choice's own rows: M_c learnt on (at most half the data), as many held out
+        size, learnt = min(auto_choice_size(num_latents), num_points // 2), "the choice would learn each kernel"
+    else:
+        size = auto_subset_size(num_latents) if learning_subset == "auto" else learning_subset
+        learnt = "the hyperparameters are learnt"
     if not holds_out_rows(num_points, size, min_validation_points):
         rows = f"all {num_points}" if size is None or size >= num_points else f"{size} of the {num_points}"
         return ("matern",), (
-            f"the hyperparameters are learnt on {rows} points, leaving fewer than {min_validation_points} held-out "
-            "points to choose by"
+            f"{learnt} on {rows} points, leaving fewer than {min_validation_points} held-out points to choose by"
         )
     return AUTO_KERNELS, f"chosen among {', '.join(map(repr, AUTO_KERNELS))} by the held-out score"
 

@@ -25,6 +25,7 @@ minibatches of ``data`` (:mod:`.minibatch`).
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import itertools
 import math
@@ -108,9 +109,8 @@ _NOT_FOR_DENSE = {
 _NOT_FOR_MINIBATCHES = {
     "subset": "stochastic EP learns on all of data= in minibatches; set their size with "
     "recipe=MinibatchRecipe(batch_size=...)",
-    "validation_rows": "stochastic EP has no outputscale phase (its objective is SEP's energy on all the data)",
-    "kernels": "stochastic EP learns one kernel (no kernel choice for it yet); put the kernel in the model",
-    "select_by": "stochastic EP has no kernel choice (kernels=), so nothing to select by",
+    "validation_rows": "stochastic EP has no outputscale phase (its objective is SEP's energy on all the data), and "
+    "its kernel choice (kernels=) draws its own held-out rows from data=",
 }
 
 
@@ -337,20 +337,32 @@ def fit_minibatch_mll(
     *,
     max_time: float | None = None,
     recipe: MinibatchRecipe | None = None,
+    kernels: Mapping[str, gpytorch.kernels.Kernel] | Sequence[gpytorch.kernels.Kernel] | None = None,
+    select_by: str = "bic",
     seed: int | None = None,
     show_progress: bool | None = None,
 ) -> LearningReport:
-    """:func:`fit_mll` for a :class:`~gpytorch_iterncgp.StochasticEPMarginalLogLikelihood` (whose model holds no data):
+    r""":func:`fit_mll` for a :class:`~gpytorch_iterncgp.StochasticEPMarginalLogLikelihood` (whose model holds no data):
     Adam on SEP's energy over minibatches of ``data`` (:func:`.minibatch.fit_minibatches`), until the recipe's
-    ``max_steps`` or ``max_time``; no other phase.
+    ``max_steps`` or ``max_time``; with ``kernels``, after the kernel choice (:func:`_choose_for_minibatches`).
 
     :param data: ``(train_inputs, train_targets)``, ``(N, D)`` and ``(N,)``, ``N`` the objective's ``num_data``
         (required: the model holds no data).
-    :param max_time: seconds (``None``: no limit).
+    :param max_time: seconds (``None``: no limit); with ``kernels``, the choice gets an equal share per candidate of
+        the time, the minibatch learning one more.
     :param recipe: a :class:`~.minibatch.MinibatchRecipe` (batch size, steps, learning rate and its schedule).
-    :param seed: seeds the minibatches' order (``None``: drawn from torch's global generator).
+    :param kernels: candidate kernels, ``{name: kernel}`` or a list, as :func:`fit_dense_mll`'s: each learnt and scored
+        on the dense EP evidence of :math:`M_c = \lfloor\sqrt{10^6/C}\rfloor` rows of ``data`` (and its held-out
+        score on as many others); the model keeps the best at its initial values (``report.kernel``, every
+        candidate's scores in ``report.kernel_scores``), which the minibatch learning then learns as if it had been
+        given alone. ``None`` (default): the model's own kernel.
+    :param select_by: with ``kernels``, ``"bic"``, ``"evidence"`` or ``"held_out"``, as :func:`fit_dense_mll`'s.
+    :param seed: seeds the minibatches' order and the choice's rows (``None``: drawn from torch's global generator).
     :param show_progress: a progress bar (``None``: shown).
-    :raises TypeError: for a recipe that is not a ``MinibatchRecipe`` or ``data`` that is not two tensors.
+    :raises TypeError: for a recipe that is not a ``MinibatchRecipe``, ``data`` that is not two tensors, or
+        ``kernels`` that are not kernels or for a model without ``covar_module``.
+    :raises ValueError: for an unknown ``select_by`` (or one without ``kernels``), or ``"held_out"`` with too few rows
+        to hold out.
     """
     recipe = MinibatchRecipe() if recipe is None else recipe
     if not isinstance(recipe, MinibatchRecipe):
@@ -360,11 +372,108 @@ def fit_minibatch_mll(
         raise TypeError(
             "fit_mll: a StochasticEPMarginalLogLikelihood's model holds no data; pass data=(train_inputs, train_targets)."
         )
+    candidates = _candidates(mll, kernels, select_by, LearningRecipe())
     deadline, show = _deadline(max_time), _show(show_progress, True)
     device = _device(mll)
     start_peak_memory(device)
+    choice = None
+    if candidates is not None:
+        choice_deadline = _share_of(deadline, len(candidates), len(candidates) + 1)
+        choice = _choose_for_minibatches(mll, data, candidates, select_by, choice_deadline, _RowGenerator(seed)(), show)
     report = fit_minibatches(mll, data[0], data[1], recipe, deadline, _RowGenerator(seed)(), show)
+    if choice is not None:
+        report.kernel, report.kernel_scores = choice.kernel, choice.kernel_scores
+        report.validation_rows, report.validation_points = choice.validation_rows, choice.validation_points
     report.peak_memory_bytes = peak_memory_bytes(device)
+    return report
+
+
+@contextlib.contextmanager
+def _frozen(parameters: list[Tensor]) -> Iterator[None]:
+    """``parameters`` (each with ``requires_grad``) left out of learning inside the context."""
+    for parameter in parameters:
+        parameter.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for parameter in parameters:
+            parameter.requires_grad_(True)
+
+
+def _share_of(deadline: float | None, parts: int, whole: int) -> float | None:
+    """The ``time.perf_counter()`` by which ``parts`` of ``whole`` equal shares of the time left have passed."""
+    if deadline is None:
+        return None
+    now = time.perf_counter()
+    return now + max(deadline - now, 0.0) * parts / whole
+
+
+def _choose_for_minibatches(
+    mll: StochasticEPMarginalLogLikelihood,
+    data: tuple[Tensor, Tensor],
+    candidates: dict[str, gpytorch.kernels.Kernel],
+    select_by: str,
+    deadline: float | None,
+    generator: torch.Generator,
+    show: bool,
+) -> LearningReport:
+    r"""The kernel choice of :func:`fit_minibatch_mll`: a dense EP view of the model (:class:`~.learner.LearnerModel`)
+    on :math:`M_c` rows of ``data`` (:func:`~.rows.auto_choice_size`, at most half of them; stratified by class) and
+    as many others held out (:func:`~.rows.held_out_rows`), whose :func:`fit_dense_mll` learns each candidate on
+    the :math:`M_c` rows and scores it (:func:`~.kernel_choice.choose_kernel`). Successive halving's first rung, as
+    the dense choice's, with SEP's learning on all the data as the second.
+
+    The model is left with the chosen candidate at its initial values and its other parameters (the mean's, the
+    inducing inputs, the likelihood's) as on entry; torch's global generator too (the choice runs under
+    ``torch.random.fork_rng``), so that (with a ``seed``) the minibatch learning is that of the model given the chosen
+    kernel alone. The strategy's own parameters (the inducing inputs) are not in the dense evidence and stay fixed.
+
+    :return: the dense choice's report (``kernel``, ``kernel_scores``; ``validation_rows`` as rows of ``data``).
+    :raises ValueError: for ``select_by="held_out"`` where ``data`` has too few rows to hold out.
+    """
+    model, likelihood = mll.model, mll.likelihood
+    strategy = model.variational_strategy
+    inputs, targets = data
+    recipe = LearningRecipe(kernel_choice_subset=None)  # each candidate on the M_c rows, no second dense learning
+    labels = targets.cpu() if strategy.adapter.classification else None
+    size = min(auto_choice_size(strategy.num_latents), len(inputs) // 2)
+    learning = draw_rows(torch.arange(len(inputs)), max(size, 2), labels, generator)
+    held_out = held_out_rows(len(inputs), learning, labels, recipe.min_validation_points, generator)
+    if held_out is None and select_by == "held_out":
+        raise ValueError(
+            f"fit_mll: kernels= with select_by='held_out' scores each candidate on rows of data= held out from its "
+            f"learning, but {len(inputs)} rows leave fewer than recipe.min_validation_points="
+            f"{recipe.min_validation_points} beside the {len(learning)} learnt on: choose by select_by='bic' (or "
+            "'evidence')."
+        )
+    rows = learning if held_out is None else torch.cat([learning, held_out])
+    index = rows.to(inputs.device)
+    view = LearnerModel(model, EPStrategy, inputs[index], targets[index.to(targets.device)], likelihood)
+    initial = {name: copy.deepcopy(kernel.state_dict()) for name, kernel in candidates.items()}
+    kernel_ids = {id(parameter) for parameter in model.covar_module.parameters()}
+    others = [p for p in (*model.parameters(), *likelihood.parameters()) if id(p) not in kernel_ids]
+    entry = [parameter.detach().clone() for parameter in others]
+    validation = None if held_out is None else torch.arange(len(learning), len(rows))
+    frozen = [parameter for parameter in strategy.parameters() if parameter.requires_grad]  # not in the dense evidence
+    with torch.random.fork_rng(devices=[]), _frozen(frozen):
+        report = fit_dense_mll(
+            EPMarginalLogLikelihood(likelihood, view),
+            max_time=None if deadline is None else max(deadline - time.perf_counter(), 0.0),
+            recipe=recipe,
+            subset=torch.arange(len(learning)),
+            validation_rows=validation,
+            kernels=candidates,
+            select_by=select_by,
+            seed=int(torch.randint(2**62, (), generator=generator)),
+            show_progress=show,
+        )
+    assert report.kernel is not None
+    model.covar_module = candidates[report.kernel]
+    model.covar_module.load_state_dict(initial[report.kernel])
+    with torch.no_grad():
+        for parameter, value in zip(others, entry, strict=True):
+            parameter.copy_(value)
+    report.validation_rows = None if held_out is None else held_out.tolist()
     return report
 
 

@@ -39,6 +39,7 @@ from ..likelihoods.negative_binomial import NegativeBinomialLikelihood
 from ..mlls.itergp import EPMarginalLogLikelihood, LaplaceMarginalLogLikelihood
 from ..strategies.itergp import EPStrategy
 from .estimator_policy import default_kernel, log_positive
+from .learner import LearnerModel
 from .outputscale import log_loss
 from .recipe import RECOVERABLE_ERRORS, LearningRecipe, LearningReport
 
@@ -52,6 +53,7 @@ __all__ = [
     "held_out_score",
     "held_out_unavailable",
     "kernel_family",
+    "kernel_owner",
     "learnt_evidence",
     "poisson_deviance",
 ]
@@ -149,6 +151,12 @@ def _scaled(
     return kernel
 
 
+def kernel_owner(model: Any) -> Any:
+    """The model whose ``covar_module`` ``model``'s prior evaluates: a :class:`~.learner.LearnerModel`'s prior model (a
+    view of another model on other rows), the model itself otherwise."""
+    return model.prior_model if isinstance(model, LearnerModel) else model
+
+
 def candidate_kernels(kernels: Any, model: Any, select_by: Any) -> dict[str, Kernel]:
     """``fit_mll``'s ``kernels=`` as ``{name: kernel}``, checked before anything is learnt.
 
@@ -161,6 +169,7 @@ def candidate_kernels(kernels: Any, model: Any, select_by: Any) -> dict[str, Ker
     :raises ValueError: for an unknown ``select_by``, or no candidate.
     """
     check_select_by(select_by)
+    model = kernel_owner(model)
     if not hasattr(model, "covar_module"):
         raise TypeError(
             "fit_mll: kernels= puts each candidate in the model as its covar_module, but "
@@ -233,7 +242,8 @@ def choose_kernel(
     deadline: float | None,
     choice: LearningPhase | None = None,
 ) -> None:
-    r"""Put each candidate in ``model`` (``model.covar_module = kernel``), learn it (``choice``, or ``phase`` without
+    r"""Put each candidate in ``model`` (``model.covar_module = kernel``; in the prior model of a
+    :class:`~.learner.LearnerModel`, :func:`kernel_owner`), learn it (``choice``, or ``phase`` without
     one: type-II maximum likelihood on the :math:`M` learning rows and, for a classifier, the outputscale on the
     held-out rows), score it, and leave the model with the best one and its learnt hyperparameters (the kernel's, and
     the mean's and likelihood's, which every candidate learns from their values on entry). With ``choice`` (the same
@@ -272,7 +282,8 @@ def choose_kernel(
     :raises RuntimeError: where every candidate failed (naming each error).
     """
     inputs = model.variational_strategy.train_inputs
-    initial_kernel = {id(parameter) for parameter in model.covar_module.parameters()}
+    owner = kernel_owner(model)
+    initial_kernel = {id(parameter) for parameter in owner.covar_module.parameters()}
     others = list({id(p): p for p in itertools.chain(model.parameters(), likelihood.parameters())}.values())
     others = [parameter for parameter in others if id(parameter) not in initial_kernel]
     initial = [parameter.detach().clone() for parameter in others]
@@ -282,7 +293,7 @@ def choose_kernel(
     screen = phase if choice is None else choice
     for index, (name, kernel) in enumerate(candidates.items()):
         candidate_deadline = _share(deadline, len(candidates) - index + (choice is not None))
-        model.covar_module = kernel.to(device=inputs.device, dtype=inputs.dtype)
+        owner.covar_module = kernel.to(device=inputs.device, dtype=inputs.dtype)
         _restore(others, initial)
         candidate = dataclasses.replace(report, losses=[], outputscale_log_loss={}, kernel_scores={})
         start = time.perf_counter()
@@ -316,10 +327,10 @@ def choose_kernel(
         raise RuntimeError(f"fit_mll: every candidate kernel failed ({errors}).")
     chosen = min(outcomes, key=lambda name: report.kernel_scores[name][select_by])
     candidate, learnt = outcomes[chosen]
-    model.covar_module = candidates[chosen]
+    owner.covar_module = candidates[chosen]
     _restore(others, learnt)
     if choice is not None:  # the chosen kernel learnt again on all the learning rows, cold
-        model.covar_module.load_state_dict(initial_kernels[chosen])
+        owner.covar_module.load_state_dict(initial_kernels[chosen])
         _restore(others, initial)
         candidate = dataclasses.replace(report, losses=[], outputscale_log_loss={}, kernel_scores={})
         phase.learn(candidate, deadline, chosen)

@@ -30,10 +30,11 @@ class LearnerModel(gpytorch.models.ApproximateGP):
     ``targets``, with its own strategy of ``strategy_type``.
 
     The strategy takes ``model``'s strategy's options where the two have the same fields (the step limit as a step
-    limit: ``max_newton_steps`` and ``max_sweeps``), a copy of its policy, and ``likelihood``.
+    limit: ``max_newton_steps`` and ``max_sweeps``), a copy of its policy, and ``likelihood``; for a model with a
+    :class:`~gpytorch_iterncgp.StochasticEPStrategy` (which has no solver), the strategy's own defaults.
 
-    :param model: the user's ``ApproximateGP`` with an :class:`~gpytorch_iterncgp.IterNCGPStrategy` or
-        :class:`~gpytorch_iterncgp.EPStrategy`.
+    :param model: the user's ``ApproximateGP`` with an :class:`~gpytorch_iterncgp.IterNCGPStrategy`, an
+        :class:`~gpytorch_iterncgp.EPStrategy` or a :class:`~gpytorch_iterncgp.StochasticEPStrategy`.
     :param strategy_type: ``IterNCGPStrategy`` or ``EPStrategy``.
     :param inputs: ``(M, D)``; ``targets``: ``(M,)`` or ``(M, C)``; rows of the training data.
     :param likelihood: the learner's likelihood (:func:`laplace_likelihood` of the user's, or the user's).
@@ -48,14 +49,13 @@ class LearnerModel(gpytorch.models.ApproximateGP):
         likelihood: gpytorch.likelihoods.Likelihood,
     ):
         source = model.variational_strategy
-        fields = {field.name for field in dataclasses.fields(strategy_type._options_type)}
-        options: dict[str, Any] = {
-            name: getattr(source.options, name) for name in fields if hasattr(source.options, name)
-        }
-        options[strategy_type.max_steps_option] = getattr(source.options, source.max_steps_option)
-        strategy = strategy_type(
-            self, inputs, targets, likelihood, policy=copy.deepcopy(source.policy), show_progress=False, **options
-        )
+        options: dict[str, Any] = {}
+        if isinstance(source, IterNCGPStrategy | EPStrategy):
+            fields = {field.name for field in dataclasses.fields(strategy_type._options_type)}
+            options = {name: getattr(source.options, name) for name in fields if hasattr(source.options, name)}
+            options[strategy_type.max_steps_option] = getattr(source.options, source.max_steps_option)
+            options["policy"] = copy.deepcopy(source.policy)
+        strategy = strategy_type(self, inputs, targets, likelihood, show_progress=False, **options)
         super().__init__(strategy)
         self.prior_model = model
 

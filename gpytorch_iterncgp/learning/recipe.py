@@ -51,7 +51,7 @@ class LearningRecipe:
     :param kernel_choice_subset: with candidate kernels (``fit_mll(kernels=...)``), the learning rows each candidate is
         learnt and scored on for the choice: ``"auto"`` (:data:`KERNEL_CHOICE_COST`), a number of rows, or ``None``
         (all the learning rows, no second learning). Where fewer, the chosen kernel is learnt again on all the learning
-        rows from the hyperparameters it learnt in the choice (two fidelities, as successive halving: Jamieson &
+        rows from its initial values, as if it had been given alone (two fidelities, as successive halving: Jamieson &
         Talwalkar 2016).
     """
 
