@@ -521,9 +521,11 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
         type-II maximum likelihood on :math:`\lfloor\sqrt{10^6/C}\rfloor` of the learning rows and chosen by the
         log-loss (counts: the Poisson deviance) of the held-out rows, the chosen one then learnt on all the learning
         rows (:func:`~gpytorch_iterncgp.fit_mll`'s ``kernels=`` with ``select_by="held_out"``; ``benchmarks/README.md``
-        §27-§29: lower test log-loss on average, 2.0 to 2.3 times the fit's seconds on three sets); the Matérn alone,
-        fitted exactly as ``None``, where nothing is held out to choose by (data within the learning subset), nothing
-        is learnt, or under ``"sparse_ep"`` (:func:`~gpytorch_iterncgp.learning.estimator_policy.auto_kernel_names`).
+        §27-§29: lower test log-loss on average, 2.0 to 2.3 times the fit's seconds on three sets); under
+        ``"sparse_ep"`` each is learnt by dense EP on :math:`\lfloor\sqrt{10^6/C}\rfloor` rows and scored on as many
+        others, and stochastic EP learns the chosen one (§31: 1.1 to 1.5 times the fit's seconds); the Matérn alone,
+        fitted exactly as ``None``, where nothing is held out to choose by (data within the learning subset) or nothing
+        is learnt (:func:`~gpytorch_iterncgp.learning.estimator_policy.auto_kernel_names`).
         ``kernel_choice_`` says which and why; the candidates' scores are in ``learning_report_`` (``kernel``,
         ``kernel_scores``).
     :param link: ``"logit"`` (default, also ``None``) or ``"probit"``: binary data's link (multi-class data: see

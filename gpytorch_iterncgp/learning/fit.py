@@ -19,7 +19,8 @@ The recipe, in three phases (each a progress bar with ``show_progress``):
 3. **final fit**: the strategy's own ``fit()`` on all the data, at its own options (with its covariance phase).
 
 A model with a :class:`~gpytorch_iterncgp.StochasticEPStrategy` holds no data and has one phase: SVGP's loop on
-minibatches of ``data`` (:mod:`.minibatch`).
+minibatches of ``data`` (:mod:`.minibatch`), after the kernel choice on a dense EP view of rows of ``data`` where
+candidate kernels are given.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from .kernel_choice import (
     choose_kernel,
     has_held_out_score,
     held_out_unavailable,
+    time_share,
 )
 from .learner import LearnerModel, laplace_likelihood
 from .minibatch import MinibatchRecipe, fit_minibatches
@@ -77,7 +79,8 @@ def fit_mll(mll: MarginalLogLikelihood, **options: Any) -> LearningReport:
       :class:`~gpytorch_iterncgp.EPStrategy`), whose model holds its data: :func:`fit_dense_mll` (options
       ``max_time``, ``recipe``, ``subset``, ``validation_rows``, ``seed``, ``show_progress``);
     * a :class:`~gpytorch_iterncgp.StochasticEPMarginalLogLikelihood`, whose model holds no data:
-      :func:`fit_minibatch_mll` (options ``data``, ``max_time``, ``recipe``, ``seed``, ``show_progress``).
+      :func:`fit_minibatch_mll` (options ``data``, ``max_time``, ``recipe``, ``kernels``, ``select_by``, ``seed``,
+      ``show_progress``).
 
     :param options: the keyword options of that function.
     :return: the :class:`~gpytorch_iterncgp.learning.recipe.LearningReport`.
@@ -378,7 +381,7 @@ def fit_minibatch_mll(
     start_peak_memory(device)
     choice = None
     if candidates is not None:
-        choice_deadline = _share_of(deadline, len(candidates), len(candidates) + 1)
+        choice_deadline = time_share(deadline, len(candidates), len(candidates) + 1)
         choice = _choose_for_minibatches(mll, data, candidates, select_by, choice_deadline, _RowGenerator(seed)(), show)
     report = fit_minibatches(mll, data[0], data[1], recipe, deadline, _RowGenerator(seed)(), show)
     if choice is not None:
@@ -398,14 +401,6 @@ def _frozen(parameters: list[Tensor]) -> Iterator[None]:
     finally:
         for parameter in parameters:
             parameter.requires_grad_(True)
-
-
-def _share_of(deadline: float | None, parts: int, whole: int) -> float | None:
-    """The ``time.perf_counter()`` by which ``parts`` of ``whole`` equal shares of the time left have passed."""
-    if deadline is None:
-        return None
-    now = time.perf_counter()
-    return now + max(deadline - now, 0.0) * parts / whole
 
 
 def _choose_for_minibatches(

@@ -56,6 +56,7 @@ __all__ = [
     "kernel_owner",
     "learnt_evidence",
     "poisson_deviance",
+    "time_share",
 ]
 
 #: what :func:`choose_kernel` may choose by (:func:`choose_kernel`): the held-out score (log-loss or Poisson
@@ -292,7 +293,7 @@ def choose_kernel(
     report.kernel_scores = {}
     screen = phase if choice is None else choice
     for index, (name, kernel) in enumerate(candidates.items()):
-        candidate_deadline = _share(deadline, len(candidates) - index + (choice is not None))
+        candidate_deadline = time_share(deadline, 1, len(candidates) - index + (choice is not None))
         owner.covar_module = kernel.to(device=inputs.device, dtype=inputs.dtype)
         _restore(others, initial)
         candidate = dataclasses.replace(report, losses=[], outputscale_log_loss={}, kernel_scores={})
@@ -343,12 +344,13 @@ def choose_kernel(
         report.validation_rows, report.validation_points = phase.held_out.tolist(), len(phase.held_out)
 
 
-def _share(deadline: float | None, candidates_left: int) -> float | None:
-    """The deadline of the next candidate: an equal share of the time left among ``candidates_left``."""
+def time_share(deadline: float | None, parts: int, whole: int) -> float | None:
+    """The ``time.perf_counter()`` by which ``parts`` of ``whole`` equal shares of the time left before ``deadline``
+    have passed (``None`` without a deadline): the next candidate's deadline is one share among those left."""
     if deadline is None:
         return None
     now = time.perf_counter()
-    return now + max(deadline - now, 0.0) / candidates_left
+    return now + max(deadline - now, 0.0) * parts / whole
 
 
 def _restore(parameters: list[Tensor], values: list[Tensor]) -> None:

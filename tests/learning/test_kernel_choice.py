@@ -504,6 +504,14 @@ def test_stochastic_ep_chooses_on_dense_rows_then_learns_the_chosen_kernel_alone
     assert report.losses == pytest.approx(expected.losses, rel=1e-10, abs=1e-12)
     for name, parameter in alone.named_parameters():
         torch.testing.assert_close(dict(model.named_parameters())[name], parameter, rtol=1e-10, atol=1e-12)
+    quick = fit_mll(
+        _sep_model(x)[1],
+        data=(x, y),
+        kernels=_family(2, ("matern", "warped_matern")),
+        max_time=0.0,
+        show_progress=False,
+    )
+    assert quick.stopped == "max_time" and quick.evaluations == 1 and quick.kernel in kernels  # max_time shared out
     with pytest.raises(ValueError, match="select_by='held_out'.*fewer than recipe.min_validation_points"):
         fit_mll(_sep_model(x[:150])[1], data=(x[:150], y[:150]), kernels=kernels, select_by="held_out")
     with pytest.raises(ValueError, match="select_by"):
