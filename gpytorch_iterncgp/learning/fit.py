@@ -187,9 +187,34 @@ def fit_dense_mll(
     recipe.validate()
     candidates = _candidates(mll, kernels, select_by, recipe)
     deadline, show = _deadline(max_time), _show(show_progress, strategy.show_progress)
-    generator = _RowGenerator(seed)
     device = _device(mll)
     start_peak_memory(device)
+    report = _learn_dense(mll, deadline, recipe, subset, validation_rows, candidates, select_by, seed, show)
+    mll.model.eval()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report.fit_report = strategy.fit(show_progress=show, description="final fit")
+    for warning in caught:  # at the line that called fit_mll
+        warnings.warn(warning.message, warning.category, stacklevel=3)
+    report.peak_memory_bytes = peak_memory_bytes(device)
+    return report
+
+
+def _learn_dense(
+    mll: LaplaceMarginalLogLikelihood | EPMarginalLogLikelihood,
+    deadline: float | None,
+    recipe: LearningRecipe,
+    subset: int | str | Tensor | None,
+    validation_rows: Tensor | str | None,
+    candidates: dict[str, gpytorch.kernels.Kernel] | None,
+    select_by: str,
+    seed: int | None,
+    show: bool,
+) -> LearningReport:
+    """Phases 1 and 2 of :func:`fit_dense_mll` (with ``candidates``: for each, and the choice among them), its
+    options checked; the model is left with the learnt hyperparameters, not fitted."""
+    strategy = mll.model.variational_strategy
+    generator = _RowGenerator(seed)
     model = mll.model
     labels = strategy.train_targets.cpu() if strategy.adapter.classification else None
     parameters = trainable_parameters([model, mll.likelihood])
@@ -208,13 +233,6 @@ def fit_dense_mll(
                 raise ValueError(_nothing_held_out(strategy, rows, validation_rows, recipe))
             choice = _choice_phase(mll, rows, held_out, labels, recipe, generator, show)
             choose_kernel(model, mll.likelihood, candidates, phase, select_by, report, deadline, choice)
-    model.eval()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        report.fit_report = strategy.fit(show_progress=show, description="final fit")
-    for warning in caught:  # at the line that called fit_mll
-        warnings.warn(warning.message, warning.category, stacklevel=3)
-    report.peak_memory_bytes = peak_memory_bytes(device)
     return report
 
 
@@ -414,9 +432,10 @@ def _choose_for_minibatches(
 ) -> LearningReport:
     r"""The kernel choice of :func:`fit_minibatch_mll`: a dense EP view of the model (:class:`~.learner.LearnerModel`)
     on :math:`M_c` rows of ``data`` (:func:`~.rows.auto_choice_size`, at most half of them; stratified by class) and
-    as many others held out (:func:`~.rows.held_out_rows`), whose :func:`fit_dense_mll` learns each candidate on
-    the :math:`M_c` rows and scores it (:func:`~.kernel_choice.choose_kernel`). Successive halving's first rung, as
-    the dense choice's, with SEP's learning on all the data as the second.
+    as many others held out (:func:`~.rows.held_out_rows`), in whose learning phases (:func:`fit_dense_mll`'s,
+    without its final fit) each candidate is learnt on the :math:`M_c` rows and scored
+    (:func:`~.kernel_choice.choose_kernel`). Successive halving's first rung, as the dense choice's, with SEP's
+    learning on all the data as the second.
 
     The model is left with the chosen candidate at its initial values and its other parameters (the mean's, the
     inducing inputs, the likelihood's) as on entry; torch's global generator too (the choice runs under
@@ -451,16 +470,16 @@ def _choose_for_minibatches(
     validation = None if held_out is None else torch.arange(len(learning), len(rows))
     frozen = [parameter for parameter in strategy.parameters() if parameter.requires_grad]  # not in the dense evidence
     with torch.random.fork_rng(devices=[]), _frozen(frozen):
-        report = fit_dense_mll(
+        report = _learn_dense(
             EPMarginalLogLikelihood(likelihood, view),
-            max_time=None if deadline is None else max(deadline - time.perf_counter(), 0.0),
-            recipe=recipe,
-            subset=torch.arange(len(learning)),
-            validation_rows=validation,
-            kernels=candidates,
-            select_by=select_by,
-            seed=int(torch.randint(2**62, (), generator=generator)),
-            show_progress=show,
+            deadline,
+            recipe,
+            torch.arange(len(learning)),
+            validation,
+            candidates,
+            select_by,
+            int(torch.randint(2**62, (), generator=generator)),
+            show,
         )
     assert report.kernel is not None
     model.covar_module = candidates[report.kernel]

@@ -113,3 +113,40 @@ def test_bad_arguments_are_refused():
         KumaraswamyWarpedKernel(gpytorch.kernels.RBFKernel(), 0)
     with pytest.raises(ValueError, match="inputs have 4 features"):
         KumaraswamyWarpedKernel(gpytorch.kernels.RBFKernel(), 3)(torch.randn(5, 4)).to_dense()
+
+
+def _reference_warp(kernel: KumaraswamyWarpedKernel, x: torch.Tensor) -> torch.Tensor:
+    """The warp by torch.distributions (nothing kept)."""
+    a, b = kernel.concentration1.detach(), kernel.concentration0.detach()
+    return torch.distributions.Kumaraswamy(a, b).cdf(torch.special.ndtr(x))
+
+
+def test_warped_inputs_are_kept_only_while_inputs_and_concentrations_are_unchanged(monkeypatch):
+    kernel = _kernel()
+    x = torch.randn(40, 3, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    calls = []
+    log_ndtr = torch.special.log_ndtr
+    monkeypatch.setattr(torch.special, "log_ndtr", lambda t: calls.append(t.shape) or log_ndtr(t))
+    with torch.no_grad():
+        first = kernel.warp(x)
+        assert kernel.warp(x[:, :]) is first and kernel.warp(x.view(40, 3)) is first  # other views, same memory
+        kernel(x, x[:5]).to_dense()  # the pivot columns' pattern: the inputs kept beside each other block
+        kernel(x, x[5:6]).to_dense()
+        assert kernel.warp(x) is first
+        assert calls == [(40, 3), (5, 3), (1, 3)]
+        torch.testing.assert_close(first, _reference_warp(kernel, x), rtol=0, atol=1e-12)
+        x.mul_(0.5)  # in place: a new version
+        torch.testing.assert_close(kernel.warp(x), _reference_warp(kernel, x), rtol=0, atol=1e-12)
+        kernel.concentration1 = torch.tensor([2.0, 1.0, 0.5])  # GPyTorch's initialize (no version change)
+        torch.testing.assert_close(kernel.warp(x), _reference_warp(kernel, x), rtol=0, atol=1e-12)
+        kernel.raw_concentration0.add_(0.3)  # as an optimiser's step
+        torch.testing.assert_close(kernel.warp(x), _reference_warp(kernel, x), rtol=0, atol=1e-12)
+        y = x.clone()  # the same values in other memory
+        assert kernel.warp(y) is not kernel.warp(x)
+    warped = kernel.warp(x)  # gradients recorded: a new graph each time, log u(x) kept
+    assert warped.requires_grad and kernel.warp(x) is not warped
+    torch.autograd.grad(warped.sum(), kernel.raw_concentration1)
+    inputs = x.clone().requires_grad_(True)  # inputs that require gradients: nothing kept
+    count = len(calls)
+    kernel.warp(inputs), kernel.warp(inputs)
+    assert len(calls) == count + 2
