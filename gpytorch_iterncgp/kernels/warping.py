@@ -147,6 +147,12 @@ class _LastInputs:
     def __init__(self) -> None:
         self.entries: list[tuple[Tensor, int, tuple[Tensor, ...], Tensor]] = []  # the most recently used last
 
+    def __getstate__(self) -> dict[str, Any]:  # a copy or a pickle of the kernel starts empty
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.entries = []
+
     def get(self, x: Tensor, extra: tuple[Tensor, ...]) -> Tensor | None:
         """The value kept for ``x`` and ``extra``, or ``None``."""
         if x.requires_grad:

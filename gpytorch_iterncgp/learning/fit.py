@@ -159,8 +159,9 @@ def fit_dense_mll(
         whose final fit follows (:func:`~.kernel_choice.choose_kernel`). Each candidate is learnt in place; those that
         fail numerically are skipped. The choice learns and scores the candidates on the recipe's
         ``kernel_choice_subset`` of the learning rows (:math:`\lfloor\sqrt{10^6/C}\rfloor` by default), then learns
-        the chosen one again on all of them (measured: 1.6–3.7 times the fit of one kernel, ``benchmarks/README.md``
-        §26; ``kernel_choice_subset=None``: every candidate on all the learning rows, ``len(kernels)`` times). ``None`` (default): the model's own kernel.
+        the chosen one again on all of them (measured with three candidates: 1.5–2.5 times the fit of one kernel,
+        ``benchmarks/README.md`` §32; ``kernel_choice_subset=None``: every candidate on all the learning rows,
+        ``len(kernels)`` times). ``None`` (default): the model's own kernel.
     :param select_by: with ``kernels``, the score to choose by: ``"bic"`` (default: the evidence per learning row
         penalised by :math:`k \log M / (2M)` for :math:`k` hyperparameters, Duvenaud et al. 2013), ``"evidence"``
         (alone, R&W sec. 5.4: of nested kernels it keeps the larger) or ``"held_out"`` (needs held-out rows: a subset

@@ -45,15 +45,17 @@ def choose_outputscale(
 
     Each candidate gets a cold fit of ``recipe.outputscale_fit_steps`` EP sweeps or Newton steps (``build()``: a new
     model of the final approximation on the learning rows sharing ``kernel``) and its predictive probabilities at the
-    held-out rows. No candidate starts after
+    held-out rows. Where the lowest log-loss is at the largest (smallest) factor tried, the factor twice (half) that is
+    tried next, at most ``recipe.outputscale_extensions`` times: the grid follows the optimum past its edge
+    (``benchmarks/README.md`` §32). No candidate starts after
     ``deadline`` (``time.perf_counter()`` seconds); where every fit fails the factor is 1 (Laplace's). Fills
     ``report``'s outputscale fields; ``tick()`` after each candidate (the progress bar).
     """
     learnt = kernel.outputscale.detach().clone()
     start = time.perf_counter()
-    for factor in recipe.outputscale_factors:
-        if deadline is not None and time.perf_counter() >= deadline:
-            break
+
+    def score(factor: float) -> None:
+        """The held-out log-loss at ``factor`` (in ``report.outputscale_log_loss``; nothing where the fit fails)."""
         with torch.no_grad():
             kernel.outputscale = learnt * factor
         model = build()  # every candidate's fit starts cold
@@ -65,11 +67,30 @@ def choose_outputscale(
                 strategy.fit(show_progress=False, limit_warning=False, **steps)
                 probabilities = strategy.predictive_probabilities(validation_x)
         except RECOVERABLE_ERRORS:
-            continue
+            return
         finally:
             tick()
         if bool(torch.isfinite(probabilities).all()):
             report.outputscale_log_loss[factor] = log_loss(probabilities, validation_y)
+
+    def out_of_time() -> bool:
+        return deadline is not None and time.perf_counter() >= deadline
+
+    for factor in recipe.outputscale_factors:
+        if out_of_time():
+            break
+        score(factor)
+    for _ in range(recipe.outputscale_extensions):  # past an edge of the grid while that edge is the best
+        losses = report.outputscale_log_loss
+        if len(losses) < 2 or out_of_time():
+            break
+        best = min(losses, key=losses.__getitem__)
+        if best not in (max(losses), min(losses)):
+            break
+        factor = best * 2 if best == max(losses) else best / 2
+        score(factor)
+        if factor not in losses:  # its fit failed
+            break
     losses = report.outputscale_log_loss
     report.outputscale_factor = min(losses, key=losses.__getitem__) if losses else 1.0
     with torch.no_grad():

@@ -23,8 +23,8 @@ LEARNING_SUBSET_COST = 10**7
 #: ``kernel_choice_subset="auto"``: with candidate kernels, each is learnt and scored for the choice on
 #: :math:`M_c = \lfloor \sqrt{\text{this} / C} \rfloor` of the learning rows (1000 for binary data, 316 for 10
 #: classes), a product with their kernel matrix a tenth of the learning's; only the chosen kernel is then learnt on all
-#: the learning rows (measured: 1.6–3.7 times the default fit, where every candidate on all the rows took 4–5 times;
-#: ``benchmarks/README.md`` §25, §26).
+#: the learning rows (measured: 1.5–2.5 times the fit of the Matérn alone on the tabular panel, the choice itself about
+#: one such fit, where every candidate on all the rows took 4–5 times; ``benchmarks/README.md`` §25, §26, §32).
 KERNEL_CHOICE_COST = 10**6
 
 
@@ -47,6 +47,8 @@ class LearningRecipe:
     :param outputscale_factors: classifiers whose kernel was learnt on a subset: the outputscale is chosen among the
         learnt one times these factors by the log-loss of held-out training rows (``benchmarks/README.md`` §14, §16).
     :param outputscale_fit_steps: EP sweeps or Newton steps of each candidate's fit on the learning rows.
+    :param outputscale_extensions: the most factors tried past the grid's edge, doubling (halving) the largest
+        (smallest) while it has the lowest held-out log-loss (``0``: the grid alone).
     :param min_validation_points: fewer spare rows than this: no held-out choice.
     :param kernel_choice_subset: with candidate kernels (``fit_mll(kernels=...)``), the learning rows each candidate is
         learnt and scored on for the choice: ``"auto"`` (:data:`KERNEL_CHOICE_COST`), a number of rows, or ``None``
@@ -63,6 +65,7 @@ class LearningRecipe:
     lanczos_iterations: int = 10
     outputscale_factors: tuple[float, ...] = (1.0, 1 / 2, 1 / 4, 1 / 8, 1 / 16, 2.0)
     outputscale_fit_steps: int = 10
+    outputscale_extensions: int = 4
     min_validation_points: int = 100
     kernel_choice_subset: int | str | None = "auto"
 
@@ -72,6 +75,7 @@ class LearningRecipe:
         for name in ("fit_steps", "compression_rank", "trace_samples", "lanczos_iterations", "outputscale_fit_steps"):
             check_count(getattr(self, name), name, minimum=1)
         check_count(self.min_validation_points, "min_validation_points")
+        check_count(self.outputscale_extensions, "outputscale_extensions")
         check_nonnegative(self.learning_rate, "learning_rate", positive=True)
         if not self.outputscale_factors or any(not factor > 0 for factor in self.outputscale_factors):
             raise ValueError(f"outputscale_factors must be positive numbers, got {self.outputscale_factors!r}.")

@@ -4,6 +4,9 @@ central differences, the state_dict, the argument checks."""
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import gpytorch
 import pytest
 import torch
@@ -150,3 +153,15 @@ def test_warped_inputs_are_kept_only_while_inputs_and_concentrations_are_unchang
     count = len(calls)
     kernel.warp(inputs), kernel.warp(inputs)
     assert len(calls) == count + 2
+
+
+def test_copies_and_pickles_of_the_kernel_keep_no_inputs():
+    kernel = _kernel()
+    x = torch.randn(30, 3, dtype=torch.float64)
+    with torch.no_grad():
+        kernel(x, x).to_dense()
+    assert kernel._last_warped.entries
+    for other in (copy.deepcopy(kernel), pickle.loads(pickle.dumps(kernel))):
+        assert not other._last_warped.entries and not other._last_log_u.entries
+        with torch.no_grad():
+            torch.testing.assert_close(other(x, x).to_dense(), kernel(x, x).to_dense(), rtol=0, atol=0)
