@@ -545,9 +545,9 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
         :class:`~gpytorch_iterncgp.EPMarginalLogLikelihood`) where it is exact; above ``exact_evidence_size`` EP's are
         learnt on Laplace's (EP's estimated evidence is biased by the computation-aware cavities,
         ``docs/design_notes.md``), and the posterior at them is EP's. Where the kernel was learnt on a subset, the
-        outputscale is then chosen among the learnt one times ``outputscale_factors``
-        (:class:`~gpytorch_iterncgp.LearningRecipe`) by the log-loss of held-out training rows (``validation_rows_``:
-        at the learnt outputscale EP is over-confident, and Laplace's softmax predictive poor). This is
+        outputscale is then chosen among the learnt one times ``outputscale_factors``, and past the grid's edge while
+        the edge wins (``outputscale_extensions``; :class:`~gpytorch_iterncgp.LearningRecipe`), by the log-loss of
+        held-out training rows (``validation_rows_``: the learnt outputscale can be far from the predictive's best). This is
         :func:`~gpytorch_iterncgp.fit_mll`'s recipe; what was used is ``inference_`` and ``learning_report_``.
     :param policy: IterGP's actions: ``"cg"`` (conjugate gradients), ``"unit"`` (a random subset of the data
         per iteration, seeded by ``random_state``), a :class:`~gpytorch_iterncgp.Policy`, or ``"auto"`` (default):

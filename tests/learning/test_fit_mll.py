@@ -163,7 +163,9 @@ def test_fit_mll_chooses_eps_outputscale_on_held_out_rows_and_every_phase_shows_
     x, y = binary_data(240, seed=4)
     model = IterNCGPModel(x, y, LogitBernoulliLikelihood(), strategy_class=EPStrategy, max_solver_iterations=10)
     mll = EPMarginalLogLikelihood(model.variational_strategy.likelihood, model)
-    recipe = LearningRecipe(optimizer_steps=3, outputscale_factors=(1.0, 0.25), outputscale_fit_steps=5)
+    recipe = LearningRecipe(
+        optimizer_steps=3, outputscale_factors=(1.0, 0.25), outputscale_fit_steps=5, outputscale_extensions=0
+    )
     with settings.exact_evidence_size(50), warnings.catch_warnings():
         warnings.simplefilter("ignore", ConvergenceWarning)
         report = fit_mll(mll, subset=100, seed=0, recipe=recipe, show_progress=True)
@@ -174,6 +176,39 @@ def test_fit_mll_chooses_eps_outputscale_on_held_out_rows_and_every_phase_shows_
     assert "learning: Adam on the Laplace evidence of 100 points" in errors
     assert "outputscale (EP)" in errors and "2/2" in errors
     assert "final fit (EP)" in errors
+
+
+def test_the_outputscale_grid_follows_the_held_out_optimum_past_its_edge():
+    """An outputscale far too small (s² = 0.01, not learnt): the grid's largest factor has the lowest held-out
+    log-loss, so the grid is extended by doubling it, ``outputscale_extensions`` times here as the log-loss keeps
+    falling; every recorded log-loss is a fit at that factor (the grid's equal to those of a run without extensions),
+    and the factor chosen is the one of the lowest."""
+
+    def fitted(extensions: int):
+        x, y = binary_data(240, seed=4)
+        model = IterNCGPModel(x, y, LogitBernoulliLikelihood())
+        model.covar_module.outputscale = 0.01
+        model.covar_module.raw_outputscale.requires_grad_(False)
+        mll = LaplaceMarginalLogLikelihood(model.variational_strategy.likelihood, model)
+        recipe = LearningRecipe(
+            optimizer_steps=2,
+            outputscale_factors=(1.0, 0.5),
+            outputscale_fit_steps=5,
+            outputscale_extensions=extensions,
+        )
+        return fit_mll(mll, subset=100, seed=0, recipe=recipe), model
+
+    grid, _ = fitted(0)
+    report, model = fitted(3)
+    assert list(grid.outputscale_log_loss) == [1.0, 0.5] and grid.outputscale_factor == 1.0
+    losses = report.outputscale_log_loss
+    assert list(losses) == [1.0, 0.5, 2.0, 4.0, 8.0]
+    assert [losses[factor] for factor in (1.0, 0.5)] == pytest.approx(
+        [grid.outputscale_log_loss[1.0], grid.outputscale_log_loss[0.5]], rel=1e-10
+    )
+    assert losses[8.0] < losses[4.0] < losses[2.0] < losses[1.0] < losses[0.5]
+    assert report.outputscale_factor == 8.0
+    assert model.covar_module.outputscale.item() == pytest.approx(0.08, rel=1e-6)
 
 
 def test_fit_mll_refuses_other_objectives_and_bad_subsets():
