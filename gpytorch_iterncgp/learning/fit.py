@@ -317,15 +317,14 @@ class _LearningPhase:
             validation_x, validation_y = self.validation
             name = f"outputscale ({'EP' if isinstance(self.strategy, EPStrategy) else 'Laplace'})"
             with tqdm(total=len(self.recipe.outputscale_factors), desc=name, disable=not self.show) as bar:
+
+                def tick() -> None:
+                    if bar.n >= bar.total:  # a factor past the grid's edge: one more fit than the grid
+                        bar.total += 1
+                    bar.update(1)
+
                 choose_outputscale(
-                    kernel,
-                    self.final_model,
-                    validation_x,
-                    validation_y,
-                    self.recipe,
-                    report,
-                    deadline,
-                    lambda: bar.update(1),
+                    kernel, self.final_model, validation_x, validation_y, self.recipe, report, deadline, tick
                 )
 
 
