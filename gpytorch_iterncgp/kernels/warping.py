@@ -107,7 +107,10 @@ class KumaraswamyWarpedKernel(Kernel):
             )
         a, b = self.concentration1, self.concentration0
         recorded = torch.is_grad_enabled() and (x.requires_grad or a.requires_grad or b.requires_grad)
-        warped = None if recorded else self._last_warped.get(x, (a, b))
+        # w(x) is matched by the concentrations' values (GPyTorch's initialize changes no version), which on an
+        # accelerator would wait for the device at every call: there only log u(x), of the inputs alone, is kept
+        keep_warped = not recorded and a.device.type == "cpu"
+        warped = self._last_warped.get(x, (a, b)) if keep_warped else None
         if warped is None:
             tiny = torch.finfo(x.dtype).tiny
             log_u = self._last_log_u.get(x, ())
@@ -116,7 +119,7 @@ class KumaraswamyWarpedKernel(Kernel):
                 self._last_log_u.put(x, (), log_u)
             one_minus_power = (-torch.expm1(a * log_u)).clamp_min(tiny)  # 1 - u^a
             warped = -torch.expm1(b * one_minus_power.log())
-            if not recorded:
+            if keep_warped:
                 self._last_warped.put(x, (a, b), warped)
         return warped
 

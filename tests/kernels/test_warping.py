@@ -155,6 +155,22 @@ def test_warped_inputs_are_kept_only_while_inputs_and_concentrations_are_unchang
     assert len(calls) == count + 2
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_only_the_inputs_log_cdf_is_kept(monkeypatch):
+    kernel = _kernel().cuda()
+    x = torch.randn(40, 3, dtype=torch.float64, device="cuda")
+    calls = []
+    log_ndtr = torch.special.log_ndtr
+    monkeypatch.setattr(torch.special, "log_ndtr", lambda t: calls.append(t.shape) or log_ndtr(t))
+    with torch.no_grad():
+        first = kernel.warp(x)
+        kernel.concentration1 = torch.tensor([2.0, 1.0, 0.5])
+        second = kernel.warp(x)
+    assert calls == [(40, 3)] and not kernel._last_warped.entries  # no comparison of the concentrations' values
+    assert second is not first
+    torch.testing.assert_close(second.cpu(), _reference_warp(kernel.cpu(), x.cpu()), rtol=0, atol=1e-12)
+
+
 def test_copies_and_pickles_of_the_kernel_keep_no_inputs():
     kernel = _kernel()
     x = torch.randn(30, 3, dtype=torch.float64)
