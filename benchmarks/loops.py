@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from benchmarks.data import Data
-from benchmarks.scoring import Clock
+from benchmarks.scoring import Clock, log_loss
 from gpytorch_iterncgp import MinibatchRecipe
 
 
@@ -75,13 +75,15 @@ def minibatch_loop(
     probabilities: Callable[[], Tensor],
     schedule: str = "constant",
     update_site=None,
+    score: Callable[[Tensor, Tensor], dict[str, float]] = log_loss,
 ) -> list[dict]:
     """:func:`minibatch_steps` in batches of 1024 for ``budget`` seconds of its own work (a :class:`Clock`),
-    ``probabilities()`` scored against the test labels ten times along the way and at the end: the history."""
+    ``probabilities()`` (the predicted means for counts) scored by ``score`` against the test labels ten times along
+    the way and at the end: the history."""
     clock, history = Clock(), []
 
     def evaluate(steps: int, epochs: int, loss: Tensor | None) -> None:
-        clock.evaluate(history, probabilities, data.test_y, adam_steps=steps)
+        clock.evaluate(history, probabilities, data.test_y, score, adam_steps=steps)
 
     minibatch_steps(
         model,

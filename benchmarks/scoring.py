@@ -1,5 +1,6 @@
-"""How the benchmarks that learn their kernels score a method: test log-loss and accuracy against the method's own wall
-time, the evaluations not counted, and a run's NLL at a time and its spread over seeds."""
+"""How the benchmarks that learn their kernels score a method: test log-loss and accuracy (mean Poisson deviance for
+counts) against the method's own wall time, the evaluations not counted, and a run's score at a time and its spread
+over seeds."""
 
 from __future__ import annotations
 
@@ -23,6 +24,15 @@ def log_loss(probabilities: Tensor, labels: Tensor) -> dict[str, float]:
     return {"nll": float(-true_class.log().mean()), "accuracy": float(accuracy)}
 
 
+def poisson_deviance(means: Tensor, counts: Tensor) -> dict[str, float]:
+    """Mean Poisson deviance of the predicted means ``(N*,)`` (clipped at 1e-12) against the test counts
+    (scikit-learn's ``mean_poisson_deviance``)."""
+    from sklearn.metrics import mean_poisson_deviance
+
+    predicted = means.detach().double().clamp_min(1e-12).cpu().numpy()
+    return {"deviance": float(mean_poisson_deviance(counts.double().cpu().numpy(), predicted))}
+
+
 class Clock:
     """Wall time of a method's own work: :meth:`evaluate` blocks (the evaluations) are not counted."""
 
@@ -34,21 +44,29 @@ class Clock:
             torch.cuda.synchronize()  # the work queued so far, not only launched
         return time.perf_counter() - self.start - self.paused_seconds
 
-    def evaluate(self, history: list[dict], probabilities: Callable[[], Tensor], labels: Tensor, **extra) -> dict:
-        """Score ``probabilities()`` against ``labels`` into ``history``, the time spent not counted."""
+    def evaluate(
+        self,
+        history: list[dict],
+        predictions: Callable[[], Tensor],
+        labels: Tensor,
+        score: Callable[[Tensor, Tensor], dict[str, float]] = log_loss,
+        **extra,
+    ) -> dict:
+        """Score ``predictions()`` against ``labels`` by ``score`` (:func:`log_loss` of class probabilities, or
+        :func:`poisson_deviance` of predicted means) into ``history``, the time spent not counted."""
         now, tic = self.elapsed(), time.perf_counter()
         with torch.no_grad():
-            entry = {"time": now, **log_loss(probabilities(), labels), **extra}
+            entry = {"time": now, **score(predictions(), labels), **extra}
         history.append(entry)
         self.paused_seconds += time.perf_counter() - tic
         return entry
 
 
-def nll_at(run: dict, seconds: float) -> float:
-    """The run's test NLL at its last evaluation within ``seconds`` (5% grace: a run of a 120 s budget is scored at
-    about 120.1 s; NaN if none)."""
+def nll_at(run: dict, seconds: float, metric: str = "nll") -> float:
+    """The run's test NLL (or another ``metric`` of its history) at its last evaluation within ``seconds`` (5% grace:
+    a run of a 120 s budget is scored at about 120.1 s; NaN if none)."""
     entries = [entry for entry in run["history"] if entry["time"] <= 1.05 * seconds]
-    return entries[-1]["nll"] if entries else math.nan
+    return entries[-1][metric] if entries else math.nan
 
 
 def spread(values: list[float]) -> dict:

@@ -1,6 +1,6 @@
 r"""The SVGP baseline every benchmark compares with: GPyTorch's ``VariationalStrategy`` with learnt inducing inputs, a
 Cholesky variational distribution and independent latents, trained by Adam on the ELBO in minibatches
-(:func:`benchmarks.loops.minibatch_steps`)."""
+(:func:`benchmarks.loops.minibatch_steps`); for counts with the Poisson likelihood of the exponential link."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from torch import Tensor
 from benchmarks.data import Data
 from benchmarks.loops import minibatch_loop
 from benchmarks.models import BenchmarkGP, classification_likelihood, inducing_starts, latent_shape, training_targets
+from benchmarks.scoring import log_loss, poisson_deviance
+from gpytorch_iterncgp import ExpPoissonLikelihood
 
 
 class SVGPModel(BenchmarkGP):
@@ -63,22 +65,41 @@ def svgp_probabilities(model: SVGPModel, inputs: Tensor, num_classes: int, sampl
     return torch.softmax(mean + variance.sqrt() * base, dim=-1).mean(0)
 
 
+def svgp_expected_counts(model: SVGPModel, inputs: Tensor) -> Tensor:
+    r"""SVGP's predicted mean count under the exponential link, :math:`e^{\mu + \sigma^2 / 2}` (the log-normal's
+    mean)."""
+    model.eval()
+    output = model(inputs)
+    model.train()
+    return (output.mean + output.variance / 2).exp()
+
+
 def run_svgp(
     data: Data, num_inducing: int, learning_rate: float, budget: float, seed: int, schedule: str = "constant"
 ) -> dict:
     """SVGP with learnt kernel and inducing inputs, Adam on the ELBO in mini-batches of 1024, ``budget`` seconds
-    (``schedule``: :func:`benchmarks.loops.minibatch_steps`), scored by :func:`svgp_probabilities`."""
+    (``schedule``: :func:`benchmarks.loops.minibatch_steps`), scored by :func:`svgp_probabilities`; for counts
+    (``data.num_classes == 0``) the Poisson likelihood of the exponential link, its constant mean started at the log
+    of the mean training count, scored by the mean Poisson deviance of :func:`svgp_expected_counts`."""
     generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     model = SVGPModel(data, num_inducing, generator)
-    likelihood = classification_likelihood(data.num_classes).to(data.train_x)
+    counts = data.num_classes == 0
+    likelihood = (ExpPoissonLikelihood() if counts else classification_likelihood(data.num_classes)).to(data.train_x)
     targets = training_targets(data)
+    if counts:
+        model.mean_module.constant = targets.mean().clamp_min(1e-3).log()
     objective = gpytorch.mlls.VariationalELBO(likelihood, model, num_data=len(targets))
     optimizer = torch.optim.Adam([*model.parameters(), *likelihood.parameters()], lr=learning_rate)
 
-    def probabilities() -> Tensor:
+    def predictions() -> Tensor:
+        if counts:
+            return svgp_expected_counts(model, data.test_x)
         return svgp_probabilities(model, data.test_x, data.num_classes)
 
-    history = minibatch_loop(model, objective, optimizer, data, targets, budget, generator, probabilities, schedule)
+    score = poisson_deviance if counts else log_loss
+    history = minibatch_loop(
+        model, objective, optimizer, data, targets, budget, generator, predictions, schedule, score=score
+    )
     suffix = "" if schedule == "constant" else f" {schedule}"
     return {"label": f"SVGP U={num_inducing} lr {learning_rate}{suffix}", "history": history}

@@ -25,9 +25,9 @@ count sets), and on request :data:`benchmarks.real_data.LARGE` (two sets where t
 * ``logistic``, ``boosting``: scikit-learn's ``LogisticRegression`` and ``HistGradientBoostingClassifier``
   (:func:`benchmarks.gpytorch_door.run_sklearn`); for counts ``PoissonRegressor`` and
   ``HistGradientBoostingRegressor(loss="poisson")`` (their defaults, 1000 iterations for the GLM, early stopping);
-* ``svgp`` (classification): GPyTorch's SVGP learning its kernel (100 inducing inputs per latent, Adam at 0.01,
-  batches of 1024) for ``--budget`` seconds, scored at the seconds ``estimator_auto`` took (equal time) and at the
-  end.
+* ``svgp``: GPyTorch's SVGP learning its kernel (100 inducing inputs per latent, Adam at 0.01, batches of 1024; for
+  counts the Poisson likelihood of the exponential link, :func:`benchmarks.svgp.run_svgp`) for ``--budget`` seconds,
+  scored at the seconds ``estimator_auto`` took (``estimator_negbin_auto`` where run: equal time) and at the end.
 
 Scores: test log-loss and accuracy (classification), mean Poisson deviance (counts; scikit-learn's
 ``mean_poisson_deviance`` of the predicted means), and seconds. Writes ``results/tabular.json`` (with the machine)
@@ -49,7 +49,7 @@ from benchmarks.common import add_smoke_flag, write_results
 from benchmarks.data import Data, load
 from benchmarks.gpytorch_door import run_sklearn
 from benchmarks.real_data import COUNTS, LARGE, TABULAR
-from benchmarks.scoring import log_loss, nll_at, spread
+from benchmarks.scoring import log_loss, nll_at, poisson_deviance, spread
 from benchmarks.svgp import run_svgp
 from gpytorch_iterncgp.learning.kernel_choice import kernel_family
 from gpytorch_iterncgp.sklearn import IterNCGPClassifier, IterNCGPNegativeBinomialRegressor, IterNCGPPoissonRegressor
@@ -62,7 +62,9 @@ KERNEL_METHODS = {"matern": "estimator", **{name: method for method, name in FAM
 CLASSIFICATION_METHODS = ("estimator", "estimator_auto", *FAMILY, "logistic", "boosting", "svgp")
 #: the negative binomial regressor (overdispersed counts), with the Matérn alone and with ``kernel="auto"``
 NEGATIVE_BINOMIAL = {"estimator_negbin": None, "estimator_negbin_auto": "auto"}
-COUNT_METHODS = ("estimator", "estimator_auto", *FAMILY, *NEGATIVE_BINOMIAL, "poisson", "boosting")
+COUNT_METHODS = ("estimator", "estimator_auto", *FAMILY, *NEGATIVE_BINOMIAL, "poisson", "boosting", "svgp")
+#: the estimators SVGP is scored at the seconds of (equal time): the last of these a run fits
+EQUAL_TIME_METHODS = ("estimator_auto", "estimator_negbin_auto")
 
 
 def _estimator(
@@ -117,9 +119,7 @@ def _log_loss(probabilities: np.ndarray, labels: torch.Tensor) -> dict:
 
 
 def _deviance(means: np.ndarray, counts: torch.Tensor) -> dict:
-    from sklearn.metrics import mean_poisson_deviance
-
-    return {"deviance": float(mean_poisson_deviance(counts.numpy(), np.clip(means, 1e-12, None)))}
+    return poisson_deviance(torch.as_tensor(means), counts)
 
 
 def _count_baseline(data: Data, method: str, seed: int) -> dict:
@@ -152,21 +152,22 @@ def run_method(
     if method.startswith("estimator"):
         kernel = "auto" if method == "estimator_auto" else FAMILY.get(method)
         return _estimator(data, seed, kernel, learning_subset=learning_subset)
-    if data.num_classes == 0:
-        return _count_baseline(data, method, seed)
     if method == "svgp":
         latents = data.num_classes if data.num_classes > 2 else 1
         run = run_svgp(data, 100 * latents, 0.01, budget, seed)
         last = run["history"][-1]
-        at = math.nan if equal_time is None else nll_at(run, equal_time)
+        metric = "deviance" if data.num_classes == 0 else "nll"
+        at = math.nan if equal_time is None else nll_at(run, equal_time, metric)
+        scores = {metric: last[metric], **({} if metric == "deviance" else {"accuracy": last["accuracy"]})}
         return {
             "label": run["label"],
             "seconds": last["time"],
-            "nll": last["nll"],
-            "accuracy": last["accuracy"],
-            "nll_at_equal_time": at,
+            **scores,
+            f"{metric}_at_equal_time": at,
             "equal_time": equal_time,
         }
+    if data.num_classes == 0:
+        return _count_baseline(data, method, seed)
     run = run_sklearn(data, method, seed)
     (entry,) = run["history"]
     return {"label": run["label"], "seconds": entry["time"], "nll": entry["nll"], "accuracy": entry["accuracy"]}
@@ -190,7 +191,8 @@ def summary(rows: list[dict]) -> dict:
             for method, runs in methods.items()
         }
         if "svgp" in methods:
-            entry["svgp"]["nll_at_equal_time"] = spread([run["nll_at_equal_time"] for run in methods["svgp"]])
+            at_equal_time = f"{metric}_at_equal_time"
+            entry["svgp"][at_equal_time] = spread([run[at_equal_time] for run in methods["svgp"]])
         if "estimator_auto" in methods and all(name in methods for name in ("estimator", *FAMILY)):
             entry["estimator_auto"]["rules"] = _rules(chosen, metric)
         baselines = [entry[m][metric]["mean"] for m in ("logistic", "boosting", "poisson") if m in entry]
@@ -278,7 +280,7 @@ def main(argv: list[str] | None = None) -> dict:
             methods, equal_time = {}, None
             for method in [m for m in allowed if args.methods is None or m in args.methods]:  # (SVGP last)
                 methods[method] = run_method(data, method, seed, args.budget, equal_time, learning_subset)
-                if method == "estimator_auto":
+                if method in EQUAL_TIME_METHODS:
                     equal_time = methods[method]["seconds"]
             rows.append(
                 {"dataset": name, "seed": seed, "counts": counts, "num_train": data.num_train, "methods": methods}

@@ -595,6 +595,9 @@ def test_tabular_smoke_run_scores_every_method_on_classes_and_counts(tmp_path):
     assert list(auto["kernel_scores"]) == list(AUTO_KERNELS) and "held-out" in auto["kernel_choice"]
     assert counts["methods"]["estimator_negbin"]["dispersion"] > 0
     assert classes["methods"]["svgp"]["equal_time"] == auto["seconds"]
+    # counts: SVGP with the Poisson likelihood, scored at the negative binomial regressor's seconds
+    assert counts["methods"]["svgp"]["equal_time"] == counts["methods"]["estimator_negbin_auto"]["seconds"]
+    assert 0 < counts["methods"]["svgp"]["deviance_at_equal_time"] < 10
     summary = output["summary"]
     assert summary["phoneme"]["metric"] == "nll" and summary["doctor_visits"]["metric"] == "deviance"
     assert isinstance(summary["phoneme"]["methods"]["estimator_auto"]["at_or_below_baselines"], bool)
@@ -604,6 +607,32 @@ def test_tabular_smoke_run_scores_every_method_on_classes_and_counts(tmp_path):
     assert rules["oracle"]["deviance"]["mean"] <= min(rule["deviance"]["mean"] for rule in rules.values())
     assert rules["held_out"]["kernels"] == [counts["methods"]["estimator_auto"]["kernel"]]
     assert out.exists() and out.with_suffix(".png").exists()
+    assert summary["doctor_visits"]["methods"]["svgp"]["deviance_at_equal_time"]["n"] == 1
+
+
+def test_svgps_expected_counts_are_the_mean_of_the_exponential_of_its_latent():
+    """SVGP's predicted counts for the deviance: :math:`E[e^f]` under its marginal, against Gauss-Hermite quadrature
+    of GPyTorch's and the score against scikit-learn's deviance."""
+    from sklearn.metrics import mean_poisson_deviance
+
+    from benchmarks.scoring import poisson_deviance
+    from benchmarks.svgp import SVGPModel, svgp_expected_counts
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 2, generator=generator, dtype=torch.float64)
+    y = torch.poisson(torch.full((40,), 3.0, dtype=torch.float64), generator=generator)
+    data = Data("counts", x[:30], y[:30], x[30:], y[30:], 0)
+    model = SVGPModel(data, 10, generator)
+    with torch.no_grad():
+        model.variational_strategy._variational_distribution.variational_mean.normal_(generator=generator)
+        expected = svgp_expected_counts(model, data.test_x)
+        model.eval()
+        marginal = model(data.test_x)
+        quadrature = gpytorch.utils.quadrature.GaussHermiteQuadrature1D(num_locs=40).to(x)
+        reference = quadrature(torch.exp, torch.distributions.Normal(marginal.mean, marginal.variance.sqrt()))
+    torch.testing.assert_close(expected, reference, rtol=1e-8, atol=0)
+    deviance = poisson_deviance(expected, data.test_y)["deviance"]
+    assert deviance == pytest.approx(mean_poisson_deviance(data.test_y.numpy(), expected.numpy()), rel=1e-12)
 
 
 def test_gpu_run_smoke_writes_every_steps_record(tmp_path):
