@@ -611,8 +611,8 @@ def test_tabular_smoke_run_scores_every_method_on_classes_and_counts(tmp_path):
 
 
 def test_svgps_expected_counts_are_the_mean_of_the_exponential_of_its_latent():
-    """SVGP's predicted counts for the deviance: :math:`E[e^f]` under its marginal, against Gauss-Hermite quadrature
-    of GPyTorch's and the score against scikit-learn's deviance."""
+    """SVGP's predicted counts for the deviance, :math:`E[e^f]` under its marginal, against GPyTorch's Gauss-Hermite
+    quadrature of :math:`e^f`; their mean Poisson deviance against scikit-learn's."""
     from sklearn.metrics import mean_poisson_deviance
 
     from benchmarks.scoring import poisson_deviance
