@@ -36,7 +36,9 @@ def minibatch_steps(
     what it counts. ``schedule="cosine"`` anneals the learning rate by the fraction of the budget spent, by
     ``fit_mll``'s own rule with ``max_time`` the budget (:meth:`~gpytorch_iterncgp.MinibatchRecipe.rate_factor`,
     through ``torch.optim.lr_scheduler.LambdaLR``). ``update_site``: stochastic EP's site step, ``update_site(output,
-    y_b)`` after each optimiser step (:meth:`~gpytorch_iterncgp.StochasticEPStrategy.update_site`); ``None`` for SVGP.
+    y_b, moments)`` after each optimiser step (:meth:`~gpytorch_iterncgp.StochasticEPStrategy.update_site`), given the
+    tilted moments the objective's quadrature computed (``objective.energy_and_moments``), so that a step computes them
+    once; ``None`` for SVGP.
     """
     steps, epochs, next_evaluation = 0, 0, 0.0
     recipe = MinibatchRecipe(schedule=schedule)
@@ -46,12 +48,16 @@ def minibatch_steps(
         for batch in torch.randperm(len(targets), generator=generator).split(batch_size):
             optimizer.zero_grad()
             output = model(train_x[batch])
-            loss = -objective(output, targets[batch])
+            if update_site is None:
+                loss, moments = -objective(output, targets[batch]), None
+            else:
+                energy, moments = objective.energy_and_moments(output, targets[batch])
+                loss = -energy
             loss.backward()
             optimizer.step()
             annealing.step()
             if update_site is not None:
-                update_site(output, targets[batch])
+                update_site(output, targets[batch], moments)
             steps += 1
             if clock.elapsed() >= next_evaluation:
                 evaluate(steps, epochs, loss)

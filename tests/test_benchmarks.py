@@ -394,6 +394,61 @@ def test_scalable_ep_smoke_run_writes_results(tmp_path):
     assert (tmp_path / "binary100000_seed0.json").exists() and (tmp_path / "binary100000_seed0.png").exists()
 
 
+def test_the_minibatch_loop_computes_seps_tilted_moments_once_a_step(monkeypatch):
+    """SEP in the benchmarks' loop: the objective's moments go to the site's step (one quadrature a step, not two),
+    and the sites are those of a loop that calls ``mll(output, y)`` and ``update_site(output, y)``."""
+    from benchmarks import scalable_ep
+    from benchmarks.loops import minibatch_steps
+    from gpytorch_iterncgp import StochasticEPMarginalLogLikelihood
+    from gpytorch_iterncgp.mlls import stochastic as mll_module
+    from gpytorch_iterncgp.sparse import stochastic as sparse_module
+
+    train_x, train_y, _, _ = gaussian_mixture(60, 6, num_classes=3, dim=2, sample_seed=0, dtype=torch.float64)
+    data = Data("mixture", train_x, train_y, train_x[:6], train_y[:6], 3)
+    calls = []
+    tilted = sparse_module.tilted
+    counted = lambda *args: calls.append(1) or tilted(*args)  # noqa: E731
+    monkeypatch.setattr(mll_module, "tilted", counted)
+    monkeypatch.setattr(sparse_module, "tilted", counted)
+
+    def fresh():
+        generator = torch.Generator().manual_seed(0)
+        likelihood = scalable_ep.ep_likelihood(3)
+        model = scalable_ep.SEPModel(data, 6, likelihood, generator, per_class=True)
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+        return model, StochasticEPMarginalLogLikelihood(likelihood, model), optimizer, generator
+
+    model, objective, optimizer, generator = fresh()  # the plain loop: two quadratures a step
+    for rows in torch.randperm(60, generator=generator).split(20):
+        optimizer.zero_grad()
+        output = model(train_x[rows])
+        (-objective(output, train_y[rows])).backward()
+        optimizer.step()
+        model.variational_strategy.update_site(output, train_y[rows])
+    assert len(calls) == 6
+    plain = model.variational_strategy.site.tensors()
+
+    model, objective, optimizer, generator = fresh()
+    strategy, stepped = model.variational_strategy, []
+    calls.clear()
+
+    class StepClock:  # one "second" a site step: the loop stops after 3 steps
+        def elapsed(self) -> float:
+            return float(len(stepped))
+
+    def update_site(*args) -> None:
+        strategy.update_site(*args)
+        stepped.append(1)
+
+    steps, _ = minibatch_steps(
+        model, objective, optimizer, train_x, train_y, 3.0, generator, StepClock(), lambda *a: None, batch_size=20,
+        update_site=update_site,
+    )  # fmt: skip
+    assert steps == 3 and len(calls) == 3
+    for name, tensor in strategy.site.tensors().items():
+        torch.testing.assert_close(tensor, plain[name], rtol=0, atol=0)
+
+
 def test_scalable_ep_summary_pairs_seeds(tmp_path):
     from benchmarks import scalable_ep
 
