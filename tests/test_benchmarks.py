@@ -488,6 +488,21 @@ def test_frozen_inducing_smoke_run_scores_every_variant(tmp_path):
     assert json.loads((tmp_path / "frozen.json").read_text())["steps"] == 5
 
 
+def test_factorised_nodes_smoke_run_checks_the_reference_rule_against_adaptive_quadrature(tmp_path):
+    """The node study at 200 cavities: the reference rule's log Ẑ at the worst point equals scipy's adaptive
+    ``quad`` (an independent reference), and with the classes' variances close every rule is accurate."""
+    from benchmarks import factorised_nodes
+
+    rows = factorised_nodes.main(["--smoke", "--out", str(tmp_path)])
+    assert [(row["classes"], row["spread"]) for row in rows] == [(10, 0.3), (10, 1.0)]
+    for row in rows:
+        assert sorted(row["rules"]) == [32, 48, 64]
+        assert abs(row["worst_point"]["log_z_error_against_quad"]["256"]) < 1e-6
+    assert all(rule["largest"] < 1e-4 for rule in rows[0]["rules"].values())
+    assert json.loads((tmp_path / "factorised_nodes.json").read_text())["rows"][1]["spread"] == 1.0
+    assert (tmp_path / "factorised_nodes.png").stat().st_size > 0
+
+
 def test_preconditioning_smoke_run_matches_dense_laplace_and_dense_solve(tmp_path):
     """The preconditioning benchmark at N = 100: its JSON's rows and ratios, every Laplace fit's log posterior (with and
     without the preconditioner) and the refined mode's against dense Newton (``tests/reference.py``), and its one-solve

@@ -67,11 +67,15 @@ def _check_marginals(cavity_mean: Tensor, cavity_variance: Tensor) -> None:
         )
 
 
-def factorised_log_normalizer(targets: Tensor, cavity_mean: Tensor, cavity_variance: Tensor) -> Tensor:
+def factorised_log_normalizer(
+    targets: Tensor, cavity_mean: Tensor, cavity_variance: Tensor, num_nodes: int = _LIKELIHOOD_NODES
+) -> Tensor:
     r""":math:`\log\hat Z_i` (module docstring), differentiable in the cavity.
 
     :param targets: ``(N,)`` class indices in :math:`\{0, \dots, C - 1\}`.
     :param cavity_mean: :math:`\mu_{ij}`, ``(N, C)``; ``cavity_variance``: :math:`\sigma_{ij}^2`, ``(N, C)``, positive.
+    :param num_nodes: Gauss–Hermite nodes of the integral over :math:`u`, centred at its integrand's mode and scaled
+        by its width (``docs/design_notes.md`` on the count).
     :returns: ``(N,)`` in the dtype of ``cavity_mean`` (computed in float64).
     """
     _check_marginals(cavity_mean, cavity_variance)
@@ -87,7 +91,7 @@ def factorised_log_normalizer(targets: Tensor, cavity_mean: Tensor, cavity_varia
     mask = torch.ones_like(mean).scatter_(-1, y[:, None], 0.0)
     with torch.no_grad():
         mode, width = _integrand_mode(offsets.detach(), mask, slopes.detach(), _MODE_TOLERANCE)
-    nodes, log_weights = (torch.as_tensor(a, dtype=work, device=mean.device) for a in _hermite_rule(_LIKELIHOOD_NODES))
+    nodes, log_weights = (torch.as_tensor(a, dtype=work, device=mean.device) for a in _hermite_rule(num_nodes))
     t = mode.unsqueeze(-1) + width.unsqueeze(-1) * nodes  # (N, nodes)
     log_cdf = _log_cdf(offsets.unsqueeze(-2) + slopes.unsqueeze(-2) * t.unsqueeze(-1))  # (N, nodes, C)
     log_integrand = -0.5 * t.square() - 0.5 * _LOG_2PI + (log_cdf * mask.unsqueeze(-2)).sum(-1)
@@ -95,7 +99,9 @@ def factorised_log_normalizer(targets: Tensor, cavity_mean: Tensor, cavity_varia
     return (width.log() + 0.5 * _LOG_2PI + torch.logsumexp(terms, dim=-1)).to(dtype)
 
 
-def factorised_moments(targets: Tensor, cavity_mean: Tensor, cavity_variance: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def factorised_moments(
+    targets: Tensor, cavity_mean: Tensor, cavity_variance: Tensor, num_nodes: int = _LIKELIHOOD_NODES
+) -> tuple[Tensor, Tensor, Tensor]:
     r"""Tilted moments of :math:`p(y_i \mid \mathbf f_i) \prod_j \mathcal N(f_{ij} \mid \mu_{ij}, \sigma_{ij}^2)`
     projected on the factorised family: :math:`\log\hat Z_i` and each class's :math:`\hat\mu_{ij} = \mu_{ij} +
     \sigma_{ij}^2\alpha_{ij}`, :math:`\hat\sigma_{ij}^2 = \sigma_{ij}^2 - \sigma_{ij}^4(\alpha_{ij}^2 - 2\beta_{ij})`
@@ -107,6 +113,7 @@ def factorised_moments(targets: Tensor, cavity_mean: Tensor, cavity_variance: Te
 
     :param targets: ``(N,)`` class indices.
     :param cavity_mean: ``(N, C)``; ``cavity_variance``: ``(N, C)``, positive.
+    :param num_nodes: the quadrature's nodes (:func:`factorised_log_normalizer`).
     :returns: ``(log_Z (N,), mean (N, C), variance (N, C))`` in the dtype of ``cavity_mean``.
     :raises ValueError: for mismatched shapes, non-finite means, non-positive variances or targets outside the
         classes.
@@ -115,7 +122,7 @@ def factorised_moments(targets: Tensor, cavity_mean: Tensor, cavity_variance: Te
     mean = cavity_mean.detach().to(work).requires_grad_(True)
     variance = cavity_variance.detach().to(work).requires_grad_(True)
     with torch.enable_grad():  # also under no_grad: alpha and beta are derivatives
-        log_z = factorised_log_normalizer(targets, mean, variance)
+        log_z = factorised_log_normalizer(targets, mean, variance, num_nodes)
         alpha, beta = torch.autograd.grad(log_z.sum(), (mean, variance))
     log_z, mean, variance = log_z.detach(), mean.detach(), variance.detach()
     tilted_mean = mean + variance * alpha
