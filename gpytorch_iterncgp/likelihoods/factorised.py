@@ -32,6 +32,7 @@ import math
 import torch
 from torch import Tensor
 
+from ..core.validation import check_count
 from .multinomial_probit import (
     _LIKELIHOOD_NODES,
     _check_targets,
@@ -45,6 +46,7 @@ _LOG_2PI = math.log(2 * math.pi)
 # the mode to this many widths: the moments move far less than the 64-node rule's own error (benchmarks/README.md §18)
 _MODE_TOLERANCE = 1e-3
 _CHUNK = 1 << 21  # points x nodes x classes per block of the predictive's quadrature (16 MiB of float64)
+_MAX_RULE_NODES = 256  # numpy's Gauss–Hermite weights underflow past 370 nodes; 256 is the benchmarks' reference
 
 
 def _check_marginals(cavity_mean: Tensor, cavity_variance: Tensor) -> None:
@@ -75,9 +77,15 @@ def factorised_log_normalizer(
     :param targets: ``(N,)`` class indices in :math:`\{0, \dots, C - 1\}`.
     :param cavity_mean: :math:`\mu_{ij}`, ``(N, C)``; ``cavity_variance``: :math:`\sigma_{ij}^2`, ``(N, C)``, positive.
     :param num_nodes: Gauss–Hermite nodes of the integral over :math:`u`, centred at its integrand's mode and scaled
-        by its width (``docs/design_notes.md`` on the count).
+        by its width (``docs/design_notes.md`` on the count), 1 to 256.
     :returns: ``(N,)`` in the dtype of ``cavity_mean`` (computed in float64).
     """
+    check_count(num_nodes, "num_nodes", minimum=1)
+    if num_nodes > _MAX_RULE_NODES:
+        raise ValueError(
+            f"num_nodes must be at most {_MAX_RULE_NODES} (numpy's Gauss–Hermite weights underflow past 370), "
+            f"got {num_nodes}."
+        )
     _check_marginals(cavity_mean, cavity_variance)
     dtype = cavity_mean.dtype
     num_points, num_classes = cavity_mean.shape
