@@ -21,6 +21,7 @@ from .exceptions import (
     NonFiniteEvidenceError,
     NotConvergedWarning,
     NumericalBreakdownWarning,
+    WorseThanConstantWarning,
 )
 from .laplace.newton import LaplaceState, SolverOptions
 from .learning.fit import fit_mll
@@ -81,6 +82,7 @@ __all__ = [
     "StochasticEPMarginalLogLikelihood",
     "StochasticEPStrategy",
     "UnitVectorPolicy",
+    "WorseThanConstantWarning",
     "fit_mll",
     "settings",
 ]

@@ -22,6 +22,10 @@ each can be filtered on its own:
 * :class:`MonteCarloPsiWarning`: the Ψ statistics of a kernel without a closed form are Monte Carlo estimates
   (:func:`~gpytorch_iterncgp.sparse.psi_statistics.psi_statistics`).
 
+One warning is about the model, not the numbers, and is a ``UserWarning`` (as GPyTorch's ``GPInputWarning``):
+:class:`WorseThanConstantWarning`, the learnt model predicts the rows held out from learning worse than a constant
+predictor (:func:`~gpytorch_iterncgp.learning.baseline.check_against_constant`).
+
 Errors: :class:`NonFiniteEvidenceError` (a ``FloatingPointError``) when the marginal likelihood cannot be
 computed finitely, so an optimizer never sees a NaN loss or gradient.
 """
@@ -39,6 +43,7 @@ __all__ = [
     "NotConvergedWarning",
     "NumericalBreakdownWarning",
     "NumericalWarning",
+    "WorseThanConstantWarning",
 ]
 
 
@@ -65,6 +70,11 @@ class BufferLimitWarning(NumericalWarning):
 
 class MonteCarloPsiWarning(NumericalWarning):
     """The Ψ statistics of this kernel have no closed form here: they are Monte Carlo estimates."""
+
+
+class WorseThanConstantWarning(UserWarning):
+    """The learnt model's score on the rows held out from learning is worse than a constant predictor's (the class
+    frequencies, the mean count): its hyperparameters fit the learning rows but do not predict others."""
 
 
 class NonFiniteEvidenceError(FloatingPointError):

@@ -383,7 +383,15 @@ class _IterNCGPEstimator(BaseEstimator):
             fit_steps=int(self.learning_fit_steps),
         )
         names, why = (
-            auto_kernel_names(inference, learn, len(X), num_latents, self.learning_subset, recipe.min_validation_points)
+            auto_kernel_names(
+                inference,
+                learn,
+                len(X),
+                num_latents,
+                self.learning_subset,
+                recipe.min_validation_points,
+                recipe.held_out_fraction,
+            )
             if self._auto_kernel
             else ((), "")
         )
@@ -641,7 +649,9 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
     :class:`~gpytorch_iterncgp.IterNCGPStrategy` or :class:`~gpytorch_iterncgp.EPStrategy`), ``likelihood_``, ``kernel_`` (the fitted kernel),
     ``kernel_choice_`` (with ``kernel="auto"``: the kernel's name and why it was chosen; ``None`` otherwise),
     ``learning_rows_`` (the rows of ``X`` the hyperparameters were learnt on, or ``None``: all), ``validation_rows_``
-    (the held-out rows the outputscale was chosen on where the kernel was learnt on a subset, or ``None``),
+    (the rows held out from learning, where the kernel was learnt on a subset: the outputscale and the kernel are
+    chosen on them and the learnt model is checked against a constant predictor, with a
+    :class:`~gpytorch_iterncgp.WorseThanConstantWarning` where it predicts them worse; or ``None``),
     ``fit_report_`` (the final :class:`~gpytorch_iterncgp.FitReport`; its text also says where the learning's time went), ``learning_report_`` (a :class:`LearningReport`: evidence evaluations, seconds in fits, evidence and gradients, why it stopped), ``loss_curve_`` (``-evidence / n``
     at every evaluation of the evidence: L-BFGS iterations and line-search trials, or Adam steps), ``solver_budget_`` (a dict: the ``policy``, ``max_solver_iterations`` and ``solver_tol``
     the strategy was given, ``exact``: whether every solve ran to full rank, and the ``rule`` that chose them).

@@ -30,7 +30,7 @@ from ..core.policies import Policy
 from ..laplace.newton import SolverOptions
 from ..mlls.itergp import EPMarginalLogLikelihood, LaplaceMarginalLogLikelihood
 from ..strategies.itergp import EPStrategy
-from .rows import auto_choice_size, auto_subset_size, holds_out_rows
+from .rows import auto_choice_size, auto_learning_size, auto_subset_size, holds_out_rows
 
 __all__ = [
     "AUTO_KERNELS",
@@ -180,17 +180,26 @@ def check_parameters_apply(
 
 
 def auto_kernel_names(
-    inference: str, learn: bool, num_points: int, num_latents: int, learning_subset: Any, min_validation_points: int
+    inference: str,
+    learn: bool,
+    num_points: int,
+    num_latents: int,
+    learning_subset: Any,
+    min_validation_points: int,
+    held_out_fraction: float,
 ) -> tuple[tuple[str, ...], str]:
     r"""``kernel="auto"``: the names of :func:`~gpytorch_iterncgp.learning.kernel_choice.kernel_family`'s kernels to
     choose among, and why. :data:`AUTO_KERNELS` (``"matern"``, ``"linear+matern"`` and ``"warped_matern"``), each
     learnt on the learning rows and chosen by the held-out score of the rows the learning holds out (the log-loss of
     a classifier, the Poisson deviance of counts: cross-validation, R&W sec. 5.3), where the hyperparameters are
-    learnt and rows are held out: :math:`N` beyond the learning subset (:math:`\lfloor\sqrt{10^7 / C}\rfloor` rows
-    by default) by at least ``min_validation_points``; under ``"sparse_ep"``, beyond the
-    :math:`M_c = \lfloor\sqrt{10^6 / C}\rfloor` rows (at most half of them) each candidate is learnt on by dense EP
+    learnt and :math:`N` exceeds the learning subset (:math:`\lfloor\sqrt{10^7 / C}\rfloor` rows by default) by at
+    least ``min_validation_points``; under ``"sparse_ep"``, beyond the :math:`M_c = \lfloor\sqrt{10^6 / C}\rfloor`
+    rows (at most half of them) each candidate is learnt on by dense EP
     (:func:`~gpytorch_iterncgp.learning.fit.fit_minibatch_mll`'s ``kernels=``), stochastic EP then learning the
-    chosen one on all the data. Otherwise ``("matern",)``, :func:`default_kernel` alone.
+    chosen one on all the data. Otherwise ``("matern",)``, :func:`default_kernel` alone. Data within the learning
+    subset still hold rows out (:func:`~.rows.auto_learning_size`), for the outputscale and the check against a
+    constant predictor; the choice is not made there for its cost (the candidates' exact evidence at up to
+    :math:`10^3` rows dominates such a fit; ``docs/design_notes.md``, "Held-out rows on data within the subset").
 
     Why these three and this rule (``benchmarks/README.md`` §26-§29): on the tabular panel the linear part lowered the
     test log-loss on average and by up to a half (texture), the learnt warping of the features by up to a fifth
@@ -203,8 +212,8 @@ def auto_kernel_names(
     :param learn: whether the hyperparameters are learnt (``optimize_hyperparameters`` and ``optimizer_steps > 0``).
     :param num_points: :math:`N`; ``num_latents``: :math:`C`.
     :param learning_subset: the estimator's ``learning_subset`` (``"auto"``, ``None`` or a number of rows).
-    :param min_validation_points: the fewest held-out rows a choice is made on
-        (:class:`~gpytorch_iterncgp.LearningRecipe`'s).
+    :param min_validation_points: the fewest held-out rows a choice is made on, and ``held_out_fraction`` the share
+        of the rows held out on data within the learning subset (:class:`~gpytorch_iterncgp.LearningRecipe`'s).
     :return: ``(names, reason)``: the names (one: no choice) and why (a clause, for the estimators'
         ``kernel_choice_``).
     """
@@ -216,6 +225,12 @@ def auto_kernel_names(
         size = auto_subset_size(num_latents) if learning_subset == "auto" else learning_subset
         learnt = "the hyperparameters are learnt"
     if not holds_out_rows(num_points, size, min_validation_points):
+        within = learning_subset == "auto" and inference != "sparse_ep"
+        if within and auto_learning_size(num_points, num_latents, min_validation_points, held_out_fraction):
+            return ("matern",), (
+                f"the {num_points} points are within the learning subset of {size} points plus "
+                f"{min_validation_points} held out (the choice among kernels is made past it)"
+            )
         rows = f"all {num_points}" if size is None or size >= num_points else f"{size} of the {num_points}"
         return ("matern",), (
             f"{learnt} on {rows} points, leaving fewer than {min_validation_points} held-out points to choose by"

@@ -9,7 +9,7 @@ r"""One learning function for every model with an IterNCGP or EP strategy: :func
 
 The recipe, in three phases (each a progress bar with ``show_progress``):
 
-1. **learning**: type-II maximum likelihood on a random subset of the rows (:func:`~.rows.auto_subset_size`,
+1. **learning**: type-II maximum likelihood on a random subset of the rows (:func:`~.rows.auto_learning_size`,
    stratified by class; R&W §8.3.3), L-BFGS where the evidence is exact, otherwise Adam with loose warm-started fits
    (the strategy's ``train_fit_steps``). EP's hyperparameters are learnt on Laplace's evidence
    where EP's would be estimated from incomplete solves (its maximiser is biased, ``docs/design_notes.md``);
@@ -48,6 +48,7 @@ from ..mlls.itergp import BoTorchFitHook, EPMarginalLogLikelihood, LaplaceMargin
 from ..mlls.stochastic import StochasticEPMarginalLogLikelihood
 from ..strategies.base import exact_regime
 from ..strategies.itergp import EPStrategy, IterNCGPStrategy
+from .baseline import check_against_constant
 from .kernel_choice import (
     candidate_kernels,
     check_select_by,
@@ -60,7 +61,7 @@ from .learner import LearnerModel, laplace_likelihood
 from .minibatch import MinibatchRecipe, fit_minibatches
 from .outputscale import choose_outputscale
 from .recipe import RECOVERABLE_ERRORS, LearningRecipe, LearningReport, LearningStop, cg_nans_as_nan_errors
-from .rows import auto_choice_size, auto_subset_size, draw_rows, held_out_rows
+from .rows import auto_choice_size, auto_learning_size, draw_rows, held_out_rows
 from .scale import LogScale, trainable_parameters
 
 __all__ = ["fit_dense_mll", "fit_minibatch_mll", "fit_mll"]
@@ -146,8 +147,10 @@ def fit_dense_mll(
         ``kernels``, each candidate gets an equal share of the time left when it starts.
     :param recipe: the optimiser's settings (:class:`~gpytorch_iterncgp.learning.recipe.LearningRecipe`).
     :param subset: the rows the hyperparameters are learnt on: ``"auto"`` (:math:`\lfloor\sqrt{10^7/C}\rfloor` rows,
-        stratified by class for classifiers; all of them for smaller data), a number of rows, the row indices
-        ``(M,)``, a boolean mask ``(N,)``, or ``None`` (all).
+        stratified by class for classifiers; for smaller data all but the recipe's ``held_out_fraction`` of them,
+        which are held out, or all of them where that fraction is fewer than ``min_validation_points`` rows:
+        :func:`~.rows.auto_learning_size`), a number of rows, the row indices ``(M,)``, a boolean mask ``(N,)``, or
+        ``None`` (all).
     :param validation_rows: the held-out rows for the outputscale (classifiers) and the kernel choice: ``"auto"`` (as
         many others as the subset, stratified), the row indices or a boolean mask (outside the subset), or ``None``
         (no choice). Only where the learning holds rows out (a subset smaller than the data).
@@ -220,7 +223,7 @@ def _learn_dense(
     labels = strategy.train_targets.cpu() if strategy.adapter.classification else None
     parameters = trainable_parameters([model, mll.likelihood])
     learn = recipe.optimizer_steps > 0 and (bool(parameters) or candidates is not None)
-    rows = _learning_rows(strategy, subset, labels, generator) if learn else None
+    rows = _learning_rows(strategy, subset, labels, generator, recipe) if learn else None
     report = LearningReport(num_data=strategy.num_data, data_points=strategy.num_data if rows is None else len(rows))
     report.learning_rows = None if rows is None else rows.tolist()
     if learn:
@@ -234,6 +237,12 @@ def _learn_dense(
                 raise ValueError(_nothing_held_out(strategy, rows, validation_rows, recipe))
             choice = _choice_phase(mll, rows, held_out, labels, recipe, generator, show)
             choose_kernel(model, mll.likelihood, candidates, phase, select_by, report, deadline, choice)
+        if phase.validation is not None and has_held_out_score(mll.likelihood):
+            assert held_out is not None
+            report.validation_rows, report.validation_points = held_out.tolist(), len(held_out)
+            check_against_constant(
+                report, phase.final_model, phase.targets, phase.validation, recipe.outputscale_fit_steps
+            )
     return report
 
 
@@ -561,8 +570,10 @@ def _row_indices(value: Tensor, num_data: int, name: str) -> Tensor:
     return rows.unique()
 
 
-def _learning_rows(strategy: Any, subset: Any, labels: Tensor | None, generator: _RowGenerator) -> Tensor | None:
-    """The rows to learn on (``None``: all), from ``fit_mll``'s ``subset``.
+def _learning_rows(
+    strategy: Any, subset: Any, labels: Tensor | None, generator: _RowGenerator, recipe: LearningRecipe
+) -> Tensor | None:
+    """The rows to learn on (``None``: all), from ``fit_mll``'s ``subset`` (``"auto"``: :func:`~.rows.auto_learning_size`).
 
     :raises ValueError: for a subset that is not ``"auto"``, ``None``, a count of at least 2, row indices or a mask
         (:func:`_row_indices`) of at least 2 rows.
@@ -578,7 +589,12 @@ def _learning_rows(strategy: Any, subset: Any, labels: Tensor | None, generator:
     if isinstance(subset, str):
         if subset != "auto":
             raise ValueError(f"subset must be 'auto', None, a number of rows or row indices; got {subset!r}.")
-        size = auto_subset_size(strategy.num_latents)
+        auto = auto_learning_size(
+            num_data, strategy.num_latents, recipe.min_validation_points, recipe.held_out_fraction
+        )
+        if auto is None:
+            return None
+        size = auto
     elif isinstance(subset, int) and not isinstance(subset, bool) and subset >= 2:
         size = subset
     else:

@@ -50,6 +50,9 @@ class LearningRecipe:
     :param outputscale_extensions: the most factors tried past the grid's edge, doubling (halving) the largest
         (smallest) while it has the lowest held-out log-loss (``0``: the grid alone).
     :param min_validation_points: fewer spare rows than this: no held-out choice.
+    :param held_out_fraction: ``subset="auto"`` where the learning subset would hold all the rows: this fraction of them
+        (at least ``min_validation_points``) is held out anyway, for the outputscale, the kernel choice and the check
+        against a constant predictor (:func:`~.rows.auto_learning_size`); ``0``: none held out there.
     :param kernel_choice_subset: with candidate kernels (``fit_mll(kernels=...)``), the learning rows each candidate is
         learnt and scored on for the choice: ``"auto"`` (:data:`KERNEL_CHOICE_COST`), a number of rows, or ``None``
         (all the learning rows, no second learning). Where fewer, the chosen kernel is learnt again on all the learning
@@ -67,6 +70,7 @@ class LearningRecipe:
     outputscale_fit_steps: int = 10
     outputscale_extensions: int = 4
     min_validation_points: int = 100
+    held_out_fraction: float = 0.2
     kernel_choice_subset: int | str | None = "auto"
 
     def validate(self) -> None:
@@ -77,6 +81,9 @@ class LearningRecipe:
         check_count(self.min_validation_points, "min_validation_points")
         check_count(self.outputscale_extensions, "outputscale_extensions")
         check_nonnegative(self.learning_rate, "learning_rate", positive=True)
+        check_nonnegative(self.held_out_fraction, "held_out_fraction")
+        if not self.held_out_fraction < 1:
+            raise ValueError(f"held_out_fraction must lie in [0, 1), got {self.held_out_fraction!r}.")
         if not self.outputscale_factors or any(not factor > 0 for factor in self.outputscale_factors):
             raise ValueError(f"outputscale_factors must be positive numbers, got {self.outputscale_factors!r}.")
         subset = self.kernel_choice_subset
@@ -142,6 +149,12 @@ class LearningReport:
     (:func:`~gpytorch_iterncgp.learning.kernel_choice.choose_kernel`). The learning and outputscale fields above are
     then the chosen candidate's (learnt again on all the learning rows where the choice used fewer).
 
+    Check (where rows are held out and the likelihood has a held-out score): ``held_out_score``, the learnt model's
+    ``held_out_metric`` (``"log-loss"`` or ``"Poisson deviance"``) on the ``validation_rows``, and ``constant_score``,
+    a constant predictor's (the learning rows' class frequencies or mean count); a
+    :class:`~gpytorch_iterncgp.WorseThanConstantWarning` where the model's is the higher
+    (:func:`~gpytorch_iterncgp.learning.baseline.check_against_constant`; ``None``: not checked).
+
     Final fit: ``fit_report``, the :class:`~gpytorch_iterncgp.FitReport` of the fit on all the data.
 
     ``peak_memory_bytes``: at the end, the peak memory (:func:`~gpytorch_iterncgp.core.memory.peak_memory_bytes`: on
@@ -167,6 +180,9 @@ class LearningReport:
     outputscale_seconds: float = 0.0
     kernel: str | None = None
     kernel_scores: dict[str, dict[str, Any]] = field(default_factory=dict)
+    held_out_metric: str = ""
+    held_out_score: float | None = None
+    constant_score: float | None = None
     fit_report: Any = None
     peak_memory_bytes: int = 0
 
@@ -184,7 +200,17 @@ class LearningReport:
             f"{self._kernel_choice()}hyperparameters: {self.method} on the {self.evidence} evidence{subset}, "
             f"{self.evaluations} evaluations in {self.seconds:.2f}s (fits "
             f"{self.fit_seconds:.2f}s, evidence {self.evidence_seconds:.2f}s, gradients {self.gradient_seconds:.2f}s), "
-            f"stopped by {self.stopped}{outputscale}"
+            f"stopped by {self.stopped}{outputscale}{self._check()}"
+        )
+
+    def _check(self) -> str:
+        """``"; held-out log-loss ... against a constant predictor's ..."`` (or nothing: not checked)."""
+        if self.held_out_score is None or self.constant_score is None:
+            return ""
+        verdict = "WORSE than" if self.held_out_score > self.constant_score else "against"
+        return (
+            f"; held-out {self.held_out_metric} {self.held_out_score:.4g} {verdict} a constant predictor's "
+            f"{self.constant_score:.4g}"
         )
 
     def _kernel_choice(self) -> str:

@@ -10,7 +10,14 @@ from torch import Tensor
 
 from .recipe import KERNEL_CHOICE_COST, LEARNING_SUBSET_COST
 
-__all__ = ["auto_choice_size", "auto_subset_size", "draw_rows", "held_out_rows", "holds_out_rows"]
+__all__ = [
+    "auto_choice_size",
+    "auto_learning_size",
+    "auto_subset_size",
+    "draw_rows",
+    "held_out_rows",
+    "holds_out_rows",
+]
 
 
 def auto_subset_size(num_latents: int) -> int:
@@ -21,6 +28,28 @@ def auto_subset_size(num_latents: int) -> int:
 def auto_choice_size(num_latents: int) -> int:
     r""":math:`M_c = \lfloor \sqrt{10^6 / C} \rfloor` (:data:`~gpytorch_iterncgp.learning.recipe.KERNEL_CHOICE_COST`)."""
     return max(2, math.isqrt(KERNEL_CHOICE_COST // num_latents))
+
+
+def auto_learning_size(num_data: int, num_latents: int, minimum: int, held_out_fraction: float) -> int | None:
+    r"""The learning rows of ``subset="auto"`` out of ``num_data`` (``None``: all of them, nothing held out).
+
+    :math:`M = \lfloor \sqrt{10^7 / C} \rfloor` (:func:`auto_subset_size`) where that leaves at least ``minimum``
+    rows out; otherwise, where ``held_out_fraction`` of the rows (rounded up) is at least ``minimum``, all the others:
+    rows are held out even where the data would fit in the learning subset, so that the outputscale is chosen, and the
+    learnt hyperparameters checked against a constant predictor, on rows the evidence did not see (a lengthscale that
+    interpolates the learning rows is not kept unseen). Smaller data: :math:`M` rows where :math:`M < N`, else all.
+
+    :param num_data: :math:`N`; ``num_latents``: :math:`C`.
+    :param minimum: the fewest held-out rows a choice is made on (``LearningRecipe.min_validation_points``).
+    :param held_out_fraction: ``LearningRecipe.held_out_fraction``.
+    """
+    size = auto_subset_size(num_latents)
+    if holds_out_rows(num_data, size, minimum):
+        return size
+    held_out = math.ceil(held_out_fraction * num_data)
+    if held_out >= max(minimum, 1) and num_data - held_out >= 2:
+        return num_data - held_out
+    return size if size < num_data else None
 
 
 def holds_out_rows(num_data: int, learning_size: int | None, minimum: int) -> bool:

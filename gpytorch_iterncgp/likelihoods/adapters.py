@@ -88,6 +88,9 @@ def logistic_gaussian(mean: Tensor, variance: Tensor) -> Tensor:
     error decays like :math:`e^{-2\pi^2/0.5}`). Gauss–Hermite over :math:`f` alone is not enough for the wide
     posteriors of classification: 64 nodes err by 5e-4 at :math:`s = 7` (the sigmoid is then a near-step
     on the scale of the Gaussian).
+
+    The result is clamped to :math:`[0, 1]`: the weights sum to 1 only up to rounding, so a certain point's sum can
+    exceed 1 by an ulp, which scikit-learn's metrics refuse as a probability.
     """
     std = variance.clamp_min(0).sqrt()
     narrow = std <= 1
@@ -97,7 +100,7 @@ def logistic_gaussian(mean: Tensor, variance: Tensor) -> Tensor:
     density = _LOGISTIC_STEP * torch.sigmoid(logistic) * torch.sigmoid(-logistic)
     wide_std = torch.where(narrow, 1, std)[..., None]
     over_logistic = (torch.special.ndtr((mean[..., None] - logistic) / wide_std) * density).sum(-1)
-    return torch.where(narrow, over_latent, over_logistic)
+    return torch.where(narrow, over_latent, over_logistic).clamp(0, 1)
 
 
 _SOFTMAX_SEED = 0  # the base samples of softmax_gaussian: the same on every call, device and dtype

@@ -123,7 +123,12 @@ def test_learning_runs_loose_fits_and_the_final_fit_whole(monkeypatch):
 
     monkeypatch.setattr(IterNCGPStrategy, "_run", spy)
     classifier = IterNCGPClassifier(
-        inference="laplace", optimizer_steps=3, random_state=0, learning_fit_steps=2, covariance_iterations=2
+        inference="laplace",
+        optimizer_steps=3,
+        random_state=0,
+        learning_fit_steps=2,
+        covariance_iterations=2,
+        learning_subset=None,
     ).fit(x, y)
     assert budgets == [(2, 20, 0)] * 3 + [(None, None, 2)]  # the final fit: no step limit
     options = classifier.model_.variational_strategy.options
@@ -233,8 +238,10 @@ def test_ep_outputscale_needs_held_out_rows_an_outputscale_and_time():
             assert classifier.learning_report_.evidence == "Laplace"
             assert classifier.learning_report_.outputscale_log_loss == {}
             assert classifier.learning_report_.outputscale_factor == 1.0
-            assert "held-out" not in str(classifier.fit_report_)
-    assert everything.validation_rows_ is None and no_outputscale.validation_rows_ is None
+            assert "outputscale times" not in str(classifier.fit_report_)
+    assert everything.validation_rows_ is None and everything.learning_report_.held_out_score is None
+    # without an outputscale the held-out rows still check the model against a constant predictor
+    assert len(no_outputscale.validation_rows_) == 80 and no_outputscale.learning_report_.held_out_score is not None
     assert len(out_of_time.validation_rows_) == 80 and out_of_time.learning_report_.stopped == "max_time"
 
 

@@ -21,6 +21,7 @@ from gpytorch_iterncgp import (
     LaplaceMarginalLogLikelihood,
     LearningRecipe,
     LogitBernoulliLikelihood,
+    WorseThanConstantWarning,
     fit_mll,
     settings,
 )
@@ -115,7 +116,7 @@ def test_fit_mll_on_the_estimators_model_gives_the_estimators_hyperparameters(in
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         report = fit_mll(
-            evidence(model.variational_strategy.likelihood, model), recipe=LearningRecipe(optimizer_steps=4)
+            evidence(model.variational_strategy.likelihood, model), recipe=LearningRecipe(optimizer_steps=4), subset=None
         )
     assert report.evidence == "Laplace" and report.method == "Adam" and report.evaluations == 4
     for ours, theirs in zip(_kernel_parameters(model), estimator.kernel_.parameters(), strict=True):
@@ -198,8 +199,12 @@ def test_the_outputscale_grid_follows_the_held_out_optimum_past_its_edge():
         )
         return fit_mll(mll, subset=100, seed=0, recipe=recipe), model
 
-    grid, _ = fitted(0)
+    with pytest.warns(WorseThanConstantWarning, match="worse than a constant predictor's"):
+        grid, _ = fitted(0)  # at s² = 0.01 the probabilities stay near 1/2: worse than the class frequencies
     report, model = fitted(3)
+    assert grid.held_out_score is not None and grid.constant_score is not None
+    assert grid.held_out_score == grid.outputscale_log_loss[1.0] > grid.constant_score
+    assert report.held_out_score == report.outputscale_log_loss[8.0] < report.constant_score
     assert list(grid.outputscale_log_loss) == [1.0, 0.5] and grid.outputscale_factor == 1.0
     losses = report.outputscale_log_loss
     assert list(losses) == [1.0, 0.5, 2.0, 4.0, 8.0]
