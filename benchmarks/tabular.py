@@ -22,6 +22,8 @@ count sets), and on request :data:`benchmarks.real_data.LARGE` (two sets where t
   kernel of the family (``estimator`` is ``"matern"``'s), learnt as the default is: each candidate's own test score,
   so that the rules of choice (BIC, the evidence, the held-out score: ``estimator_auto``'s recorded scores) compare
   on the test set (the summary's ``rules``);
+* ``constant``: the constant predictor, which ignores the inputs: the training rows' class frequencies (their mean
+  count for counts); a model above its score predicts worse than knowing nothing about the inputs;
 * ``logistic``, ``boosting``: scikit-learn's ``LogisticRegression`` and ``HistGradientBoostingClassifier``
   (:func:`benchmarks.gpytorch_door.run_sklearn`); for counts ``PoissonRegressor`` and
   ``HistGradientBoostingRegressor(loss="poisson")`` (their defaults, 1000 iterations for the GLM, early stopping);
@@ -59,10 +61,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 FAMILY = {f"estimator_{name}": name for name in kernel_family(1) if name != "matern"}
 #: the family's kernels by the method that fits each
 KERNEL_METHODS = {"matern": "estimator", **{name: method for method, name in FAMILY.items()}}
-CLASSIFICATION_METHODS = ("estimator", "estimator_auto", *FAMILY, "logistic", "boosting", "svgp")
+CLASSIFICATION_METHODS = ("estimator", "estimator_auto", *FAMILY, "constant", "logistic", "boosting", "svgp")
 #: the negative binomial regressor (overdispersed counts), with the Matérn alone and with ``kernel="auto"``
 NEGATIVE_BINOMIAL = {"estimator_negbin": None, "estimator_negbin_auto": "auto"}
-COUNT_METHODS = ("estimator", "estimator_auto", *FAMILY, *NEGATIVE_BINOMIAL, "poisson", "boosting", "svgp")
+COUNT_METHODS = ("estimator", "estimator_auto", *FAMILY, *NEGATIVE_BINOMIAL, "constant", "poisson", "boosting", "svgp")
 #: the estimators SVGP is scored at the seconds of (equal time): the last of these a run fits
 EQUAL_TIME_METHODS = ("estimator_auto", "estimator_negbin_auto")
 
@@ -142,6 +144,24 @@ def _count_baseline(data: Data, method: str, seed: int) -> dict:
     }
 
 
+def _constant(data: Data) -> dict:
+    """The constant predictor of the training rows (class frequencies, or the mean count): its test score."""
+    if data.num_classes == 0:
+        return {
+            "label": "mean count",
+            "seconds": 0.0,
+            **poisson_deviance(
+                torch.full_like(data.test_y, float(data.train_y.double().mean()), dtype=torch.float64), data.test_y
+            ),
+        }
+    frequencies = torch.bincount(data.train_y, minlength=data.num_classes).double() / len(data.train_y)
+    return {
+        "label": "class frequencies",
+        "seconds": 0.0,
+        **log_loss(frequencies.expand(len(data.test_y), -1), data.test_y),
+    }
+
+
 def run_method(
     data: Data, method: str, seed: int, budget: float, equal_time: float | None, learning_subset: int | str = "auto"
 ) -> dict:
@@ -152,6 +172,8 @@ def run_method(
     if method.startswith("estimator"):
         kernel = "auto" if method == "estimator_auto" else FAMILY.get(method)
         return _estimator(data, seed, kernel, learning_subset=learning_subset)
+    if method == "constant":
+        return _constant(data)
     if method == "svgp":
         latents = data.num_classes if data.num_classes > 2 else 1
         run = run_svgp(data, 100 * latents, 0.01, budget, seed)
@@ -199,6 +221,9 @@ def summary(rows: list[dict]) -> dict:
         for method in ("estimator", "estimator_auto"):
             if method in entry and baselines:
                 entry[method]["at_or_below_baselines"] = entry[method][metric]["mean"] <= min(baselines)
+            if method in entry and "constant" in methods:  # on every split: never worse than ignoring the inputs
+                pairs = zip(methods[method], methods["constant"], strict=True)
+                entry[method]["below_constant"] = all(run[metric] < constant[metric] for run, constant in pairs)
         result[name] = {"metric": metric, "methods": entry}
     return result
 
@@ -253,7 +278,9 @@ def plot(results: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--datasets", nargs="+", default=[*TABULAR, *COUNTS], choices=[*TABULAR, *COUNTS, *LARGE])
+    parser.add_argument(
+        "--datasets", nargs="+", default=[*TABULAR, *COUNTS], choices=[*TABULAR, *COUNTS, *LARGE, "chess"]
+    )
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument(
         "--methods",

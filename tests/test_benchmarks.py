@@ -14,6 +14,7 @@ import json
 import math
 
 import gpytorch
+import numpy as np
 import pytest
 import torch
 
@@ -671,6 +672,19 @@ def test_tabular_smoke_run_scores_every_method_on_classes_and_counts(tmp_path):
     summary = output["summary"]
     assert summary["phoneme"]["metric"] == "nll" and summary["doctor_visits"]["metric"] == "deviance"
     assert isinstance(summary["phoneme"]["methods"]["estimator_auto"]["at_or_below_baselines"], bool)
+    # the constant predictor: scikit-learn's scores of the training rows' class frequencies and mean count
+    from sklearn.metrics import log_loss, mean_poisson_deviance
+
+    from benchmarks.real_data import load
+
+    phoneme, visits = load("phoneme", True, 0), load("doctor_visits", True, 0)
+    frequencies = np.bincount(phoneme.train_y.numpy()) / phoneme.num_train
+    expected = log_loss(phoneme.test_y.numpy(), np.tile(frequencies, (len(phoneme.test_y), 1)))
+    assert classes["methods"]["constant"]["nll"] == pytest.approx(expected, rel=1e-12)
+    mean_count = np.full(len(visits.test_y), visits.train_y.double().mean().item())
+    expected = mean_poisson_deviance(visits.test_y.numpy(), mean_count)
+    assert counts["methods"]["constant"]["deviance"] == pytest.approx(expected, rel=1e-12)
+    assert isinstance(summary["phoneme"]["methods"]["estimator_auto"]["below_constant"], bool)
     # the rules of choice, each scored by the test score of the estimator with the kernel it chose
     rules = summary["doctor_visits"]["methods"]["estimator_auto"]["rules"]
     assert rules["matern"]["deviance"]["mean"] == counts["methods"]["estimator"]["deviance"]

@@ -507,11 +507,17 @@ class ExpectationPropagation:
             preconditioner=self.preconditioning.for_noise(noise),
         )
 
-    def _bounded_points(self, update: SiteUpdate) -> Tensor:
+    def _bounded_points(self, update: SiteUpdate, state: EPState) -> Tensor:
         """The indices of the points whose cavity ``update`` bounded, as many as ``bounded_point_actions`` actions
         allow (one per point for :math:`C = 1`, :math:`C - 1` for :math:`C` classes, at least one point), those with the
         largest new site precision (trace of the block for :math:`C > 1`) first: where the computation-aware
-        marginal is furthest above what the site allows. The same on every rank (gathered from each rank's points)."""
+        marginal is furthest above what the site allows. The same on every rank (gathered from each rank's points).
+        None where ``state``'s precision already has the action space's full rank: the solve was complete, its
+        marginals exact, a cavity bounded there is rounding at large site precisions, and the unit vectors would only
+        grow the recycled actions past the dimension of the space (every later sweep's virtual run paying for them)."""
+        dimension = self.rows_block.size if self.action_space_dimension is None else self.action_space_dimension
+        if state.precision_root.shape[-1] >= dimension:
+            return torch.zeros(0, dtype=torch.long, device=self.prior_mean.device)
         precision = update.site_precision
         if precision.dim() > 1:
             precision = precision.diagonal(dim1=-2, dim2=-1).sum(-1)
@@ -558,7 +564,7 @@ class ExpectationPropagation:
                 self.policy.reset()
             # points whose cavity was bounded get actions: no later sweep bounds them (with_point_actions)
             buffer = self.preconditioning.with_point_actions(
-                self.preconditioning.seeded(buffer), self._bounded_points(update)
+                self.preconditioning.seeded(buffer), self._bounded_points(update, state)
             )
             result = self.solve(state, buffer, update.site_precision, update.site_natural_mean)
             buffer = result.buffer
