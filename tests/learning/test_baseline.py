@@ -46,7 +46,9 @@ def test_constant_score_is_scikit_learns_score_of_the_learning_rows_frequencies_
     assert ours == pytest.approx(expected, rel=1e-12)
     counts, held_out_counts = generator.poisson(3.0, 80), generator.poisson(3.0, 30)
     expected = mean_poisson_deviance(held_out_counts, np.full(len(held_out_counts), counts.mean()))
-    ours = constant_score(torch.as_tensor(counts, dtype=torch.float64), torch.as_tensor(held_out_counts, dtype=torch.float64), False)
+    ours = constant_score(
+        torch.as_tensor(counts, dtype=torch.float64), torch.as_tensor(held_out_counts, dtype=torch.float64), False
+    )
     assert ours == pytest.approx(expected, rel=1e-12)
 
 

@@ -116,7 +116,9 @@ def test_fit_mll_on_the_estimators_model_gives_the_estimators_hyperparameters(in
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         report = fit_mll(
-            evidence(model.variational_strategy.likelihood, model), recipe=LearningRecipe(optimizer_steps=4), subset=None
+            evidence(model.variational_strategy.likelihood, model),
+            recipe=LearningRecipe(optimizer_steps=4),
+            subset=None,
         )
     assert report.evidence == "Laplace" and report.method == "Adam" and report.evaluations == 4
     for ours, theirs in zip(_kernel_parameters(model), estimator.kernel_.parameters(), strict=True):

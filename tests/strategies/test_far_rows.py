@@ -53,7 +53,13 @@ def _fitted(case: str, outputscale: float, dtype: torch.dtype = torch.float64, *
     x, y = data()
     x = x.to(dtype)
     model = IterNCGPModel(
-        x, y.to(dtype), likelihood(), outputscale=outputscale, lengthscale=LENGTHSCALE, strategy_class=strategy, **options
+        x,
+        y.to(dtype),
+        likelihood(),
+        outputscale=outputscale,
+        lengthscale=LENGTHSCALE,
+        strategy_class=strategy,
+        **options,
     )
     model.variational_strategy.fit()
     model.eval()
