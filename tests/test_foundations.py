@@ -157,6 +157,7 @@ LAYERS: list[tuple[str, list[set[str]]]] = [
             {"rows", "learner", "outputscale", "minibatch"},
             {"estimator_policy"},
             {"kernel_choice"},
+            {"baseline"},
             {"fit"},
         ],
     ),
@@ -234,7 +235,9 @@ def test_cuda_fit_equals_cpu_fit(dtype):
 
 
 def test_every_warning_of_the_package_is_a_numerical_warning():
-    """One hierarchy (``exceptions.py``): ``filterwarnings(category=NumericalWarning)`` silences all of them."""
+    """One hierarchy (``exceptions.py``): ``filterwarnings(category=NumericalWarning)`` silences all of them, but the
+    one about the model rather than the numbers, ``WorseThanConstantWarning``, a ``UserWarning`` (as GPyTorch's
+    ``GPInputWarning``)."""
     from linear_operator.utils.warnings import NumericalWarning
 
     from gpytorch_iterncgp import exceptions, uncertain
@@ -246,4 +249,6 @@ def test_every_warning_of_the_package_is_a_numerical_warning():
         if isinstance(value, type) and issubclass(value, Warning)
     ]
     assert uncertain.MonteCarloPsiWarning in warning_classes
-    assert all(issubclass(cls, NumericalWarning) for cls in warning_classes), warning_classes
+    about_the_model = [cls for cls in warning_classes if not issubclass(cls, NumericalWarning)]
+    assert about_the_model == [exceptions.WorseThanConstantWarning], about_the_model
+    assert issubclass(exceptions.WorseThanConstantWarning, UserWarning)

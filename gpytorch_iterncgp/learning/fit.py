@@ -15,7 +15,8 @@ The recipe, in three phases (each a progress bar with ``show_progress``):
    where EP's would be estimated from incomplete solves (its maximiser is biased, ``docs/design_notes.md``);
 2. **outputscale** (classifiers learnt on a subset, a ``ScaleKernel`` as ``covar_module``): the outputscale by the
    log-loss of held-out rows (:mod:`.outputscale`): the evidence's maximiser is over-confident at large N (Laplace's
-   softmax, and EP learnt on it);
+   softmax, and EP learnt on it); then, wherever rows are held out, the learnt model against a constant predictor on
+   them (:mod:`.baseline`: a ``WorseThanConstantWarning`` where it predicts them worse);
 3. **final fit**: the strategy's own ``fit()`` on all the data, at its own options (with its covariance phase).
 
 A model with a :class:`~gpytorch_iterncgp.StochasticEPStrategy` holds no data and has one phase: SVGP's loop on
