@@ -40,7 +40,7 @@ from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNorm
 from linear_operator.operators import LinearOperator, MatmulLinearOperator
 from torch import Tensor
 
-from ..core.policies import Policy, make_policy
+from ..core.policies import Policy, UnitVectorPolicy, make_policy
 from ..core.precision import LowRankPrecision
 from ..core.prior import LatentPrior
 from ..core.sharding import RowBlock, RowShardedKernel
@@ -146,8 +146,15 @@ class _IterGPStrategy(PredictiveStrategy):
         return prior
 
     def _make_loop(self, prior: LatentPrior, options: Any) -> Any:
-        """The subclass's :attr:`_loop_type` for ``prior`` and ``options``, with the policy prepared for this data."""
+        r"""The subclass's :attr:`_loop_type` for ``prior`` and ``options``, with the policy prepared for this data.
+
+        Unit-vector actions solved to full rank (``max_solver_iterations=None``) read every column of
+        :math:`\mathbf K`: the kernel matrix is evaluated once for the fit and its columns read
+        (:meth:`~gpytorch_iterncgp.core.prior.LatentPrior.cache_kernel`, within ``settings.dense_kernel_limit``), not
+        evaluated one per solver iteration."""
         self._prepare_loop()
+        if isinstance(self.policy, UnitVectorPolicy) and options.max_solver_iterations is None:
+            prior.cache_kernel()
         return self._loop_type(prior, self.adapter, self.train_targets, options, self.policy)
 
     def _prepare_loop(self) -> None:

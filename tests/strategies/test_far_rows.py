@@ -126,3 +126,38 @@ def test_rows_between_the_data_and_far_away_match_the_dense_posterior(case):
         _, wide = budgeted.variational_strategy.marginal_latent(rows)
     assert bool((wide > 0).all() and (wide <= 2.0 * (1 + 1e-12)).all())
     torch.testing.assert_close(wide[-1], torch.full_like(wide[-1], 2.0), rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("case", ["laplace-logit", "ep-multinomial-probit"])
+def test_exact_unit_vector_fits_read_the_kernel_once_with_the_same_posterior(case):
+    """Unit-vector actions to full rank read their columns from one evaluation of K per fit; with the cache ruled out
+    (``dense_kernel_limit(0)``: every column evaluated on its own) the posterior is the same to rounding."""
+    from gpytorch_iterncgp import settings
+
+    exact = EXACT_EP if CASES[case][0] is EPStrategy else EXACT
+    evaluations = []
+    forward = gpytorch.kernels.RBFKernel.forward
+
+    def counted(self, *args, **kwargs):
+        evaluations.append(1)
+        return forward(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gpytorch.kernels.RBFKernel, "forward", counted)
+        cached, x, _ = _fitted(case, 2.0, **exact)
+        once = len(evaluations)
+        with settings.dense_kernel_limit(0):
+            alone, _, _ = _fitted(case, 2.0, **exact)
+    assert once <= 3 < len(evaluations) - once  # one evaluation of K a fit, against one per column
+    rows = _rows_along_a_ray(x)
+    with torch.no_grad():
+        for ours, theirs in zip(
+            cached.variational_strategy.marginal_latent(rows),
+            alone.variational_strategy.marginal_latent(rows),
+            strict=True,
+        ):
+            torch.testing.assert_close(ours, theirs, rtol=1e-9, atol=1e-10)
+    assert (
+        cached.variational_strategy.last_report.kernel_products
+        == alone.variational_strategy.last_report.kernel_products
+    )
