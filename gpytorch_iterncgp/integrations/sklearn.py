@@ -625,8 +625,10 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
         R&W §8.3.3). ``"auto"`` (default): :math:`M = \lfloor \sqrt{10^7 / C} \rfloor` points
         (:data:`~gpytorch_iterncgp.learning.recipe.LEARNING_SUBSET_COST`: 1000 points for 10 classes, 3162 for binary data), chosen by measurement (``benchmarks/README.md`` §14): each
         evidence evaluation costs :math:`O(M^2 C)` instead of :math:`O(N^2 C)`, and at :math:`N = 5000` the kernel
-        learnt on 1000 points predicted better on average over data seeds than those learnt on 500 or 2000.
-        ``None``: all the data. The rows used are ``learning_rows_``.
+        learnt on 1000 points predicted better on average over data seeds than those learnt on 500 or 2000. Data
+        within :math:`M` plus 100 rows: all but a fifth of the rows, the fifth held out (``validation_rows_``) where it
+        is at least 100 rows (:func:`~gpytorch_iterncgp.learning.rows.auto_learning_size`), else all the rows.
+        ``None``: all the data, nothing held out. The rows used are ``learning_rows_``.
     :param num_inducing: ``inference="sparse_ep"`` only: the inducing inputs of stochastic EP
         (:class:`~gpytorch_iterncgp.StochasticEPStrategy`), started at k-means centres of ``X`` and learnt with the
         kernel; ``inference="sparse_ep"`` runs :func:`~gpytorch_iterncgp.fit_mll`'s minibatch loop (Adam on SEP's
