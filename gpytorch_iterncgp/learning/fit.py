@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 
 from ..core.memory import peak_memory_bytes, start_peak_memory
 from ..core.validation import check_flag, check_nonnegative
-from ..exceptions import ConvergenceWarning
+from ..exceptions import ConvergenceWarning, WorseThanConstantWarning
 from ..mlls.itergp import BoTorchFitHook, EPMarginalLogLikelihood, LaplaceMarginalLogLikelihood
 from ..mlls.stochastic import StochasticEPMarginalLogLikelihood
 from ..strategies.base import exact_regime
@@ -479,7 +479,9 @@ def _choose_for_minibatches(
     entry = [parameter.detach().clone() for parameter in others]
     validation = None if held_out is None else torch.arange(len(learning), len(rows))
     frozen = [parameter for parameter in strategy.parameters() if parameter.requires_grad]  # not in the dense evidence
-    with torch.random.fork_rng(devices=[]), _frozen(frozen):
+    with torch.random.fork_rng(devices=[]), _frozen(frozen), warnings.catch_warnings():
+        # the dense view's check against a constant predictor is of the choice's model, not of SEP's: not said
+        warnings.simplefilter("ignore", WorseThanConstantWarning)
         report = _learn_dense(
             EPMarginalLogLikelihood(likelihood, view),
             deadline,
