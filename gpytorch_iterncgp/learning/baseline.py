@@ -48,6 +48,7 @@ def check_against_constant(
     learning_targets: Tensor,
     validation: tuple[Tensor, Tensor],
     fit_steps: int,
+    classification: bool,
 ) -> None:
     r"""Score the learnt model and the constant predictor (:func:`constant_score`) on the held-out rows and warn with
     a :class:`~gpytorch_iterncgp.WorseThanConstantWarning` where the model is the worse; fills ``report``'s
@@ -56,21 +57,20 @@ def check_against_constant(
     The model's score is the outputscale phase's at the chosen factor where it ran (a fit of the final approximation
     on the learning rows at these hyperparameters), otherwise that of such a fit, cold, with ``fit_steps`` Newton
     steps or EP sweeps (:func:`~.kernel_choice.held_out_score`, whose likelihood must have a held-out score). A fit
-    that fails numerically leaves the scores ``None``.
+    that fails numerically leaves the scores ``None``. No model is built where the outputscale phase's score serves.
 
     :param build: a new model of the final approximation on the learning rows, sharing the learnt kernel.
     :param learning_targets: the learning rows' labels or counts; ``validation``: the held-out rows' inputs and
         targets.
+    :param classification: whether the likelihood is a classifier's (else counts).
     """
-    model = build()
-    classification = model.variational_strategy.adapter.classification
     report.held_out_metric = "log-loss" if classification else "Poisson deviance"
     factor = report.outputscale_factor
     if factor in report.outputscale_log_loss:
         score = report.outputscale_log_loss[factor]
     else:
         try:
-            score = held_out_score(model, *validation, fit_steps)
+            score = held_out_score(build(), *validation, fit_steps)
         except RECOVERABLE_ERRORS:
             return
     constant = constant_score(learning_targets, validation[1], classification)

@@ -242,7 +242,12 @@ def _learn_dense(
             assert held_out is not None
             report.validation_rows, report.validation_points = held_out.tolist(), len(held_out)
             check_against_constant(
-                report, phase.final_model, phase.targets, phase.validation, recipe.outputscale_fit_steps
+                report,
+                phase.final_model,
+                phase.targets,
+                phase.validation,
+                recipe.outputscale_fit_steps,
+                strategy.adapter.classification,
             )
     return report
 
