@@ -38,6 +38,8 @@ class NoiseOperator:
     r"""A block-diagonal noise :math:`\mathbf W^{-1}` of the package (data-major :math:`C \times C` blocks), with the
     products the solver and the covariance phase need without linear_operator's dispatch."""
 
+    entries_per_point: int  # C, the size of a diagonal block of W^{-1}
+
     def apply(self, vectors: Tensor) -> Tensor:
         r""":math:`\mathbf W^{-1} \mathbf X` for ``(n, k)`` without linear_operator's dispatch (its autograd function
         and representation tree cost about a third of the product itself for one vector of :math:`10^5` entries;
@@ -60,7 +62,6 @@ class FactoredNoise(NoiseOperator):
     \sum_\text{chunks} (\mathbf X \mathbf F)(\mathbf X \mathbf F)^\top` needs only a chunk of :math:`\mathbf X
     \mathbf F` at a time and is positive semi-definite by construction."""
 
-    entries_per_point: int  # the size of a diagonal block of W^{-1}; chunks hold whole blocks
     centring = False  # whether F = P G with the centring P of each block: rows with zero block sums skip P
 
     def whiten_rows(self, rows: Tensor, start: int, centred: bool = False) -> Tensor:
@@ -336,6 +337,10 @@ class SiteBlockNoiseInverse(NoiseOperator, LinearOperator):
     def __init__(self, blocks: Tensor):
         super().__init__(blocks)
         self.blocks = blocks
+
+    @property
+    def entries_per_point(self) -> int:  # type: ignore[override]
+        return self.blocks.shape[-1]
 
     @classmethod
     def from_site_spectrum(

@@ -36,7 +36,7 @@ import torch
 from linear_operator.operators import LinearOperator
 from torch import Tensor
 
-from .noise import FactoredNoise
+from .noise import FactoredNoise, NoiseOperator
 from .precision import ColumnStore
 from .sharding import RowBlock
 
@@ -269,6 +269,17 @@ def noise_gram(buffer: ActionBuffer, noise_inverse: LinearOperator) -> Tensor:
     factored = noise_inverse.dim() == 2 and isinstance(noise_inverse, FactoredNoise)
     # (decided before the support, which may differ between ranks: the class sums are checked on every rank alike)
     centred = factored and noise_inverse.centring and buffer.zero_block_sums(noise_inverse.entries_per_point)
+    block_size = noise_inverse.entries_per_point if isinstance(noise_inverse, NoiseOperator) else 1
+    located = point_actions(rows, block_size) if noise_inverse.dim() == 2 else None
+    if located is not None:  # S^T (W^{-1} S) gathered at each action's point: O(n C B), not O(n B^2)
+        points, entries = located
+        multiply = noise_inverse.apply if isinstance(noise_inverse, NoiseOperator) else noise_inverse.matmul
+        width = max(1, NOISE_BLOCK_BYTES // max(1, num_rows * rows.element_size()))
+        blocks = []
+        for start in range(0, size, width):
+            noisy = multiply(rows[start : start + width].mT).reshape(num_rows // block_size, block_size, -1)
+            blocks.append(torch.einsum("bc,bck->bk", entries, noisy[points]))
+        return _symmetric(buffer.rows_block.summed(torch.cat(blocks, dim=-1).double()))
     support = row_support(rows)
     if factored and support is None:
         block = noise_inverse.entries_per_point
@@ -288,6 +299,24 @@ def noise_gram(buffer: ActionBuffer, noise_inverse: LinearOperator) -> Tensor:
         noisy = noise_inverse.matmul(rows[start : start + width].mT)
         blocks.append(rows @ noisy if support is None else rows[:, support] @ noisy[support])
     return _symmetric(buffer.rows_block.summed(torch.cat(blocks, dim=-1).double()))
+
+
+def point_actions(rows: Tensor, block_size: int) -> tuple[Tensor, Tensor] | None:
+    r"""Where every action of ``rows`` (:math:`\mathbf S^\top`, ``(B, n)``) is non-zero within one data point's block
+    of ``block_size`` consecutive entries at most (unit vectors; vectors projected to zero sum over a point's classes):
+    each action's point ``(B,)`` and its entries there ``(B, block_size)``, so that :math:`\mathbf S^\top \mathbf X`
+    is a gather of :math:`\mathbf X`'s blocks, :math:`O(B C k)`. ``None`` otherwise, decided by the last action first
+    (:math:`O(n)`), then :math:`O(n B)`. An action with no non-zero entry (a buffer held by rows: another rank's point)
+    gets point 0 and zero entries."""
+    size, num_rows = rows.shape
+    if size == 0 or num_rows % block_size or int(torch.count_nonzero(rows[-1])) > block_size:
+        return None
+    blocks = rows.reshape(size, num_rows // block_size, block_size)
+    touched = blocks.ne(0).any(-1)  # (B, N)
+    if bool((touched.sum(-1) > 1).any()):
+        return None
+    points = touched.to(torch.uint8).argmax(-1)
+    return points, blocks[torch.arange(size, device=rows.device), points]
 
 
 def row_support(rows: Tensor) -> Tensor | None:

@@ -516,7 +516,7 @@ class ExpectationPropagation:
         marginals exact, a cavity bounded there is rounding at large site precisions, and the unit vectors would only
         grow the recycled actions past the dimension of the space (every later sweep's virtual run paying for them)."""
         dimension = self.rows_block.size if self.action_space_dimension is None else self.action_space_dimension
-        if state.precision_root.shape[-1] >= dimension:
+        if state.kernel_precision_root.shape[-1] >= dimension:  # (K Q: formed for the marginals; Q is not)
             return torch.zeros(0, dtype=torch.long, device=self.prior_mean.device)
         precision = update.site_precision
         if precision.dim() > 1:

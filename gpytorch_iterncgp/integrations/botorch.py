@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 from botorch.models.model import Model
+from botorch.models.transforms.input import AffineInputTransform
 from botorch.posteriors import GPyTorchPosterior
 from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNormal
 from torch import Tensor
@@ -40,8 +41,10 @@ class IterNCGPBoTorchModel(Model):
 
     :param model: a GPyTorch ``ApproximateGP`` whose ``variational_strategy`` is an
         :class:`~gpytorch_iterncgp.IterNCGPStrategy` or :class:`~gpytorch_iterncgp.EPStrategy`, or a fitted
-        :class:`~gpytorch_iterncgp.sklearn.IterNCGPClassifier` / ``IterNCGPPoissonRegressor`` (its ``model_``).
-        It is fitted on demand (as for any prediction of the strategy) and not changed otherwise.
+        :class:`~gpytorch_iterncgp.sklearn.IterNCGPClassifier` / ``IterNCGPPoissonRegressor`` (its ``model_``;
+        where it standardised the features, its ``scaler_`` is applied to ``X`` first, as ``estimator_transform``, so
+        that ``X`` is in the features' own units). It is fitted on demand (as for any prediction of the strategy) and not changed
+        otherwise.
 
     ``num_outputs`` is the number of latent functions :math:`C` (1 for binary classification and counts).
     With :math:`C = 1` the posterior of a ``batch × q × d`` input is computed for all batch elements at
@@ -51,8 +54,10 @@ class IterNCGPBoTorchModel(Model):
 
     def __init__(self, model):
         super().__init__()
+        scaler = None
         if not isinstance(model, torch.nn.Module) and hasattr(model, "model_"):
-            model = model.model_  # a fitted scikit-learn estimator of gpytorch_iterncgp.sklearn
+            scaler = getattr(model, "scaler_", None)  # a fitted scikit-learn estimator of gpytorch_iterncgp.sklearn
+            model = model.model_
         strategy = getattr(model, "variational_strategy", None)
         if not isinstance(strategy, (IterNCGPStrategy, EPStrategy)):
             raise TypeError(
@@ -61,6 +66,13 @@ class IterNCGPBoTorchModel(Model):
                 f"(or a fitted gpytorch_iterncgp.sklearn estimator), got {type(model).__name__}."
             )
         self.model = model
+        # the estimator's standardisation (X - mean) / scale, BoTorch's affine transform applied before any
+        # input_transform of this model's (not as one: BoTorch would look for transformed training inputs)
+        self.estimator_transform: AffineInputTransform | None = None
+        if scaler is not None:
+            train_x = strategy.train_inputs
+            coefficient, offset = (torch.as_tensor(v, dtype=train_x.dtype) for v in (scaler.scale_, scaler.mean_))
+            self.estimator_transform = AffineInputTransform(len(coefficient), coefficient=coefficient, offset=offset)
 
     @property
     def strategy(self) -> IterNCGPStrategy | EPStrategy:
@@ -100,6 +112,8 @@ class IterNCGPBoTorchModel(Model):
         train_x = strategy.train_inputs
         if X.shape[-1] != train_x.shape[-1]:
             raise ValueError(f"X has {X.shape[-1]} features but the model's training inputs have {train_x.shape[-1]}.")
+        if self.estimator_transform is not None:
+            X = self.estimator_transform.to(X)(X)
         X = self.transform_inputs(X).to(dtype=train_x.dtype, device=train_x.device)
         if strategy.num_latents == 1:
             distribution = self._single_latent(X)

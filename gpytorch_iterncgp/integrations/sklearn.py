@@ -44,6 +44,7 @@ from gpytorch.distributions import MultivariateNormal
 from sklearn.base import BaseEstimator, ClassifierMixin, RegressorMixin
 from sklearn.exceptions import ConvergenceWarning
 from sklearn.metrics import d2_tweedie_score
+from sklearn.preprocessing import StandardScaler
 from sklearn.utils import check_random_state
 from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import check_is_fitted, validate_data
@@ -52,6 +53,7 @@ from ..core.policies import Policy
 from ..core.validation import check_count, check_flag, check_nonnegative
 from ..exceptions import ConvergenceWarning as PackageConvergenceWarning
 from ..exceptions import NotConvergedWarning
+from ..kernels.warping import KumaraswamyWarpedKernel
 from ..laplace.newton import SolverOptions
 from ..learning.estimator_policy import (
     ESTIMATOR_DEFAULTS,
@@ -152,6 +154,7 @@ class _IterNCGPEstimator(BaseEstimator):
         self,
         kernel=ESTIMATOR_DEFAULTS.kernel,
         *,
+        standardize="auto",
         link=None,
         inference=ESTIMATOR_DEFAULTS.inference,
         policy=ESTIMATOR_DEFAULTS.policy,
@@ -176,6 +179,7 @@ class _IterNCGPEstimator(BaseEstimator):
         verbose=False,
     ):
         self.kernel = kernel
+        self.standardize = standardize
         self.link = link
         self.inference = inference
         self.policy = policy
@@ -220,6 +224,33 @@ class _IterNCGPEstimator(BaseEstimator):
     def _device(self) -> torch.device:
         """``device`` as a ``torch.device`` (validated by :meth:`_validate_params`)."""
         return torch.device(self.device)
+
+    def _standardized(self, X: np.ndarray, fit: bool = False) -> np.ndarray:
+        """``X`` as the kernel sees it: centred and scaled to unit variance by ``scaler_`` (fitted on ``X`` where
+        ``fit``; constant features are centred only), or as given where ``scaler_`` is ``None``."""
+        if fit:
+            standardize = self.standardize
+            if standardize == "auto":
+                standardize = not isinstance(self.kernel, gpytorch.kernels.Kernel)
+            self.scaler_ = StandardScaler().fit(X) if standardize else None
+        return X if self.scaler_ is None else self.scaler_.transform(X)
+
+    def _feature_lengthscales(self) -> np.ndarray | None:
+        r"""The fitted kernel's lengthscales in the units of the features given to ``fit``, ``(D,)``: where the kernel
+        has one lengthscale (or one per feature) on the features themselves, :math:`\ell_d` times the feature's
+        standard deviation (``scaler_.scale_``); ``None`` for kernels with several (additive) or none on the features
+        (warped)."""
+        lengthscales = [
+            module.lengthscale
+            for module in self.kernel_.modules()
+            if isinstance(module, gpytorch.kernels.Kernel) and module.has_lengthscale
+        ]
+        warped = any(isinstance(module, KumaraswamyWarpedKernel) for module in self.kernel_.modules())
+        num_features = self.n_features_in_
+        if warped or len(lengthscales) != 1 or lengthscales[0].numel() not in (1, num_features):
+            return None
+        values = np.broadcast_to(lengthscales[0].detach().cpu().numpy().reshape(-1), (num_features,))
+        return values * (1.0 if self.scaler_ is None else self.scaler_.scale_)
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         """A float64 copy of ``array`` on ``device`` (never sharing the caller's memory, which may be read-only)."""
@@ -270,6 +301,10 @@ class _IterNCGPEstimator(BaseEstimator):
             self._check(check_nonnegative, "outer_tol", positive=True)
         if self.max_time is not None:
             self._check(check_nonnegative, "max_time")
+        if not (
+            isinstance(self.standardize, bool) or (isinstance(self.standardize, str) and self.standardize == "auto")
+        ):
+            raise _param_error(self, "standardize", "True, False or 'auto'", self.standardize)
         for name in ("recycle", "optimize_hyperparameters", "verbose"):
             self._check(check_flag, name)
         self._check_device()
@@ -361,6 +396,7 @@ class _IterNCGPEstimator(BaseEstimator):
         self.learning_report_ = report
         self.fit_report_ = None
         self.model_, self.likelihood_, self.kernel_ = model, likelihood, model.covar_module
+        self.feature_lengthscales_ = self._feature_lengthscales()
 
     def _fit_model(self, X: np.ndarray, targets: torch.Tensor, likelihood, mean, inference: str) -> None:
         """Build the model, then :func:`~gpytorch_iterncgp.fit_mll`: learn the hyperparameters (optional; on
@@ -370,6 +406,7 @@ class _IterNCGPEstimator(BaseEstimator):
 
         :raises ValueError: for a parameter the inference does not use, set away from its default.
         """
+        X = self._standardized(X, fit=True)
         defaults = {name: p.default for name, p in inspect.signature(type(self).__init__).parameters.items()}
         check_parameters_apply(
             type(self).__name__, self.get_params(deep=False), defaults, inference, self.inference, len(X)
@@ -443,15 +480,14 @@ class _IterNCGPEstimator(BaseEstimator):
         self.fit_report_ = report.fit_report
         # str(fit_report_) says what was done, why, and where the time before the final fit went
         self.fit_report_.budget = f"{budget['rule']}; {report}"
-        self.model_ = model
-        self.likelihood_ = likelihood
-        self.kernel_ = model.covar_module
+        self.model_, self.likelihood_, self.kernel_ = model, likelihood, model.covar_module
+        self.feature_lengthscales_ = self._feature_lengthscales()
 
     # -- predictions -----------------------------------------------------------------------------
     def _validated_test_inputs(self, X) -> torch.Tensor:
         check_is_fitted(self)
         X = validate_data(self, X, dtype=np.float64, reset=False)
-        return self._tensor(X)
+        return self._tensor(self._standardized(X))
 
     def _chunked(self, function, inputs: torch.Tensor) -> list[torch.Tensor]:
         """``function`` on rows of ``inputs`` in chunks; each output concatenated over the chunks."""
@@ -536,6 +572,12 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
         is learnt (:func:`~gpytorch_iterncgp.learning.estimator_policy.auto_kernel_names`).
         ``kernel_choice_`` says which and why; the candidates' scores are in ``learning_report_`` (``kernel``,
         ``kernel_scores``).
+    :param standardize: ``True``: centre the features and scale them to unit variance on the training rows before the
+        kernel sees them (scikit-learn's ``StandardScaler``, kept as ``scaler_`` and applied to every later ``X``; a
+        constant feature is centred only), as the package's kernels' initial lengthscales assume: features on any
+        scale then fit as standardised ones do. ``False``: the features as given. ``"auto"`` (default): ``True`` for
+        the package's kernels (``kernel="auto"`` or ``None``), ``False`` for a GPyTorch kernel of your own (its
+        hyperparameters in the features' units).
     :param link: ``"logit"`` (default, also ``None``) or ``"probit"``: binary data's link (multi-class data: see
         above).
     :param inference: ``"laplace"``, ``"ep"``, ``"sparse_ep"`` (stochastic EP with inducing inputs on minibatches,
@@ -646,7 +688,10 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
     :param verbose: a progress bar per phase: learning, the outputscale, the final fit
         (:func:`~gpytorch_iterncgp.fit_mll`).
 
-    Fitted attributes: ``classes_``, ``n_classes_``, ``n_features_in_`` (``feature_names_in_``), ``inference_``
+    Fitted attributes: ``classes_``, ``n_classes_``, ``n_features_in_`` (``feature_names_in_``), ``scaler_`` (the
+    fitted ``StandardScaler``, or ``None`` where ``standardize=False``), ``feature_lengthscales_`` (``(D,)``: the fitted
+    kernel's lengthscales in the units of the features given, where it has one or one per feature on them; ``None``
+    otherwise), ``inference_``
     (``"laplace"``, ``"ep"`` or ``"sparse_ep"``), ``model_`` (the GPyTorch ``ApproximateGP``; ``model_.variational_strategy`` is the
     :class:`~gpytorch_iterncgp.IterNCGPStrategy` or :class:`~gpytorch_iterncgp.EPStrategy`), ``likelihood_``, ``kernel_`` (the fitted kernel),
     ``kernel_choice_`` (with ``kernel="auto"``: the kernel's name and why it was chosen; ``None`` otherwise),

@@ -780,7 +780,7 @@ def _optimise(
         lr=1.0,
         max_iter=recipe.optimizer_steps,
         tolerance_grad=1e-6,
-        tolerance_change=1e-10,
+        tolerance_change=float(recipe.loss_tol),
         line_search_fn="strong_wolfe",
     )
 

@@ -35,6 +35,9 @@ class LearningRecipe:
     :param optimizer_steps: where the evidence is exact (:math:`N C \le` ``settings.exact_evidence_size``), the most
         L-BFGS iterations (strong-Wolfe line search; whole fits at every evaluation); above it, the number of Adam
         steps, each on a loose fit. ``0``: no learning, only the final fit.
+    :param loss_tol: where the evidence is exact, L-BFGS stops once an iteration changes the loss (the negative
+        evidence per data point, GPyTorch's scale) or a hyperparameter's logarithm by less than this
+        (``torch.optim.LBFGS``'s ``tolerance_change``): the fits' own tolerances make the evidence's last digits noise.
     :param learning_rate: Adam's learning rate.
     :param fit_steps: with Adam, the Newton steps (EP sweeps) each evaluation runs on from the previous posterior
         (the strategy's option ``train_fit_steps`` while learning).
@@ -61,6 +64,7 @@ class LearningRecipe:
     """
 
     optimizer_steps: int = 25
+    loss_tol: float = 1e-7
     learning_rate: float = 0.2
     fit_steps: int = 2
     compression_rank: int = 20
@@ -81,6 +85,7 @@ class LearningRecipe:
         check_count(self.min_validation_points, "min_validation_points")
         check_count(self.outputscale_extensions, "outputscale_extensions")
         check_nonnegative(self.learning_rate, "learning_rate", positive=True)
+        check_nonnegative(self.loss_tol, "loss_tol")
         check_nonnegative(self.held_out_fraction, "held_out_fraction")
         if not self.held_out_fraction < 1:
             raise ValueError(f"held_out_fraction must lie in [0, 1), got {self.held_out_fraction!r}.")

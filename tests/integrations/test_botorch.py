@@ -102,6 +102,7 @@ def test_posterior_equals_exact_laplace_of_sklearn_gpc():
         solver_tol=1e-12,
         outer_tol=1e-12,
         optimize_hyperparameters=False,
+        standardize=False,
     ).fit(x, y)
     surrogate = IterNCGPBoTorchModel(classifier)  # a fitted estimator works too
     X = torch.as_tensor(rng.uniform(-2, 2, size=(5, 1, 2)))

@@ -34,10 +34,11 @@ def test_subset_learning_learns_what_a_fit_on_the_subset_learns(inference):
     steps), while the final posterior holds all the rows."""
     x, y = _classes(num=120)
     y = (y > 0).astype(int)  # binary: the EP learner on 60 points is in the exact regime too
-    subset = IterNCGPClassifier(inference=inference, learning_subset=60, optimizer_steps=8, random_state=4).fit(x, y)
+    options = dict(inference=inference, optimizer_steps=8, random_state=4, standardize=False)  # the same features
+    subset = IterNCGPClassifier(learning_subset=60, **options).fit(x, y)
     rows = subset.learning_rows_
     assert len(rows) == 60 and len(np.unique(rows)) == 60
-    alone = IterNCGPClassifier(inference=inference, learning_subset=None, optimizer_steps=8, random_state=4)
+    alone = IterNCGPClassifier(learning_subset=None, **options)
     alone.fit(x[rows], y[rows])
     assert alone.learning_rows_ is None
     for ours, reference in zip(_kernel_values(subset), _kernel_values(alone), strict=True):
@@ -82,10 +83,11 @@ def test_regressor_learns_on_a_random_subset():
     rng = np.random.RandomState(2)
     x = rng.uniform(0, 3, size=(80, 1))
     y = rng.poisson(np.exp(1 + np.sin(2 * x[:, 0])))
-    subset = IterNCGPPoissonRegressor(learning_subset=40, optimizer_steps=100, random_state=0).fit(x, y)
+    options = dict(optimizer_steps=100, random_state=0, standardize=False)  # the same features in both fits
+    subset = IterNCGPPoissonRegressor(learning_subset=40, **options).fit(x, y)
     rows = subset.learning_rows_
     assert subset.learning_report_.stopped == "converged"
-    alone = IterNCGPPoissonRegressor(learning_subset=None, optimizer_steps=100, random_state=0).fit(x[rows], y[rows])
+    alone = IterNCGPPoissonRegressor(learning_subset=None, **options).fit(x[rows], y[rows])
     for ours, reference in zip(subset.model_.parameters(), alone.model_.parameters(), strict=True):
         torch.testing.assert_close(ours.detach(), reference.detach(), rtol=1e-3, atol=1e-4)
     assert subset.model_.variational_strategy.num_data == 80

@@ -56,6 +56,7 @@ CHECKED = [
 # Every solve exact: unit-vector actions until the residual vanishes (all N of them, so the precision
 # C = QQ^T is the exact (K + W^-1)^-1 and the covariance the exact Laplace covariance), Newton to 1e-12.
 TIGHT = dict(
+    standardize=False,  # the references' kernels act on the features as given
     inference="laplace",
     policy="unit",
     max_solver_iterations=None,
@@ -333,13 +334,15 @@ def test_poisson_matches_exact_laplace(integer):
 
 @pytest.mark.parametrize("case", ["binary", "multiclass"])
 def test_predict_proba_is_the_strategys_predictive_probabilities(case):
-    """With the default (inexact, computationally uncertain) solver: the estimator only converts."""
+    """With the default (inexact, computationally uncertain) solver: the estimator only converts (and standardises
+    the features)."""
     x, y, x_test = _binary() if case == "binary" else _multiclass()
     classifier = IterNCGPClassifier(optimize_hyperparameters=False, random_state=0).fit(x, y)
     strategy = classifier.model_.variational_strategy
+    inputs = torch.as_tensor(classifier.scaler_.transform(x_test))  # the kernel sees standardised features
     with torch.no_grad():
-        expected = strategy.predictive_probabilities(torch.as_tensor(x_test)).numpy()
-        mean, variance = strategy.marginal_latent(torch.as_tensor(x_test))
+        expected = strategy.predictive_probabilities(inputs).numpy()
+        mean, variance = strategy.marginal_latent(inputs)
     proba, std = classifier.predict_proba(x_test, return_std=True)
     if case == "binary":
         expected, mean, variance = np.stack([1 - expected, expected], 1), mean[:, 0], variance[:, 0]
@@ -353,7 +356,8 @@ def test_poisson_predict_is_the_strategys_predictive_mean():
     x, y, x_test = _counts()
     regressor = IterNCGPPoissonRegressor(random_state=0, optimizer_steps=5).fit(x, y)
     with torch.no_grad():
-        expected = regressor.model_.variational_strategy.predictive_mean(torch.as_tensor(x_test)).numpy()
+        inputs = torch.as_tensor(regressor.scaler_.transform(x_test))
+        expected = regressor.model_.variational_strategy.predictive_mean(inputs).numpy()
     np.testing.assert_allclose(regressor.predict(x_test), expected, rtol=1e-12)
 
 
@@ -557,6 +561,38 @@ def test_prediction_input_is_validated():
         classifier.predict_proba([[np.nan, 0.0]])
 
 
+def test_features_on_any_scale_fit_as_standardised_ones():
+    """With the package's kernel (standardize="auto"), features scaled by 1e-3 to 4e3 and shifted fit and predict as
+    their standardised values do (to rounding): ``scaler_`` holds the training rows' mean and standard deviation,
+    ``feature_lengthscales_`` is the learnt lengthscale times each feature's standard deviation, a constant feature is
+    centred only; ``standardize=False`` leaves the features as given (another model)."""
+    generator = np.random.default_rng(3)
+    x = generator.normal(size=(80, 3))
+    y = (x[:, 0] + np.sin(2 * x[:, 1]) + 0.3 * generator.normal(size=80) > 0).astype(int)
+    raw = np.column_stack([x * [1e-3, 1.0, 4e3] + [5.0, -2.0, 1e4], np.full(80, 7.0)])
+    train, test = slice(0, 60), slice(60, 80)
+    scaled = (raw - raw[train].mean(0)) / np.where(raw[train].std(0) > 0, raw[train].std(0), 1.0)
+    fast = dict(optimizer_steps=3, random_state=0)
+    reference_fit = IterNCGPClassifier(standardize=False, **fast).fit(scaled[train], y[train])
+    fitted = IterNCGPClassifier(**fast).fit(raw[train], y[train])
+    np.testing.assert_allclose(fitted.scaler_.mean_, raw[train].mean(0), rtol=1e-12)
+    np.testing.assert_allclose(fitted.scaler_.scale_, np.where(raw[train].std(0) > 0, raw[train].std(0), 1.0))
+    np.testing.assert_allclose(fitted.predict_proba(raw[test]), reference_fit.predict_proba(scaled[test]), atol=1e-6)
+    lengthscale = float(fitted.kernel_.base_kernel.lengthscale.detach())
+    np.testing.assert_allclose(fitted.feature_lengthscales_, lengthscale * fitted.scaler_.scale_, rtol=1e-12)
+    assert reference_fit.scaler_ is None
+    np.testing.assert_allclose(reference_fit.feature_lengthscales_, np.full(4, lengthscale), rtol=1e-5)
+    unscaled = IterNCGPClassifier(standardize=False, optimize_hyperparameters=False).fit(raw[train], y[train])
+    assert unscaled.scaler_ is None
+    assert np.abs(unscaled.predict_proba(raw[test]) - fitted.predict_proba(raw[test])).max() > 0.05
+    own = IterNCGPClassifier(kernel=gpytorch.kernels.RBFKernel(), optimize_hyperparameters=False).fit(
+        x[train], y[train]
+    )
+    assert own.scaler_ is None  # a kernel of one's own sees the features as given
+    with pytest.raises(ValueError, match="'standardize' parameter"):
+        IterNCGPClassifier(standardize="yes").fit(x, y)
+
+
 def test_importing_the_package_does_not_import_sklearn_or_botorch():
     code = "import sys, gpytorch_iterncgp; print('sklearn' in sys.modules, 'botorch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -571,7 +607,8 @@ def test_default_solver_budget_gives_the_exact_laplace_posterior_on_small_proble
     """``max_solver_iterations="auto"`` with N C <= EXACT_SOLVE_SIZE: unit vectors to full rank, so the default
     classifier's latent mean *and variance* equal scikit-learn's exact Laplace posterior (fixed kernel)."""
     x, y, x_test = _binary()
-    ours = IterNCGPClassifier(inference="laplace", optimize_hyperparameters=False, random_state=0).fit(x, y)
+    ours = IterNCGPClassifier(inference="laplace", optimize_hyperparameters=False, random_state=0, standardize=False)
+    ours.fit(x, y)
     budget = ours.solver_budget_
     assert len(x) <= EXACT_SOLVE_SIZE and budget["exact"] and budget["policy"] == "unit"
     assert budget["max_solver_iterations"] is None and "exact Laplace posterior" in budget["rule"]
@@ -631,7 +668,7 @@ def test_dense_ep_past_the_switch_names_stochastic_ep_when_it_does_not_converge(
 def test_multiclass_log_marginal_likelihood_matches_exact_laplace_evidence():
     """Softmax with a kernel shared by the classes (its prior has N, not N C, values)."""
     x, y, _ = _multiclass()
-    classifier = IterNCGPClassifier(inference="laplace", optimize_hyperparameters=False).fit(x, y)
+    classifier = IterNCGPClassifier(inference="laplace", optimize_hyperparameters=False, standardize=False).fit(x, y)
     kernel = reference.data_major(_matern(x, x, math.sqrt(2)), 3)
     targets, mean = torch.as_tensor(y, dtype=torch.float64), torch.zeros(3 * len(x), dtype=torch.float64)
     expected, _ = reference.laplace_evidence(kernel, mean, targets, "softmax", 3)

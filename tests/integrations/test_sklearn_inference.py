@@ -194,7 +194,13 @@ def test_ep_outputscale_is_chosen_by_the_held_out_log_loss():
     x, y, _ = _binary(num=200, seed=3)
     with settings.exact_evidence_size(50):  # 80 learning rows: above it, so Laplace learns EP's kernel
         classifier = IterNCGPClassifier(  # the Matérn alone (kernel="auto" would choose between two)
-            kernel=None, link="probit", inference="ep", learning_subset=80, optimizer_steps=3, random_state=0
+            kernel=None,
+            link="probit",
+            inference="ep",
+            learning_subset=80,
+            optimizer_steps=3,
+            random_state=0,
+            standardize=False,
         ).fit(x, y)
     report = classifier.learning_report_
     rows, held_out = classifier.learning_rows_, classifier.validation_rows_

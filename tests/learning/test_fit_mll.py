@@ -109,7 +109,9 @@ def test_fit_mll_on_the_estimators_model_gives_the_estimators_hyperparameters(in
     from gpytorch_iterncgp.sklearn import IterNCGPClassifier
 
     x, y = make_classification(n_samples=1100, n_features=3, n_informative=3, n_redundant=0, random_state=2)
-    estimator = IterNCGPClassifier(inference=inference, learning_subset=None, optimizer_steps=4, random_state=0)
+    estimator = IterNCGPClassifier(
+        inference=inference, learning_subset=None, optimizer_steps=4, random_state=0, standardize=False
+    )
     estimator.fit(x, y)
     model, seed = _estimator_model(estimator, x, y, LogitBernoulliLikelihood(), inference)
     evidence = EPMarginalLogLikelihood if inference == "ep" else LaplaceMarginalLogLikelihood
