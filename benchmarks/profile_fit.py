@@ -19,7 +19,8 @@ Kinds of work within ``fit``, from the profile (cumulative seconds of the functi
 another's): products with K (``LatentPrior``'s counted products and kernel columns), factorisations and
 eigendecompositions (Cholesky, ``eigh``, triangular solves and inverses outside the tilted moments), tilted moments
 (EP's sites: closed form, quadrature, the multinomial probit's inner EP), autograd's backward pass, imports on first
-use (``torch.optim`` imports ``torch._dynamo`` when the first optimiser is built: seconds, once per process), and the rest
+use (``torch.optim`` imports ``torch._dynamo`` when the first optimiser is built: seconds, once per process), the
+recycled actions' algebra (the virtual solver runs' S^T W^-1 S and S^T K S, S^T x, Q = S E and K Q = T E), and the rest
 (Python, the kernel's evaluation for the evidence, linear_operator's dispatch). The profiler adds its own cost to
 Python-heavy code, so the kinds are shares of a profiled fit; the phases' seconds are the report's.
 
@@ -53,6 +54,13 @@ KINDS = {
     "tilted moments": (("tilted.py", "tilted_moments"), ("multinomial_probit.py", "multinomial_probit_moments")),
     "backward": (("~", "<method 'run_backward' of 'torch._C._EngineBase' objects>"),),
     "imports": (("<frozen importlib._bootstrap>", "_find_and_load"),),
+    "buffer algebra": (
+        ("recycling.py", "noise_gram"),
+        ("recycling.py", "_combination"),
+        ("recycling.py", "transpose_matmul"),
+        ("recycling.py", "kernel_gram"),
+        ("recycling.py", "combine"),
+    ),
 }
 FACTORISATIONS = ("linalg_cholesky", "linalg_eigh", "linalg_solve_triangular", "linalg_inv", "cholesky_solve")
 INSIDE_TILTED = ("multinomial_probit.py", "tilted.py")
@@ -93,7 +101,7 @@ def kinds_of_work(profile: cProfile.Profile) -> dict[str, float]:
     return seconds
 
 
-def profile(name: str, threads: int) -> dict:
+def profile(name: str, threads: int, dump: Path | None = None) -> dict:
     """One profiled default fit and its prediction on ``name``."""
     from sklearn.metrics import log_loss
 
@@ -121,6 +129,9 @@ def profile(name: str, threads: int) -> dict:
         "final fit": classifier.fit_report_.wall_time,
     }
     phases["other"] = fit_seconds - sum(phases.values())
+    if dump is not None:
+        dump.mkdir(parents=True, exist_ok=True)
+        profiler.dump_stats(dump / f"{name}.prof")
     kinds = kinds_of_work(profiler)
     kinds["other"] = fit_seconds - sum(kinds.values())
     return dict(
@@ -139,20 +150,24 @@ def profile(name: str, threads: int) -> dict:
 
 
 def table(paths: list[Path]) -> str:
-    """The markdown table of the results files ``paths`` (one column group per file, named by its ``label``)."""
+    """The markdown table of the results files ``paths``: per data set, a row per file (named by its ``label``; a
+    data set a file did not run is left out of its rows)."""
     runs = [json.loads(path.read_text()) for path in paths]
-    phases = list(runs[0]["rows"][0]["phases"])
-    kinds = list(runs[0]["rows"][0]["kinds"])
+    first = runs[-1]["rows"][0]
+    phases, kinds = list(first["phases"]), list(first["kinds"])
     header = ["data set (N, C)", "version", "fit s", *[f"{p} s" for p in phases], "predict s", "log-loss"]
     header += [f"{k} %" for k in kinds]
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
-    for index in range(len(runs[0]["rows"])):
+    names = list(dict.fromkeys(row["dataset"] for run in runs for row in run["rows"]))
+    for name in names:
         for run in runs:
-            entry = run["rows"][index]
-            cells = [f"{entry['dataset']} ({entry['num_train']}, {entry['num_classes']})", run["label"]]
-            cells += [f"{entry['fit_seconds']:.1f}", *[f"{entry['phases'][p]:.1f}" for p in phases]]
+            entry = next((row for row in run["rows"] if row["dataset"] == name), None)
+            if entry is None:
+                continue
+            cells = [f"{name} ({entry['num_train']}, {entry['num_classes']})", run["label"]]
+            cells += [f"{entry['fit_seconds']:.1f}", *[f"{entry['phases'].get(p, 0.0):.1f}" for p in phases]]
             cells += [f"{entry['predict_seconds']:.2f}", f"{entry['log_loss']:.4f}"]
-            cells += [f"{100 * entry['kinds'][k] / entry['fit_seconds']:.0f}" for k in kinds]
+            cells += [f"{100 * entry['kinds'].get(k, 0.0) / entry['fit_seconds']:.0f}" for k in kinds]
             lines.append("| " + " | ".join(cells) + " |")
     machines = {run["label"]: run["machine"].get("cpu", "") for run in runs}
     lines.append("")
@@ -166,6 +181,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--label", default="after", help="the version's name in the table")
     parser.add_argument("--out", type=Path, default=Path("/tmp/profile_fit.json"))
+    parser.add_argument("--dump", type=Path, help="also save each fit's cProfile statistics here (NAME.prof)")
     parser.add_argument("--table", type=Path, nargs="+", help="render these results files instead of running")
     parser.add_argument("--table-out", type=Path, help="write the rendered table here (default: print it)")
     args = parser.parse_args()
@@ -177,7 +193,7 @@ def main() -> None:
         return
     rows = []
     for name in args.datasets:
-        rows.append(profile(name, args.threads))
+        rows.append(profile(name, args.threads, args.dump))
         print(json.dumps(rows[-1]), flush=True)
     result = dict(label=args.label, threads=args.threads, machine=machine(), rows=rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)

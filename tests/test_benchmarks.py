@@ -794,3 +794,26 @@ def test_constant_check_pairs_each_split_with_the_constant_of_that_split(tmp_pat
     written = json.loads(out.read_text())
     assert "| iris | log-loss | 2 |" in written["table"] and "1 of 2 |" in written["table"]
     assert "| phoneme | log-loss | 1 | 0.2500 |" in written["table"]
+
+
+def test_profile_fit_smoke_run_splits_the_fit_by_phase_and_kind(tmp_path, monkeypatch):
+    """benchmarks.profile_fit on a tiny binary set: the phases and the kinds of work each add up to the fit's seconds
+    (the rest is "other", not negative beyond timer rounding), a cProfile dump is written, and the table renders a row
+    per version and data set."""
+    from sklearn.datasets import make_classification
+
+    from benchmarks import profile_fit
+
+    x, y = make_classification(n_samples=60, n_features=3, n_informative=2, n_redundant=0, random_state=0)
+    monkeypatch.setattr(profile_fit, "split", lambda name: (x[:40], y[:40], x[40:], y[40:]))
+    row = profile_fit.profile("breast_cancer", threads=1, dump=tmp_path)
+    assert (tmp_path / "breast_cancer.prof").exists() and row["num_train"] == 40 and row["num_classes"] == 2
+    for part in ("phases", "kinds"):
+        assert math.isclose(sum(row[part].values()), row["fit_seconds"], rel_tol=1e-9)
+        assert all(seconds >= -1e-3 for seconds in row[part].values())
+    assert row["kinds"]["tilted moments"] > 0 and row["phases"]["learning"] > 0 and 0 < row["log_loss"] < 1
+    for label in ("before", "after"):
+        run = dict(label=label, threads=1, machine=dict(cpu="test"), rows=[row])
+        (tmp_path / f"{label}.json").write_text(json.dumps(run))
+    table = profile_fit.table([tmp_path / "before.json", tmp_path / "after.json"])
+    assert table.count("| breast_cancer (40, 2) |") == 2 and "| before |" in table and "| after |" in table

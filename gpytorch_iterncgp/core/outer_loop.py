@@ -309,7 +309,8 @@ class FitReport:
         details = last.details(self) if last is not None else "no step taken"
         return (
             f"{self.method} fit: {self.steps} {self.step_name}, {self.solver_iterations} solver iterations, "
-            f"{self.kernel_products} products with K ({self.kernel_product_seconds:.2f}s"
+            f"{self.kernel_products} products with K of {self.kernel_columns} vectors "
+            f"({self.kernel_product_seconds:.2f}s"
             + (f"; {self.covariance_products} in the covariance phase" if self.covariance_products else "")
             + "), "
             f"converged={self.converged}, breakdown={self.breakdown}, {details}, "

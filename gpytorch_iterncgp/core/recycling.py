@@ -31,6 +31,7 @@ conjugation needs anyway), so a virtual run computes only :math:`\mathbf S^\top 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from linear_operator.operators import LinearOperator
@@ -83,6 +84,8 @@ class ActionBuffer:
     _kernel_gram: Tensor | None = field(default=None, repr=False, compare=False)
     # (block size, actions checked, whether all of them sum to zero over every block): see zero_block_sums
     _zero_sums: tuple[int, int, bool] = field(default=(0, 0, True), repr=False, compare=False)
+    # (block size, actions checked, their point_actions): see at_points
+    _points: tuple[int, int, PointActions | None] = field(default=(0, 0, None), repr=False, compare=False)
 
     @classmethod
     def from_tensors(cls, actions: Tensor, kernel_actions: Tensor, rows_block: RowBlock) -> ActionBuffer:
@@ -168,6 +171,17 @@ class ActionBuffer:
         self._zero_sums = (block, self.size, zero)
         return zero
 
+    def at_points(self, block: int) -> PointActions:
+        """:func:`point_actions` of the buffer's actions (this rank's rows) for data points of ``block`` entries; only
+        the actions appended since the last call with this ``block`` are examined (:math:`O(N C)` each)."""
+        checked_block, checked, known = self._points
+        if checked_block != block or checked > self.size or known is None:
+            checked, known = 0, None
+        new = point_actions(self.actions.rows[checked:], block)
+        found = new if known is None else PointActions(*(torch.cat(pair) for pair in zip(known, new, strict=True)))
+        self._points = (block, self.size, found)
+        return found
+
     def action_gram(self) -> Tensor:
         r""":math:`\mathbf S^\top \mathbf S`, float64 ``(B, B)``, symmetric: one GEMM (:math:`O(N C B^2)`)."""
         rows = self.actions.rows
@@ -250,13 +264,10 @@ def noise_gram(buffer: ActionBuffer, noise_inverse: LinearOperator) -> Tensor:
     r""":math:`\mathbf S^\top \mathbf W^{-1} \mathbf S`, float64 ``(B, B)``, symmetric: the part of the virtual run's
     Gram matrix that changes with :math:`\mathbf W`.
 
-    For the package's block-diagonal noise (:class:`~gpytorch_iterncgp.core.noise.FactoredNoise`, :math:`\mathbf W^{-1} =
-    \mathbf F \mathbf F^\top`) it is :math:`\sum_\text{chunks} \mathbf A \mathbf A^\top` with :math:`\mathbf A =
-    \mathbf S_\text{chunk}^\top \mathbf F_\text{chunk}` over chunks of whole data points of about ``NOISE_CHUNK_BYTES``
-    (a chunk stays in cache and its memory is reused; positive semi-definite by construction; each chunk's product in
-    the working dtype, their sum in float64); the softmax's centring is left out where the actions have zero class
-    sums (:meth:`ActionBuffer.zero_block_sums`: IterGP projects them). Any other noise, and sparse actions, form
-    :math:`\mathbf W^{-1} \mathbf S` in blocks of columns of at most ``NOISE_BLOCK_BYTES``.
+    The rows and columns of actions non-zero at one data point each (:meth:`ActionBuffer.at_points`: unit vectors, and
+    those projected to zero class sums) are gathered from :math:`\mathbf W^{-1} \mathbf S` at their points,
+    :math:`O(N C B)` (``W^{-1}`` is block diagonal by points); those among the other actions by :func:`_spread_gram`,
+    :math:`O(N C B^2)`.
 
     A buffer held by rows (sharded :attr:`ActionBuffer.rows_block`) sums :math:`\sum_p \mathbf S_{\mathcal I_p}^\top
     (\mathbf W^{-1} \mathbf S)_{\mathcal I_p}` by one ``all_reduce`` of the ``(B, B)`` sum; ``noise_inverse`` then holds
@@ -270,18 +281,37 @@ def noise_gram(buffer: ActionBuffer, noise_inverse: LinearOperator) -> Tensor:
     # (decided before the support, which may differ between ranks: the class sums are checked on every rank alike)
     centred = factored and noise_inverse.centring and buffer.zero_block_sums(noise_inverse.entries_per_point)
     block_size = noise_inverse.entries_per_point if isinstance(noise_inverse, NoiseOperator) else 1
-    located = point_actions(rows, block_size) if noise_inverse.dim() == 2 else None
-    if located is not None:  # S^T (W^{-1} S) gathered at each action's point: O(n C B), not O(n B^2)
-        points, entries = located
-        multiply = noise_inverse.apply if isinstance(noise_inverse, NoiseOperator) else noise_inverse.matmul
-        width = max(1, NOISE_BLOCK_BYTES // max(1, num_rows * rows.element_size()))
-        blocks = []
-        for start in range(0, size, width):
-            noisy = multiply(rows[start : start + width].mT).reshape(num_rows // block_size, block_size, -1)
-            blocks.append(torch.einsum("bc,bck->bk", entries, noisy[points]))
-        return _symmetric(buffer.rows_block.summed(torch.cat(blocks, dim=-1).double()))
+    located = buffer.at_points(block_size) if noise_inverse.dim() == 2 and num_rows % block_size == 0 else None
+    if located is None or not bool(located.mask.any()):
+        return _symmetric(buffer.rows_block.summed(_spread_gram(rows, noise_inverse, centred)))
+    at_points = located.mask.nonzero()[:, 0]
+    spread = (~located.mask).nonzero()[:, 0]
+    gram = rows.new_zeros(size, size, dtype=torch.float64)
+    if len(spread):
+        gram[spread[:, None], spread] = _spread_gram(rows[spread], noise_inverse, centred)
+    multiply = noise_inverse.apply if isinstance(noise_inverse, NoiseOperator) else noise_inverse.matmul
+    points, entries = located.points[at_points], located.entries[at_points]
+    width = max(1, NOISE_BLOCK_BYTES // max(1, num_rows * rows.element_size()))
+    for start in range(0, size, width):  # the point actions' rows: s_p^T (W^{-1} S) at their points
+        noisy = multiply(rows[start : start + width].mT).reshape(num_rows // block_size, block_size, -1)
+        gram[at_points, start : start + width] = torch.einsum("bc,bck->bk", entries, noisy[points]).double()
+    gram[spread[:, None], at_points] = gram[at_points[:, None], spread].mT
+    return _symmetric(buffer.rows_block.summed(gram))
+
+
+def _spread_gram(rows: Tensor, noise_inverse: LinearOperator, centred: bool) -> Tensor:
+    r""":math:`\mathbf S^\top \mathbf W^{-1} \mathbf S` float64 ``(B, B)`` of this rank's rows of actions ``rows``
+    (:math:`\mathbf S^\top`, ``(B, n)``), not symmetrised. For the package's block-diagonal noise
+    (:class:`~gpytorch_iterncgp.core.noise.FactoredNoise`, :math:`\mathbf W^{-1} = \mathbf F \mathbf F^\top`) it is
+    :math:`\sum_\text{chunks} \mathbf A \mathbf A^\top` with :math:`\mathbf A = \mathbf S_\text{chunk}^\top
+    \mathbf F_\text{chunk}` over chunks of whole data points of about ``NOISE_CHUNK_BYTES`` (a chunk stays in cache
+    and its memory is reused; positive semi-definite by construction; each chunk's product in the working dtype, their
+    sum in float64); the softmax's centring is left out where the actions have zero class sums (``centred``:
+    :meth:`ActionBuffer.zero_block_sums`, IterGP projects them). Any other noise, and sparse actions, form
+    :math:`\mathbf W^{-1} \mathbf S` in blocks of columns of at most ``NOISE_BLOCK_BYTES``."""
+    size, num_rows = rows.shape
     support = row_support(rows)
-    if factored and support is None:
+    if noise_inverse.dim() == 2 and isinstance(noise_inverse, FactoredNoise) and support is None:
         block = noise_inverse.entries_per_point
         chunk = block * max(1, NOISE_CHUNK_BYTES // (size * rows.element_size() * block))
         gram = rows.new_zeros(size, size, dtype=torch.float64)
@@ -292,31 +322,36 @@ def noise_gram(buffer: ActionBuffer, noise_inverse: LinearOperator) -> Tensor:
             if half:
                 gram[:half, :half] += (whitened[:half] @ whitened[:half].mT).double()
         gram[:half, half:] = gram[half:, :half].mT
-        return _symmetric(buffer.rows_block.summed(gram))
+        return gram
     width = max(1, NOISE_BLOCK_BYTES // max(1, num_rows * rows.element_size()))
     blocks = []
     for start in range(0, size, width):
         noisy = noise_inverse.matmul(rows[start : start + width].mT)
         blocks.append(rows @ noisy if support is None else rows[:, support] @ noisy[support])
-    return _symmetric(buffer.rows_block.summed(torch.cat(blocks, dim=-1).double()))
+    return torch.cat(blocks, dim=-1).double()
 
 
-def point_actions(rows: Tensor, block_size: int) -> tuple[Tensor, Tensor] | None:
-    r"""Where every action of ``rows`` (:math:`\mathbf S^\top`, ``(B, n)``) is non-zero within one data point's block
-    of ``block_size`` consecutive entries at most (unit vectors; vectors projected to zero sum over a point's classes):
-    each action's point ``(B,)`` and its entries there ``(B, block_size)``, so that :math:`\mathbf S^\top \mathbf X`
-    is a gather of :math:`\mathbf X`'s blocks, :math:`O(B C k)`. ``None`` otherwise, decided by the last action first
-    (:math:`O(n)`), then :math:`O(n B)`. An action with no non-zero entry (a buffer held by rows: another rank's point)
-    gets point 0 and zero entries."""
+class PointActions(NamedTuple):
+    """Which actions are non-zero at one data point at most (:func:`point_actions`), and where."""
+
+    mask: Tensor  # (B,) bool
+    points: Tensor  # (B,) long: each action's point (0 where not at one point, or at none of this rank's)
+    entries: Tensor  # (B, C): its entries there (zeros where not at one point)
+
+
+def point_actions(rows: Tensor, block_size: int) -> PointActions:
+    r"""Which actions of ``rows`` (:math:`\mathbf S^\top`, ``(B, n)``) are non-zero within one data point's block of
+    ``block_size`` consecutive entries at most (unit vectors; vectors projected to zero sum over a point's classes):
+    for those, :math:`\mathbf s^\top \mathbf X` is a gather of :math:`\mathbf X`'s block at the point,
+    :math:`O(C k)`. :math:`O(n B)`. An action with no non-zero entry (a buffer held by rows: another rank's point) is at
+    point 0 with zero entries."""
     size, num_rows = rows.shape
-    if size == 0 or num_rows % block_size or int(torch.count_nonzero(rows[-1])) > block_size:
-        return None
     blocks = rows.reshape(size, num_rows // block_size, block_size)
     touched = blocks.ne(0).any(-1)  # (B, N)
-    if bool((touched.sum(-1) > 1).any()):
-        return None
-    points = touched.to(torch.uint8).argmax(-1)
-    return points, blocks[torch.arange(size, device=rows.device), points]
+    mask = touched.sum(-1) <= 1
+    points = torch.where(mask, touched.to(torch.uint8).argmax(-1), 0)
+    entries = blocks[torch.arange(size, device=rows.device), points] * mask[:, None]
+    return PointActions(mask, points, entries)
 
 
 def row_support(rows: Tensor) -> Tensor | None:

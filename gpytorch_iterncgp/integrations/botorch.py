@@ -52,7 +52,7 @@ class IterNCGPBoTorchModel(Model):
     ``MultitaskMultivariateNormal`` (``batch × q × C``) built one batch element at a time.
     """
 
-    def __init__(self, model):
+    def __init__(self, model) -> None:
         super().__init__()
         scaler = None
         if not isinstance(model, torch.nn.Module) and hasattr(model, "model_"):

@@ -104,45 +104,66 @@ def test_noise_gram_equals_the_dense_quadratic_form(kind, dtype, size, monkeypat
     torch.testing.assert_close(gram, expected, rtol=tolerance, atol=tolerance * float(expected.abs().max()))
 
 
+@pytest.mark.parametrize("mixed", [False, True], ids=["points-only", "with-dense-actions"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("kind", ["softmax", "softmax-zero-sum", "diagonal", "cholesky", "blocks", "site-blocks"])
-def test_noise_gram_of_actions_at_one_point_each_is_gathered(kind, dtype, monkeypatch):
+def test_noise_gram_of_actions_at_one_point_each_is_gathered(kind, dtype, mixed, monkeypatch):
     """Actions non-zero at one data point each (unit vectors, also several at one point and one twice; projected to
-    zero class sums; one all zero) take the gathered path, S^T (W^{-1} S) at each action's point (O(n C B), not a GEMM
-    over all entries; in column blocks here), and equal the dense float64 form; a noise without blocks of the package
-    gathers at single entries."""
+    zero class sums; one all zero) are gathered from W^{-1} S at their points (O(n C B); in column blocks here), the
+    other actions of a mixed buffer (CG's, dense) go through the chunked GEMM; the whole equals the dense float64
+    form. A noise without blocks of the package gathers at single entries."""
     num_data, num_latents = 30, 4
     monkeypatch.setattr(recycling, "NOISE_BLOCK_BYTES", 3 * num_data * num_latents * torch.finfo(dtype).bits // 8)
     noise = _noise(kind.removesuffix("-zero-sum"), num_data, num_latents, dtype)
     entries = torch.tensor([0, 5, 6, 7, 5, 119, 42, 43, 100])
     actions = torch.zeros(num_data * num_latents, len(entries) + 1, dtype=dtype)
     actions[entries, torch.arange(len(entries))] = torch.linspace(0.5, 2.0, len(entries), dtype=dtype)
+    dense = torch.randn(num_data * num_latents, 4, generator=torch.Generator().manual_seed(2)).to(dtype)
+    if mixed:  # dense actions first, between and last
+        actions = torch.cat([dense[:, :1], actions[:, :4], dense[:, 1:3], actions[:, 4:], dense[:, 3:]], dim=1)
     if kind == "softmax-zero-sum":
         actions = project_to_zero_sum(actions, num_latents)
     buffer = ActionBuffer.from_tensors(actions, actions, RowBlock.single(len(actions)))
     block = 1 if kind == "blocks" else num_latents
-    assert recycling.point_actions(actions.mT, block) is not None
+    located = buffer.at_points(block)
+    assert int((~located.mask).sum()) == (4 if mixed else 0)
     called = []
-    monkeypatch.setattr(recycling, "row_support", lambda rows: called.append(rows))  # the other paths' first step
+    original = recycling._spread_gram
+    monkeypatch.setattr(
+        recycling, "_spread_gram", lambda rows, *rest: called.append(len(rows)) or original(rows, *rest)
+    )
     gram = noise_gram(buffer, noise)
-    assert not called and gram.dtype == torch.float64 and torch.equal(gram, gram.mT)
+    assert called == ([4] if mixed else []) and gram.dtype == torch.float64 and torch.equal(gram, gram.mT)
     expected = actions.double().mT @ noise.to_dense().double() @ actions.double()
     tolerance = 1e-12 if dtype == torch.float64 else 1e-5
     torch.testing.assert_close(gram, expected, rtol=tolerance, atol=tolerance * float(expected.abs().max()))
 
 
-def test_point_actions_refuses_actions_at_two_points():
-    """An action with non-zero entries at two data points is not gathered (the last action decides first, then all)."""
+def test_point_actions_are_found_per_action_and_incrementally():
+    """An action is at a point where its non-zero entries lie in one block (its entries there returned), not where
+    they span two; the buffer examines only the actions appended since it last looked, and starts over for another
+    block size."""
     actions = torch.zeros(3, 12, dtype=DTYPE)
     actions[0, [0, 1]] = 1.0  # one point (entries 0, 1 of blocks of 4)
     actions[1, 4] = 1.0
     actions[2, 8] = 1.0
-    points, entries = recycling.point_actions(actions, 4)
-    assert points.tolist() == [0, 1, 2] and torch.equal(entries[0], torch.tensor([1.0, 1.0, 0.0, 0.0], dtype=DTYPE))
+    located = recycling.point_actions(actions, 4)
+    assert located.mask.all() and located.points.tolist() == [0, 1, 2]
+    assert torch.equal(located.entries[0], torch.tensor([1.0, 1.0, 0.0, 0.0], dtype=DTYPE))
     actions[0, 11] = 1.0
-    assert recycling.point_actions(actions, 4) is None
-    assert recycling.point_actions(actions.flip(0), 4) is None
-    assert recycling.point_actions(actions, 1) is None
+    assert recycling.point_actions(actions, 4).mask.tolist() == [False, True, True]
+    assert recycling.point_actions(actions, 1).mask.tolist() == [False, True, True]
+    buffer = ActionBuffer.from_tensors(actions.mT.contiguous(), actions.mT.contiguous(), RowBlock.single(12))
+    assert buffer.at_points(4).mask.tolist() == [False, True, True]
+    seen = []
+    original = recycling.point_actions
+    recycling_point_actions = lambda rows, block: seen.append(len(rows)) or original(rows, block)  # noqa: E731
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(recycling, "point_actions", recycling_point_actions)
+        buffer.append(torch.eye(12, dtype=DTYPE)[5], torch.zeros(12, dtype=DTYPE))
+        assert buffer.at_points(4).mask.tolist() == [False, True, True, True] and seen == [1]
+        assert buffer.at_points(4).points.tolist() == [0, 1, 2, 1] and seen == [1, 0]
+        assert buffer.at_points(2).points.tolist() == [0, 2, 4, 2] and seen == [1, 0, 4]
 
 
 def test_zero_block_sums_checks_only_new_actions():

@@ -366,27 +366,36 @@ def test_fit_mll_refuses_kernels_it_cannot_choose_among():
         fit_mll(mll, kernels={"broken": _BrokenKernel()}, recipe=RECIPE)
 
 
-def test_the_estimators_auto_kernel_is_the_matern_where_it_cannot_choose_and_says_why():
+_CANNOT_CHOOSE = {
+    "small": ("classifier", {}, "learnt on all 60 points, leaving fewer than 100 held-out points"),
+    "subset": ("classifier", dict(learning_subset=30), "learnt on 30 of the 60 points"),
+    "not-learnt": ("regressor", dict(optimize_hyperparameters=False), "not learnt"),
+    # stochastic EP's 2000 minibatch steps, twice: about 40 s here
+    "sparse-ep": pytest.param(
+        ("classifier", dict(inference="sparse_ep", num_inducing=8), "would learn each kernel on 30 of the 60"),
+        marks=pytest.mark.slow,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(_CANNOT_CHOOSE.values()), ids=list(_CANNOT_CHOOSE))
+def test_the_estimators_auto_kernel_is_the_matern_where_it_cannot_choose_and_says_why(case):
     """``kernel="auto"`` (the default) without rows held out (small data, also under stochastic EP, whose choice holds
     out rows of its own) or without learning is the default Matérn, fitted exactly as ``kernel=None`` (scikit-learn's
     small sets keep their numbers), with the reason."""
     from gpytorch_iterncgp.sklearn import IterNCGPClassifier, IterNCGPPoissonRegressor
 
     x, y = (tensor.numpy() for tensor in linear_data(60))
-    cases = [
-        (IterNCGPClassifier, {}, y, "learnt on all 60 points, leaving fewer than 100 held-out points"),
-        (IterNCGPClassifier, dict(learning_subset=30), y, "learnt on 30 of the 60 points"),
-        (IterNCGPPoissonRegressor, dict(optimize_hyperparameters=False), 2 * y, "not learnt"),
-        (IterNCGPClassifier, dict(inference="sparse_ep", num_inducing=8), y, "would learn each kernel on 30 of the 60"),
-    ]
-    for estimator_type, options, targets, reason in cases:
-        auto = estimator_type(random_state=0, **options).fit(x, targets)  # kernel="auto", the default
-        matern = estimator_type(kernel=None, random_state=0, **options).fit(x, targets)
-        assert auto.kernel == "auto" and auto.kernel_choice_.startswith("'matern': ") and reason in auto.kernel_choice_
-        assert matern.kernel_choice_ is None and auto.learning_report_.kernel is None
-        np.testing.assert_array_equal(auto.predict_latent(x)[0], matern.predict_latent(x)[0])
-    with pytest.raises(ValueError, match="'kernel' parameter .*'auto'"):
-        IterNCGPClassifier(kernel="ard").fit(x, y)
+    kind, options, reason = case
+    estimator_type, targets = (IterNCGPClassifier, y) if kind == "classifier" else (IterNCGPPoissonRegressor, 2 * y)
+    auto = estimator_type(random_state=0, **options).fit(x, targets)  # kernel="auto", the default
+    matern = estimator_type(kernel=None, random_state=0, **options).fit(x, targets)
+    assert auto.kernel == "auto" and auto.kernel_choice_.startswith("'matern': ") and reason in auto.kernel_choice_
+    assert matern.kernel_choice_ is None and auto.learning_report_.kernel is None
+    np.testing.assert_array_equal(auto.predict_latent(x)[0], matern.predict_latent(x)[0])
+    if kind == "regressor":
+        with pytest.raises(ValueError, match="'kernel' parameter .*'auto'"):
+            IterNCGPClassifier(kernel="ard").fit(x, y)
 
 
 # ---------------------------------------------------------------------------------------------------
