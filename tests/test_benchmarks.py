@@ -287,6 +287,7 @@ def test_svgp_predictive_is_its_exact_predictive():
 
 # The plain EP loop is one of the methods compared: its estimated evidence says so (EstimatedEvidenceWarning), as meant;
 # multi-class EP with 5 CG iterations per sweep stalls near a site change of 1e-3 at the smoke size (NotConvergedWarning).
+@pytest.mark.slow  # about 16 s
 @pytest.mark.filterwarnings("ignore::gpytorch_iterncgp.EstimatedEvidenceWarning")
 @pytest.mark.filterwarnings("ignore::gpytorch_iterncgp.NotConvergedWarning")
 def test_learned_smoke_run_writes_results(tmp_path):
@@ -504,6 +505,7 @@ def test_factorised_nodes_smoke_run_checks_the_reference_rule_against_adaptive_q
     assert (tmp_path / "factorised_nodes.png").stat().st_size > 0
 
 
+@pytest.mark.slow  # about 8 s
 def test_preconditioning_smoke_run_matches_dense_laplace_and_dense_solve(tmp_path):
     """The preconditioning benchmark at N = 100: its JSON's rows and ratios, every Laplace fit's log posterior (with and
     without the preconditioner) and the refined mode's against dense Newton (``tests/reference.py``), and its one-solve
@@ -647,6 +649,7 @@ def test_ep_convergence_smoke_run_scores_both_stops(tmp_path):
     assert json.loads(out.read_text())["marginal_tol"] == EPOptions.marginal_tol and out.with_suffix(".png").exists()
 
 
+@pytest.mark.slow  # about 70 s: every method of the panel
 def test_tabular_smoke_run_scores_every_method_on_classes_and_counts(tmp_path):
     """The tabular panel at 300 rows: every method's score on a classification and a count set, SVGP scored at the
     equal-time mark (``estimator_auto``'s seconds), the chosen kernel recorded, the summary's comparisons."""
@@ -719,6 +722,7 @@ def test_svgps_expected_counts_are_the_mean_of_the_exponential_of_its_latent():
     assert deviance == pytest.approx(mean_poisson_deviance(data.test_y.numpy(), expected.numpy()), rel=1e-12)
 
 
+@pytest.mark.slow  # about 20 s
 def test_gpu_run_smoke_writes_every_steps_record(tmp_path):
     """The prepared GPU run at smoke size on the CPU (two of its steps, each a child process): its manifest records
     every step's command, exit status and seconds, and each step's own results lie in its folder."""

@@ -11,18 +11,30 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = [
-    "binary_classification",
-    "poisson_regression",
-    "multiclass",
+# 10-16 s each: run with -m slow (the default run keeps the main example and one of each kind of model)
+SLOW_EXAMPLES = (
     "hyperparameters",
-    "sklearn_quickstart",
     "ep_vs_laplace",
     "alps_square_wave",
     "alps_periodic_mixture",
     "alps_diabetes",
     "binary_gplvm_digits",
-    "noisy_inputs",
+)
+EXAMPLES = [
+    pytest.param(name, marks=pytest.mark.slow) if name in SLOW_EXAMPLES else name
+    for name in (
+        "binary_classification",
+        "poisson_regression",
+        "multiclass",
+        "hyperparameters",
+        "sklearn_quickstart",
+        "ep_vs_laplace",
+        "alps_square_wave",
+        "alps_periodic_mixture",
+        "alps_diabetes",
+        "binary_gplvm_digits",
+        "noisy_inputs",
+    )
 ]
 
 

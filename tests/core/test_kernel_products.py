@@ -252,6 +252,7 @@ INTERPRETED = textwrap.dedent(
     "interpreter of the Triton on the project's GPU machine fails on the kernel's runtime loop bound (TypeError: only "
     "0-dimensional arrays can be converted to Python scalars)",
 )
+@pytest.mark.slow  # about 8 s
 def test_triton_kernel_in_the_interpreter_equals_dense_product():
     """Every kernel and dtype, widths 1 and 3 (broadcast sums) and 20 (``tl.dot``, two width blocks), per-class."""
     environment = dict(os.environ, TRITON_INTERPRET="1")

@@ -440,6 +440,7 @@ def test_hyperparameter_learning_reaches_sklearn_optimum():
     np.testing.assert_allclose(at_optimum, theirs.log_marginal_likelihood_value_, atol=1e-5)
 
 
+@pytest.mark.slow  # about 9 s
 def test_hyperparameter_learning_above_the_exact_evidence_size_is_adam():
     """Matrix-free (estimated) evidence: ``optimizer_steps`` Adam steps, and the evidence rises."""
     from gpytorch_iterncgp import settings

@@ -95,6 +95,7 @@ def _learnt_evidence(learning_fit_steps: int) -> tuple[float, float]:
         return learnt.log_marginal_likelihood(), start.log_marginal_likelihood()
 
 
+@pytest.mark.slow  # about 15 s
 def test_loose_fits_learn_the_hyperparameters_of_whole_refits():
     """One Newton step per evaluation of the evidence (from the previous mode) learns hyperparameters whose exact
     evidence is that of whole refits (20 Newton steps) to 1% of the gain over the start (measured: 0.23%, the loose

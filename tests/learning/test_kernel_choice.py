@@ -226,6 +226,7 @@ def test_skewed_features_choose_the_warped_kernel():
     assert float(learnt[1] - learnt[0]) > float(initial[1] - initial[0]), (learnt, initial)
 
 
+@pytest.mark.slow  # about 13 s
 def test_the_choice_learns_the_candidates_on_fewer_rows_and_the_chosen_one_again_on_all():
     """``kernel_choice_subset``: every candidate is learnt and scored on that many of the learning rows, and the
     chosen one learnt again on all of them from its initial values: the same evidence evaluations and hyperparameters as
@@ -256,6 +257,7 @@ def test_the_choice_learns_the_candidates_on_fewer_rows_and_the_chosen_one_again
         LearningRecipe(kernel_choice_subset=1).validate()
 
 
+@pytest.mark.slow  # about 10 s
 def test_an_isotropic_function_keeps_a_good_kernel_and_the_report_has_every_candidate():
     """Labels from sin of the radius: the chosen kernel's held-out log-loss is within 0.02 of the best candidate's.
     The report: every candidate scored (a failing one skipped with its error), the chosen one's score the least,
@@ -401,6 +403,7 @@ def test_the_estimators_auto_kernel_is_the_matern_where_it_cannot_choose_and_say
 # ---------------------------------------------------------------------------------------------------
 # The estimator
 # ---------------------------------------------------------------------------------------------------
+@pytest.mark.slow  # about 9 s
 def test_the_classifier_with_kernel_auto_chooses_a_linear_kernel_on_linear_data_by_the_held_out_log_loss():
     """8 features, learnt on 150 of 350 points, 150 of the others held out: the Matérn and linear + Matérn are each
     learnt and scored by the held-out log-loss; the linear one is chosen (the lower score), reported, and predicts."""
@@ -432,6 +435,7 @@ def test_the_classifier_with_kernel_auto_chooses_a_linear_kernel_on_linear_data_
     assert probabilities.shape == (200, 2) and classifier.score(x[350:], y[350:]) > 0.85
 
 
+@pytest.mark.slow  # about 18 s
 def test_the_classifier_with_kernel_auto_chooses_under_stochastic_ep(monkeypatch):
     """``inference="sparse_ep"`` with ``kernel="auto"``: the candidates learnt by dense EP on half of 400 rows and
     scored on the other half (:func:`~gpytorch_iterncgp.learning.fit.fit_minibatch_mll`'s choice); on skewed features

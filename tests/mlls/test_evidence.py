@@ -321,6 +321,7 @@ def _matrix_free_large(problem: str, references, probe_seed: int) -> float:
     return relative_error(float(evidence), expected)
 
 
+@pytest.mark.slow  # about 10 s a case
 @pytest.mark.parametrize("problem", list(LARGE_PROBLEMS))
 def test_matrix_free_accuracy_at_large_n(problem, large_references):
     # Default strategy (5 solver iterations per Newton step, outer_tol 1e-2: here 5 Newton steps, 25
@@ -339,6 +340,7 @@ def test_matrix_free_accuracy_at_large_n_over_probe_seeds(problem, large_referen
     assert max(errors) <= 0.03, errors
 
 
+@pytest.mark.slow  # about 12 s
 def test_matrix_free_accuracy_softmax_large():
     # 700 points x 3 classes = 2100 latents, one GP per class: the whitened operator with 3 x 3 root blocks
     # under CG and stochastic Lanczos quadrature. Measured: 1.9e-4 (probe seed 0), 7e-3 (seeds 1, 2).
@@ -484,6 +486,7 @@ def _optimise(x, y, exact: bool, steps: int = 80, lr: float = 0.1):
     return model, likelihood
 
 
+@pytest.mark.slow  # about 24 s
 def test_matrix_free_optimisation_reaches_exact_optimum():
     x, y = binary_data(300, seed=3)
     start_model = IterNCGPModel(x, y, LogitBernoulliLikelihood(), lengthscale=1.0, outputscale=1.0)

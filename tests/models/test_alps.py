@@ -481,6 +481,7 @@ def test_mixing_conditional_is_dense_bayesian_linear_regression():
 # ---------------------------------------------------------------------------------------------------
 # VI against Gibbs on a toy with one pure-noise latent
 # ---------------------------------------------------------------------------------------------------
+@pytest.mark.slow  # about 14 s a case
 @pytest.mark.parametrize("family", ["concrete", "spike_and_slab"])
 def test_vi_and_gibbs_activation_probabilities_agree_on_a_toy_with_a_noise_latent(family):
     """Two outputs of one smooth latent; the second candidate latent (lengthscale 0.01 on a grid of spacing 0.026:

@@ -22,6 +22,7 @@ def _plain_cg_model(x, y, **options):
     )
 
 
+@pytest.mark.slow  # about 19 s
 def test_without_a_step_limit_plain_cg_runs_past_twenty_steps_to_the_exact_mode():
     """Plain CG at outputscale 20 (500 points of 5 classes in 3-D) needs more than 20 Newton steps (33 measured; 6
     with the default preconditioner): the default fit takes them without a warning and ends within outer_tol of the
