@@ -21,7 +21,7 @@ from tests.common import settings_snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 120
-SLOW: set[str] = set()  # pages (relative paths) whose snippets are marked slow
+SLOW: set[str] = {"docs/user_guide/hyperparameters.md"}  # pages (relative paths) whose snippets are marked slow (9 s)
 FENCE = re.compile(r"^(?P<indent> *)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
 NOTEST_COMMENT = "<!-- notest -->"
 OPTIONAL_PACKAGES = {"botorch"}  # a page whose snippets import a missing optional extra is skipped

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# 10-16 s each: run with -m slow (the default run keeps the main example and one of each kind of model)
+# 8-19 s each: run with -m slow (the default run keeps the main example, Poisson regression and multi-class)
 SLOW_EXAMPLES = (
     "hyperparameters",
     "ep_vs_laplace",
@@ -19,6 +19,8 @@ SLOW_EXAMPLES = (
     "alps_periodic_mixture",
     "alps_diabetes",
     "binary_gplvm_digits",
+    "sklearn_quickstart",
+    "noisy_inputs",
 )
 EXAMPLES = [
     pytest.param(name, marks=pytest.mark.slow) if name in SLOW_EXAMPLES else name

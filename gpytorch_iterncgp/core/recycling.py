@@ -294,7 +294,7 @@ def noise_gram(buffer: ActionBuffer, noise_inverse: LinearOperator) -> Tensor:
     width = max(1, NOISE_BLOCK_BYTES // max(1, num_rows * rows.element_size()))
     for start in range(0, size, width):  # the point actions' rows: s_p^T (W^{-1} S) at their points
         noisy = multiply(rows[start : start + width].mT).reshape(num_rows // block_size, block_size, -1)
-        gram[at_points, start : start + width] = torch.einsum("bc,bck->bk", entries, noisy[points]).double()
+        gram[at_points, start : start + width] = torch.einsum("bc,bck->bk", entries.double(), noisy[points].double())
     gram[spread[:, None], at_points] = gram[at_points[:, None], spread].mT
     return _symmetric(buffer.rows_block.summed(gram))
 

@@ -11,11 +11,14 @@ computational uncertainty only widens them) and at most the prior's.
 
 from __future__ import annotations
 
+import warnings
+
 import gpytorch
 import pytest
 import torch
 
 from gpytorch_iterncgp import EPStrategy, IterNCGPStrategy, LogitBernoulliLikelihood, MultinomialProbitLikelihood
+from gpytorch_iterncgp.exceptions import NumericalBreakdownWarning
 from tests import reference_ep
 from tests.common import IterNCGPModel, binary_data, multiclass_data, softmax_likelihood
 from tests.test_exact_laplace import EXACT, dense_prior, exact_laplace, reference_predictive
@@ -71,8 +74,14 @@ def _fitted(case: str, outputscale: float, dtype: torch.dtype = torch.float64, *
 @pytest.mark.parametrize("case", list(CASES))
 def test_far_rows_get_the_prior(case, outputscale, dtype):
     """At 60 lengthscales, mean and variance of every latent are the prior's (0 and the outputscale) to 1e-6
-    relative; the variances of ``marginal_latent`` and the diagonal of ``marginal_latent_blocks`` agree."""
-    model, x, _ = _fitted(case, outputscale, dtype, max_solver_iterations=5)
+    relative; the variances of ``marginal_latent`` and the diagonal of ``marginal_latent_blocks`` agree. (In float32
+    at outputscale 1e4, K's rounding is about 1e-3 in absolute terms, and a solver action may lie numerically in the
+    span of the earlier ones: the solve then stops with a ``NumericalBreakdownWarning``, whether it does depends on
+    the rounding, and the far rows are the prior's all the same.)"""
+    with warnings.catch_warnings():
+        if dtype == torch.float32 and outputscale > 100:
+            warnings.simplefilter("ignore", NumericalBreakdownWarning)
+        model, x, _ = _fitted(case, outputscale, dtype, max_solver_iterations=5)
     far = _rows_along_a_ray(x)[-1:]
     strategy = model.variational_strategy
     with torch.no_grad():
