@@ -821,3 +821,18 @@ def test_profile_fit_smoke_run_splits_the_fit_by_phase_and_kind(tmp_path, monkey
         (tmp_path / f"{label}.json").write_text(json.dumps(run))
     table = profile_fit.table([tmp_path / "before.json", tmp_path / "after.json"])
     assert table.count("| breast_cancer (40, 2) |") == 2 and "| before |" in table and "| after |" in table
+
+
+@pytest.mark.slow  # about 8 s: iris, split 0, learnt on each evidence
+def test_learning_evidence_fits_the_default_on_each_evidence_and_pairs_the_splits():
+    from benchmarks import learning_evidence
+    from gpytorch_iterncgp.integrations import sklearn as sklearn_integration
+    from gpytorch_iterncgp.learning.recipe import LearningRecipe
+
+    rows = [learning_evidence.fit("iris", 0, evidence) for evidence in ("ep", "laplace")]
+    assert sklearn_integration.LearningRecipe is LearningRecipe  # the recipe's name put back
+    assert [row["learnt_on"] for row in rows] == ["EP", "Laplace"]
+    assert all(0 < row["log_loss"] < 1 and row["accuracy"] > 0.8 for row in rows)
+    table = learning_evidence.summary(rows)
+    difference = rows[1]["log_loss"] - rows[0]["log_loss"]
+    assert "| iris | 1 |" in table and f"{difference:+.4f}" in table

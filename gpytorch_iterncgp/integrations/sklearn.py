@@ -16,8 +16,8 @@ scaled Matérn-5/2; ``"auto"``: chosen among a small family by the evidence) wit
 (``inference``; the classifier's default is EP),
 optionally learn the kernel's hyperparameters by maximising the evidence
 (:class:`~gpytorch_iterncgp.LaplaceMarginalLogLikelihood`, :class:`~gpytorch_iterncgp.EPMarginalLogLikelihood`;
-L-BFGS where the evidence is exact, Adam with loose fits where it is estimated, and there Laplace's evidence for EP
-too) of a stratified random subset of the data (``learning_subset``; by default 1000 points for 10 classes), then
+L-BFGS where the evidence is exact, Adam with loose fits where it is estimated; Laplace's evidence for EP's
+kernel too) of a stratified random subset of the data (``learning_subset``; by default 1000 points for 10 classes), then
 fit the posterior on all the data at the learnt hyperparameters. Everything is computed in float64, on ``device``
 (numpy in and out).
 
@@ -590,11 +590,11 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
         likelihood factor instead of the curvature at the mode: better calibrated predictive probabilities, at the
         cost of tilted moments per sweep (nested EP for the multinomial probit). A parameter the inference in use
         does not read (the dense solver's and learning's under ``"sparse_ep"``, ``num_inducing`` and ``batch_size``
-        under dense inference), set away from its default, is refused with a ``ValueError``. The hyperparameters are learnt on the
-        approximation's own evidence (:class:`~gpytorch_iterncgp.LaplaceMarginalLogLikelihood`,
-        :class:`~gpytorch_iterncgp.EPMarginalLogLikelihood`) where it is exact; above ``exact_evidence_size`` EP's are
-        learnt on Laplace's (EP's estimated evidence is biased by the computation-aware cavities,
-        ``docs/design_notes.md``), and the posterior at them is EP's. Where the kernel was learnt on a subset, the
+        under dense inference), set away from its default, is refused with a ``ValueError``. The hyperparameters are learnt on
+        Laplace's evidence (:class:`~gpytorch_iterncgp.LaplaceMarginalLogLikelihood`) for either inference
+        (:attr:`LearningRecipe.evidence <gpytorch_iterncgp.learning.recipe.LearningRecipe.evidence>`: its Newton fits
+        converge in a few steps where EP's sweeps take tens, and EP's posterior at Laplace's kernel predicts as well
+        as at its own, ``docs/design_notes.md``), and the posterior at them is EP's. Where the kernel was learnt on a subset, the
         outputscale is then chosen among the learnt one times ``outputscale_factors``, and past the grid's edge while
         the edge wins (``outputscale_extensions``; :class:`~gpytorch_iterncgp.LearningRecipe`), by the log-loss of
         held-out training rows (``validation_rows_``: the learnt outputscale can be far from the predictive's best). This is
@@ -646,8 +646,8 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
         test log-loss has settled by then.
     :param solver_tol: IterGP stops a Newton step early when the residual norm is below
         ``solver_tol * max(1, ||b||)`` (with ``max_solver_iterations=None`` this is the only stop).
-    :param optimize_hyperparameters: learn the kernel's hyperparameters by maximising the Laplace or EP evidence
-        (type-II maximum likelihood, as scikit-learn's ``GaussianProcessClassifier``).
+    :param optimize_hyperparameters: learn the kernel's hyperparameters by maximising Laplace's evidence (type-II
+        maximum likelihood, as scikit-learn's ``GaussianProcessClassifier``; for EP too, which then fits at them).
     :param optimizer_steps: where the evidence is exact and deterministic (:math:`N C \le`
         ``gpytorch_iterncgp.settings.exact_evidence_size``, 1000): the **maximum number of L-BFGS iterations**
         (strong-Wolfe line search; it stops earlier when the gradient or the change of the evidence vanishes, and

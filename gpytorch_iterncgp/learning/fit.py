@@ -12,7 +12,9 @@ The recipe, in three phases (each a progress bar with ``show_progress``):
 1. **learning**: type-II maximum likelihood on a random subset of the rows (:func:`~.rows.auto_learning_size`,
    stratified by class; R&W §8.3.3), L-BFGS where the evidence is exact, otherwise Adam with loose warm-started fits
    (the strategy's ``train_fit_steps``). EP's hyperparameters are learnt on Laplace's evidence
-   where EP's would be estimated from incomplete solves (its maximiser is biased, ``docs/design_notes.md``);
+   (:attr:`~.recipe.LearningRecipe.evidence`: Newton's fits converge in a few steps where EP's sweeps take tens;
+   EP's evidence where it is exact on request, never where it would be estimated from incomplete solves: that
+   estimate's maximiser is biased, ``docs/design_notes.md``);
 2. **outputscale** (classifiers learnt on a subset, a ``ScaleKernel`` as ``covar_module``): the outputscale by the
    log-loss of held-out rows (:mod:`.outputscale`): the evidence's maximiser is over-confident at large N (Laplace's
    softmax, and EP learnt on it); then, wherever rows are held out, the learnt model against a constant predictor on
@@ -37,6 +39,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import gpytorch
+import numpy as np
 import torch
 from gpytorch.mlls import MarginalLogLikelihood
 from torch import Tensor
@@ -313,7 +316,8 @@ class _LearningPhase:
 
     def learn(self, report: LearningReport, deadline: float | None, name: str = "") -> Any:
         """Maximise the evidence of the learning rows (:func:`_learn`); return the model whose evidence it was."""
-        learner = _learner(self.model, self.strategy, self.inputs, self.targets, subset_model=self.rows is not None)
+        subset_model = self.rows is not None
+        learner = _learner(self.model, self.strategy, self.inputs, self.targets, subset_model, self.recipe.evidence)
         _learn(learner, self.recipe, report, deadline, self.show, name)
         return learner
 
@@ -388,7 +392,8 @@ def fit_minibatch_mll(
         the time, the minibatch learning one more.
     :param recipe: a :class:`~.minibatch.MinibatchRecipe` (batch size, steps, learning rate and its schedule).
     :param kernels: candidate kernels, ``{name: kernel}`` or a list, as :func:`fit_dense_mll`'s: each learnt and scored
-        on the dense EP evidence of :math:`M_c = \lfloor\sqrt{10^6/C}\rfloor` rows of ``data`` (and its held-out
+        on the dense evidence (Laplace's, as :func:`fit_dense_mll` learns EP's kernel) of :math:`M_c =
+        \lfloor\sqrt{10^6/C}\rfloor` rows of ``data`` (and its held-out
         score on as many others); the model keeps the best at its initial values (``report.kernel``, every
         candidate's scores in ``report.kernel_scores``), which the minibatch learning then learns as if it had been
         given alone. ``None`` (default): the model's own kernel.
@@ -654,11 +659,12 @@ def _rows_of(strategy: Any, rows: Tensor | None) -> tuple[Tensor, Tensor]:
     return strategy.train_inputs[index], strategy.train_targets[index]
 
 
-def _learner(model: Any, strategy: Any, inputs: Tensor, targets: Tensor, subset_model: bool) -> Any:
+def _learner(model: Any, strategy: Any, inputs: Tensor, targets: Tensor, subset_model: bool, evidence: str) -> Any:
     """The model whose evidence is maximised: ``model`` itself, or a :class:`LearnerModel` on the subset's rows, and,
-    for EP whose evidence there would be estimated, under Laplace's approximation."""
+    for EP, under Laplace's approximation (``evidence="laplace"``, or ``"ep"`` where EP's would be estimated:
+    :attr:`~.recipe.LearningRecipe.evidence`)."""
     learner = LearnerModel(model, type(strategy), inputs, targets, strategy.likelihood) if subset_model else model
-    if isinstance(strategy, EPStrategy) and not exact_regime(learner.variational_strategy):
+    if isinstance(strategy, EPStrategy) and (evidence == "laplace" or not exact_regime(learner.variational_strategy)):
         learner = LearnerModel(model, IterNCGPStrategy, inputs, targets, laplace_likelihood(strategy.likelihood))
     return learner
 
@@ -767,32 +773,44 @@ def _optimise(
     exact: bool,
     recipe: LearningRecipe,
 ) -> LearningStop:
-    """Run L-BFGS (``exact``) or Adam on ``evaluate()``'s loss; return why it stopped."""
-    if not exact:
-        adam = torch.optim.Adam(parameters, lr=float(recipe.learning_rate))
-        for _ in range(recipe.optimizer_steps):
-            adam.zero_grad()
-            backward(evaluate())
-            adam.step()
-        return LearningStop.OPTIMIZER_STEPS
-    lbfgs = torch.optim.LBFGS(
-        parameters,
-        lr=1.0,
-        max_iter=recipe.optimizer_steps,
-        tolerance_grad=1e-6,
-        tolerance_change=float(recipe.loss_tol),
-        line_search_fn="strong_wolfe",
-    )
+    """Run L-BFGS (``exact``: :func:`_lbfgs`) or Adam on ``evaluate()``'s loss; return why it stopped."""
+    if exact:
+        return _lbfgs(parameters, evaluate, backward, recipe)
+    adam = torch.optim.Adam(parameters, lr=float(recipe.learning_rate))
+    for _ in range(recipe.optimizer_steps):
+        adam.zero_grad()
+        backward(evaluate())
+        adam.step()
+    return LearningStop.OPTIMIZER_STEPS
 
-    def closure() -> Tensor:
-        lbfgs.zero_grad()
+
+def _lbfgs(
+    parameters: list[Tensor], evaluate: Callable[[], Tensor], backward: Callable[[Tensor], None], recipe: LearningRecipe
+) -> LearningStop:
+    """SciPy's L-BFGS-B (no bounds; as BoTorch's ``fit_gpytorch_mll_scipy`` and scikit-learn's GP estimators) on
+    ``evaluate()``'s loss over ``parameters``, flattened to one float64 vector: at most ``recipe.optimizer_steps``
+    iterations and 1.25 evaluations per iteration (``torch.optim.LBFGS``'s default), stopping where an iteration
+    changes the loss by at most ``recipe.loss_tol`` (``ftol``, relative to the loss where it exceeds 1) or the largest
+    gradient entry falls below 1e-6 (``gtol``); not ``torch.optim.LBFGS`` (``docs/design_notes.md``)."""
+    from scipy.optimize import minimize
+
+    sizes = [parameter.numel() for parameter in parameters]
+
+    def loss_and_gradient(values: np.ndarray) -> tuple[float, np.ndarray]:
+        with torch.no_grad():
+            for parameter, chunk in zip(parameters, np.split(values, np.cumsum(sizes)[:-1]), strict=True):
+                parameter.copy_(torch.from_numpy(chunk).reshape(parameter.shape))
+                parameter.grad = None
         loss = evaluate()
         backward(loss)
-        return loss
+        gradient = [torch.zeros_like(p) if p.grad is None else p.grad for p in parameters]
+        return float(loss.detach()), torch.cat([g.reshape(-1) for g in gradient]).double().cpu().numpy()
 
-    lbfgs.step(closure)
-    iterations = lbfgs.state[parameters[0]].get("n_iter", 0)
-    return LearningStop.OPTIMIZER_STEPS if iterations >= recipe.optimizer_steps else LearningStop.CONVERGED
+    start = torch.cat([parameter.detach().reshape(-1) for parameter in parameters]).double().cpu().numpy()
+    steps = recipe.optimizer_steps
+    options = dict(maxiter=steps, maxfun=max(1, math.ceil(1.25 * steps)), ftol=float(recipe.loss_tol), gtol=1e-6)
+    result = minimize(loss_and_gradient, start, jac=True, method="L-BFGS-B", options=options)
+    return LearningStop.OPTIMIZER_STEPS if result.nit >= steps else LearningStop.CONVERGED
 
 
 BoTorchFitHook.run = fit_mll

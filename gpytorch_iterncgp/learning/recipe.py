@@ -13,7 +13,10 @@ from linear_operator.utils.errors import NanError
 
 from ..core.validation import check_count, check_nonnegative
 
-__all__ = ["KERNEL_CHOICE_COST", "LEARNING_SUBSET_COST", "LearningRecipe", "LearningReport"]
+__all__ = ["EVIDENCES", "KERNEL_CHOICE_COST", "LEARNING_SUBSET_COST", "LearningRecipe", "LearningReport"]
+
+#: :attr:`LearningRecipe.evidence`'s values: the evidence an EP model's hyperparameters are learnt on
+EVIDENCES = ("laplace", "ep")
 
 #: ``subset="auto"``: the hyperparameters are learnt on a random (stratified by class, for classifiers) subset of
 #: :math:`M = \lfloor \sqrt{\text{this} / C} \rfloor` points, so that a product with the subset's kernel matrix costs
@@ -36,8 +39,8 @@ class LearningRecipe:
         L-BFGS iterations (strong-Wolfe line search; whole fits at every evaluation); above it, the number of Adam
         steps, each on a loose fit. ``0``: no learning, only the final fit.
     :param loss_tol: where the evidence is exact, L-BFGS stops once an iteration changes the loss (the negative
-        evidence per data point, GPyTorch's scale) or a hyperparameter's logarithm by less than this
-        (``torch.optim.LBFGS``'s ``tolerance_change``): the fits' own tolerances make the evidence's last digits noise.
+        evidence per data point, GPyTorch's scale) by at most this, relative to the loss where it exceeds 1 (SciPy's
+        L-BFGS-B ``ftol``): the fits' own tolerances make the evidence's last digits noise.
     :param learning_rate: Adam's learning rate.
     :param fit_steps: with Adam, the Newton steps (EP sweeps) each evaluation runs on from the previous posterior
         (the strategy's option ``train_fit_steps`` while learning).
@@ -61,6 +64,14 @@ class LearningRecipe:
         (all the learning rows, no second learning). Where fewer, the chosen kernel is learnt again on all the learning
         rows from its initial values, as if it had been given alone (two fidelities, as successive halving: Jamieson &
         Talwalkar 2016).
+    :param evidence: the evidence an EP model's hyperparameters are learnt on (:data:`EVIDENCES`; a Laplace model
+        learns on its own either way): ``"laplace"``, Laplace's evidence of the same prior under the likelihood
+        Laplace takes for EP's (:func:`~.learner.laplace_likelihood`: the softmax for the multinomial probit), after
+        which EP fits at the learnt kernel (a classifier's outputscale then chosen on held-out rows where there are
+        any): Newton's fits converge in a few steps where EP's sweeps take tens, and on scikit-learn's small sets EP
+        predicts about as well at Laplace's kernel as at its own (``docs/design_notes.md``, "Learning EP's kernel"); or
+        ``"ep"``, EP's own evidence where it is exact (:math:`N C \le` ``settings.exact_evidence_size``), Laplace's
+        above it (EP's estimated evidence is biased there).
     """
 
     optimizer_steps: int = 25
@@ -76,6 +87,7 @@ class LearningRecipe:
     min_validation_points: int = 100
     held_out_fraction: float = 0.2
     kernel_choice_subset: int | str | None = "auto"
+    evidence: str = "laplace"
 
     def validate(self) -> None:
         """:raises ValueError: naming the field that is out of range."""
@@ -96,6 +108,8 @@ class LearningRecipe:
             raise ValueError(f"kernel_choice_subset must be 'auto', None or a number of rows; got {subset!r}.")
         if isinstance(subset, int):
             check_count(subset, "kernel_choice_subset", minimum=2)
+        if self.evidence not in EVIDENCES:
+            raise ValueError(f"evidence must be one of {EVIDENCES}, got {self.evidence!r}.")
 
 
 #: the errors an evidence evaluation or a candidate's fit can stop on and learning recover from (keeping the best

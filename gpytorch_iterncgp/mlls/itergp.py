@@ -535,7 +535,7 @@ class EPMarginalLogLikelihood(_StrategyEvidence):
       cavities from the strategy's marginals (exact for a complete solve), bounded below by the prior precision as in
       the sweeps. With an incomplete solve the sites are those of the computation-aware EP, not exact EP's, and the
       value and gradient are biased towards larger outputscales (``docs/design_notes.md``): the estimators learn EP's
-      hyperparameters on Laplace's evidence there.
+      hyperparameters on Laplace's evidence (there, and by default everywhere: ``LearningRecipe.evidence``).
 
     The package's EP likelihoods (probit, logit, Poisson) have no parameters of their own.
 

@@ -22,7 +22,7 @@ pytest.importorskip("sklearn", minversion="1.7")
 
 from sklearn.metrics import log_loss  # noqa: E402
 
-from gpytorch_iterncgp import EPMarginalLogLikelihood, LearningRecipe, settings  # noqa: E402
+from gpytorch_iterncgp import EPMarginalLogLikelihood, LearningRecipe, fit_mll, settings  # noqa: E402
 from gpytorch_iterncgp.learning import estimator_policy  # noqa: E402
 from gpytorch_iterncgp.learning.estimator_policy import CLASSIFIER_INFERENCE, auto_inference  # noqa: E402
 from gpytorch_iterncgp.sklearn import IterNCGPClassifier, IterNCGPPoissonRegressor  # noqa: E402
@@ -174,9 +174,10 @@ def test_ep_evidence_is_finite_with_an_incomplete_solve():
     assert math.isfinite(float(model.covar_module.raw_outputscale.grad))
 
 
-def test_ep_estimator_learns_on_the_laplace_evidence_where_eps_is_estimated():
-    """Above ``exact_evidence_size`` the EP estimator learns the kernel on Laplace's evidence (EP's matrix-free one is
-    biased by the computation-aware cavities) and fits EP at the learnt kernel; below it, on EP's exact evidence."""
+def test_ep_estimator_learns_on_the_laplace_evidence_unless_the_recipe_asks_for_eps():
+    """The EP estimator learns the kernel on Laplace's evidence and fits EP at the learnt kernel, above
+    ``exact_evidence_size`` and below it; ``fit_mll`` with ``LearningRecipe(evidence="ep")`` maximises EP's evidence
+    where it is exact (below), Laplace's where EP's would be estimated (biased by the computation-aware cavities)."""
     x, y, _ = _multiclass(num=400)
     large = IterNCGPClassifier(inference="ep", optimizer_steps=3, random_state=0).fit(x, y)
     assert large.learning_report_.evidence == "Laplace" and large.learning_report_.evaluations == 3
@@ -184,7 +185,12 @@ def test_ep_estimator_learns_on_the_laplace_evidence_where_eps_is_estimated():
     assert large.kernel_.outputscale.item() != 1.0  # learnt, and the EP model holds the learnt kernel
     assert "Laplace evidence" in str(large.fit_report_)
     small = IterNCGPClassifier(inference="ep", optimizer_steps=3, random_state=0).fit(x[:60], y[:60])
-    assert small.learning_report_.evidence == "EP" and small.learning_report_.method == "L-BFGS"
+    assert small.learning_report_.evidence == "Laplace" and small.learning_report_.method == "L-BFGS"
+    recipe = LearningRecipe(optimizer_steps=3, evidence="ep")
+    for classifier, evidence in ((small, "EP"), (large, "Laplace")):
+        model = classifier.model_
+        report = fit_mll(EPMarginalLogLikelihood(classifier.likelihood_, model), recipe=recipe, subset=None, seed=0)
+        assert report.evidence == evidence and report.evaluations >= 2
 
 
 def test_ep_outputscale_is_chosen_by_the_held_out_log_loss():

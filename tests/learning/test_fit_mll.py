@@ -232,6 +232,8 @@ def test_fit_mll_refuses_other_objectives_and_bad_subsets():
             fit_mll(mll, subset=subset)
     with pytest.raises(ValueError, match="optimizer_steps"):
         fit_mll(mll, recipe=LearningRecipe(optimizer_steps=-1))
+    with pytest.raises(ValueError, match="evidence must be one of"):
+        fit_mll(mll, recipe=LearningRecipe(evidence="EP"))
 
 
 def test_fit_mll_takes_masks_as_masks_and_checks_the_rows():
