@@ -148,10 +148,12 @@ class ActionBuffer:
         """
         if self._kernel_gram is None or self._kernel_gram.shape[-1] != self.size:
             rows, kernel_rows = self.actions.rows, self.kernel_actions.rows
-            gram = torch.zeros(self.size, self.size, dtype=torch.float64, device=rows.device)
-            for index in range(self.size):
-                column = self._gram_column(index, rows[:index] @ kernel_rows[index], reduce=False)
-                gram[index, : index + 1] = gram[: index + 1, index] = column
+            gram = _unit_vector_gram(rows, kernel_rows)
+            if gram is None:
+                gram = torch.zeros(self.size, self.size, dtype=torch.float64, device=rows.device)
+                for index in range(self.size):
+                    column = self._gram_column(index, rows[:index] @ kernel_rows[index], reduce=False)
+                    gram[index, : index + 1] = gram[: index + 1, index] = column
             self._kernel_gram = self.rows_block.summed(gram)
         return self._kernel_gram
 
@@ -206,6 +208,24 @@ class ActionBuffer:
         self.kernel_actions.append(self.rows_block.own_rows(kernel_action))
         if kept and self._kernel_gram is not None and kernel_column is not None:
             self._kernel_gram = _bordered(self._kernel_gram, self._gram_column(self.size - 1, kernel_column))
+
+
+def _unit_vector_gram(rows: Tensor, kernel_rows: Tensor) -> Tensor | None:
+    r""":math:`\mathbf S^\top \mathbf T` float64 ``(B, B)`` for actions ``rows`` (:math:`\mathbf S^\top`, ``(B, n)``) that
+    are all unit vectors (one non-zero entry each, :math:`\pm 1`), and their kernel products ``kernel_rows``
+    (:math:`\mathbf T^\top`): entry :math:`(i, j)` is :math:`\pm t_j` at :math:`\mathbf s_i`'s entry, a gather of
+    :math:`O(B^2)` equal to the dot product :math:`\mathbf s_i^\top \mathbf t_j` bit for bit (its other terms are zeros);
+    ``None`` for any other actions (and for this rank's rows of a sharded buffer, where a unit vector may lie on another
+    rank)."""
+    if len(rows) == 0 or not bool((torch.count_nonzero(rows, dim=-1) == 1).all()):
+        return None
+    entry = rows.abs().argmax(dim=-1)  # (B,)
+    sign = rows.gather(-1, entry[:, None])  # (B, 1): the entry itself, +-1
+    if not bool((sign.abs() == 1).all()):
+        return None
+    gram = (sign * kernel_rows[:, entry].mT).double()  # (i, j): s_i^T t_j
+    upper = torch.triu(torch.ones_like(gram, dtype=torch.bool))
+    return torch.where(upper, gram, gram.mT)  # (i <= j from s_i^T t_j, as the column-by-column computation)
 
 
 def combined_columns(store: ColumnStore, coefficients: Tensor) -> Tensor:

@@ -114,6 +114,33 @@ def test_unit_vector_actions_are_compressed_as_dense_ones(rank):
     assert virtual.buffer.size == (6 if rank is None else rank)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_kernel_gram_of_unit_vectors_is_a_gather_equal_to_the_bordered_one_bit_for_bit(dtype):
+    """Unit vectors (one entry +-1 each), as the exact regime's solves append them: the kernel Gram matrix of a buffer
+    built from tensors (a gather of T's rows) equals, bit for bit, the one bordered by each appended action (dot
+    products), and the dense S^T K S; one action with a second non-zero entry takes the column-by-column path."""
+    kernel, _, _, _ = _problem(size=30, seed=3)
+    kernel = kernel.to(dtype)
+    points = torch.tensor([4, 17, 0, 29, 8, 11])
+    actions = torch.zeros(30, len(points), dtype=dtype)
+    actions[points, torch.arange(len(points))] = torch.tensor([1.0, -1.0, 1.0, 1.0, -1.0, 1.0], dtype=dtype)
+    restored = ActionBuffer.from_tensors(actions, kernel @ actions, RowBlock.single(30))
+    grown = ActionBuffer.from_tensors(actions[:, :1], kernel @ actions[:, :1], RowBlock.single(30))
+    grown.kernel_gram()
+    for index in range(1, len(points)):
+        grown.append(actions[:, index], kernel @ actions[:, index])
+    assert torch.equal(restored.kernel_gram(), grown.kernel_gram())
+    tolerance = 1e-12 if dtype == torch.float64 else 1e-5  # (K is symmetric to rounding: either triangle's entries)
+    dense = (actions.mT @ kernel @ actions).double()
+    torch.testing.assert_close(restored.kernel_gram(), dense, rtol=tolerance, atol=tolerance)
+    mixed = actions.clone()
+    mixed[5, 2] = 0.5  # (not a unit vector: the general path)
+    buffer = ActionBuffer.from_tensors(mixed, kernel @ mixed, RowBlock.single(30))
+    torch.testing.assert_close(
+        buffer.kernel_gram(), (mixed.mT @ kernel @ mixed).double(), rtol=tolerance, atol=tolerance
+    )
+
+
 def test_action_buffer_products_equal_dense_ones():
     """:math:`\\mathbf S^\\top \\mathbf x`, :math:`(\\mathbf S \\mathbf c, \\mathbf T \\mathbf c)`, the kernel Gram
     matrix bordered by each appended action, and whether given tensors are the buffer's own columns."""
