@@ -142,13 +142,13 @@ class ActionBuffer:
 
         Entry :math:`(i, j)`, :math:`i \le j`, is :math:`\mathbf s_i^\top \mathbf t_j`, computed when action :math:`j`
         is appended, by :meth:`append` (:math:`\mathbf K` is symmetric: the other triangle is not computed again). A
-        buffer built from tensors computes it here, column by column in the same way (:math:`O(N C B^2)`), so that it
-        does not depend on whether the buffer grew in this process or was restored (a resumed fit repeats an
-        uninterrupted one bit for bit).
+        buffer built from tensors computes it here, column by column in the same way (:math:`O(N C B^2)`; for unit
+        vectors a gather of :math:`\mathbf T`'s rows, :meth:`_unit_vector_gram`), so that it does not depend on whether
+        the buffer grew in this process or was restored (a resumed fit repeats an uninterrupted one bit for bit).
         """
         if self._kernel_gram is None or self._kernel_gram.shape[-1] != self.size:
             rows, kernel_rows = self.actions.rows, self.kernel_actions.rows
-            gram = _unit_vector_gram(rows, kernel_rows)
+            gram = self._unit_vector_gram()
             if gram is None:
                 gram = torch.zeros(self.size, self.size, dtype=torch.float64, device=rows.device)
                 for index in range(self.size):
@@ -184,6 +184,20 @@ class ActionBuffer:
         self._points = (block, self.size, found)
         return found
 
+    def _unit_vector_gram(self) -> Tensor | None:
+        r""":math:`\mathbf S^\top \mathbf T` float64 ``(B, B)`` where every action is a unit vector (one non-zero entry,
+        :math:`\pm 1`: :meth:`at_points` of one-entry blocks): entry :math:`(i, j)` is :math:`\pm t_j` at
+        :math:`\mathbf s_i`'s entry, a gather of :math:`O(B^2)` equal to the dot product :math:`\mathbf s_i^\top
+        \mathbf t_j` bit for bit (its other terms are zeros); ``None`` for any other actions (and for this rank's rows of
+        a sharded buffer, where a unit vector may lie on another rank)."""
+        located = self.at_points(1)
+        sign = located.entries  # (B, 1)
+        if self.size == 0 or not bool(located.mask.all() & (sign.abs() == 1).all()):
+            return None
+        gram = (sign * self.kernel_actions.rows[:, located.points].mT).double()  # (i, j): s_i^T t_j
+        upper = torch.triu(torch.ones_like(gram, dtype=torch.bool))
+        return torch.where(upper, gram, gram.mT)  # (i <= j from s_i^T t_j, as the column-by-column computation)
+
     def action_gram(self) -> Tensor:
         r""":math:`\mathbf S^\top \mathbf S`, float64 ``(B, B)``, symmetric: one GEMM (:math:`O(N C B^2)`)."""
         rows = self.actions.rows
@@ -208,24 +222,6 @@ class ActionBuffer:
         self.kernel_actions.append(self.rows_block.own_rows(kernel_action))
         if kept and self._kernel_gram is not None and kernel_column is not None:
             self._kernel_gram = _bordered(self._kernel_gram, self._gram_column(self.size - 1, kernel_column))
-
-
-def _unit_vector_gram(rows: Tensor, kernel_rows: Tensor) -> Tensor | None:
-    r""":math:`\mathbf S^\top \mathbf T` float64 ``(B, B)`` for actions ``rows`` (:math:`\mathbf S^\top`, ``(B, n)``) that
-    are all unit vectors (one non-zero entry each, :math:`\pm 1`), and their kernel products ``kernel_rows``
-    (:math:`\mathbf T^\top`): entry :math:`(i, j)` is :math:`\pm t_j` at :math:`\mathbf s_i`'s entry, a gather of
-    :math:`O(B^2)` equal to the dot product :math:`\mathbf s_i^\top \mathbf t_j` bit for bit (its other terms are zeros);
-    ``None`` for any other actions (and for this rank's rows of a sharded buffer, where a unit vector may lie on another
-    rank)."""
-    if len(rows) == 0 or not bool((torch.count_nonzero(rows, dim=-1) == 1).all()):
-        return None
-    entry = rows.abs().argmax(dim=-1)  # (B,)
-    sign = rows.gather(-1, entry[:, None])  # (B, 1): the entry itself, +-1
-    if not bool((sign.abs() == 1).all()):
-        return None
-    gram = (sign * kernel_rows[:, entry].mT).double()  # (i, j): s_i^T t_j
-    upper = torch.triu(torch.ones_like(gram, dtype=torch.bool))
-    return torch.where(upper, gram, gram.mT)  # (i <= j from s_i^T t_j, as the column-by-column computation)
 
 
 def combined_columns(store: ColumnStore, coefficients: Tensor) -> Tensor:
