@@ -65,6 +65,7 @@ class LowRankKernelFactor:
     the three products the Woodbury form needs."""
 
     rank: int  # r, the columns of L
+    columns: Tensor  # the factor's entries, (N, C, k) or (N, C, r)
 
     def matmul(self, coefficients: Tensor) -> Tensor:
         r""":math:`\mathbf L \mathbf X` ``(n, m)`` for ``(r, m)``."""
@@ -348,6 +349,20 @@ class KernelPreconditioning:
             self.seconds += time.perf_counter() - start
             self.products += prior.products - counted[0]
             prior.products, prior.columns, prior.product_seconds = counted
+
+    @property
+    def built_factor(self) -> LowRankKernelFactor | None:
+        """The kernel's factor where it has been built, else ``None`` (nothing is built)."""
+        return self._factor
+
+    def adopt(self, earlier: KernelPreconditioning) -> None:
+        """Take ``earlier``'s factor, where it was built at the same rank and on the same device and dtype: the
+        caller's word that it preconditioned the same kernel matrix (the same hyperparameters and rows)."""
+        factor = earlier.built_factor
+        if factor is None or earlier.rank != self.rank or self.rank == 0:
+            return
+        if (factor.columns.dtype, factor.columns.device) == (self.prior.dtype, self.prior.device):
+            self._factor = factor
 
     @property
     def factor(self) -> LowRankKernelFactor | None:

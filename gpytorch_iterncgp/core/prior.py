@@ -417,7 +417,9 @@ class LatentPrior:
             covariance = covariance[..., rows.start // self.num_latents : rows.stop // self.num_latents, :]
         cache = getattr(covariance, "_memoize_cache", {})
         if isinstance(covariance, LazyEvaluatedKernelTensor) and any(key[0] == "kernel_eval" for key in cache):
-            covariance = covariance.evaluate_kernel()  # already evaluated by a product: read its columns
+            # already evaluated by a product: its dense matrix (made once, and memoized by linear_operator for a
+            # structured one, e.g. a sum of kernels) indexed as a tensor
+            return covariance.evaluate_kernel().to_dense()[..., :, points]
         return covariance[..., :, points].to_dense()
 
 

@@ -54,7 +54,7 @@ from linear_operator.operators import DiagLinearOperator, LinearOperator, PsdSum
 from torch import Tensor
 
 from .. import settings
-from ..core.preconditioner import LowRankKernelFactor, low_rank_kernel_factor
+from ..core.preconditioner import ClassFactor, LowRankKernelFactor, low_rank_kernel_factor
 from ..core.prior import LatentPrior
 from ..ep.sites import (
     block_cavities,
@@ -297,10 +297,14 @@ def evidence_kernel_factor(strategy: IterNCGPStrategy | EPStrategy, prior: Laten
     (:class:`WhitenedKernel`): as the strategy's own preconditioner's
     (:attr:`~gpytorch_iterncgp.core.solver.IterGPOptions.preconditioner_rank` columns, pivoted Cholesky or Nyström),
     built from a prior without gradients; ``None`` where the rank is 0 or the rows are sharded (the evidences hold all
-    rows)."""
+    rows). The strategy's own factor where it is current (:meth:`~gpytorch_iterncgp.IterNCGPStrategy.kernel_factor`;
+    a pivoted Cholesky factor: Nyström's sketch of the loops is projected as their actions)."""
     rank = strategy.options.preconditioner_rank
     if rank == 0 or prior.rows.is_sharded:
         return None
+    fitted = strategy.kernel_factor()
+    if isinstance(fitted, ClassFactor):
+        return fitted
     with torch.no_grad():
         return low_rank_kernel_factor(strategy.train_prior(), rank, cache_kernel=False)
 

@@ -42,9 +42,11 @@ from torch import Tensor
 
 from ..core.policies import Policy, UnitVectorPolicy, make_policy
 from ..core.precision import LowRankPrecision
+from ..core.preconditioner import KernelPreconditioning, LowRankKernelFactor
 from ..core.prior import LatentPrior
 from ..core.sharding import RowBlock, RowShardedKernel
 from ..core.solver import IterGPOptions, RegressionState
+from ..core.state import fingerprint_matches, parameter_fingerprint
 from ..ep.sweeps import EPOptions, EPState, ExpectationPropagation
 from ..laplace.newton import DampedNewton, LaplaceState, SolverOptions
 from .base import exact_regime
@@ -78,6 +80,8 @@ class _IterGPStrategy(PredictiveStrategy):
     ):
         made = make_policy(policy, seed)  # its position is committed with the state (the companion)
         super().__init__(model, train_inputs, train_targets, likelihood, companion=made, **kwargs)
+        # the last fit's preconditioning and the fingerprint of the hyperparameters it was built at
+        self._preconditioning: tuple[Tensor, KernelPreconditioning] | None = None
 
     @property
     def policy(self) -> Policy:
@@ -155,7 +159,29 @@ class _IterGPStrategy(PredictiveStrategy):
         self._prepare_loop()
         if isinstance(self.policy, UnitVectorPolicy) and options.max_solver_iterations is None:
             prior.cache_kernel()
-        return self._loop_type(prior, self.adapter, self.train_targets, options, self.policy)
+        loop = self._loop_type(prior, self.adapter, self.train_targets, options, self.policy)
+        fingerprint = parameter_fingerprint(self._fingerprint_tensors(), self.train_inputs)
+        if self._preconditioning is not None and fingerprint_matches(fingerprint, self._preconditioning[0]):
+            loop.preconditioning.adopt(self._preconditioning[1])
+        self._preconditioning = (fingerprint, loop.preconditioning)
+        return loop
+
+    def kernel_factor(self) -> LowRankKernelFactor | None:
+        r"""The low-rank factor of :math:`\mathbf K` that preconditioned the last fit's solves, where the
+        hyperparameters are still those it was built at and its rank the options' ``preconditioner_rank``
+        (``None`` otherwise, or where none was built): the same
+        kernel matrix, so that another fit (the final one after a loose one, a prediction's) and the matrix-free
+        evidences (:func:`~gpytorch_iterncgp.mlls.itergp.evidence_kernel_factor`) take it instead of building it
+        again (:math:`k` sequential kernel columns, :func:`~gpytorch_iterncgp.core.preconditioner.pivoted_cholesky_factor`).
+        """
+        if self._preconditioning is None:
+            return None
+        fingerprint, preconditioning = self._preconditioning
+        if preconditioning.rank != self.options.preconditioner_rank:
+            return None
+        if not fingerprint_matches(parameter_fingerprint(self._fingerprint_tensors(), self.train_inputs), fingerprint):
+            return None
+        return preconditioning.built_factor
 
     def _prepare_loop(self) -> None:
         """The policy prepared for this data (its size, the latents, the observed coordinates)."""

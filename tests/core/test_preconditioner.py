@@ -97,6 +97,62 @@ def test_the_factor_without_the_cached_kernel_is_the_same(layout):
     torch.testing.assert_close(evaluated.columns, cached.columns, rtol=0, atol=1e-12)
 
 
+def test_the_cached_columns_of_a_sum_of_kernels_are_its_columns():
+    """A sum of kernels evaluates to a structured matrix (``SumLinearOperator``): the columns read from its dense form
+    (made once) are those the kernel evaluates at the pivots alone, and so is the factor."""
+    x, y = binary_data(40, seed=3)
+    model = IterNCGPModel(x, y, gpytorch.likelihoods.BernoulliLikelihood())
+    model.covar_module = gpytorch.kernels.ScaleKernel(
+        gpytorch.kernels.LinearKernel() + gpytorch.kernels.MaternKernel(nu=2.5)
+    ).double()
+
+    def prior():
+        return LatentPrior.from_distribution(model.forward(x), 1)
+
+    with torch.no_grad():
+        cached = prior()
+        cached.cache_kernel()
+        points = torch.tensor([3, 17, 0])
+        torch.testing.assert_close(
+            cached.kernel_columns(points), model.covar_module(x, x[points]).to_dense(), rtol=1e-12, atol=1e-12
+        )
+        read = pivoted_cholesky_factor(prior(), 12)
+        evaluated = pivoted_cholesky_factor(prior(), 12, cache_kernel=False)
+    assert torch.equal(read.pivots, evaluated.pivots)
+    torch.testing.assert_close(read.columns, evaluated.columns, rtol=0, atol=1e-12)
+
+
+def test_a_fit_at_the_same_hyperparameters_takes_the_last_factor_and_so_does_the_evidence():
+    """The factor preconditioned a fit of the same kernel matrix: the next fit and the matrix-free evidence take it (the
+    same object, the same factor as one built afresh); after a change of a hyperparameter neither does."""
+    from gpytorch_iterncgp.mlls.itergp import evidence_kernel_factor
+
+    x, y = binary_data(60, seed=5)
+    model = IterNCGPModel(x, y, gpytorch.likelihoods.BernoulliLikelihood(), max_solver_iterations=3)
+    strategy = model.variational_strategy
+    assert strategy.kernel_factor() is None  # before any fit
+    strategy.fit()
+    factor = strategy.kernel_factor()
+    assert isinstance(factor, ClassFactor)
+    with torch.no_grad():
+        fresh = pivoted_cholesky_factor(
+            strategy.train_prior(), strategy.options.preconditioner_rank, cache_kernel=False
+        )
+    assert torch.equal(factor.pivots, fresh.pivots)
+    torch.testing.assert_close(factor.columns, fresh.columns, rtol=0, atol=1e-12)
+    strategy.fit(max_newton_steps=1)
+    assert strategy.kernel_factor() is factor
+    assert evidence_kernel_factor(strategy, strategy.train_prior()) is factor
+    with strategy.overriding(preconditioner_rank=5):  # another rank: not this factor
+        assert strategy.kernel_factor() is None
+    with torch.no_grad():
+        model.covar_module.outputscale = 3.0
+    assert strategy.kernel_factor() is None
+    assert evidence_kernel_factor(strategy, strategy.train_prior()) is not factor
+    strategy.fit()
+    assert strategy.kernel_factor() is not factor
+
+
 def _noise(kind: str, num_data: int, num_latents: int, dtype, generator):
     """A random noise of ``kind`` and its dense curvature ``W`` ``(n, n)`` (float64)."""
     if kind == "diagonal":
