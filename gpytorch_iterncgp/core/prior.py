@@ -360,16 +360,18 @@ class LatentPrior:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
-    def cache_kernel(self) -> None:
+    def cache_kernel(self) -> bool:
         """Evaluate the kernel matrix and cache it where its products would (a lazily evaluated kernel within
-        :class:`~gpytorch_iterncgp.settings.dense_kernel_limit`, not KeOps, not sharded, no gradient recorded), so that
-        :meth:`kernel_columns` reads columns instead of evaluating the kernel for each; otherwise nothing."""
+        :class:`~gpytorch_iterncgp.settings.dense_kernel_limit`, not KeOps, not sharded), so that
+        :meth:`kernel_columns` reads columns instead of evaluating the kernel for each (under autograd: with its graph,
+        as a product's evaluation would be); otherwise nothing. Returns whether it is cached."""
         covariance = self.covariance
-        if torch.is_grad_enabled() or not isinstance(covariance, LazyEvaluatedKernelTensor):
-            return
+        if not isinstance(covariance, LazyEvaluatedKernelTensor):
+            return False
         if _uses_keops(covariance.kernel) or _sharded(covariance) is not None or _chunk_rows(covariance):
-            return
+            return False
         covariance.evaluate_kernel()  # memoized by GPyTorch: the products read the same evaluation
+        return True
 
     def kernel_columns(self, indices: Tensor) -> Tensor:
         r"""The columns :math:`\mathbf K_{:, \text{indices}}` for data-major indices ``(k,)`` (latent ``c`` of point ``p`` is
@@ -418,8 +420,11 @@ class LatentPrior:
         cache = getattr(covariance, "_memoize_cache", {})
         if isinstance(covariance, LazyEvaluatedKernelTensor) and any(key[0] == "kernel_eval" for key in cache):
             # already evaluated by a product: its dense matrix (made once, and memoized by linear_operator for a
-            # structured one, e.g. a sum of kernels) indexed as a tensor
-            return covariance.evaluate_kernel().to_dense()[..., :, points]
+            # structured one, e.g. a sum of kernels) indexed as a tensor; made with autograd on, so that where the
+            # evaluation records gradients (the evidence's prior, read by a fit) the memoized matrix does too
+            with torch.enable_grad():
+                dense = covariance.evaluate_kernel().to_dense()
+            return dense[..., :, points]
         return covariance[..., :, points].to_dense()
 
 

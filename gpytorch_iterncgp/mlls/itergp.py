@@ -443,8 +443,9 @@ class _StrategyEvidence(MarginalLogLikelihood):
         return strategy, targets, state, prior, exact
 
     def _train_prior(self, strategy: Any) -> Any:
-        """The strategy's prior at the training inputs, with gradients."""
-        return strategy.train_prior()
+        """The strategy's prior at the training inputs, with gradients (the one ``model(train_x)`` evaluated, where
+        the hyperparameters are unchanged: :meth:`~gpytorch_iterncgp.IterNCGPStrategy.evidence_prior`)."""
+        return strategy.evidence_prior()
 
     def _fitted_mean(self, state: Any, prior: Any) -> Tensor:
         """The strategy's posterior mean at the training inputs, ``(N C,)`` (what ``model(train_x)`` returned)."""

@@ -82,6 +82,8 @@ class _IterGPStrategy(PredictiveStrategy):
         super().__init__(model, train_inputs, train_targets, likelihood, companion=made, **kwargs)
         # the last fit's preconditioning and the fingerprint of the hyperparameters it was built at
         self._preconditioning: tuple[Tensor, KernelPreconditioning] | None = None
+        # model(train_x)'s prior for the evidence (kernel matrix evaluated with its graph) and its fingerprint
+        self._evidence_prior: tuple[Tensor, LatentPrior] | None = None
 
     @property
     def policy(self) -> Policy:
@@ -126,8 +128,31 @@ class _IterGPStrategy(PredictiveStrategy):
 
     # -- fitting ---------------------------------------------------------------------------------
     def train_prior(self) -> LatentPrior:
-        """The model's prior at the training inputs (with gradients where autograd records them)."""
+        """The model's prior at the training inputs (with gradients where autograd records them): the evidence's of
+        the last ``model(train_x)`` in train mode where the hyperparameters are unchanged (:meth:`evidence_prior`), a
+        new one otherwise."""
+        held = self._evidence_prior
+        if held is not None and fingerprint_matches(self._fingerprint(), held[0]):
+            return held[1]
         return LatentPrior.from_distribution(self.model.forward(self.train_inputs), self.num_latents)
+
+    def _fingerprint(self) -> Tensor:
+        return parameter_fingerprint(self._fingerprint_tensors(), self.train_inputs)
+
+    def _hold_evidence_prior(self) -> None:
+        r"""``model(train_x)`` in train mode with autograd on: a new prior at the training inputs, its kernel matrix
+        evaluated once with its graph where products would cache it (:meth:`LatentPrior.cache_kernel`), held for the
+        fit that follows (which reads its values) and the evidence (which differentiates it, :meth:`evidence_prior`),
+        so that one evaluation of :math:`\mathbf K` serves both."""
+        prior = LatentPrior.from_distribution(self.model.forward(self.train_inputs), self.num_latents)
+        self._evidence_prior = (self._fingerprint(), prior) if prior.cache_kernel() else None
+
+    def evidence_prior(self) -> LatentPrior:
+        """The prior the evidence differentiates: :meth:`train_prior`, which is then no longer held (a second evidence
+        at the same hyperparameters evaluates its own: the graph of the first is freed by its backward pass)."""
+        prior = self.train_prior()
+        self._evidence_prior = None
+        return prior
 
     def _prior_for_fit(self) -> LatentPrior:
         """:meth:`train_prior`, checked, where a
@@ -160,7 +185,7 @@ class _IterGPStrategy(PredictiveStrategy):
         if isinstance(self.policy, UnitVectorPolicy) and options.max_solver_iterations is None:
             prior.cache_kernel()
         loop = self._loop_type(prior, self.adapter, self.train_targets, options, self.policy)
-        fingerprint = parameter_fingerprint(self._fingerprint_tensors(), self.train_inputs)
+        fingerprint = self._fingerprint()
         if self._preconditioning is not None and fingerprint_matches(fingerprint, self._preconditioning[0]):
             loop.preconditioning.adopt(self._preconditioning[1])
         self._preconditioning = (fingerprint, loop.preconditioning)
@@ -179,7 +204,7 @@ class _IterGPStrategy(PredictiveStrategy):
         fingerprint, preconditioning = self._preconditioning
         if preconditioning.rank != self.options.preconditioner_rank:
             return None
-        if not fingerprint_matches(parameter_fingerprint(self._fingerprint_tensors(), self.train_inputs), fingerprint):
+        if not fingerprint_matches(self._fingerprint(), fingerprint):
             return None
         return preconditioning.built_factor
 
@@ -236,11 +261,14 @@ class _IterGPStrategy(PredictiveStrategy):
         cross-covariance's columns of its training points, :math:`\mathbf K_{*, \mathcal I_p} [\mathbf a, \mathbf
         Q]_{\mathcal I_p}`, and one ``all_reduce`` sums them (:meth:`LatentPrior.matmul_by_columns`).
         """
+        at_training_inputs = inputs.shape == self.train_inputs.shape and bool(torch.equal(inputs, self.train_inputs))
+        if self.training and at_training_inputs and torch.is_grad_enabled():
+            self._hold_evidence_prior()
         state = self.ensure_fitted()
         num_train = self.num_data
         rows_block = self._rows_block()
-        if self.training and inputs.shape == self.train_inputs.shape and bool(torch.equal(inputs, self.train_inputs)):
-            prior = self.train_prior()
+        if self.training and at_training_inputs:
+            prior = LatentPrior.from_distribution(self.model.forward(self.train_inputs), self.num_latents)
             mean = prior.mean.reshape(-1) + rows_block.all_rows(state.kernel_representer_weights)
             return mean, rows_block.all_rows(state.kernel_precision_root), prior
         full = LatentPrior.from_distribution(

@@ -258,6 +258,53 @@ def test_exact_regime_gradient(case):
     assert_gradients_close(gradients, expected, 1e-4)
 
 
+def test_exact_regime_gradient_of_a_sum_of_kernels():
+    """A sum of kernels evaluates to a structured matrix, whose dense form the fit's preconditioner reads (memoized by
+    linear_operator) from the prior that ``model(x)`` evaluated for the evidence: the gradient is still the total
+    derivative."""
+    model, likelihood, x, y, name, num_classes = build("probit", **TIGHT)
+    model.covar_module = gpytorch.kernels.ScaleKernel(
+        gpytorch.kernels.LinearKernel() + gpytorch.kernels.MaternKernel(nu=2.5)
+    ).to(DTYPE)
+    model.covar_module.base_kernel.kernels[1].lengthscale = torch.tensor(0.4, dtype=DTYPE)
+    model.covar_module.outputscale = torch.tensor(2.0, dtype=DTYPE)
+    evidence = package_evidence(model, likelihood, x, y, backward=True)
+    assert relative_error(float(evidence), reference_evidence(model, likelihood, x, y, name, num_classes)) <= 1e-6
+    expected = finite_difference_gradients(model, likelihood, x, y, name, num_classes)
+    assert_gradients_close(autograd_gradients(model, likelihood), expected, 1e-4)
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_one_kernel_evaluation_serves_the_fit_and_the_evidence(exact):
+    """``mll(model(x), y)`` in train mode after a change of the hyperparameters evaluates the kernel matrix once: the
+    fit reads the matrix the evidence differentiates. Each evidence then differentiates its own: a second evidence
+    at the same hyperparameters (from the same ``model(x)`` or a new one) back-propagates as the first."""
+    model, likelihood, x, y, *_ = build("probit", max_solver_iterations=5)
+    mll = LaplaceMarginalLogLikelihood(likelihood, model, exact=exact)
+    model.train()
+    mll(model(x), y).backward()  # the first fit, from the prior
+    model.zero_grad()
+    base = model.covar_module.base_kernel
+    evaluations = []
+    original = base.forward
+    base.forward = lambda *args, **kwargs: evaluations.append(kwargs.get("diag", False)) or original(*args, **kwargs)
+    with torch.no_grad():
+        model.covar_module.outputscale = 2.5
+    output = model(x)
+    first = mll(output, y)
+    first.backward()
+    assert evaluations.count(False) == 1  # (and the prior variances, diag=True)
+    gradient = model.covar_module.raw_outputscale.grad.clone()
+    model.zero_grad()
+    second = mll(output, y)
+    second.backward()
+    torch.testing.assert_close(second, first)
+    torch.testing.assert_close(model.covar_module.raw_outputscale.grad, gradient)
+    model.zero_grad()
+    mll(model(x), y).backward()
+    torch.testing.assert_close(model.covar_module.raw_outputscale.grad, gradient)
+
+
 # ---------------------------------------------------------------------------------------------------
 # 4. The matrix-free regime at small N (linear_operator's Cholesky inside): the same value and gradient.
 # ---------------------------------------------------------------------------------------------------
