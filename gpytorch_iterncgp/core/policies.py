@@ -50,6 +50,16 @@ class Policy:
         residual :math:`\mathbf r` itself otherwise."""
         raise NotImplementedError
 
+    def next_actions(self, count: int, residual: Tensor) -> Tensor | None:
+        """The next ``count`` actions at once, as columns ``(N C, count)`` (those ``count`` calls would return, the
+        policy advanced past them), for a policy whose actions do not depend on the residual (:attr:`uses_residual`
+        false): the solver then takes them as one block (:func:`~gpytorch_iterncgp.core.solver.itergp_solve`).
+        ``None`` (the default): one action per call.
+
+        :param residual: the current residual ``(N C,)`` (its rows, dtype and device).
+        """
+        return None
+
     def state(self) -> dict:
         """What a saved model needs to continue the same sequence of actions."""
         return {}
@@ -146,6 +156,18 @@ class UnitVectorPolicy(Policy):
         if 0 <= int(coordinate) < len(residual):  # (held by rows: only the rank holding it)
             action[coordinate] = 1.0
         return action
+
+    def next_actions(self, count: int, residual: Tensor) -> Tensor | None:
+        if self._coordinates is None:
+            raise RuntimeError("UnitVectorPolicy.prepare must be called before use.")
+        steps = torch.arange(self.position, self.position + count)
+        coordinates = self._coordinates[steps % len(self._coordinates)] - self._first_row
+        self.position += count
+        held = (coordinates >= 0) & (coordinates < len(residual))  # (held by rows: only the rank holding it)
+        actions = residual.new_zeros(len(residual), count)
+        columns = torch.arange(count)[held]
+        actions[coordinates[held].to(residual.device), columns.to(residual.device)] = 1.0
+        return actions
 
     def state(self) -> dict:
         return {"position": self.position}

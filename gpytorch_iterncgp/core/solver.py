@@ -571,6 +571,35 @@ def memory_capped_rank(compression_rank: int | None, buffer: ActionBuffer, new_a
     return cap
 
 
+def _first_block(
+    actions: Tensor,
+    project: Callable[[Tensor], Tensor],
+    kernel_matmul: Callable[[Tensor], Tensor],
+    kernel_columns: Callable[[Tensor], Tensor] | None,
+    noise_inverse: LinearOperator,
+    rows_block: RowBlock,
+) -> tuple[ActionBuffer, Tensor]:
+    r"""The first actions of a solve as one block: the buffer of ``actions`` ``(n, k)`` (projected, normalised; this
+    rank's rows where held by rows) and their kernel products (the kernel's columns at their support, or one product),
+    and :math:`\mathbf E` ``(k, r)`` with :math:`\mathbf Q = \mathbf S \mathbf E`, :math:`\mathbf Q^\top \hat{\mathbf K}
+    \mathbf Q = \mathbf I` (:func:`~gpytorch_iterncgp.core.recycling.virtual_solver_run`: a Cholesky factor of
+    :math:`\mathbf S^\top \hat{\mathbf K} \mathbf S`, numerically dependent actions dropped). Taken one by one,
+    conjugated and appended, the same actions give the same precision :math:`\mathbf C = \mathbf S (\mathbf S^\top
+    \hat{\mathbf K} \mathbf S)^{-1} \mathbf S^\top` (paper, Alg. 2) and representer weights :math:`\mathbf C
+    \mathbf b`, to rounding."""
+    actions = project(actions)
+    norms = rows_block.summed(actions.square().sum(0)).sqrt()
+    actions = actions[:, norms > 0] / norms[norms > 0]
+    if kernel_columns is None:
+        kernel_actions = kernel_matmul(actions)
+    else:
+        whole = rows_block.all_rows(actions)
+        support = whole.abs().sum(-1).nonzero()[:, 0]
+        kernel_actions = kernel_columns(support) @ whole[support]
+    virtual = virtual_solver_run(ActionBuffer.from_tensors(actions, kernel_actions, rows_block), noise_inverse)
+    return virtual.buffer, virtual.root_coefficients
+
+
 def itergp_solve(
     kernel_matmul: Callable[[Tensor], Tensor],
     noise_inverse: LinearOperator,
@@ -595,6 +624,13 @@ def itergp_solve(
     and ``kernel_columns`` map to this rank's rows (``LatentPrior.matmul_by_rows``: the action's rows
     gathered once for its product); the policy sees this rank's rows of the residual. Inner products and norms are
     ``all_reduce`` sums of a number. Without a block (one process) this is the one-process computation, unchanged.
+
+    **A first block.** Where no tolerance is set (``abs_tol`` and ``rel_tol`` 0: the exact budget), ``buffer`` is empty,
+    :math:`\mathbf b \ne \mathbf 0`, there is no preconditioner and the policy gives its actions without the residual
+    (:meth:`Policy.next_actions`: unit vectors), no iteration decides anything the next could change: the next
+    :math:`\min(\text{limit}, n)` actions are taken at once (:func:`_first_block`: one call of the kernel's columns, one Cholesky factor of
+    :math:`\mathbf S^\top \hat{\mathbf K} \mathbf S`), each counted as an iteration; the precision and weights are
+    those of the same actions taken one by one, to rounding.
 
     :param kernel_matmul: :math:`\mathbf X \mapsto \mathbf K \mathbf X` for ``(n, k)`` inputs.
     :param noise_inverse: :math:`\mathbf W^{-1}`, ``(n, n)``.
@@ -640,6 +676,15 @@ def itergp_solve(
     def noisy(vector: Tensor) -> Tensor:
         return multiply_noise(vector[:, None])[:, 0]  # W^{-1} v
 
+    rhs_norm = float(rows_block.norm(project(rhs[:, None])))
+    tolerance = max(abs_tol, rel_tol * rhs_norm)
+    recycled_rank, block_size = root_coefficients.shape[-1], 0
+    if buffer.size == 0 and tolerance == 0 < rhs_norm and preconditioner is None:  # (b = 0: solved, no action)
+        block = policy.next_actions(min(limit, full_rank), rhs)
+        if block is not None:
+            first = _first_block(block, project, kernel_matmul, kernel_columns, noise_inverse, rows_block)
+            buffer, root_coefficients = first
+            block_size = block.shape[-1]
     coefficients = root_coefficients @ (root_coefficients.mT @ buffer.transpose_matmul(rhs))  # E E^T S^T b
     weights, kernel_weights = buffer.combine(coefficients)  # v = S c, K v = T c
     solver = _IterGPIterations(
@@ -653,8 +698,8 @@ def itergp_solve(
         root_coefficients,
         weights=weights,
         kernel_weights=kernel_weights,
-        recycled_rank=root_coefficients.shape[-1],
+        recycled_rank=recycled_rank,
+        iterations=block_size,
     )
-    tolerance = max(abs_tol, rel_tol * float(rows_block.norm(project(rhs[:, None]))))
     residual_norm = solver.run(tolerance, limit, full_rank)
     return solver.result(residual_norm, tolerance, full_rank)

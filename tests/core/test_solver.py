@@ -95,3 +95,50 @@ def test_policy_repeating_a_dependent_action_stops_with_a_warning():
     with pytest.warns(NumericalBreakdownWarning, match="lies numerically in the span of the previous ones"):
         result = itergp_solve(kernel.matmul, noise, rhs, buffer, Always())
     assert result.breakdown and result.precision.rank == 1 and result.iterations == 2
+
+
+@pytest.mark.parametrize("max_solver_iterations", [None, 4])
+def test_unit_vectors_to_the_tolerance_zero_are_one_block(max_solver_iterations):
+    """Unit vectors with no tolerance (the exact budget) take no decision by the residual: the solver takes the next
+    ``min(limit, n)`` of them as one block, one call of the kernel's columns, the policy advanced past them. The
+    precision and the representer weights are those of the actions taken one by one (a tolerance of 1e-300, never
+    met, keeps the one-by-one loop) and, at full rank, the dense solve's."""
+    from gpytorch_iterncgp.core.recycling import ActionBuffer
+    from gpytorch_iterncgp.core.sharding import RowBlock
+    from gpytorch_iterncgp.core.solver import itergp_solve
+
+    kernel, noise, rhs = _spd_problem(size=8)
+    results, calls = {}, {}
+    for name, tolerance in (("block", 0.0), ("one by one", 1e-300)):
+        policy = UnitVectorPolicy(seed=3)
+        policy.prepare(8, 1, False)
+        columns = []
+
+        def kernel_columns(indices, found=columns):
+            found.append(len(indices))
+            return kernel[:, indices]
+
+        buffer = ActionBuffer.empty(RowBlock.single(8), torch.float64, torch.device("cpu"))
+        results[name] = itergp_solve(
+            kernel.matmul,
+            noise,
+            rhs,
+            buffer,
+            policy,
+            max_solver_iterations=max_solver_iterations,
+            abs_tol=tolerance,
+            rel_tol=0.0,
+            kernel_columns=kernel_columns,
+        )
+        calls[name] = (columns, policy.position)
+    size = 8 if max_solver_iterations is None else max_solver_iterations
+    assert calls["block"] == ([size], size) and calls["one by one"] == ([1] * size, size)
+    block, sequential = results["block"], results["one by one"]
+    assert block.iterations == sequential.iterations == size and not block.breakdown
+    torch.testing.assert_close(block.representer_weights, sequential.representer_weights, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(block.precision.to_dense(), sequential.precision.to_dense(), rtol=1e-10, atol=1e-12)
+    if max_solver_iterations is None:
+        assert block.converged
+        noisy = kernel + 0.5 * torch.eye(8, dtype=torch.float64)
+        torch.testing.assert_close(block.representer_weights, torch.linalg.solve(noisy, rhs))
+        torch.testing.assert_close(block.precision.to_dense(), torch.linalg.inv(noisy))
