@@ -47,7 +47,7 @@ from torch.distributions import Bernoulli, Independent, Poisson
 from .. import settings
 from ..core.noise import BlockNoiseInverse, DiagonalNoiseInverse, SoftmaxPseudoInverse, project_to_zero_sum
 from ..core.validation import check_count, check_nonnegative
-from .multinomial_probit import MultinomialProbitLikelihood, multinomial_probit_moments
+from .multinomial_probit import PREDICTIVE_TOL, MultinomialProbitLikelihood, multinomial_probit_moments
 from .negative_binomial import NegativeBinomialLikelihood
 from .tilted import probit_moments, quadrature_moments
 
@@ -835,7 +835,8 @@ class MultinomialProbitAdapter(AutogradAdapter):
         r"""Class probabilities :math:`\int p(y_* = c \mid \mathbf f)\, \mathcal N(\mathbf f \mid \boldsymbol\mu,
         \boldsymbol\Sigma)\, d\mathbf f` ``(N*, C)``: for each class, the normaliser :math:`\hat Z` of nested EP with the
         predictive as its "cavity" (Riihimäki et al. 2013, sec. 5), normalised over the classes (the nested-EP
-        values sum to 1 up to its approximation error, exact for :math:`C = 2`).
+        values sum to 1 up to its approximation error, exact for :math:`C = 2`); the inner EP to
+        :data:`~.multinomial_probit.PREDICTIVE_TOL`.
 
         :param mean: latent means ``(N*, C)``.
         :param variance: each point's latent covariance ``(N*, C, C)``, or marginal variances ``(N*, C)`` taken as a
@@ -844,7 +845,7 @@ class MultinomialProbitAdapter(AutogradAdapter):
         covariance = variance if variance.dim() == mean.dim() + 1 else torch.diag_embed(variance)
         labels = torch.arange(self.num_latents, device=mean.device).repeat_interleave(len(mean))
         log_z = multinomial_probit_moments(
-            labels, mean.repeat(self.num_latents, 1), covariance.repeat(self.num_latents, 1, 1)
+            labels, mean.repeat(self.num_latents, 1), covariance.repeat(self.num_latents, 1, 1), tol=PREDICTIVE_TOL
         )[0]
         return torch.softmax(log_z.reshape(self.num_latents, -1).mT, dim=-1)
 

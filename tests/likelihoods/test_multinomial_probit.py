@@ -30,6 +30,7 @@ from scipy import integrate, special, stats
 from torch import Tensor
 
 from gpytorch_iterncgp.likelihoods.multinomial_probit import (
+    PREDICTIVE_TOL,
     InnerSites,
     MultinomialProbitLikelihood,
     _log_cdf,
@@ -330,6 +331,18 @@ def test_three_classes_match_brute_force_quadrature(regime):
 # ---------------------------------------------------------------------------------------------------
 # Identities, invariances, dtypes, warm starts, validation
 # ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("num_classes", "covariance_scale"), [(3, 1.0), (6, 4.0), (11, 15.0)])
+def test_the_predictive_tolerance_leaves_log_z_at_the_converged_value(num_classes, covariance_scale):
+    """``log Zhat`` is stationary in the inner sites at their fixed point: sites converged to PREDICTIVE_TOL give the
+    normaliser of sites converged to 1e-13 to second order, here to 1e-9 whatever the classes and widths (the sites
+    themselves differ by more: the tolerance does stop the sweeps earlier)."""
+    targets, mean, covariance = _cavities(200, num_classes, 2.0, covariance_scale, seed=num_classes)
+    loose = multinomial_probit_moments(targets, mean, covariance, tol=PREDICTIVE_TOL, return_sites=True)
+    tight = multinomial_probit_moments(targets, mean, covariance, tol=1e-13, max_iterations=200, return_sites=True)
+    torch.testing.assert_close(loose[0], tight[0], rtol=0, atol=1e-9)
+    assert float((loose[3].precision - tight[3].precision).abs().max()) > 1e-9
+
+
 def test_log_z_gradients_are_the_tilted_moments():
     r"""At the inner fixed point log Zhat is stationary in the sites, so its derivatives in the cavity are those of a
     Gaussian normaliser: d/dm = S^-1 (mu - m), d/dS = S^-1 (Sigma + delta delta^T - S) S^-1 / 2. By autograd through
