@@ -39,6 +39,13 @@ class ColumnStore:
         store._storage = torch.empty(max(8, capacity), num_rows, dtype=dtype, device=device)
         return store
 
+    def frozen(self) -> ColumnStore:
+        """A store of the filled columns that appends to this one leave as they are, without a copy: it views exactly
+        the filled rows, so that its own appends reallocate (its storage has no room) instead of writing into ours."""
+        store = type(self).__new__(type(self))
+        store.size, store._storage = self.size, self._storage[: self.size]
+        return store
+
     @property
     def value(self) -> Tensor:
         """The filled columns, shape ``(n, size)`` (a transposed view of the row storage)."""

@@ -37,6 +37,7 @@ approximate precision :math:`\mathbf C = \mathbf Q \mathbf Q^\top` that of the f
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Generator
 from dataclasses import dataclass, field
@@ -52,7 +53,7 @@ from ..core.policies import Policy
 from ..core.preconditioner import KernelPreconditioning
 from ..core.prior import LatentPrior
 from ..core.recycling import ActionBuffer, virtual_solver_run
-from ..core.solver import IterGPOptions, IterGPResult, RegressionState, itergp_solve
+from ..core.solver import IterGPOptions, IterGPResult, RegressionState, deferred, itergp_solve
 from ..core.validation import check_count, check_nonnegative
 from ..likelihoods.adapters import LikelihoodAdapter
 from .line_search import LogPosterior, Point
@@ -387,7 +388,10 @@ class DampedNewton:
 
         The buffer itself is kept as the loop left it (not the re-weighted one of this run, and without the covariance
         phase's actions, which only enlarge :math:`\mathbf Q`), so that a later fit continues exactly as if this one had
-        not stopped here, and repeated fits do not grow the state.
+        not stopped here, and repeated fits do not grow the state. Without a covariance phase (``covariance_iterations``
+        0, as while learning) the run and :math:`\mathbf Q`, :math:`\mathbf K \mathbf Q` are left to their first reader
+        (:class:`~gpytorch_iterncgp.core.solver.DeferredTensor`), on the buffer's actions as they are now
+        (:meth:`~gpytorch_iterncgp.core.recycling.ActionBuffer.frozen`).
         """
         state = state.with_own_rows(self.rows_block)
         final = self.objective.derivatives(state.kernel_representer_weights)
@@ -397,6 +401,13 @@ class DampedNewton:
         buffer = self.buffer  # no copy where the state holds the loop's own buffer (the run appends nothing to it)
         if buffer is None or not buffer.holds(state.actions, state.kernel_actions):
             buffer = ActionBuffer.from_tensors(state.actions, state.kernel_actions, self.rows_block)
+        if not self.options.covariance_iterations:  # Q and K Q as the run gives them: formed when first read
+            run = functools.cache(functools.partial(virtual_solver_run, buffer.frozen(), final.noise_inverse))
+            return dataclasses.replace(
+                state,
+                precision_root=deferred(lambda: run().local_precision_root),
+                kernel_precision_root=deferred(lambda: run().local_kernel_precision_root),
+            )
         virtual = virtual_solver_run(buffer, final.noise_inverse)
         phase = covariance_phase(
             self.prior.matmul,

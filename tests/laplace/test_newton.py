@@ -151,3 +151,38 @@ def test_evidence_gradient_is_the_central_difference_of_scipys_evidence(name):
         expected = (values[0] - values[1]) / (2 * step)
         assert abs(expected) > 0.1, (parameter, expected)  # a gradient to compare (not at a stationary point)
         assert abs(gradient - expected) <= 1e-4 * abs(expected), (parameter, gradient, expected)
+
+
+def test_without_a_covariance_phase_the_final_roots_are_formed_when_read():
+    """With ``covariance_iterations=0`` the final virtual run's :math:`\\mathbf Q` and :math:`\\mathbf K \\mathbf Q` are
+    formed when first read (learning never reads them): the same as read at once, even after a later fit appended to
+    the buffer the state's actions live in, and :math:`\\mathbf Q^\\top (\\mathbf K + \\mathbf W^{-1}) \\mathbf Q =
+    \\mathbf I` at the final mode."""
+    import gpytorch
+
+    from tests.common import IterNCGPModel, binary_data
+
+    x, y = binary_data(50, seed=9)
+    roots = []
+    for later_fit in (False, True):
+        model = IterNCGPModel(x, y, gpytorch.likelihoods.BernoulliLikelihood(), max_solver_iterations=3)
+        strategy = model.variational_strategy
+        strategy.fit(covariance_iterations=0)
+        state = strategy.state
+        assert not torch.is_tensor(state.__dict__["_deferred_precision_root"])  # not formed yet
+        if later_fit:
+            with torch.no_grad():
+                model.covar_module.outputscale = 3.0
+            strategy.fit(covariance_iterations=0)
+            assert strategy.state.actions.shape[-1] > state.actions.shape[-1]  # it appended actions
+        roots.append((state.precision_root, state.kernel_precision_root))
+    assert all(torch.equal(first, second) for first, second in zip(*roots, strict=True))
+    with torch.no_grad():
+        model.covar_module.outputscale = 2.0  # (the first state's hyperparameters)
+        kernel = model.covar_module(x).to_dense()
+        mode = state.kernel_representer_weights
+        _, _, curvature = strategy.adapter.local_terms(mode[:, None], y)
+    root, kernel_root = roots[0]
+    torch.testing.assert_close(kernel_root, kernel @ root)
+    noisy = root.mT @ kernel_root + root.mT @ (root / curvature.reshape(-1, 1))
+    torch.testing.assert_close(noisy, torch.eye(root.shape[-1], dtype=noisy.dtype), atol=1e-8, rtol=0)
