@@ -33,7 +33,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-import scipy.linalg
 import torch
 from linear_operator.operators import LinearOperator
 from torch import Tensor
@@ -413,21 +412,8 @@ def _cholesky_root(gram: Tensor, tolerance: float) -> Tensor | None:
         return None
     if bool((factor.diagonal().square() <= 1000 * tolerance * gram.diagonal().max()).any()):
         return None
-    return _triangular_inverse(factor).mT
-
-
-def _triangular_inverse(lower: Tensor) -> Tensor:
-    r""":math:`\mathbf L^{-1}` of a lower-triangular ``(B, B)`` matrix: LAPACK's ``trtri`` (SciPy's wrapper) on the CPU,
-    :math:`B^3/3` multiply-adds, a third of a triangular solve with the identity's (what other devices run)."""
-    identity = torch.eye(lower.shape[-1], dtype=lower.dtype, device=lower.device)
-    if lower.device.type != "cpu" or lower.dtype not in (torch.float64, torch.float32):
-        return torch.linalg.solve_triangular(lower, identity, upper=False)
-    (trtri,) = scipy.linalg.lapack.get_lapack_funcs(("trtri",), (lower.numpy(),))
-    # L's rows in memory are the columns of L^T to LAPACK: it inverts that upper-triangular matrix, read back alike
-    inverse, info = trtri(lower.mT.numpy(), lower=0)
-    if info != 0:  # (a zero pivot: not after a successful Cholesky factorisation)
-        return torch.linalg.solve_triangular(lower, identity, upper=False)
-    return torch.from_numpy(inverse).mT
+    identity = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
+    return torch.linalg.solve_triangular(factor.mT, identity, upper=True)
 
 
 def _combination(rows: Tensor, extra: Tensor | None, coefficients: Tensor, capacity: int) -> ColumnStore:
