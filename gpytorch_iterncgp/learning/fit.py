@@ -46,6 +46,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..core.memory import peak_memory_bytes, start_peak_memory
+from ..core.threads import small_operations
 from ..core.validation import check_flag, check_nonnegative
 from ..exceptions import ConvergenceWarning, WorseThanConstantWarning
 from ..mlls.itergp import BoTorchFitHook, EPMarginalLogLikelihood, LaplaceMarginalLogLikelihood
@@ -723,7 +724,8 @@ def _learn(
     learner.train()
     try:
         # the fits at each evaluation follow the hyperparameters; only the final fit's convergence is reported
-        with _loose_fits(strategy, recipe, exact):
+        # exact regime (N C <= 1000): every operation is small, and the products with K take the caller's threads
+        with _loose_fits(strategy, recipe, exact), small_operations() if exact else contextlib.nullcontext():
             if strategy.state is None:  # the first evaluation's fit starts loose from the prior, as the later ones
                 strategy.loose_fit()
             report.stopped = _optimise(scale.variables, evaluate, backward, exact, recipe)
