@@ -134,6 +134,10 @@ class _IterGPStrategy(PredictiveStrategy):
         held = self._evidence_prior
         if held is not None and fingerprint_matches(self._fingerprint(), held[0]):
             return held[1]
+        return self._new_train_prior()
+
+    def _new_train_prior(self) -> LatentPrior:
+        """A new prior at the training inputs (its kernel matrix not evaluated yet)."""
         return LatentPrior.from_distribution(self.model.forward(self.train_inputs), self.num_latents)
 
     def _fingerprint(self) -> Tensor:
@@ -144,7 +148,7 @@ class _IterGPStrategy(PredictiveStrategy):
         evaluated once with its graph where products would cache it (:meth:`LatentPrior.cache_kernel`), held for the
         fit that follows (which reads its values) and the evidence (which differentiates it, :meth:`evidence_prior`),
         so that one evaluation of :math:`\mathbf K` serves both."""
-        prior = LatentPrior.from_distribution(self.model.forward(self.train_inputs), self.num_latents)
+        prior = self._new_train_prior()
         self._evidence_prior = (self._fingerprint(), prior) if prior.cache_kernel() else None
 
     def evidence_prior(self) -> LatentPrior:
@@ -268,7 +272,7 @@ class _IterGPStrategy(PredictiveStrategy):
         num_train = self.num_data
         rows_block = self._rows_block()
         if self.training and at_training_inputs:
-            prior = LatentPrior.from_distribution(self.model.forward(self.train_inputs), self.num_latents)
+            prior = self._new_train_prior()
             mean = prior.mean.reshape(-1) + rows_block.all_rows(state.kernel_representer_weights)
             return mean, rows_block.all_rows(state.kernel_precision_root), prior
         full = LatentPrior.from_distribution(
