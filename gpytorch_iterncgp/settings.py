@@ -22,6 +22,7 @@ __all__ = [
     "fused_kernel_products",
     "kernel_chunk_bytes",
     "recycled_buffer_limit",
+    "retain_allocations",
     "softmax_samples",
 ]
 
@@ -92,6 +93,15 @@ class fused_kernel_backend(_value_context):
     cannot compile) or ``"eager"`` (the same blocked loop, uncompiled)."""
 
     _global_value = "auto"
+
+
+class retain_allocations(_feature_flag):
+    r"""Keep the C library's freed large blocks in the process during the package's fits, ``fit_mll`` and predictions
+    (on): glibc otherwise returns each block above 32 MiB to the system when it is freed and faults its pages in anew
+    on the next allocation, which at a few thousand points costs a third or more of a fit's time
+    (:func:`~gpytorch_iterncgp.core.memory.retained_allocations`). Off: glibc's own behaviour throughout."""
+
+    _default = True
 
 
 class softmax_samples(_value_context):

@@ -45,7 +45,7 @@ from gpytorch.mlls import MarginalLogLikelihood
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from ..core.memory import peak_memory_bytes, start_peak_memory
+from ..core.memory import peak_memory_bytes, retained_allocations, start_peak_memory
 from ..core.threads import small_operations
 from ..core.validation import check_flag, check_nonnegative
 from ..exceptions import ConvergenceWarning, WorseThanConstantWarning
@@ -107,7 +107,8 @@ def fit_mll(mll: MarginalLogLikelihood, **options: Any) -> LearningReport:
                 f"fit_mll: {name}= does not apply to a {type(mll).__name__}: {reason}. Its options are: "
                 f"{', '.join(sorted(accepted))} ({function.__name__})."
             )
-    return function(mll, **options)
+    with retained_allocations():
+        return function(mll, **options)
 
 
 #: why an option of the other mode does not apply, and what to use instead

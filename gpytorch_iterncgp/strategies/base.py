@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from .. import settings
+from ..core.memory import retained_allocations
 from ..core.outer_loop import FitReport, OuterLoop, ProductCounter, run_outer_loop
 from ..core.state import CommittedState, Companion, data_fingerprint, parameter_fingerprint
 from ..core.validation import check_flag, check_inputs
@@ -329,7 +330,7 @@ class OuterLoopStrategy(gpytorch.Module, metaclass=abc.ABCMeta):
         """
         options = replaced_options(self.options, overrides, f"{type(self).__name__}.fit")
         show = _show_progress(callback, show_progress, self.show_progress)
-        with torch.no_grad():
+        with torch.no_grad(), retained_allocations():
             self._check_model_device()
             prior = self._prior_for_fit()
             if prior.dtype != self.train_inputs.dtype:

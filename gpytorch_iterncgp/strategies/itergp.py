@@ -40,6 +40,7 @@ from gpytorch.distributions import MultitaskMultivariateNormal, MultivariateNorm
 from linear_operator.operators import LinearOperator, MatmulLinearOperator
 from torch import Tensor
 
+from ..core.memory import retained_allocations
 from ..core.policies import Policy, UnitVectorPolicy, make_policy
 from ..core.precision import LowRankPrecision
 from ..core.preconditioner import KernelPreconditioning, LowRankKernelFactor
@@ -258,6 +259,7 @@ class _IterGPStrategy(PredictiveStrategy):
         (:math:`\mathbf Q` gathered where the state holds it by rows: a collective)."""
         return LowRankPrecision(self._rows_block().all_rows(self.ensure_fitted().precision_root))
 
+    @retained_allocations()
     def _posterior_parts(self, inputs: Tensor) -> tuple[Tensor, Tensor, LatentPrior]:
         r"""Posterior mean ``(N* C,)``, :math:`\mathbf K_{*X} \mathbf Q` ``(N* C, r)`` and the prior at ``inputs``.
 
