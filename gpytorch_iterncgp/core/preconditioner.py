@@ -148,6 +148,29 @@ def _global_pivots(residual: Tensor, rows_block: RowBlock) -> tuple[Tensor, Tens
     return value, rows_block.reduce(candidate, op=dist.ReduceOp.MIN)
 
 
+def _pivot_columns(prior: LatentPrior, classes: int, num_points: int) -> Callable[[Tensor], Tensor]:
+    r"""A function from the pivots ``(c,)`` (one point per class) to each class's kernel column at its pivot, this
+    rank's rows ``(c, |I_p|)``: indexed in the kernel matrix where it is evaluated (:meth:`LatentPrior.evaluated_kernel`,
+    counted as the prior's columns), else :meth:`LatentPrior.kernel_columns_by_rows`."""
+    num = prior.num_latents
+    latents = torch.arange(classes, device=prior.device)
+    dense = None if prior.rows.is_sharded else prior.evaluated_kernel()
+    if dense is None:
+
+        def evaluated(pivot: Tensor) -> Tensor:
+            columns = prior.kernel_columns_by_rows(pivot * num + latents)  # (|I_p| C, c)
+            return columns.reshape(num_points, num, classes)[:, latents, latents].mT
+
+        return evaluated
+    matrix = dense.detach().reshape(classes, num_points, -1)  # (c, N, N): one kernel, or one per class
+
+    def indexed(pivot: Tensor) -> Tensor:
+        prior.products, prior.columns = prior.products + 1, prior.columns + classes
+        return matrix[latents, :, pivot]
+
+    return indexed
+
+
 def pivoted_cholesky_factor(prior: LatentPrior, rank: int, cache_kernel: bool = True) -> ClassFactor:
     r"""A partial pivoted Cholesky factor of rank :math:`k = \lceil r / C \rceil` of each class's kernel (one for a
     kernel shared by the classes; :math:`\mathbf L` then has :math:`C k \approx r` columns), from :math:`k` kernel
@@ -182,6 +205,7 @@ def pivoted_cholesky_factor(prior: LatentPrior, rank: int, cache_kernel: bool = 
     floor = PIVOT_TOLERANCE * rows_block.maximum(diagonal.max(dim=-1).values)
     first_point = rows_block.start // num
     latents = torch.arange(classes, device=diagonal.device)
+    read = _pivot_columns(prior, classes, num_points)
     for step in range(rank):
         value, pivot = _global_pivots(diagonal, rows_block)
         active = value > floor
@@ -189,8 +213,7 @@ def pivoted_cholesky_factor(prior: LatentPrior, rank: int, cache_kernel: bool = 
             factor, pivots = factor[:, :step], pivots[:, :step]
             break
         pivots[:, step] = torch.where(active, pivot, -1)
-        columns = prior.kernel_columns_by_rows(pivot * num + latents)  # (|I_p| C, c): class c's column at its pivot
-        column = columns.reshape(num_points, num, classes)[:, latents, latents].mT.double()  # (c, |I_p|)
+        column = read(pivot).double()  # (c, |I_p|): class c's kernel column at its pivot
         local = pivot - first_point
         held = (local >= 0) & (local < num_points)
         at_pivot = factor[latents, :step, local.clamp(0, max(num_points - 1, 0))] * held[:, None]  # (c, step): L_p

@@ -194,6 +194,7 @@ class LatentPrior:
         self.products = 0  # calls of the kernel's matmul
         self.columns = 0  # columns multiplied in those calls
         self.product_seconds = 0.0  # wall time spent in those calls
+        self._evaluated_kernel: Tensor | None = None  # the kernel matrix as a tensor, once read (evaluated_kernel)
 
     @classmethod
     def from_distribution(cls, distribution: MultivariateNormal, num_latents: int) -> LatentPrior:
@@ -417,15 +418,28 @@ class LatentPrior:
         if own_rows:
             rows = self.rows
             covariance = covariance[..., rows.start // self.num_latents : rows.stop // self.num_latents, :]
-        cache = getattr(covariance, "_memoize_cache", {})
-        if isinstance(covariance, LazyEvaluatedKernelTensor) and any(key[0] == "kernel_eval" for key in cache):
-            # already evaluated by a product: its dense matrix (made once, and memoized by linear_operator for a
-            # structured one, e.g. a sum of kernels) indexed as a tensor; made with autograd on, so that where the
-            # evaluation records gradients (the evidence's prior, read by a fit) the memoized matrix does too
-            with torch.enable_grad():
-                dense = covariance.evaluate_kernel().to_dense()
-            return dense[..., :, points]
+        else:
+            dense = self.evaluated_kernel()
+            if dense is not None:
+                return dense[..., :, points]
         return covariance[..., :, points].to_dense()
+
+    def evaluated_kernel(self) -> Tensor | None:
+        """The kernel matrix ``(*batch, N, M)`` as a tensor where a product (or :meth:`cache_kernel`) has evaluated and
+        cached it; ``None`` otherwise (not yet evaluated, KeOps, chunked or sharded: the kernel is then evaluated where
+        it is read).
+
+        The dense matrix is made once (memoized by linear_operator for a structured one, e.g. a sum of kernels) and
+        kept by the prior; made with autograd on, so that where the evaluation records gradients (the evidence's prior,
+        read by a fit) it does too.
+        """
+        covariance = self.covariance
+        if self._evaluated_kernel is None and _sharded(covariance) is None:
+            cache = getattr(covariance, "_memoize_cache", {})
+            if isinstance(covariance, LazyEvaluatedKernelTensor) and any(key[0] == "kernel_eval" for key in cache):
+                with torch.enable_grad():
+                    self._evaluated_kernel = covariance.evaluate_kernel().to_dense()
+        return self._evaluated_kernel
 
 
 class OneLatentPrior(LatentPrior):
