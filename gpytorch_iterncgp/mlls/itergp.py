@@ -96,30 +96,97 @@ def _block_times_dense(blocks: Tensor, matrix: Tensor) -> Tensor:
     return (blocks @ matrix.reshape(num_data, num_latents, -1)).reshape(matrix.shape)
 
 
-def _newton_weights(adapter, targets, latent, kernel_matrix, prior_mean) -> Tensor:
-    r"""One undamped Newton step: :math:`(\mathbf I + \mathbf W \mathbf K)^{-1} (\mathbf W (\mathbf f - \mathbf m) + \mathbf g)`."""
-    _, gradient, curvature = adapter.local_terms(latent.reshape(-1, adapter.num_latents), targets)
-    rhs = _block_times_dense(curvature, (latent - prior_mean)[:, None])[:, 0] + gradient.reshape(-1)
-    system = torch.eye(len(rhs), dtype=rhs.dtype, device=rhs.device) + _block_times_dense(curvature, kernel_matrix)
-    return torch.linalg.solve(system, rhs)
+class _WhitenedFactor:
+    r"""The Cholesky factor :math:`\mathbf L` of :math:`\mathbf B = \mathbf I + \mathbf R^\top \mathbf K \mathbf R` for
+    a dense :math:`\mathbf K` ``(n, n)`` and curvature roots :math:`\mathbf R` ``(N, C, C)``, :math:`n = N C`, with
+    :math:`\mathbf R \mathbf R^\top = \mathbf W` (:func:`curvature_root`); all detached (constants of the gradient)."""
+
+    def __init__(self, kernel_matrix: Tensor, roots: Tensor):
+        self.kernel_matrix, self.roots = kernel_matrix, roots
+        if roots.shape[-1] == 1:  # R diagonal
+            root = roots.reshape(-1)
+            whitened = root[:, None] * kernel_matrix * root
+        else:
+            whitened = _block_times_dense(roots.mT, _block_times_dense(roots.mT, kernel_matrix).mT)  # R^T K R
+        whitened.diagonal().add_(1)  # B; its lower triangle is read
+        self.cholesky = torch.linalg.cholesky(whitened)
+
+    def solve_newton(self, rhs: Tensor) -> Tensor:
+        r""":math:`(\mathbf I + \mathbf W \mathbf K)^{-1} \mathbf v = \mathbf v - \mathbf R \mathbf B^{-1} \mathbf R^\top
+        \mathbf K \mathbf v` for ``rhs`` :math:`\mathbf v` ``(n,)`` (linear in it, differentiable in it alone)."""
+        rooted = _block_times_dense(self.roots.mT, (self.kernel_matrix @ rhs)[:, None])
+        return rhs - _block_times_dense(self.roots, torch.cholesky_solve(rooted, self.cholesky))[:, 0]
+
+    def log_det(self) -> Tensor:
+        r""":math:`\log\lvert\mathbf B\rvert = \log\lvert\mathbf I + \mathbf W \mathbf K\rvert`."""
+        return 2 * self.cholesky.diagonal().log().sum()
+
+    def log_det_adjoints(self) -> tuple[Tensor, Tensor]:
+        r"""The derivatives of :math:`\log\lvert\mathbf I + \mathbf W \mathbf K\rvert` (R&W eq. 3.32's term, sec. 5.5.1):
+        :math:`\mathbf Q = (\mathbf W^{-1} + \mathbf K)^{-1} = \mathbf R \mathbf B^{-1} \mathbf R^\top` ``(n, n)``, its
+        gradient with respect to :math:`\mathbf K`, and the diagonal blocks ``(N, C, C)`` of
+        :math:`\boldsymbol\Sigma = (\mathbf K^{-1} + \mathbf W)^{-1} = \mathbf K - \mathbf K \mathbf Q \mathbf K`, its
+        gradient with respect to the blocks :math:`\mathbf W_n`."""
+        num_data, num_latents = self.roots.shape[:2]
+        inverse = torch.cholesky_inverse(self.cholesky)
+        if num_latents == 1:  # R diagonal
+            root = self.roots.reshape(-1)
+            adjoint = root[:, None] * inverse * root
+            rooted_kernel = root[:, None] * self.kernel_matrix
+        else:
+            adjoint = _block_times_dense(self.roots, _block_times_dense(self.roots, inverse).mT)  # R B^-1 R^T
+            rooted_kernel = _block_times_dense(self.roots.mT, self.kernel_matrix)
+        half = torch.linalg.solve_triangular(self.cholesky, rooted_kernel, upper=False)  # L^-1 R^T K
+        half = half.reshape(-1, num_data, num_latents)
+        explained = torch.einsum("knc,knd->ncd", half, half)
+        blocks = self.kernel_matrix.reshape(num_data, num_latents, num_data, num_latents)
+        prior_blocks = blocks.diagonal(dim1=0, dim2=2).permute(2, 0, 1)
+        return adjoint, prior_blocks - explained
 
 
 def exact_laplace_evidence(
     kernel_matrix: Tensor, prior_mean: Tensor, adapter: LikelihoodAdapter, targets: Tensor, weights: Tensor
 ) -> Tensor:
-    r"""The Laplace evidence at the mode ``weights``, differentiable in :math:`\mathbf K`, :math:`\mathbf m` and the likelihood.
+    r"""The Laplace evidence (R&W eq. 3.32) at the mode ``weights`` :math:`\mathbf a` (:math:`\hat{\mathbf f} =
+    \mathbf m + \mathbf K \mathbf a`), differentiable in :math:`\mathbf K` ``(n, n)``, :math:`\mathbf m` ``(n,)`` and
+    the likelihood; :math:`n = N C`, data-major.
 
-    Takes one differentiable Newton step from the (detached) mode, so that the gradient includes the
-    implicit dependence of the mode on the hyperparameters.
+    One Newton step from the (detached) mode, :math:`\mathbf a' = (\mathbf I + \mathbf W \mathbf K)^{-1}
+    (\mathbf W (\hat{\mathbf f} - \mathbf m) + \nabla \log p(\mathbf y \mid \hat{\mathbf f}))`, carries the
+    implicit dependence of the mode on the hyperparameters (R&W eqs. 5.23-5.24) into the gradient; the value is
+    :math:`\log p(\mathbf y \mid \mathbf f) - \tfrac12 \mathbf a'^\top (\mathbf f - \mathbf m) - \tfrac12
+    \log\lvert\mathbf I + \mathbf W \mathbf K\rvert` at :math:`\mathbf f = \mathbf m + \mathbf K \mathbf a'`.
+
+    Both matrices are factorised once, by Cholesky in the symmetric form :math:`\mathbf B = \mathbf I + \mathbf
+    R^\top \mathbf K \mathbf R` (:math:`\mathbf R \mathbf R^\top = \mathbf W`, R&W Alg. 3.1), detached: the gradient
+    of the Newton step is :math:`(\mathbf I + \mathbf W \mathbf K)^{-1}` applied to the derivative of its right-hand
+    side, and that of :math:`\log\lvert\mathbf B\rvert` the trace terms :math:`\operatorname{tr}(\mathbf Q\,
+    \mathrm d\mathbf K) + \sum_n \operatorname{tr}(\boldsymbol\Sigma_{nn} \mathrm d\mathbf W_n)`
+    (:meth:`_WhitenedFactor.log_det_adjoints`): no backward pass through a factorisation.
     """
-    mode = (prior_mean + kernel_matrix @ weights.detach()).detach()
-    weights = _newton_weights(adapter, targets, mode, kernel_matrix, prior_mean)
+    num_latents = adapter.num_latents
+    fixed_kernel = kernel_matrix.detach()
+    fixed_weights = weights.detach()
+    mode = (prior_mean + fixed_kernel @ fixed_weights).detach()
+    _, gradient, curvature = adapter.local_terms(mode.reshape(-1, num_latents), targets)
+    rhs = _block_times_dense(curvature, (mode - prior_mean)[:, None])[:, 0] + gradient.reshape(-1)
+    roots = curvature_root(curvature.detach(), _probabilities_if_softmax(adapter, mode.reshape(-1, num_latents)))
+    newton = _WhitenedFactor(fixed_kernel, roots)
+    step = newton.solve_newton(rhs.detach())
+    # first order in the hyperparameters: d a' = (I + W K)^-1 (d rhs - d(W K) a'), with the values of a' itself
+    product = kernel_matrix @ step
+    moved = _block_times_dense(curvature, product[:, None])[:, 0]
+    weights = step + newton.solve_newton(rhs - rhs.detach() - (moved - moved.detach()))
     latent = prior_mean + kernel_matrix @ weights
-    log_likelihood, _, curvature = adapter.local_terms(latent.reshape(-1, adapter.num_latents), targets)
-    system = torch.eye(len(latent), dtype=latent.dtype, device=latent.device) + _block_times_dense(
-        curvature, kernel_matrix
+    log_likelihood, _, curvature = adapter.local_terms(latent.reshape(-1, num_latents), targets)
+    probabilities = _probabilities_if_softmax(adapter, latent.detach().reshape(-1, num_latents))
+    factor = _WhitenedFactor(fixed_kernel, curvature_root(curvature.detach(), probabilities))
+    adjoint, marginal_blocks = factor.log_det_adjoints()
+    log_det = (
+        factor.log_det()
+        + (adjoint * (kernel_matrix - fixed_kernel)).sum()
+        + (marginal_blocks * (curvature - curvature.detach())).sum()
     )
-    _, log_det = torch.linalg.slogdet(system)  # |I + W K| = |I + W^½ K W^½|
     return log_likelihood - 0.5 * (weights @ (latent - prior_mean)) - 0.5 * log_det
 
 
