@@ -40,16 +40,20 @@ def choose_outputscale(
     deadline: float | None,
     tick: Callable[[], None],
 ) -> None:
-    r"""Set ``kernel``'s outputscale :math:`s^2` to Laplace's times the factor of ``recipe.outputscale_factors`` with the
-    smallest log-loss at the held-out rows ``validation_x`` ``(V, D)``, ``validation_y`` ``(V,)``; the lengthscales stay.
+    r"""Set ``kernel``'s outputscale :math:`s^2` to Laplace's times the factor with the smallest log-loss at the held-out
+    rows ``validation_x`` ``(V, D)``, ``validation_y`` ``(V,)``, found by a walk on the ladder of
+    ``recipe.outputscale_factors`` (sorted; past its edges, the edge factor doubled or halved, at most
+    ``recipe.outputscale_extensions`` times in all); the lengthscales stay.
 
+    The walk starts at the grid's first factor (1: Laplace's), tries the next smaller one and goes on downwards while
+    the log-loss falls; where the first smaller one is no better it tries the larger ones the same way. On a log-loss
+    unimodal in :math:`\log s^2` (as measured on the tabular panel and the small sets; ``docs/design_notes.md``) it
+    finds the grid's minimum in two fits more than its distance from the start instead of a fit at every factor.
     Each candidate gets a cold fit of ``recipe.outputscale_fit_steps`` EP sweeps or Newton steps (``build()``: a new
     model of the final approximation on the learning rows sharing ``kernel``) and its predictive probabilities at the
-    held-out rows. Where the lowest log-loss is at the largest (smallest) factor tried, the factor twice (half) that is
-    tried next, at most ``recipe.outputscale_extensions`` times: the grid follows the optimum past its edge
-    (``benchmarks/README.md`` §32). No candidate starts after
-    ``deadline`` (``time.perf_counter()`` seconds); where every fit fails the factor is 1 (Laplace's). Fills
-    ``report``'s outputscale fields; ``tick()`` after each candidate (the progress bar).
+    held-out rows; a failed fit counts as no better. No candidate starts after ``deadline``
+    (``time.perf_counter()`` seconds); where every fit fails the factor is 1 (Laplace's). Fills ``report``'s
+    outputscale fields; ``tick()`` after each candidate (the progress bar).
     """
     learnt = kernel.outputscale.detach().clone()
     start = time.perf_counter()
@@ -76,20 +80,38 @@ def choose_outputscale(
     def out_of_time() -> bool:
         return deadline is not None and time.perf_counter() >= deadline
 
-    for factor in recipe.outputscale_factors:
+    best = recipe.outputscale_factors[0]
+    grid = sorted(set(recipe.outputscale_factors))
+    extensions = [recipe.outputscale_extensions]
+
+    def neighbour(factor: float, downwards: bool) -> float | None:
+        """The next factor of the ladder below (above) ``factor``; ``None`` past its end."""
+        index = grid.index(factor) + (-1 if downwards else 1)
+        if 0 <= index < len(grid):
+            return grid[index]
+        if not extensions[0]:
+            return None
+        extensions[0] -= 1
+        grid.insert(max(index, 0), factor / 2 if downwards else factor * 2)
+        return grid[max(index, 0)]
+
+    def better(factor: float, than: float) -> bool:
+        """Scores ``factor`` (where time is left): whether its log-loss is below ``than``'s."""
         if out_of_time():
-            break
+            return False
         score(factor)
-    for _ in range(recipe.outputscale_extensions):  # past an edge of the grid while that edge is the best
         losses = report.outputscale_log_loss
-        if len(losses) < 2 or out_of_time():
-            break
-        best = min(losses, key=losses.__getitem__)
-        if best not in (max(losses), min(losses)):
-            break
-        factor = best * 2 if best == max(losses) else best / 2
-        score(factor)
-        if factor not in losses:  # its fit failed
+        return factor in losses and (than not in losses or losses[factor] < losses[than])
+
+    if not out_of_time():
+        score(best)
+    for downwards in (True, False):  # downwards while the log-loss falls; else upwards
+        origin = best
+        step = neighbour(best, downwards)
+        while step is not None and better(step, best):
+            best = step
+            step = neighbour(best, downwards)
+        if best != origin:
             break
     losses = report.outputscale_log_loss
     report.outputscale_factor = min(losses, key=losses.__getitem__) if losses else 1.0

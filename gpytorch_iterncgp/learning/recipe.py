@@ -51,10 +51,11 @@ class LearningRecipe:
         same learnt hyperparameters (``docs/design_notes.md``).
     :param lanczos_iterations: ``gpytorch.settings.max_lanczos_quadrature_iterations`` while learning with Adam (20).
     :param outputscale_factors: classifiers whose kernel was learnt on a subset: the outputscale is chosen among the
-        learnt one times these factors by the log-loss of held-out training rows (``benchmarks/README.md`` §14, §16).
+        learnt one times these factors by the log-loss of held-out training rows (``benchmarks/README.md`` §14, §16),
+        walking from the first towards the lowest (:func:`~.outputscale.choose_outputscale`).
     :param outputscale_fit_steps: EP sweeps or Newton steps of each candidate's fit on the learning rows.
-    :param outputscale_extensions: the most factors tried past the grid's edge, doubling (halving) the largest
-        (smallest) while it has the lowest held-out log-loss (``0``: the grid alone).
+    :param outputscale_extensions: the most factors tried past the grid's edges, doubling (halving) the largest
+        (smallest) while the walk goes on (``0``: the grid alone).
     :param min_validation_points: fewer spare rows than this: no held-out choice.
     :param held_out_fraction: ``subset="auto"`` where the learning subset would hold all the rows: this fraction of them
         (at least ``min_validation_points``) is held out anyway, for the outputscale, the kernel choice and the check
