@@ -46,7 +46,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..core.memory import peak_memory_bytes, retained_allocations, start_peak_memory
-from ..core.threads import small_operations
+from ..core.threads import ONE_THREAD_LEARNING_SIZE, small_operations
 from ..core.validation import check_flag, check_nonnegative
 from ..exceptions import ConvergenceWarning, WorseThanConstantWarning
 from ..mlls.itergp import BoTorchFitHook, EPMarginalLogLikelihood, LaplaceMarginalLogLikelihood
@@ -725,8 +725,9 @@ def _learn(
     learner.train()
     try:
         # the fits at each evaluation follow the hyperparameters; only the final fit's convergence is reported
-        # exact regime (N C <= 1000): every operation is small, and the products with K take the caller's threads
-        with _loose_fits(strategy, recipe, exact), small_operations() if exact else contextlib.nullcontext():
+        # a small exact regime (N C <= 500): every operation is small, and the products with K take the caller's threads
+        small = exact and strategy.num_data * strategy.num_latents <= ONE_THREAD_LEARNING_SIZE
+        with _loose_fits(strategy, recipe, exact), small_operations() if small else contextlib.nullcontext():
             if strategy.state is None:  # the first evaluation's fit starts loose from the prior, as the later ones
                 strategy.loose_fit()
             report.stopped = _optimise(scale.variables, evaluate, backward, exact, recipe)
