@@ -347,6 +347,8 @@ class _LearningPhase:
                 choose_outputscale(
                     kernel, self.final_model, validation_x, validation_y, self.recipe, report, deadline, tick
                 )
+                bar.total = bar.n  # the walk's fits (it stops at the first rise, mostly before the grid's size)
+                bar.refresh()
 
 
 def _choice_phase(
