@@ -431,10 +431,7 @@ class KernelPreconditioning:
             actions, kernel_actions = self._unit_actions(
                 (points[:, None] * self.prior.num_latents + latents).reshape(-1)
             )
-            for action, kernel_action in zip(
-                *(part.mT for part in self._normalised(actions, kernel_actions)), strict=True
-            ):
-                buffer.append(action, kernel_action)
+            buffer.extend(*self._normalised(actions, kernel_actions))
         return buffer
 
     def _normalised(self, actions: Tensor, kernel_actions: Tensor) -> tuple[Tensor, Tensor]:

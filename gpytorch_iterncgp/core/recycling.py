@@ -228,6 +228,29 @@ class ActionBuffer:
         if kept and self._kernel_gram is not None and kernel_column is not None:
             self._kernel_gram = _bordered(self._kernel_gram, self._gram_column(self.size - 1, kernel_column))
 
+    def extend(self, actions: Tensor, kernel_actions: Tensor) -> None:
+        r"""Append the columns of ``actions`` and ``kernel_actions`` ``(N C, m)`` (or this rank's rows of them), as
+        :meth:`append` does one at a time; the kernel Gram matrix, if kept, is bordered by :math:`\mathbf S^\top
+        \mathbf T_{\text{new}}` and :math:`\mathbf S_{\text{new}}^\top \mathbf T_{\text{new}}` (upper triangle),
+        two GEMMs that read :math:`\mathbf S` once instead of :math:`m` times (equal to the one-by-one bordering to
+        rounding)."""
+        actions, kernel_actions = self.rows_block.own_rows(actions), self.rows_block.own_rows(kernel_actions)
+        size, count = self.size, actions.shape[-1]
+        kept = self._kernel_gram is not None and self._kernel_gram.shape[-1] == size
+        if kept and self._kernel_gram is not None and count > 0:
+            cross, inner = self.rows_block.summed(
+                torch.cat([self.actions.rows @ kernel_actions, actions.mT @ kernel_actions])
+            ).double().split([size, count])
+            grown = self._kernel_gram.new_empty(size + count, size + count)
+            grown[:size, :size] = self._kernel_gram
+            grown[:size, size:] = cross
+            grown[size:, :size] = cross.mT
+            upper = torch.ones(count, count, dtype=torch.bool, device=grown.device).triu()
+            grown[size:, size:] = torch.where(upper, inner, inner.mT)  # (i <= j: s_i^T t_j, as append borders)
+            self._kernel_gram = grown
+        self.actions.extend(count).copy_(actions.mT)
+        self.kernel_actions.extend(count).copy_(kernel_actions.mT)
+
 
 def combined_columns(store: ColumnStore, coefficients: Tensor) -> Tensor:
     r""":math:`\mathbf S \mathbf E` ``(n, r)`` for the first ``E.shape[0]`` columns :math:`\mathbf S` of ``store`` and

@@ -404,9 +404,8 @@ class ExpectationPropagation:
         new_roots, new_kernel_roots = phase.precision_root[:, start:], phase.kernel_precision_root[:, start:]  # D, K D
         self.actions_exhausted = phase.added == 0
         if options.recycle and phase.added > 0:  # (this rank's rows of them where the buffer holds its rows)
-            for column, kernel_column in zip(new_roots.mT, new_kernel_roots.mT, strict=True):
-                norm = block.norm(column)
-                buffer.append(column / norm, kernel_column / norm)
+            norms = block.summed(new_roots.square().sum(0)).sqrt()
+            buffer.extend(new_roots / norms, new_kernel_roots / norms)
         weights, kernel_weights = state.representer_weights, state.kernel_representer_weights
         if phase.added > 0:  # the solution over the enlarged actions: a + D D^T r (D is K̂-conjugate to Q)
             residual = rhs - kernel_weights - noise.matmul(weights[:, None])[:, 0]  # (by rows: this rank's)

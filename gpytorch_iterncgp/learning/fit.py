@@ -327,9 +327,9 @@ class _LearningPhase:
         """A new model of the final approximation on the learning rows, sharing the model's kernel."""
         return LearnerModel(self.model, type(self.strategy), self.inputs, self.targets, self.likelihood)
 
-    def choose_outputscale(self, report: LearningReport, deadline: float | None) -> None:
-        """A classifier's outputscale by the held-out rows (:func:`~.outputscale.choose_outputscale`), where the kernel
-        is a ``ScaleKernel`` and rows are held out."""
+    def choose_outputscale(self, report: LearningReport, deadline: float | None, start: float | None = None) -> None:
+        """A classifier's outputscale by the held-out rows (:func:`~.outputscale.choose_outputscale`, walking from
+        ``start``), where the kernel is a ``ScaleKernel`` and rows are held out."""
         kernel = getattr(self.model, "covar_module", None)
         classifier = self.strategy.adapter.classification
         if classifier and isinstance(kernel, gpytorch.kernels.ScaleKernel) and self.validation is not None:
@@ -345,7 +345,7 @@ class _LearningPhase:
                     bar.update(1)
 
                 choose_outputscale(
-                    kernel, self.final_model, validation_x, validation_y, self.recipe, report, deadline, tick
+                    kernel, self.final_model, validation_x, validation_y, self.recipe, report, deadline, tick, start
                 )
                 bar.total = bar.n  # the walk's fits (it stops at the first rise, mostly before the grid's size)
                 bar.refresh()

@@ -226,8 +226,8 @@ class LearningPhase(Protocol):
     def learn(self, report: LearningReport, deadline: float | None, name: str = "") -> Any:
         """Type-II maximum likelihood of the model's current kernel; returns the model whose evidence was maximised."""
 
-    def choose_outputscale(self, report: LearningReport, deadline: float | None) -> None:
-        """The outputscale phase (classifiers with a ``ScaleKernel`` and held-out rows)."""
+    def choose_outputscale(self, report: LearningReport, deadline: float | None, start: float | None = None) -> None:
+        """The outputscale phase (classifiers with a ``ScaleKernel`` and held-out rows), its walk from ``start``."""
 
     def final_model(self) -> gpytorch.models.ApproximateGP:
         """A new model of the final approximation on the learning rows (sharing the model's kernel)."""
@@ -251,7 +251,10 @@ def choose_kernel(
     phase on fewer of the learning rows), the chosen candidate is then learnt again in ``phase``, from its values on
     entry (a cold start: the result is the chosen kernel learnt as if it had been given alone, whatever the choice's
     fewer rows made of it): a cheap low-fidelity ranking, then one full learning (successive halving's two rungs,
-    Jamieson & Talwalkar 2016).
+    Jamieson & Talwalkar 2016). Each candidate's outputscale walk starts at the factor the previous candidate's walk
+    chose, and the chosen candidate's second walk at the factor its first chose (``outputscale_factor``): on a
+    held-out log-loss unimodal in the outputscale the walk ends at the same factor from any start, in fewer fits
+    from a nearby one (:func:`~.outputscale.choose_outputscale`).
 
     Scores, each the lower the better, all recorded in ``report.kernel_scores[name]`` (with the candidate's number of
     kernel ``hyperparameters`` :math:`k`, its ``seconds`` and its ``error``):
@@ -292,6 +295,7 @@ def choose_kernel(
     outcomes: dict[str, tuple[LearningReport, list[Tensor]]] = {}
     report.kernel_scores = {}
     screen = phase if choice is None else choice
+    walk_from: float | None = None  # each outputscale walk starts where the last one ended (the first: the grid's start)
     for index, (name, kernel) in enumerate(candidates.items()):
         candidate_deadline = time_share(deadline, 1, len(candidates) - index + (choice is not None))
         owner.covar_module = kernel.to(device=inputs.device, dtype=inputs.dtype)
@@ -300,13 +304,15 @@ def choose_kernel(
         start = time.perf_counter()
         count = sum(parameter.numel() for parameter in kernel.parameters() if parameter.requires_grad)
         scores: dict[str, Any] = dict(held_out=None, evidence=None, bic=None, hyperparameters=count, seconds=0.0)
-        scores.update(rows=None, error=None)
+        scores.update(rows=None, error=None, outputscale_factor=None)
         try:
             learner = screen.learn(candidate, candidate_deadline, name)
             rows = scores["rows"] = learner.variational_strategy.num_data
             scores["evidence"] = learnt_evidence(learner)
             scores["bic"] = scores["evidence"] + count * math.log(rows) / (2 * rows)
-            screen.choose_outputscale(candidate, candidate_deadline)
+            screen.choose_outputscale(candidate, candidate_deadline, walk_from)
+            if candidate.outputscale_log_loss:
+                scores["outputscale_factor"] = walk_from = candidate.outputscale_factor
             if screen.validation is not None:
                 losses = candidate.outputscale_log_loss
                 scores["held_out"] = (
@@ -333,9 +339,10 @@ def choose_kernel(
     if choice is not None:  # the chosen kernel learnt again on all the learning rows, cold
         owner.covar_module.load_state_dict(initial_kernels[chosen])
         _restore(others, initial)
+        walk_from = report.kernel_scores[chosen]["outputscale_factor"]  # where the chosen candidate's walk ended
         candidate = dataclasses.replace(report, losses=[], outputscale_log_loss={}, kernel_scores={})
         phase.learn(candidate, deadline, chosen)
-        phase.choose_outputscale(candidate, deadline)
+        phase.choose_outputscale(candidate, deadline, walk_from)
     scores = report.kernel_scores
     for field in dataclasses.fields(LearningReport):
         setattr(report, field.name, getattr(candidate, field.name))

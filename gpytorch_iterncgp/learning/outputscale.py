@@ -39,16 +39,21 @@ def choose_outputscale(
     report: LearningReport,
     deadline: float | None,
     tick: Callable[[], None],
+    start: float | None = None,
 ) -> None:
     r"""Set ``kernel``'s outputscale :math:`s^2` to Laplace's times the factor with the smallest log-loss at the held-out
     rows ``validation_x`` ``(V, D)``, ``validation_y`` ``(V,)``, found by a walk on the ladder of
     ``recipe.outputscale_factors`` (sorted; past its edges, the edge factor doubled or halved, at most
     ``recipe.outputscale_extensions`` times in all); the lengthscales stay.
 
-    The walk starts at the grid's first factor (1: Laplace's), tries the next smaller one and goes on downwards while
-    the log-loss falls; where the first smaller one is no better it tries the larger ones the same way. On a log-loss
-    unimodal in :math:`\log s^2` (as measured on the tabular panel and the small sets; ``docs/design_notes.md``) it
-    finds the grid's minimum in two fits more than its distance from the start instead of a fit at every factor.
+    The walk starts at ``start`` (default: the grid's first factor, 1: Laplace's), tries the next larger factor and
+    goes on upwards while the log-loss falls; where the first larger one is no better it tries the smaller ones the
+    same way. Upwards first, as Laplace's approximation under-estimates the latent scale that EP's posterior
+    predicts with (Kuss & Rasmussen 2005; ``docs/design_notes.md``). On a log-loss unimodal in :math:`\log s^2` (as
+    measured on the tabular panel and the small sets) it finds the grid's minimum in two fits more than its distance
+    from the start instead of a fit at every factor, whatever the start; a start near the minimum (the factor a
+    kernel choice found on fewer rows) saves the fits in between. A start outside the grid extends it as the walk
+    would (doubling its largest or halving its smallest factor, each counted among the extensions).
     Each candidate gets a cold fit of ``recipe.outputscale_fit_steps`` EP sweeps or Newton steps (``build()``: a new
     model of the final approximation on the learning rows sharing ``kernel``) and its predictive probabilities at the
     held-out rows; a failed fit counts as no better. No candidate starts after ``deadline``
@@ -56,7 +61,7 @@ def choose_outputscale(
     outputscale fields; ``tick()`` after each candidate (the progress bar).
     """
     learnt = kernel.outputscale.detach().clone()
-    start = time.perf_counter()
+    began = time.perf_counter()
 
     def score(factor: float) -> None:
         """The held-out log-loss at ``factor`` (in ``report.outputscale_log_loss``; nothing where the fit fails)."""
@@ -80,9 +85,17 @@ def choose_outputscale(
     def out_of_time() -> bool:
         return deadline is not None and time.perf_counter() >= deadline
 
-    best = recipe.outputscale_factors[0]
+    best = recipe.outputscale_factors[0] if start is None else start
     grid = sorted(set(recipe.outputscale_factors))
     extensions = [recipe.outputscale_extensions]
+    while best > grid[-1] and extensions[0]:  # a start past the grid's edges: the ladder the walk would have built
+        grid.append(grid[-1] * 2)
+        extensions[0] -= 1
+    while best < grid[0] and extensions[0]:
+        grid.insert(0, grid[0] / 2)
+        extensions[0] -= 1
+    if best not in grid:
+        grid = sorted([*grid, best])
 
     def neighbour(factor: float, downwards: bool) -> float | None:
         """The next factor of the ladder below (above) ``factor``; ``None`` past its end."""
@@ -105,7 +118,7 @@ def choose_outputscale(
 
     if not out_of_time():
         score(best)
-    for downwards in (True, False):  # downwards while the log-loss falls; else upwards
+    for downwards in (False, True):  # upwards while the log-loss falls; else downwards
         origin = best
         step = neighbour(best, downwards)
         while step is not None and better(step, best):
@@ -118,4 +131,4 @@ def choose_outputscale(
     with torch.no_grad():
         kernel.outputscale = learnt * report.outputscale_factor
     report.validation_points = len(validation_x)
-    report.outputscale_seconds = time.perf_counter() - start
+    report.outputscale_seconds = time.perf_counter() - began

@@ -160,3 +160,28 @@ def test_action_buffer_products_equal_dense_ones():
     torch.testing.assert_close(buffer.action_gram(), actions.mT @ actions, rtol=1e-12, atol=1e-14)
     assert buffer.holds(buffer.actions.value, buffer.kernel_actions.value)
     assert not buffer.holds(actions.clone(), kernel @ actions)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_extended_buffer_equals_the_one_appended_column_by_column(dtype):
+    """Appending a block of actions at once (EP's point actions, the covariance phase's directions) leaves the same
+    actions, kernel products and kernel Gram matrix S^T K S as appending them one by one, to rounding: both equal the
+    dense S^T K S."""
+    kernel, _, actions, _ = _problem(size=40, num_actions=9, seed=11)
+    kernel, actions = kernel.to(dtype), actions.to(dtype)
+    products = kernel @ actions
+    one_by_one = ActionBuffer.from_tensors(actions[:, :3], products[:, :3], RowBlock.single(40))
+    block = ActionBuffer.from_tensors(actions[:, :3], products[:, :3], RowBlock.single(40))
+    one_by_one.kernel_gram(), block.kernel_gram()
+    for index in range(3, 9):
+        one_by_one.append(actions[:, index], products[:, index])
+    block.extend(actions[:, 3:5], products[:, 3:5])
+    block.extend(actions[:, 5:9], products[:, 5:9])
+    assert block.size == one_by_one.size == 9
+    assert torch.equal(block.actions.value, one_by_one.actions.value)
+    assert torch.equal(block.kernel_actions.value, one_by_one.kernel_actions.value)
+    tolerance = 1e-12 if dtype == torch.float64 else 1e-5
+    dense = (actions.mT @ kernel @ actions).double()
+    torch.testing.assert_close(block.kernel_gram(), one_by_one.kernel_gram(), rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(block.kernel_gram(), dense, rtol=tolerance, atol=tolerance)
+    assert torch.equal(block.kernel_gram(), block.kernel_gram().mT)

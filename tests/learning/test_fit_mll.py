@@ -211,13 +211,43 @@ def test_the_outputscale_grid_follows_the_held_out_optimum_past_its_edge():
     assert report.held_out_score == report.outputscale_log_loss[8.0] < report.constant_score
     assert list(grid.outputscale_log_loss) == [1.0, 0.5] and grid.outputscale_factor == 1.0
     losses = report.outputscale_log_loss
-    assert list(losses) == [1.0, 0.5, 2.0, 4.0, 8.0]
-    assert [losses[factor] for factor in (1.0, 0.5)] == pytest.approx(
-        [grid.outputscale_log_loss[1.0], grid.outputscale_log_loss[0.5]], rel=1e-10
-    )
-    assert losses[8.0] < losses[4.0] < losses[2.0] < losses[1.0] < losses[0.5]
+    assert list(losses) == [1.0, 2.0, 4.0, 8.0]  # upwards first, and no smaller factor once a larger one was better
+    assert losses[1.0] == pytest.approx(grid.outputscale_log_loss[1.0], rel=1e-10)
+    assert losses[8.0] < losses[4.0] < losses[2.0] < losses[1.0] < grid.outputscale_log_loss[0.5]
     assert report.outputscale_factor == 8.0
     assert model.covar_module.outputscale.item() == pytest.approx(0.08, rel=1e-6)
+
+
+def test_after_a_kernel_choice_the_outputscale_walk_starts_where_the_choices_ended():
+    """Candidates learnt on fewer rows each record the outputscale factor their walk chose; the chosen kernel's walk on
+    all the learning rows starts at it (its first fit) and ends at the factor a walk from 1 reaches for the same
+    kernel given alone (the same learnt kernel, as the choice's second learning is a cold one), every log-loss both
+    fitted equal."""
+    from gpytorch_iterncgp.learning.kernel_choice import kernel_family
+
+    def fitted(names):
+        x, y = binary_data(240, seed=4)
+        model = IterNCGPModel(x, y, LogitBernoulliLikelihood(), strategy_class=EPStrategy, max_solver_iterations=10)
+        mll = EPMarginalLogLikelihood(model.variational_strategy.likelihood, model)
+        family = kernel_family(x.shape[1])
+        recipe = LearningRecipe(optimizer_steps=3, outputscale_fit_steps=5, kernel_choice_subset=80)
+        kernels = {name: family[name] for name in names} if len(names) > 1 else None
+        if kernels is None:
+            model.covar_module = family[names[0]]
+        with settings.exact_evidence_size(50), warnings.catch_warnings():
+            warnings.simplefilter("ignore", ConvergenceWarning)
+            return fit_mll(mll, subset=100, seed=0, recipe=recipe, kernels=kernels)
+
+    report = fitted(("matern", "linear+matern"))
+    factors = {name: score["outputscale_factor"] for name, score in report.kernel_scores.items()}
+    assert all(factor is not None and factor > 0 for factor in factors.values()), factors
+    assert next(iter(report.outputscale_log_loss)) == factors[report.kernel]
+    alone = fitted((report.kernel,))
+    assert report.outputscale_factor == alone.outputscale_factor
+    common = set(report.outputscale_log_loss) & set(alone.outputscale_log_loss)
+    assert report.outputscale_factor in common
+    for factor in common:
+        assert report.outputscale_log_loss[factor] == pytest.approx(alone.outputscale_log_loss[factor], rel=1e-9)
 
 
 def test_fit_mll_refuses_other_objectives_and_bad_subsets():
