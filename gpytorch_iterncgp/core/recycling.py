@@ -238,9 +238,11 @@ class ActionBuffer:
         size, count = self.size, actions.shape[-1]
         kept = self._kernel_gram is not None and self._kernel_gram.shape[-1] == size
         if kept and self._kernel_gram is not None and count > 0:
-            cross, inner = self.rows_block.summed(
-                torch.cat([self.actions.rows @ kernel_actions, actions.mT @ kernel_actions])
-            ).double().split([size, count])
+            cross, inner = (
+                self.rows_block.summed(torch.cat([self.actions.rows @ kernel_actions, actions.mT @ kernel_actions]))
+                .double()
+                .split([size, count])
+            )
             grown = self._kernel_gram.new_empty(size + count, size + count)
             grown[:size, :size] = self._kernel_gram
             grown[:size, size:] = cross
