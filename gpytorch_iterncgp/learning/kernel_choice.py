@@ -269,6 +269,10 @@ def choose_kernel(
       Duvenaud et al. 2013): a kernel with more hyperparameters must raise the evidence by :math:`\tfrac12 \log M`
       nats for each.
 
+    The evidence and the BIC are computed only where ``select_by`` is one of them (``None`` under ``"held_out"``): the
+    exact evidence is a dense factorisation of all :math:`M C` latent values after a whole fit, seconds for a
+    multi-class candidate, which a choice by the held-out score would not read.
+
     The candidate with the lowest ``select_by`` score is chosen (``report.kernel``; the first of equal ones); the
     report's learning fields are its. A candidate whose learning or scoring fails (:data:`~.recipe.RECOVERABLE_ERRORS`,
     or a non-finite score) is skipped, with a ``RuntimeWarning``, and its ``error`` recorded. With ``deadline``, each
@@ -310,8 +314,9 @@ def choose_kernel(
         try:
             learner = screen.learn(candidate, candidate_deadline, name)
             rows = scores["rows"] = learner.variational_strategy.num_data
-            scores["evidence"] = learnt_evidence(learner)
-            scores["bic"] = scores["evidence"] + count * math.log(rows) / (2 * rows)
+            if select_by != "held_out":
+                scores["evidence"] = learnt_evidence(learner)
+                scores["bic"] = scores["evidence"] + count * math.log(rows) / (2 * rows)
             screen.choose_outputscale(candidate, candidate_deadline, walk_from)
             if candidate.outputscale_log_loss:
                 scores["outputscale_factor"] = walk_from = candidate.outputscale_factor

@@ -15,6 +15,8 @@ from ..core.validation import check_count, check_nonnegative
 
 __all__ = ["EVIDENCES", "KERNEL_CHOICE_COST", "LEARNING_SUBSET_COST", "LearningRecipe", "LearningReport"]
 
+#: the kernel choice's scores (:attr:`LearningReport.kernel_scores`) and their names in the report's sentence
+KERNEL_SCORES = {"held_out": "held-out", "evidence": "evidence", "bic": "BIC"}
 #: :attr:`LearningRecipe.evidence`'s values: the evidence an EP model's hyperparameters are learnt on
 EVIDENCES = ("laplace", "ep")
 
@@ -165,7 +167,7 @@ class LearningReport:
     ``held_out``, its log-loss (classifiers) or mean Poisson deviance (counts) on the ``validation_rows`` (``None``
     without them); ``evidence``, its learnt evidence ``-log q(y) / M`` on the ``M`` rows it was learnt on (``rows``:
     the recipe's ``kernel_choice_subset`` of the learning rows); ``bic``, that plus ``k log(M) / (2 M)`` for its
-    ``hyperparameters`` ``k``; ``outputscale_factor``, the factor its outputscale phase chose (``None``: no phase),
+    ``hyperparameters`` ``k`` (both ``None`` where the choice is by the held-out score); ``outputscale_factor``, the factor its outputscale phase chose (``None``: no phase),
     where the chosen candidate's walk on all the learning rows starts; ``seconds``, its learning and scoring;
     ``error``, why it was skipped (``None``: scored)
     (:func:`~gpytorch_iterncgp.learning.kernel_choice.choose_kernel`). The learning and outputscale fields above are
@@ -244,8 +246,8 @@ class LearningReport:
         def scores(name: str, score: dict[str, Any]) -> str:
             if score["error"] is not None:
                 return f"{name}: skipped, {score['error']}"
-            held_out = "" if score["held_out"] is None else f"held-out {score['held_out']:.4g}, "
-            return f"{name}: {held_out}evidence {score['evidence']:.4g}, BIC {score['bic']:.4g}"
+            parts = [f"{label} {score[key]:.4g}" for key, label in KERNEL_SCORES.items() if score[key] is not None]
+            return f"{name}: {', '.join(parts)}"
 
         listed = "; ".join(scores(name, score) for name, score in self.kernel_scores.items())
         seconds = sum(score["seconds"] for score in self.kernel_scores.values())

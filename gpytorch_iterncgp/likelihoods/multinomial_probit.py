@@ -406,8 +406,8 @@ def _inner_sweep(
         denominator = 1 + delta_precision * variance
         shift = (delta_natural - delta_precision * post_mean[:, k]) / denominator
         post_mean = post_mean + column * shift.unsqueeze(-1)
-        outer = column.unsqueeze(-1) * column.unsqueeze(-2)
-        post_cov = post_cov - (delta_precision / denominator)[:, None, None] * outer
+        scaled = column * (-delta_precision / denominator).unsqueeze(-1)
+        post_cov = torch.addcmul(post_cov, column.unsqueeze(-1), scaled.unsqueeze(-2))  # one pass, no outer product
     return precision, natural, post_mean, post_cov, change
 
 
