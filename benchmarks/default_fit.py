@@ -1,19 +1,21 @@
 """The default classifier's seconds and log-loss on the tabular panel, one fit at a time, for before/after comparisons.
 
-    python -m benchmarks.default_fit banana 0 --label new >> /tmp/panel.jsonl     # one fit: one JSON line
-    python -m benchmarks.default_fit --render /tmp/panel.jsonl --out benchmarks/results/speed_62/panel_2.json \\
-        --table benchmarks/results/speed_62/panel_2.md --versions old new
+    git worktree add /tmp/old 926b2a3                  # the package as it was before a change
+    python -m benchmarks.default_fit banana 0 --label old --package-root /tmp/old >> /tmp/panel.jsonl
+    python -m benchmarks.default_fit banana 0 --label new >> /tmp/panel.jsonl          # this checkout's package
+    python -m benchmarks.default_fit --render /tmp/panel.jsonl --versions old new \
+        --out benchmarks/results/speed_62/panel_2.json --table benchmarks/results/speed_62/panel_2.md
 
-One fit is ``IterNCGPClassifier(random_state=0)`` (every other parameter at its default) on split ``SPLIT`` of
-:func:`benchmarks.real_data.load` (80/20, standardised), with two threads, then ``predict_proba`` on the test rows; the
-line records the fit's and the prediction's seconds, the test log-loss (scikit-learn's) and accuracy, the commit, and
-the phases of the fit's :class:`~gpytorch_iterncgp.LearningReport` (kernel choice, learning, outputscale, final fit)
-with the outputscale factors the walk fitted. Each fit runs in a process of its own, so that two versions compare as a
-user meets them; to compare two commits, run the module from the repository root with ``PYTHONPATH`` set to a
-worktree of each commit in turn, alternating per data set and split (the fits of one data set then share the
-machine's state). ``--render`` collects the lines into a results file (with this machine) and a markdown table: mean ±
-standard deviation over the splits per data set and version, and the ratio of the mean fit seconds to the first
-version's.
+One fit is ``IterNCGPClassifier(random_state=0)`` (every other parameter at its default) of the package in
+``--package-root`` (default: this checkout) on split ``SPLIT`` of this checkout's :func:`benchmarks.real_data.load`
+(80/20, standardised; ``--smoke``: 300 training rows), with ``--threads`` threads, then ``predict_proba`` on the test
+rows. The JSON line records the fit's and the prediction's seconds, the test log-loss and accuracy
+(:func:`benchmarks.scoring.log_loss`), the package's commit, and the phases of the fit's
+:class:`~gpytorch_iterncgp.LearningReport` (kernel choice, learning, outputscale, final fit) with the outputscale
+factors the walk fitted. Each fit runs in a process of its own, so that two versions compare as a user meets them;
+alternate them per data set and split (the fits of one data set then share the machine's state). ``--render``
+collects the lines into a results file (with this machine) and a markdown table: mean ± standard deviation over the
+splits per data set and version, and the ratio of the mean fit seconds to the first version's.
 """
 
 from __future__ import annotations
@@ -31,18 +33,39 @@ if not __package__:  # run as a file: the package imports below need the reposit
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def fit_once(dataset: str, split: int, label: str) -> dict:
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _import_package(root: Path):
+    """``gpytorch_iterncgp``'s classifier class from the checkout ``root`` (the package must not have been imported
+    from elsewhere)."""
+    sys.path.insert(0, str(root))
+    import gpytorch_iterncgp
+
+    if Path(gpytorch_iterncgp.__file__).resolve().parents[1] != root.resolve():
+        raise RuntimeError(f"gpytorch_iterncgp was imported from {gpytorch_iterncgp.__file__}, not from {root}.")
+    from gpytorch_iterncgp.integrations.sklearn import IterNCGPClassifier
+
+    sys.path.remove(str(root))
+    return IterNCGPClassifier
+
+
+def fit_once(
+    dataset: str, split: int, label: str, package_root: Path = ROOT, threads: int = 2, smoke: bool = False
+) -> dict:
     """One default fit and prediction on ``dataset``'s split ``split`` (the fields listed in the module docstring)."""
+    classifier_class = _import_package(package_root)
     import torch
-    from sklearn.metrics import accuracy_score, log_loss
 
     from benchmarks.real_data import load
-    from gpytorch_iterncgp.sklearn import IterNCGPClassifier
+    from benchmarks.scoring import log_loss
 
-    torch.set_num_threads(2)
-    data = load(dataset, False, split)
-    x_train, y_train, x_test, y_test = (t.numpy() for t in (data.train_x, data.train_y, data.test_x, data.test_y))
-    classifier = IterNCGPClassifier(random_state=0)
+    torch.set_num_threads(threads)
+    data = load(dataset, smoke, split)
+    if data.num_classes == 0:
+        raise ValueError(f"{dataset} is a count data set; this benchmark fits the classifier only.")
+    x_train, y_train, x_test = (tensor.numpy() for tensor in (data.train_x, data.train_y, data.test_x))
+    classifier = classifier_class(random_state=0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         start = time.perf_counter()
@@ -52,7 +75,10 @@ def fit_once(dataset: str, split: int, label: str) -> dict:
         probabilities = classifier.predict_proba(x_test)
         predict_seconds = time.perf_counter() - start
     report = getattr(classifier, "learning_report_", None)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "-C", str(package_root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    score = log_loss(torch.as_tensor(probabilities), data.test_y)
     row = dict(
         dataset=dataset,
         split=split,
@@ -61,14 +87,14 @@ def fit_once(dataset: str, split: int, label: str) -> dict:
         inference=getattr(classifier, "inference_", None),
         fit=fit_seconds,
         predict=predict_seconds,
-        log_loss=float(log_loss(y_test, probabilities, labels=list(range(probabilities.shape[1])))),
-        accuracy=float(accuracy_score(y_test, probabilities.argmax(1))),
+        log_loss=score["nll"],
+        accuracy=score["accuracy"],
     )
     if report is not None:
         scores = report.kernel_scores or {}
         row.update(
             kernel=report.kernel,
-            choice=sum(score["seconds"] for score in scores.values()),
+            choice=sum(entry["seconds"] for entry in scores.values()),
             learning=report.seconds,
             outputscale=report.outputscale_seconds,
             factor=report.outputscale_factor,
@@ -109,34 +135,40 @@ def table(rows: list[dict], versions: list[str]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
+    """Fit once (the row) or render (the results file's fields and the table); see the module docstring."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("dataset", nargs="?", help="a data set of benchmarks.real_data")
+    parser.add_argument("dataset", nargs="?", help="a classification data set of benchmarks.real_data")
     parser.add_argument("split", nargs="?", type=int, default=0)
     parser.add_argument("--label", default="new", help="the version's name in the results")
+    parser.add_argument("--package-root", type=Path, default=ROOT, help="the checkout whose package is fitted")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--smoke", action="store_true", help="300 training rows (seconds)")
     parser.add_argument("--render", type=Path, help="render these JSON lines instead of fitting")
-    parser.add_argument("--out", type=Path, help="with --render: the results file to write")
-    parser.add_argument("--table", type=Path, help="with --render: the markdown table to write")
     parser.add_argument("--versions", nargs="+", help="with --render: the versions' labels, the reference first")
     parser.add_argument("--what", default="", help="with --render: what was compared, for the results file")
-    args = parser.parse_args()
+    parser.add_argument("--out", type=Path, help="with --render: the results file to write")
+    parser.add_argument("--table", type=Path, help="with --render: the markdown table to write")
+    args = parser.parse_args(argv)
     if args.render is None:
         if args.dataset is None:
             parser.error("give a data set and a split, or --render")
-        print(json.dumps(fit_once(args.dataset, args.split, args.label)), flush=True)
-        return
+        row = fit_once(args.dataset, args.split, args.label, args.package_root, args.threads, args.smoke)
+        print(json.dumps(row), flush=True)
+        return row
     from benchmarks.common import machine
 
     rows = [json.loads(line) for line in args.render.read_text().splitlines() if line.startswith("{")]
-    versions = args.versions or list(dict.fromkeys(r["version"] for r in rows))
+    versions = args.versions or list(dict.fromkeys(row["version"] for row in rows))
     text = table(rows, versions) + f"\n\nMachine: {machine().get('cpu', '')}, two threads."
+    command = "python -m benchmarks.default_fit DATASET SPLIT --label VERSION --package-root WORKTREE, per fit"
+    result = dict(what=args.what, command=command, machine=machine(), rows=rows, table=text)
     if args.out is not None:
-        command = "python -m benchmarks.default_fit DATASET SPLIT --label VERSION, in a worktree of each version"
-        result = dict(what=args.what, command=command, machine=machine(), rows=rows)
         args.out.write_text(json.dumps(result, indent=1) + "\n")
     if args.table is not None:
         args.table.write_text(text + "\n")
     print(text)
+    return result
 
 
 if __name__ == "__main__":

