@@ -335,8 +335,9 @@ class _LearningPhase:
         if classifier and isinstance(kernel, gpytorch.kernels.ScaleKernel) and self.validation is not None:
             assert self.held_out is not None
             report.validation_rows = self.held_out.tolist()
-            validation_x, validation_y = self.validation
-            name = f"outputscale ({'EP' if isinstance(self.strategy, EPStrategy) else 'Laplace'})"
+            x, y = self.validation
+            ep = isinstance(self.strategy, EPStrategy)  # (EP's walk goes upwards first, Laplace's downwards)
+            name = f"outputscale ({'EP' if ep else 'Laplace'})"
             with tqdm(total=len(self.recipe.outputscale_factors), desc=name, disable=not self.show) as bar:
 
                 def tick() -> None:
@@ -344,9 +345,7 @@ class _LearningPhase:
                         bar.total += 1
                     bar.update(1)
 
-                choose_outputscale(
-                    kernel, self.final_model, validation_x, validation_y, self.recipe, report, deadline, tick, start
-                )
+                choose_outputscale(kernel, self.final_model, x, y, self.recipe, report, deadline, tick, start, ep)
                 bar.total = bar.n  # the walk's fits (it stops at the first rise, mostly before the grid's size)
                 bar.refresh()
 

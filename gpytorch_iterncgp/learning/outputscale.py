@@ -40,6 +40,7 @@ def choose_outputscale(
     deadline: float | None,
     tick: Callable[[], None],
     start: float | None = None,
+    upwards_first: bool = True,
 ) -> None:
     r"""Set ``kernel``'s outputscale :math:`s^2` to Laplace's times the factor with the smallest log-loss at the held-out
     rows ``validation_x`` ``(V, D)``, ``validation_y`` ``(V,)``, found by a walk on the ladder of
@@ -48,8 +49,10 @@ def choose_outputscale(
 
     The walk starts at ``start`` (default: the grid's first factor, 1: Laplace's), tries the next larger factor and
     goes on upwards while the log-loss falls; where the first larger one is no better it tries the smaller ones the
-    same way. Upwards first, as Laplace's approximation under-estimates the latent scale that EP's posterior
-    predicts with (Kuss & Rasmussen 2005; ``docs/design_notes.md``). On a log-loss unimodal in :math:`\log s^2` (as
+    same way (``upwards_first=False``: downwards first). EP's final fit walks upwards first (at the outputscale
+    Laplace's evidence learns, EP's held-out optimum lay above it on every split of the tabular panel), Laplace's
+    downwards (its own predictive's optimum lies below; ``docs/design_notes.md``). On a log-loss unimodal in
+    :math:`\log s^2` (as
     measured on the tabular panel and the small sets) it finds the grid's minimum in two fits more than its distance
     from the start instead of a fit at every factor, whatever the start; a start near the minimum (the factor a
     kernel choice found on fewer rows) saves the fits in between. A start outside the grid extends it as the walk
@@ -118,7 +121,7 @@ def choose_outputscale(
 
     if not out_of_time():
         score(best)
-    for downwards in (False, True):  # upwards while the log-loss falls; else downwards
+    for downwards in (not upwards_first, upwards_first):  # one way while the log-loss falls; else the other
         origin = best
         step = neighbour(best, downwards)
         while step is not None and better(step, best):

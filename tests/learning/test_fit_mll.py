@@ -211,9 +211,11 @@ def test_the_outputscale_grid_follows_the_held_out_optimum_past_its_edge():
     assert report.held_out_score == report.outputscale_log_loss[8.0] < report.constant_score
     assert list(grid.outputscale_log_loss) == [1.0, 0.5] and grid.outputscale_factor == 1.0
     losses = report.outputscale_log_loss
-    assert list(losses) == [1.0, 2.0, 4.0, 8.0]  # upwards first, and no smaller factor once a larger one was better
-    assert losses[1.0] == pytest.approx(grid.outputscale_log_loss[1.0], rel=1e-10)
-    assert losses[8.0] < losses[4.0] < losses[2.0] < losses[1.0] < grid.outputscale_log_loss[0.5]
+    assert list(losses) == [1.0, 0.5, 2.0, 4.0, 8.0]  # Laplace's walk: downwards first
+    assert [losses[factor] for factor in (1.0, 0.5)] == pytest.approx(
+        [grid.outputscale_log_loss[1.0], grid.outputscale_log_loss[0.5]], rel=1e-10
+    )
+    assert losses[8.0] < losses[4.0] < losses[2.0] < losses[1.0] < losses[0.5]
     assert report.outputscale_factor == 8.0
     assert model.covar_module.outputscale.item() == pytest.approx(0.08, rel=1e-6)
 
