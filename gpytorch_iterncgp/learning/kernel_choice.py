@@ -299,9 +299,8 @@ def choose_kernel(
     outcomes: dict[str, tuple[LearningReport, list[Tensor]]] = {}
     report.kernel_scores = {}
     screen = phase if choice is None else choice
-    walk_from: float | None = (
-        None  # each outputscale walk starts where the last one ended (the first: the grid's start)
-    )
+    # each outputscale walk starts where the last one ended (the first: at the grid's start)
+    walk_from: float | None = None
     for index, (name, kernel) in enumerate(candidates.items()):
         candidate_deadline = time_share(deadline, 1, len(candidates) - index + (choice is not None))
         owner.covar_module = kernel.to(device=inputs.device, dtype=inputs.dtype)

@@ -52,11 +52,11 @@ def choose_outputscale(
     same way (``upwards_first=False``: downwards first). EP's final fit walks upwards first (at the outputscale
     Laplace's evidence learns, EP's held-out optimum lay above it on every split of the tabular panel), Laplace's
     downwards (its own predictive's optimum lies below; ``docs/design_notes.md``). On a log-loss unimodal in
-    :math:`\log s^2` (as
-    measured on the tabular panel and the small sets) it finds the grid's minimum in two fits more than its distance
-    from the start instead of a fit at every factor, whatever the start; a start near the minimum (the factor a
-    kernel choice found on fewer rows) saves the fits in between. A start outside the grid extends it as the walk
-    would (doubling its largest or halving its smallest factor, each counted among the extensions).
+    :math:`\log s^2` (as measured on the tabular panel and the small sets) it finds the grid's minimum in two fits
+    more than its distance from the start instead of a fit at every factor, whatever the start; a start near the
+    minimum (the factor a kernel choice found on fewer rows) saves the fits in between. A start outside the grid
+    extends it as the walk would (doubling its largest or halving its smallest factor, each counted among the
+    extensions).
     Each candidate gets a cold fit of ``recipe.outputscale_fit_steps`` EP sweeps or Newton steps (``build()``: a new
     model of the final approximation on the learning rows sharing ``kernel``) and its predictive probabilities at the
     held-out rows; a failed fit counts as no better. No candidate starts after ``deadline``

@@ -167,9 +167,9 @@ class LearningReport:
     ``held_out``, its log-loss (classifiers) or mean Poisson deviance (counts) on the ``validation_rows`` (``None``
     without them); ``evidence``, its learnt evidence ``-log q(y) / M`` on the ``M`` rows it was learnt on (``rows``:
     the recipe's ``kernel_choice_subset`` of the learning rows); ``bic``, that plus ``k log(M) / (2 M)`` for its
-    ``hyperparameters`` ``k`` (both ``None`` where the choice is by the held-out score); ``outputscale_factor``, the factor its outputscale phase chose (``None``: no phase),
-    where the chosen candidate's walk on all the learning rows starts; ``seconds``, its learning and scoring;
-    ``error``, why it was skipped (``None``: scored)
+    ``hyperparameters`` ``k`` (both ``None`` where the choice is by the held-out score); ``outputscale_factor``,
+    the factor its outputscale phase chose (``None``: no phase), where the chosen candidate's walk on all the learning
+    rows starts; ``seconds``, its learning and scoring; ``error``, why it was skipped (``None``: scored)
     (:func:`~gpytorch_iterncgp.learning.kernel_choice.choose_kernel`). The learning and outputscale fields above are
     then the chosen candidate's (learnt again on all the learning rows where the choice used fewer).
 

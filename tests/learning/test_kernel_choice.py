@@ -426,6 +426,7 @@ def test_the_classifier_with_kernel_auto_chooses_a_linear_kernel_on_linear_data_
         scores[name]["held_out"] for name in scores if "linear" not in name
     )
     assert all(score["rows"] == 150 and score["error"] is None for score in scores.values())
+    assert all(score["evidence"] is None and score["bic"] is None for score in scores.values())  # (not read)
     among = ", ".join(map(repr, AUTO_KERNELS))
     assert classifier.kernel_choice_ == f"'linear+matern': chosen among {among} by the held-out score of 150 points"
     assert classifier.kernel_ is classifier.model_.covar_module
