@@ -11,9 +11,10 @@ r"""scikit-learn estimators on top of :class:`~gpytorch_iterncgp.IterNCGPStrateg
     reg = IterNCGPPoissonRegressor(random_state=0).fit(X_train, counts)
     rate = reg.predict(X_test)                                          # expected counts E[y*]
 
-Both estimators build an ``ApproximateGP`` whose prior is ``kernel`` (any GPyTorch kernel; default a
-scaled Matérn-5/2; ``"auto"``: chosen among a small family by the evidence) with the IterNCGP Laplace strategy or EP
-(``inference``; the classifier's default is EP),
+Both estimators build an ``ApproximateGP`` whose prior is ``kernel`` (default ``"auto"``: the Matérn-5/2, a linear
+kernel plus it, or the Matérn of warped features, chosen by the held-out log-loss or Poisson deviance of rows the
+learning did not see, the Matérn alone where none are held out; ``None``: the scaled Matérn-5/2; or any GPyTorch
+kernel) with the IterNCGP Laplace strategy or EP (``inference``; the classifier's default is EP),
 optionally learn the kernel's hyperparameters by maximising the evidence
 (:class:`~gpytorch_iterncgp.LaplaceMarginalLogLikelihood`, :class:`~gpytorch_iterncgp.EPMarginalLogLikelihood`;
 L-BFGS where the evidence is exact, Adam with loose fits where it is estimated; Laplace's evidence for EP's
