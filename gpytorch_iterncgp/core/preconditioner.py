@@ -140,8 +140,10 @@ class PointFactor(LowRankKernelFactor):
 
 def _global_pivots(residual: Tensor, rows_block: RowBlock) -> tuple[Tensor, Tensor]:
     r"""The largest entry of each row of ``residual`` ``(c, |I_p|)`` over all ranks and its global point index (the
-    smallest where several ranks hold it), ``(c,)`` each."""
+    smallest where several ranks hold it), ``(c,)`` each (in one process: ``residual.max(dim=-1)``)."""
     local_value, local_index = residual.max(dim=-1)
+    if not rows_block.is_sharded:
+        return local_value, local_index
     value = rows_block.maximum(local_value)
     first_point = rows_block.start // rows_block.num_latents
     candidate = torch.where(local_value == value, local_index + first_point, torch.full_like(local_index, 2**62))
@@ -166,7 +168,7 @@ def _pivot_columns(prior: LatentPrior, classes: int, num_points: int) -> Callabl
 
     def indexed(pivot: Tensor) -> Tensor:
         prior.products, prior.columns = prior.products + 1, prior.columns + classes
-        return matrix[latents, :, pivot]
+        return matrix[latents, pivot]  # the pivot's row: its column (K is symmetric), read contiguously
 
     return indexed
 
@@ -196,8 +198,11 @@ def pivoted_cholesky_factor(prior: LatentPrior, rank: int, cache_kernel: bool = 
         prior.cache_kernel()  # (where the products would cache K: its columns are then read, not evaluated one by one)
     # in float64 whatever the model's dtype: the pivots (ties broken by rounding) are then those of a float64 model
     diagonal = (
-        rows_block.own_rows(prior.diagonal()).reshape(-1, num)[:, :classes].mT.double().contiguous()
-    )  # (c, |I_p|)
+        rows_block.own_rows(prior.diagonal())
+        .reshape(-1, num)[:, :classes]
+        .mT.double()
+        .clone(memory_format=torch.contiguous_format)
+    )  # (c, |I_p|), updated in place
     num_points = diagonal.shape[-1]
     rank = min(-(-rank // num), prior.shape[0])
     factor = diagonal.new_zeros(classes, rank, num_points)  # L^T per class: its first rows are contiguous
@@ -212,17 +217,21 @@ def pivoted_cholesky_factor(prior: LatentPrior, rank: int, cache_kernel: bool = 
         if not bool(active.any()):
             factor, pivots = factor[:, :step], pivots[:, :step]
             break
-        pivots[:, step] = torch.where(active, pivot, -1)
+        pivots[:, step] = pivot.masked_fill(~active, -1)
         column = read(pivot).double()  # (c, |I_p|): class c's kernel column at its pivot
-        local = pivot - first_point
-        held = (local >= 0) & (local < num_points)
-        at_pivot = factor[latents, :step, local.clamp(0, max(num_points - 1, 0))] * held[:, None]  # (c, step): L_p
-        pivot_row = rows_block.summed(at_pivot)
-        earlier = (pivot_row[:, None, :] @ factor[:, :step])[:, 0]  # (c, |I_p|): L L_p^T
-        new = (column - earlier) * (active / value.clamp_min(floor).sqrt())[:, None]
+        local = (pivot - first_point).clamp_(0, max(num_points - 1, 0))  # the pivot's row here, if this rank holds it
+        at_pivot = factor[latents, :step, local]  # (c, step): L_p
+        if rows_block.is_sharded:
+            held = (pivot - first_point == local)[:, None]
+            at_pivot = rows_block.summed(at_pivot * held)
+        new = torch.baddbmm(column[:, None, :], at_pivot[:, None, :], factor[:, :step], alpha=-1)[:, 0]
+        new *= (active / value.clamp_min(floor).sqrt())[:, None]  # l = (k_p - L L_p^T) / sqrt(d_p)
         factor[:, step] = new
-        diagonal = (diagonal - new.square()).clamp_min(0)
-        diagonal[latents, local.clamp(0, max(num_points - 1, 0))] *= ~held  # the pivot itself is exact
+        diagonal.sub_(new.square_()).clamp_min_(0)
+        if rows_block.is_sharded:
+            diagonal[latents, local] *= ~held[:, 0]  # the pivot itself is exact
+        else:
+            diagonal[latents, local] = 0
     columns = factor.permute(2, 0, 1).to(prior.dtype)  # (|I_p|, c, k)
     if classes == 1 and num > 1:
         columns = columns.expand(-1, num, -1)

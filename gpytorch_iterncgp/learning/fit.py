@@ -39,7 +39,6 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import gpytorch
-import numpy as np
 import torch
 from gpytorch.mlls import MarginalLogLikelihood
 from torch import Tensor
@@ -64,6 +63,7 @@ from .kernel_choice import (
 )
 from .learner import LearnerModel, laplace_likelihood
 from .minibatch import MinibatchRecipe, fit_minibatches
+from .optimisers import optimise
 from .outputscale import choose_outputscale
 from .recipe import RECOVERABLE_ERRORS, LearningRecipe, LearningReport, LearningStop, cg_nans_as_nan_errors
 from .rows import auto_choice_size, auto_learning_size, draw_rows, held_out_rows
@@ -731,7 +731,7 @@ def _learn(
         with _loose_fits(strategy, recipe, exact), small_operations() if small else contextlib.nullcontext():
             if strategy.state is None:  # the first evaluation's fit starts loose from the prior, as the later ones
                 strategy.loose_fit()
-            report.stopped = _optimise(scale.variables, evaluate, backward, exact, recipe)
+            report.stopped = optimise(scale.variables, evaluate, backward, exact, recipe)
     except _OutOfTime:
         report.stopped = LearningStop.MAX_TIME
     except RECOVERABLE_ERRORS as error:
@@ -769,53 +769,6 @@ def _loose_fits(strategy: Any, recipe: LearningRecipe, exact: bool) -> Iterator[
             stack.enter_context(gpytorch.settings.num_trace_samples(recipe.trace_samples))
             stack.enter_context(gpytorch.settings.max_lanczos_quadrature_iterations(recipe.lanczos_iterations))
         yield
-
-
-def _optimise(
-    parameters: list[Tensor],
-    evaluate: Callable[[], Tensor],
-    backward: Callable[[Tensor], None],
-    exact: bool,
-    recipe: LearningRecipe,
-) -> LearningStop:
-    """Run L-BFGS (``exact``: :func:`_lbfgs`) or Adam on ``evaluate()``'s loss; return why it stopped."""
-    if exact:
-        return _lbfgs(parameters, evaluate, backward, recipe)
-    adam = torch.optim.Adam(parameters, lr=float(recipe.learning_rate))
-    for _ in range(recipe.optimizer_steps):
-        adam.zero_grad()
-        backward(evaluate())
-        adam.step()
-    return LearningStop.OPTIMIZER_STEPS
-
-
-def _lbfgs(
-    parameters: list[Tensor], evaluate: Callable[[], Tensor], backward: Callable[[Tensor], None], recipe: LearningRecipe
-) -> LearningStop:
-    """SciPy's L-BFGS-B (no bounds; as BoTorch's ``fit_gpytorch_mll_scipy`` and scikit-learn's GP estimators) on
-    ``evaluate()``'s loss over ``parameters``, flattened to one float64 vector: at most ``recipe.optimizer_steps``
-    iterations and 1.25 evaluations per iteration (``torch.optim.LBFGS``'s default), stopping where an iteration
-    changes the loss by at most ``recipe.loss_tol`` (``ftol``, relative to the loss where it exceeds 1) or the largest
-    gradient entry falls below 1e-6 (``gtol``); not ``torch.optim.LBFGS`` (``docs/design_notes.md``)."""
-    from scipy.optimize import minimize
-
-    sizes = [parameter.numel() for parameter in parameters]
-
-    def loss_and_gradient(values: np.ndarray) -> tuple[float, np.ndarray]:
-        with torch.no_grad():
-            for parameter, chunk in zip(parameters, np.split(values, np.cumsum(sizes)[:-1]), strict=True):
-                parameter.copy_(torch.from_numpy(chunk).reshape(parameter.shape))
-                parameter.grad = None
-        loss = evaluate()
-        backward(loss)
-        gradient = [torch.zeros_like(p) if p.grad is None else p.grad for p in parameters]
-        return float(loss.detach()), torch.cat([g.reshape(-1) for g in gradient]).double().cpu().numpy()
-
-    start = torch.cat([parameter.detach().reshape(-1) for parameter in parameters]).double().cpu().numpy()
-    steps = recipe.optimizer_steps
-    options = dict(maxiter=steps, maxfun=max(1, math.ceil(1.25 * steps)), ftol=float(recipe.loss_tol), gtol=1e-6)
-    result = minimize(loss_and_gradient, start, jac=True, method="L-BFGS-B", options=options)
-    return LearningStop.OPTIMIZER_STEPS if result.nit >= steps else LearningStop.CONVERGED
 
 
 BoTorchFitHook.run = fit_mll
