@@ -641,10 +641,10 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
     :param recycle: recycle solver actions across Newton steps.
     :param outer_tol: stop the Newton loop when the representer weights change by less than this (relative), or EP
         when no site would change by more (``site_tol``); ``None`` (default): the strategy's own (``1e-2`` for
-        Newton, ``1e-4`` for EP); with ``None``, past the exact solves (:math:`N C > 1000` latent values) EP also
-        stops, converged, once a sweep moves the posterior marginals at the training points by less than
-        :class:`~gpytorch_iterncgp.EPStrategy`'s ``marginal_tol`` (1e-3 nats per latent value on average): the
-        test log-loss has settled by then.
+        Newton, ``1e-4`` for EP); with ``None`` EP also stops, converged, once a sweep moves the posterior marginals
+        at the training points by less than :class:`~gpytorch_iterncgp.EPStrategy`'s ``marginal_tol`` (nats per
+        latent value on average): 1e-3 past the exact solves (:math:`N C > 1000` latent values), 1e-5 with them
+        (``EXACT_MARGINAL_TOL``): the test log-loss has settled by then.
     :param solver_tol: IterGP stops a Newton step early when the residual norm is below
         ``solver_tol * max(1, ||b||)`` (with ``max_solver_iterations=None`` this is the only stop).
     :param optimize_hyperparameters: learn the kernel's hyperparameters by maximising Laplace's evidence (type-II

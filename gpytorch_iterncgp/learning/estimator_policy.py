@@ -61,6 +61,10 @@ __all__ = [
 #: with :math:`\mathbf K` in the first Newton step, then none, as the actions are recycled). 1000 keeps a fit with
 #: 25 evidence steps to seconds (:math:`O((N C)^3)` per step; ``docs/design_notes.md``).
 EXACT_SOLVE_SIZE = 1000
+#: EP's ``marginal_tol`` where the solves are exact (:data:`EXACT_SOLVE_SIZE`): the sweeps stop where one moved the
+#: marginals by at most this many nats per latent value, a small multiple of their distance from exact EP's fixed
+#: point (``docs/design_notes.md``), instead of running the sites to ``site_tol``; ``None``: the sites' test alone.
+EXACT_MARGINAL_TOL: float | None = 1e-5
 #: ``inference="auto"`` of the classifier below :func:`auto_inference`'s switch: the approximation chosen by
 #: measurement (``benchmarks/learned.py``, ``benchmarks/sklearn_defaults.py``).
 CLASSIFIER_INFERENCE = "ep"
@@ -355,8 +359,14 @@ def strategy_options(
         options["covariance_iterations"] = int(covariance_iterations)
     tolerance = {} if outer_tol is None else {"site_tol" if inference == "ep" else "outer_tol": outer_tol}
     if inference == "ep":
-        # exact solves: exact EP, cheaply; a tolerance given for the sites: theirs alone
-        marginal = {"marginal_tol": None} if budget["exact"] or outer_tol is not None else {}
+        # a tolerance given for the sites: theirs alone; exact solves: marginals that settled to EXACT_MARGINAL_TOL
+        marginal = (
+            {"marginal_tol": None}
+            if outer_tol is not None
+            else {"marginal_tol": EXACT_MARGINAL_TOL}
+            if budget["exact"]
+            else {}
+        )
         return {**options, "max_sweeps": max_newton_steps, **marginal, **tolerance}
     return {**options, "max_newton_steps": max_newton_steps, **tolerance}
 

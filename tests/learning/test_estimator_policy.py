@@ -27,6 +27,7 @@ from gpytorch_iterncgp import (
 from gpytorch_iterncgp.learning import estimator_policy
 from gpytorch_iterncgp.learning.estimator_policy import (
     ESTIMATOR_DEFAULTS,
+    EXACT_MARGINAL_TOL,
     auto_inference,
     check_parameters_apply,
     default_kernel,
@@ -174,8 +175,10 @@ def test_strategy_options_map_the_estimators_parameters():
     ep = strategy_options(budget, "ep", outer_tol=1e-3, **common)
     assert ep["site_tol"] == 1e-3 and ep["marginal_tol"] is None
     assert strategy_options(budget, "laplace", outer_tol=1e-3, **common)["outer_tol"] == 1e-3
-    # exact solves (a few hundred latent values): EP to its sites' tolerance, exact EP
-    assert strategy_options({**budget, "exact": True}, "ep", outer_tol=None, **common)["marginal_tol"] is None
+    # exact solves (a few hundred latent values): EP until its marginals settle to EXACT_MARGINAL_TOL
+    exact = strategy_options({**budget, "exact": True}, "ep", outer_tol=None, **common)
+    assert exact["marginal_tol"] == EXACT_MARGINAL_TOL
+    assert strategy_options({**budget, "exact": True}, "ep", outer_tol=1e-3, **common)["marginal_tol"] is None
 
 
 def test_the_evidence_class_follows_the_strategy():
