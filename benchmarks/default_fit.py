@@ -98,7 +98,7 @@ def fit_once(
             learning=report.seconds,
             outputscale=report.outputscale_seconds,
             factor=report.outputscale_factor,
-            factors={str(factor): loss for factor, loss in report.outputscale_log_loss.items()},
+            factors={str(factor): loss for factor, loss in report.outputscale_scores.items()},
         )
     final = getattr(classifier, "fit_report_", None)
     row["final"] = getattr(final, "wall_time", None)

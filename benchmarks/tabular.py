@@ -105,7 +105,7 @@ def _estimator(
             "last_loss": report.losses[-1] if report.losses else None,
             "least_loss": min(report.losses) if report.losses else None,
             "outputscale_factor": report.outputscale_factor,
-            "held_out": report.outputscale_log_loss.get(report.outputscale_factor),
+            "held_out": report.outputscale_scores.get(report.outputscale_factor),
             "seconds": report.seconds,
         },
         "warnings": sorted({warning.category.__name__ for warning in caught}),

@@ -18,9 +18,10 @@ import torch
 from torch import Tensor
 
 from ..exceptions import WorseThanConstantWarning
-from .kernel_choice import held_out_score, poisson_deviance
-from .outputscale import log_loss
+from ..likelihoods.adapters import likelihood_adapter
+from ..likelihoods.negative_binomial import NegativeBinomialLikelihood
 from .recipe import RECOVERABLE_ERRORS, LearningReport
+from .scores import held_out_metric, held_out_score, log_loss, poisson_deviance
 
 __all__ = ["check_against_constant", "constant_score"]
 
@@ -48,7 +49,7 @@ def check_against_constant(
     learning_targets: Tensor,
     validation: tuple[Tensor, Tensor],
     fit_steps: int,
-    classification: bool,
+    likelihood: gpytorch.likelihoods.Likelihood,
 ) -> None:
     r"""Score the learnt model and the constant predictor (:func:`constant_score`) on the held-out rows and warn with
     a :class:`~gpytorch_iterncgp.WorseThanConstantWarning` where the model is the worse; fills ``report``'s
@@ -56,18 +57,20 @@ def check_against_constant(
 
     The model's score is the outputscale phase's at the chosen factor where it ran (a fit of the final approximation
     on the learning rows at these hyperparameters), otherwise that of such a fit, cold, with ``fit_steps`` Newton
-    steps or EP sweeps (:func:`~.kernel_choice.held_out_score`, whose likelihood must have a held-out score). A fit
+    steps or EP sweeps (:func:`~.scores.held_out_score`, whose likelihood must have a held-out score). A fit
     that fails numerically leaves the scores ``None``. No model is built where the outputscale phase's score serves.
 
     :param build: a new model of the final approximation on the learning rows, sharing the learnt kernel.
     :param learning_targets: the learning rows' labels or counts; ``validation``: the held-out rows' inputs and
         targets.
-    :param classification: whether the likelihood is a classifier's (else counts).
+    :param likelihood: the model's likelihood (a classifier's, or one of counts: with a Poisson likelihood the warning
+        names the negative binomial one).
     """
-    report.held_out_metric = "log-loss" if classification else "Poisson deviance"
+    classification = likelihood_adapter(likelihood).classification
+    report.held_out_metric = held_out_metric(likelihood)
     factor = report.outputscale_factor
-    if factor in report.outputscale_log_loss:
-        score = report.outputscale_log_loss[factor]
+    if factor in report.outputscale_scores:
+        score = report.outputscale_scores[factor]
     else:
         try:
             score = held_out_score(build(), *validation, fit_steps)
@@ -76,13 +79,19 @@ def check_against_constant(
     constant = constant_score(learning_targets, validation[1], classification)
     report.held_out_score, report.constant_score = score, constant
     if score > constant:
+        overdispersion = (
+            ""
+            if classification or isinstance(likelihood, NegativeBinomialLikelihood)
+            else " Counts that vary more than a Poisson's mean allows (overdispersion) make the Poisson evidence learn "
+            "a rough function: model them with NegativeBinomialLikelihood (IterNCGPNegativeBinomialRegressor)."
+        )
         warnings.warn(
             f"fit_mll: the learnt model's held-out {report.held_out_metric} is {score:.4g} on {len(validation[1])} "
             f"rows, worse than a constant predictor's {constant:.4g} (the learning rows' "
             f"{'class frequencies' if classification else 'mean count'}): the hyperparameters fit the learning rows "
             "but do not predict others. Check the features' scaling (standardise them), try another kernel (a longer "
             "lengthscale, a linear part) or a simpler model; the scores are in the report's held_out_score and "
-            "constant_score.",
+            f"constant_score.{overdispersion}",
             WorseThanConstantWarning,
             stacklevel=5,  # the line that called fit_mll
         )

@@ -15,9 +15,10 @@ The recipe, in three phases (each a progress bar with ``show_progress``):
    (:attr:`~.recipe.LearningRecipe.evidence`: Newton's fits converge in a few steps where EP's sweeps take tens;
    EP's evidence where it is exact on request, never where it would be estimated from incomplete solves: that
    estimate's maximiser is biased, ``docs/design_notes.md``);
-2. **outputscale** (classifiers learnt on a subset, a ``ScaleKernel`` as ``covar_module``): the outputscale by the
-   log-loss of held-out rows (:mod:`.outputscale`): the evidence's maximiser is over-confident at large N (Laplace's
-   softmax, and EP learnt on it); then, wherever rows are held out, the learnt model against a constant predictor on
+2. **outputscale** (classifiers and count models learnt on a subset, a ``ScaleKernel`` as ``covar_module``): the
+   outputscale by the held-out score (log-loss, Poisson deviance) of held-out rows (:mod:`.outputscale`): the
+   evidence's maximiser is over-confident at large N (Laplace's softmax, and EP learnt on it; the Poisson evidence on
+   overdispersed counts); then, wherever rows are held out, the learnt model against a constant predictor on
    them (:mod:`.baseline`: a ``WorseThanConstantWarning`` where it predicts them worse);
 3. **final fit**: the strategy's own ``fit()`` on all the data, at its own options (with its covariance phase).
 
@@ -40,6 +41,7 @@ from typing import Any
 
 import gpytorch
 import torch
+from gpytorch.means import ConstantMean
 from gpytorch.mlls import MarginalLogLikelihood
 from torch import Tensor
 from tqdm.auto import tqdm
@@ -53,14 +55,7 @@ from ..mlls.stochastic import StochasticEPMarginalLogLikelihood
 from ..strategies.base import exact_regime
 from ..strategies.itergp import EPStrategy, IterNCGPStrategy
 from .baseline import check_against_constant
-from .kernel_choice import (
-    candidate_kernels,
-    check_select_by,
-    choose_kernel,
-    has_held_out_score,
-    held_out_unavailable,
-    time_share,
-)
+from .kernel_choice import candidate_kernels, check_select_by, choose_kernel, time_share
 from .learner import LearnerModel, laplace_likelihood
 from .minibatch import MinibatchRecipe, fit_minibatches
 from .optimisers import optimise
@@ -68,6 +63,7 @@ from .outputscale import choose_outputscale
 from .recipe import RECOVERABLE_ERRORS, LearningRecipe, LearningReport, LearningStop, cg_nans_as_nan_errors
 from .rows import auto_choice_size, auto_learning_size, draw_rows, held_out_rows
 from .scale import LogScale, trainable_parameters
+from .scores import has_held_out_score, held_out_metric, held_out_unavailable, log_rate
 
 __all__ = ["fit_dense_mll", "fit_minibatch_mll", "fit_mll"]
 
@@ -252,7 +248,7 @@ def _learn_dense(
                 phase.targets,
                 phase.validation,
                 recipe.outputscale_fit_steps,
-                strategy.adapter.classification,
+                mll.likelihood,
             )
     return report
 
@@ -328,13 +324,15 @@ class _LearningPhase:
         return LearnerModel(self.model, type(self.strategy), self.inputs, self.targets, self.likelihood)
 
     def choose_outputscale(self, report: LearningReport, deadline: float | None, start: float | None = None) -> None:
-        """A classifier's outputscale by the held-out rows (:func:`~.outputscale.choose_outputscale`, walking from
-        ``start``), where the kernel is a ``ScaleKernel`` and rows are held out."""
+        """The outputscale by the held-out rows (:func:`~.outputscale.choose_outputscale`, walking from ``start``),
+        where the kernel is a ``ScaleKernel``, rows are held out and the likelihood has a held-out score (classifiers,
+        counts)."""
         kernel = getattr(self.model, "covar_module", None)
-        classifier = self.strategy.adapter.classification
-        if classifier and isinstance(kernel, gpytorch.kernels.ScaleKernel) and self.validation is not None:
+        scored = has_held_out_score(self.likelihood)
+        if scored and isinstance(kernel, gpytorch.kernels.ScaleKernel) and self.validation is not None:
             assert self.held_out is not None
             report.validation_rows = self.held_out.tolist()
+            report.held_out_metric = held_out_metric(self.likelihood)
             x, y = self.validation
             ep = isinstance(self.strategy, EPStrategy)  # (EP's walk goes upwards first, Laplace's downwards)
             name = f"outputscale ({'EP' if ep else 'Laplace'})"
@@ -345,7 +343,11 @@ class _LearningPhase:
                         bar.total += 1
                     bar.update(1)
 
-                choose_outputscale(kernel, self.final_model, x, y, self.recipe, report, deadline, tick, start, ep)
+                mean = getattr(self.model, "mean_module", None)
+                log_rate_mean = mean if log_rate(self.likelihood) and isinstance(mean, ConstantMean) else None
+                choose_outputscale(
+                    kernel, self.final_model, x, y, self.recipe, report, deadline, tick, start, ep, log_rate_mean
+                )
                 bar.total = bar.n  # the walk's fits (it stops at the first rise, mostly before the grid's size)
                 bar.refresh()
 

@@ -28,20 +28,17 @@ from typing import Any, Protocol
 import gpytorch
 import torch
 from gpytorch.kernels import Kernel
-from gpytorch.likelihoods import PoissonLikelihood
 from torch import Tensor
 
 from .. import settings
 from ..kernels.additive import FirstOrderAdditiveKernel
 from ..kernels.warping import KumaraswamyWarpedKernel
-from ..likelihoods.adapters import ExpPoissonLikelihood, MultitaskPoissonLikelihood, likelihood_adapter
-from ..likelihoods.negative_binomial import NegativeBinomialLikelihood
 from ..mlls.itergp import EPMarginalLogLikelihood, LaplaceMarginalLogLikelihood
 from ..strategies.itergp import EPStrategy
 from .estimator_policy import default_kernel, log_positive
 from .learner import LearnerModel
-from .outputscale import log_loss
 from .recipe import RECOVERABLE_ERRORS, LearningRecipe, LearningReport
+from .scores import held_out_score
 
 __all__ = [
     "SELECT_BY",
@@ -49,13 +46,9 @@ __all__ = [
     "candidate_kernels",
     "check_select_by",
     "choose_kernel",
-    "has_held_out_score",
-    "held_out_score",
-    "held_out_unavailable",
     "kernel_family",
     "kernel_owner",
     "learnt_evidence",
-    "poisson_deviance",
     "time_share",
 ]
 
@@ -305,7 +298,7 @@ def choose_kernel(
         candidate_deadline = time_share(deadline, 1, len(candidates) - index + (choice is not None))
         owner.covar_module = kernel.to(device=inputs.device, dtype=inputs.dtype)
         _restore(others, initial)
-        candidate = dataclasses.replace(report, losses=[], outputscale_log_loss={}, kernel_scores={})
+        candidate = dataclasses.replace(report, losses=[], outputscale_scores={}, kernel_scores={})
         start = time.perf_counter()
         count = sum(parameter.numel() for parameter in kernel.parameters() if parameter.requires_grad)
         scores: dict[str, Any] = dict(held_out=None, evidence=None, bic=None, hyperparameters=count, seconds=0.0)
@@ -317,10 +310,10 @@ def choose_kernel(
                 scores["evidence"] = learnt_evidence(learner)
                 scores["bic"] = scores["evidence"] + count * math.log(rows) / (2 * rows)
             screen.choose_outputscale(candidate, candidate_deadline, walk_from)
-            if candidate.outputscale_log_loss:
+            if candidate.outputscale_scores:
                 scores["outputscale_factor"] = walk_from = candidate.outputscale_factor
             if screen.validation is not None:
-                losses = candidate.outputscale_log_loss
+                losses = candidate.outputscale_scores
                 scores["held_out"] = (
                     losses[candidate.outputscale_factor]  # the outputscale phase's fit at the chosen factor
                     if candidate.outputscale_factor in losses
@@ -346,7 +339,7 @@ def choose_kernel(
         owner.covar_module.load_state_dict(initial_kernels[chosen])
         _restore(others, initial)
         walk_from = report.kernel_scores[chosen]["outputscale_factor"]  # where the chosen candidate's walk ended
-        candidate = dataclasses.replace(report, losses=[], outputscale_log_loss={}, kernel_scores={})
+        candidate = dataclasses.replace(report, losses=[], outputscale_scores={}, kernel_scores={})
         phase.learn(candidate, deadline, chosen)
         phase.choose_outputscale(candidate, deadline, walk_from)
     scores = report.kernel_scores
@@ -389,61 +382,3 @@ def learnt_evidence(learner: Any) -> float:
         strategy.overriding(covariance_iterations=0, train_fit_steps=None),
     ):
         return float(-mll(learner(strategy.train_inputs), strategy.train_targets))
-
-
-def held_out_score(model: gpytorch.models.ApproximateGP, inputs: Tensor, targets: Tensor, fit_steps: int) -> float:
-    """The held-out score of ``model`` (fitted here, cold, with at most ``fit_steps`` Newton steps or EP sweeps, as
-    the outputscale phase's candidates): the log-loss (:func:`~.outputscale.log_loss`) of a classifier's predictive
-    probabilities, the mean Poisson deviance (:func:`poisson_deviance`) of the expected counts of a Poisson likelihood.
-
-    :param inputs: the held-out rows' inputs ``(V, D)``; ``targets``: their labels or counts ``(V,)`` (or ``(V, C)``).
-    :raises TypeError: for another likelihood (no held-out score: choose by ``select_by="bic"``).
-    """
-    strategy = model.variational_strategy
-    counts = _count_adapter(strategy.likelihood)
-    if not (strategy.adapter.classification or counts is not None):
-        raise TypeError(held_out_unavailable(strategy.likelihood))
-    model.eval()
-    with torch.no_grad():
-        strategy.fit(show_progress=False, limit_warning=False, **{strategy.max_steps_option: fit_steps})
-        if counts is None:
-            return log_loss(strategy.predictive_probabilities(inputs), targets)
-        mean, variance = strategy.marginal_latent(inputs)
-        if strategy.num_latents == 1:
-            mean, variance = mean[:, 0], variance[:, 0]
-        return poisson_deviance(counts.predictive_mean(mean, variance), targets)
-
-
-def has_held_out_score(likelihood: gpytorch.likelihoods.Likelihood) -> bool:
-    """Whether :func:`held_out_score` scores ``likelihood``'s models: classifiers and Poisson likelihoods."""
-    return likelihood_adapter(likelihood).classification or _count_adapter(likelihood) is not None
-
-
-def held_out_unavailable(likelihood: gpytorch.likelihoods.Likelihood) -> str:
-    """Why a ``likelihood`` has no held-out score, and what to use instead."""
-    return (
-        f"fit_mll: the held-out score is the log-loss of a classifier or the Poisson deviance of counts; "
-        f"{type(likelihood).__name__} has neither: choose the kernel by select_by='bic' (or 'evidence')."
-    )
-
-
-def _count_adapter(likelihood: gpytorch.likelihoods.Likelihood) -> Any:
-    """The closed-form adapter whose ``predictive_mean`` is a Poisson likelihood's :math:`\\mathbb E[y_*]` (the
-    quasi-likelihoods of non-integer targets and the negative binomial, of the same mean, included), or ``None`` for
-    another likelihood."""
-    if isinstance(likelihood, MultitaskPoissonLikelihood):
-        return likelihood_adapter(likelihood)
-    if isinstance(likelihood, ExpPoissonLikelihood | NegativeBinomialLikelihood):  # the same E[y*] = E[e^f]
-        return likelihood_adapter(ExpPoissonLikelihood())
-    if isinstance(likelihood, PoissonLikelihood):
-        return likelihood_adapter(PoissonLikelihood())
-    return None
-
-
-def poisson_deviance(expected: Tensor, counts: Tensor) -> float:
-    r"""The mean Poisson deviance :math:`\frac 1 V \sum_i 2 (y_i \log(y_i / \mu_i) - y_i + \mu_i)` of the expected
-    counts ``expected`` :math:`\mu` at the observed ``counts`` :math:`y` (same shape; missing counts, NaN, skipped), as
-    scikit-learn's ``mean_poisson_deviance``; :math:`\mu` clipped at the dtype's machine epsilon."""
-    observed = torch.isfinite(counts)
-    y, mu = counts[observed], expected[observed].clamp_min(torch.finfo(expected.dtype).eps)
-    return float((2 * (torch.special.xlogy(y, y) - y * mu.log() - y + mu)).mean())

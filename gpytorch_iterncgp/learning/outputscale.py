@@ -1,14 +1,18 @@
-r"""A classifier's outputscale by held-out rows, after its kernel was learnt on a subset (cross-validation of one
-hyperparameter, R&W sec. 5.3).
+r"""The outputscale by held-out rows, after the kernel was learnt on a subset (cross-validation of one
+hyperparameter, R&W sec. 5.3), for classifiers and count models.
 
 At the outputscale :math:`s^2` Laplace's evidence learns on thousands of points, EP's posterior is over-confident
 (``docs/design_notes.md``) and Laplace's own predictive poor (the softmax's Laplace approximation; measured in
 ``benchmarks/README.md`` §16), and EP's own estimated evidence is biased towards large outputscales by the
-computation-aware cavities; the held-out log-loss measures what the classifier is used for.
+computation-aware cavities; on overdispersed counts the Poisson evidence learns a function rough enough to predict
+new rows worse than their mean. The held-out score (:func:`~.scores.held_out_score`: log-loss, mean Poisson deviance)
+measures what the model is used for; as :math:`s^2 \to 0` the model tends to its prior mean, so the walk's choice
+is never far worse than a constant predictor on the held-out rows.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
@@ -17,17 +21,9 @@ import torch
 from torch import Tensor
 
 from .recipe import RECOVERABLE_ERRORS, LearningRecipe, LearningReport
+from .scores import held_out_score
 
-__all__ = ["choose_outputscale", "log_loss"]
-
-
-def log_loss(probabilities: Tensor, labels: Tensor) -> float:
-    r"""The mean negative log probability of ``labels`` ``(V,)`` (class indices) under ``probabilities``: ``(V,)``
-    of class 1 (binary) or ``(V, C)``; each clipped at the dtype's machine epsilon, as scikit-learn's ``log_loss``."""
-    if probabilities.dim() == 1:
-        probabilities = torch.stack([1 - probabilities, probabilities], dim=-1)
-    chosen = probabilities.gather(-1, labels.long()[:, None])[:, 0]
-    return float(-chosen.clamp_min(torch.finfo(chosen.dtype).eps).log().mean())
+__all__ = ["choose_outputscale"]
 
 
 def choose_outputscale(
@@ -41,49 +37,57 @@ def choose_outputscale(
     tick: Callable[[], None],
     start: float | None = None,
     upwards_first: bool = True,
+    log_rate_mean: gpytorch.means.ConstantMean | None = None,
 ) -> None:
-    r"""Set ``kernel``'s outputscale :math:`s^2` to Laplace's times the factor with the smallest log-loss at the held-out
-    rows ``validation_x`` ``(V, D)``, ``validation_y`` ``(V,)``, found by a walk on the ladder of
+    r"""Set ``kernel``'s outputscale :math:`s^2` to the learnt one times the factor with the smallest held-out score
+    (:func:`~.scores.held_out_score`: log-loss or mean Poisson deviance) at the held-out rows ``validation_x`` ``(V, D)``, ``validation_y`` ``(V,)``, found by a walk on the ladder of
     ``recipe.outputscale_factors`` (sorted; past its edges, the edge factor doubled or halved, at most
     ``recipe.outputscale_extensions`` times in all); the lengthscales stay.
 
     The walk starts at ``start`` (default: the grid's first factor, 1: Laplace's), tries the next larger factor and
-    goes on upwards while the log-loss falls; where the first larger one is no better it tries the smaller ones the
+    goes on upwards while the score falls; where the first larger one is no better it tries the smaller ones the
     same way (``upwards_first=False``: downwards first). EP's final fit walks upwards first (at the outputscale
     Laplace's evidence learns, EP's held-out optimum lay above it on every split of the tabular panel), Laplace's
-    downwards (its own predictive's optimum lies below; ``docs/design_notes.md``). On a log-loss unimodal in
+    downwards (its own predictive's optimum lies below; ``docs/design_notes.md``). On a score unimodal in
     :math:`\log s^2` (as measured on the tabular panel and the small sets) it finds the grid's minimum in two fits
     more than its distance from the start instead of a fit at every factor, whatever the start; a start near the
     minimum (the factor a kernel choice found on fewer rows) saves the fits in between. A start outside the grid
     extends it as the walk would (doubling its largest or halving its smallest factor, each counted among the
     extensions).
     Each candidate gets a cold fit of ``recipe.outputscale_fit_steps`` EP sweeps or Newton steps (``build()``: a new
-    model of the final approximation on the learning rows sharing ``kernel``) and its predictive probabilities at the
-    held-out rows; a failed fit counts as no better. No candidate starts after ``deadline``
-    (``time.perf_counter()`` seconds); where every fit fails the factor is 1 (Laplace's). Fills ``report``'s
+    model of the final approximation on the learning rows sharing ``kernel``) and is scored at the held-out rows; a
+    failed fit counts as no better. No candidate starts after ``deadline``
+    (``time.perf_counter()`` seconds); where every fit fails the factor is 1 (the learnt outputscale). Fills ``report``'s
     outputscale fields; ``tick()`` after each candidate (the progress bar).
+
+    ``log_rate_mean``: a count model's constant prior mean :math:`m` of a log rate (exp link), shifted with each factor
+    :math:`a` to :math:`m + (1 - a) s^2 / 2`, so that the prior mean rate :math:`\mathbb E[e^f] = e^{m + s^2/2}` stays
+    the learnt one: the candidates then run from the learnt model (:math:`a = 1`) towards the constant predictor of that
+    rate (:math:`a \to 0`) instead of towards a lower one (without the shift, a smaller :math:`s^2` lowers every
+    prediction by :math:`e^{-(1 - a) s^2 / 2}`).
     """
     learnt = kernel.outputscale.detach().clone()
+    learnt_mean = None if log_rate_mean is None else log_rate_mean.constant.detach().clone()
     began = time.perf_counter()
 
-    def score(factor: float) -> None:
-        """The held-out log-loss at ``factor`` (in ``report.outputscale_log_loss``; nothing where the fit fails)."""
+    def set_factor(factor: float) -> None:
+        """The outputscale (and ``log_rate_mean``) at ``factor``."""
         with torch.no_grad():
             kernel.outputscale = learnt * factor
-        model = build()  # every candidate's fit starts cold
-        strategy = model.variational_strategy
-        model.eval()
+            if log_rate_mean is not None and learnt_mean is not None:
+                log_rate_mean.constant.copy_(learnt_mean + (1 - factor) * learnt / 2)
+
+    def score(factor: float) -> None:
+        """The held-out score at ``factor`` (in ``report.outputscale_scores``; nothing where the fit fails)."""
+        set_factor(factor)
         try:
-            with torch.no_grad():
-                steps = {strategy.max_steps_option: recipe.outputscale_fit_steps}
-                strategy.fit(show_progress=False, limit_warning=False, **steps)
-                probabilities = strategy.predictive_probabilities(validation_x)
+            value = held_out_score(build(), validation_x, validation_y, recipe.outputscale_fit_steps)  # a cold fit
         except RECOVERABLE_ERRORS:
             return
         finally:
             tick()
-        if bool(torch.isfinite(probabilities).all()):
-            report.outputscale_log_loss[factor] = log_loss(probabilities, validation_y)
+        if math.isfinite(value):
+            report.outputscale_scores[factor] = value
 
     def out_of_time() -> bool:
         return deadline is not None and time.perf_counter() >= deadline
@@ -116,12 +120,12 @@ def choose_outputscale(
         if out_of_time():
             return False
         score(factor)
-        losses = report.outputscale_log_loss
+        losses = report.outputscale_scores
         return factor in losses and (than not in losses or losses[factor] < losses[than])
 
     if not out_of_time():
         score(best)
-    for downwards in (not upwards_first, upwards_first):  # one way while the log-loss falls; else the other
+    for downwards in (not upwards_first, upwards_first):  # one way while the score falls; else the other
         origin = best
         step = neighbour(best, downwards)
         while step is not None and better(step, best):
@@ -129,9 +133,8 @@ def choose_outputscale(
             step = neighbour(best, downwards)
         if best != origin:
             break
-    losses = report.outputscale_log_loss
+    losses = report.outputscale_scores
     report.outputscale_factor = min(losses, key=losses.__getitem__) if losses else 1.0
-    with torch.no_grad():
-        kernel.outputscale = learnt * report.outputscale_factor
+    set_factor(report.outputscale_factor)
     report.validation_points = len(validation_x)
     report.outputscale_seconds = time.perf_counter() - began

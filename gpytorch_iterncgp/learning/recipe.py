@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -158,9 +159,10 @@ class LearningReport:
     maximised (``"Laplace"`` or ``"EP"``), on ``data_points`` of the ``num_data`` training points (``learning_rows``,
     sorted; ``None``: all); ``losses`` is ``-evidence / n`` at every evaluation.
 
-    Outputscale (EP learnt on Laplace's evidence): the factor the outputscale was multiplied by (chosen by the held-out
-    log-loss of the ``validation_points`` rows ``validation_rows``), the log-loss at each factor tried, and the seconds
-    it took.
+    Outputscale (where rows are held out: classifiers and count models): ``outputscale_factor``, the factor the learnt
+    outputscale was multiplied by, chosen by the held-out score (``held_out_metric``: log-loss or mean Poisson
+    deviance) of the ``validation_points`` rows ``validation_rows``; ``outputscale_scores``, that score at each factor
+    tried (``outputscale_log_loss``: its former name, deprecated); and ``outputscale_seconds``.
 
     Kernel choice (``fit_mll(kernels=...)``, the estimators' ``kernel="auto"``): ``kernel``, the name of the chosen
     candidate (``None``: no choice, the model's own kernel), and ``kernel_scores``, for every candidate a dict:
@@ -198,7 +200,7 @@ class LearningReport:
     losses: list[float] = field(default_factory=list)
     learning_rows: list[int] | None = None
     outputscale_factor: float = 1.0
-    outputscale_log_loss: dict[float, float] = field(default_factory=dict)
+    outputscale_scores: dict[float, float] = field(default_factory=dict)
     validation_points: int = 0
     validation_rows: list[int] | None = None
     outputscale_seconds: float = 0.0
@@ -215,9 +217,10 @@ class LearningReport:
             return "hyperparameters not learnt"
         subset = "" if self.data_points == self.num_data else f" of {self.data_points} of the {self.num_data} points"
         outputscale = (
-            f"; outputscale times {self.outputscale_factor:g} by the log-loss of {self.validation_points} held-out "
-            f"points ({len(self.outputscale_log_loss)} fits in {self.outputscale_seconds:.2f}s)"
-            if self.outputscale_log_loss
+            f"; outputscale times {self.outputscale_factor:g} by the {self.held_out_metric} of "
+            f"{self.validation_points} held-out points ({len(self.outputscale_scores)} fits in "
+            f"{self.outputscale_seconds:.2f}s)"
+            if self.outputscale_scores
             else ""
         )
         return (
@@ -226,6 +229,17 @@ class LearningReport:
             f"{self.fit_seconds:.2f}s, evidence {self.evidence_seconds:.2f}s, gradients {self.gradient_seconds:.2f}s), "
             f"stopped by {self.stopped}{outputscale}{self._check()}"
         )
+
+    @property
+    def outputscale_log_loss(self) -> dict[float, float]:
+        """Deprecated name of :attr:`outputscale_scores` (the score is the log-loss or the Poisson deviance)."""
+        warnings.warn(
+            "LearningReport.outputscale_log_loss is deprecated and will be removed in a future release: it is "
+            "outputscale_scores (the held-out log-loss or Poisson deviance at each factor).",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return self.outputscale_scores
 
     def _check(self) -> str:
         """``"; held-out log-loss ... against a constant predictor's ..."`` (or nothing: not checked)."""

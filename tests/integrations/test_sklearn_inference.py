@@ -250,7 +250,7 @@ def test_ep_outputscale_is_chosen_by_the_held_out_log_loss():
             break
         factor = best * 2 if best == max(expected) else best / 2
         expected[factor] = reference(factor)
-    walked = report.outputscale_log_loss  # the walk's fits: a subset of the grid's, and its minimum
+    walked = report.outputscale_scores  # the walk's fits: a subset of the grid's, and its minimum
     assert 3 <= len(walked) < len(expected) and walked == pytest.approx({f: expected[f] for f in walked}, abs=2e-4)
     assert report.outputscale_factor == min(expected, key=expected.__getitem__)
     assert classifier.model_.covar_module.outputscale.item() == classifier.kernel_.outputscale.item()
@@ -267,7 +267,7 @@ def test_ep_outputscale_needs_held_out_rows_an_outputscale_and_time():
         out_of_time = IterNCGPClassifier(kernel=None, inference="ep", learning_subset=80, max_time=0.0, random_state=0)
         for classifier in (everything.fit(x, y), no_outputscale.fit(x, y), out_of_time.fit(x, y)):
             assert classifier.learning_report_.evidence == "Laplace"
-            assert classifier.learning_report_.outputscale_log_loss == {}
+            assert classifier.learning_report_.outputscale_scores == {}
             assert classifier.learning_report_.outputscale_factor == 1.0
             assert "outputscale times" not in str(classifier.fit_report_)
     assert everything.validation_rows_ is None and everything.learning_report_.held_out_score is None

@@ -158,7 +158,7 @@ def test_fit_mll_learns_correlated_counts_with_missing_outputs_on_a_subset():
     mll = LaplaceMarginalLogLikelihood(model.variational_strategy.likelihood, model)
     report = fit_mll(mll, subset=80, seed=1, recipe=LearningRecipe(optimizer_steps=6))
     assert report.data_points == 80 and len(report.learning_rows) == 80 and report.validation_rows is None
-    assert report.losses[-1] < report.losses[0] - 1e-3 and report.outputscale_log_loss == {}
+    assert report.losses[-1] < report.losses[0] - 1e-3 and report.outputscale_scores == {}
     assert report.fit_report.converged and model.variational_strategy.num_data == 120
 
 
@@ -175,8 +175,8 @@ def test_fit_mll_chooses_eps_outputscale_on_held_out_rows_and_every_phase_shows_
         warnings.simplefilter("ignore", ConvergenceWarning)
         report = fit_mll(mll, subset=100, seed=0, recipe=recipe, show_progress=True)
     assert report.evidence == "Laplace" and report.data_points == 100 and report.validation_points == 100
-    assert set(report.outputscale_log_loss) == {1.0, 0.25}
-    assert report.outputscale_factor == min(report.outputscale_log_loss, key=report.outputscale_log_loss.__getitem__)
+    assert set(report.outputscale_scores) == {1.0, 0.25}
+    assert report.outputscale_factor == min(report.outputscale_scores, key=report.outputscale_scores.__getitem__)
     errors = capsys.readouterr().err
     assert "learning: Adam on the Laplace evidence of 100 points" in errors
     assert "outputscale (EP)" in errors and "2/2" in errors
@@ -207,13 +207,13 @@ def test_the_outputscale_grid_follows_the_held_out_optimum_past_its_edge():
         grid, _ = fitted(0)  # at s² = 0.01 the probabilities stay near 1/2: worse than the class frequencies
     report, model = fitted(3)
     assert grid.held_out_score is not None and grid.constant_score is not None
-    assert grid.held_out_score == grid.outputscale_log_loss[1.0] > grid.constant_score
-    assert report.held_out_score == report.outputscale_log_loss[8.0] < report.constant_score
-    assert list(grid.outputscale_log_loss) == [1.0, 0.5] and grid.outputscale_factor == 1.0
-    losses = report.outputscale_log_loss
+    assert grid.held_out_score == grid.outputscale_scores[1.0] > grid.constant_score
+    assert report.held_out_score == report.outputscale_scores[8.0] < report.constant_score
+    assert list(grid.outputscale_scores) == [1.0, 0.5] and grid.outputscale_factor == 1.0
+    losses = report.outputscale_scores
     assert list(losses) == [1.0, 0.5, 2.0, 4.0, 8.0]  # Laplace's walk: downwards first
     assert [losses[factor] for factor in (1.0, 0.5)] == pytest.approx(
-        [grid.outputscale_log_loss[1.0], grid.outputscale_log_loss[0.5]], rel=1e-10
+        [grid.outputscale_scores[1.0], grid.outputscale_scores[0.5]], rel=1e-10
     )
     assert losses[8.0] < losses[4.0] < losses[2.0] < losses[1.0] < losses[0.5]
     assert report.outputscale_factor == 8.0
@@ -243,13 +243,13 @@ def test_after_a_kernel_choice_the_outputscale_walk_starts_where_the_choices_end
     report = fitted(("matern", "linear+matern"))
     factors = {name: score["outputscale_factor"] for name, score in report.kernel_scores.items()}
     assert all(factor is not None and factor > 0 for factor in factors.values()), factors
-    assert next(iter(report.outputscale_log_loss)) == factors[report.kernel]
+    assert next(iter(report.outputscale_scores)) == factors[report.kernel]
     alone = fitted((report.kernel,))
     assert report.outputscale_factor == alone.outputscale_factor
-    common = set(report.outputscale_log_loss) & set(alone.outputscale_log_loss)
+    common = set(report.outputscale_scores) & set(alone.outputscale_scores)
     assert report.outputscale_factor in common
     for factor in common:
-        assert report.outputscale_log_loss[factor] == pytest.approx(alone.outputscale_log_loss[factor], rel=1e-9)
+        assert report.outputscale_scores[factor] == pytest.approx(alone.outputscale_scores[factor], rel=1e-9)
 
 
 def test_fit_mll_refuses_other_objectives_and_bad_subsets():

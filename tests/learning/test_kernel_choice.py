@@ -25,7 +25,8 @@ from gpytorch_iterncgp import (
 from gpytorch_iterncgp.kernels.additive import FirstOrderAdditiveKernel
 from gpytorch_iterncgp.kernels.warping import KumaraswamyWarpedKernel
 from gpytorch_iterncgp.learning.estimator_policy import AUTO_KERNELS, default_kernel
-from gpytorch_iterncgp.learning.kernel_choice import candidate_kernels, kernel_family, poisson_deviance
+from gpytorch_iterncgp.learning.kernel_choice import candidate_kernels, kernel_family
+from gpytorch_iterncgp.learning.scores import poisson_deviance
 from tests.common import IterNCGPModel, count_data
 
 #: the solver and learning of every fit here: CG to a tolerance (cheaper than the exact unit-vector solves the
@@ -282,7 +283,7 @@ def test_an_isotropic_function_keeps_a_good_kernel_and_the_report_has_every_cand
     # the learning fields are the chosen candidate's, the held-out rows those it was scored on
     assert report.data_points == 130 and report.validation_points == 120 and len(report.validation_rows) == 120
     assert scores[report.kernel]["evidence"] == pytest.approx(min(report.losses), rel=1e-6)
-    assert scores[report.kernel]["held_out"] == report.outputscale_log_loss[report.outputscale_factor]
+    assert scores[report.kernel]["held_out"] == report.outputscale_scores[report.outputscale_factor]
     assert report.fit_report.converged and model.covar_module is kernels[report.kernel]
     json.dumps({key: value for key, value in dataclasses.asdict(report).items() if key != "fit_report"})
     assert f"kernel {report.kernel!r} of 7 candidates" in str(report) and "broken: skipped" in str(report)
@@ -303,7 +304,7 @@ def test_without_kernels_fit_mll_learns_as_before_and_one_candidate_learns_the_s
     assert plain.kernel is None and plain.kernel_scores == {} and "kernel" not in str(plain)
     for report in (explicit, chosen):
         assert report.losses == plain.losses and report.learning_rows == plain.learning_rows
-        assert report.outputscale_log_loss == plain.outputscale_log_loss
+        assert report.outputscale_scores == plain.outputscale_scores
         assert report.validation_rows == plain.validation_rows
     for other in (same, single):
         for mine, theirs in zip(model.parameters(), other.parameters(), strict=True):
@@ -313,7 +314,8 @@ def test_without_kernels_fit_mll_learns_as_before_and_one_candidate_learns_the_s
 
 def test_counts_are_scored_by_their_held_out_poisson_deviance():
     """A Poisson model: the held-out score is the mean Poisson deviance of the expected counts; choosing by it keeps
-    the candidate with the least, and the mean's learnt constant is the chosen candidate's."""
+    the candidate with the least, whose outputscale is then walked by the same score (as a classifier's by the
+    log-loss), and the mean's learnt constant is the chosen candidate's."""
     x, y = count_data(160, seed=2)
     likelihood = ExpPoissonLikelihood()
     model, mll = _model(x, y, likelihood, constant_mean=0.5)
@@ -322,7 +324,9 @@ def test_counts_are_scored_by_their_held_out_poisson_deviance():
     report = fit_mll(mll, kernels=kernels, subset=80, select_by="held_out", recipe=recipe, seed=0)
     scores = report.kernel_scores
     assert report.kernel == min(scores, key=lambda name: scores[name]["held_out"])
-    assert all(0 < score["held_out"] < 5 for score in scores.values()) and report.outputscale_log_loss == {}
+    assert all(0 < score["held_out"] < 5 for score in scores.values())
+    assert report.held_out_metric == "Poisson deviance" and len(report.outputscale_scores) >= 2
+    assert report.held_out_score == min(report.outputscale_scores.values()) <= scores[report.kernel]["held_out"]
     assert report.validation_points == 80 and float(model.mean_module.constant.detach()) != 0.5
 
 
