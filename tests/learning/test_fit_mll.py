@@ -471,3 +471,13 @@ def test_fit_mll_without_trainable_parameters_only_fits():
     report = fit_mll(LaplaceMarginalLogLikelihood(model.variational_strategy.likelihood, model))
     assert report.evaluations == 0 and report.learning_rows is None and report.fit_report.steps >= 1
     assert str(report) == "hyperparameters not learnt"
+
+
+def test_the_outputscale_scores_former_name_warns_and_still_reads_them():
+    """``LearningReport.outputscale_log_loss`` (deprecated) is ``outputscale_scores`` itself, with a ``FutureWarning``."""
+    from gpytorch_iterncgp import LearningReport
+
+    report = LearningReport()
+    report.outputscale_scores[0.5] = 0.25
+    with pytest.warns(FutureWarning, match="outputscale_scores"):
+        assert report.outputscale_log_loss is report.outputscale_scores
