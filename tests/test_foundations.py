@@ -153,8 +153,8 @@ LAYERS: list[tuple[str, list[set[str]]]] = [
     (
         "learning",
         [
-            {"recipe", "scale"},
-            {"rows", "learner", "outputscale", "minibatch"},
+            {"recipe", "scale", "scores"},
+            {"rows", "learner", "outputscale", "minibatch", "optimisers"},
             {"estimator_policy"},
             {"kernel_choice"},
             {"baseline"},

@@ -130,7 +130,7 @@ def check_invariants(problem: Problem, options: dict) -> None:
         assert math.isclose(psis[-1], psi, rel_tol=10 * tol, abs_tol=10 * tol), (psis[-1], psi)
 
 
-@settings(max_examples=300, **FAST)
+@settings(max_examples=150, **FAST)
 @given(problem=problems(), options=solver_options)
 def test_invariants(problem, options):
     check_invariants(problem, options)
@@ -179,7 +179,7 @@ def check_exact_mode(problem: Problem, options: dict) -> None:
         assert error <= UNCERTIFIED_TOLERANCE, (error, report.steps, caught)
 
 
-@settings(max_examples=150, **FAST)
+@settings(max_examples=100, **FAST)
 @given(problem=problems(), options=choices_of_recycling)
 # The dense reference stalled on the float32 kernel matrix before it was symmetrised (tests/problems.py).
 @example(
@@ -233,7 +233,7 @@ few_iterations = st.fixed_dictionaries(
 )
 
 
-@settings(max_examples=60, **FAST)
+@settings(max_examples=40, **FAST)
 @given(problem=problems(dtypes=(torch.float64,), max_data=30), options=few_iterations)
 # Draws that were reported as converged far from the mode before the convergence test checked that the
 # step was a real Newton step (see tests/test_robustness.py::test_converged_means_at_the_exact_mode).

@@ -6,8 +6,9 @@ At the outputscale :math:`s^2` Laplace's evidence learns on thousands of points,
 ``benchmarks/README.md`` §16), and EP's own estimated evidence is biased towards large outputscales by the
 computation-aware cavities; on overdispersed counts the Poisson evidence learns a function rough enough to predict
 new rows worse than their mean. The held-out score (:func:`~.scores.held_out_score`: log-loss, mean Poisson deviance)
-measures what the model is used for; as :math:`s^2 \to 0` the model tends to its prior mean, so the walk's choice
-is never far worse than a constant predictor on the held-out rows.
+measures what the model is used for. As :math:`s^2 \to 0` a model tends to its prior mean (a count model's, with its
+log rate's constant mean moved to keep the prior mean rate, to the constant predictor of that rate), so the smallest
+factors compare the learnt model with predicting no structure at all.
 """
 
 from __future__ import annotations
@@ -40,25 +41,25 @@ def choose_outputscale(
     log_rate_mean: gpytorch.means.ConstantMean | None = None,
 ) -> None:
     r"""Set ``kernel``'s outputscale :math:`s^2` to the learnt one times the factor with the smallest held-out score
-    (:func:`~.scores.held_out_score`: log-loss or mean Poisson deviance) at the held-out rows ``validation_x`` ``(V, D)``, ``validation_y`` ``(V,)``, found by a walk on the ladder of
-    ``recipe.outputscale_factors`` (sorted; past its edges, the edge factor doubled or halved, at most
-    ``recipe.outputscale_extensions`` times in all); the lengthscales stay.
+    (:func:`~.scores.held_out_score`: log-loss or mean Poisson deviance) at the held-out rows ``validation_x``
+    ``(V, D)``, ``validation_y`` ``(V,)``, found by a walk on the ladder of ``recipe.outputscale_factors`` (sorted;
+    past its edges, the edge factor doubled or halved, at most ``recipe.outputscale_extensions`` times in all); the
+    lengthscales stay.
 
-    The walk starts at ``start`` (default: the grid's first factor, 1: Laplace's), tries the next larger factor and
-    goes on upwards while the score falls; where the first larger one is no better it tries the smaller ones the
-    same way (``upwards_first=False``: downwards first). EP's final fit walks upwards first (at the outputscale
+    The walk starts at ``start`` (default: the grid's first factor, 1: the learnt outputscale), tries the next larger
+    factor and goes on upwards while the score falls; where the first larger one is no better it tries the smaller ones
+    the same way (``upwards_first=False``: downwards first). EP's final fit walks upwards first (at the outputscale
     Laplace's evidence learns, EP's held-out optimum lay above it on every split of the tabular panel), Laplace's
-    downwards (its own predictive's optimum lies below; ``docs/design_notes.md``). On a score unimodal in
-    :math:`\log s^2` (as measured on the tabular panel and the small sets) it finds the grid's minimum in two fits
-    more than its distance from the start instead of a fit at every factor, whatever the start; a start near the
-    minimum (the factor a kernel choice found on fewer rows) saves the fits in between. A start outside the grid
-    extends it as the walk would (doubling its largest or halving its smallest factor, each counted among the
-    extensions).
-    Each candidate gets a cold fit of ``recipe.outputscale_fit_steps`` EP sweeps or Newton steps (``build()``: a new
-    model of the final approximation on the learning rows sharing ``kernel``) and is scored at the held-out rows; a
-    failed fit counts as no better. No candidate starts after ``deadline``
-    (``time.perf_counter()`` seconds); where every fit fails the factor is 1 (the learnt outputscale). Fills ``report``'s
-    outputscale fields; ``tick()`` after each candidate (the progress bar).
+    downwards (its own predictive's optimum lies below; ``docs/design_notes.md``). On a score unimodal in :math:`\log
+    s^2` (as measured on the tabular panel and the small sets) it finds the grid's minimum in two fits more than its
+    distance from the start instead of a fit at every factor, whatever the start; a start near the minimum (the factor a
+    kernel choice found on fewer rows) saves the fits in between. A start outside the grid extends it as the walk would
+    (doubling its largest or halving its smallest factor, each counted among the extensions). Each candidate gets a cold
+    fit of ``recipe.outputscale_fit_steps`` EP sweeps or Newton steps (``build()``: a new model of the final
+    approximation on the learning rows sharing ``kernel``) and is scored at the held-out rows; a failed fit counts as no
+    better. No candidate starts after ``deadline`` (``time.perf_counter()`` seconds); where every fit fails the factor
+    is 1 (the learnt outputscale). Fills ``report``'s outputscale fields; ``tick()`` after each candidate (the progress
+    bar).
 
     ``log_rate_mean``: a count model's constant prior mean :math:`m` of a log rate (exp link), shifted with each factor
     :math:`a` to :math:`m + (1 - a) s^2 / 2`, so that the prior mean rate :math:`\mathbb E[e^f] = e^{m + s^2/2}` stays
