@@ -349,6 +349,7 @@ def test_alps_family_problems_have_the_stated_structure():
     assert mixture.train_y.shape == (300, 9) and mixture.score_clean.shape == (100, 9)
 
 
+@pytest.mark.slow  # about 8 s
 def test_alps_family_smoke_run_and_merge_write_results(tmp_path):
     arguments = ["--smoke", "--quiet", "--families", "spike_and_slab", "concrete", "--out", str(tmp_path)]
     alps_family.main([*arguments, "--problems", "square_0.1", "--name", "a"])

@@ -788,6 +788,7 @@ def test_default_family_is_the_one_that_selected_best_in_the_benchmark():
     assert counts[default] == max(counts.values()) and sorted(counts.values())[-2] < counts[default], counts
 
 
+@pytest.mark.slow  # about 10 s
 def test_default_family_switches_off_the_absent_harmonics_of_a_square_wave():
     """A square wave (frequency 0.1, 4 periods, 80 noisy points) with candidate sinusoids at its first 4 harmonics,
     trained as the examples train (Adam, learning rate 0.1, everything but the kernels learnt). Its Fourier series
