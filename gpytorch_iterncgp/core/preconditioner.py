@@ -45,7 +45,6 @@ import time
 from collections.abc import Callable, Iterator
 
 import torch
-import torch.distributed as dist
 from linear_operator.operators import LinearOperator
 from torch import Tensor
 
@@ -138,18 +137,6 @@ class PointFactor(LowRankKernelFactor):
         return self._flat().mT @ (curvature_blocks @ self.columns).reshape(-1, self.rank)
 
 
-def _global_pivots(residual: Tensor, rows_block: RowBlock) -> tuple[Tensor, Tensor]:
-    r"""The largest entry of each row of ``residual`` ``(c, |I_p|)`` over all ranks and its global point index (the
-    smallest where several ranks hold it), ``(c,)`` each (in one process: ``residual.max(dim=-1)``)."""
-    local_value, local_index = residual.max(dim=-1)
-    if not rows_block.is_sharded:
-        return local_value, local_index
-    value = rows_block.maximum(local_value)
-    first_point = rows_block.start // rows_block.num_latents
-    candidate = torch.where(local_value == value, local_index + first_point, torch.full_like(local_index, 2**62))
-    return value, rows_block.reduce(candidate, op=dist.ReduceOp.MIN)
-
-
 def _pivot_columns(prior: LatentPrior, classes: int, num_points: int) -> Callable[[Tensor], Tensor]:
     r"""A function from the pivots ``(c,)`` (one point per class) to each class's kernel column at its pivot, this
     rank's rows ``(c, |I_p|)``: indexed in the kernel matrix where it is evaluated (:meth:`LatentPrior.evaluated_kernel`,
@@ -212,7 +199,7 @@ def pivoted_cholesky_factor(prior: LatentPrior, rank: int, cache_kernel: bool = 
     latents = torch.arange(classes, device=diagonal.device)
     read = _pivot_columns(prior, classes, num_points)
     for step in range(rank):
-        value, pivot = _global_pivots(diagonal, rows_block)
+        value, pivot = rows_block.largest_point(diagonal)
         active = value > floor
         if not bool(active.any()):
             factor, pivots = factor[:, :step], pivots[:, :step]
@@ -220,18 +207,13 @@ def pivoted_cholesky_factor(prior: LatentPrior, rank: int, cache_kernel: bool = 
         pivots[:, step] = pivot.masked_fill(~active, -1)
         column = read(pivot).double()  # (c, |I_p|): class c's kernel column at its pivot
         local = (pivot - first_point).clamp_(0, max(num_points - 1, 0))  # the pivot's row here, if this rank holds it
-        at_pivot = factor[latents, :step, local]  # (c, step): L_p
-        if rows_block.is_sharded:
-            held = (pivot - first_point == local)[:, None]
-            at_pivot = rows_block.summed(at_pivot * held)
+        held = pivot - first_point == local  # (c,): in one process, always
+        at_pivot = rows_block.summed(factor[latents, :step, local] * held[:, None])  # (c, step): L_p
         new = torch.baddbmm(column[:, None, :], at_pivot[:, None, :], factor[:, :step], alpha=-1)[:, 0]
         new *= (active / value.clamp_min(floor).sqrt())[:, None]  # l = (k_p - L L_p^T) / sqrt(d_p)
         factor[:, step] = new
         diagonal.sub_(new.square_()).clamp_min_(0)
-        if rows_block.is_sharded:
-            diagonal[latents, local] *= ~held[:, 0]  # the pivot itself is exact
-        else:
-            diagonal[latents, local] = 0
+        diagonal[latents, local] *= ~held  # the pivot itself is exact
     columns = factor.permute(2, 0, 1).to(prior.dtype)  # (|I_p|, c, k)
     if classes == 1 and num > 1:
         columns = columns.expand(-1, num, -1)

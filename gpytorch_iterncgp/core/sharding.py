@@ -147,6 +147,11 @@ class RowBlock:
         r"""The Euclidean norm :math:`\|\mathbf x\|` of an ``(n,)`` vector held by these rows: ``vector.norm()``."""
         return vector.norm()
 
+    def largest_point(self, values: Tensor) -> tuple[Tensor, Tensor]:
+        """The largest entry of each row of ``values`` ``(c, points held)`` over all processes and its global point
+        index (the smallest where several processes hold it), ``(c,)`` each: ``values.max(dim=-1)`` here."""
+        return values.max(dim=-1)
+
     def everywhere(self, flag: bool, like: Tensor) -> bool:
         """Whether ``flag`` holds in every process (so that the processes take one decision from their own rows, e.g.
         all entries finite): ``flag`` itself."""
@@ -194,6 +199,15 @@ class ShardedRowBlock(RowBlock):
     def local(self, tensor: Tensor) -> Tensor:
         """This rank's rows of a full ``(n, ...)`` tensor (a view)."""
         return tensor[self.start : self.stop]
+
+    def largest_point(self, values: Tensor) -> tuple[Tensor, Tensor]:
+        """The largest entry of each row of ``values`` ``(c, |I_p| points)`` over all ranks and its global point index
+        (the smallest where several ranks hold it), ``(c,)`` each: two ``all_reduce``."""
+        local_value, local_index = values.max(dim=-1)
+        value = self.maximum(local_value)
+        first_point = self.start // self.num_latents
+        candidate = torch.where(local_value == value, local_index + first_point, torch.full_like(local_index, 2**62))
+        return value, self.reduce(candidate, op=dist.ReduceOp.MIN)
 
     def reduce(self, tensor: Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> Tensor:
         """The sum (or ``op``, e.g. the maximum) over the ranks of ``tensor`` (one ``all_reduce``), as a new tensor."""
