@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
     """Fit once (the row) or render (the results file's fields and the table); see the module docstring."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("dataset", nargs="?", help="a data set of benchmarks.real_data (classification or counts)")
-    parser.add_argument("--regressor", choices=("poisson", "negbin"), default="poisson", help="for a count data set")
+    parser.add_argument("--regressor", choices=("poisson", "negbin"), help="a count data set's (default: poisson)")
     parser.add_argument("split", nargs="?", type=int, default=0)
     parser.add_argument("--label", default="new", help="the version's name in the results")
     parser.add_argument("--package-root", type=Path, default=ROOT, help="the checkout whose package is fitted")
@@ -176,9 +176,14 @@ def main(argv: list[str] | None = None) -> dict:
     if args.render is None:
         if args.dataset is None:
             parser.error("give a data set and a split, or --render")
-        row = fit_once(
-            args.dataset, args.split, args.label, args.package_root, args.threads, args.smoke, args.regressor
-        )
+        from benchmarks.real_data import COUNTS
+
+        if args.regressor is not None and args.dataset not in COUNTS:
+            parser.error(
+                f"--regressor is for the count data sets ({', '.join(COUNTS)}); {args.dataset} is fitted by the classifier"
+            )
+        regressor = args.regressor or "poisson"
+        row = fit_once(args.dataset, args.split, args.label, args.package_root, args.threads, args.smoke, regressor)
         print(json.dumps(row), flush=True)
         return row
     from benchmarks.common import machine
