@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import inspect
 import itertools
 import math
@@ -364,8 +363,7 @@ def _choice_phase(
 ) -> _LearningPhase | None:
     """The learning phase the candidate kernels are learnt and scored in for the choice: on the recipe's
     ``kernel_choice_subset`` of the learning ``rows`` (drawn as they were, stratified by ``labels``), with the same
-    held-out rows, L-BFGS stopping at the recipe's ``kernel_choice_loss_tol``; ``None`` where that is all of them (the
-    choice then learns in the learning phase itself)."""
+    held-out rows; ``None`` where that is all of them (the choice then learns in the learning phase itself)."""
     strategy = mll.model.variational_strategy
     size = recipe.kernel_choice_subset
     if size is None:
@@ -375,8 +373,7 @@ def _choice_phase(
     if size >= len(learning):
         return None
     choice_rows = draw_rows(learning, size, None if labels is None else labels[learning], generator())
-    screen = dataclasses.replace(recipe, loss_tol=recipe.kernel_choice_loss_tol)  # a ranking, not the learning
-    return _LearningPhase(mll, choice_rows, held_out, screen, show)
+    return _LearningPhase(mll, choice_rows, held_out, recipe, show)
 
 
 def fit_minibatch_mll(

@@ -68,9 +68,6 @@ class LearningRecipe:
         (all the learning rows, no second learning). Where fewer, the chosen kernel is learnt again on all the learning
         rows from its initial values, as if it had been given alone (two fidelities, as successive halving: Jamieson &
         Talwalkar 2016).
-    :param kernel_choice_loss_tol: ``loss_tol`` of each candidate's L-BFGS in that choice on fewer rows (where the
-        evidence is exact): a ranking needs the evidence to a few 10⁻⁴ nats per row, not the learning's ``loss_tol``,
-        whose last iterations move it by less; the chosen kernel's second learning keeps ``loss_tol``.
     :param evidence: the evidence an EP model's hyperparameters are learnt on (:data:`EVIDENCES`; a Laplace model
         learns on its own either way): ``"laplace"``, Laplace's evidence of the same prior under the likelihood
         Laplace takes for EP's (:func:`~.learner.laplace_likelihood`: the softmax for the multinomial probit), after
@@ -94,7 +91,6 @@ class LearningRecipe:
     min_validation_points: int = 100
     held_out_fraction: float = 0.2
     kernel_choice_subset: int | str | None = "auto"
-    kernel_choice_loss_tol: float = 1e-4
     evidence: str = "laplace"
 
     def validate(self) -> None:
@@ -106,7 +102,6 @@ class LearningRecipe:
         check_count(self.outputscale_extensions, "outputscale_extensions")
         check_nonnegative(self.learning_rate, "learning_rate", positive=True)
         check_nonnegative(self.loss_tol, "loss_tol")
-        check_nonnegative(self.kernel_choice_loss_tol, "kernel_choice_loss_tol")
         check_nonnegative(self.held_out_fraction, "held_out_fraction")
         if not self.held_out_fraction < 1:
             raise ValueError(f"held_out_fraction must lie in [0, 1), got {self.held_out_fraction!r}.")
