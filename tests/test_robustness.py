@@ -363,6 +363,48 @@ def test_state_dict_saved_inside_callback_resumes_bit_identical(problem, policy,
     assert_bit_identical(fresh, model)
 
 
+def _after_a_kernel_change(problem, policy, rank):
+    """A model fitted for 4 Newton steps, then given another lengthscale: its next fit renews the state's products with
+    K (their kernel Gram matrix one GEMM, ``ActionBuffer.from_tensors(gemm_columns=None)``)."""
+    model = _model(problem, policy, rank)
+    model.variational_strategy.fit(max_newton_steps=4)
+    with torch.no_grad():
+        model.covar_module.base_kernel.lengthscale = 1.25 * model.covar_module.base_kernel.lengthscale
+    return model
+
+
+# Softmax with unit vectors compressed to R = 3: the resumed fit ends within 1e-13 of the uninterrupted one, not bit for
+# bit, with the renewed Gram matrix computed column by column as well (a rounding difference this test found, not yet
+# traced; the same case resumes bit for bit without a kernel change, above).
+KERNEL_CHANGE_CASES = [
+    pytest.param(
+        *case.values, marks=pytest.mark.xfail(strict=True, reason="rounding after a kernel change"), id=case.id
+    )
+    if case.id == "softmax-unit-R3"
+    else case
+    for case in INTERRUPT_CASES
+]
+
+
+@pytest.mark.parametrize(("problem", "policy", "rank"), KERNEL_CHANGE_CASES)
+def test_resume_after_a_kernel_change_is_bit_identical(problem, policy, rank):
+    """After a change of the kernel, a fit stopped by its callback and resumed, in the same model or in a fresh one
+    from its ``state_dict``, ends bit for bit where the uninterrupted fit ends."""
+    reference_model = _after_a_kernel_change(problem, policy, rank)
+    report = reference_model.variational_strategy.fit(max_newton_steps=8)
+    assert report.steps > 3
+    model = _after_a_kernel_change(problem, policy, rank)
+    report = model.variational_strategy.fit(max_newton_steps=8, callback=lambda step, state: step.step == 7)
+    assert report.stopped_by_callback
+    saved = _save(model)
+    model.variational_strategy.fit(max_newton_steps=12 - model.variational_strategy.state.newton_steps)
+    assert_bit_identical(model, reference_model)
+    fresh = _after_a_kernel_change(problem, policy, rank)
+    fresh.load_state_dict(saved)
+    fresh.variational_strategy.fit(max_newton_steps=12 - fresh.variational_strategy.state.newton_steps)
+    assert_bit_identical(fresh, reference_model)
+
+
 def _interrupt_kernel_product(monkeypatch, at_call: int) -> None:
     """Raise KeyboardInterrupt in the ``at_call``-th product with K (in the middle of a Newton step); the kernel
     columns that unit-vector actions take instead of a product count as products."""

@@ -407,7 +407,8 @@ class KernelPreconditioning:
             else:
                 assert isinstance(factor, ClassFactor)
                 actions, kernel_actions = self._pivot_actions(factor.pivots)
-            return ActionBuffer.from_tensors(*self._normalised(actions, kernel_actions), buffer.rows_block)
+            normalised = self._normalised(actions, kernel_actions)
+            return ActionBuffer.from_tensors(*normalised, buffer.rows_block, gemm_columns=None)  # (new actions)
 
     def with_point_actions(self, buffer: ActionBuffer, points: Tensor) -> ActionBuffer:
         r"""``buffer`` with the unit vectors at the latents of ``points`` (indices of data points, the same on every

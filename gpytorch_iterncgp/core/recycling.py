@@ -52,6 +52,13 @@ def _symmetric(matrix: Tensor) -> Tensor:
     return (matrix + matrix.mT) / 2
 
 
+def _upper_mirrored(gram: Tensor) -> Tensor:
+    r"""``gram`` with its strict lower triangle replaced by its upper one mirrored (entry :math:`(i, j)`,
+    :math:`i \le j`, from :math:`\mathbf s_i^\top \mathbf t_j`, as the column-by-column kernel Gram matrix)."""
+    upper = torch.triu(torch.ones_like(gram, dtype=torch.bool))
+    return torch.where(upper, gram, gram.mT)
+
+
 def _bordered(gram: Tensor, column: Tensor) -> Tensor:
     """``gram`` ``(B, B)`` with ``column`` ``(B + 1,)`` appended as last row and column."""
     size = gram.shape[-1]
@@ -86,13 +93,30 @@ class ActionBuffer:
     _zero_sums: tuple[int, int, bool] = field(default=(0, 0, True), repr=False, compare=False)
     # (block size, actions checked, their point_actions): see at_points
     _points: tuple[int, int, PointActions | None] = field(default=(0, 0, None), repr=False, compare=False)
+    # the leading actions whose kernel Gram block is one GEMM (None: those held when it is first computed)
+    _gemm_columns: int | None = field(default=0, repr=False, compare=False)
 
     @classmethod
-    def from_tensors(cls, actions: Tensor, kernel_actions: Tensor, rows_block: RowBlock) -> ActionBuffer:
-        """A buffer holding copies of the rows of ``rows_block`` of ``actions`` and ``kernel_actions`` ``(N C, B)``
-        (given all rows or those only)."""
+    def from_tensors(
+        cls, actions: Tensor, kernel_actions: Tensor, rows_block: RowBlock, gemm_columns: int | None = 0
+    ) -> ActionBuffer:
+        r"""A buffer holding copies of the rows of ``rows_block`` of ``actions`` and ``kernel_actions`` ``(N C, B)``
+        (given all rows or those only).
+
+        :param gemm_columns: how :meth:`kernel_gram` computes the matrix: ``0``, column by column; ``None``, by one
+            GEMM over the actions held when it is first computed (for new actions, or kernel products just renewed
+            for a new :math:`\mathbf K` by :meth:`~gpytorch_iterncgp.core.solver.RegressionState.with_kernel`: no
+            buffer grew with that kernel); a number, that many leading actions' block by one GEMM, the rest column by
+            column (the :attr:`gemm_columns` of the buffer a state was committed from: a resumed fit repeats it bit
+            for bit).
+        """
         actions, kernel_actions = rows_block.own_rows(actions), rows_block.own_rows(kernel_actions)
-        return cls(ColumnStore(actions), ColumnStore(kernel_actions), rows_block)
+        return cls(ColumnStore(actions), ColumnStore(kernel_actions), rows_block, _gemm_columns=gemm_columns)
+
+    @property
+    def gemm_columns(self) -> int:
+        """The leading actions whose block of :meth:`kernel_gram` was one GEMM (0: none, or not computed yet)."""
+        return self._gemm_columns or 0
 
     def holds(self, actions: Tensor, kernel_actions: Tensor) -> bool:
         """Whether ``actions`` and ``kernel_actions`` are this buffer's columns, all of them: views of its storage, as
@@ -114,7 +138,13 @@ class ActionBuffer:
     def frozen(self) -> ActionBuffer:
         """The buffer of the current actions, which appends to this one leave as they are (no copy:
         :meth:`ColumnStore.frozen`), with the kernel Gram matrix kept so far."""
-        return ActionBuffer(self.actions.frozen(), self.kernel_actions.frozen(), self.rows_block, self._kernel_gram)
+        return ActionBuffer(
+            self.actions.frozen(),
+            self.kernel_actions.frozen(),
+            self.rows_block,
+            self._kernel_gram,
+            _gemm_columns=self._gemm_columns,
+        )
 
     @property
     def size(self) -> int:
@@ -149,14 +179,22 @@ class ActionBuffer:
         is appended, by :meth:`append` (:math:`\mathbf K` is symmetric: the other triangle is not computed again). A
         buffer built from tensors computes it here, column by column in the same way (:math:`O(N C B^2)`; for unit
         vectors a gather of :math:`\mathbf T`'s rows, :meth:`_unit_vector_gram`), so that it does not depend on whether
-        the buffer grew in this process or was restored (a resumed fit repeats an uninterrupted one bit for bit).
+        the buffer grew in this process or was restored (a resumed fit repeats an uninterrupted one bit for bit); for
+        new actions, or kernel products renewed for a new :math:`\mathbf K` (:meth:`from_tensors`' ``gemm_columns``),
+        the block of those actions is one GEMM :math:`\mathbf S^\top \mathbf T`, its upper triangle kept (equal to
+        the column-by-column block to rounding; one call instead of :math:`B`).
         """
         if self._kernel_gram is None or self._kernel_gram.shape[-1] != self.size:
             rows, kernel_rows = self.actions.rows, self.kernel_actions.rows
             gram = self._unit_vector_gram()
-            if gram is None:
+            if gram is not None:
+                self._gemm_columns = 0  # (a gather: the dot products' values bit for bit)
+            else:
+                first = self.size if self._gemm_columns is None else min(self._gemm_columns, self.size)
+                self._gemm_columns = first
                 gram = torch.zeros(self.size, self.size, dtype=torch.float64, device=rows.device)
-                for index in range(self.size):
+                gram[:first, :first] = _upper_mirrored((rows[:first] @ kernel_rows[:first].mT).double())
+                for index in range(first, self.size):
                     column = self._gram_column(index, rows[:index] @ kernel_rows[index], reduce=False)
                     gram[index, : index + 1] = gram[: index + 1, index] = column
             self._kernel_gram = self.rows_block.summed(gram)
@@ -200,8 +238,7 @@ class ActionBuffer:
         if self.size == 0 or not bool(located.mask.all() & (sign.abs() == 1).all()):
             return None
         gram = (sign * self.kernel_actions.rows[:, located.points].mT).double()  # (i, j): s_i^T t_j
-        upper = torch.triu(torch.ones_like(gram, dtype=torch.bool))
-        return torch.where(upper, gram, gram.mT)  # (i <= j from s_i^T t_j, as the column-by-column computation)
+        return _upper_mirrored(gram)
 
     def action_gram(self) -> Tensor:
         r""":math:`\mathbf S^\top \mathbf S`, float64 ``(B, B)``, symmetric: one GEMM (:math:`O(N C B^2)`)."""

@@ -596,7 +596,8 @@ def _first_block(
         whole = rows_block.all_rows(actions)
         support = whole.abs().sum(-1).nonzero()[:, 0]
         kernel_actions = kernel_columns(support) @ whole[support]
-    virtual = virtual_solver_run(ActionBuffer.from_tensors(actions, kernel_actions, rows_block), noise_inverse)
+    block = ActionBuffer.from_tensors(actions, kernel_actions, rows_block, gemm_columns=None)  # (new actions)
+    virtual = virtual_solver_run(block, noise_inverse)
     return virtual.buffer, virtual.root_coefficients
 
 

@@ -194,9 +194,10 @@ class EPState(RegressionState):
     site_natural_mean: Tensor
     sweeps: int = 0
     solved: bool = True  # the regression tensors belong to these sites and the current kernel
+    gemm_columns: int = 0  # the buffer's ActionBuffer.gemm_columns: how a resumed fit computes its kernel Gram matrix
 
     saved_by = "EPStrategy"
-    optional_entries = frozenset({"solved"})  # not saved by the first versions
+    optional_entries = frozenset({"solved", "gemm_columns"})  # not saved by the first versions
     point_fields = ("site_precision", "site_natural_mean")  # held by points where the state is held by rows
 
     @classmethod
@@ -539,6 +540,7 @@ class ExpectationPropagation:
             natural_mean,
             sweeps,
             True,
+            result.buffer.gemm_columns,
         )
 
     # -- the loop ------------------------------------------------------------------------------------------------
@@ -547,7 +549,8 @@ class ExpectationPropagation:
         options, block = self.options, self.rows_block
         self._reset_budget()
         state = state.with_own_rows(block)  # (a loaded state holds all rows)
-        buffer = ActionBuffer.from_tensors(state.actions, state.kernel_actions, self.rows_block)
+        columns = None if not state.solved else state.gemm_columns  # (renewed: its kernel Gram matrix is one GEMM)
+        buffer = ActionBuffer.from_tensors(state.actions, state.kernel_actions, self.rows_block, gemm_columns=columns)
         extra_iterations = 0
         if not state.solved:  # the kernel changed: the marginals need the kept sites' regression first
             result = self.solve(state, buffer, state.site_precision, state.site_natural_mean)

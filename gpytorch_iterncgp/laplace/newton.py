@@ -105,9 +105,10 @@ class LaplaceState(RegressionState):
     log_posterior: float = -math.inf
     newton_steps: int = 0
     control: NewtonControl = field(default_factory=NewtonControl)  # saved as "forcing" and "same_system"
+    gemm_columns: int = 0  # the buffer's ActionBuffer.gemm_columns: how a resumed fit computes its kernel Gram matrix
 
     saved_by = "IterNCGPStrategy"
-    optional_entries = frozenset({"forcing", "same_system"})  # not saved by the first versions
+    optional_entries = frozenset({"forcing", "same_system", "gemm_columns"})  # not saved by the first versions
 
     @classmethod
     def initial(cls, size: int, dtype: torch.dtype, device: torch.device) -> LaplaceState:
@@ -216,9 +217,11 @@ class DampedNewton:
         :math:`\\Psi` does not decrease (:meth:`_line_search`)."""
         state = state.with_own_rows(self.rows_block)  # (a loaded state holds all rows)
         current = self.objective.point(state.representer_weights, state.kernel_representer_weights)
-        if state.newton_steps > 0 and state.log_posterior == -math.inf:  # K changed since these weights
+        renewed = state.newton_steps > 0 and state.log_posterior == -math.inf  # K changed since these weights
+        if renewed:
             current = self.objective.warm_start(state.representer_weights, state.kernel_representer_weights)
-        buffer = ActionBuffer.from_tensors(state.actions, state.kernel_actions, self.rows_block)
+        columns = None if renewed else state.gemm_columns  # (renewed: its kernel Gram matrix is one GEMM)
+        buffer = ActionBuffer.from_tensors(state.actions, state.kernel_actions, self.rows_block, gemm_columns=columns)
         while True:
             derivatives = self.objective.derivatives(current.kernel_weights)
             noise_inverse = derivatives.noise_inverse
@@ -331,6 +334,7 @@ class DampedNewton:
             current.log_posterior,
             state.newton_steps + 1,
             control,
+            buffer.gemm_columns,
         )
         record = NewtonStep(
             step=state.newton_steps,
@@ -400,7 +404,7 @@ class DampedNewton:
             return state
         buffer = self.buffer  # no copy where the state holds the loop's own buffer (the run appends nothing to it)
         if buffer is None or not buffer.holds(state.actions, state.kernel_actions):
-            buffer = ActionBuffer.from_tensors(state.actions, state.kernel_actions, self.rows_block)
+            buffer = ActionBuffer.from_tensors(state.actions, state.kernel_actions, self.rows_block, state.gemm_columns)
         if not self.options.covariance_iterations:  # Q and K Q as the run gives them: formed when first read
             run = functools.cache(functools.partial(virtual_solver_run, buffer.frozen(), final.noise_inverse))
             return dataclasses.replace(

@@ -185,3 +185,30 @@ def test_extended_buffer_equals_the_one_appended_column_by_column(dtype):
     torch.testing.assert_close(block.kernel_gram(), one_by_one.kernel_gram(), rtol=tolerance, atol=tolerance)
     torch.testing.assert_close(block.kernel_gram(), dense, rtol=tolerance, atol=tolerance)
     assert torch.equal(block.kernel_gram(), block.kernel_gram().mT)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_kernel_gram_of_renewed_products_is_one_gemm_that_a_restored_buffer_repeats_bit_for_bit(dtype):
+    """Kernel products renewed for a new K (``gemm_columns=None``): S^T K S by one GEMM, symmetric, equal to the dense
+    matrix and to the column-by-column one to rounding; grown by appends (bordered column by column), the buffer
+    rebuilt from its tensors with its ``gemm_columns`` (as a state records it) gives the same matrix bit for bit."""
+    kernel, _, _, generator = _problem(size=30, seed=5)
+    kernel = kernel.to(dtype)
+    actions = torch.randn(30, 6, generator=generator, dtype=torch.float64).to(dtype)
+    products = kernel @ actions
+    block = RowBlock.single(30)
+    renewed = ActionBuffer.from_tensors(actions[:, :4], products[:, :4], block, gemm_columns=None)
+    gram = renewed.kernel_gram()
+    assert renewed.gemm_columns == 4 and torch.equal(gram, gram.mT)
+    tolerance = 1e-12 if dtype == torch.float64 else 1e-5
+    column_by_column = ActionBuffer.from_tensors(actions[:, :4], products[:, :4], block).kernel_gram()
+    torch.testing.assert_close(gram, column_by_column, rtol=tolerance, atol=tolerance)
+    dense = (actions[:, :4].mT @ kernel @ actions[:, :4]).double()
+    torch.testing.assert_close(gram, dense, rtol=tolerance, atol=tolerance)
+    for index in (4, 5):
+        renewed.append(actions[:, index].contiguous(), products[:, index].contiguous())
+    restored = ActionBuffer.from_tensors(actions, products, block, gemm_columns=renewed.gemm_columns)
+    assert torch.equal(restored.kernel_gram(), renewed.kernel_gram())
+    torch.testing.assert_close(
+        restored.kernel_gram(), (actions.mT @ kernel @ actions).double(), rtol=tolerance, atol=tolerance
+    )

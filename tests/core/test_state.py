@@ -46,10 +46,10 @@ def _sparse_state() -> SparseEPState:
 
 def test_saved_keys_are_the_fields_with_a_nested_dataclass_flattened():
     extra = _laplace_state().to_extra()
-    assert list(extra) == [*REGRESSION_KEYS, "log_posterior", "newton_steps", "forcing", "same_system"]
+    assert list(extra) == [*REGRESSION_KEYS, "log_posterior", "newton_steps", "forcing", "same_system", "gemm_columns"]
     assert (extra["forcing"], extra["same_system"]) == (0.01, True)
     ep = EPState.initial(6, torch.float64, torch.device("cpu"), num_latents=3).to_extra()
-    assert list(ep) == [*REGRESSION_KEYS, "site_precision", "site_natural_mean", "sweeps", "solved"]
+    assert list(ep) == [*REGRESSION_KEYS, "site_precision", "site_natural_mean", "sweeps", "solved", "gemm_columns"]
     assert ep["site_precision"].shape == (2, 3, 3)
     assert list(_sparse_state().to_extra())[-2:] == ["sweeps", "solved"]
 
@@ -70,8 +70,9 @@ def test_from_extra_restores_the_state_on_the_reference_dtype(make):
 
 def test_entries_that_earlier_versions_did_not_save_take_their_defaults():
     extra = _laplace_state().to_extra()
-    del extra["forcing"], extra["same_system"]
-    assert LaplaceState.from_extra(extra, extra["actions"]).control == NewtonControl()
+    del extra["forcing"], extra["same_system"], extra["gemm_columns"]
+    restored = LaplaceState.from_extra(extra, extra["actions"])
+    assert restored.control == NewtonControl() and restored.gemm_columns == 0
     sparse = _sparse_state().to_extra()
     del sparse["solved"]
     assert SparseEPState.from_extra(sparse, sparse["whitened_mean"]).solved is True
