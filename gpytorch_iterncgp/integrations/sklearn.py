@@ -735,8 +735,9 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
         if inference == "auto":
             inference = auto_inference(len(X), self.n_classes_)
         if self.n_classes_ == 2:
-            link = self.link if self.link is not None else ("probit" if inference in ("ep", "sparse_ep") else "logit")
-            likelihood = LogitBernoulliLikelihood() if link == "logit" else gpytorch.likelihoods.BernoulliLikelihood()
+            likelihood = (
+                LogitBernoulliLikelihood() if self._link == "logit" else gpytorch.likelihoods.BernoulliLikelihood()
+            )
         elif inference in ("ep", "sparse_ep"):
             likelihood = MultinomialProbitLikelihood(num_classes=self.n_classes_)
         elif self._link == "probit":
