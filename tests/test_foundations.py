@@ -134,7 +134,7 @@ LAYERS: list[tuple[str, list[set[str]]]] = [
     (
         "core",
         [
-            {"validation", "triton_kernels", "state", "threads", "memory"},
+            {"validation", "triton_kernels", "state", "threads", "memory", "deferred"},
             {"noise", "precision", "kernel_products", "policies", "sharding"},
             {"recycling", "prior", "covariance"},
             {"solver", "outer_loop", "preconditioner"},

@@ -30,13 +30,15 @@ conjugation needs anyway), so a virtual run computes only :math:`\mathbf S^\top 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
-from linear_operator.operators import LinearOperator
+from linear_operator.operators import DiagLinearOperator, LinearOperator
 from torch import Tensor
 
+from .deferred import DeferredTensor, deferred
 from .noise import FactoredNoise, NoiseOperator
 from .precision import ColumnStore
 from .sharding import RowBlock
@@ -46,6 +48,10 @@ from .sharding import RowBlock
 # small enough to stay in cache and to be reused by the allocator instead of page-faulting fresh memory every step).
 NOISE_BLOCK_BYTES = 2**28
 NOISE_CHUNK_BYTES = 2**21
+# Q^T = L^{-1} S^T of a root with a Cholesky factor by one triangular solve where S has at most this many rows per
+# action (n <= 4 B, e.g. the exact path's n = B); for wider buffers E = L^{-T} and one GEMM, which the CPU runs faster
+# per multiply-add than a triangular solve over many right-hand sides (docs/design_notes.md).
+TRIANGULAR_COMBINATION_WIDTH = 4
 
 
 def _symmetric(matrix: Tensor) -> Tensor:
@@ -308,15 +314,35 @@ class ImplicitRoot:
     :math:`\mathbf K \mathbf Q` costs :math:`O(n B r)` and is left to whoever reads :attr:`precision_root` and
     :attr:`kernel_precision_root`. The buffer's first ``B`` columns never change, so these stay valid while a later
     solve appends to the same buffer.
+
+    A root from a Cholesky factor :math:`\mathbf L \mathbf L^\top = \mathbf S^\top \hat{\mathbf K} \mathbf S`
+    (:attr:`cholesky`, float64 ``(B, B)``) has :math:`\mathbf E = \mathbf L^{-\top}` formed only when read
+    (``root_coefficients`` a :class:`~gpytorch_iterncgp.core.deferred.DeferredTensor`): :meth:`coefficient_products`
+    is two triangular solves, and in float64 :math:`\mathbf Q^\top = \mathbf L^{-1} \mathbf S^\top` and
+    :math:`(\mathbf K \mathbf Q)^\top = \mathbf L^{-1} \mathbf T^\top` are one each where :math:`n \le`
+    :data:`TRIANGULAR_COMBINATION_WIDTH` :math:`B`, where :math:`\mathbf E` costs :math:`B^3` multiply-adds more.
     """
 
     buffer: ActionBuffer
-    root_coefficients: Tensor  # E, (B, r)
+    root_coefficients: Tensor  # E, (B, r) (may be deferred where cholesky is given)
+    cholesky: Tensor | None = field(default=None, kw_only=True)  # L, float64 (B, B), E = L^{-T}
 
     @property
     def rank(self) -> int:
         r"""The number of columns :math:`r` of :math:`\mathbf Q`."""
-        return self.root_coefficients.shape[-1]
+        return self.cholesky.shape[-1] if self.cholesky is not None else self.root_coefficients.shape[-1]
+
+    def deferred_coefficients(self) -> Tensor:
+        r""":math:`\mathbf E` as given, formed or not, for another root's ``root_coefficients`` (an
+        :class:`~gpytorch_iterncgp.core.solver.IterGPResult` of these)."""
+        return _ROOT_COEFFICIENTS.stored(self)
+
+    def coefficient_products(self, vectors: Tensor) -> Tensor:
+        r""":math:`\mathbf E \mathbf E^\top \mathbf x` for ``vectors`` :math:`\mathbf x` ``(B,)``: by the Cholesky
+        factor where the root has one and :math:`\mathbf E` is not formed (in float64), else by :math:`\mathbf E`."""
+        if self.cholesky is None or _ROOT_COEFFICIENTS.is_formed(self):
+            return self.root_coefficients @ (self.root_coefficients.mT @ vectors)
+        return torch.cholesky_solve(vectors.double()[:, None], self.cholesky)[:, 0].to(vectors.dtype)
 
     @property
     def precision_root(self) -> Tensor:
@@ -334,13 +360,31 @@ class ImplicitRoot:
         r"""This rank's rows :math:`\mathbf Q_{\mathcal I_p} = \mathbf S_{\mathcal I_p} \mathbf E`,
         ``(|I_p| C, r)``, of a buffer held by rows (:attr:`ActionBuffer.rows_block`), formed on each call with no
         collective; :attr:`precision_root` otherwise."""
-        return combined_columns(self.buffer.actions, self.root_coefficients)
+        return self._combined(self.buffer.actions)
 
     @property
     def local_kernel_precision_root(self) -> Tensor:
         r"""This rank's rows :math:`(\mathbf K \mathbf Q)_{\mathcal I_p} = \mathbf T_{\mathcal I_p} \mathbf E`,
         ``(|I_p| C, r)`` (:attr:`local_precision_root`)."""
-        return combined_columns(self.buffer.kernel_actions, self.root_coefficients)
+        return self._combined(self.buffer.kernel_actions)
+
+    def _combined(self, store: ColumnStore) -> Tensor:
+        factor = self.cholesky
+        rows = store.rows[: self.buffer.size if factor is None else factor.shape[-1]]
+        if (
+            factor is None
+            or _ROOT_COEFFICIENTS.is_formed(self)
+            or rows.dtype != factor.dtype
+            or rows.shape[-1] > TRIANGULAR_COMBINATION_WIDTH * len(rows)
+            or row_support(rows) is not None
+        ):
+            return combined_columns(store, self.root_coefficients)
+        # (S E)^T = L^{-1} S^T: one triangular solve over the rows (row-major, as combined_columns' store)
+        return torch.linalg.solve_triangular(factor, rows, upper=False).mT
+
+
+_ROOT_COEFFICIENTS = DeferredTensor("root_coefficients")
+ImplicitRoot.root_coefficients = _ROOT_COEFFICIENTS  # type: ignore[assignment]
 
 
 def noise_gram(buffer: ActionBuffer, noise_inverse: LinearOperator) -> Tensor:
@@ -369,17 +413,35 @@ def noise_gram(buffer: ActionBuffer, noise_inverse: LinearOperator) -> Tensor:
         return _symmetric(buffer.rows_block.summed(_spread_gram(rows, noise_inverse, centred)))
     at_points = located.mask.nonzero()[:, 0]
     spread = (~located.mask).nonzero()[:, 0]
+    multiply = noise_inverse.apply if isinstance(noise_inverse, NoiseOperator) else noise_inverse.matmul
+    points, entries = located.points[at_points], located.entries[at_points].double()
+    # Known block diagonal: among point actions, s_a^T W^{-1} s_b = [p_a = p_b] e_a^T W_{p_a}^{-1} e_b, O(B^2 C).
+    blocked = isinstance(noise_inverse, (NoiseOperator, DiagLinearOperator))
     gram = rows.new_zeros(size, size, dtype=torch.float64)
+    if blocked:
+        blocks = _diagonal_blocks(multiply, num_rows, block_size, rows)[points].double()  # (A, C, C)
+        among = entries @ (blocks @ entries[..., None])[..., 0].mT * (points[:, None] == points)
+        if len(spread) == 0:
+            return _symmetric(buffer.rows_block.summed(among))
+        gram[at_points[:, None], at_points] = among
     if len(spread):
         gram[spread[:, None], spread] = _spread_gram(rows[spread], noise_inverse, centred)
-    multiply = noise_inverse.apply if isinstance(noise_inverse, NoiseOperator) else noise_inverse.matmul
-    points, entries = located.points[at_points], located.entries[at_points]
+    columns = spread if blocked else torch.arange(size, device=rows.device)
     width = max(1, NOISE_BLOCK_BYTES // max(1, num_rows * rows.element_size()))
-    for start in range(0, size, width):  # the point actions' rows: s_p^T (W^{-1} S) at their points
-        noisy = multiply(rows[start : start + width].mT).reshape(num_rows // block_size, block_size, -1)
-        gram[at_points, start : start + width] = torch.einsum("bc,bck->bk", entries.double(), noisy[points].double())
+    for start in range(0, len(columns), width):  # the point actions' rows: s_a^T (W^{-1} S) at their points
+        chunk = columns[start : start + width]
+        noisy = multiply(rows[chunk].mT).reshape(num_rows // block_size, block_size, -1)
+        gram[at_points[:, None], chunk] = torch.einsum("bc,bck->bk", entries, noisy[points].double())
     gram[spread[:, None], at_points] = gram[at_points[:, None], spread].mT
     return _symmetric(buffer.rows_block.summed(gram))
+
+
+def _diagonal_blocks(multiply: Callable[[Tensor], Tensor], num_rows: int, block_size: int, like: Tensor) -> Tensor:
+    r"""The diagonal blocks :math:`\mathbf W^{-1}_p` ``(N, C, C)`` of a noise block diagonal by points, from one
+    product ``multiply`` (:math:`\mathbf X \mapsto \mathbf W^{-1} \mathbf X`) with the :math:`C` columns
+    :math:`\mathbf 1_N \otimes \mathbf I_C`, ``(N C, C)``: :math:`O(N C^2)`."""
+    identity = torch.eye(block_size, dtype=like.dtype, device=like.device)
+    return multiply(identity.repeat(num_rows // block_size, 1)).reshape(num_rows // block_size, block_size, block_size)
 
 
 def _spread_gram(rows: Tensor, noise_inverse: LinearOperator, centred: bool) -> Tensor:
@@ -463,18 +525,23 @@ def _top_eigenpairs(gram: Tensor, tolerance: float, limit: int | None) -> tuple[
     return eigenvectors[:, :rank], eigenvalues[:rank]
 
 
-def _cholesky_root(gram: Tensor, tolerance: float) -> Tensor | None:
-    r""":math:`\mathbf E = \mathbf L^{-\top}` for the Cholesky factor :math:`\mathbf L \mathbf L^\top` of ``gram``
-    ``(B, B)``, so that :math:`\mathbf E^\top \mathbf M \mathbf E = \mathbf I` (:math:`B^3/3` multiply-adds for the
-    factor and as many for the inverse, where an eigendecomposition takes several times that); ``None`` where a pivot
-    falls below ``1000 * tolerance`` times the largest diagonal entry (nearly dependent actions, which only the
-    eigendecomposition drops)."""
+def _cholesky_factor(gram: Tensor, tolerance: float) -> Tensor | None:
+    r"""The Cholesky factor :math:`\mathbf L` of ``gram`` ``(B, B)`` (:math:`B^3/3` multiply-adds, where an
+    eigendecomposition takes several times that), giving the root :math:`\mathbf E = \mathbf L^{-\top}` with
+    :math:`\mathbf E^\top \mathbf M \mathbf E = \mathbf I`; ``None`` where a pivot falls below ``1000 * tolerance``
+    times the largest diagonal entry (nearly dependent actions, which only the eigendecomposition drops)."""
     factor, info = torch.linalg.cholesky_ex(gram)
     if int(info) != 0:
         return None
     if bool((factor.diagonal().square() <= 1000 * tolerance * gram.diagonal().max()).any()):
         return None
-    identity = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
+    return factor
+
+
+def _inverse_transpose(factor: Tensor) -> Tensor:
+    r""":math:`\mathbf L^{-\top}` of a lower triangular ``factor`` ``(B, B)``: one triangular solve,
+    :math:`B^3` multiply-adds."""
+    identity = torch.eye(factor.shape[-1], dtype=factor.dtype, device=factor.device)
     return torch.linalg.solve_triangular(factor.mT, identity, upper=True)
 
 
@@ -540,9 +607,9 @@ def virtual_solver_run(
     # M = S^T K S (kept by the buffer) + S^T W^{-1} S (this W), decomposed in float64 (float32 eigh fails on it).
     gram = buffer.kernel_gram() + noise_gram(buffer, noise_inverse)
     if extra is None and compression_rank is None:  # nothing to compress: any root of M^{-1} will do, Cholesky's first
-        root = _cholesky_root(gram, relative_eigenvalue_tolerance)
-        if root is not None:
-            return ImplicitRoot(buffer, root.to(dtype))
+        factor = _cholesky_factor(gram, relative_eigenvalue_tolerance)
+        if factor is not None:
+            return ImplicitRoot(buffer, deferred(lambda: _inverse_transpose(factor).to(dtype)), cholesky=factor)
     if extra is None:
         coefficients, eigenvalues = _top_eigenpairs(gram, relative_eigenvalue_tolerance, compression_rank)
         if compression_rank is None or coefficients.shape[-1] == buffer.size:

@@ -41,7 +41,7 @@ import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar, NamedTuple, Self, cast
+from typing import ClassVar, NamedTuple, Self
 
 import torch
 from linear_operator.operators import LinearOperator
@@ -49,6 +49,7 @@ from torch import Tensor
 
 from .. import settings
 from ..exceptions import BufferLimitWarning, NumericalBreakdownWarning
+from .deferred import DeferredTensor, deferred
 from .noise import NoiseOperator
 from .policies import Policy
 from .precision import LowRankPrecision
@@ -114,37 +115,6 @@ class IterGPOptions:
         for name in ("abs_tol", "rel_tol"):
             check_nonnegative(getattr(self, name), name)
         check_flag(self.recycle, "recycle")
-
-
-class DeferredTensor:
-    r"""A data descriptor for a tensor field that may be given as a function computing it: the function runs on first
-    read, and its result replaces it. Installed on :class:`RegressionState` for :math:`\mathbf Q` and
-    :math:`\mathbf K \mathbf Q`; pass a function with :func:`deferred`.
-
-    The Newton loop leaves :math:`\mathbf Q` and :math:`\mathbf K \mathbf Q` of each step's state unformed
-    (:math:`O(N C B r)` each, more than the step's products with :math:`\mathbf K` on a cached kernel once the buffer
-    holds a few hundred actions): only a callback or a prediction during the fit reads them, and the final state gets
-    its own from :meth:`~gpytorch_iterncgp.laplace.newton.DampedNewton.finalize`.
-    """
-
-    def __init__(self, name: str):
-        self.name, self.slot = name, f"_deferred_{name}"
-
-    def __get__(self, instance: object | None, owner: type) -> Tensor:
-        if instance is None:
-            raise AttributeError(self.name)  # a required field: no class-level default
-        value = instance.__dict__[self.slot]
-        if not torch.is_tensor(value):
-            value = instance.__dict__[self.slot] = value()
-        return value
-
-    def __set__(self, instance: object, value: Tensor | Callable[[], Tensor]) -> None:
-        instance.__dict__[self.slot] = value
-
-
-def deferred(compute: Callable[[], Tensor]) -> Tensor:
-    """``compute`` as the value of a :class:`DeferredTensor` field (typed as the tensor it will give when read)."""
-    return cast(Tensor, compute)
 
 
 @dataclass
@@ -322,7 +292,7 @@ def _conjugate(
     action_energy: float,
     kernel_column: Tensor,
     buffer: ActionBuffer,
-    root_coefficients: Tensor,
+    root: ImplicitRoot,
     noisy: Callable[[Tensor], Tensor],
 ) -> _Conjugated:
     r"""Conjugate the action :math:`\mathbf s` against :math:`\mathbf Q = \mathbf S \mathbf E` in the
@@ -337,19 +307,19 @@ def _conjugate(
     :param action_energy: :math:`\mathbf s^\top \hat{\mathbf K} \mathbf s`.
     :param kernel_column: :math:`\mathbf S^\top \mathbf K \mathbf s`, ``(B,)``.
     :param buffer: :math:`\mathbf S` and :math:`\mathbf K \mathbf S`, ``(n, B)``.
-    :param root_coefficients: :math:`\mathbf E`, ``(B, r)``.
+    :param root: :math:`\mathbf E`, ``(B, r)`` (its products :math:`\mathbf E \mathbf E^\top \mathbf x`).
     :param noisy: :math:`\mathbf v \mapsto \mathbf W^{-1} \mathbf v` for ``(n,)`` vectors.
     :return: :math:`\mathbf d`, :math:`\mathbf K \mathbf d`, :math:`\mathbf c` and
         :math:`\eta = \mathbf d^\top \hat{\mathbf K} \mathbf d`.
     """
     direction, kernel_direction = action, kernel_action
-    subtracted = root_coefficients.new_zeros(root_coefficients.shape[0])  # d = s - S (subtracted)
     projected = kernel_column + buffer.transpose_matmul(noisy_action)  # S^T K̂ s
+    subtracted = torch.zeros_like(projected)  # d = s - S (subtracted)
     eta = action_energy
     for _ in range(2):
         # Twice is enough (DGKS); once where little cancels, which saves three passes over S and K S. After
         # cancellation the rounding errors of d = s - S c have components in span(S) that the second pass removes.
-        conjugation = root_coefficients @ (root_coefficients.mT @ projected)  # E Q^T K̂ d
+        conjugation = root.coefficient_products(projected)  # E Q^T K̂ d
         combined, kernel_combined = buffer.combine(conjugation)  # S c, K S c
         direction = direction - combined
         kernel_direction = kernel_direction - kernel_combined
@@ -404,7 +374,7 @@ class _IterGPIterations:
     noisy: Callable[[Tensor], Tensor]  # v -> W^{-1} v, (n,)
     kernel_product: Callable[[Tensor], Tensor]  # s -> K s, (n,)
     buffer: ActionBuffer
-    root_coefficients: Tensor  # E, (B, r): Q = S E, K Q = (K S) E
+    root: ImplicitRoot  # E, (B, r): Q = S E, K Q = (K S) E
     weights: Tensor  # v, (n,)
     kernel_weights: Tensor  # K v, (n,)
     recycled_rank: int  # r after the virtual solver run
@@ -434,7 +404,7 @@ class _IterGPIterations:
                 warnings.warn("IterGP: the residual is not finite; stopping.", NumericalBreakdownWarning, stacklevel=4)
                 self.breakdown = True
                 return residual_norm
-            if residual_norm <= tolerance or self.iterations >= limit or self.root_coefficients.shape[-1] >= full_rank:
+            if residual_norm <= tolerance or self.iterations >= limit or self.root.rank >= full_rank:
                 return residual_norm
             failure = self.iterate(residual)
             if failure is not None:
@@ -475,7 +445,7 @@ class _IterGPIterations:
             action_energy,
             kernel_column,
             self.buffer,
-            self.root_coefficients,
+            self.root,
             self.noisy,
         )
         # How much of the action is new: the fraction of its energy s^T K̂ s outside span(S).
@@ -529,17 +499,17 @@ class _IterGPIterations:
         self.weights = self.weights + (step * scale) * conjugated.direction
         self.kernel_weights = self.kernel_weights + (step * scale) * conjugated.kernel_direction
         # the new column of Q, q = d / sqrt(eta) = [S, s] [-subtracted; 1] / sqrt(eta), as a new row and column of E
-        self.root_coefficients = _bordered_coefficients(self.root_coefficients, -conjugated.subtracted * scale, scale)
+        bordered = _bordered_coefficients(self.root.root_coefficients, -conjugated.subtracted * scale, scale)
+        self.root = ImplicitRoot(self.buffer, bordered)
         self.iterations += 1
 
     def result(self, residual_norm: float, tolerance: float, full_rank: int) -> IterGPResult:
         """The solve's result after :meth:`run` returned ``residual_norm``."""
-        converged = math.isfinite(residual_norm) and (
-            residual_norm <= tolerance or self.root_coefficients.shape[-1] >= full_rank
-        )
+        converged = math.isfinite(residual_norm) and (residual_norm <= tolerance or self.root.rank >= full_rank)
         return IterGPResult(
             buffer=self.buffer,
-            root_coefficients=self.root_coefficients,
+            root_coefficients=self.root.deferred_coefficients(),
+            cholesky=self.root.cholesky,
             representer_weights=self.weights,
             kernel_representer_weights=self.kernel_weights,
             iterations=self.iterations,
@@ -578,11 +548,12 @@ def _first_block(
     kernel_columns: Callable[[Tensor], Tensor] | None,
     noise_inverse: LinearOperator,
     rows_block: RowBlock,
-) -> tuple[ActionBuffer, Tensor]:
+) -> ImplicitRoot:
     r"""The first actions of a solve as one block: the buffer of ``actions`` ``(n, k)`` (projected, normalised; this
     rank's rows where held by rows) and their kernel products (the kernel's columns at their support, or one product),
     and :math:`\mathbf E` ``(k, r)`` with :math:`\mathbf Q = \mathbf S \mathbf E`, :math:`\mathbf Q^\top \hat{\mathbf K}
-    \mathbf Q = \mathbf I` (:func:`~gpytorch_iterncgp.core.recycling.virtual_solver_run`: a Cholesky factor of
+    \mathbf Q = \mathbf I`, as an :class:`~gpytorch_iterncgp.core.recycling.ImplicitRoot`
+    (:func:`~gpytorch_iterncgp.core.recycling.virtual_solver_run`: a Cholesky factor of
     :math:`\mathbf S^\top \hat{\mathbf K} \mathbf S`, numerically dependent actions dropped). Taken one by one,
     conjugated and appended, the same actions give the same precision :math:`\mathbf C = \mathbf S (\mathbf S^\top
     \hat{\mathbf K} \mathbf S)^{-1} \mathbf S^\top` (paper, Alg. 2) and representer weights :math:`\mathbf C
@@ -597,8 +568,7 @@ def _first_block(
         support = whole.abs().sum(-1).nonzero()[:, 0]
         kernel_actions = kernel_columns(support) @ whole[support]
     block = ActionBuffer.from_tensors(actions, kernel_actions, rows_block, gemm_columns=None)  # (new actions)
-    virtual = virtual_solver_run(block, noise_inverse)
-    return virtual.buffer, virtual.root_coefficients
+    return virtual_solver_run(block, noise_inverse)
 
 
 def itergp_solve(
@@ -669,8 +639,7 @@ def itergp_solve(
     limit = num_rows if max_solver_iterations is None else max_solver_iterations
     full_rank = num_rows if action_space_dimension is None else action_space_dimension
     compression_rank = memory_capped_rank(compression_rank, buffer, min(limit, full_rank))
-    virtual = virtual_solver_run(buffer, noise_inverse, compression_rank, keep=keep, spare=min(limit, 64))
-    buffer, root_coefficients = virtual.buffer, virtual.root_coefficients  # Q = S E, K Q = T E (rows of E: B)
+    root = virtual_solver_run(buffer, noise_inverse, compression_rank, keep=keep, spare=min(limit, 64))  # Q = S E
     sparse_limit = max(16, num_rows // 64)
     multiply_noise = noise_inverse.apply if isinstance(noise_inverse, NoiseOperator) else noise_inverse.matmul
 
@@ -679,14 +648,14 @@ def itergp_solve(
 
     rhs_norm = float(rows_block.norm(project(rhs[:, None])))
     tolerance = max(abs_tol, rel_tol * rhs_norm)
-    recycled_rank, block_size = root_coefficients.shape[-1], 0
-    if buffer.size == 0 and tolerance == 0 < rhs_norm and preconditioner is None:  # (b = 0: solved, no action)
+    recycled_rank, block_size = root.rank, 0
+    if root.buffer.size == 0 and tolerance == 0 < rhs_norm and preconditioner is None:  # (b = 0: solved, no action)
         block = policy.next_actions(min(limit, full_rank), rhs)
         if block is not None:
-            first = _first_block(block, project, kernel_matmul, kernel_columns, noise_inverse, rows_block)
-            buffer, root_coefficients = first
+            root = _first_block(block, project, kernel_matmul, kernel_columns, noise_inverse, rows_block)
             block_size = block.shape[-1]
-    coefficients = root_coefficients @ (root_coefficients.mT @ buffer.transpose_matmul(rhs))  # E E^T S^T b
+    buffer = root.buffer
+    coefficients = root.coefficient_products(buffer.transpose_matmul(rhs))  # E E^T S^T b
     weights, kernel_weights = buffer.combine(coefficients)  # v = S c, K v = T c
     solver = _IterGPIterations(
         rhs,
@@ -696,7 +665,7 @@ def itergp_solve(
         noisy,
         _kernel_product(kernel_matmul, kernel_columns, sparse_limit, rows_block),
         buffer,
-        root_coefficients,
+        root,
         weights=weights,
         kernel_weights=kernel_weights,
         recycled_rank=recycled_rank,

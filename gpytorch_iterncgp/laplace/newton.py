@@ -48,12 +48,13 @@ from linear_operator.operators import LinearOperator
 from torch import Tensor
 
 from ..core.covariance import CovarianceOptions, covariance_phase
+from ..core.deferred import deferred
 from ..core.outer_loop import FitLimits, LoopStatus, NewtonStep, OuterStep, TrainModeFits, relative_norm_change
 from ..core.policies import Policy
 from ..core.preconditioner import KernelPreconditioning
 from ..core.prior import LatentPrior
 from ..core.recycling import ActionBuffer, virtual_solver_run
-from ..core.solver import IterGPOptions, IterGPResult, RegressionState, deferred, itergp_solve
+from ..core.solver import IterGPOptions, IterGPResult, RegressionState, itergp_solve
 from ..core.validation import check_count, check_nonnegative
 from ..likelihoods.adapters import LikelihoodAdapter
 from .line_search import LogPosterior, Point
@@ -394,7 +395,7 @@ class DampedNewton:
         phase's actions, which only enlarge :math:`\mathbf Q`), so that a later fit continues exactly as if this one had
         not stopped here, and repeated fits do not grow the state. Without a covariance phase (``covariance_iterations``
         0, as while learning) the run and :math:`\mathbf Q`, :math:`\mathbf K \mathbf Q` are left to their first reader
-        (:class:`~gpytorch_iterncgp.core.solver.DeferredTensor`), on the buffer's actions as they are now
+        (:class:`~gpytorch_iterncgp.core.deferred.DeferredTensor`), on the buffer's actions as they are now
         (:meth:`~gpytorch_iterncgp.core.recycling.ActionBuffer.frozen`).
         """
         state = state.with_own_rows(self.rows_block)

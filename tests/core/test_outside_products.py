@@ -109,9 +109,11 @@ def test_noise_gram_equals_the_dense_quadratic_form(kind, dtype, size, monkeypat
 @pytest.mark.parametrize("kind", ["softmax", "softmax-zero-sum", "diagonal", "cholesky", "blocks", "site-blocks"])
 def test_noise_gram_of_actions_at_one_point_each_is_gathered(kind, dtype, mixed, monkeypatch):
     """Actions non-zero at one data point each (unit vectors, also several at one point and one twice; projected to
-    zero class sums; one all zero) are gathered from W^{-1} S at their points (O(n C B); in column blocks here), the
-    other actions of a mixed buffer (CG's, dense) go through the chunked GEMM; the whole equals the dense float64
-    form. A noise without blocks of the package gathers at single entries."""
+    zero class sums; one all zero): among themselves e_a^T W_p^{-1} e_b from the noise's diagonal blocks where the
+    noise is the package's (block diagonal by points), else gathered from W^{-1} S at their points (in column blocks
+    here); the other actions of a mixed buffer (CG's, dense) go through the chunked GEMM, and their cross terms with
+    the point actions are gathered; the whole equals the dense float64 form. A noise without blocks of the package
+    gathers at single entries."""
     num_data, num_latents = 30, 4
     monkeypatch.setattr(recycling, "NOISE_BLOCK_BYTES", 3 * num_data * num_latents * torch.finfo(dtype).bits // 8)
     noise = _noise(kind.removesuffix("-zero-sum"), num_data, num_latents, dtype)
@@ -359,6 +361,40 @@ def test_solver_keeps_the_root_implicit_and_its_columns_conjugate():
         torch.testing.assert_close(result.kernel_precision_root, kernel @ root, rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(root @ (root.mT @ rhs), result.representer_weights, rtol=1e-10, atol=1e-12)
     assert result.rank == 12
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_cholesky_root_forms_its_coefficients_only_when_read(dtype):
+    """A root from a Cholesky factor L of S^T K̂ S (nothing compressed) leaves E = L^{-T} unformed: the exact solve
+    and a recycled solve give C b by two triangular solves; Q, K Q (triangular solves over S^T, T^T in float64 where
+    n <= 4 B; E and a GEMM otherwise) equal the dense references, E E^T x equals the one of the formed E, and Q^T K̂ Q
+    is the identity."""
+    size = 24
+    kernel, rhs, generator = _spd_problem(size, seed=3)
+    kernel, rhs = kernel.to(dtype), rhs.to(dtype)
+    noise = DiagonalNoiseInverse((0.05 + torch.rand(size, dtype=DTYPE, generator=generator)).to(dtype))
+    noisy = (kernel + noise.to_dense()).double()
+    tolerance = dict(rtol=1e-9, atol=1e-10) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-4)
+    buffer = ActionBuffer.empty(RowBlock.single(size), dtype, CPU)
+    for solve in range(2):  # the first solve takes its block of unit vectors at once, the second recycles them
+        policy = UnitVectorPolicy(seed=solve)
+        policy.prepare(size, 1, False)
+        result = itergp_solve(kernel.matmul, noise, rhs, buffer, policy, abs_tol=0.0, rel_tol=0.0)
+        buffer = result.buffer
+        assert result.cholesky is not None and not recycling._ROOT_COEFFICIENTS.is_formed(result)
+        assert result.rank == size and result.converged
+        expected = torch.linalg.solve(noisy, rhs.double())
+        torch.testing.assert_close(result.representer_weights.double(), expected, **tolerance)
+        root, kernel_root = result.precision_root.double(), result.kernel_precision_root.double()
+        assert recycling._ROOT_COEFFICIENTS.is_formed(result) == (dtype == torch.float32)
+        torch.testing.assert_close(root.mT @ noisy @ root, torch.eye(size, dtype=DTYPE), **tolerance)
+        torch.testing.assert_close(kernel_root, kernel.double() @ root, **tolerance)
+        vector = torch.randn(size, dtype=dtype, generator=generator)
+        products = result.coefficient_products(vector)
+        coefficients = result.root_coefficients  # formed now: the products below by E
+        assert recycling._ROOT_COEFFICIENTS.is_formed(result)
+        torch.testing.assert_close(products, coefficients @ (coefficients.mT @ vector), **tolerance)
+        torch.testing.assert_close(result.precision_root, root.to(dtype), **tolerance)
 
 
 def test_newton_states_form_their_root_only_when_read():
