@@ -136,7 +136,20 @@ def _narrow_symmetric_matmul(covariance: LinearOperator, rhs: Tensor) -> Tensor 
     evaluated = covariance.evaluate_kernel()  # cached by GPyTorch, as its own product would do
     if not isinstance(evaluated, DenseLinearOperator):
         return None
-    return (rhs.mT.contiguous() @ evaluated.tensor).mT
+    return _narrow_product(evaluated.tensor, rhs)
+
+
+def _narrow_product(matrix: Tensor, rhs: Tensor) -> Tensor:
+    r""":math:`\mathbf K \mathbf X = (\mathbf X^\top \mathbf K)^\top` for a symmetric ``matrix`` and narrow ``rhs``."""
+    return (rhs.mT.contiguous() @ matrix).mT
+
+
+def _evaluated_matmul(matrix: Tensor, rhs: Tensor, symmetric: bool) -> Tensor:
+    """``matrix @ rhs`` for the kernel matrix a prior holds evaluated; narrow products of a symmetric one on the CPU
+    from the left (:func:`_narrow_symmetric_matmul`)."""
+    if symmetric and rhs.device.type == "cpu" and rhs.shape[-1] <= NARROW_PRODUCT_COLUMNS:
+        return _narrow_product(matrix, rhs)
+    return matrix @ rhs
 
 
 def _chunked_matmul(covariance: LinearOperator, rhs: Tensor, chunk_rows: int) -> Tensor:
@@ -340,6 +353,11 @@ class LatentPrior:
         sharded = _sharded(self.covariance)
         if sharded is not None:
             return functools.partial(sharded.sharded_matmul, _local_matmul)
+        if self._evaluated_kernel is not None and not torch.is_grad_enabled():
+            # the matrix read already (the preconditioner's pivots): one product, not one per term of a sum of kernels
+            covariance = self.covariance
+            symmetric = isinstance(covariance, LazyEvaluatedKernelTensor) and covariance.x1 is covariance.x2
+            return functools.partial(_evaluated_matmul, self._evaluated_kernel, symmetric=symmetric)
         chunk_rows = 0 if torch.is_grad_enabled() else _chunk_rows(self.covariance)
         return functools.partial(_kernel_matmul, self.covariance, chunk_rows=chunk_rows)
 

@@ -36,6 +36,7 @@ import copy
 import inspect
 import math
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import gpytorch
@@ -217,6 +218,15 @@ class _IterNCGPEstimator(BaseEstimator):
             return copy.deepcopy(self.kernel).to(_DTYPE)
         return default_kernel(num_features)
 
+    def _starting_kernels(
+        self, num_features: int, names: Sequence[str]
+    ) -> tuple[gpytorch.kernels.Kernel, dict[str, gpytorch.kernels.Kernel] | None]:
+        """The kernel the model starts with (the first of the family's ``names``, else :meth:`_given_kernel`) and the
+        candidates ``fit_mll`` chooses among (``None`` for fewer than two names); only these are built."""
+        family = kernel_family(num_features, names=names) if names else {}
+        kernel = family[names[0]] if names else self._given_kernel(num_features)
+        return kernel, ({name: family[name] for name in names} if len(names) > 1 else None)
+
     def _kernel_batch_shape(self) -> torch.Size:
         """The batch shape of the prior mean: the user's kernel's (one GP per class), ``[]`` otherwise."""
         return self.kernel.batch_shape if isinstance(self.kernel, gpytorch.kernels.Kernel) else torch.Size([])
@@ -364,9 +374,7 @@ class _IterNCGPEstimator(BaseEstimator):
         seed = int(check_random_state(self.random_state).randint(np.iinfo(np.int32).max))
         num_inducing = min(int(self.num_inducing), len(X))
         centres = MiniBatchKMeans(n_clusters=num_inducing, random_state=seed, n_init=1).fit(X).cluster_centers_
-        family = kernel_family(X.shape[1]) if names else {}
-        candidates = {name: family[name] for name in names} if len(names) > 1 else None
-        kernel = family[names[0]] if names else self._given_kernel(X.shape[1])
+        kernel, candidates = self._starting_kernels(X.shape[1], names)
         model = _SparseLatentGP(self._tensor(centres), likelihood, kernel, mean, len(X))
         model = model.to(device=self._device, dtype=_DTYPE)
         if not self.optimize_hyperparameters:
@@ -440,9 +448,7 @@ class _IterNCGPEstimator(BaseEstimator):
         seed = int(check_random_state(self.random_state).randint(np.iinfo(np.int32).max))
         train_x = self._tensor(X)
         # kernel="auto": the model starts with the first candidate; fit_mll learns each, keeps the best held-out one
-        family = kernel_family(X.shape[1]) if names else {}
-        candidates = {name: family[name] for name in names} if len(names) > 1 else None
-        kernel = family[names[0]] if names else self._given_kernel(X.shape[1])
+        kernel, candidates = self._starting_kernels(X.shape[1], names)
         self.inference_ = inference
         self.solver_budget_ = budget = self._solver_budget(len(X), num_latents, inference)
         options = self._strategy_options(seed, budget, inference)

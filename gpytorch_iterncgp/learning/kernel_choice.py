@@ -22,7 +22,7 @@ import itertools
 import math
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import gpytorch
@@ -57,7 +57,9 @@ __all__ = [
 SELECT_BY = ("held_out", "evidence", "bic")
 
 
-def kernel_family(num_features: int, dtype: torch.dtype = torch.float64) -> dict[str, Kernel]:
+def kernel_family(
+    num_features: int, dtype: torch.dtype = torch.float64, names: Sequence[str] | None = None
+) -> dict[str, Kernel]:
     r"""The estimators' candidate kernels (``kernel="auto"``) for :math:`D` standardised features, each new, every
     positive hyperparameter log-parametrised (:func:`~.estimator_policy.log_positive`), batch shape ``[]``:
 
@@ -89,18 +91,24 @@ def kernel_family(num_features: int, dtype: torch.dtype = torch.float64) -> dict
 
     :param num_features: :math:`D`.
     :param dtype: of the kernels' parameters (the estimators compute in float64).
+    :param names: build only these (in the order above); ``None``: all.
     :return: ``{name: kernel}`` in the order above.
+    :raises ValueError: for a name not in the family.
     """
-    return {
-        "matern": default_kernel(num_features, dtype),
-        "matern_ard": _scaled(_matern(num_features, ard=True), num_features, dtype),
-        "linear+matern": _scaled(_linear() + _matern(num_features, ard=False), num_features, dtype),
-        "linear+matern_ard": _scaled(_linear() + _matern(num_features, ard=True), num_features, dtype),
-        "warped_matern": _scaled(
+    builders: dict[str, Callable[[], Kernel]] = {
+        "matern": lambda: default_kernel(num_features, dtype),
+        "matern_ard": lambda: _scaled(_matern(num_features, ard=True), num_features, dtype),
+        "linear+matern": lambda: _scaled(_linear() + _matern(num_features, ard=False), num_features, dtype),
+        "linear+matern_ard": lambda: _scaled(_linear() + _matern(num_features, ard=True), num_features, dtype),
+        "warped_matern": lambda: _scaled(
             _warped(_matern(num_features, ard=False), num_features), num_features, dtype, math.sqrt(num_features / 12)
         ),
-        "additive": _scaled(_additive(num_features), num_features, dtype, lengthscale=1.0),
+        "additive": lambda: _scaled(_additive(num_features), num_features, dtype, lengthscale=1.0),
     }
+    unknown = sorted(set(names or ()) - set(builders))
+    if unknown:
+        raise ValueError(f"kernel_family has no kernel {unknown[0]!r}; its kernels are {list(builders)}.")
+    return {name: build() for name, build in builders.items() if names is None or name in names}
 
 
 def _matern(num_features: int, ard: bool) -> gpytorch.kernels.MaternKernel:

@@ -28,7 +28,9 @@ DTYPE = torch.float64
 CPU = torch.device("cpu")
 
 
-def _prior(layout: str, num_data: int = 40, num_latents: int = 3, dtype: torch.dtype = DTYPE) -> LatentPrior:
+def _prior(
+    layout: str, num_data: int = 40, num_latents: int = 3, dtype: torch.dtype = DTYPE, plus_linear: bool = False
+) -> LatentPrior:
     x = torch.rand(num_data, 2, dtype=dtype, generator=torch.Generator().manual_seed(0))
     if layout == "multitask":
         kernel = gpytorch.kernels.MultitaskKernel(gpytorch.kernels.RBFKernel(), num_tasks=num_latents, rank=1).to(DTYPE)
@@ -40,6 +42,8 @@ def _prior(layout: str, num_data: int = 40, num_latents: int = 3, dtype: torch.d
     kernel = gpytorch.kernels.ScaleKernel(gpytorch.kernels.MaternKernel(nu=1.5, batch_shape=batch_shape)).to(dtype)
     if layout == "independent":
         kernel.base_kernel.lengthscale = torch.tensor([0.2, 0.5, 1.0], dtype=dtype).view(3, 1, 1)
+    if plus_linear:  # a sum of kernels, evaluated as a sum of operators
+        kernel = gpytorch.kernels.LinearKernel(batch_shape=batch_shape).to(dtype) + kernel
     mean = torch.zeros(*batch_shape, num_data, dtype=dtype)
     return LatentPrior.from_distribution(gpytorch.distributions.MultivariateNormal(mean, kernel(x)), num_latents)
 
@@ -343,6 +347,36 @@ def _dense(prior: LatentPrior) -> torch.Tensor:
     for latent in range(num):
         blocks[:, latent, :, latent] = matrix[latent]
     return blocks.reshape(matrix.shape[-1] * num, -1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("layout", ["single", "shared", "independent"])
+def test_products_read_the_kernel_matrix_the_prior_holds_evaluated(layout, dtype, monkeypatch):
+    """A sum of kernels evaluates to a sum of operators, whose products would run term by term; once the prior holds
+    the matrix evaluated (the preconditioner's pivots read it), products without gradients use that one matrix,
+    narrow ones from the left, and equal the dense product; with gradients they go through the kernel."""
+    prior = _prior(layout, dtype=dtype, plus_linear=True)
+    called = []
+    original = prior_module._evaluated_matmul
+    monkeypatch.setattr(
+        prior_module, "_evaluated_matmul", lambda *args, **kwargs: called.append(1) or original(*args, **kwargs)
+    )
+    generator = torch.Generator().manual_seed(1)
+    size = prior.shape[0] * prior.num_latents
+    tolerance = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+    vectors = torch.randn(size, 3, dtype=dtype, generator=generator)
+    with torch.no_grad():
+        before = prior.matmul(vectors)  # the kernel evaluated (a sum of operators), the product by its terms
+    assert called == [] and prior.evaluated_kernel() is not None
+    dense = _dense(prior).detach()
+    with torch.no_grad():
+        for width in (1, 3, NARROW_PRODUCT_COLUMNS + 1):
+            wide = torch.randn(size, width, dtype=dtype, generator=generator)
+            torch.testing.assert_close(prior.matmul(wide), dense @ wide, **tolerance)
+        torch.testing.assert_close(prior.matmul(vectors), before, **tolerance)
+    assert len(called) == 4
+    prior.matmul(vectors)  # with gradients: through the kernel
+    assert len(called) == 4
 
 
 def test_solver_keeps_the_root_implicit_and_its_columns_conjugate():

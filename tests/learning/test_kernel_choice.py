@@ -156,6 +156,14 @@ def test_the_family_is_the_default_matern_its_ard_form_their_sums_with_a_linear_
     torch.testing.assert_close(weights, torch.full((4,), 0.25, dtype=torch.float64), rtol=0, atol=1e-15)
     assert family["matern"] is not kernel_family(4)["matern"]  # new kernels on every call
     assert kernel_family(3, torch.float32)["linear+matern"].raw_outputscale.dtype == torch.float32
+    some = kernel_family(4, names=["warped_matern", "matern"])  # only these built, in the family's order
+    assert list(some) == ["matern", "warped_matern"]
+    assert all(
+        torch.equal(value, family["warped_matern"].state_dict()[name])
+        for name, value in some["warped_matern"].state_dict().items()
+    )
+    with pytest.raises(ValueError, match="no kernel 'rbf'"):
+        kernel_family(4, names=["matern", "rbf"])
 
 
 def test_candidates_are_named_and_checked():
