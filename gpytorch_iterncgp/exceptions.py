@@ -15,6 +15,10 @@ each can be filtered on its own:
   scikit-learn's ``ConvergenceWarning`` instead.)
 * :class:`EstimatedEvidenceWarning`: EP's evidence is estimated from an incomplete solve, whose maximiser is biased
   (towards large outputscales); :func:`~gpytorch_iterncgp.fit_mll` learns EP's hyperparameters without it.
+* :class:`ExplicitGradientWarning`: the matrix-free Laplace evidence did not trust its differentiable Newton step from
+  the strategy's mode (the step lowered the log posterior: the fit is far from its mode, or :math:`\mathbf B` is
+  ill-conditioned), so its gradient leaves out the mode's implicit derivative; :func:`~gpytorch_iterncgp.fit_mll`
+  counts such evaluations (``LearningReport.explicit_gradients``) and warns once.
 * :class:`BufferLimitWarning`: the recycled solver actions would have outgrown
   :class:`~gpytorch_iterncgp.settings.recycled_buffer_limit`, so they were compressed to fit (the fit goes on, with
   less recycled information, and may need more steps), or the covariance phase's actions would have, so it stopped
@@ -38,6 +42,7 @@ __all__ = [
     "BufferLimitWarning",
     "ConvergenceWarning",
     "EstimatedEvidenceWarning",
+    "ExplicitGradientWarning",
     "MonteCarloPsiWarning",
     "NonFiniteEvidenceError",
     "NotConvergedWarning",
@@ -61,6 +66,11 @@ class ConvergenceWarning(NumericalWarning):
 
 class EstimatedEvidenceWarning(NumericalWarning):
     """An evidence estimated from an incomplete solve, whose maximiser is known to be biased."""
+
+
+class ExplicitGradientWarning(NumericalWarning):
+    """The matrix-free Laplace evidence's gradient left out the mode's implicit derivative (R&W eq. 5.22 without eqs.
+    5.23-5.24), because the Newton step it differentiates was not trusted."""
 
 
 class BufferLimitWarning(NumericalWarning):

@@ -49,7 +49,7 @@ from tqdm.auto import tqdm
 from ..core.memory import peak_memory_bytes, retained_allocations, start_peak_memory
 from ..core.threads import ONE_THREAD_LEARNING_SIZE, small_operations
 from ..core.validation import check_flag, check_nonnegative
-from ..exceptions import ConvergenceWarning, WorseThanConstantWarning
+from ..exceptions import ConvergenceWarning, ExplicitGradientWarning, WorseThanConstantWarning
 from ..mlls.itergp import BoTorchFitHook, EPMarginalLogLikelihood, LaplaceMarginalLogLikelihood
 from ..mlls.stochastic import StochasticEPMarginalLogLikelihood
 from ..strategies.base import exact_regime
@@ -707,9 +707,15 @@ def _learn(
         output = learner(inputs)  # the strategy's fit, warm-started from the last posterior
         report.fit_seconds += time.perf_counter() - tic
         tic = time.perf_counter()
-        with cg_nans_as_nan_errors():
+        with cg_nans_as_nan_errors(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ExplicitGradientWarning)
             loss = -mll(output, targets)
         report.evidence_seconds += time.perf_counter() - tic
+        explicit = [warning for warning in caught if issubclass(warning.category, ExplicitGradientWarning)]
+        report.explicit_gradients += bool(explicit)
+        for warning in caught:  # the others as they were
+            if warning not in explicit:
+                warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
         value = float(loss.detach())
         report.losses.append(value)
         bar.update(1)
@@ -754,6 +760,15 @@ def _learn(
             for parameter, value in zip(parameters, best["state"], strict=True):
                 parameter.copy_(value)
     report.evaluations, report.seconds = len(report.losses), time.perf_counter() - start
+    if report.explicit_gradients:
+        warnings.warn(
+            f"fit_mll: learning{kernel}: at {report.explicit_gradients} of {report.evaluations} evaluations the "
+            "Laplace evidence did not trust its Newton step from the fitted mode, and its gradient left out the "
+            "mode's implicit derivative (LearningReport.explicit_gradients). Fit closer to the mode at each "
+            "evaluation (LearningRecipe.fit_steps) where this repeats.",
+            ExplicitGradientWarning,
+            stacklevel=3,
+        )
 
 
 @contextlib.contextmanager

@@ -157,7 +157,9 @@ class LearningReport:
     the evidence (warm-started), ``evidence_seconds`` to the evidence at the fitted posterior and ``gradient_seconds``
     to its gradient. ``stopped`` says why it ended (:class:`LearningStop`). ``evidence`` is the approximation whose evidence was
     maximised (``"Laplace"`` or ``"EP"``), on ``data_points`` of the ``num_data`` training points (``learning_rows``,
-    sorted; ``None``: all); ``losses`` is ``-evidence / n`` at every evaluation.
+    sorted; ``None``: all); ``losses`` is ``-evidence / n`` at every evaluation. ``explicit_gradients`` counts the
+    evaluations whose matrix-free Laplace gradient left out the mode's implicit derivative
+    (:class:`~gpytorch_iterncgp.ExplicitGradientWarning`; ``fit_mll`` then warns once).
 
     Outputscale (where rows are held out: classifiers and count models): ``outputscale_factor``, the factor the learnt
     outputscale was multiplied by, chosen by the held-out score (``held_out_metric``: log-loss or mean Poisson
@@ -196,6 +198,7 @@ class LearningReport:
     fit_seconds: float = 0.0
     evidence_seconds: float = 0.0
     gradient_seconds: float = 0.0
+    explicit_gradients: int = 0
     stopped: LearningStop = LearningStop.NOT_LEARNT
     losses: list[float] = field(default_factory=list)
     learning_rows: list[int] | None = None

@@ -17,6 +17,7 @@ from gpytorch_iterncgp import (
     EPMarginalLogLikelihood,
     EPStrategy,
     EstimatedEvidenceWarning,
+    ExplicitGradientWarning,
     IterNCGPStrategy,
     LaplaceMarginalLogLikelihood,
     LearningRecipe,
@@ -27,6 +28,7 @@ from gpytorch_iterncgp import (
 )
 from gpytorch_iterncgp.learning.learner import LearnerModel
 from gpytorch_iterncgp.learning.rows import draw_rows, held_out_rows
+from gpytorch_iterncgp.mlls import itergp as itergp_mlls
 from tests.common import (
     IterNCGPModel,
     MultitaskIterNCGPModel,
@@ -393,6 +395,30 @@ def test_a_fit_stopped_by_its_step_limit_warns_which_limit_to_raise():
         warnings.simplefilter("error", ConvergenceWarning)
         assert not strategy.fit(max_sweeps=1, limit_warning=False).converged
         assert strategy.fit(max_sweeps=None).converged  # continued to convergence: no warning
+
+
+def test_evaluations_whose_gradient_left_out_the_implicit_derivative_are_counted_and_warned_once(monkeypatch):
+    """Where the matrix-free Laplace evidence does not trust its Newton step (every step here: the trust threshold
+    set so), fit_mll counts the evaluations in ``explicit_gradients`` and warns once, naming the count; with the
+    threshold as it is, the same learning counts none and does not warn."""
+    x, y = binary_data(120, seed=9)
+    recipe = LearningRecipe(optimizer_steps=3)
+    counts = {}
+    for trust in (itergp_mlls.NEWTON_STEP_TRUST, -1.0):  # -1: a step must raise the log posterior by 1 + |Psi|
+        monkeypatch.setattr(itergp_mlls, "NEWTON_STEP_TRUST", trust)
+        model = IterNCGPModel(x, y, LogitBernoulliLikelihood(), max_solver_iterations=5)
+        mll = LaplaceMarginalLogLikelihood(model.variational_strategy.likelihood, model)
+        with settings.exact_evidence_size(50), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            report = fit_mll(mll, recipe=recipe, show_progress=False)
+        explicit = [warning for warning in caught if issubclass(warning.category, ExplicitGradientWarning)]
+        counts[trust] = report.explicit_gradients
+        if trust < 0:
+            assert report.explicit_gradients == report.evaluations == 3
+            assert len(explicit) == 1 and "at 3 of 3 evaluations" in str(explicit[0].message)
+        else:
+            assert report.explicit_gradients == 0 and explicit == []
+    assert counts[-1.0] == 3
 
 
 def test_eps_estimated_evidence_warns_once_and_names_fit_mll():
