@@ -30,7 +30,6 @@ import torch
 from gpytorch.kernels import Kernel
 from torch import Tensor
 
-from .. import settings
 from ..kernels.additive import FirstOrderAdditiveKernel
 from ..kernels.warping import KumaraswamyWarpedKernel
 from ..mlls.itergp import EPMarginalLogLikelihood, LaplaceMarginalLogLikelihood
@@ -376,17 +375,12 @@ def _restore(parameters: list[Tensor], values: list[Tensor]) -> None:
 def learnt_evidence(learner: Any) -> float:
     r""":math:`-\log q(\mathbf y \mid \theta) / M` of ``learner``'s :math:`M` training points (the objective ``fit_mll``
     minimised: Laplace's or EP's evidence, R&W eqs. 3.32, 3.65, with the hyperparameters' log priors), at its
-    current hyperparameters, dense and exact (``settings.exact_evidence_size`` raised to its :math:`M C` latent
-    values: no stochastic estimate, so candidates compare without noise), after a whole fit (no ``train_fit_steps``,
-    no covariance phase)."""
+    current hyperparameters, dense and exact (the objective's ``exact=True``, whatever :math:`M C`: no stochastic
+    estimate, so candidates compare without noise), after a whole fit (no ``train_fit_steps``, no covariance
+    phase)."""
     strategy = learner.variational_strategy
     evidence = EPMarginalLogLikelihood if isinstance(strategy, EPStrategy) else LaplaceMarginalLogLikelihood
-    mll = evidence(strategy.likelihood, learner)
-    size = max(strategy.num_data * strategy.num_latents, settings.exact_evidence_size.value())
+    mll = evidence(strategy.likelihood, learner, exact=True)
     learner.train()
-    with (
-        torch.no_grad(),
-        settings.exact_evidence_size(size),
-        strategy.overriding(covariance_iterations=0, train_fit_steps=None),
-    ):
+    with torch.no_grad(), strategy.overriding(covariance_iterations=0, train_fit_steps=None):
         return float(-mll(learner(strategy.train_inputs), strategy.train_targets))
