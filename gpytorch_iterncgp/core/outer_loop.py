@@ -247,6 +247,17 @@ class ProductCounter(Protocol):
     product_seconds: float
 
 
+def _solver_counts(counter: ProductCounter) -> tuple[int, int, float]:
+    """The counter's products, columns and seconds less those it set aside (a preconditioner's, which the report
+    counts apart: :meth:`~gpytorch_iterncgp.core.prior.LatentPrior.set_aside`; a counter without such counts, e.g.
+    EP-DTC's prior, has none)."""
+    return (
+        counter.products - getattr(counter, "products_aside", 0),
+        counter.columns - getattr(counter, "columns_aside", 0),
+        counter.product_seconds - getattr(counter, "product_seconds_aside", 0.0),
+    )
+
+
 @dataclass
 class FitReport:
     """What a call of :meth:`~gpytorch_iterncgp.IterNCGPStrategy.fit` or :meth:`~gpytorch_iterncgp.EPStrategy.fit` did.
@@ -359,7 +370,7 @@ def run_outer_loop(
     stall_rule = _StallRule(loop)
     try:
         while max_steps is None or report.steps < max_steps:
-            products, seconds = counter.products, counter.product_seconds
+            products, _, seconds = _solver_counts(counter)
             with warnings.catch_warnings(record=True) as caught, small_operations():
                 warnings.simplefilter("always", NumericalBreakdownWarning)
                 outcome = next(iterator, None)
@@ -370,10 +381,9 @@ def run_outer_loop(
             if outcome.record is None:  # the step could not be taken: nothing new to commit
                 warnings.warn(outcome.message, NumericalBreakdownWarning, stacklevel=stacklevel + 1)
                 break
+            after, _, after_seconds = _solver_counts(counter)
             record = dataclasses.replace(
-                outcome.record,
-                kernel_products=counter.products - products,
-                kernel_product_seconds=counter.product_seconds - seconds,
+                outcome.record, kernel_products=after - products, kernel_product_seconds=after_seconds - seconds
             )
             state = outcome.state
             commit(state)
@@ -399,15 +409,13 @@ def run_outer_loop(
     finally:
         iterator.close()
         progress.close()
-    loop_products, finalize_start = counter.products, time.perf_counter()
+    loop_products, finalize_start = _solver_counts(counter)[0], time.perf_counter()
     with small_operations():
         final = loop.finalize(state)
-    report.covariance_products = counter.products - loop_products
+    report.covariance_products = _solver_counts(counter)[0] - loop_products
     report.covariance_seconds = time.perf_counter() - finalize_start
     commit(final)  # also after no step: the starting state (e.g. renewed after a change of K)
-    report.kernel_products = counter.products
-    report.kernel_columns = counter.columns
-    report.kernel_product_seconds = counter.product_seconds
+    report.kernel_products, report.kernel_columns, report.kernel_product_seconds = _solver_counts(counter)
     preconditioning = getattr(loop, "preconditioning", None)  # (the loops over IterGP's dense solves have one)
     if preconditioning is not None:
         report.preconditioner_seconds = preconditioning.seconds

@@ -154,7 +154,7 @@ def _pivot_columns(prior: LatentPrior, classes: int, num_points: int) -> Callabl
     matrix = dense.detach().reshape(classes, num_points, -1)  # (c, N, N): one kernel, or one per class
 
     def indexed(pivot: Tensor) -> Tensor:
-        prior.products, prior.columns = prior.products + 1, prior.columns + classes
+        prior.count(classes)
         return matrix[latents, pivot]  # the pivot's row: its column (K is symmetric), read contiguously
 
     return indexed
@@ -323,9 +323,10 @@ class KernelPreconditioning:
     carries the leading part of the posterior covariance (EP's cavities need it). Any actions keep :math:`\mathbf C
     \preceq \hat{\mathbf K}^{-1}` (paper, Proposition A.3), so the covariance stays at least the exact one.
 
-    The factor's kernel columns (or Nyström's product) are not counted among the prior's products with
-    :math:`\mathbf K` (those are the solver's, one per iteration): the calls are :attr:`products`, the time they
-    take is :attr:`seconds`.
+    The factor's kernel columns (or Nyström's product) are counted by the prior as set aside
+    (:meth:`~gpytorch_iterncgp.core.prior.LatentPrior.set_aside`), so that a fit's report counts them apart from the
+    solver's products with :math:`\mathbf K` (one per iteration): the calls are :attr:`products`, the time they take
+    is :attr:`seconds`.
 
     :param prior: the prior at the training inputs.
     :param rank: :math:`r` (:attr:`~gpytorch_iterncgp.core.solver.IterGPOptions.preconditioner_rank`); ``0``: none.
@@ -352,17 +353,17 @@ class KernelPreconditioning:
 
     @contextlib.contextmanager
     def _apart(self) -> Iterator[None]:
-        """The block's kernel columns and products counted in :attr:`products`, not as the prior's; its time in
-        :attr:`seconds`."""
+        """The block's kernel columns and products set aside on the prior (:meth:`LatentPrior.set_aside`, which the
+        fit's report subtracts from the solver's) and counted in :attr:`products`; its time in :attr:`seconds`."""
         prior = self.prior
-        counted = prior.products, prior.columns, prior.product_seconds
+        before = prior.products_aside
         start = time.perf_counter()
         try:
-            yield
+            with prior.set_aside():
+                yield
         finally:
             self.seconds += time.perf_counter() - start
-            self.products += prior.products - counted[0]
-            prior.products, prior.columns, prior.product_seconds = counted
+            self.products += prior.products_aside - before
 
     @property
     def built_factor(self) -> LowRankKernelFactor | None:

@@ -15,9 +15,10 @@ wall time spent in them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import gpytorch
 import torch
@@ -204,9 +205,14 @@ class LatentPrior:
         self._mean = mean
         self.covariance = covariance
         self.num_latents = num_latents
-        self.products = 0  # calls of the kernel's matmul
+        self.products = 0  # calls of the kernel's matmul (or columns), every one
         self.columns = 0  # columns multiplied in those calls
         self.product_seconds = 0.0  # wall time spent in those calls
+        # of those, the ones made inside set_aside() (a preconditioner's, which the fit reports count apart)
+        self.products_aside = 0
+        self.columns_aside = 0
+        self.product_seconds_aside = 0.0
+        self._aside_depth = 0
         self._evaluated_kernel: Tensor | None = None  # the kernel matrix as a tensor, once read (evaluated_kernel)
 
     @classmethod
@@ -361,15 +367,35 @@ class LatentPrior:
         chunk_rows = 0 if torch.is_grad_enabled() else _chunk_rows(self.covariance)
         return functools.partial(_kernel_matmul, self.covariance, chunk_rows=chunk_rows)
 
-    def _counted(self, columns: int, product: Callable[[], Tensor], work: int | None = None) -> Tensor:
-        """``product()``, counted as one product with ``columns`` columns and timed; ``work`` (default: a product's,
-        :math:`N M` per column) decides whether it runs on the caller's threads (:func:`large_operation`)."""
+    @contextlib.contextmanager
+    def set_aside(self) -> Iterator[None]:
+        """Count the products made inside the block as every product, and also in :attr:`products_aside`,
+        :attr:`columns_aside` and :attr:`product_seconds_aside` (a preconditioner's kernel columns, which a fit's report
+        counts apart from the solver's products). Counters only grow."""
+        self._aside_depth += 1
+        try:
+            yield
+        finally:
+            self._aside_depth -= 1
+
+    def count(self, columns: int, seconds: float = 0.0) -> None:
+        """Count one product (or read of kernel columns) with ``columns`` columns that took ``seconds``."""
         self.products += 1
         self.columns += columns
+        self.product_seconds += seconds
+        if self._aside_depth:
+            self.products_aside += 1
+            self.columns_aside += columns
+            self.product_seconds_aside += seconds
+
+    def _counted(self, columns: int, product: Callable[[], Tensor], work: int | None = None) -> Tensor:
+        """``product()``, counted as one product with ``columns`` columns and timed (:meth:`count`); ``work``
+        (default: a product's, :math:`N M` per column) decides whether it runs on the caller's threads
+        (:func:`large_operation`)."""
         start = self._clock()
         with large_operation(self.shape[0] * self.shape[1] * columns if work is None else work):
             result = product()
-        self.product_seconds += self._clock() - start
+        self.count(columns, self._clock() - start)
         return result
 
     def _clock(self) -> float:

@@ -153,6 +153,32 @@ def test_a_fit_at_the_same_hyperparameters_takes_the_last_factor_and_so_does_the
     assert strategy.kernel_factor() is not factor
 
 
+def test_the_prior_counts_every_product_and_the_report_the_factors_apart():
+    """The prior's counters only grow: the factor's kernel columns are counted among its products and, set aside, in
+    ``products_aside``; the fit's report gives the solver's products (every product less those set aside, one per
+    step's iterations and renewals) and the preconditioner's apart."""
+    x, y = binary_data(60, seed=5)
+    model = IterNCGPModel(x, y, gpytorch.likelihoods.BernoulliLikelihood(), max_solver_iterations=3)
+    strategy = model.variational_strategy
+    seen: list[tuple[int, int]] = []
+    original = LatentPrior.count
+
+    def spy(prior, columns, seconds=0.0):
+        original(prior, columns, seconds)
+        seen.append((prior.products, prior.products_aside))
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(LatentPrior, "count", spy)
+        report = strategy.fit()
+    assert report.preconditioner_products > 0 and report.kernel_products > 0
+    assert [pair[0] for pair in seen] == list(range(1, len(seen) + 1))  # one more at every count
+    assert all(later[1] >= earlier[1] for earlier, later in zip(seen, seen[1:], strict=False))
+    assert seen[-1] == (report.kernel_products + report.preconditioner_products, report.preconditioner_products)
+    assert (
+        sum(record.kernel_products for record in report.records) + report.covariance_products <= report.kernel_products
+    )
+
+
 def _noise(kind: str, num_data: int, num_latents: int, dtype, generator):
     """A random noise of ``kind`` and its dense curvature ``W`` ``(n, n)`` (float64)."""
     if kind == "diagonal":
@@ -307,7 +333,7 @@ def test_point_actions_bound_the_variance_by_the_point_observed_alone():
     points = torch.tensor([3, 17, 29])
     with torch.no_grad():
         buffer = preconditioning.with_point_actions(buffer, points)
-    assert buffer.size == 8 and prior.products == 0 and preconditioning.products > 0
+    assert buffer.size == 8 and prior.products == prior.products_aside == preconditioning.products > 0
     actions = buffer.actions.value
     torch.testing.assert_close(buffer.kernel_actions.value, kernel @ actions)
     gram = actions.mT @ (kernel + torch.diag(site_precision.reciprocal())) @ actions
