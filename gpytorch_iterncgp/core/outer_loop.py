@@ -242,19 +242,23 @@ class OuterLoop(Protocol):
 
 
 class ProductCounter(Protocol):
+    """Every product with K (calls, columns, seconds), and of those the ones set aside (a preconditioner's, which the
+    report counts apart: :meth:`~gpytorch_iterncgp.core.prior.LatentPrior.set_aside`)."""
+
     products: int
     columns: int
     product_seconds: float
+    products_aside: int
+    columns_aside: int
+    product_seconds_aside: float
 
 
 def _solver_counts(counter: ProductCounter) -> tuple[int, int, float]:
-    """The counter's products, columns and seconds less those it set aside (a preconditioner's, which the report
-    counts apart: :meth:`~gpytorch_iterncgp.core.prior.LatentPrior.set_aside`; a counter without such counts, e.g.
-    EP-DTC's prior, has none)."""
+    """The counter's products, columns and seconds less those it set aside."""
     return (
-        counter.products - getattr(counter, "products_aside", 0),
-        counter.columns - getattr(counter, "columns_aside", 0),
-        counter.product_seconds - getattr(counter, "product_seconds_aside", 0.0),
+        counter.products - counter.products_aside,
+        counter.columns - counter.columns_aside,
+        counter.product_seconds - counter.product_seconds_aside,
     )
 
 

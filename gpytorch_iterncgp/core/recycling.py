@@ -369,18 +369,16 @@ class ImplicitRoot:
         return self._combined(self.buffer.kernel_actions)
 
     def _combined(self, store: ColumnStore) -> Tensor:
+        r""":math:`\mathbf S \mathbf E` for ``store``'s columns :math:`\mathbf S` (this rank's rows): by one triangular
+        solve with the Cholesky factor where :math:`\mathbf E` is not formed, the buffer is float64 and dense, and has
+        at most :data:`TRIANGULAR_COMBINATION_WIDTH` rows per action; else by :math:`\mathbf E`."""
         factor = self.cholesky
-        rows = store.rows[: self.buffer.size if factor is None else factor.shape[-1]]
-        if (
-            factor is None
-            or _ROOT_COEFFICIENTS.is_formed(self)
-            or rows.dtype != factor.dtype
-            or rows.shape[-1] > TRIANGULAR_COMBINATION_WIDTH * len(rows)
-            or row_support(rows) is not None
-        ):
-            return combined_columns(store, self.root_coefficients)
-        # (S E)^T = L^{-1} S^T: one triangular solve over the rows (row-major, as combined_columns' store)
-        return torch.linalg.solve_triangular(factor, rows, upper=False).mT
+        if factor is not None and not _ROOT_COEFFICIENTS.is_formed(self):
+            rows = store.rows[: factor.shape[-1]]
+            narrow = rows.shape[-1] <= TRIANGULAR_COMBINATION_WIDTH * len(rows)
+            if rows.dtype == factor.dtype and narrow and row_support(rows) is None:
+                return torch.linalg.solve_triangular(factor, rows, upper=False).mT  # (L^{-1} S^T)^T, row-major
+        return combined_columns(store, self.root_coefficients)
 
 
 _ROOT_COEFFICIENTS = DeferredTensor("root_coefficients")
@@ -417,12 +415,14 @@ def noise_gram(buffer: ActionBuffer, noise_inverse: LinearOperator) -> Tensor:
     points, entries = located.points[at_points], located.entries[at_points].double()
     # Known block diagonal: among point actions, s_a^T W^{-1} s_b = [p_a = p_b] e_a^T W_{p_a}^{-1} e_b, O(B^2 C).
     blocked = isinstance(noise_inverse, (NoiseOperator, DiagLinearOperator))
-    gram = rows.new_zeros(size, size, dtype=torch.float64)
+    among = None
     if blocked:
         blocks = _diagonal_blocks(multiply, num_rows, block_size, rows)[points].double()  # (A, C, C)
         among = entries @ (blocks @ entries[..., None])[..., 0].mT * (points[:, None] == points)
         if len(spread) == 0:
             return _symmetric(buffer.rows_block.summed(among))
+    gram = rows.new_zeros(size, size, dtype=torch.float64)
+    if among is not None:
         gram[at_points[:, None], at_points] = among
     if len(spread):
         gram[spread[:, None], spread] = _spread_gram(rows[spread], noise_inverse, centred)

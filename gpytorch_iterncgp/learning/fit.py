@@ -713,9 +713,9 @@ def _learn(
         report.evidence_seconds += time.perf_counter() - tic
         explicit = [warning for warning in caught if issubclass(warning.category, ExplicitGradientWarning)]
         report.explicit_gradients += bool(explicit)
-        for warning in caught:  # the others as they were
+        for warning in caught:  # the others again, from one line: a message repeated at every evaluation shows once
             if warning not in explicit:
-                warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+                warnings.warn(warning.message, warning.category, stacklevel=2)
         value = float(loss.detach())
         report.losses.append(value)
         bar.update(1)

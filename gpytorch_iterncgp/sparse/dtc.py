@@ -175,6 +175,9 @@ class DTCPrior:
     products: int = 0
     columns: int = 0
     product_seconds: float = 0.0
+    products_aside: int = 0
+    columns_aside: int = 0
+    product_seconds_aside: float = 0.0
 
     @classmethod
     def from_blocks(cls, mean: Tensor, diagonal: Tensor, inducing_covariance: Tensor, cross: Tensor) -> DTCPrior:

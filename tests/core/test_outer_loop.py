@@ -33,6 +33,9 @@ class Counter:
     products: int = 0
     columns: int = 0
     product_seconds: float = 0.0
+    products_aside: int = 0
+    columns_aside: int = 0
+    product_seconds_aside: float = 0.0
 
 
 class Heron:
