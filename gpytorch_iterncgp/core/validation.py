@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
+from typing import Any
 
 import numpy as np
 import torch
@@ -13,6 +15,31 @@ from torch import Tensor
 def _refuse_bool(value, name: str) -> None:
     if isinstance(value, (bool, np.bool_)):
         raise ValueError(f"{name} must be a number, got {value!r}.")
+
+
+#: the default of a renamed parameter's old name (scikit-learn's deprecation idiom): not given
+DEPRECATED = "deprecated"
+
+
+def renamed(owner: str, old: str, new: str, old_value: Any, new_value: Any, new_default: Any, stacklevel: int) -> Any:
+    """The value of a parameter renamed from ``old`` to ``new``: ``new_value``, or ``old_value`` with a
+    ``FutureWarning`` where the old name was given (it is not :data:`DEPRECATED`). It keeps working for one release.
+
+    :param owner: the function or class, for the messages.
+    :param new_default: the new name's default: the old name is refused beside a new name given another value.
+    :param stacklevel: of the warning, counted from this function (2: its caller's caller).
+    :raises ValueError: where both names are given.
+    """
+    if isinstance(old_value, str) and old_value == DEPRECATED:
+        return new_value
+    if not (new_value is new_default or (isinstance(new_value, (str, int, float)) and new_value == new_default)):
+        raise ValueError(f"{owner}: {old}= is the deprecated name of {new}=; give {new}= alone.")
+    warnings.warn(
+        f"{owner}: {old}= is deprecated and will be removed in a future release; it is now {new}=.",
+        FutureWarning,
+        stacklevel=stacklevel,
+    )
+    return old_value
 
 
 def check_count(value, name: str, minimum: int = 0, allow_none: bool = False) -> None:

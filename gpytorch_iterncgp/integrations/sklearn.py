@@ -52,7 +52,7 @@ from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import check_is_fitted, validate_data
 
 from ..core.policies import Policy
-from ..core.validation import check_count, check_flag, check_nonnegative
+from ..core.validation import DEPRECATED, check_count, check_flag, check_nonnegative, renamed
 from ..exceptions import ConvergenceWarning as PackageConvergenceWarning
 from ..exceptions import NotConvergedWarning
 from ..kernels.warping import KumaraswamyWarpedKernel
@@ -171,7 +171,7 @@ class _IterNCGPEstimator(BaseEstimator):
         optimize_hyperparameters=ESTIMATOR_DEFAULTS.optimize_hyperparameters,
         optimizer_steps=LearningRecipe.optimizer_steps,
         learning_rate=LearningRecipe.learning_rate,
-        learning_fit_steps=LearningRecipe.fit_steps,
+        train_fit_steps=SolverOptions.train_fit_steps,
         learning_subset=ESTIMATOR_DEFAULTS.learning_subset,
         num_inducing=ESTIMATOR_DEFAULTS.num_inducing,
         batch_size=MinibatchRecipe.batch_size,
@@ -179,6 +179,7 @@ class _IterNCGPEstimator(BaseEstimator):
         random_state=None,
         device="cpu",
         verbose=False,
+        learning_fit_steps=DEPRECATED,
     ):
         self.kernel = kernel
         self.standardize = standardize
@@ -196,7 +197,7 @@ class _IterNCGPEstimator(BaseEstimator):
         self.optimize_hyperparameters = optimize_hyperparameters
         self.optimizer_steps = optimizer_steps
         self.learning_rate = learning_rate
-        self.learning_fit_steps = learning_fit_steps
+        self.train_fit_steps = train_fit_steps
         self.learning_subset = learning_subset
         self.num_inducing = num_inducing
         self.batch_size = batch_size
@@ -204,6 +205,7 @@ class _IterNCGPEstimator(BaseEstimator):
         self.random_state = random_state
         self.device = device
         self.verbose = verbose
+        self.learning_fit_steps = learning_fit_steps
 
     @property
     def _auto_kernel(self) -> bool:
@@ -296,7 +298,9 @@ class _IterNCGPEstimator(BaseEstimator):
         self._check(check_count, "preconditioner_rank")
         self._check(check_count, "covariance_iterations", allow_none=True)
         self._check(check_count, "optimizer_steps")
-        self._check(check_count, "learning_fit_steps", minimum=1)
+        self._check(check_count, "train_fit_steps", minimum=1)
+        if not (isinstance(self.learning_fit_steps, str) and self.learning_fit_steps == DEPRECATED):
+            self._check(check_count, "learning_fit_steps", minimum=1)
         if isinstance(self.learning_subset, str):
             if self.learning_subset != "auto":
                 raise _param_error(self, "learning_subset", "'auto', None or an integer >= 2", self.learning_subset)
@@ -352,6 +356,17 @@ class _IterNCGPEstimator(BaseEstimator):
             covariance_iterations=self.covariance_iterations,
             recycle=self.recycle,
             outer_tol=self.outer_tol,
+            train_fit_steps=int(
+                renamed(
+                    type(self).__name__,
+                    "learning_fit_steps",
+                    "train_fit_steps",
+                    self.learning_fit_steps,
+                    self.train_fit_steps,
+                    SolverOptions.train_fit_steps,
+                    stacklevel=5,
+                )
+            ),
             show_progress=self.verbose,
         )
 
@@ -426,7 +441,6 @@ class _IterNCGPEstimator(BaseEstimator):
         recipe = LearningRecipe(
             optimizer_steps=int(self.optimizer_steps) if learn else 0,
             learning_rate=float(self.learning_rate),
-            fit_steps=int(self.learning_fit_steps),
         )
         names, why = (
             auto_kernel_names(
@@ -463,7 +477,7 @@ class _IterNCGPEstimator(BaseEstimator):
                     evidence_class(model.variational_strategy)(likelihood, model),
                     max_time=self.max_time,
                     recipe=recipe,
-                    subset=self.learning_subset
+                    learning_subset=self.learning_subset
                     if self.learning_subset in (None, "auto")
                     else int(self.learning_subset),
                     seed=seed,
@@ -663,11 +677,11 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
         continues the posterior from the previous one (mode or sites, and the recycled actions).
     :param learning_rate: Adam's learning rate (above ``exact_evidence_size`` only; L-BFGS takes unit steps
         scaled by its line search).
-    :param learning_fit_steps: with Adam, the Newton steps (EP sweeps) each evaluation of the evidence runs on from
-        the previous posterior (and at most :attr:`LearningRecipe.compression_rank
-        <gpytorch_iterncgp.learning.recipe.LearningRecipe.compression_rank>` recycled actions are kept): the
-        posterior follows the hyperparameters loosely, and the final fit (``max_newton_steps``) converges it. L-BFGS
-        refits whole at each evaluation (its line search needs converged values).
+    :param train_fit_steps: with Adam, the Newton steps (EP sweeps) each evaluation of the evidence runs on from
+        the previous posterior (the strategy's option of that name; at most its ``train_compression_rank``, 20,
+        recycled actions are kept): the posterior follows the hyperparameters loosely, and the final fit
+        (``max_newton_steps``) converges it. L-BFGS refits whole at each evaluation (its line search needs converged
+        values).
     :param learning_subset: the number of training points the hyperparameters are learnt on: a random subset, drawn
         with ``random_state`` and stratified by class (every class keeps its share), whose evidence is maximised before
         the posterior is fitted on all the data at the learnt hyperparameters (subset-of-data type-II maximum likelihood,
@@ -694,6 +708,7 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
         every device. A CUDA device torch cannot find is refused at ``fit``.
     :param verbose: a progress bar per phase: learning, the outputscale, the final fit
         (:func:`~gpytorch_iterncgp.fit_mll`).
+    :param learning_fit_steps: the deprecated name of ``train_fit_steps`` (a ``FutureWarning``).
 
     Fitted attributes: ``classes_``, ``n_classes_``, ``n_features_in_`` (``feature_names_in_``), ``scaler_`` (the
     fitted ``StandardScaler``, or ``None`` where ``standardize=False``), ``feature_lengthscales_`` (``(D,)``: the fitted

@@ -99,6 +99,7 @@ DENSE_ONLY = (
     "solver_tol",
     "optimizer_steps",
     "learning_rate",
+    "train_fit_steps",
     "learning_fit_steps",
     "learning_subset",
 )
@@ -111,10 +112,10 @@ AUTO_KERNELS = ("matern", "linear+matern", "warped_matern")
 
 @dataclass(frozen=True)
 class EstimatorDefaults:
-    """The estimators' own defaults, written once; the solver's (``max_newton_steps``, ``compression_rank``, ...)
-    are :class:`~gpytorch_iterncgp.SolverOptions`' fields, the learning's (``optimizer_steps``, ``learning_rate``,
-    ``learning_fit_steps``) :class:`~gpytorch_iterncgp.LearningRecipe`'s, the minibatches' (``batch_size``)
-    :class:`~gpytorch_iterncgp.MinibatchRecipe`'s."""
+    """The estimators' own defaults, written once; the solver's (``max_newton_steps``, ``compression_rank``,
+    ``train_fit_steps``, ...) are :class:`~gpytorch_iterncgp.SolverOptions`' fields, the learning's
+    (``optimizer_steps``, ``learning_rate``) :class:`~gpytorch_iterncgp.LearningRecipe`'s, the minibatches'
+    (``batch_size``) :class:`~gpytorch_iterncgp.MinibatchRecipe`'s."""
 
     kernel: str = "auto"  # the Matérn, linear + Matérn or warped Matérn, by the held-out score (auto_kernel_names)
     inference: str = "auto"
@@ -324,6 +325,7 @@ def strategy_options(
     covariance_iterations: int | None,
     recycle: bool,
     outer_tol: float | None,
+    train_fit_steps: int,
     show_progress: bool,
 ) -> dict:
     """The keyword arguments of the strategy (:class:`~gpytorch_iterncgp.IterNCGPStrategy` or
@@ -350,6 +352,7 @@ def strategy_options(
         compression_rank=compression_rank,
         preconditioner_rank=int(preconditioner_rank),
         recycle=bool(recycle),
+        train_fit_steps=int(train_fit_steps),
         abs_tol=budget["solver_tol"],
         rel_tol=budget["solver_tol"],
         seed=seed,

@@ -48,7 +48,7 @@ from tqdm.auto import tqdm
 
 from ..core.memory import peak_memory_bytes, retained_allocations, start_peak_memory
 from ..core.threads import ONE_THREAD_LEARNING_SIZE, small_operations
-from ..core.validation import check_flag, check_nonnegative
+from ..core.validation import DEPRECATED, check_flag, check_nonnegative, renamed
 from ..exceptions import ConvergenceWarning, ExplicitGradientWarning, WorseThanConstantWarning
 from ..mlls.itergp import BoTorchFitHook, EPMarginalLogLikelihood, LaplaceMarginalLogLikelihood
 from ..mlls.stochastic import StochasticEPMarginalLogLikelihood
@@ -79,7 +79,8 @@ def fit_mll(mll: MarginalLogLikelihood, **options: Any) -> LearningReport:
     * a :class:`~gpytorch_iterncgp.LaplaceMarginalLogLikelihood` (a model with an
       :class:`~gpytorch_iterncgp.IterNCGPStrategy`) or an :class:`~gpytorch_iterncgp.EPMarginalLogLikelihood` (with an
       :class:`~gpytorch_iterncgp.EPStrategy`), whose model holds its data: :func:`fit_dense_mll` (options
-      ``max_time``, ``recipe``, ``subset``, ``validation_rows``, ``seed``, ``show_progress``);
+      ``max_time``, ``recipe``, ``learning_subset``, ``validation_rows``, ``kernels``, ``select_by``, ``seed``,
+      ``show_progress``);
     * a :class:`~gpytorch_iterncgp.StochasticEPMarginalLogLikelihood`, whose model holds no data:
       :func:`fit_minibatch_mll` (options ``data``, ``max_time``, ``recipe``, ``kernels``, ``select_by``, ``seed``,
       ``show_progress``).
@@ -110,14 +111,15 @@ def fit_mll(mll: MarginalLogLikelihood, **options: Any) -> LearningReport:
 #: why an option of the other mode does not apply, and what to use instead
 _NOT_FOR_DENSE = {
     "data": "its model holds its training data (the strategy's train_inputs, train_targets); leave data= out, and "
-    "choose the rows to learn on with subset="
+    "choose the rows to learn on with learning_subset="
 }
 _NOT_FOR_MINIBATCHES = {
-    "subset": "stochastic EP learns on all of data= in minibatches; set their size with "
+    "learning_subset": "stochastic EP learns on all of data= in minibatches; set their size with "
     "recipe=MinibatchRecipe(batch_size=...)",
     "validation_rows": "stochastic EP has no outputscale phase (its objective is SEP's energy on all the data), and "
     "its kernel choice (kernels=) draws its own held-out rows from data=",
 }
+_NOT_FOR_MINIBATCHES["subset"] = _NOT_FOR_MINIBATCHES["learning_subset"]  # its deprecated name
 
 
 def _keywords(function: Callable[..., Any]) -> frozenset[str]:
@@ -130,12 +132,13 @@ def fit_dense_mll(
     *,
     max_time: float | None = None,
     recipe: LearningRecipe | None = None,
-    subset: int | str | Tensor | None = "auto",
+    learning_subset: int | str | Tensor | None = "auto",
     validation_rows: Tensor | str | None = "auto",
     kernels: Mapping[str, gpytorch.kernels.Kernel] | Sequence[gpytorch.kernels.Kernel] | None = None,
     select_by: str = "bic",
     seed: int | None = None,
     show_progress: bool | None = None,
+    subset: Any = DEPRECATED,
 ) -> LearningReport:
     r""":func:`fit_mll` for a model that holds its data (Laplace's or EP's evidence), in three phases (module docstring):
     learning on a subset, the outputscale on held-out rows, the final fit on all the data; with ``kernels``, the first
@@ -148,7 +151,7 @@ def fit_dense_mll(
         evidence evaluation running then, keeping the best hyperparameters seen, and the final fit follows. With
         ``kernels``, each candidate gets an equal share of the time left when it starts.
     :param recipe: the optimiser's settings (:class:`~gpytorch_iterncgp.learning.recipe.LearningRecipe`).
-    :param subset: the rows the hyperparameters are learnt on: ``"auto"`` (:math:`\lfloor\sqrt{10^7/C}\rfloor` rows,
+    :param learning_subset: the rows the hyperparameters are learnt on: ``"auto"`` (:math:`\lfloor\sqrt{10^7/C}\rfloor` rows,
         stratified by class for classifiers; for smaller data all but the recipe's ``held_out_fraction`` of them,
         which are held out, or all of them where that fraction is fewer than ``min_validation_points`` rows:
         :func:`~.rows.auto_learning_size`), a number of rows, the row indices ``(M,)``, a boolean mask ``(N,)``, or
@@ -173,6 +176,7 @@ def fit_dense_mll(
         smaller than the data).
     :param seed: seeds the rows drawn (``None``: drawn from torch's global generator).
     :param show_progress: a progress bar per phase (``None``: the strategy's ``show_progress``).
+    :param subset: the deprecated name of ``learning_subset`` (a ``FutureWarning``).
     :return: the :class:`~gpytorch_iterncgp.learning.recipe.LearningReport` (its ``fit_report``: the final fit's).
     :raises TypeError: for another objective or strategy, a recipe that is not a ``LearningRecipe``, or ``kernels``
         that are not kernels or for a model without ``covar_module``.
@@ -184,6 +188,7 @@ def fit_dense_mll(
         (:class:`~gpytorch_iterncgp.NotConvergedWarning`, or :class:`~gpytorch_iterncgp.ConvergenceWarning` at a
         limit of the strategy's).
     """
+    learning_subset = renamed("fit_mll", "subset", "learning_subset", subset, learning_subset, "auto", stacklevel=4)
     strategy = _checked_strategy(mll)
     recipe = LearningRecipe() if recipe is None else recipe
     if not isinstance(recipe, LearningRecipe):
@@ -195,7 +200,7 @@ def fit_dense_mll(
     deadline, show = _deadline(max_time), _show(show_progress, strategy.show_progress)
     device = _device(mll)
     start_peak_memory(device)
-    report = _learn_dense(mll, deadline, recipe, subset, validation_rows, candidates, select_by, seed, show)
+    report = _learn_dense(mll, deadline, recipe, learning_subset, validation_rows, candidates, select_by, seed, show)
     mll.model.eval()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -291,7 +296,7 @@ def _nothing_held_out(strategy: Any, rows: Tensor | None, validation_rows: Any, 
         why = f"fewer than recipe.min_validation_points={recipe.min_validation_points} rows are left out of the subset"
     return (
         f"fit_mll: kernels= with select_by='held_out' scores each candidate on held-out rows, but none are held out "
-        f"({why}): pass subset= smaller than the data (the rows outside it are held out, validation_rows='auto', or "
+        f"({why}): pass learning_subset= smaller than the data (the rows outside it are held out, validation_rows='auto', or "
         "give them as validation_rows=), or choose by the evidence of the learning rows, select_by='bic' (or "
         "'evidence')."
     )
@@ -591,22 +596,22 @@ def _row_indices(value: Tensor, num_data: int, name: str) -> Tensor:
 def _learning_rows(
     strategy: Any, subset: Any, labels: Tensor | None, generator: _RowGenerator, recipe: LearningRecipe
 ) -> Tensor | None:
-    """The rows to learn on (``None``: all), from ``fit_mll``'s ``subset`` (``"auto"``: :func:`~.rows.auto_learning_size`).
+    """The rows to learn on (``None``: all), from ``fit_mll``'s ``learning_subset`` (``"auto"``: :func:`~.rows.auto_learning_size`).
 
     :raises ValueError: for a subset that is not ``"auto"``, ``None``, a count of at least 2, row indices or a mask
         (:func:`_row_indices`) of at least 2 rows.
     """
     num_data = strategy.num_data
     if torch.is_tensor(subset):
-        rows = _row_indices(subset, num_data, "subset")
+        rows = _row_indices(subset, num_data, "learning_subset")
         if len(rows) < 2:
-            raise ValueError(f"subset must hold at least 2 rows, got {len(rows)}.")
+            raise ValueError(f"learning_subset must hold at least 2 rows, got {len(rows)}.")
         return None if len(rows) == num_data else rows
     if subset is None:
         return None
     if isinstance(subset, str):
         if subset != "auto":
-            raise ValueError(f"subset must be 'auto', None, a number of rows or row indices; got {subset!r}.")
+            raise ValueError(f"learning_subset must be 'auto', None, a number of rows or row indices; got {subset!r}.")
         auto = auto_learning_size(
             num_data, strategy.num_latents, recipe.min_validation_points, recipe.held_out_fraction
         )
@@ -617,7 +622,8 @@ def _learning_rows(
         size = subset
     else:
         raise ValueError(
-            f"subset must be 'auto', None, a number of rows (at least 2), row indices or a boolean mask; got {subset!r}."
+            "learning_subset must be 'auto', None, a number of rows (at least 2), row indices or a boolean mask; got "
+            f"{subset!r}."
         )
     if size >= num_data:
         return None
@@ -642,7 +648,7 @@ def _held_out(
         if rows is None:
             raise ValueError(
                 "validation_rows were given, but the hyperparameters are learnt on every row, so none is held out: "
-                "pass a subset too (subset=, smaller than the data), or validation_rows=None."
+                "pass a learning subset too (learning_subset=, smaller than the data), or validation_rows=None."
             )
         if bool(torch.isin(held_out, rows).any()):
             raise ValueError("validation_rows must lie outside the learning subset (rows held out from learning).")
@@ -765,7 +771,7 @@ def _learn(
             f"fit_mll: learning{kernel}: at {report.explicit_gradients} of {report.evaluations} evaluations the "
             "Laplace evidence did not trust its Newton step from the fitted mode, and its gradient left out the "
             "mode's implicit derivative (LearningReport.explicit_gradients). Fit closer to the mode at each "
-            "evaluation (LearningRecipe.fit_steps) where this repeats.",
+            "evaluation (the strategy's train_fit_steps) where this repeats.",
             ExplicitGradientWarning,
             stacklevel=3,
         )
@@ -774,14 +780,15 @@ def _learn(
 @contextlib.contextmanager
 def _loose_fits(strategy: Any, recipe: LearningRecipe, exact: bool) -> Iterator[None]:
     """The strategy's fits while learning: no covariance phase; whole fits at every evaluation in the exact regime
-    (L-BFGS's line search compares converged values), loose ones (the options ``train_fit_steps`` and
-    ``train_compression_rank`` from ``recipe.fit_steps`` and ``recipe.compression_rank``) and a cheaper stochastic
-    log-determinant otherwise."""
+    (L-BFGS's line search compares converged values), loose ones (the strategy's own options ``train_fit_steps`` and
+    ``train_compression_rank``, or the deprecated ``recipe.fit_steps`` and ``recipe.compression_rank`` where given)
+    and a cheaper stochastic log-determinant otherwise."""
     with contextlib.ExitStack() as stack:
         if exact:
             stack.enter_context(strategy.overriding(covariance_iterations=0, train_fit_steps=None))
         else:
-            loose = dict(train_fit_steps=recipe.fit_steps, train_compression_rank=recipe.compression_rank)
+            replaced = (("train_fit_steps", recipe.fit_steps), ("train_compression_rank", recipe.compression_rank))
+            loose = {option: value for option, value in replaced if value is not None}
             stack.enter_context(strategy.overriding(covariance_iterations=0, **loose))
             stack.enter_context(gpytorch.settings.num_trace_samples(recipe.trace_samples))
             stack.enter_context(gpytorch.settings.max_lanczos_quadrature_iterations(recipe.lanczos_iterations))

@@ -21,7 +21,7 @@ KERNEL_SCORES = {"held_out": "held-out", "evidence": "evidence", "bic": "BIC"}
 #: :attr:`LearningRecipe.evidence`'s values: the evidence an EP model's hyperparameters are learnt on
 EVIDENCES = ("laplace", "ep")
 
-#: ``subset="auto"``: the hyperparameters are learnt on a random (stratified by class, for classifiers) subset of
+#: ``learning_subset="auto"``: the hyperparameters are learnt on a random (stratified by class, for classifiers) subset of
 #: :math:`M = \lfloor \sqrt{\text{this} / C} \rfloor` points, so that a product with the subset's kernel matrix costs
 #: at most this many multiply-adds :math:`M^2 C` (1000 points for 10 classes, 3162 for binary data); chosen by
 #: measurement (``benchmarks/README.md`` §14).
@@ -45,10 +45,11 @@ class LearningRecipe:
         evidence per data point, GPyTorch's scale) by at most this, relative to the loss where it exceeds 1 (SciPy's
         L-BFGS-B ``ftol``): the fits' own tolerances make the evidence's last digits noise.
     :param learning_rate: Adam's learning rate.
-    :param fit_steps: with Adam, the Newton steps (EP sweeps) each evaluation runs on from the previous posterior
-        (the strategy's option ``train_fit_steps`` while learning).
-    :param compression_rank: with Adam, the recycled actions kept
-        (the strategy's option ``train_compression_rank`` while learning).
+    :param fit_steps: deprecated (a ``FutureWarning``): with Adam, each evaluation's fit runs the strategy's own
+        ``train_fit_steps`` Newton steps (EP sweeps) on from the previous posterior; given, this replaces that option
+        while learning, as it did before.
+    :param compression_rank: deprecated (a ``FutureWarning``): with Adam, the strategy's own
+        ``train_compression_rank`` recycled actions are kept; given, this replaces that option while learning.
     :param trace_samples: stochastic Lanczos quadrature while learning with Adam
         (``gpytorch.settings.num_trace_samples``; GPyTorch's default 10): half the products per evaluation for the
         same learnt hyperparameters (``docs/design_notes.md``).
@@ -60,7 +61,7 @@ class LearningRecipe:
     :param outputscale_extensions: the most factors tried past the grid's edges, doubling (halving) the largest
         (smallest) while the walk goes on (``0``: the grid alone).
     :param min_validation_points: fewer spare rows than this: no held-out choice.
-    :param held_out_fraction: ``subset="auto"`` where the learning subset would hold all the rows: this fraction of them
+    :param held_out_fraction: ``learning_subset="auto"`` where the learning subset would hold all the rows: this fraction of them
         (at least ``min_validation_points``) is held out anyway, for the outputscale, the kernel choice and the check
         against a constant predictor (:func:`~.rows.auto_learning_size`); ``0``: none held out there.
     :param kernel_choice_subset: with candidate kernels (``fit_mll(kernels=...)``), the learning rows each candidate is
@@ -81,8 +82,8 @@ class LearningRecipe:
     optimizer_steps: int = 25
     loss_tol: float = 1e-7
     learning_rate: float = 0.2
-    fit_steps: int = 2
-    compression_rank: int = 20
+    fit_steps: int | None = None
+    compression_rank: int | None = None
     trace_samples: int = 5
     lanczos_iterations: int = 10
     outputscale_factors: tuple[float, ...] = (1.0, 1 / 2, 1 / 4, 1 / 8, 1 / 16, 2.0)
@@ -93,10 +94,23 @@ class LearningRecipe:
     kernel_choice_subset: int | str | None = "auto"
     evidence: str = "laplace"
 
+    def __post_init__(self) -> None:
+        for name, option in (("fit_steps", "train_fit_steps"), ("compression_rank", "train_compression_rank")):
+            if getattr(self, name) is not None:
+                warnings.warn(
+                    f"LearningRecipe({name}=) is deprecated and will be removed in a future release: fit_mll's fits "
+                    f"while learning follow the strategy's own option {option} (set it on the strategy, or the "
+                    f"estimators' {option}=); given, {name} still replaces it while learning.",
+                    FutureWarning,
+                    stacklevel=3,
+                )
+
     def validate(self) -> None:
         """:raises ValueError: naming the field that is out of range."""
         check_count(self.optimizer_steps, "optimizer_steps")
-        for name in ("fit_steps", "compression_rank", "trace_samples", "lanczos_iterations", "outputscale_fit_steps"):
+        for name in ("fit_steps", "compression_rank"):
+            check_count(getattr(self, name), name, minimum=1, allow_none=True)
+        for name in ("trace_samples", "lanczos_iterations", "outputscale_fit_steps"):
             check_count(getattr(self, name), name, minimum=1)
         check_count(self.min_validation_points, "min_validation_points")
         check_count(self.outputscale_extensions, "outputscale_extensions")

@@ -31,7 +31,7 @@ def auto_choice_size(num_latents: int) -> int:
 
 
 def auto_learning_size(num_data: int, num_latents: int, minimum: int, held_out_fraction: float) -> int | None:
-    r"""The learning rows of ``subset="auto"`` out of ``num_data`` (``None``: all of them, nothing held out).
+    r"""The learning rows of ``learning_subset="auto"`` out of ``num_data`` (``None``: all of them, nothing held out).
 
     :math:`M = \lfloor \sqrt{10^7 / C} \rfloor` (:func:`auto_subset_size`) where that leaves at least ``minimum``
     rows out; otherwise, where ``held_out_fraction`` of the rows (rounded up) is at least ``minimum``, all the others:

@@ -253,7 +253,7 @@ def learnt_by_fit_mll(sharded: bool, shard_state: bool = False) -> dict[str, tor
     posterior at the test inputs."""
     built = model("laplace", sharded=sharded, shard_state=shard_state)
     mll = LaplaceMarginalLogLikelihood(built.variational_strategy.likelihood, built)
-    report = fit_mll(mll, subset=150, seed=0, recipe=LearningRecipe(optimizer_steps=4))
+    report = fit_mll(mll, learning_subset=150, seed=0, recipe=LearningRecipe(optimizer_steps=4))
     _, _, test = data("laplace")
     with torch.no_grad():
         mean, variance = built.variational_strategy.marginal_latent(test)

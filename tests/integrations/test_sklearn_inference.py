@@ -3,7 +3,7 @@
 * EP in :class:`IterNCGPClassifier` against the dense EP references of ``tests/reference_ep.py`` (binary probit:
   R&W Algorithms 3.5 and 3.6; multi-class: parallel EP with the multinomial probit's nested EP), on kernel matrices built
   by scikit-learn's ``Matern``: the evidence and the predictive probabilities;
-* the loose-fit schedule (``learning_fit_steps``) learns the hyperparameters of whole refits: the exact evidence at the
+* the loose-fit schedule (``train_fit_steps``) learns the hyperparameters of whole refits: the exact evidence at the
   hyperparameters it learns is that of learning with a whole fit per step, to a tolerance set by Adam's own step;
 * parameter checks and the fitted ``inference_``.
 """
@@ -98,14 +98,14 @@ def test_exact_ep_stops_where_its_marginals_settle_near_the_fixed_point(data, li
     assert abs(settled.log_marginal_likelihood() - fixed_point.log_marginal_likelihood()) <= 3e-3
 
 
-def _learnt_evidence(learning_fit_steps: int) -> tuple[float, float]:
+def _learnt_evidence(train_fit_steps: int) -> tuple[float, float]:
     """Learn by Adam on N = 1200 binary points (matrix-free evidence), then the exact Laplace evidence at the learnt
     hyperparameters, and at the start."""
     from sklearn.datasets import make_classification
 
     x, y = make_classification(n_samples=1200, n_features=3, n_informative=3, n_redundant=0, random_state=0)
     options = dict(inference="laplace", optimizer_steps=12, random_state=0, max_solver_iterations=10)
-    learnt = IterNCGPClassifier(learning_fit_steps=learning_fit_steps, **options).fit(x, y)
+    learnt = IterNCGPClassifier(train_fit_steps=train_fit_steps, **options).fit(x, y)
     start = IterNCGPClassifier(optimize_hyperparameters=False, **options).fit(x, y)
     with settings.exact_evidence_size(2000):
         return learnt.log_marginal_likelihood(), start.log_marginal_likelihood()
@@ -124,7 +124,7 @@ def test_loose_fits_learn_the_hyperparameters_of_whole_refits():
 
 
 def test_learning_runs_loose_fits_and_the_final_fit_whole(monkeypatch):
-    """During Adam, each evaluation runs at most ``learning_fit_steps`` Newton steps and keeps at most 20 recycled
+    """During Adam, each evaluation runs at most ``train_fit_steps`` Newton steps and keeps at most 20 recycled
     actions; the final fit its own budget; the strategy's options are restored afterwards."""
     from sklearn.datasets import make_classification
 
@@ -143,13 +143,28 @@ def test_learning_runs_loose_fits_and_the_final_fit_whole(monkeypatch):
         inference="laplace",
         optimizer_steps=3,
         random_state=0,
-        learning_fit_steps=2,
+        train_fit_steps=2,
         covariance_iterations=2,
         learning_subset=None,
     ).fit(x, y)
     assert budgets == [(2, 20, 0)] * 3 + [(None, None, 2)]  # the final fit: no step limit
     options = classifier.model_.variational_strategy.options
     assert options.max_newton_steps is None and options.compression_rank is None
+    assert options.train_fit_steps == 2  # the strategy's own option, which fit_mll's learning follows
+
+    budgets.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old = IterNCGPClassifier(
+            inference="laplace", optimizer_steps=3, random_state=0, learning_fit_steps=1, learning_subset=None
+        ).fit(x, y)
+    assert [str(w.message) for w in caught if issubclass(w.category, FutureWarning)] == [
+        "IterNCGPClassifier: learning_fit_steps= is deprecated and will be removed in a future release; it is now "
+        "train_fit_steps=."
+    ]
+    assert budgets[:3] == [(1, 20, 0)] * 3 and old.model_.variational_strategy.options.train_fit_steps == 1
+    with pytest.raises(ValueError, match="learning_fit_steps= is the deprecated name of train_fit_steps="):
+        IterNCGPClassifier(learning_fit_steps=1, train_fit_steps=3).fit(x, y)
 
 
 def test_ep_evidence_is_finite_with_an_incomplete_solve():
@@ -205,7 +220,9 @@ def test_ep_estimator_learns_on_the_laplace_evidence_unless_the_recipe_asks_for_
     recipe = LearningRecipe(optimizer_steps=3, evidence="ep")
     for classifier, evidence in ((small, "EP"), (large, "Laplace")):
         model = classifier.model_
-        report = fit_mll(EPMarginalLogLikelihood(classifier.likelihood_, model), recipe=recipe, subset=None, seed=0)
+        report = fit_mll(
+            EPMarginalLogLikelihood(classifier.likelihood_, model), recipe=recipe, learning_subset=None, seed=0
+        )
         assert report.evidence == evidence and report.evaluations >= 2
 
 
@@ -289,8 +306,8 @@ def test_inference_parameter(monkeypatch):
         IterNCGPClassifier(inference="vi").fit(x, y)
     with pytest.raises(ValueError, match="inference='ep'"):
         IterNCGPClassifier(link="probit", inference="laplace").fit(x, y)
-    with pytest.raises(ValueError, match="'learning_fit_steps' parameter"):
-        IterNCGPClassifier(learning_fit_steps=0).fit(x, y)
+    with pytest.raises(ValueError, match="'train_fit_steps' parameter"):
+        IterNCGPClassifier(train_fit_steps=0).fit(x, y)
     counts = np.arange(len(x)) % 4
     regressor = IterNCGPPoissonRegressor(inference="ep", optimize_hyperparameters=False).fit(x, counts)
     assert regressor.inference_ == "ep" and type(regressor.model_.variational_strategy).__name__ == "EPStrategy"
@@ -399,3 +416,64 @@ def test_parameters_the_inference_does_not_use_are_refused():
         IterNCGPClassifier(num_inducing=32, batch_size=16).fit(x, y)
     with pytest.raises(ValueError, match="Set inference='sparse_ep' to use it"):
         IterNCGPClassifier(inference="ep", num_inducing=32).fit(x, y)
+
+
+class _Recorded(Exception):
+    """Raised by the spy in place of ``fit_mll`` once it has recorded what the estimator passed."""
+
+
+@pytest.mark.parametrize("inference", ["laplace", "ep"])
+def test_every_estimator_parameter_reaches_what_it_names(monkeypatch, inference):
+    """Each parameter of the dense estimators, set away from its default, arrives where its name says: the strategy's
+    option of that name (EP's ``max_sweeps`` and ``site_tol`` for ``max_newton_steps`` and ``outer_tol``), the
+    ``LearningRecipe``, or ``fit_mll``'s keyword; the stochastic-EP ones are refused (the test above)."""
+    from sklearn.utils import check_random_state
+
+    from gpytorch_iterncgp import ConjugateGradientPolicy
+    from gpytorch_iterncgp.integrations import sklearn as estimators
+
+    calls: list[dict] = []
+
+    def spy(mll, **options):
+        calls.append({"strategy": mll.model.variational_strategy, **options})
+        raise _Recorded
+
+    monkeypatch.setattr(estimators, "fit_mll", spy)
+    x, y = _binary(num=1200)[:2]
+    given = dict(
+        policy="cg",
+        max_newton_steps=7,
+        max_solver_iterations=9,
+        compression_rank=11,
+        preconditioner_rank=13,
+        covariance_iterations=3,
+        recycle=False,
+        outer_tol=0.05,
+        solver_tol=1e-3,
+        optimizer_steps=6,
+        learning_rate=0.05,
+        train_fit_steps=4,
+        learning_subset=500,
+        max_time=30.0,
+        random_state=5,
+        verbose=True,
+    )
+    with pytest.raises(_Recorded):
+        IterNCGPClassifier(inference=inference, **given).fit(x, y)
+    (call,) = calls
+    strategy, recipe = call["strategy"], call["recipe"]
+    options = strategy.options
+    steps, tolerance = ("max_sweeps", "site_tol") if inference == "ep" else ("max_newton_steps", "outer_tol")
+    assert isinstance(strategy, estimators.EPStrategy if inference == "ep" else estimators.IterNCGPStrategy)
+    assert isinstance(strategy.policy, ConjugateGradientPolicy)
+    assert (getattr(options, steps), getattr(options, tolerance)) == (7, 0.05)
+    assert (options.max_solver_iterations, options.compression_rank, options.preconditioner_rank) == (9, 11, 13)
+    assert (options.covariance_iterations, options.recycle, options.train_fit_steps) == (3, False, 4)
+    assert options.abs_tol == options.rel_tol == 1e-3
+    assert (recipe.optimizer_steps, recipe.learning_rate) == (6, 0.05)
+    assert (call["learning_subset"], call["max_time"], call["show_progress"]) == (500, 30.0, True)
+    assert call["seed"] == check_random_state(5).randint(np.iinfo(np.int32).max)
+    calls.clear()
+    with pytest.raises(_Recorded):
+        IterNCGPClassifier(inference=inference, optimize_hyperparameters=False).fit(x, y)
+    assert calls[0]["recipe"].optimizer_steps == 0

@@ -35,7 +35,7 @@ def _fitted(likelihood, recipe: LearningRecipe, seed: int = 3):
     x, y = (torch.as_tensor(array) for array in overdispersed_counts(300, seed))
     model = IterNCGPModel(x, y, likelihood, kernel="matern", lengthscale=1.0, constant_mean=math.log(y.mean()))
     mll = LaplaceMarginalLogLikelihood(model.variational_strategy.likelihood, model)
-    return fit_mll(mll, subset=200, seed=0, recipe=recipe), model
+    return fit_mll(mll, learning_subset=200, seed=0, recipe=recipe), model
 
 
 def test_a_count_model_walks_its_outputscale_by_the_held_out_deviance_keeping_the_prior_mean_rate():

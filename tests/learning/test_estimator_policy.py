@@ -152,6 +152,7 @@ def test_strategy_options_map_the_estimators_parameters():
         preconditioner_rank=50,
         covariance_iterations=2,
         recycle=False,
+        train_fit_steps=3,
         show_progress=False,
     )
     expected = dict(
@@ -159,6 +160,7 @@ def test_strategy_options_map_the_estimators_parameters():
         compression_rank=None,
         preconditioner_rank=50,
         recycle=False,
+        train_fit_steps=3,
         abs_tol=1e-6,
         rel_tol=1e-6,
         seed=4,
@@ -255,13 +257,13 @@ def test_estimator_constructor_defaults_are_the_policys_and_the_options():
     from gpytorch_iterncgp.sklearn import IterNCGPClassifier, IterNCGPPoissonRegressor
 
     expected = {field.name: getattr(ESTIMATOR_DEFAULTS, field.name) for field in dataclasses.fields(ESTIMATOR_DEFAULTS)}
-    for name in ("max_newton_steps", "compression_rank", "preconditioner_rank", "recycle"):
+    for name in ("max_newton_steps", "compression_rank", "preconditioner_rank", "recycle", "train_fit_steps"):
         expected[name] = getattr(SolverOptions(), name)
     expected["covariance_iterations"] = None  # the approximation's own (Laplace's 5, EP's 0)
     expected.update(
         optimizer_steps=LearningRecipe().optimizer_steps,
         learning_rate=LearningRecipe().learning_rate,
-        learning_fit_steps=LearningRecipe().fit_steps,
+        learning_fit_steps="deprecated",  # the old name of train_fit_steps: not given
         batch_size=MinibatchRecipe().batch_size,
     )
     assert expected["inference"] == "auto" and expected["num_inducing"] == 256 and expected["solver_tol"] == 1e-5

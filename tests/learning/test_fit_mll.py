@@ -122,7 +122,7 @@ def test_fit_mll_on_the_estimators_model_gives_the_estimators_hyperparameters(in
         report = fit_mll(
             evidence(model.variational_strategy.likelihood, model),
             recipe=LearningRecipe(optimizer_steps=4),
-            subset=None,
+            learning_subset=None,
         )
     assert report.evidence == "Laplace" and report.method == "Adam" and report.evaluations == 4
     for ours, theirs in zip(_kernel_parameters(model), estimator.kernel_.parameters(), strict=True):
@@ -141,7 +141,7 @@ def test_fit_mll_learns_a_batch_of_class_kernels_on_a_stratified_subset():
     model = IterNCGPModel(x, y, softmax_likelihood(3), batch_classes=3, max_solver_iterations=None)
     before = _kernel_parameters(model)
     mll = LaplaceMarginalLogLikelihood(model.variational_strategy.likelihood, model)
-    report = fit_mll(mll, subset=90, seed=0, recipe=LearningRecipe(optimizer_steps=10))
+    report = fit_mll(mll, learning_subset=90, seed=0, recipe=LearningRecipe(optimizer_steps=10))
     assert report.data_points == 90 and report.num_data == 240 and report.method == "L-BFGS"
     assert report.losses[-1] < report.losses[0] - 1e-3
     assert any(not torch.equal(a, b) for a, b in zip(before, _kernel_parameters(model), strict=True))
@@ -158,7 +158,7 @@ def test_fit_mll_learns_correlated_counts_with_missing_outputs_on_a_subset():
     x, y = multioutput_count_data(120, 3, seed=2, missing=0.2)
     model = MultitaskIterNCGPModel(x, y, MultitaskPoissonLikelihood(num_tasks=3), num_tasks=3, kernel="lcm")
     mll = LaplaceMarginalLogLikelihood(model.variational_strategy.likelihood, model)
-    report = fit_mll(mll, subset=80, seed=1, recipe=LearningRecipe(optimizer_steps=6))
+    report = fit_mll(mll, learning_subset=80, seed=1, recipe=LearningRecipe(optimizer_steps=6))
     assert report.data_points == 80 and len(report.learning_rows) == 80 and report.validation_rows is None
     assert report.losses[-1] < report.losses[0] - 1e-3 and report.outputscale_scores == {}
     assert report.fit_report.converged and model.variational_strategy.num_data == 120
@@ -175,7 +175,7 @@ def test_fit_mll_chooses_eps_outputscale_on_held_out_rows_and_every_phase_shows_
     )
     with settings.exact_evidence_size(50), warnings.catch_warnings():
         warnings.simplefilter("ignore", ConvergenceWarning)
-        report = fit_mll(mll, subset=100, seed=0, recipe=recipe, show_progress=True)
+        report = fit_mll(mll, learning_subset=100, seed=0, recipe=recipe, show_progress=True)
     assert report.evidence == "Laplace" and report.data_points == 100 and report.validation_points == 100
     assert set(report.outputscale_scores) == {1.0, 0.25}
     assert report.outputscale_factor == min(report.outputscale_scores, key=report.outputscale_scores.__getitem__)
@@ -203,7 +203,7 @@ def test_the_outputscale_grid_follows_the_held_out_optimum_past_its_edge():
             outputscale_fit_steps=5,
             outputscale_extensions=extensions,
         )
-        return fit_mll(mll, subset=100, seed=0, recipe=recipe), model
+        return fit_mll(mll, learning_subset=100, seed=0, recipe=recipe), model
 
     with pytest.warns(WorseThanConstantWarning, match="worse than a constant predictor's"):
         grid, _ = fitted(0)  # at s² = 0.01 the probabilities stay near 1/2: worse than the class frequencies
@@ -240,7 +240,7 @@ def test_after_a_kernel_choice_the_outputscale_walk_starts_where_the_choices_end
             model.covar_module = family[names[0]]
         with settings.exact_evidence_size(50), warnings.catch_warnings():
             warnings.simplefilter("ignore", ConvergenceWarning)
-            return fit_mll(mll, subset=100, seed=0, recipe=recipe, kernels=kernels)
+            return fit_mll(mll, learning_subset=100, seed=0, recipe=recipe, kernels=kernels)
 
     report = fitted(("matern", "linear+matern"))
     factors = {name: score["outputscale_factor"] for name, score in report.kernel_scores.items()}
@@ -263,7 +263,7 @@ def test_fit_mll_refuses_other_objectives_and_bad_subsets():
     mll = LaplaceMarginalLogLikelihood(model.variational_strategy.likelihood, model)
     for subset in ("half", 1, True):
         with pytest.raises(ValueError, match="subset"):
-            fit_mll(mll, subset=subset)
+            fit_mll(mll, learning_subset=subset)
     with pytest.raises(ValueError, match="optimizer_steps"):
         fit_mll(mll, recipe=LearningRecipe(optimizer_steps=-1))
     with pytest.raises(ValueError, match="evidence must be one of"):
@@ -281,22 +281,36 @@ def test_fit_mll_takes_masks_as_masks_and_checks_the_rows():
     mask[torch.randperm(120, generator=torch.Generator().manual_seed(0))[:40]] = True
     held_out = ~mask & (torch.arange(120) % 2 == 0)
     recipe = LearningRecipe(optimizer_steps=2)
-    report = fit_mll(mll, subset=mask, validation_rows=held_out, recipe=recipe, seed=0, show_progress=False)
+    report = fit_mll(mll, learning_subset=mask, validation_rows=held_out, recipe=recipe, seed=0, show_progress=False)
     assert report.learning_rows == mask.nonzero()[:, 0].tolist() and report.data_points == 40
     assert report.validation_rows == held_out.nonzero()[:, 0].tolist()
-    indices = fit_mll(mll, subset=mask.nonzero()[:, 0], validation_rows=None, recipe=recipe, show_progress=False)
+    indices = fit_mll(
+        mll, learning_subset=mask.nonzero()[:, 0], validation_rows=None, recipe=recipe, show_progress=False
+    )
     assert indices.learning_rows == report.learning_rows
     bad = [
         (
-            {"subset": mask[:100]},
+            {"learning_subset": mask[:100]},
             ValueError,
             r"subset: a boolean mask must have one entry per training row, shape \(120",
         ),
-        ({"subset": torch.tensor([0, 5, 120])}, ValueError, r"subset: row indices must lie in \[0, 120\)"),
-        ({"subset": torch.tensor([0.0, 5.0])}, ValueError, "subset: row indices must be integers"),
-        ({"subset": mask, "validation_rows": torch.tensor([-1])}, ValueError, "validation_rows: row indices must lie"),
-        ({"subset": mask, "validation_rows": mask}, ValueError, "validation_rows must lie outside the learning subset"),
-        ({"subset": None, "validation_rows": held_out}, ValueError, "none is held out: pass a subset too"),
+        ({"learning_subset": torch.tensor([0, 5, 120])}, ValueError, r"subset: row indices must lie in \[0, 120\)"),
+        ({"learning_subset": torch.tensor([0.0, 5.0])}, ValueError, "subset: row indices must be integers"),
+        (
+            {"learning_subset": mask, "validation_rows": torch.tensor([-1])},
+            ValueError,
+            "validation_rows: row indices must lie",
+        ),
+        (
+            {"learning_subset": mask, "validation_rows": mask},
+            ValueError,
+            "validation_rows must lie outside the learning subset",
+        ),
+        (
+            {"learning_subset": None, "validation_rows": held_out},
+            ValueError,
+            "none is held out: pass a learning subset too",
+        ),
         ({"data": (x, y)}, TypeError, "data= does not apply to a LaplaceMarginalLogLikelihood"),
     ]
     for options, error, match in bad:
@@ -507,3 +521,51 @@ def test_the_outputscale_scores_former_name_warns_and_still_reads_them():
     report.outputscale_scores[0.5] = 0.25
     with pytest.warns(FutureWarning, match="outputscale_scores"):
         assert report.outputscale_log_loss is report.outputscale_scores
+
+
+def test_learning_fits_follow_the_strategys_own_train_fit_steps_and_the_old_names_warn(monkeypatch):
+    """While learning with Adam, each evaluation's loose fit runs the strategy's own ``train_fit_steps`` (no recipe
+    replaces it silently); the deprecated ``LearningRecipe(fit_steps=)`` still replaces it, and ``subset=`` is
+    ``learning_subset=``: each old name with one ``FutureWarning``, the same result, and refused beside the new one."""
+    x, y = binary_data(120)
+    steps: list[int | None] = []
+    original = IterNCGPStrategy._run
+
+    def spy(self, prior, options, *args):
+        steps.append(options.max_newton_steps)
+        return original(self, prior, options, *args)
+
+    monkeypatch.setattr(IterNCGPStrategy, "_run", spy)
+
+    def learn(recipe: LearningRecipe, **options):
+        model = IterNCGPModel(x, y, LogitBernoulliLikelihood(), train_fit_steps=3, max_solver_iterations=None)
+        mll = LaplaceMarginalLogLikelihood(model.variational_strategy.likelihood, model)
+        steps.clear()
+        with settings.exact_evidence_size(50):  # the estimated evidence: Adam on loose fits
+            report = fit_mll(mll, seed=0, recipe=recipe, **options)
+        return report, list(steps)
+
+    def future_warnings(caught) -> list:
+        return [warning for warning in caught if issubclass(warning.category, FutureWarning)]
+
+    recipe = LearningRecipe(optimizer_steps=3)
+    report, own = learn(recipe, learning_subset=None)
+    assert report.method == "Adam" and own[:3] == [3, 3, 3] and own[-1] is None  # the final fit: no step limit
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        replacing = LearningRecipe(optimizer_steps=3, fit_steps=1)
+    assert [str(w.message).startswith("LearningRecipe(fit_steps=) is deprecated") for w in future_warnings(caught)] == [
+        True
+    ]
+    assert learn(replacing, learning_subset=None)[1][:3] == [1, 1, 1]
+    new, _ = learn(recipe, learning_subset=80)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old, _ = learn(recipe, subset=80)
+    assert [str(w.message) for w in future_warnings(caught)] == [
+        "fit_mll: subset= is deprecated and will be removed in a future release; it is now learning_subset=."
+    ]
+    assert caught[0].filename == __file__
+    assert old.learning_rows == new.learning_rows and old.losses == new.losses
+    with pytest.raises(ValueError, match="subset= is the deprecated name of learning_subset=; give learning_subset="):
+        learn(recipe, subset=80, learning_subset=60)

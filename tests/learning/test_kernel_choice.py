@@ -276,7 +276,7 @@ def test_an_isotropic_function_keeps_a_good_kernel_and_the_report_has_every_cand
     kernels = {**kernel_family(2), "broken": _BrokenKernel()}
     recipe = dataclasses.replace(RECIPE, outputscale_factors=(1.0, 0.5, 2.0))
     with pytest.warns(RuntimeWarning, match="kernel 'broken' skipped"):
-        report = fit_mll(mll, kernels=kernels, subset=130, recipe=recipe, seed=0)
+        report = fit_mll(mll, kernels=kernels, learning_subset=130, recipe=recipe, seed=0)
     scores = report.kernel_scores
     assert list(scores) == list(kernels) and report.kernel in kernel_family(2)
     assert scores["broken"]["error"].endswith("LinAlgError: broken kernel") and scores["broken"]["bic"] is None
@@ -306,9 +306,9 @@ def test_without_kernels_fit_mll_learns_as_before_and_one_candidate_learns_the_s
     same, single, own = copy.deepcopy(model), copy.deepcopy(model), copy.deepcopy(model.covar_module)
     same_mll = LaplaceMarginalLogLikelihood(same.variational_strategy.likelihood, same)
     single_mll = LaplaceMarginalLogLikelihood(single.variational_strategy.likelihood, single)
-    plain = fit_mll(mll, subset=60, recipe=recipe, seed=0)
-    explicit = fit_mll(same_mll, subset=60, recipe=recipe, seed=0, kernels=None)
-    chosen = fit_mll(single_mll, subset=60, recipe=recipe, seed=0, kernels={"own": own})
+    plain = fit_mll(mll, learning_subset=60, recipe=recipe, seed=0)
+    explicit = fit_mll(same_mll, learning_subset=60, recipe=recipe, seed=0, kernels=None)
+    chosen = fit_mll(single_mll, learning_subset=60, recipe=recipe, seed=0, kernels={"own": own})
     assert plain.kernel is None and plain.kernel_scores == {} and "kernel" not in str(plain)
     for report in (explicit, chosen):
         assert report.losses == plain.losses and report.learning_rows == plain.learning_rows
@@ -329,7 +329,7 @@ def test_counts_are_scored_by_their_held_out_poisson_deviance():
     model, mll = _model(x, y, likelihood, constant_mean=0.5)
     kernels = {name: kernel for name, kernel in kernel_family(1).items() if name in ("matern", "linear+matern")}
     recipe = LearningRecipe(optimizer_steps=5, min_validation_points=20)
-    report = fit_mll(mll, kernels=kernels, subset=80, select_by="held_out", recipe=recipe, seed=0)
+    report = fit_mll(mll, kernels=kernels, learning_subset=80, select_by="held_out", recipe=recipe, seed=0)
     scores = report.kernel_scores
     assert report.kernel == min(scores, key=lambda name: scores[name]["held_out"])
     assert all(0 < score["held_out"] < 5 for score in scores.values())
@@ -365,7 +365,11 @@ def test_fit_mll_refuses_kernels_it_cannot_choose_among():
         (dict(kernels=kernel_family(3), select_by="loss"), ValueError, "select_by must be"),
         (dict(select_by="evidence"), ValueError, "pass them as kernels="),
         (dict(kernels=kernel_family(3), select_by="held_out"), ValueError, "none are held out .*all 40 rows"),
-        (dict(kernels=kernel_family(3), select_by="held_out", subset=30), ValueError, "recipe.min_validation_points"),
+        (
+            dict(kernels=kernel_family(3), select_by="held_out", learning_subset=30),
+            ValueError,
+            "recipe.min_validation_points",
+        ),
         (dict(kernels={}), ValueError, "no candidate"),
         (dict(kernels=["rbf"]), TypeError, "must be a gpytorch.kernels.Kernel"),
         (dict(kernels=default_kernel(3)), TypeError, "a dict"),

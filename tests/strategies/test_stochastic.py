@@ -240,8 +240,10 @@ def test_fit_mll_runs_the_minibatch_loop():
     with pytest.raises(TypeError, match="MinibatchRecipe"):
         fit_mll(mll, data=(x, y), recipe=LearningRecipe())
     # the dense fits' options are refused, naming what to use instead (they were accepted and ignored)
-    with pytest.raises(TypeError, match=r"subset= does not apply to a StochasticEP.*MinibatchRecipe\(batch_size"):
-        fit_mll(mll, data=(x, y), subset=100)
+    with pytest.raises(
+        TypeError, match=r"learning_subset= does not apply to a StochasticEP.*MinibatchRecipe\(batch_size"
+    ):
+        fit_mll(mll, data=(x, y), learning_subset=100)
     with pytest.raises(TypeError, match="validation_rows= does not apply.*no outputscale phase"):
         fit_mll(mll, data=(x, y), validation_rows=torch.arange(10))
     with pytest.raises(TypeError, match="subsets= does not apply.*not an option of fit_mll"):
