@@ -405,7 +405,8 @@ class _IterNCGPEstimator(BaseEstimator):
                 recipe=MinibatchRecipe(batch_size=int(self.batch_size)),
                 seed=seed,
                 show_progress=bool(self.verbose),
-                **({} if candidates is None else {"kernels": candidates, "select_by": "held_out"}),
+                kernels=candidates,
+                select_by="bic" if candidates is None else "held_out",
             )
         if candidates is not None:
             assert report.kernel is not None
@@ -482,7 +483,8 @@ class _IterNCGPEstimator(BaseEstimator):
                     else int(self.learning_subset),
                     seed=seed,
                     show_progress=bool(self.verbose),
-                    **({} if candidates is None else {"kernels": candidates, "select_by": "held_out"}),
+                    kernels=candidates,
+                    select_by="bic" if candidates is None else "held_out",
                 )
         # the final fit stopped at its step limit: the package's warning names the strategy's option
         at_step_limit = report.fit_report.limit == model.variational_strategy.max_steps_option

@@ -31,13 +31,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import inspect
 import itertools
 import math
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, cast
 
 import gpytorch
 import torch
@@ -72,47 +71,84 @@ class _OutOfTime(Exception):
     """Raised inside an evidence evaluation once ``max_time`` has passed (the optimiser cannot be stopped otherwise)."""
 
 
-def fit_mll(mll: MarginalLogLikelihood, **options: Any) -> LearningReport:
+def fit_mll(
+    mll: MarginalLogLikelihood,
+    data: tuple[Tensor, Tensor] | None = None,
+    *,
+    max_time: float | None = None,
+    recipe: LearningRecipe | MinibatchRecipe | None = None,
+    learning_subset: int | str | Tensor | None = "auto",
+    validation_rows: Tensor | str | None = "auto",
+    kernels: Mapping[str, gpytorch.kernels.Kernel] | Sequence[gpytorch.kernels.Kernel] | None = None,
+    select_by: str = "bic",
+    seed: int | None = None,
+    show_progress: bool | None = None,
+    subset: Any = DEPRECATED,
+) -> LearningReport:
     r"""Learn the hyperparameters of ``mll``'s model and fit its posterior; the model is left fitted (call
     ``model.eval()`` to predict). One door for every evidence of the package, by its type:
 
     * a :class:`~gpytorch_iterncgp.LaplaceMarginalLogLikelihood` (a model with an
       :class:`~gpytorch_iterncgp.IterNCGPStrategy`) or an :class:`~gpytorch_iterncgp.EPMarginalLogLikelihood` (with an
-      :class:`~gpytorch_iterncgp.EPStrategy`), whose model holds its data: :func:`fit_dense_mll` (options
-      ``max_time``, ``recipe``, ``learning_subset``, ``validation_rows``, ``kernels``, ``select_by``, ``seed``,
-      ``show_progress``);
+      :class:`~gpytorch_iterncgp.EPStrategy`), whose model holds its data: :func:`fit_dense_mll`, every option but
+      ``data``;
     * a :class:`~gpytorch_iterncgp.StochasticEPMarginalLogLikelihood`, whose model holds no data:
-      :func:`fit_minibatch_mll` (options ``data``, ``max_time``, ``recipe``, ``kernels``, ``select_by``, ``seed``,
-      ``show_progress``).
+      :func:`fit_minibatch_mll`, every option but ``learning_subset`` and ``validation_rows``.
 
-    :param options: the keyword options of that function.
+    An option the evidence's learner does not take, given, is refused (naming what to use instead). Each option is
+    described in full by the learner that takes it.
+
+    :param data: the training data ``(inputs (N, D), targets)``, drawn from in minibatches (stochastic EP only).
+    :param max_time: seconds for learning (and the outputscale choice); ``None``: no limit.
+    :param recipe: the learning's settings: a :class:`~gpytorch_iterncgp.LearningRecipe` (dense evidences) or a
+        :class:`~gpytorch_iterncgp.MinibatchRecipe` (stochastic EP); ``None``: the defaults.
+    :param learning_subset: the rows the hyperparameters are learnt on (dense evidences): ``"auto"``, a number of
+        rows, row indices, a boolean mask, or ``None`` (all).
+    :param validation_rows: the held-out rows (dense evidences): ``"auto"``, row indices, a mask, or ``None``.
+    :param kernels: candidate kernels to choose among (``None``: the model's own).
+    :param select_by: the kernel choice's score: ``"bic"``, ``"evidence"`` or ``"held_out"``.
+    :param seed: seeds the rows and minibatches drawn.
+    :param show_progress: a progress bar per phase (``None``: the strategy's ``show_progress``).
+    :param subset: the deprecated name of ``learning_subset`` (a ``FutureWarning``).
     :return: the :class:`~gpytorch_iterncgp.learning.recipe.LearningReport`.
-    :raises TypeError: for another objective, or an option the evidence's function does not take (naming it and
-        what to use instead).
+    :raises TypeError: for another objective, or an option given that the evidence's learner does not take (naming
+        it and what to use instead).
     """
-    function: Callable[..., LearningReport]
+    common: dict[str, Any] = dict(
+        max_time=max_time, kernels=kernels, select_by=select_by, seed=seed, show_progress=show_progress
+    )
     if isinstance(mll, StochasticEPMarginalLogLikelihood):
-        function, not_here = fit_minibatch_mll, _NOT_FOR_MINIBATCHES
-    else:
-        _checked_strategy(mll)
-        function, not_here = fit_dense_mll, _NOT_FOR_DENSE
-    accepted = _keywords(function)
-    for name in options:
-        if name not in accepted:
-            reason = not_here.get(name, "it is not an option of fit_mll")
-            raise TypeError(
-                f"fit_mll: {name}= does not apply to a {type(mll).__name__}: {reason}. Its options are: "
-                f"{', '.join(sorted(accepted))} ({function.__name__})."
-            )
+        dense_only = {"learning_subset": learning_subset, "validation_rows": validation_rows, "subset": subset}
+        defaults = {"learning_subset": "auto", "validation_rows": "auto", "subset": DEPRECATED}
+        for name, value in dense_only.items():
+            if not (isinstance(value, str) and value == defaults[name]):
+                _refuse(mll, name, _NOT_FOR_MINIBATCHES[name])
+        with retained_allocations():
+            return fit_minibatch_mll(mll, data, recipe=cast(MinibatchRecipe | None, recipe), **common)
+    _checked_strategy(mll)
+    if data is not None:
+        _refuse(mll, "data", _NOT_FOR_DENSE)
     with retained_allocations():
-        return function(mll, **options)
+        return fit_dense_mll(
+            mll,
+            recipe=cast(LearningRecipe | None, recipe),
+            learning_subset=learning_subset,
+            validation_rows=validation_rows,
+            subset=subset,
+            **common,
+        )
+
+
+def _refuse(mll: MarginalLogLikelihood, name: str, reason: str) -> None:
+    """:raises TypeError: ``fit_mll``'s option ``name`` does not apply to ``mll``, for ``reason``."""
+    raise TypeError(f"fit_mll: {name}= does not apply to a {type(mll).__name__}: {reason}.")
 
 
 #: why an option of the other mode does not apply, and what to use instead
-_NOT_FOR_DENSE = {
-    "data": "its model holds its training data (the strategy's train_inputs, train_targets); leave data= out, and "
-    "choose the rows to learn on with learning_subset="
-}
+_NOT_FOR_DENSE = (
+    "its model holds its training data (the strategy's train_inputs, train_targets); leave data= out, and choose the "
+    "rows to learn on with learning_subset="
+)
 _NOT_FOR_MINIBATCHES = {
     "learning_subset": "stochastic EP learns on all of data= in minibatches; set their size with "
     "recipe=MinibatchRecipe(batch_size=...)",
@@ -120,11 +156,6 @@ _NOT_FOR_MINIBATCHES = {
     "its kernel choice (kernels=) draws its own held-out rows from data=",
 }
 _NOT_FOR_MINIBATCHES["subset"] = _NOT_FOR_MINIBATCHES["learning_subset"]  # its deprecated name
-
-
-def _keywords(function: Callable[..., Any]) -> frozenset[str]:
-    """The keyword options of a mode's function (all its parameters but ``mll``)."""
-    return frozenset(inspect.signature(function).parameters) - {"mll"}
 
 
 def fit_dense_mll(
