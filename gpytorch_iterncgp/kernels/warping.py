@@ -62,9 +62,9 @@ class KumaraswamyWarpedKernel(Kernel):
         self.base_kernel = base_kernel
         self.num_dims = num_dims
         self.unit_cube = unit_cube
-        # log u(x) of the last inputs, and w(x) of the last inputs and concentrations where no gradient is recorded:
-        # the products and kernel columns of one fit evaluate the kernel at the same training inputs many times
-        self._last_log_u, self._last_warped = _LastInputs(), _LastInputs()
+        # log u(x) of the last inputs: the products and kernel columns of one fit evaluate the kernel at the same
+        # training inputs many times (w(x) itself, which depends on the concentrations too, is computed each time)
+        self._last_log_u = _LastInputs()
         shape = (*self.batch_shape, 1, num_dims)
         for name in ("concentration1", "concentration0"):  # a_d, b_d (torch.distributions' names)
             constraint = Positive() if concentration_constraint is None else copy.deepcopy(concentration_constraint)
@@ -106,22 +106,13 @@ class KumaraswamyWarpedKernel(Kernel):
                 f"{self.num_dims}; build it with num_dims={x.shape[-1]} (or select the features with active_dims)."
             )
         a, b = self.concentration1, self.concentration0
-        recorded = torch.is_grad_enabled() and (x.requires_grad or a.requires_grad or b.requires_grad)
-        # w(x) is matched by the concentrations' values (GPyTorch's initialize changes no version), which on an
-        # accelerator would wait for the device at every call: there only log u(x), of the inputs alone, is kept
-        keep_warped = not recorded and a.device.type == "cpu"
-        warped = self._last_warped.get(x, (a, b)) if keep_warped else None
-        if warped is None:
-            tiny = torch.finfo(x.dtype).tiny
-            log_u = self._last_log_u.get(x, ())
-            if log_u is None:
-                log_u = x.clamp(tiny, 1.0).log() if self.unit_cube else torch.special.log_ndtr(x)
-                self._last_log_u.put(x, (), log_u)
-            one_minus_power = (-torch.expm1(a * log_u)).clamp_min(tiny)  # 1 - u^a
-            warped = -torch.expm1(b * one_minus_power.log())
-            if keep_warped:
-                self._last_warped.put(x, (a, b), warped)
-        return warped
+        tiny = torch.finfo(x.dtype).tiny
+        log_u = self._last_log_u.get(x)
+        if log_u is None:
+            log_u = x.clamp(tiny, 1.0).log() if self.unit_cube else torch.special.log_ndtr(x)
+            self._last_log_u.put(x, log_u)
+        one_minus_power = (-torch.expm1(a * log_u)).clamp_min(tiny)  # 1 - u^a
+        return -torch.expm1(b * one_minus_power.log())
 
     def forward(self, x1: Tensor, x2: Tensor, diag: bool = False, **params: Any) -> Tensor:
         """The base kernel ``(..., n1, n2)`` (``(..., n1)`` with ``diag``) of the warped inputs."""
@@ -136,19 +127,19 @@ class KumaraswamyWarpedKernel(Kernel):
 
 
 class _LastInputs:
-    """Values computed of the last two input tensors given (and of ``extra`` tensors), kept while they are unchanged:
-    a kernel is evaluated between its inputs and one other block at a time (the rows of a product, the points of
-    kernel columns), so the input that recurs stays while the others replace each other.
+    """Values computed of the last two input tensors given, kept while they are unchanged: a kernel is evaluated
+    between its inputs and one other block at a time (the rows of a product, the points of kernel columns), so the
+    input that recurs stays while the others replace each other.
 
     An input matches a later one that is the same view of the same memory (data pointer, shape, strides, dtype,
     device) at the same version (no in-place change since), whichever tensor object it is (kernels are called on
-    slices of their inputs); an entry holds its input, so that the memory is not reused meanwhile. ``extra`` (the
-    hyperparameters the value depends on) match by value. Inputs that require gradients are never kept."""
+    slices of their inputs): nothing is compared by value, so nothing waits for an accelerator. An entry holds its
+    input, so that the memory is not reused meanwhile. Inputs that require gradients are never kept."""
 
     size = 2
 
     def __init__(self) -> None:
-        self.entries: list[tuple[Tensor, int, tuple[Tensor, ...], Tensor]] = []  # the most recently used last
+        self.entries: list[tuple[Tensor, int, Tensor]] = []  # the most recently used last
 
     def __getstate__(self) -> dict[str, Any]:  # a copy or a pickle of the kernel starts empty
         return {}
@@ -156,11 +147,11 @@ class _LastInputs:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.entries = []
 
-    def get(self, x: Tensor, extra: tuple[Tensor, ...]) -> Tensor | None:
-        """The value kept for ``x`` and ``extra``, or ``None``."""
+    def get(self, x: Tensor) -> Tensor | None:
+        """The value kept for ``x``, or ``None``."""
         if x.requires_grad:
             return None
-        for index, (kept, version, kept_extra, value) in enumerate(self.entries):
+        for index, (kept, version, value) in enumerate(self.entries):
             same = (
                 x.data_ptr() == kept.data_ptr()
                 and x.shape == kept.shape
@@ -169,19 +160,12 @@ class _LastInputs:
                 and x.device == kept.device
                 and x._version == version
             )
-            if same and all(_equal(new, old) for new, old in zip(extra, kept_extra, strict=True)):
+            if same:
                 self.entries.append(self.entries.pop(index))
                 return value
         return None
 
-    def put(self, x: Tensor, extra: tuple[Tensor, ...], value: Tensor) -> None:
-        """Keep ``value`` for ``x`` and ``extra``, in place of the least recently used."""
+    def put(self, x: Tensor, value: Tensor) -> None:
+        """Keep ``value`` for ``x``, in place of the least recently used."""
         if not (x.requires_grad or value.requires_grad):
-            self.entries = [
-                *self.entries[1 - self.size :],
-                (x, x._version, tuple(t.detach().clone() for t in extra), value),
-            ]
-
-
-def _equal(new: Tensor, old: Tensor) -> bool:
-    return new.dtype == old.dtype and new.device == old.device and torch.equal(new.detach(), old)
+            self.entries = [*self.entries[1 - self.size :], (x, x._version, value)]
