@@ -406,7 +406,6 @@ class _IterNCGPEstimator(BaseEstimator):
                 seed=seed,
                 show_progress=bool(self.verbose),
                 kernels=candidates,
-                select_by="bic" if candidates is None else "held_out",
             )
         if candidates is not None:
             assert report.kernel is not None
@@ -484,7 +483,6 @@ class _IterNCGPEstimator(BaseEstimator):
                     seed=seed,
                     show_progress=bool(self.verbose),
                     kernels=candidates,
-                    select_by="bic" if candidates is None else "held_out",
                 )
         # the final fit stopped at its step limit: the package's warning names the strategy's option
         at_step_limit = report.fit_report.limit == model.variational_strategy.max_steps_option

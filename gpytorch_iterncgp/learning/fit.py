@@ -54,7 +54,7 @@ from ..mlls.stochastic import StochasticEPMarginalLogLikelihood
 from ..strategies.base import exact_regime
 from ..strategies.itergp import EPStrategy, IterNCGPStrategy
 from .baseline import check_against_constant
-from .kernel_choice import candidate_kernels, check_select_by, choose_kernel, time_share
+from .kernel_choice import candidate_kernels, check_select_by, choose_kernel, resolved_select_by, time_share
 from .learner import LearnerModel, laplace_likelihood
 from .minibatch import MinibatchRecipe, fit_minibatches
 from .optimisers import optimise
@@ -80,7 +80,7 @@ def fit_mll(
     learning_subset: int | str | Tensor | None = "auto",
     validation_rows: Tensor | str | None = "auto",
     kernels: Mapping[str, gpytorch.kernels.Kernel] | Sequence[gpytorch.kernels.Kernel] | None = None,
-    select_by: str = "bic",
+    select_by: str = "auto",
     seed: int | None = None,
     show_progress: bool | None = None,
     subset: Any = DEPRECATED,
@@ -106,7 +106,8 @@ def fit_mll(
         rows, row indices, a boolean mask, or ``None`` (all).
     :param validation_rows: the held-out rows (dense evidences): ``"auto"``, row indices, a mask, or ``None``.
     :param kernels: candidate kernels to choose among (``None``: the model's own).
-    :param select_by: the kernel choice's score: ``"bic"``, ``"evidence"`` or ``"held_out"``.
+    :param select_by: the kernel choice's score: ``"auto"`` (``"held_out"`` where rows are held out, else ``"bic"``),
+        ``"held_out"``, ``"bic"`` or ``"evidence"``.
     :param seed: seeds the rows and minibatches drawn.
     :param show_progress: a progress bar per phase (``None``: the strategy's ``show_progress``).
     :param subset: the deprecated name of ``learning_subset`` (a ``FutureWarning``).
@@ -166,7 +167,7 @@ def fit_dense_mll(
     learning_subset: int | str | Tensor | None = "auto",
     validation_rows: Tensor | str | None = "auto",
     kernels: Mapping[str, gpytorch.kernels.Kernel] | Sequence[gpytorch.kernels.Kernel] | None = None,
-    select_by: str = "bic",
+    select_by: str = "auto",
     seed: int | None = None,
     show_progress: bool | None = None,
     subset: Any = DEPRECATED,
@@ -201,10 +202,13 @@ def fit_dense_mll(
         the chosen one again on all of them (measured with three candidates: 1.5–2.5 times the fit of one kernel,
         ``benchmarks/README.md`` §32; ``kernel_choice_subset=None``: every candidate on all the learning rows,
         ``len(kernels)`` times). ``None`` (default): the model's own kernel.
-    :param select_by: with ``kernels``, the score to choose by: ``"bic"`` (default: the evidence per learning row
-        penalised by :math:`k \log M / (2M)` for :math:`k` hyperparameters, Duvenaud et al. 2013), ``"evidence"``
-        (alone, R&W sec. 5.4: of nested kernels it keeps the larger) or ``"held_out"`` (needs held-out rows: a subset
-        smaller than the data).
+    :param select_by: with ``kernels``, the score to choose by: ``"auto"`` (default: ``"held_out"`` where the learning
+        holds rows out and the likelihood has a held-out score, else ``"bic"``; the estimators' rule, which chose the
+        better kernels on the tabular panel, ``docs/design_notes.md``), ``"held_out"`` (the log-loss or Poisson
+        deviance of the held-out rows; needs a subset smaller than the data), ``"bic"`` (the evidence per learning
+        row penalised by :math:`k \log M / (2M)` for :math:`k` hyperparameters, Duvenaud et al. 2013) or
+        ``"evidence"`` (alone, R&W sec. 5.4: of nested kernels it keeps the larger). The report's ``selected_by``
+        says which.
     :param seed: seeds the rows drawn (``None``: drawn from torch's global generator).
     :param show_progress: a progress bar per phase (``None``: the strategy's ``show_progress``).
     :param subset: the deprecated name of ``learning_subset`` (a ``FutureWarning``).
@@ -271,10 +275,11 @@ def _learn_dense(
             phase.learn(report, deadline)
             phase.choose_outputscale(report, deadline)
         else:
-            if select_by == "held_out" and held_out is None:
+            select = resolved_select_by(select_by, held_out is not None, mll.likelihood)
+            if select == "held_out" and held_out is None:
                 raise ValueError(_nothing_held_out(strategy, rows, validation_rows, recipe))
             choice = _choice_phase(mll, rows, held_out, labels, recipe, generator, show)
-            choose_kernel(model, mll.likelihood, candidates, phase, select_by, report, deadline, choice)
+            choose_kernel(model, mll.likelihood, candidates, phase, select, report, deadline, choice)
         if phase.validation is not None and has_held_out_score(mll.likelihood):
             assert held_out is not None
             report.validation_rows, report.validation_points = held_out.tolist(), len(held_out)
@@ -299,7 +304,7 @@ def _candidates(
     """
     if kernels is None:
         check_select_by(select_by)
-        if select_by != "bic":
+        if select_by != "auto":
             raise ValueError(
                 f"fit_mll: select_by={select_by!r} chooses among candidate kernels; pass them as kernels=, or leave "
                 "select_by out."
@@ -419,7 +424,7 @@ def fit_minibatch_mll(
     max_time: float | None = None,
     recipe: MinibatchRecipe | None = None,
     kernels: Mapping[str, gpytorch.kernels.Kernel] | Sequence[gpytorch.kernels.Kernel] | None = None,
-    select_by: str = "bic",
+    select_by: str = "auto",
     seed: int | None = None,
     show_progress: bool | None = None,
 ) -> LearningReport:
@@ -438,7 +443,8 @@ def fit_minibatch_mll(
         score on as many others); the model keeps the best at its initial values (``report.kernel``, every
         candidate's scores in ``report.kernel_scores``), which the minibatch learning then learns as if it had been
         given alone. ``None`` (default): the model's own kernel.
-    :param select_by: with ``kernels``, ``"bic"``, ``"evidence"`` or ``"held_out"``, as :func:`fit_dense_mll`'s.
+    :param select_by: with ``kernels``, ``"auto"``, ``"held_out"``, ``"bic"`` or ``"evidence"``, as
+        :func:`fit_dense_mll`'s (``"auto"``: ``"held_out"`` where ``data`` leaves rows to hold out).
     :param seed: seeds the minibatches' order and the choice's rows (``None``: drawn from torch's global generator).
     :param show_progress: a progress bar (``None``: shown).
     :raises TypeError: for a recipe that is not a ``MinibatchRecipe``, ``data`` that is not two tensors, or
@@ -514,6 +520,7 @@ def _choose_for_minibatches(
     size = min(auto_choice_size(strategy.num_latents), len(inputs) // 2)
     learning = draw_rows(torch.arange(len(inputs)), max(size, 2), labels, generator)
     held_out = held_out_rows(len(inputs), learning, labels, recipe.min_validation_points, generator)
+    select_by = resolved_select_by(select_by, held_out is not None, likelihood)
     if held_out is None and select_by == "held_out":
         raise ValueError(
             f"fit_mll: kernels= with select_by='held_out' scores each candidate on rows of data= held out from its "

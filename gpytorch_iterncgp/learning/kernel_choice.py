@@ -37,7 +37,7 @@ from ..strategies.itergp import EPStrategy
 from .estimator_policy import default_kernel, log_positive
 from .learner import LearnerModel
 from .recipe import RECOVERABLE_ERRORS, LearningRecipe, LearningReport
-from .scores import held_out_score
+from .scores import has_held_out_score, held_out_score
 
 __all__ = [
     "SELECT_BY",
@@ -48,12 +48,14 @@ __all__ = [
     "kernel_family",
     "kernel_owner",
     "learnt_evidence",
+    "resolved_select_by",
     "time_share",
 ]
 
-#: what :func:`choose_kernel` may choose by (:func:`choose_kernel`): the held-out score (log-loss or Poisson
-#: deviance), the learnt evidence, or the learnt evidence penalised by BIC's count of hyperparameters
-SELECT_BY = ("held_out", "evidence", "bic")
+#: what :func:`choose_kernel` may choose by: the held-out score (log-loss or Poisson deviance), the learnt evidence, or
+#: the learnt evidence penalised by BIC's count of hyperparameters; ``"auto"`` the first where rows are held out, else
+#: the last (:func:`resolved_select_by`)
+SELECT_BY = ("auto", "held_out", "evidence", "bic")
 
 
 def kernel_family(
@@ -202,10 +204,19 @@ def check_select_by(select_by: Any) -> None:
     """:raises ValueError: for a ``select_by`` that is not one of :data:`SELECT_BY`."""
     if not (isinstance(select_by, str) and select_by in SELECT_BY):
         raise ValueError(
-            "fit_mll: select_by must be 'bic' (the learnt evidence of the learning rows, penalised for the kernel's "
-            "hyperparameters), 'evidence' (the learnt evidence alone) or 'held_out' (the log-loss or Poisson deviance "
-            f"of held-out rows); got {select_by!r}."
+            "fit_mll: select_by must be 'auto' ('held_out' where rows are held out, else 'bic'), 'held_out' (the "
+            "log-loss or Poisson deviance of held-out rows), 'bic' (the learnt evidence of the learning rows, "
+            f"penalised for the kernel's hyperparameters) or 'evidence' (the learnt evidence alone); got {select_by!r}."
         )
+
+
+def resolved_select_by(select_by: str, held_out: bool, likelihood: Any) -> str:
+    """The score a kernel choice chooses by: ``select_by``, where ``"auto"`` is ``"held_out"`` where rows are held out
+    (``held_out``) and the likelihood has a held-out score, ``"bic"`` otherwise (the estimators' rule, measured the
+    better of the two on the tabular panel: ``docs/design_notes.md``, "Which score chooses")."""
+    if select_by != "auto":
+        return select_by
+    return "held_out" if held_out and has_held_out_score(likelihood) else "bic"
 
 
 def _structure(kernel: Kernel) -> str:
@@ -283,8 +294,8 @@ def choose_kernel(
     :param candidates: ``{name: kernel}`` (:func:`candidate_kernels`); each moved to the data's dtype and device and
         learnt in place (each keeps its learnt hyperparameters).
     :param phase: the learning phase (:class:`LearningPhase`).
-    :param select_by: one of :data:`SELECT_BY`.
-    :param report: filled: the chosen candidate's learning fields, ``kernel`` and ``kernel_scores``.
+    :param select_by: ``"held_out"``, ``"evidence"`` or ``"bic"`` (:func:`resolved_select_by`).
+    :param report: filled: the chosen candidate's learning fields, ``kernel``, ``kernel_scores`` and ``selected_by``.
     :param deadline: ``time.perf_counter()`` by which learning stops (``None``: none).
     :param choice: the phase the candidates are learnt and scored in, on fewer rows (``None``: ``phase``).
     :raises RuntimeError: where every candidate failed (naming each error).
@@ -352,7 +363,7 @@ def choose_kernel(
     scores = report.kernel_scores
     for field in dataclasses.fields(LearningReport):
         setattr(report, field.name, getattr(candidate, field.name))
-    report.kernel, report.kernel_scores = chosen, scores
+    report.kernel, report.kernel_scores, report.selected_by = chosen, scores, select_by
     if phase.held_out is not None:
         report.validation_rows, report.validation_points = phase.held_out.tolist(), len(phase.held_out)
 

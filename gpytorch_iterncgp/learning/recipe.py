@@ -188,7 +188,8 @@ class LearningReport:
     ``hyperparameters`` ``k`` (both ``None`` where the choice is by the held-out score); ``outputscale_factor``,
     the factor its outputscale phase chose (``None``: no phase), where the chosen candidate's walk on all the learning
     rows starts; ``seconds``, its learning and scoring; ``error``, why it was skipped (``None``: scored)
-    (:func:`~gpytorch_iterncgp.learning.kernel_choice.choose_kernel`). The learning and outputscale fields above are
+    (:func:`~gpytorch_iterncgp.learning.kernel_choice.choose_kernel`); ``selected_by``, the score it chose by
+    (``"held_out"``, ``"evidence"`` or ``"bic"``: ``select_by="auto"`` resolved). The learning and outputscale fields above are
     then the chosen candidate's (learnt again on all the learning rows where the choice used fewer).
 
     Check (where rows are held out and the likelihood has a held-out score): ``held_out_score``, the learnt model's
@@ -223,6 +224,7 @@ class LearningReport:
     outputscale_seconds: float = 0.0
     kernel: str | None = None
     kernel_scores: dict[str, dict[str, Any]] = field(default_factory=dict)
+    selected_by: str | None = None
     held_out_metric: str = ""
     held_out_score: float | None = None
     constant_score: float | None = None
@@ -282,7 +284,8 @@ class LearningReport:
 
         listed = "; ".join(scores(name, score) for name, score in self.kernel_scores.items())
         seconds = sum(score["seconds"] for score in self.kernel_scores.values())
+        by = f" by {KERNEL_SCORES[self.selected_by]}" if self.selected_by in KERNEL_SCORES else ""
         return (
-            f"kernel {self.kernel!r} of {len(self.kernel_scores)} candidates ({listed}) in {seconds:.2f}s; "
+            f"kernel {self.kernel!r}{by} of {len(self.kernel_scores)} candidates ({listed}) in {seconds:.2f}s; "
             "the chosen one's "
         )

@@ -276,7 +276,7 @@ def test_an_isotropic_function_keeps_a_good_kernel_and_the_report_has_every_cand
     kernels = {**kernel_family(2), "broken": _BrokenKernel()}
     recipe = dataclasses.replace(RECIPE, outputscale_factors=(1.0, 0.5, 2.0))
     with pytest.warns(RuntimeWarning, match="kernel 'broken' skipped"):
-        report = fit_mll(mll, kernels=kernels, learning_subset=130, recipe=recipe, seed=0)
+        report = fit_mll(mll, kernels=kernels, learning_subset=130, select_by="bic", recipe=recipe, seed=0)
     scores = report.kernel_scores
     assert list(scores) == list(kernels) and report.kernel in kernel_family(2)
     assert scores["broken"]["error"].endswith("LinAlgError: broken kernel") and scores["broken"]["bic"] is None
@@ -294,7 +294,7 @@ def test_an_isotropic_function_keeps_a_good_kernel_and_the_report_has_every_cand
     assert scores[report.kernel]["held_out"] == report.outputscale_scores[report.outputscale_factor]
     assert report.fit_report.converged and model.covar_module is kernels[report.kernel]
     json.dumps({key: value for key, value in dataclasses.asdict(report).items() if key != "fit_report"})
-    assert f"kernel {report.kernel!r} of 7 candidates" in str(report) and "broken: skipped" in str(report)
+    assert f"kernel {report.kernel!r} by BIC of 7 candidates" in str(report) and "broken: skipped" in str(report)
 
 
 def test_without_kernels_fit_mll_learns_as_before_and_one_candidate_learns_the_same():
@@ -318,6 +318,21 @@ def test_without_kernels_fit_mll_learns_as_before_and_one_candidate_learns_the_s
         for mine, theirs in zip(model.parameters(), other.parameters(), strict=True):
             assert torch.equal(mine, theirs)
     assert explicit.kernel is None and chosen.kernel == "own"
+
+
+def test_by_default_the_choice_is_by_the_held_out_score_where_rows_are_held_out_else_by_bic():
+    """``select_by="auto"`` (the default, the estimators' rule): the held-out log-loss where the learning holds rows
+    out, the BIC where it learns on all of them; the report says which (``selected_by``), computes only that score,
+    and chooses the candidate with the least."""
+    x, y = radial_data(250)
+    recipe = LearningRecipe(optimizer_steps=4)
+    for subset, by, unused in ((130, "held_out", "bic"), (None, "bic", "held_out")):
+        model, mll = _model(x, y)
+        report = fit_mll(mll, kernels=_family(2, ("matern", "linear+matern")), learning_subset=subset, recipe=recipe)
+        scores = report.kernel_scores
+        assert report.selected_by == by and all(score[unused] is None for score in scores.values())
+        assert report.kernel == min(scores, key=lambda name: scores[name][by])
+        assert f"kernel {report.kernel!r} by {'held-out' if by == 'held_out' else 'BIC'} of 2" in str(report)
 
 
 def test_counts_are_scored_by_their_held_out_poisson_deviance():
@@ -447,7 +462,7 @@ def test_the_classifier_with_kernel_auto_chooses_a_linear_kernel_on_linear_data_
     assert classifier.kernel_choice_ == f"'linear+matern': chosen among {among} by the held-out score of 150 points"
     assert classifier.kernel_ is classifier.model_.covar_module
     assert any(isinstance(module, gpytorch.kernels.LinearKernel) for module in classifier.kernel_.modules())
-    assert f"kernel {report.kernel!r} of {len(AUTO_KERNELS)} candidates" in str(classifier.fit_report_)
+    assert f"kernel {report.kernel!r} by held-out of {len(AUTO_KERNELS)} candidates" in str(classifier.fit_report_)
     probabilities = classifier.predict_proba(x[350:])
     assert probabilities.shape == (200, 2) and classifier.score(x[350:], y[350:]) > 0.85
 
