@@ -332,8 +332,8 @@ def _nothing_held_out(strategy: Any, rows: Tensor | None, validation_rows: Any, 
         why = f"fewer than recipe.min_validation_points={recipe.min_validation_points} rows are left out of the subset"
     return (
         f"fit_mll: kernels= with select_by='held_out' scores each candidate on held-out rows, but none are held out "
-        f"({why}): pass learning_subset= smaller than the data (the rows outside it are held out, validation_rows='auto', or "
-        "give them as validation_rows=), or choose by the evidence of the learning rows, select_by='bic' (or "
+        f"({why}): pass learning_subset= smaller than the data (the rows outside it are held out, "
+        "validation_rows='auto', or give them as validation_rows=), or choose by the evidence of the learning rows, select_by='bic' (or "
         "'evidence')."
     )
 

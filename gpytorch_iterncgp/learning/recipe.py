@@ -21,9 +21,9 @@ KERNEL_SCORES = {"held_out": "held-out", "evidence": "evidence", "bic": "BIC"}
 #: :attr:`LearningRecipe.evidence`'s values: the evidence an EP model's hyperparameters are learnt on
 EVIDENCES = ("laplace", "ep")
 
-#: ``learning_subset="auto"``: the hyperparameters are learnt on a random (stratified by class, for classifiers) subset of
-#: :math:`M = \lfloor \sqrt{\text{this} / C} \rfloor` points, so that a product with the subset's kernel matrix costs
-#: at most this many multiply-adds :math:`M^2 C` (1000 points for 10 classes, 3162 for binary data); chosen by
+#: ``learning_subset="auto"``: the hyperparameters are learnt on a random (stratified by class, for classifiers)
+#: subset of :math:`M = \lfloor \sqrt{\text{this} / C} \rfloor` points, so that a product with the subset's kernel
+#: matrix costs at most this many multiply-adds :math:`M^2 C` (1000 points for 10 classes, 3162 for binary data); chosen by
 #: measurement (``benchmarks/README.md`` §14).
 LEARNING_SUBSET_COST = 10**7
 #: ``kernel_choice_subset="auto"``: with candidate kernels, each is learnt and scored for the choice on
@@ -61,8 +61,8 @@ class LearningRecipe:
     :param outputscale_extensions: the most factors tried past the grid's edges, doubling (halving) the largest
         (smallest) while the walk goes on (``0``: the grid alone).
     :param min_validation_points: fewer spare rows than this: no held-out choice.
-    :param held_out_fraction: ``learning_subset="auto"`` where the learning subset would hold all the rows: this fraction of them
-        (at least ``min_validation_points``) is held out anyway, for the outputscale, the kernel choice and the check
+    :param held_out_fraction: ``learning_subset="auto"`` where the learning subset would hold all the rows: this
+        fraction of them (at least ``min_validation_points``) is held out anyway, for the outputscale, the kernel choice and the check
         against a constant predictor (:func:`~.rows.auto_learning_size`); ``0``: none held out there.
     :param kernel_choice_subset: with candidate kernels (``fit_mll(kernels=...)``), the learning rows each candidate is
         learnt and scored on for the choice: ``"auto"`` (:data:`KERNEL_CHOICE_COST`), a number of rows, or ``None``
@@ -95,12 +95,15 @@ class LearningRecipe:
     evidence: str = "laplace"
 
     def __post_init__(self) -> None:
-        for name, option in (("fit_steps", "train_fit_steps"), ("compression_rank", "train_compression_rank")):
+        for name, option, where in (
+            ("fit_steps", "train_fit_steps", "the strategy, or the estimators' train_fit_steps="),
+            ("compression_rank", "train_compression_rank", "the strategy"),
+        ):
             if getattr(self, name) is not None:
                 warnings.warn(
                     f"LearningRecipe({name}=) is deprecated and will be removed in a future release: fit_mll's fits "
-                    f"while learning follow the strategy's own option {option} (set it on the strategy, or the "
-                    f"estimators' {option}=); given, {name} still replaces it while learning.",
+                    f"while learning follow the strategy's own option {option} (set it on {where}); given, {name} "
+                    "still replaces it while learning.",
                     FutureWarning,
                     stacklevel=3,
                 )
