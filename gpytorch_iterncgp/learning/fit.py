@@ -36,7 +36,7 @@ import math
 import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, cast
+from typing import Any, NoReturn, cast
 
 import gpytorch
 import torch
@@ -119,10 +119,13 @@ def fit_mll(
         max_time=max_time, kernels=kernels, select_by=select_by, seed=seed, show_progress=show_progress
     )
     if isinstance(mll, StochasticEPMarginalLogLikelihood):
-        dense_only = {"learning_subset": learning_subset, "validation_rows": validation_rows, "subset": subset}
-        defaults = {"learning_subset": "auto", "validation_rows": "auto", "subset": DEPRECATED}
-        for name, value in dense_only.items():
-            if not (isinstance(value, str) and value == defaults[name]):
+        dense_only = (
+            ("learning_subset", learning_subset, "auto"),
+            ("validation_rows", validation_rows, "auto"),
+            ("subset", subset, DEPRECATED),
+        )
+        for name, value, default in dense_only:
+            if not (isinstance(value, str) and value == default):
                 _refuse(mll, name, _NOT_FOR_MINIBATCHES[name])
         with retained_allocations():
             return fit_minibatch_mll(mll, data, recipe=cast(MinibatchRecipe | None, recipe), **common)
@@ -140,7 +143,7 @@ def fit_mll(
         )
 
 
-def _refuse(mll: MarginalLogLikelihood, name: str, reason: str) -> None:
+def _refuse(mll: MarginalLogLikelihood, name: str, reason: str) -> NoReturn:
     """:raises TypeError: ``fit_mll``'s option ``name`` does not apply to ``mll``, for ``reason``."""
     raise TypeError(f"fit_mll: {name}= does not apply to a {type(mll).__name__}: {reason}.")
 
@@ -150,13 +153,15 @@ _NOT_FOR_DENSE = (
     "its model holds its training data (the strategy's train_inputs, train_targets); leave data= out, and choose the "
     "rows to learn on with learning_subset="
 )
+_ROWS_FOR_MINIBATCHES = (
+    "stochastic EP learns on all of data= in minibatches; set their size with recipe=MinibatchRecipe(batch_size=...)"
+)
 _NOT_FOR_MINIBATCHES = {
-    "learning_subset": "stochastic EP learns on all of data= in minibatches; set their size with "
-    "recipe=MinibatchRecipe(batch_size=...)",
+    "learning_subset": _ROWS_FOR_MINIBATCHES,
+    "subset": _ROWS_FOR_MINIBATCHES,  # learning_subset's deprecated name
     "validation_rows": "stochastic EP has no outputscale phase (its objective is SEP's energy on all the data), and "
     "its kernel choice (kernels=) draws its own held-out rows from data=",
 }
-_NOT_FOR_MINIBATCHES["subset"] = _NOT_FOR_MINIBATCHES["learning_subset"]  # its deprecated name
 
 
 def fit_dense_mll(

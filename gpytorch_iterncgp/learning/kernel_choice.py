@@ -212,8 +212,8 @@ def check_select_by(select_by: Any) -> None:
 
 def resolved_select_by(select_by: str, held_out: bool, likelihood: Any) -> str:
     """The score a kernel choice chooses by: ``select_by``, where ``"auto"`` is ``"held_out"`` where rows are held out
-    (``held_out``) and the likelihood has a held-out score, ``"bic"`` otherwise (the estimators' rule, measured the
-    better of the two on the tabular panel: ``docs/design_notes.md``, "Which score chooses")."""
+    (``held_out``) and the likelihood has a held-out score, ``"bic"`` otherwise: the estimators' rule
+    (``docs/design_notes.md``, "Which score chooses")."""
     if select_by != "auto":
         return select_by
     return "held_out" if held_out and has_held_out_score(likelihood) else "bic"
