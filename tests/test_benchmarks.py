@@ -388,6 +388,7 @@ def test_gpytorch_door_smoke_run_writes_results(tmp_path):
     assert nll_at(history, 2.0) == 0.45 and nll_at(history, 1.5) == 0.5
 
 
+@pytest.mark.slow  # about 6 s
 def test_scalable_ep_smoke_run_writes_results(tmp_path):
     from benchmarks import scalable_ep
 
@@ -630,6 +631,7 @@ def test_ep_large_smoke_run_writes_results(tmp_path):
     assert out.with_suffix(".png").stat().st_size > 10_000
 
 
+@pytest.mark.slow  # about 7 s
 def test_ep_convergence_smoke_run_scores_both_stops(tmp_path):
     """The EP convergence benchmark at 200 points of 10 classes: the estimator's fit stopped on its marginals (each
     sweep's recorded change, the last at most the default ``marginal_tol``) and the sites-only fit scored after every

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# 8-19 s each: run with -m slow (the default run keeps the main example, Poisson regression and multi-class)
+# 8-19 s each: run with -m slow (the default run keeps the main example and Poisson regression)
 SLOW_EXAMPLES = (
+    "multiclass",
     "hyperparameters",
     "ep_vs_laplace",
     "alps_square_wave",

@@ -130,7 +130,7 @@ def check_invariants(problem: Problem, options: dict) -> None:
         assert math.isclose(psis[-1], psi, rel_tol=10 * tol, abs_tol=10 * tol), (psis[-1], psi)
 
 
-@settings(max_examples=150, **FAST)
+@settings(max_examples=75, **FAST)
 @given(problem=problems(), options=solver_options)
 def test_invariants(problem, options):
     check_invariants(problem, options)
@@ -179,7 +179,7 @@ def check_exact_mode(problem: Problem, options: dict) -> None:
         assert error <= UNCERTIFIED_TOLERANCE, (error, report.steps, caught)
 
 
-@settings(max_examples=100, **FAST)
+@settings(max_examples=50, **FAST)
 @given(problem=problems(), options=choices_of_recycling)
 # The dense reference stalled on the float32 kernel matrix before it was symmetrised (tests/problems.py).
 @example(
@@ -319,7 +319,7 @@ float32_options = st.sampled_from(
 )
 
 
-@settings(max_examples=80, **FAST)
+@settings(max_examples=40, **FAST)
 @given(problem=problems(dtypes=(torch.float64,)), options=float32_options)
 @example(  # the worst draw found (4.5e-4): a numerically singular K
     problem=Problem(

@@ -213,7 +213,11 @@ def multitask_kernel() -> gpytorch.kernels.MultitaskKernel:
     return kernel
 
 
-def run(rank: int, directory: Path) -> dict:
+def run(rank: int, directory: Path, layouts: bool = False) -> dict:
+    """Every scenario on this rank; with ``layouts``, instead, only the state-sharding scenarios of the prior's other
+    layouts (:data:`LAYOUT_KINDS`: the slow tests' share), without, all the others."""
+    if layouts:
+        return layout_scenarios(layouts=True)
     results: dict = products(rank)
     for kind in ("laplace", "ep"):
         built = model(kind, sharded=True)
@@ -232,18 +236,28 @@ def run(rank: int, directory: Path) -> dict:
         fit(resumed, kind, FIT_STEPS[kind] - STEP_OF_SAVE)
         results[f"{kind}_resumed"] = summary(resumed, kind)
     results["buffer"] = buffer_products()
-    for kind in SHARDED_STATE_KINDS:
-        results[f"{kind}_sharded_state"] = sharded_state(kind)
-    for kind in COVARIANCE_PHASE_KINDS:
-        results[f"{kind}_covariance_phase"] = sharded_covariance_phase(kind)
-    for kind in VECTOR_KINDS:
-        results[f"{kind}_vectors"] = sharded_vectors(kind)
+    results |= layout_scenarios(layouts=False)
     results["covariance_phase_rows"] = covariance_phase_rows(rank)
     for shard_state in (False, True):
         results[f"fit_mll_{shard_state}"] = learnt_by_fit_mll(sharded=True, shard_state=shard_state)
     results["operator_prior"] = operator_prior_refused()
     results["mismatch"] = mismatch(rank)
     results["fault"] = fault(rank, directory)
+    return results
+
+
+def layout_scenarios(layouts: bool) -> dict:
+    """The state-sharding scenarios (:func:`sharded_state`, :func:`sharded_covariance_phase`,
+    :func:`sharded_vectors`) of the kinds in :data:`LAYOUT_KINDS` (``layouts``) or of the others."""
+    results = {}
+    for kinds, scenario, suffix in (
+        (SHARDED_STATE_KINDS, sharded_state, "sharded_state"),
+        (COVARIANCE_PHASE_KINDS, sharded_covariance_phase, "covariance_phase"),
+        (VECTOR_KINDS, sharded_vectors, "vectors"),
+    ):
+        for kind in kinds:
+            if (kind in LAYOUT_KINDS) == layouts:
+                results[f"{kind}_{suffix}"] = scenario(kind)
     return results
 
 
@@ -544,8 +558,9 @@ def fault(rank: int, directory: Path) -> dict:
     return outcome
 
 
-def worker(rank: int, world_size: int, port: int, directory: str) -> None:
-    """One process: join the gloo group on localhost, run the scenarios, save the results (or the error)."""
+def worker(rank: int, world_size: int, port: int, directory: str, layouts: bool = False) -> None:
+    """One process: join the gloo group on localhost, run the scenarios (:func:`run`), save the results (or the
+    error)."""
     torch.set_num_threads(1)
     path = Path(directory)
     try:
@@ -556,7 +571,7 @@ def worker(rank: int, world_size: int, port: int, directory: str) -> None:
             world_size=world_size,
             timeout=datetime.timedelta(seconds=60),
         )
-        results = run(rank, path)
+        results = run(rank, path, layouts)
     except BaseException:  # noqa: BLE001  # reported to the test
         results = {"worker_error": traceback.format_exc()}
     torch.save(results, path / f"rank{rank}.pt")

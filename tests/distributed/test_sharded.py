@@ -31,15 +31,14 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def ranks() -> list[dict]:
-    """What each of the two processes computed (a failure of either is this fixture's error)."""
+def _spawned(layouts: bool) -> list[dict]:
+    """What each of the two processes computed (:func:`scenarios.run`; a failure of either is the fixture's error)."""
     if not torch.distributed.is_available():
         pytest.skip("torch.distributed is not available")
     with tempfile.TemporaryDirectory() as directory:
         context = mp.start_processes(
             scenarios.worker,
-            args=(WORLD_SIZE, _free_port(), directory),
+            args=(WORLD_SIZE, _free_port(), directory, layouts),
             nprocs=WORLD_SIZE,
             join=False,
             start_method="spawn",
@@ -60,20 +59,49 @@ def ranks() -> list[dict]:
     return results
 
 
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    """Every scenario but the prior's other layouts' state sharding, on the two processes."""
+    return _spawned(layouts=False)
+
+
+@pytest.fixture(scope="module")
+def layout_ranks() -> list[dict]:
+    """The state-sharding scenarios of the prior's other layouts (:data:`scenarios.LAYOUT_KINDS`), on two processes
+    of their own: the slow tests'."""
+    return _spawned(layouts=True)
+
+
+@pytest.fixture
+def kind_ranks(request: pytest.FixtureRequest, kind: str) -> list[dict]:
+    """The processes that ran the scenarios of ``kind``: :func:`layout_ranks` or :func:`ranks`."""
+    return request.getfixturevalue("layout_ranks" if kind in scenarios.LAYOUT_KINDS else "ranks")
+
+
+def _kinds(kinds: tuple[str, ...]) -> list:
+    """``kinds`` as parameters, those of the prior's other layouts marked slow (their processes take half a minute)."""
+    return [pytest.param(kind, marks=pytest.mark.slow) if kind in scenarios.LAYOUT_KINDS else kind for kind in kinds]
+
+
 def _assert_close(actual: torch.Tensor, expected: torch.Tensor, name: str) -> None:
     torch.testing.assert_close(actual, expected, rtol=0, atol=TOLERANCE * (1 + float(expected.abs().max())), msg=name)
 
 
+class _SingleProcess(dict):
+    """The reference, by kind: the scenario's fit in this process, without the wrapper (fitted when first read)."""
+
+    def __missing__(self, kind: str) -> dict[str, torch.Tensor]:
+        built = scenarios.model(kind, sharded=False)
+        scenarios.fit_saving(built, kind)  # as the ranks fit (saving a state_dict mid-fit)
+        self[kind] = scenarios.summary(built, kind)
+        return self[kind]
+
+
 @pytest.fixture(scope="module")
-def single_process() -> dict:
+def single_process() -> _SingleProcess:
     """The reference: the scenarios' fits in this process, without the wrapper."""
     torch.set_num_threads(1)
-    out = {}
-    for kind in scenarios.SHARDED_STATE_KINDS:
-        built = scenarios.model(kind, sharded=False)
-        out[f"{kind}_saved"] = scenarios.fit_saving(built, kind)
-        out[kind] = scenarios.summary(built, kind)
-    return out
+    return _SingleProcess()
 
 
 def test_sharded_products_equal_the_dense_product(ranks):
@@ -182,8 +210,8 @@ def test_the_action_buffers_reductions_over_row_blocks_equal_the_dense_products(
         assert buffer["zero_sums"].tolist() == [True, False]
 
 
-@pytest.mark.parametrize("kind", scenarios.SHARDED_STATE_KINDS)
-def test_sharded_state_holds_each_ranks_rows_and_fits_the_single_process_posterior(ranks, single_process, kind):
+@pytest.mark.parametrize("kind", _kinds(scenarios.SHARDED_STATE_KINDS))
+def test_sharded_state_holds_each_ranks_rows_and_fits_the_single_process_posterior(kind_ranks, single_process, kind):
     """``ShardedKernel(..., shard_state=True)``, softmax Laplace (one kernel shared by the classes, one GP per class,
     and correlated latents by a MultitaskKernel) and binary EP: after every Newton step (EP sweep) each rank holds its
     120 points' rows of the recycled actions S and K S (of 240 points), and the posterior (mode or sites, mean and
@@ -192,7 +220,7 @@ def test_sharded_state_holds_each_ranks_rows_and_fits_the_single_process_posteri
     K S); its state_dict (gathered, all rows) resumes in one process, and one process's resumes with state sharding,
     both to the uninterrupted fit's posterior."""
     rows = scenarios.NUM_DATA // WORLD_SIZE * scenarios.num_latents(kind)
-    for result in ranks:
+    for result in kind_ranks:
         state = result[f"{kind}_sharded_state"]
         assert len(state["shapes"]) > scenarios.STEP_OF_SAVE  # steps taken (Laplace converges after 5 of 6)
         for actions, kernel_actions, *_ in state["shapes"]:
@@ -204,14 +232,14 @@ def test_sharded_state_holds_each_ranks_rows_and_fits_the_single_process_posteri
     reference = scenarios.model(kind, sharded=False)  # the fit continued after a change of kernel
     scenarios.fit(reference, kind, scenarios.FIT_STEPS[kind])
     for name, expected in scenarios.renewed(reference, kind).items():
-        for result in ranks:
+        for result in kind_ranks:
             _assert_close(result[f"{kind}_sharded_state"]["renewed"][name], expected, f"{kind} {name}, new kernel")
-    for name, value in ranks[0][f"{kind}_sharded_state"]["summary"].items():  # all_reduce: one result on all ranks
-        assert torch.equal(value, ranks[1][f"{kind}_sharded_state"]["summary"][name]), name
-    saved = torch.load(io.BytesIO(ranks[0][f"{kind}_sharded_state"]["saved"]), weights_only=True)
+    for name, value in kind_ranks[0][f"{kind}_sharded_state"]["summary"].items():  # all_reduce: one result on all ranks
+        assert torch.equal(value, kind_ranks[1][f"{kind}_sharded_state"]["summary"][name]), name
+    saved = torch.load(io.BytesIO(kind_ranks[0][f"{kind}_sharded_state"]["saved"]), weights_only=True)
     extra = next(value for key, value in saved.items() if key.endswith("_extra_state"))
     assert extra["state"]["actions"].shape[0] == WORLD_SIZE * rows  # gathered on save
-    resumed = scenarios.load(scenarios.model(kind, sharded=False), ranks[0][f"{kind}_sharded_state"]["saved"])
+    resumed = scenarios.load(scenarios.model(kind, sharded=False), kind_ranks[0][f"{kind}_sharded_state"]["saved"])
     scenarios.fit(resumed, kind, scenarios.FIT_STEPS[kind] - scenarios.STEP_OF_SAVE)
     for name, expected in single_process[kind].items():
         _assert_close(
@@ -219,8 +247,8 @@ def test_sharded_state_holds_each_ranks_rows_and_fits_the_single_process_posteri
         )
 
 
-@pytest.mark.parametrize("kind", scenarios.SHARDED_STATE_KINDS)
-def test_sharded_state_holds_the_final_precision_root_by_rows(ranks, single_process, kind):
+@pytest.mark.parametrize("kind", _kinds(scenarios.SHARDED_STATE_KINDS))
+def test_sharded_state_holds_the_final_precision_root_by_rows(kind_ranks, single_process, kind):
     """``shard_state=True``: the final Q and K Q (formed at the end of the fit, used by every prediction) are held by
     rows like S and K S: each rank's 120 points' rows (of 240) after every step, at the end of the fit, after a
     change of kernel and after resuming; the predictions from them (cross-covariance columns of each rank's points,
@@ -228,24 +256,24 @@ def test_sharded_state_holds_the_final_precision_root_by_rows(ranks, single_proc
     holds all 240 points' rows (gathered on save) and predicts in one process, without refitting, the same
     posterior."""
     rows = scenarios.NUM_DATA // WORLD_SIZE * scenarios.num_latents(kind)
-    for result in ranks:
+    for result in kind_ranks:
         state = result[f"{kind}_sharded_state"]
         for shapes in [*state["shapes"], state["final_shapes"], state["renewed_shapes"], state["resumed_shapes"]]:
             actions, kernel_actions, root, kernel_root = shapes
             assert actions[0] == kernel_actions[0] == root[0] == kernel_root[0] == rows, shapes
             assert root == kernel_root and root[1] > 0
-    saved = torch.load(io.BytesIO(ranks[0][f"{kind}_sharded_state"]["final_saved"]), weights_only=True)
+    saved = torch.load(io.BytesIO(kind_ranks[0][f"{kind}_sharded_state"]["final_saved"]), weights_only=True)
     extra = next(value for key, value in saved.items() if key.endswith("_extra_state"))
     assert extra["state"]["precision_root"].shape[0] == extra["state"]["kernel_precision_root"].shape[0]
     assert extra["state"]["precision_root"].shape[0] == WORLD_SIZE * rows
-    loaded = scenarios.load(scenarios.model(kind, sharded=False), ranks[0][f"{kind}_sharded_state"]["final_saved"])
+    loaded = scenarios.load(scenarios.model(kind, sharded=False), kind_ranks[0][f"{kind}_sharded_state"]["final_saved"])
     for name, expected in single_process[kind].items():
         _assert_close(scenarios.summary(loaded, kind)[name], expected, f"{kind}, final state_dict: {name}, in one")
     assert loaded.variational_strategy.last_report is None  # predicted from the saved state, not refitted
 
 
-@pytest.mark.parametrize("kind", scenarios.COVARIANCE_PHASE_KINDS)
-def test_sharded_state_with_a_covariance_phase_fits_the_single_process_posterior(ranks, kind):
+@pytest.mark.parametrize("kind", _kinds(scenarios.COVARIANCE_PHASE_KINDS))
+def test_sharded_state_with_a_covariance_phase_fits_the_single_process_posterior(kind_ranks, kind):
     """``shard_state=True`` and a covariance phase after the fit (EP: and one block for the marginals after every
     sweep, whose directions join the recycled actions), run on each rank's rows of Q, K Q: each rank holds its rows of
     the enlarged Q and K Q, and the posterior equals one process's; softmax Laplace with a shared kernel, one GP per
@@ -257,7 +285,7 @@ def test_sharded_state_with_a_covariance_phase_fits_the_single_process_posterior
     expected_rank = reference.variational_strategy.state.precision_root.shape[-1]
     latents = scenarios.num_latents(kind)
     rows = scenarios.NUM_DATA // WORLD_SIZE * latents
-    for result in ranks:
+    for result in kind_ranks:
         phase = result[f"{kind}_covariance_phase"]
         assert [shape[0] for shape in phase["shapes"]] == [rows] * 4
         assert phase["shapes"][2] == phase["shapes"][3] == (rows, expected_rank)
@@ -287,8 +315,8 @@ def test_the_covariance_phase_on_rows_equals_the_phase_in_one_process(ranks):
         _assert_close(phase["kernel_root"], expected.kernel_precision_root[3 * start : 3 * stop], "K Q's rows")
 
 
-@pytest.mark.parametrize("kind", scenarios.VECTOR_KINDS)
-def test_sharded_state_holds_the_outer_loops_vectors_by_rows(ranks, kind):
+@pytest.mark.parametrize("kind", _kinds(scenarios.VECTOR_KINDS))
+def test_sharded_state_holds_the_outer_loops_vectors_by_rows(kind_ranks, kind):
     """``shard_state=True``: softmax and binary Laplace, CG with recycling and compression, softmax Laplace with
     unit-vector actions (each on the rank holding its coordinate, its kernel columns by rows), binary probit EP and
     multinomial probit EP (C x C sites); and the prior's other layouts, by CG and by unit vectors: one GP per class
@@ -311,12 +339,12 @@ def test_sharded_state_holds_the_outer_loops_vectors_by_rows(ranks, kind):
     size = scenarios.NUM_DATA * latents
     assert expected["noise_shape"].tolist() == [size, size]
     products = reference.variational_strategy.last_report.kernel_products
-    for result in ranks:  # as many products with K as one process (each a collective), no second one
+    for result in kind_ranks:  # as many products with K as one process (each a collective), no second one
         assert tuple(result[f"{kind}_vectors"]["products"]) == (products, products), kind
-    resumed = scenarios.load(scenarios.model(kind, sharded=False), ranks[0][f"{kind}_vectors"]["saved"])
+    resumed = scenarios.load(scenarios.model(kind, sharded=False), kind_ranks[0][f"{kind}_vectors"]["saved"])
     scenarios.fit(resumed, kind, scenarios.FIT_STEPS[kind] - scenarios.STEP_OF_SAVE)
     resumed_vectors = scenarios.loop_vectors(resumed)
-    for (start, stop), result in zip(row_bounds(scenarios.NUM_DATA, WORLD_SIZE), ranks, strict=True):
+    for (start, stop), result in zip(row_bounds(scenarios.NUM_DATA, WORLD_SIZE), kind_ranks, strict=True):
         held, count = result[f"{kind}_vectors"], (stop - start) * latents
         assert count == scenarios.NUM_DATA // WORLD_SIZE * latents
         assert len(held["shapes"]) > scenarios.STEP_OF_SAVE + 1
@@ -333,7 +361,7 @@ def test_sharded_state_holds_the_outer_loops_vectors_by_rows(ranks, kind):
     for name, value in expected.items():
         _assert_close(resumed_vectors[name].double(), value.double(), f"{kind} {name}, resumed in one process")
     for name, value in scenarios.summary(reference, kind).items():  # mode or sites, predictions, evidence
-        for result in ranks:
+        for result in kind_ranks:
             _assert_close(result[f"{kind}_vectors"]["summary"][name], value, f"{kind} {name}, two processes")
 
 

@@ -49,10 +49,10 @@ from tests import reference  # noqa: E402
 FAST = dict(max_newton_steps=5, max_solver_iterations=5, optimizer_steps=2, random_state=0)
 CHECKED = [
     IterNCGPClassifier(**FAST),  # EP (inference="auto")
-    IterNCGPClassifier(inference="laplace", **FAST),
     IterNCGPClassifier(link="probit", optimize_hyperparameters=False, **FAST),
-    IterNCGPPoissonRegressor(**FAST),
+    IterNCGPPoissonRegressor(**FAST),  # Laplace
 ]
+CHECKED_SLOW = [IterNCGPClassifier(inference="laplace", **FAST)]  # the same facade as the first, with -m slow
 # Every solve exact: unit-vector actions until the residual vanishes (all N of them, so the precision
 # C = QQ^T is the exact (K + W^-1)^-1 and the covariance the exact Laplace covariance), Newton to 1e-12.
 TIGHT = dict(
@@ -81,6 +81,13 @@ def expected_failed_checks(estimator) -> dict[str, str]:
 @pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")
 @parametrize_with_checks(CHECKED, expected_failed_checks=expected_failed_checks)
 def test_sklearn_estimator_checks(estimator, check):
+    check(estimator)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")
+@parametrize_with_checks(CHECKED_SLOW, expected_failed_checks=expected_failed_checks)
+def test_sklearn_estimator_checks_slow(estimator, check):
     check(estimator)
 
 

@@ -440,7 +440,7 @@ def test_the_whitened_kernels_preconditioner_against_dense_matrices(num_classes)
         torch.testing.assert_close(solved, torch.linalg.solve(dense, vectors), rtol=1e-7, atol=1e-7)
 
 
-@pytest.mark.parametrize("preconditioner_rank", [100, 0])
+@pytest.mark.parametrize("preconditioner_rank", [100, pytest.param(0, marks=pytest.mark.slow)])
 def test_matrix_free_newton_step_at_a_learnt_scale_kernel(preconditioner_rank):
     """At a converged mode and a kernel of the scale learning finds (outputscale 16), under GPyTorch's training default
     cg_tolerance of 1: the evidence's differentiable Newton step stays at the mode (to 1e-8; the whole step solved by
