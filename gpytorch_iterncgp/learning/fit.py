@@ -49,7 +49,7 @@ from ..core.memory import peak_memory_bytes, retained_allocations, start_peak_me
 from ..core.threads import ONE_THREAD_LEARNING_SIZE, small_operations
 from ..core.validation import DEPRECATED, check_flag, check_nonnegative, renamed
 from ..exceptions import ConvergenceWarning, ExplicitGradientWarning, WorseThanConstantWarning
-from ..mlls.itergp import BoTorchFitHook, EPMarginalLogLikelihood, LaplaceMarginalLogLikelihood
+from ..mlls.itergp import EPMarginalLogLikelihood, LaplaceMarginalLogLikelihood
 from ..mlls.stochastic import StochasticEPMarginalLogLikelihood
 from ..strategies.base import exact_regime
 from ..strategies.itergp import EPStrategy, IterNCGPStrategy
@@ -836,6 +836,3 @@ def _loose_fits(strategy: Any, recipe: LearningRecipe, exact: bool) -> Iterator[
             stack.enter_context(gpytorch.settings.num_trace_samples(recipe.trace_samples))
             stack.enter_context(gpytorch.settings.max_lanczos_quadrature_iterations(recipe.lanczos_iterations))
         yield
-
-
-BoTorchFitHook.run = fit_mll

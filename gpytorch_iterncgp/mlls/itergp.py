@@ -443,15 +443,12 @@ class BoTorchFitHook:
     fits do. BoTorch's own ``closure``, ``optimizer``, ``closure_kwargs`` and ``optimizer_kwargs`` do not apply
     (``fit_mll`` chooses its optimiser by the evidence) and are refused.
 
-    Set on a model without a ``custom_fit`` of its own when one of the evidences below is built for it; ``run`` is
-    ``fit_mll``, filled in by :mod:`gpytorch_iterncgp.learning.fit` (the layer above).
+    Set on a model without a ``custom_fit`` of its own when one of the evidences below is built for it. ``fit_mll``
+    belongs to the layer above (:mod:`gpytorch_iterncgp.learning.fit`, which imports this module): the hook imports it
+    when BoTorch calls it, the package's one import from a higher layer (``tests/test_foundations.py`` lists it).
     """
 
-    run: Callable[..., Any] | None = None
-
     def __call__(self, mll, closure=None, closure_kwargs=None, optimizer_kwargs=None, **kwargs):
-        if type(self).run is None:
-            raise RuntimeError("gpytorch_iterncgp.learning.fit is not imported: import gpytorch_iterncgp first.")
         botorch = {"closure": closure, "optimizer": kwargs.pop("optimizer", None)}
         botorch.update(closure_kwargs=closure_kwargs, optimizer_kwargs=optimizer_kwargs)
         given = [name for name, value in botorch.items() if value is not None]
@@ -461,7 +458,9 @@ class BoTorchFitHook:
                 f"optimiser by the evidence (L-BFGS where it is exact, Adam otherwise): {', '.join(given)} do not "
                 "apply. Set the optimiser's steps and learning rate with recipe=gpytorch_iterncgp.LearningRecipe(...)."
             )
-        type(self).run(mll, **kwargs)
+        from ..learning.fit import fit_mll  # the layer above, imported at the call
+
+        fit_mll(mll, **kwargs)
         return mll.eval()
 
 
