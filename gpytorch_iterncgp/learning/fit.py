@@ -11,7 +11,8 @@ The recipe, in three phases (each a progress bar with ``show_progress``):
 
 1. **learning**: type-II maximum likelihood on a random subset of the rows (:func:`~.rows.auto_learning_size`,
    stratified by class; R&W §8.3.3), L-BFGS where the evidence is exact, otherwise Adam with loose warm-started fits
-   (the strategy's ``train_fit_steps``). EP's hyperparameters are learnt on Laplace's evidence
+   (the strategy's ``train_fit_steps``): exact as the objective's ``exact=`` says, where given, otherwise where the
+   learning rows' :math:`N C` is at most ``settings.exact_evidence_size``. EP's hyperparameters are learnt on Laplace's evidence
    (:attr:`~.recipe.LearningRecipe.evidence`: Newton's fits converge in a few steps where EP's sweeps take tens;
    EP's evidence where it is exact on request, never where it would be estimated from incomplete solves: that
    estimate's maximiser is biased, ``docs/design_notes.md``);
@@ -354,6 +355,7 @@ class _LearningPhase:
     ) -> None:
         self.model, self.likelihood = mll.model, mll.likelihood
         self.strategy = mll.model.variational_strategy
+        self.exact: bool | None = getattr(mll, "exact", None)  # the evidence's regime, where the objective names one
         self.rows, self.held_out, self.recipe, self.show = rows, held_out, recipe, show
         self.inputs, self.targets = _rows_of(self.strategy, rows)
         self.validation = None if held_out is None else _rows_of(self.strategy, held_out)
@@ -361,8 +363,9 @@ class _LearningPhase:
     def learn(self, report: LearningReport, deadline: float | None, name: str = "") -> Any:
         """Maximise the evidence of the learning rows (:func:`_learn`); return the model whose evidence it was."""
         subset_model = self.rows is not None
-        learner = _learner(self.model, self.strategy, self.inputs, self.targets, subset_model, self.recipe.evidence)
-        _learn(learner, self.recipe, report, deadline, self.show, name)
+        evidence = self.recipe.evidence
+        learner = _learner(self.model, self.strategy, self.inputs, self.targets, subset_model, evidence, self.exact)
+        _learn(learner, self.recipe, report, deadline, self.show, name, self.exact)
         return learner
 
     def final_model(self) -> LearnerModel:
@@ -713,30 +716,41 @@ def _rows_of(strategy: Any, rows: Tensor | None) -> tuple[Tensor, Tensor]:
     return strategy.train_inputs[index], strategy.train_targets[index]
 
 
-def _learner(model: Any, strategy: Any, inputs: Tensor, targets: Tensor, subset_model: bool, evidence: str) -> Any:
+def _learner(
+    model: Any, strategy: Any, inputs: Tensor, targets: Tensor, subset_model: bool, evidence: str, exact: bool | None
+) -> Any:
     """The model whose evidence is maximised: ``model`` itself, or a :class:`LearnerModel` on the subset's rows, and,
     for EP, under Laplace's approximation (``evidence="laplace"``, or ``"ep"`` where EP's would be estimated:
-    :attr:`~.recipe.LearningRecipe.evidence`)."""
+    :attr:`~.recipe.LearningRecipe.evidence`; ``exact``: the objective's regime, ``None``: by the learner's size)."""
     learner = LearnerModel(model, type(strategy), inputs, targets, strategy.likelihood) if subset_model else model
-    if isinstance(strategy, EPStrategy) and (evidence == "laplace" or not exact_regime(learner.variational_strategy)):
+    if exact is None:
+        exact = exact_regime(learner.variational_strategy)
+    if isinstance(strategy, EPStrategy) and (evidence == "laplace" or not exact):
         learner = LearnerModel(model, IterNCGPStrategy, inputs, targets, laplace_likelihood(strategy.likelihood))
     return learner
 
 
 def _learn(
-    learner: Any, recipe: LearningRecipe, report: LearningReport, deadline: float | None, show: bool, name: str = ""
+    learner: Any,
+    recipe: LearningRecipe,
+    report: LearningReport,
+    deadline: float | None,
+    show: bool,
+    name: str = "",
+    exact: bool | None = None,
 ) -> None:
     """Maximise ``learner``'s evidence, keeping the parameters with the best evidence seen; fills ``report``
-    (``name``: the candidate kernel's, in the progress bar).
+    (``name``: the candidate kernel's, in the progress bar; ``exact``: the regime the objective ``fit_mll`` was given
+    names, ``None``: the learner's by its size, :func:`~gpytorch_iterncgp.strategies.base.exact_regime`).
 
     Exact regime (a deterministic value and gradient): L-BFGS with a strong-Wolfe line search and whole fits.
     Otherwise (stochastic log-determinant): Adam, each evaluation on a loose fit from the previous posterior. Either
     works on positive hyperparameters' logarithms (:class:`~.scale.LogScale`).
     """
     strategy = learner.variational_strategy
-    exact = exact_regime(strategy)
+    exact = exact_regime(strategy) if exact is None else exact
     evidence = EPMarginalLogLikelihood if isinstance(strategy, EPStrategy) else LaplaceMarginalLogLikelihood
-    mll = evidence(strategy.likelihood, learner)
+    mll = evidence(strategy.likelihood, learner, exact=exact)
     report.method, report.evidence = ("L-BFGS" if exact else "Adam"), evidence.approximation
     modules = [learner, strategy.likelihood]
     parameters = trainable_parameters(modules)

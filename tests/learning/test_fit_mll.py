@@ -569,3 +569,20 @@ def test_learning_fits_follow_the_strategys_own_train_fit_steps_and_the_old_name
     assert old.learning_rows == new.learning_rows and old.losses == new.losses
     with pytest.raises(ValueError, match="subset= is the deprecated name of learning_subset=; give learning_subset="):
         learn(recipe, subset=80, learning_subset=60)
+
+
+def test_the_objectives_exact_argument_decides_the_learnings_regime():
+    """``exact=`` of the objective given to ``fit_mll`` is carried down to the learning (optimiser, fits and evidence),
+    instead of the size rule alone: exact at a size the rule would estimate (L-BFGS on the same losses as where the
+    rule says exact), estimated at a size the rule calls exact (Adam, the recipe's steps)."""
+    x, y = binary_data(40, seed=10)
+    recipe = LearningRecipe(optimizer_steps=3)
+    reports = {}
+    for exact, size in [(None, 1000), (True, 10), (False, 1000)]:
+        model = IterNCGPModel(x, y, LogitBernoulliLikelihood())
+        mll = LaplaceMarginalLogLikelihood(model.variational_strategy.likelihood, model, exact=exact)
+        with settings.exact_evidence_size(size):
+            reports[exact] = fit_mll(mll, recipe=recipe, learning_subset=None, seed=0)
+    assert reports[None].method == reports[True].method == "L-BFGS"
+    assert reports[True].losses == reports[None].losses
+    assert reports[False].method == "Adam" and reports[False].evaluations == 3
