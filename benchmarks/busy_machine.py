@@ -7,7 +7,7 @@ limits (:mod:`gpytorch_iterncgp.core.threads`).
 Workloads (each in a fresh process, the caller's default threads: as many as cores):
 
 * ``multiclass_ep_300``: ``IterNCGPClassifier(inference="ep")`` (multinomial probit, nested EP) on 300 of
-  scikit-learn's digits, the kernel fixed (``optimize_hyperparameters=False``);
+  scikit-learn's digits, the kernel fixed (``optimizer_steps=0``);
 * ``binary_ep_2000``: the same with probit EP on 2000 points of the binary mixture;
 * ``sep_multiclass``: 100 minibatch steps of stochastic EP (:class:`~gpytorch_iterncgp.StochasticEPStrategy`, the
   multinomial probit, M = 100, batches of 512) on the 10-class mixture of 10⁴ points, by
@@ -38,7 +38,7 @@ COMPETITOR = "import torch\ntorch.set_num_threads(2)\na = torch.randn(1500, 1500
 def _estimator_fit(x, y, **options) -> None:
     from gpytorch_iterncgp.sklearn import IterNCGPClassifier
 
-    IterNCGPClassifier(inference="ep", optimize_hyperparameters=False, random_state=0, **options).fit(x, y)
+    IterNCGPClassifier(inference="ep", optimizer_steps=0, random_state=0, **options).fit(x, y)
 
 
 def run_workload(name: str, smoke: bool) -> float:

@@ -8,7 +8,7 @@ default kernel (Matérn-5/2) with the lengthscale the estimator learnt on that s
 ``python -m benchmarks.learned --datasets mixture5000 --methods estimator --seed S``: 0.499, 0.5215, 0.5132 on seeds
 0, 1, 2) held fixed, and each outputscale of ``--outputscales``:
 
-* ``full``: ``IterNCGPClassifier(kernel, optimize_hyperparameters=False, inference="ep")`` on all 5000 points (its
+* ``full``: ``IterNCGPClassifier(kernel, optimizer_steps=0, inference="ep")`` on all 5000 points (its
   defaults: 20 sweeps, j ≤ 5 CG per sweep), test NLL on the 2000 test points;
 * ``subset``: the same EP on the estimator's own learning rows (the 1000 rows ``learning_subset="auto"`` draws with
   ``random_state=seed``), ``--sweeps`` sweeps, with ``--max-solver-iterations`` (``auto``: j ≤ 5; ``none``: each
@@ -57,7 +57,7 @@ def run(mode: str, seed: int, lengthscale: float, outputscales: list[float], swe
     for outputscale in outputscales:
         kernel = default_kernel(x.shape[1])
         kernel.base_kernel.lengthscale, kernel.outputscale = lengthscale, outputscale
-        options = dict(optimize_hyperparameters=False, inference="ep", random_state=seed)
+        options = dict(optimizer_steps=0, inference="ep", random_state=seed)
         if mode == "subset":
             options.update(max_newton_steps=sweeps, max_solver_iterations=iterations)
         estimator = IterNCGPClassifier(kernel, **options)

@@ -136,6 +136,12 @@ def _reemit_as_scikit_learn(caught: list[warnings.WarningMessage], limit_note: s
         warnings.warn(message, category, stacklevel=4)  # here, _fit_model, fit, its caller
 
 
+def _is(value: Any, text: str) -> bool:
+    """Whether a parameter's value is the string ``text`` (``"auto"``, :data:`DEPRECATED`), whatever else it may
+    be (an array's ``==`` is elementwise)."""
+    return isinstance(value, str) and value == text
+
+
 def _param_error(estimator, name: str, expected: str, value) -> ValueError:
     return ValueError(
         f"The {name!r} parameter of {type(estimator).__name__} must be {expected}. Got {value!r} instead."
@@ -168,9 +174,8 @@ class _IterNCGPEstimator(BaseEstimator):
         recycle=SolverOptions.recycle,
         outer_tol=None,
         solver_tol=ESTIMATOR_DEFAULTS.solver_tol,
-        optimize_hyperparameters=ESTIMATOR_DEFAULTS.optimize_hyperparameters,
-        optimizer_steps=LearningRecipe.optimizer_steps,
-        learning_rate=LearningRecipe.learning_rate,
+        optimizer_steps=ESTIMATOR_DEFAULTS.optimizer_steps,
+        learning_rate=ESTIMATOR_DEFAULTS.learning_rate,
         train_fit_steps=SolverOptions.train_fit_steps,
         learning_subset=ESTIMATOR_DEFAULTS.learning_subset,
         num_inducing=ESTIMATOR_DEFAULTS.num_inducing,
@@ -180,6 +185,7 @@ class _IterNCGPEstimator(BaseEstimator):
         device="cpu",
         verbose=False,
         learning_fit_steps=DEPRECATED,
+        optimize_hyperparameters=DEPRECATED,
     ):
         self.kernel = kernel
         self.standardize = standardize
@@ -194,7 +200,6 @@ class _IterNCGPEstimator(BaseEstimator):
         self.recycle = recycle
         self.outer_tol = outer_tol
         self.solver_tol = solver_tol
-        self.optimize_hyperparameters = optimize_hyperparameters
         self.optimizer_steps = optimizer_steps
         self.learning_rate = learning_rate
         self.train_fit_steps = train_fit_steps
@@ -206,6 +211,7 @@ class _IterNCGPEstimator(BaseEstimator):
         self.device = device
         self.verbose = verbose
         self.learning_fit_steps = learning_fit_steps
+        self.optimize_hyperparameters = optimize_hyperparameters
 
     @property
     def _auto_kernel(self) -> bool:
@@ -297,7 +303,8 @@ class _IterNCGPEstimator(BaseEstimator):
         self._check(check_count, "compression_rank", minimum=1, allow_none=True)
         self._check(check_count, "preconditioner_rank")
         self._check(check_count, "covariance_iterations", allow_none=True)
-        self._check(check_count, "optimizer_steps")
+        if not _is(self.optimizer_steps, "auto"):
+            self._check(check_count, "optimizer_steps")
         self._check(check_count, "train_fit_steps", minimum=1)
         if not (isinstance(self.learning_fit_steps, str) and self.learning_fit_steps == DEPRECATED):
             self._check(check_count, "learning_fit_steps", minimum=1)
@@ -310,8 +317,9 @@ class _IterNCGPEstimator(BaseEstimator):
             raise _param_error(self, "inference", "a str among {'auto', 'laplace', 'ep', 'sparse_ep'}", self.inference)
         self._check(check_count, "num_inducing", minimum=1)
         self._check(check_count, "batch_size", minimum=1)
-        for name in ("solver_tol", "learning_rate"):
-            self._check(check_nonnegative, name, positive=True)
+        self._check(check_nonnegative, "solver_tol", positive=True)
+        if not _is(self.learning_rate, "auto"):
+            self._check(check_nonnegative, "learning_rate", positive=True)
         if self.outer_tol is not None:
             self._check(check_nonnegative, "outer_tol", positive=True)
         if self.max_time is not None:
@@ -320,8 +328,10 @@ class _IterNCGPEstimator(BaseEstimator):
             isinstance(self.standardize, bool) or (isinstance(self.standardize, str) and self.standardize == "auto")
         ):
             raise _param_error(self, "standardize", "True, False or 'auto'", self.standardize)
-        for name in ("recycle", "optimize_hyperparameters", "verbose"):
+        for name in ("recycle", "verbose"):
             self._check(check_flag, name)
+        if not _is(self.optimize_hyperparameters, DEPRECATED):
+            self._check(check_flag, "optimize_hyperparameters")
         self._check_device()
 
     def _check_device(self) -> None:
@@ -370,18 +380,57 @@ class _IterNCGPEstimator(BaseEstimator):
             show_progress=self.verbose,
         )
 
+    def _learning_settings(self, inference: str) -> tuple[int, float]:
+        """The learning's optimiser steps and learning rate in use: ``"auto"`` is the dense learning's
+        (:class:`~gpytorch_iterncgp.LearningRecipe`'s ``optimizer_steps`` and ``learning_rate``) or, under
+        ``"sparse_ep"``, the minibatch loop's (:class:`~gpytorch_iterncgp.MinibatchRecipe`'s ``max_steps`` and
+        ``learning_rate``); the deprecated ``optimize_hyperparameters=False`` is ``optimizer_steps=0`` (a
+        ``FutureWarning``).
+
+        :raises ValueError: for ``optimize_hyperparameters`` beside an ``optimizer_steps`` given.
+        """
+        steps = self.optimizer_steps
+        if not _is(self.optimize_hyperparameters, DEPRECATED):
+            name = type(self).__name__
+            if not _is(steps, "auto"):
+                raise ValueError(
+                    f"{name}: optimize_hyperparameters= is deprecated; give optimizer_steps= alone (0: no learning)."
+                )
+            warnings.warn(
+                f"{name}: optimize_hyperparameters= is deprecated and will be removed in a future release; "
+                "optimizer_steps=0 learns no hyperparameter (and 'auto', the default, learns them).",
+                FutureWarning,
+                stacklevel=4,
+            )
+            steps = "auto" if self.optimize_hyperparameters else 0
+        sparse = inference == "sparse_ep"
+        if _is(steps, "auto"):
+            steps = MinibatchRecipe.max_steps if sparse else LearningRecipe.optimizer_steps
+        rate = self.learning_rate
+        if _is(rate, "auto"):
+            rate = MinibatchRecipe.learning_rate if sparse else LearningRecipe.learning_rate
+        return int(steps), float(rate)
+
     # -- fitting ---------------------------------------------------------------------------------
     def _convergence_hint(self, num_points: int, inference: str) -> str:
         """Appended to the fit's ``ConvergenceWarning``: nothing here (the classifier names a faster inference)."""
         return ""
 
     def _fit_sparse_model(
-        self, X: np.ndarray, targets: torch.Tensor, likelihood, mean, names: tuple[str, ...], why: str
+        self,
+        X: np.ndarray,
+        targets: torch.Tensor,
+        likelihood,
+        mean,
+        names: tuple[str, ...],
+        why: str,
+        recipe: LearningRecipe,
     ) -> None:
         """``inference="sparse_ep"``: stochastic EP with ``num_inducing`` inducing inputs at k-means centres of ``X``
         (scikit-learn's ``MiniBatchKMeans``), learnt with the kernel by :func:`~gpytorch_iterncgp.fit_mll`'s
-        minibatch loop (batches of ``batch_size``, until its steps or ``max_time``), after choosing it among the
-        ``names`` of the family where there are several (by the held-out score of dense EP on rows of ``X``,
+        minibatch loop (batches of ``batch_size``, ``recipe.optimizer_steps`` steps at ``recipe.learning_rate``, or
+        until ``max_time``; with no step, the kernel fixed, the loop's default steps fit the sites), after choosing it
+        among the ``names`` of the family where there are several (by the held-out score of dense EP on rows of ``X``,
         :func:`~gpytorch_iterncgp.learning.fit.fit_minibatch_mll`; ``why``: the choice's reason); set the fitted
         attributes."""
         from sklearn.cluster import MiniBatchKMeans
@@ -392,9 +441,10 @@ class _IterNCGPEstimator(BaseEstimator):
         kernel, candidates = self._starting_kernels(X.shape[1], names)
         model = _SparseLatentGP(self._tensor(centres), likelihood, kernel, mean, len(X))
         model = model.to(device=self._device, dtype=_DTYPE)
-        if not self.optimize_hyperparameters:
+        if recipe.optimizer_steps == 0:  # the loop still fits the sites, for its own default steps
             for parameter in model.parameters():
                 parameter.requires_grad_(False)
+        steps = recipe.optimizer_steps or MinibatchRecipe.max_steps
         mll = StochasticEPMarginalLogLikelihood(likelihood, model)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
@@ -402,7 +452,9 @@ class _IterNCGPEstimator(BaseEstimator):
                 mll,
                 data=(self._tensor(X), targets),
                 max_time=self.max_time,
-                recipe=MinibatchRecipe(batch_size=int(self.batch_size)),
+                recipe=MinibatchRecipe(
+                    batch_size=int(self.batch_size), max_steps=steps, learning_rate=recipe.learning_rate
+                ),
                 seed=seed,
                 show_progress=bool(self.verbose),
                 kernels=candidates,
@@ -436,12 +488,10 @@ class _IterNCGPEstimator(BaseEstimator):
             type(self).__name__, self.get_params(deep=False), defaults, inference, self.inference, len(X)
         )
         likelihood = likelihood.to(device=self._device, dtype=_DTYPE)  # its parameters, if any (not the model's)
-        learn = bool(self.optimize_hyperparameters) and self.optimizer_steps > 0
+        steps, rate = self._learning_settings(inference)
+        learn = steps > 0
         num_latents = likelihood_adapter(likelihood).num_latents
-        recipe = LearningRecipe(
-            optimizer_steps=int(self.optimizer_steps) if learn else 0,
-            learning_rate=float(self.learning_rate),
-        )
+        recipe = LearningRecipe(optimizer_steps=steps, learning_rate=rate)
         names, why = (
             auto_kernel_names(
                 inference,
@@ -457,7 +507,7 @@ class _IterNCGPEstimator(BaseEstimator):
         )
         self.kernel_choice_ = f"{names[0]!r}: {why}" if names else None
         if inference == "sparse_ep":
-            self._fit_sparse_model(X, targets, likelihood, mean, names, why)
+            self._fit_sparse_model(X, targets, likelihood, mean, names, why, recipe)
             return
         seed = int(check_random_state(self.random_state).randint(np.iinfo(np.int32).max))
         train_x = self._tensor(X)
@@ -667,16 +717,21 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
         (``EXACT_MARGINAL_TOL``): the test log-loss has settled by then.
     :param solver_tol: IterGP stops a Newton step early when the residual norm is below
         ``solver_tol * max(1, ||b||)`` (with ``max_solver_iterations=None`` this is the only stop).
-    :param optimize_hyperparameters: learn the kernel's hyperparameters by maximising Laplace's evidence (type-II
-        maximum likelihood, as scikit-learn's ``GaussianProcessClassifier``; for EP too, which then fits at them).
-    :param optimizer_steps: where the evidence is exact and deterministic (:math:`N C \le`
+    :param optimizer_steps: ``"auto"`` (default): 25 under dense inference (:class:`~gpytorch_iterncgp.LearningRecipe`),
+        2000 minibatch steps under ``"sparse_ep"`` (:class:`~gpytorch_iterncgp.MinibatchRecipe`'s ``max_steps``);
+        ``0``: the kernel's hyperparameters are not learnt (the posterior is fitted at the kernel given; stochastic EP
+        still runs its default steps, for the sites). Otherwise the hyperparameters are learnt by maximising
+        Laplace's evidence (type-II maximum likelihood, as scikit-learn's ``GaussianProcessClassifier``; for EP too,
+        which then fits at them). Where the evidence is exact and deterministic (:math:`N C \le`
         ``gpytorch_iterncgp.settings.exact_evidence_size``, 1000): the **maximum number of L-BFGS iterations**
         (strong-Wolfe line search; it stops earlier when the gradient or the change of the evidence vanishes, and
         may evaluate the evidence up to 1.25 times per iteration). Above it (log-determinant estimated
         stochastically, where a line search is unreliable): the number of Adam steps. Every evaluation
-        continues the posterior from the previous one (mode or sites, and the recycled actions).
-    :param learning_rate: Adam's learning rate (above ``exact_evidence_size`` only; L-BFGS takes unit steps
-        scaled by its line search).
+        continues the posterior from the previous one (mode or sites, and the recycled actions). Under
+        ``"sparse_ep"``: the minibatch loop's steps (Adam on SEP's energy, ``max_time`` may stop it earlier).
+    :param learning_rate: Adam's learning rate: ``"auto"`` (default): 0.2 under dense inference (above
+        ``exact_evidence_size`` only; L-BFGS takes unit steps scaled by its line search), 0.01 under ``"sparse_ep"``
+        (annealed by :class:`~gpytorch_iterncgp.MinibatchRecipe`'s cosine schedule).
     :param train_fit_steps: with Adam, the Newton steps (EP sweeps) each evaluation of the evidence runs on from
         the previous posterior (the strategy's option of that name; at most its ``train_compression_rank``, 20,
         recycled actions are kept): the posterior follows the hyperparameters loosely, and the final fit
@@ -695,8 +750,8 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
     :param num_inducing: ``inference="sparse_ep"`` only: the inducing inputs of stochastic EP
         (:class:`~gpytorch_iterncgp.StochasticEPStrategy`), started at k-means centres of ``X`` and learnt with the
         kernel; ``inference="sparse_ep"`` runs :func:`~gpytorch_iterncgp.fit_mll`'s minibatch loop (Adam on SEP's
-        energy, :class:`~gpytorch_iterncgp.MinibatchRecipe`'s learning rate, its annealing and steps, not ``learning_rate`` and
-        ``optimizer_steps``, which are the dense evidence's) until its steps or ``max_time``, with memory
+        energy, ``optimizer_steps`` steps at ``learning_rate``, annealed by
+        :class:`~gpytorch_iterncgp.MinibatchRecipe`'s schedule) until its steps or ``max_time``, with memory
         :math:`O(C M^2)` whatever :math:`N`; it has no ``log_marginal_likelihood()``.
     :param batch_size: ``inference="sparse_ep"`` only: points per minibatch.
     :param max_time: seconds for learning the hyperparameters (``None``: no limit); learning stops after the evidence
@@ -709,6 +764,7 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
     :param verbose: a progress bar per phase: learning, the outputscale, the final fit
         (:func:`~gpytorch_iterncgp.fit_mll`).
     :param learning_fit_steps: the deprecated name of ``train_fit_steps`` (a ``FutureWarning``).
+    :param optimize_hyperparameters: deprecated (a ``FutureWarning``): ``False`` is ``optimizer_steps=0``.
 
     Fitted attributes: ``classes_``, ``n_classes_``, ``n_features_in_`` (``feature_names_in_``), ``scaler_`` (the
     fitted ``StandardScaler``, or ``None`` where ``standardize=False``), ``feature_lengthscales_`` (``(D,)``: the fitted
@@ -829,7 +885,7 @@ class IterNCGPPoissonRegressor(RegressorMixin, _IterNCGPEstimator):
 
     ``link="exp"`` (default, also ``None``): :math:`\lambda = e^f`; ``link="softplus"``: :math:`\lambda = \log(1 + e^f)`.
     The prior mean of :math:`f` is a constant, started at :math:`\lambda^{-1}(\bar y)` and learnt with the
-    kernel when ``optimize_hyperparameters``. Targets must be non-negative; non-integer ones (rates,
+    kernel (unless ``optimizer_steps=0``). Targets must be non-negative; non-integer ones (rates,
     averages) are accepted as scikit-learn's ``PoissonRegressor`` does, with the Poisson quasi-likelihood
     :math:`y \log\lambda - \lambda - \log\Gamma(y + 1)` (:class:`~gpytorch_iterncgp.QuasiExpPoissonLikelihood`,
     :class:`~gpytorch_iterncgp.QuasiSoftplusPoissonLikelihood`; derivatives by autograd instead of the closed form).
@@ -944,7 +1000,7 @@ class IterNCGPNegativeBinomialRegressor(IterNCGPPoissonRegressor):
         return NegativeBinomialLikelihood()
 
     def fit(self, X, y):
-        """Fit the Laplace posterior, the kernel hyperparameters and the dispersion (with ``optimize_hyperparameters``)
+        """Fit the Laplace posterior, the kernel hyperparameters and the dispersion (unless ``optimizer_steps=0``)
         to ``X`` ``(n, d)`` and integer counts ``y`` ``(n,)``; ``dispersion_`` is the fitted :math:`r`."""
         super().fit(X, y)
         self.dispersion_ = float(self.likelihood_.dispersion.detach())

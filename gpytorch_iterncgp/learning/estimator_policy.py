@@ -97,8 +97,6 @@ DENSE_ONLY = (
     "recycle",
     "outer_tol",
     "solver_tol",
-    "optimizer_steps",
-    "learning_rate",
     "train_fit_steps",
     "learning_fit_steps",
     "learning_subset",
@@ -113,16 +111,18 @@ AUTO_KERNELS = ("matern", "linear+matern", "warped_matern")
 @dataclass(frozen=True)
 class EstimatorDefaults:
     """The estimators' own defaults, written once; the solver's (``max_newton_steps``, ``compression_rank``,
-    ``train_fit_steps``, ...) are :class:`~gpytorch_iterncgp.SolverOptions`' fields, the learning's
-    (``optimizer_steps``, ``learning_rate``) :class:`~gpytorch_iterncgp.LearningRecipe`'s, the minibatches'
-    (``batch_size``) :class:`~gpytorch_iterncgp.MinibatchRecipe`'s."""
+    ``train_fit_steps``, ...) are :class:`~gpytorch_iterncgp.SolverOptions`' fields, the minibatches'
+    (``batch_size``) :class:`~gpytorch_iterncgp.MinibatchRecipe`'s; the learning's ``"auto"`` (``optimizer_steps``,
+    ``learning_rate``) are :class:`~gpytorch_iterncgp.LearningRecipe`'s under dense inference and
+    :class:`~gpytorch_iterncgp.MinibatchRecipe`'s (``max_steps``, ``learning_rate``) under ``"sparse_ep"``."""
 
     kernel: str = "auto"  # the Matérn, linear + Matérn or warped Matérn, by the held-out score (auto_kernel_names)
     inference: str = "auto"
     policy: str = "auto"
     max_solver_iterations: str = "auto"
     solver_tol: float = 1e-5
-    optimize_hyperparameters: bool = True
+    optimizer_steps: str = "auto"  # LearningRecipe's (dense) or MinibatchRecipe's (sparse_ep) default
+    learning_rate: str = "auto"  # likewise
     learning_subset: str = "auto"
     num_inducing: int = 256  # inference="sparse_ep"
 
@@ -214,7 +214,7 @@ def auto_kernel_names(
     much to learn, and the additive kernel costs :math:`D` times the Matérn's work per evaluation.
 
     :param inference: the inference in use (``"laplace"``, ``"ep"`` or ``"sparse_ep"``).
-    :param learn: whether the hyperparameters are learnt (``optimize_hyperparameters`` and ``optimizer_steps > 0``).
+    :param learn: whether the hyperparameters are learnt (``optimizer_steps > 0``).
     :param num_points: :math:`N`; ``num_latents``: :math:`C`.
     :param learning_subset: the estimator's ``learning_subset`` (``"auto"``, ``None`` or a number of rows).
     :param min_validation_points: the fewest held-out rows a choice is made on, and ``held_out_fraction`` the share

@@ -101,7 +101,7 @@ def test_posterior_equals_exact_laplace_of_sklearn_gpc():
         max_solver_iterations=None,
         solver_tol=1e-12,
         outer_tol=1e-12,
-        optimize_hyperparameters=False,
+        optimizer_steps=0,
         standardize=False,
     ).fit(x, y)
     surrogate = IterNCGPBoTorchModel(classifier)  # a fitted estimator works too
@@ -222,7 +222,7 @@ def test_posterior_of_an_ep_classifier_is_its_latent_posterior():
     rng = np.random.RandomState(1)
     x = rng.uniform(-2, 2, size=(50, 2))
     y = (rng.uniform(size=50) < 1 / (1 + np.exp(-3 * np.sin(2 * x[:, 0])))).astype(int)
-    classifier = IterNCGPClassifier(inference="ep", optimize_hyperparameters=False).fit(x, y)
+    classifier = IterNCGPClassifier(inference="ep", optimizer_steps=0).fit(x, y)
     test = rng.uniform(-2, 2, size=(4, 2))
     posterior = IterNCGPBoTorchModel(classifier).posterior(torch.as_tensor(test[:, None, :]))
     mean, std = classifier.predict_latent(test)

@@ -48,7 +48,7 @@ def test_subset_learning_learns_what_a_fit_on_the_subset_learns(inference):
     assert subset.model_.variational_strategy.num_data == 120
     assert "of 60 of the 120 points" in str(subset.fit_report_)
     # the learnt kernel moved from the initial one, and the final fit is the posterior at it on all the data
-    fixed = IterNCGPClassifier(inference=inference, kernel=subset.kernel_, optimize_hyperparameters=False).fit(x, y)
+    fixed = IterNCGPClassifier(inference=inference, kernel=subset.kernel_, optimizer_steps=0).fit(x, y)
     np.testing.assert_allclose(subset.predict_proba(x), fixed.predict_proba(x), rtol=1e-6, atol=1e-9)
 
 
@@ -71,7 +71,7 @@ def test_subset_is_stratified_and_auto_size_follows_the_latent_budget(monkeypatc
     assert len(binary.learning_rows_) == math.isqrt(3 * 40**2 + 5) == 69
     # a subset as large as the data, or no learning: all the rows, no subset
     small = IterNCGPClassifier(inference="laplace", optimizer_steps=1, learning_subset=90).fit(x, y)
-    fixed = IterNCGPClassifier(optimize_hyperparameters=False).fit(x, y)
+    fixed = IterNCGPClassifier(optimizer_steps=0).fit(x, y)
     assert small.learning_rows_ is None and fixed.learning_rows_ is None
     assert small.learning_report_.data_points == small.learning_report_.num_data == 90
 

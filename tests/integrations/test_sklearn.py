@@ -49,7 +49,7 @@ from tests import reference  # noqa: E402
 FAST = dict(max_newton_steps=5, max_solver_iterations=5, optimizer_steps=2, random_state=0)
 CHECKED = [
     IterNCGPClassifier(**FAST),  # EP (inference="auto")
-    IterNCGPClassifier(link="probit", optimize_hyperparameters=False, **FAST),
+    IterNCGPClassifier(link="probit", **{**FAST, "optimizer_steps": 0}),
     IterNCGPPoissonRegressor(**FAST),  # Laplace
 ]
 CHECKED_SLOW = [IterNCGPClassifier(inference="laplace", **FAST)]  # the same facade as the first, with -m slow
@@ -63,7 +63,7 @@ TIGHT = dict(
     solver_tol=1e-12,
     outer_tol=1e-12,
     max_newton_steps=100,
-    optimize_hyperparameters=False,
+    optimizer_steps=0,
 )
 
 
@@ -245,7 +245,7 @@ def test_hyperparameters_learnt_with_priors_are_the_map_estimate_of_sklearns_evi
 
     x, y, _ = _binary(num=80, seed=5)
     kernel, log_prior = _kernel_with_priors(x.shape[1])
-    learnt = IterNCGPClassifier(kernel, **{**TIGHT, "optimize_hyperparameters": True}, optimizer_steps=60).fit(x, y)
+    learnt = IterNCGPClassifier(kernel, **{**TIGHT, "optimizer_steps": 60}).fit(x, y)
     evidence, outputscale, lengthscale = _sklearn_evidence_at(learnt, x, y)
     np.testing.assert_allclose(learnt.log_marginal_likelihood(), evidence, atol=1e-6)
     theirs = GaussianProcessClassifier(ConstantKernel() * Matern(nu=2.5), optimizer=None).fit(x, y)
@@ -344,7 +344,7 @@ def test_predict_proba_is_the_strategys_predictive_probabilities(case):
     """With the default (inexact, computationally uncertain) solver: the estimator only converts (and standardises
     the features)."""
     x, y, x_test = _binary() if case == "binary" else _multiclass()
-    classifier = IterNCGPClassifier(optimize_hyperparameters=False, random_state=0).fit(x, y)
+    classifier = IterNCGPClassifier(optimizer_steps=0, random_state=0).fit(x, y)
     strategy = classifier.model_.variational_strategy
     inputs = torch.as_tensor(classifier.scaler_.transform(x_test))  # the kernel sees standardised features
     with torch.no_grad():
@@ -371,7 +371,7 @@ def test_poisson_predict_is_the_strategys_predictive_mean():
 def test_softplus_link_matches_gauss_hermite_of_latent():
     """Softplus link: E[softplus(f)] under the latent marginal by 60-point Gauss–Hermite (numpy)."""
     x, y, x_test = _counts()
-    regressor = IterNCGPPoissonRegressor(link="softplus", optimize_hyperparameters=False).fit(x, y)
+    regressor = IterNCGPPoissonRegressor(link="softplus", optimizer_steps=0).fit(x, y)
     mean, std = regressor.predict_latent(x_test)
     nodes, weights = np.polynomial.hermite_e.hermegauss(60)
     samples = mean[:, None] + std[:, None] * nodes[None]
@@ -388,8 +388,8 @@ def test_softplus_link_matches_gauss_hermite_of_latent():
 def test_labels_of_any_type_map_like_sklearn(labels):
     """Any two labels give the same probabilities as {0, 1} (columns in sorted label order)."""
     x, y, x_test = _binary()
-    plain = IterNCGPClassifier(optimize_hyperparameters=False).fit(x, y)
-    relabelled = IterNCGPClassifier(optimize_hyperparameters=False).fit(x, labels[y])
+    plain = IterNCGPClassifier(optimizer_steps=0).fit(x, y)
+    relabelled = IterNCGPClassifier(optimizer_steps=0).fit(x, labels[y])
     order = np.argsort(labels)  # classes_ are sorted
     np.testing.assert_array_equal(relabelled.classes_, labels[order])
     np.testing.assert_allclose(relabelled.predict_proba(x_test), plain.predict_proba(x_test)[:, order], atol=1e-12)
@@ -399,8 +399,8 @@ def test_labels_of_any_type_map_like_sklearn(labels):
 def test_multiclass_string_labels():
     x, y, x_test = _multiclass()
     names = np.array(["setosa", "versicolor", "virginica"])
-    classifier = IterNCGPClassifier(optimize_hyperparameters=False).fit(x, names[y])
-    plain = IterNCGPClassifier(optimize_hyperparameters=False).fit(x, y)
+    classifier = IterNCGPClassifier(optimizer_steps=0).fit(x, names[y])
+    plain = IterNCGPClassifier(optimizer_steps=0).fit(x, y)
     assert classifier.n_classes_ == 3 and classifier.predict_proba(x_test).shape == (len(x_test), 3)
     np.testing.assert_array_equal(classifier.predict(x_test), names[plain.predict(x_test)])
 
@@ -431,7 +431,7 @@ def test_hyperparameter_learning_reaches_sklearn_optimum():
     to 1%. Our evidence at scikit-learn's hyperparameters is scikit-learn's value (the same Laplace evidence)."""
     x, y, _ = _binary(num=80, seed=5)
     fixed = IterNCGPClassifier(**TIGHT).fit(x, y).log_marginal_likelihood()
-    learnt = IterNCGPClassifier(**{**TIGHT, "optimize_hyperparameters": True}, optimizer_steps=60).fit(x, y)
+    learnt = IterNCGPClassifier(**{**TIGHT, "optimizer_steps": 60}).fit(x, y)
     assert learnt.log_marginal_likelihood() > fixed + 1.0
     assert 1 < len(learnt.loss_curve_) <= 1.25 * 60 + 1
     kernel = ConstantKernel(1.0, (1e-3, 1e4)) * Matern(math.sqrt(2), (1e-2, 1e3), nu=2.5)
@@ -562,7 +562,7 @@ def test_bad_input_raises_value_error(estimator, x, y, message):
 
 def test_prediction_input_is_validated():
     x, y, _ = _binary()
-    classifier = IterNCGPClassifier(optimize_hyperparameters=False).fit(x, y)
+    classifier = IterNCGPClassifier(optimizer_steps=0).fit(x, y)
     with pytest.raises(ValueError, match="X has 3 features, but IterNCGPClassifier is expecting 2"):
         classifier.predict(np.zeros((2, 3)))
     with pytest.raises(ValueError, match="Input X contains NaN"):
@@ -590,12 +590,10 @@ def test_features_on_any_scale_fit_as_standardised_ones():
     np.testing.assert_allclose(fitted.feature_lengthscales_, lengthscale * fitted.scaler_.scale_, rtol=1e-12)
     assert reference_fit.scaler_ is None
     np.testing.assert_allclose(reference_fit.feature_lengthscales_, np.full(4, lengthscale), rtol=1e-5)
-    unscaled = IterNCGPClassifier(standardize=False, optimize_hyperparameters=False).fit(raw[train], y[train])
+    unscaled = IterNCGPClassifier(standardize=False, optimizer_steps=0).fit(raw[train], y[train])
     assert unscaled.scaler_ is None
     assert np.abs(unscaled.predict_proba(raw[test]) - fitted.predict_proba(raw[test])).max() > 0.05
-    own = IterNCGPClassifier(kernel=gpytorch.kernels.RBFKernel(), optimize_hyperparameters=False).fit(
-        x[train], y[train]
-    )
+    own = IterNCGPClassifier(kernel=gpytorch.kernels.RBFKernel(), optimizer_steps=0).fit(x[train], y[train])
     assert own.scaler_ is None  # a kernel of one's own sees the features as given
     with pytest.raises(ValueError, match="'standardize' parameter"):
         IterNCGPClassifier(standardize="yes").fit(x, y)
@@ -615,7 +613,7 @@ def test_default_solver_budget_gives_the_exact_laplace_posterior_on_small_proble
     """``max_solver_iterations="auto"`` with N C <= EXACT_SOLVE_SIZE: unit vectors to full rank, so the default
     classifier's latent mean *and variance* equal scikit-learn's exact Laplace posterior (fixed kernel)."""
     x, y, x_test = _binary()
-    ours = IterNCGPClassifier(inference="laplace", optimize_hyperparameters=False, random_state=0, standardize=False)
+    ours = IterNCGPClassifier(inference="laplace", optimizer_steps=0, random_state=0, standardize=False)
     ours.fit(x, y)
     budget = ours.solver_budget_
     assert len(x) <= EXACT_SOLVE_SIZE and budget["exact"] and budget["policy"] == "unit"
@@ -630,7 +628,7 @@ def test_default_solver_budget_above_the_exact_size_is_the_strategys_default():
 
     assert DEFAULT_SOLVER_ITERATIONS == SolverOptions().max_solver_iterations  # the strategy's default option
     x, y, _ = _multiclass(num=EXACT_SOLVE_SIZE // 3 + 1)  # N C = 3 (EXACT_SOLVE_SIZE // 3 + 1) > EXACT_SOLVE_SIZE
-    fast = dict(optimize_hyperparameters=False, max_newton_steps=2, random_state=0)
+    fast = dict(optimizer_steps=0, max_newton_steps=2, random_state=0)
     budget = IterNCGPClassifier(**fast).fit(x, y).solver_budget_
     assert budget["policy"] == "cg" and budget["max_solver_iterations"] == DEFAULT_SOLVER_ITERATIONS
     assert not budget["exact"] and budget["solver_tol"] == 1e-5
@@ -662,7 +660,7 @@ def test_dense_ep_past_the_switch_names_stochastic_ep_when_it_does_not_converge(
     from sklearn.exceptions import ConvergenceWarning
 
     x, y, _ = _binary(num=200)
-    fast = dict(inference="ep", optimize_hyperparameters=False, max_newton_steps=1, random_state=0)
+    fast = dict(inference="ep", optimizer_steps=0, max_newton_steps=1, random_state=0)
     monkeypatch.setattr(estimator_policy, "SPARSE_EP_POINTS", 150)
     assert len(x) > 150 and estimator_policy.auto_inference(len(x), 2) == "sparse_ep"
     with pytest.warns(ConvergenceWarning, match="stopped at max_sweeps=1") as caught:
@@ -676,7 +674,7 @@ def test_dense_ep_past_the_switch_names_stochastic_ep_when_it_does_not_converge(
 def test_multiclass_log_marginal_likelihood_matches_exact_laplace_evidence():
     """Softmax with a kernel shared by the classes (its prior has N, not N C, values)."""
     x, y, _ = _multiclass()
-    classifier = IterNCGPClassifier(inference="laplace", optimize_hyperparameters=False, standardize=False).fit(x, y)
+    classifier = IterNCGPClassifier(inference="laplace", optimizer_steps=0, standardize=False).fit(x, y)
     kernel = reference.data_major(_matern(x, x, math.sqrt(2)), 3)
     targets, mean = torch.as_tensor(y, dtype=torch.float64), torch.zeros(3 * len(x), dtype=torch.float64)
     expected, _ = reference.laplace_evidence(kernel, mean, targets, "softmax", 3)
@@ -758,7 +756,7 @@ def test_max_time_stops_learning_after_the_running_evaluation(regime):
     with settings.exact_evidence_size(size), warnings.catch_warnings():
         warnings.simplefilter("error", ConvergenceWarning)
         stopped = IterNCGPClassifier(optimizer_steps=10, max_time=0.0, random_state=0).fit(x, y)
-        initial = IterNCGPClassifier(optimize_hyperparameters=False, random_state=0).fit(x, y)
+        initial = IterNCGPClassifier(optimizer_steps=0, random_state=0).fit(x, y)
     assert len(stopped.loss_curve_) == 1 and stopped.learning_report_.evaluations == 1
     assert stopped.learning_report_.stopped == "max_time"
     for ours, theirs in zip(stopped.kernel_.parameters(), initial.kernel_.parameters(), strict=True):

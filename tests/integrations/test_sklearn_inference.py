@@ -89,7 +89,7 @@ def test_exact_ep_stops_where_its_marginals_settle_near_the_fixed_point(data, li
     (``outer_tol``), its predictive probabilities within 3e-3 of the fixed point's and its evidence within 3e-3 nats
     (measured: 8 or 10 sweeps against 37–49; 4.4e-4–9.6e-4 and at most 3e-4 nats)."""
     x, y, x_test = data()
-    options = dict(inference="ep", optimize_hyperparameters=False, random_state=0, **({"link": link} if link else {}))
+    options = dict(inference="ep", optimizer_steps=0, random_state=0, **({"link": link} if link else {}))
     settled = IterNCGPClassifier(**options).fit(x, y)
     fixed_point = IterNCGPClassifier(outer_tol=1e-10, max_newton_steps=1000, **options).fit(x, y)
     assert fixed_point.fit_report_.converged and settled.fit_report_.converged
@@ -106,7 +106,7 @@ def _learnt_evidence(train_fit_steps: int) -> tuple[float, float]:
     x, y = make_classification(n_samples=1200, n_features=3, n_informative=3, n_redundant=0, random_state=0)
     options = dict(inference="laplace", optimizer_steps=12, random_state=0, max_solver_iterations=10)
     learnt = IterNCGPClassifier(train_fit_steps=train_fit_steps, **options).fit(x, y)
-    start = IterNCGPClassifier(optimize_hyperparameters=False, **options).fit(x, y)
+    start = IterNCGPClassifier(optimizer_steps=0, **options).fit(x, y)
     with settings.exact_evidence_size(2000):
         return learnt.log_marginal_likelihood(), start.log_marginal_likelihood()
 
@@ -295,12 +295,12 @@ def test_ep_outputscale_needs_held_out_rows_an_outputscale_and_time():
 
 def test_inference_parameter(monkeypatch):
     x, y, _ = _multiclass()
-    assert IterNCGPClassifier(optimize_hyperparameters=False).fit(x, y).inference_ == CLASSIFIER_INFERENCE
+    assert IterNCGPClassifier(optimizer_steps=0).fit(x, y).inference_ == CLASSIFIER_INFERENCE
     assert auto_inference(15_000, 2) == CLASSIFIER_INFERENCE and auto_inference(15_001, 2) == "sparse_ep"
     assert auto_inference(8_000, 10) == CLASSIFIER_INFERENCE and auto_inference(8_001, 10) == "sparse_ep"
     assert auto_inference(2_275, 26) == CLASSIFIER_INFERENCE and auto_inference(2_276, 26) == "sparse_ep"
     monkeypatch.setattr(estimator_policy, "SPARSE_EP_POINTS", len(x) - 1)  # this data past the switch
-    switched = IterNCGPClassifier(optimize_hyperparameters=False, max_time=0.5, num_inducing=8).fit(x, y)
+    switched = IterNCGPClassifier(optimizer_steps=0, max_time=0.5, num_inducing=8).fit(x, y)
     assert switched.inference_ == "sparse_ep"
     with pytest.raises(ValueError, match="'inference' parameter"):
         IterNCGPClassifier(inference="vi").fit(x, y)
@@ -309,9 +309,9 @@ def test_inference_parameter(monkeypatch):
     with pytest.raises(ValueError, match="'train_fit_steps' parameter"):
         IterNCGPClassifier(train_fit_steps=0).fit(x, y)
     counts = np.arange(len(x)) % 4
-    regressor = IterNCGPPoissonRegressor(inference="ep", optimize_hyperparameters=False).fit(x, counts)
+    regressor = IterNCGPPoissonRegressor(inference="ep", optimizer_steps=0).fit(x, counts)
     assert regressor.inference_ == "ep" and type(regressor.model_.variational_strategy).__name__ == "EPStrategy"
-    assert IterNCGPPoissonRegressor(optimize_hyperparameters=False).fit(x, counts).inference_ == "laplace"
+    assert IterNCGPPoissonRegressor(optimizer_steps=0).fit(x, counts).inference_ == "laplace"
     with pytest.raises(ValueError, match="integer counts"):
         IterNCGPPoissonRegressor(inference="ep").fit(x, counts + 0.5)
 
@@ -324,11 +324,11 @@ def test_a_final_fit_stopped_by_its_limit_raises_scikit_learns_convergence_warni
 
     x, y = make_moons(200, noise=0.3, random_state=0)
     with pytest.warns(ConvergenceWarning, match="max_newton_steps sets this limit") as caught:
-        IterNCGPClassifier(max_newton_steps=1, optimize_hyperparameters=False).fit(x, y)
+        IterNCGPClassifier(max_newton_steps=1, optimizer_steps=0).fit(x, y)
     assert caught[0].filename == __file__
     with warnings.catch_warnings():
         warnings.simplefilter("error", ConvergenceWarning)
-        IterNCGPClassifier(inference="laplace", optimize_hyperparameters=False).fit(x, y)
+        IterNCGPClassifier(inference="laplace", optimizer_steps=0).fit(x, y)
 
 
 def test_warnings_are_rewritten_by_category_not_by_message():
@@ -475,5 +475,57 @@ def test_every_estimator_parameter_reaches_what_it_names(monkeypatch, inference)
     assert call["seed"] == check_random_state(5).randint(np.iinfo(np.int32).max)
     calls.clear()
     with pytest.raises(_Recorded):
-        IterNCGPClassifier(inference=inference, optimize_hyperparameters=False).fit(x, y)
+        IterNCGPClassifier(inference=inference, optimizer_steps=0).fit(x, y)
     assert calls[0]["recipe"].optimizer_steps == 0
+
+
+def test_stochastic_eps_steps_and_learning_rate_are_the_estimators_optimizer_steps_and_learning_rate(monkeypatch):
+    """Under ``"sparse_ep"`` the minibatch loop's steps and learning rate are ``optimizer_steps`` and
+    ``learning_rate`` (``"auto"``: ``MinibatchRecipe``'s, where the dense learning's are ``LearningRecipe``'s);
+    ``optimizer_steps=0`` fixes the kernel, the loop fitting the sites for its default steps."""
+    from gpytorch_iterncgp import LearningRecipe, MinibatchRecipe
+    from gpytorch_iterncgp.integrations import sklearn as estimators
+
+    calls: list[dict] = []
+
+    def spy(mll, **options):
+        calls.append({"parameters": [p.requires_grad for p in mll.model.parameters()], **options})
+        raise _Recorded
+
+    monkeypatch.setattr(estimators, "fit_mll", spy)
+    x, y = _binary(num=200)[:2]
+    for given, steps, rate in [
+        ({}, MinibatchRecipe.max_steps, MinibatchRecipe.learning_rate),
+        ({"optimizer_steps": 40, "learning_rate": 0.03}, 40, 0.03),
+        ({"optimizer_steps": 0}, MinibatchRecipe.max_steps, MinibatchRecipe.learning_rate),
+    ]:
+        calls.clear()
+        with pytest.raises(_Recorded):
+            IterNCGPClassifier(inference="sparse_ep", kernel=None, num_inducing=8, **given).fit(x, y)
+        recipe = calls[0]["recipe"]
+        assert (recipe.max_steps, recipe.learning_rate) == (steps, rate)
+        assert any(calls[0]["parameters"]) == (given.get("optimizer_steps") != 0)
+    calls.clear()
+    with pytest.raises(_Recorded):
+        IterNCGPClassifier(inference="laplace", kernel=None).fit(x, y)
+    assert (calls[0]["recipe"].optimizer_steps, calls[0]["recipe"].learning_rate) == (
+        LearningRecipe.optimizer_steps,
+        LearningRecipe.learning_rate,
+    )
+
+
+def test_optimize_hyperparameters_is_deprecated_for_optimizer_steps_zero():
+    """``optimize_hyperparameters=False`` still fixes the kernel, with one ``FutureWarning`` at the caller's line
+    naming ``optimizer_steps=0``; ``True`` learns as the default; beside an ``optimizer_steps`` given it is refused."""
+    x, y = _binary(num=60)[:2]
+    with pytest.warns(FutureWarning, match="optimizer_steps=0") as caught:
+        old = IterNCGPClassifier(optimize_hyperparameters=False, random_state=0).fit(x, y)
+    assert len(caught) == 1 and caught[0].filename == __file__
+    new = IterNCGPClassifier(optimizer_steps=0, random_state=0).fit(x, y)
+    assert old.learning_report_.evaluations == new.learning_report_.evaluations == 0
+    np.testing.assert_array_equal(old.predict_proba(x), new.predict_proba(x))
+    with pytest.warns(FutureWarning):
+        learnt = IterNCGPClassifier(optimize_hyperparameters=True, random_state=0).fit(x, y)
+    assert learnt.learning_report_.evaluations > 0
+    with pytest.raises(ValueError, match="give optimizer_steps= alone"):
+        IterNCGPClassifier(optimize_hyperparameters=False, optimizer_steps=3).fit(x, y)

@@ -18,7 +18,6 @@ from gpytorch_iterncgp import (
     EPStrategy,
     IterNCGPStrategy,
     LaplaceMarginalLogLikelihood,
-    LearningRecipe,
     LogitBernoulliLikelihood,
     MinibatchRecipe,
     SolverOptions,
@@ -261,9 +260,10 @@ def test_estimator_constructor_defaults_are_the_policys_and_the_options():
         expected[name] = getattr(SolverOptions(), name)
     expected["covariance_iterations"] = None  # the approximation's own (Laplace's 5, EP's 0)
     expected.update(
-        optimizer_steps=LearningRecipe().optimizer_steps,
-        learning_rate=LearningRecipe().learning_rate,
+        optimizer_steps="auto",  # LearningRecipe's or MinibatchRecipe's, by the inference
+        learning_rate="auto",
         learning_fit_steps="deprecated",  # the old name of train_fit_steps: not given
+        optimize_hyperparameters="deprecated",  # optimizer_steps=0 says the same
         batch_size=MinibatchRecipe().batch_size,
     )
     assert expected["inference"] == "auto" and expected["num_inducing"] == 256 and expected["solver_tol"] == 1e-5

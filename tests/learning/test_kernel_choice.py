@@ -402,7 +402,7 @@ def test_fit_mll_refuses_kernels_it_cannot_choose_among():
 _CANNOT_CHOOSE = {
     "small": ("classifier", {}, "learnt on all 60 points, leaving fewer than 100 held-out points"),
     "subset": ("classifier", dict(learning_subset=30), "learnt on 30 of the 60 points"),
-    "not-learnt": ("regressor", dict(optimize_hyperparameters=False), "not learnt"),
+    "not-learnt": ("regressor", dict(optimizer_steps=0), "not learnt"),
     # stochastic EP's 2000 minibatch steps, twice: about 40 s here
     "sparse-ep": pytest.param(
         ("classifier", dict(inference="sparse_ep", num_inducing=8), "would learn each kernel on 30 of the 60"),
