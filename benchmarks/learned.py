@@ -97,7 +97,7 @@ def run_estimator(
         "label": label,
         "inference": estimator.inference_,
         "kernel": kernel_hyperparameters(estimator.kernel_),
-        "kernel_choice": estimator.kernel_choice_,
+        "kernel_choice": None if estimator.kernel_choice_ is None else str(estimator.kernel_choice_),
         "history": history,
         "learning": learning,  # where the hyperparameter learning's time went
         # stochastic EP learns and fits in one loop: no final fit

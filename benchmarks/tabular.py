@@ -95,7 +95,7 @@ def _estimator(
         "seconds": seconds,
         "inference": estimator.inference_,
         "kernel": report.kernel,
-        "kernel_choice": estimator.kernel_choice_,
+        "kernel_choice": None if estimator.kernel_choice_ is None else str(estimator.kernel_choice_),
         "kernel_scores": report.kernel_scores,
         "dispersion": getattr(estimator, "dispersion_", None),
         # the learning as it ended: the last and least -evidence / M (Adam's estimates where M C > 1000), and the

@@ -60,6 +60,7 @@ from ..laplace.newton import SolverOptions
 from ..learning.estimator_policy import (
     ESTIMATOR_DEFAULTS,
     REGRESSOR_INFERENCE,
+    KernelChoice,
     auto_inference,
     auto_kernel_names,
     check_parameters_apply,
@@ -154,6 +155,7 @@ class _IterNCGPEstimator(BaseEstimator):
     _links: tuple[str, ...] = ()
     # fitted attributes whose type depends on the inference (set in fit)
     solver_budget_: dict | None
+    kernel_choice_: KernelChoice | None
     learning_rows_: np.ndarray | None
     validation_rows_: np.ndarray | None
     fit_report_: Any
@@ -462,9 +464,7 @@ class _IterNCGPEstimator(BaseEstimator):
         if candidates is not None:
             assert report.kernel is not None
             rows = report.kernel_scores[report.kernel]["rows"]
-            self.kernel_choice_: str | None = (
-                f"{report.kernel!r}: {why} of {report.validation_points} points (each learnt by dense EP on {rows})"
-            )
+            self.kernel_choice_ = KernelChoice(report.kernel, names, why, report.validation_points, rows)
         self.inference_ = "sparse_ep"
         self.solver_budget_ = None
         self.learning_rows_ = self.validation_rows_ = None
@@ -505,7 +505,7 @@ class _IterNCGPEstimator(BaseEstimator):
             if self._auto_kernel
             else ((), "")
         )
-        self.kernel_choice_ = f"{names[0]!r}: {why}" if names else None
+        self.kernel_choice_ = KernelChoice(names[0], names, why) if names else None
         if inference == "sparse_ep":
             self._fit_sparse_model(X, targets, likelihood, mean, names, why, recipe)
             return
@@ -547,7 +547,8 @@ class _IterNCGPEstimator(BaseEstimator):
         self.loss_curve_ = report.losses
         self.learning_report_ = report
         if candidates is not None:
-            self.kernel_choice_ = f"{report.kernel!r}: {why} of {report.validation_points} points"
+            assert report.kernel is not None
+            self.kernel_choice_ = KernelChoice(report.kernel, names, why, report.validation_points)
         self.fit_report_ = report.fit_report
         # str(fit_report_) says what was done, why, and where the time before the final fit went
         self.fit_report_.budget = f"{budget['rule']}; {report}"
@@ -772,7 +773,8 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
     otherwise), ``inference_``
     (``"laplace"``, ``"ep"`` or ``"sparse_ep"``), ``model_`` (the GPyTorch ``ApproximateGP``; ``model_.variational_strategy`` is the
     :class:`~gpytorch_iterncgp.IterNCGPStrategy` or :class:`~gpytorch_iterncgp.EPStrategy`), ``likelihood_``, ``kernel_`` (the fitted kernel),
-    ``kernel_choice_`` (with ``kernel="auto"``: the kernel's name and why it was chosen; ``None`` otherwise),
+    ``kernel_choice_`` (with ``kernel="auto"``: a :class:`~gpytorch_iterncgp.learning.estimator_policy.KernelChoice`,
+    the kernel's name, the candidates, why and on how many held-out points, ``str()`` a sentence; ``None`` otherwise),
     ``learning_rows_`` (the rows of ``X`` the hyperparameters were learnt on, or ``None``: all), ``validation_rows_``
     (the rows held out from learning, where the kernel was learnt on a subset: the outputscale and the kernel are
     chosen on them and the learnt model is checked against a constant predictor, with a

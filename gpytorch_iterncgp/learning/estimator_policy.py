@@ -46,6 +46,7 @@ __all__ = [
     "SPARSE_EP_POINTS",
     "SPARSE_ONLY",
     "EstimatorDefaults",
+    "KernelChoice",
     "auto_inference",
     "auto_kernel_names",
     "check_parameters_apply",
@@ -129,6 +130,34 @@ class EstimatorDefaults:
 
 #: the defaults of the estimators' constructors
 ESTIMATOR_DEFAULTS = EstimatorDefaults()
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """The estimators' ``kernel_choice_`` (``kernel="auto"``): the kernel fitted, the candidates and why, as data;
+    ``str()`` says it in a sentence.
+
+    :param kernel: the name of the kernel fitted (:func:`~gpytorch_iterncgp.learning.kernel_choice.kernel_family`'s).
+    :param candidates: the names learnt and scored (one: no choice was made, :func:`auto_kernel_names`).
+    :param reason: why these candidates, a clause (:func:`auto_kernel_names`).
+    :param validation_points: the held-out points the candidates were scored on (0: no choice was made).
+    :param learning_rows: under ``"sparse_ep"``, the rows each candidate was learnt on by dense EP (``None``
+        otherwise).
+    """
+
+    kernel: str
+    candidates: tuple[str, ...]
+    reason: str
+    validation_points: int = 0
+    learning_rows: int | None = None
+
+    def __str__(self) -> str:
+        text = f"{self.kernel!r}: {self.reason}"
+        if len(self.candidates) > 1:
+            text += f" of {self.validation_points} points"
+        if self.learning_rows is not None:
+            text += f" (each learnt by dense EP on {self.learning_rows})"
+        return text
 
 
 def auto_inference(num_data: int, num_classes: int) -> str:
@@ -220,7 +249,7 @@ def auto_kernel_names(
     :param min_validation_points: the fewest held-out rows a choice is made on, and ``held_out_fraction`` the share
         of the rows held out on data within the learning subset (:class:`~gpytorch_iterncgp.LearningRecipe`'s).
     :return: ``(names, reason)``: the names (one: no choice) and why (a clause, for the estimators'
-        ``kernel_choice_``).
+        ``kernel_choice_``, a :class:`KernelChoice`).
     """
     if not learn:
         return ("matern",), "the hyperparameters are not learnt (nothing to choose by)"

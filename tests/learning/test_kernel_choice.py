@@ -423,7 +423,13 @@ def test_the_estimators_auto_kernel_is_the_matern_where_it_cannot_choose_and_say
     estimator_type, targets = (IterNCGPClassifier, y) if kind == "classifier" else (IterNCGPPoissonRegressor, 2 * y)
     auto = estimator_type(random_state=0, **options).fit(x, targets)  # kernel="auto", the default
     matern = estimator_type(kernel=None, random_state=0, **options).fit(x, targets)
-    assert auto.kernel == "auto" and auto.kernel_choice_.startswith("'matern': ") and reason in auto.kernel_choice_
+    choice = auto.kernel_choice_
+    assert auto.kernel == "auto" and (choice.kernel, choice.candidates, choice.validation_points) == (
+        "matern",
+        ("matern",),
+        0,
+    )
+    assert str(choice).startswith("'matern': ") and reason in choice.reason
     assert matern.kernel_choice_ is None and auto.learning_report_.kernel is None
     np.testing.assert_array_equal(auto.predict_latent(x)[0], matern.predict_latent(x)[0])
     if kind == "regressor":
@@ -459,7 +465,9 @@ def test_the_classifier_with_kernel_auto_chooses_a_linear_kernel_on_linear_data_
     assert all(score["rows"] == 150 and score["error"] is None for score in scores.values())
     assert all(score["evidence"] is None and score["bic"] is None for score in scores.values())  # (not read)
     among = ", ".join(map(repr, AUTO_KERNELS))
-    assert classifier.kernel_choice_ == f"'linear+matern': chosen among {among} by the held-out score of 150 points"
+    choice = classifier.kernel_choice_
+    assert (choice.kernel, choice.candidates, choice.validation_points) == ("linear+matern", AUTO_KERNELS, 150)
+    assert str(choice) == f"'linear+matern': chosen among {among} by the held-out score of 150 points"
     assert classifier.kernel_ is classifier.model_.covar_module
     assert any(isinstance(module, gpytorch.kernels.LinearKernel) for module in classifier.kernel_.modules())
     assert f"kernel {report.kernel!r} by held-out of {len(AUTO_KERNELS)} candidates" in str(classifier.fit_report_)
@@ -484,7 +492,7 @@ def test_the_classifier_with_kernel_auto_chooses_under_stochastic_ep(monkeypatch
     assert report.kernel == "warped_matern" == min(scores, key=lambda name: scores[name]["held_out"])
     assert all(score["rows"] == 200 and score["error"] is None for score in scores.values())
     among = ", ".join(map(repr, AUTO_KERNELS))
-    assert classifier.kernel_choice_ == (
+    assert classifier.kernel_choice_.learning_rows == 200 and str(classifier.kernel_choice_) == (
         f"'warped_matern': chosen among {among} by the held-out score of 200 points (each learnt by dense EP on 200)"
     )
     assert classifier.kernel_ is classifier.model_.covar_module
@@ -505,7 +513,9 @@ def test_the_poisson_regressor_with_kernel_auto_keeps_the_lower_held_out_devianc
     report, scores = regressor.learning_report_, regressor.learning_report_.kernel_scores
     assert list(scores) == list(AUTO_KERNELS) and report.validation_points == 150
     assert report.kernel == min(scores, key=lambda name: scores[name]["held_out"])
-    assert regressor.kernel_choice_.startswith(f"{report.kernel!r}: chosen among")
+    assert regressor.kernel_choice_.kernel == report.kernel and str(regressor.kernel_choice_).startswith(
+        f"{report.kernel!r}: chosen among"
+    )
     assert np.isfinite(regressor.predict(x.numpy())).all()
 
 
