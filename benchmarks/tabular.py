@@ -55,7 +55,7 @@ from benchmarks.gpytorch_door import run_sklearn
 from benchmarks.real_data import COUNTS, LARGE, MID_SIZE, TABULAR
 from benchmarks.scoring import log_loss, nll_at, poisson_deviance, spread
 from benchmarks.svgp import run_svgp
-from gpytorch_iterncgp.learning.kernel_choice import kernel_family
+from gpytorch_iterncgp.kernels.family import kernel_family
 from gpytorch_iterncgp.sklearn import IterNCGPClassifier, IterNCGPNegativeBinomialRegressor, IterNCGPPoissonRegressor
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -140,7 +140,7 @@ LAYERS: list[tuple[str, list[set[str]]]] = [
             {"solver", "outer_loop", "preconditioner"},
         ],
     ),
-    ("kernels", [{"sharded", "additive", "warping"}]),
+    ("kernels", [{"sharded", "additive", "warping"}, {"family"}]),
     (
         "likelihoods",
         [{"multinomial_probit", "tilted", "negative_binomial"}, {"adapters", "factorised"}, {"quasi_poisson"}],

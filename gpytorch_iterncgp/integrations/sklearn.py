@@ -55,6 +55,7 @@ from ..core.policies import Policy
 from ..core.validation import DEPRECATED, check_count, check_flag, check_nonnegative, renamed
 from ..exceptions import ConvergenceWarning as PackageConvergenceWarning
 from ..exceptions import NotConvergedWarning
+from ..kernels.family import default_kernel, kernel_family
 from ..kernels.warping import KumaraswamyWarpedKernel
 from ..laplace.newton import SolverOptions
 from ..learning.estimator_policy import (
@@ -64,13 +65,11 @@ from ..learning.estimator_policy import (
     auto_inference,
     auto_kernel_names,
     check_parameters_apply,
-    default_kernel,
     evidence_class,
     solver_budget,
     strategy_options,
 )
 from ..learning.fit import fit_mll
-from ..learning.kernel_choice import kernel_family
 from ..learning.minibatch import MinibatchRecipe
 from ..learning.recipe import LearningRecipe, LearningReport
 from ..likelihoods.adapters import ExpPoissonLikelihood, LogitBernoulliLikelihood, likelihood_adapter
@@ -633,7 +632,7 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
         :func:`~gpytorch_iterncgp.learning.estimator_policy.default_kernel`, ``ScaleKernel(MaternKernel(nu=2.5))``,
         lengthscale :math:`\sqrt{D}`, outputscale 1 (meant for standardised features). ``"auto"``: that Matérn, a
         linear kernel plus it, or the Matérn of the features warped by a learnt monotone map each (``"linear+matern"``
-        and ``"warped_matern"`` of :func:`~gpytorch_iterncgp.learning.kernel_choice.kernel_family`), each learnt by
+        and ``"warped_matern"`` of :func:`~gpytorch_iterncgp.kernels.family.kernel_family`), each learnt by
         type-II maximum likelihood on :math:`\lfloor\sqrt{10^6/C}\rfloor` of the learning rows and chosen by the
         log-loss (counts: the Poisson deviance) of the held-out rows, the chosen one then learnt on all the learning
         rows (:func:`~gpytorch_iterncgp.fit_mll`'s ``kernels=`` with ``select_by="held_out"``; ``benchmarks/README.md``

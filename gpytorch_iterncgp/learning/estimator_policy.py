@@ -23,10 +23,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
-import gpytorch
-import torch
-
 from ..core.policies import Policy
+from ..kernels.family import default_kernel, log_positive
 from ..laplace.newton import SolverOptions
 from ..mlls.itergp import EPMarginalLogLikelihood, LaplaceMarginalLogLikelihood
 from ..strategies.itergp import EPStrategy
@@ -104,7 +102,7 @@ DENSE_ONLY = (
 )
 #: the parameters only stochastic EP (``"sparse_ep"``) uses: its inducing inputs and minibatches
 SPARSE_ONLY = ("num_inducing", "batch_size")
-#: ``kernel="auto"``: the names of :func:`~gpytorch_iterncgp.learning.kernel_choice.kernel_family`'s kernels chosen
+#: ``kernel="auto"``: the names of :func:`~gpytorch_iterncgp.kernels.family.kernel_family`'s kernels chosen
 #: among (:func:`auto_kernel_names`)
 AUTO_KERNELS = ("matern", "linear+matern", "warped_matern")
 
@@ -137,7 +135,7 @@ class KernelChoice:
     """The estimators' ``kernel_choice_`` (``kernel="auto"``): the kernel fitted, the candidates and why, as data;
     ``str()`` says it in a sentence.
 
-    :param kernel: the name of the kernel fitted (:func:`~gpytorch_iterncgp.learning.kernel_choice.kernel_family`'s).
+    :param kernel: the name of the kernel fitted (:func:`~gpytorch_iterncgp.kernels.family.kernel_family`'s).
     :param candidates: the names learnt and scored (one: no choice was made, :func:`auto_kernel_names`).
     :param reason: why these candidates, a clause (:func:`auto_kernel_names`).
     :param validation_points: the held-out points the candidates were scored on (0: no choice was made).
@@ -222,7 +220,7 @@ def auto_kernel_names(
     min_validation_points: int,
     held_out_fraction: float,
 ) -> tuple[tuple[str, ...], str]:
-    r"""``kernel="auto"``: the names of :func:`~gpytorch_iterncgp.learning.kernel_choice.kernel_family`'s kernels to
+    r"""``kernel="auto"``: the names of :func:`~gpytorch_iterncgp.kernels.family.kernel_family`'s kernels to
     choose among, and why. :data:`AUTO_KERNELS` (``"matern"``, ``"linear+matern"`` and ``"warped_matern"``), each
     learnt on the learning rows and chosen by the held-out score of the rows the learning holds out (the log-loss of
     a classifier, the Poisson deviance of counts: cross-validation, R&W sec. 5.3), where the hyperparameters are
@@ -407,37 +405,3 @@ def evidence_class(strategy: Any) -> type[LaplaceMarginalLogLikelihood] | type[E
     """The evidence of the strategy's approximation: :class:`~gpytorch_iterncgp.EPMarginalLogLikelihood` for an
     :class:`~gpytorch_iterncgp.EPStrategy`, :class:`~gpytorch_iterncgp.LaplaceMarginalLogLikelihood` otherwise."""
     return EPMarginalLogLikelihood if isinstance(strategy, EPStrategy) else LaplaceMarginalLogLikelihood
-
-
-def log_positive() -> gpytorch.constraints.Positive:
-    """Positivity by ``exp``: the optimiser works on log-hyperparameters (an outputscale of hundreds is reached
-    quickly, and the evidence is closer to quadratic there)."""
-    return gpytorch.constraints.Positive(transform=torch.exp, inv_transform=torch.log)
-
-
-def default_kernel(num_features: int, dtype: torch.dtype = torch.float64) -> gpytorch.kernels.Kernel:
-    r"""The estimators' default prior: ``ScaleKernel(MaternKernel(nu=2.5))``, lengthscale :math:`\sqrt{D}`,
-    outputscale 1, for :math:`D` ``num_features``.
-
-    Both hyperparameters are log-parametrised (``Positive(transform=exp)``). :math:`\sqrt{D}` is the
-    typical distance scale of standardised features in :math:`D` dimensions.
-
-    Why this kernel: Matérn-5/2 (twice differentiable sample paths) is the usual default of GP practice
-    (R&W sec. 4.2; Snoek et al. 2012), less prone than the RBF to over-smoothing and to ill-conditioning at long
-    lengthscales; one isotropic lengthscale, because two hyperparameters are well determined by the evidence of a
-    few hundred labels, while automatic relevance determination (a lengthscale per feature) lets the
-    evidence overfit (on scikit-learn's small data sets ARD raised the evidence and worsened the test log-loss;
-    ``docs/design_notes.md``). The estimators take ``kernel=`` for anything else.
-
-    :param num_features: :math:`D`.
-    :param dtype: of the kernel's parameters (the estimators compute in float64).
-    :return: a new kernel, with batch shape ``[]`` (one kernel shared by all latent functions).
-    """
-    kernel = gpytorch.kernels.ScaleKernel(
-        gpytorch.kernels.MaternKernel(nu=2.5, lengthscale_constraint=log_positive()),
-        outputscale_constraint=log_positive(),
-    ).to(dtype)
-    # values as tensors of the kernel's dtype: a Python float would be rounded through torch's default float32
-    kernel.base_kernel.lengthscale = torch.tensor(math.sqrt(num_features), dtype=dtype)
-    kernel.outputscale = torch.tensor(1.0, dtype=dtype)
-    return kernel

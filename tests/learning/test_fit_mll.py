@@ -227,7 +227,7 @@ def test_after_a_kernel_choice_the_outputscale_walk_starts_where_the_choices_end
     all the learning rows starts at it (its first fit) and ends at the factor a walk from 1 reaches for the same
     kernel given alone (the same learnt kernel, as the choice's second learning is a cold one), every log-loss both
     fitted equal."""
-    from gpytorch_iterncgp.learning.kernel_choice import kernel_family
+    from gpytorch_iterncgp.kernels.family import kernel_family
 
     def fitted(names):
         x, y = binary_data(240, seed=4)

@@ -23,9 +23,10 @@ from gpytorch_iterncgp import (
     fit_mll,
 )
 from gpytorch_iterncgp.kernels.additive import FirstOrderAdditiveKernel
+from gpytorch_iterncgp.kernels.family import kernel_family
 from gpytorch_iterncgp.kernels.warping import KumaraswamyWarpedKernel
 from gpytorch_iterncgp.learning.estimator_policy import AUTO_KERNELS, default_kernel
-from gpytorch_iterncgp.learning.kernel_choice import candidate_kernels, kernel_family
+from gpytorch_iterncgp.learning.kernel_choice import candidate_kernels
 from gpytorch_iterncgp.learning.scores import poisson_deviance
 from tests.common import IterNCGPModel, count_data
 
