@@ -271,3 +271,15 @@ def test_every_warning_of_the_package_is_a_numerical_warning():
     about_the_model = [cls for cls in warning_classes if not issubclass(cls, NumericalWarning)]
     assert about_the_model == [exceptions.WorseThanConstantWarning], about_the_model
     assert issubclass(exceptions.WorseThanConstantWarning, UserWarning)
+
+
+def test_the_library_cites_no_section_of_the_benchmarks_notebook():
+    """The library's docstrings and comments cite papers, stable pages (``docs/design_notes.md`` by topic) and files,
+    never the benchmarks notebook or its section numbers, which shift as it grows."""
+    cited = [
+        f"{path.relative_to(PACKAGE)}:{number}"
+        for path in PACKAGE.rglob("*.py")
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if "benchmarks/README" in line or "benchmarks §" in line
+    ]
+    assert not cited, cited

@@ -32,7 +32,7 @@ where :math:`\mathbf E_Z` are the unit vectors of the latents of a random subset
 :math:`\mathbf D_j` the :math:`\hat{\mathbf K}`-conjugate directions block :math:`j` added
 (:math:`\hat{\mathbf K}\mathbf D_j = \mathbf K\mathbf D_j + \mathbf W^{-1}\mathbf D_j` is known without a product).
 It closes most of the gap to the exact Laplace covariance, far more than the same products spent on other actions
-(``docs/design_notes.md``; ``benchmarks/README.md``, covariance section).
+(``docs/design_notes.md``, the covariance phase; ``benchmarks/covariance.py``).
 
 **Guarantees.** Each block is :math:`\hat{\mathbf K}`-conjugated against the current :math:`\mathbf Q` *before* its
 product with :math:`\mathbf K` (:math:`\mathbf Q^\top \hat{\mathbf K} \mathbf S = (\mathbf K\mathbf Q)^\top \mathbf S

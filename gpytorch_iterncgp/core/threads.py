@@ -4,7 +4,7 @@ An outer loop (a Newton step, an EP sweep) runs hundreds of small tensor operati
 with the kernel matrix. Each operation that PyTorch runs on several threads is an OpenMP parallel region whose threads
 wait for each other at its end; on a machine where another process keeps the cores busy, a waiting thread spins
 while the one it waits for is descheduled, and the loop slows down by an order of magnitude
-(``benchmarks/README.md``, "busy machine"). :func:`small_operations` runs a block on one intra-op thread and puts the
+(``benchmarks/busy_machine.py``). :func:`small_operations` runs a block on one intra-op thread and puts the
 caller's count back afterwards; inside it, :func:`large_operation` gives an operation of at least
 :data:`PARALLEL_WORK` multiply-adds (a product with K) the caller's threads back. ``torch.set_num_threads`` is global
 to the process: the caller's setting holds again when the block ends, also after an exception.

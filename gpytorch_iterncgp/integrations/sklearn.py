@@ -635,10 +635,10 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
         and ``"warped_matern"`` of :func:`~gpytorch_iterncgp.kernels.family.kernel_family`), each learnt by
         type-II maximum likelihood on :math:`\lfloor\sqrt{10^6/C}\rfloor` of the learning rows and chosen by the
         log-loss (counts: the Poisson deviance) of the held-out rows, the chosen one then learnt on all the learning
-        rows (:func:`~gpytorch_iterncgp.fit_mll`'s ``kernels=`` with ``select_by="held_out"``; ``benchmarks/README.md``
-        §27-§29: lower test log-loss on average, 2.0 to 2.3 times the fit's seconds on three sets); under
-        ``"sparse_ep"`` each is learnt by dense EP on :math:`\lfloor\sqrt{10^6/C}\rfloor` rows and scored on as many
-        others, and stochastic EP learns the chosen one (§31: 1.1 to 1.5 times the fit's seconds); the Matérn alone,
+        rows (:func:`~gpytorch_iterncgp.fit_mll`'s ``kernels=`` with ``select_by="held_out"``; why, and its cost:
+        ``docs/design_notes.md``, "``kernel="auto"`` is the estimators' default"); under ``"sparse_ep"`` each is
+        learnt by dense EP on :math:`\lfloor\sqrt{10^6/C}\rfloor` rows and scored on as many others, and stochastic
+        EP learns the chosen one; the Matérn alone,
         fitted exactly as ``None``, where nothing is held out to choose by (data within the learning subset) or nothing
         is learnt (:func:`~gpytorch_iterncgp.learning.estimator_policy.auto_kernel_names`).
         ``kernel_choice_`` says which and why; the candidates' scores are in ``learning_report_`` (``kernel``,
@@ -741,7 +741,7 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
         with ``random_state`` and stratified by class (every class keeps its share), whose evidence is maximised before
         the posterior is fitted on all the data at the learnt hyperparameters (subset-of-data type-II maximum likelihood,
         R&W §8.3.3). ``"auto"`` (default): :math:`M = \lfloor \sqrt{10^7 / C} \rfloor` points
-        (:data:`~gpytorch_iterncgp.learning.recipe.LEARNING_SUBSET_COST`: 1000 points for 10 classes, 3162 for binary data), chosen by measurement (``benchmarks/README.md`` §14): each
+        (:data:`~gpytorch_iterncgp.learning.recipe.LEARNING_SUBSET_COST`: 1000 points for 10 classes, 3162 for binary data), chosen by measurement (``docs/design_notes.md``, "Subset-of-data learning"): each
         evidence evaluation costs :math:`O(M^2 C)` instead of :math:`O(N^2 C)`, and at :math:`N = 5000` the kernel
         learnt on 1000 points predicted better on average over data seeds than those learnt on 500 or 2000. Data
         within :math:`M` plus 100 rows: all but a fifth of the rows, the fifth held out (``validation_rows_``) where it
@@ -973,7 +973,7 @@ class IterNCGPNegativeBinomialRegressor(IterNCGPPoissonRegressor):
     Where the counts vary more than a Poisson's mean allows (visits, claims, species counts), a Poisson likelihood
     explains the excess only by a rougher latent function, and its evidence rewards that; here the dispersion
     :math:`r` is learnt with the kernel by the Laplace evidence instead (fitted as ``dispersion_``; :math:`r \to
-    \infty` is the Poisson model). Measured on real count data in ``benchmarks/README.md`` §27.
+    \infty` is the Poisson model) (``docs/design_notes.md``, "Overdispersed counts get their own likelihood").
 
     Parameters, predictions (``predict`` is :math:`\mathbb E[y_*] = e^{\mu + \sigma^2/2}`, ``score`` the fraction
     of Poisson deviance explained) and fitted attributes as :class:`IterNCGPPoissonRegressor`, with ``link="exp"``

@@ -72,8 +72,7 @@ CLASSIFIER_INFERENCE = "ep"
 REGRESSOR_INFERENCE = "laplace"
 #: ``inference="auto"`` picks stochastic EP past this many training points on a CPU, past this many latent values
 #: :math:`N C` for :math:`C > 2` classes, or past this much nested EP work :math:`N C^3`: where stochastic EP became the
-#: faster at a test log-loss as good as dense EP's (``benchmarks/auto_switch.py``, ``benchmarks/README.md`` §20; 10
-#: classes: dense EP run to convergence was the faster at 6000 points, stochastic EP at 10⁴, 1.6–2.2 times).
+#: faster at a test log-loss as good as dense EP's (``benchmarks/auto_switch.py``; ``docs/design_notes.md``).
 SPARSE_EP_POINTS, SPARSE_EP_LATENT_VALUES, SPARSE_EP_NESTED_WORK = 15_000, 80_000, 4 * 10**7
 #: ``max_solver_iterations="auto"`` above :data:`EXACT_SOLVE_SIZE`: the strategy's own default budget per Newton step.
 DEFAULT_SOLVER_ITERATIONS = cast(int, SolverOptions.max_solver_iterations)  # an int (the dataclass field allows None)
@@ -81,8 +80,8 @@ DEFAULT_SOLVER_ITERATIONS = cast(int, SolverOptions.max_solver_iterations)  # an
 #: rule) past this many training points: :data:`DEFAULT_SOLVER_ITERATIONS` per sweep for every this many points
 #: (rounded up). EP's cavities take the marginal variances of the stopped solve, which include its computational
 #: uncertainty; with too few new actions per sweep the cavities of most points sit at the prior and the sweeps diverge
-#: (``benchmarks/README.md`` §20). Laplace's Newton steps use only the mean, and multi-class EP did not need more
-#: (same section).
+#: (``docs/design_notes.md``, "The estimators' EP budget grows with N"). Laplace's Newton steps use only the
+#: mean, and multi-class EP did not need more.
 EP_POINTS_PER_BUDGET = 10_000
 
 #: the parameters only dense inference (``"laplace"``, ``"ep"``) uses: its solver and its learning on a subset
@@ -233,7 +232,8 @@ def auto_kernel_names(
     constant predictor; the choice is not made there for its cost (the candidates' exact evidence at up to
     :math:`10^3` rows dominates such a fit; ``docs/design_notes.md``, "Held-out rows on data within the subset").
 
-    Why these three and this rule (``benchmarks/README.md`` §26-§29): on the tabular panel the linear part lowered the
+    Why these three and this rule (``docs/design_notes.md``, "``kernel="auto"`` is the estimators' default"): on
+    the tabular panel the linear part lowered the
     test log-loss on average and by up to a half (texture), the learnt warping of the features by up to a fifth
     (spambase's heavy-tailed word frequencies), and the held-out score chose well where the evidence and BIC did not
     (of nested kernels the evidence keeps the larger; BIC kept the Matérn on five of seven sets; on overdispersed

@@ -205,8 +205,8 @@ def fit_dense_mll(
         whose final fit follows (:func:`~.kernel_choice.choose_kernel`). Each candidate is learnt in place; those that
         fail numerically are skipped. The choice learns and scores the candidates on the recipe's
         ``kernel_choice_subset`` of the learning rows (:math:`\lfloor\sqrt{10^6/C}\rfloor` by default), then learns
-        the chosen one again on all of them (measured with three candidates: 1.5–2.5 times the fit of one kernel,
-        ``benchmarks/README.md`` §32; ``kernel_choice_subset=None``: every candidate on all the learning rows,
+        the chosen one again on all of them (``docs/design_notes.md``, "The kernel choice learns the candidates on
+        a subset"; ``kernel_choice_subset=None``: every candidate on all the learning rows,
         ``len(kernels)`` times). ``None`` (default): the model's own kernel.
     :param select_by: with ``kernels``, the score to choose by: ``"auto"`` (default: ``"held_out"`` where the learning
         holds rows out and the likelihood has a held-out score, else ``"bic"``; the estimators' rule, which chose the

@@ -2,8 +2,8 @@ r"""The outputscale by held-out rows, after the kernel was learnt on a subset (c
 hyperparameter, R&W sec. 5.3), for classifiers and count models.
 
 At the outputscale :math:`s^2` Laplace's evidence learns on thousands of points, EP's posterior is over-confident
-(``docs/design_notes.md``) and Laplace's own predictive poor (the softmax's Laplace approximation; measured in
-``benchmarks/README.md`` §16), and EP's own estimated evidence is biased towards large outputscales by the
+(``docs/design_notes.md``) and Laplace's own predictive poor (the softmax's Laplace approximation;
+``docs/design_notes.md``, "The held-out outputscale for Laplace too"), and EP's own estimated evidence is biased towards large outputscales by the
 computation-aware cavities; on overdispersed counts the Poisson evidence learns a function rough enough to predict
 new rows worse than their mean. The held-out score (:func:`~.scores.held_out_score`: log-loss, mean Poisson deviance)
 measures what the model is used for. As :math:`s^2 \to 0` a model tends to its prior mean (a count model's, with its

@@ -24,13 +24,12 @@ EVIDENCES = ("laplace", "ep")
 #: ``learning_subset="auto"``: the hyperparameters are learnt on a random (stratified by class, for classifiers)
 #: subset of :math:`M = \lfloor \sqrt{\text{this} / C} \rfloor` points, so that a product with the subset's kernel
 #: matrix costs at most this many multiply-adds :math:`M^2 C` (1000 points for 10 classes, 3162 for binary data); chosen by
-#: measurement (``benchmarks/README.md`` §14).
+#: measurement (``docs/design_notes.md``, "Subset-of-data learning").
 LEARNING_SUBSET_COST = 10**7
 #: ``kernel_choice_subset="auto"``: with candidate kernels, each is learnt and scored for the choice on
 #: :math:`M_c = \lfloor \sqrt{\text{this} / C} \rfloor` of the learning rows (1000 for binary data, 316 for 10
 #: classes), a product with their kernel matrix a tenth of the learning's; only the chosen kernel is then learnt on all
-#: the learning rows (measured: 1.5–2.5 times the fit of the Matérn alone on the tabular panel, the choice itself about
-#: one such fit, where every candidate on all the rows took 4–5 times; ``benchmarks/README.md`` §25, §26, §32).
+#: the learning rows (``docs/design_notes.md``, "The kernel choice learns the candidates on a subset").
 KERNEL_CHOICE_COST = 10**6
 
 
@@ -55,7 +54,8 @@ class LearningRecipe:
         same learnt hyperparameters (``docs/design_notes.md``).
     :param lanczos_iterations: ``gpytorch.settings.max_lanczos_quadrature_iterations`` while learning with Adam (20).
     :param outputscale_factors: classifiers whose kernel was learnt on a subset: the outputscale is chosen among the
-        learnt one times these factors by the log-loss of held-out training rows (``benchmarks/README.md`` §14, §16),
+        learnt one times these factors by the log-loss of held-out training rows (``docs/design_notes.md``, "The
+        outputscale walks its grid"),
         walking from the first towards the lowest (:func:`~.outputscale.choose_outputscale`).
     :param outputscale_fit_steps: EP sweeps or Newton steps of each candidate's fit on the learning rows.
     :param outputscale_extensions: the most factors tried past the grid's edges, doubling (halving) the largest

@@ -43,7 +43,7 @@ from .multinomial_probit import (
 )
 
 _LOG_2PI = math.log(2 * math.pi)
-# the mode to this many widths: the moments move far less than the 64-node rule's own error (benchmarks/README.md §18)
+# the mode to this many widths: the moments move far less than the 64-node rule's own error (docs/design_notes.md)
 _MODE_TOLERANCE = 1e-3
 _CHUNK = 1 << 21  # points x nodes x classes per block of the predictive's quadrature (16 MiB of float64)
 _MAX_RULE_NODES = 256  # numpy's Gauss–Hermite weights underflow past 370 nodes; 256 is the benchmarks' reference

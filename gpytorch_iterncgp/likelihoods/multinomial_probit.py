@@ -68,7 +68,7 @@ _FAR_TAIL = {torch.float64: -30.0, torch.float32: -10.0}
 def _log_cdf(x: Tensor) -> Tensor:
     r""":math:`\log\Phi(x) = \log\operatorname{erfc}(-x/\sqrt 2) - \log 2`, relative error about :math:`10^{-15}`
     (``erfc`` keeps its relative accuracy in the lower tail, where ``torch.special.ndtr`` does not), faster than
-    ``torch.special.log_ndtr`` on a CPU (``benchmarks/README.md`` §18), which it calls only for the far tail, where
+    ``torch.special.log_ndtr`` on a CPU, which it calls only for the far tail, where
     ``erfc`` underflows."""
     far = _FAR_TAIL.get(x.dtype, -10.0)
     result = torch.special.erfc(x.clamp_min(far) * -math.sqrt(0.5)).log() - math.log(2)

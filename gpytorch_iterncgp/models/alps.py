@@ -171,7 +171,7 @@ class GPALPS(gpytorch.models.GP):
 
     Which family: ``"spike_and_slab"``, the default, because it selects the right latents most often when trained
     by Adam as in the examples (``benchmarks/alps_family.py``: square waves and periodic mixtures, the examples'
-    and others, several seeds each; the numbers are in ``benchmarks/README.md``). Its optimum is the closest to
+    and others, several seeds each, ``benchmarks/results/alps_family.json``). Its optimum is the closest to
     the exact posterior, and its ELBO, a closed form, has noise-free gradients and compares restarts exactly; but
     from some initialisations Adam ends in a local optimum that drops a weakly supported latent (the bilinear
     :math:`H_{ij} x_j` has a saddle at 0), so compare a few restarts by their ELBO (with :math:`q(\mathbf X^z_j)`

@@ -51,7 +51,7 @@ each step's batch must hold the same inputs (checked by a digest of them,
    average of the batches seen while they cover less than the data, then SEP's own :math:`|\mathcal B|/N` (each
    point's site replaces a :math:`1/N` share, Li et al. 2015), but at least :math:`\epsilon_{\min} = 1/100`, a
    memory of about a hundred steps, so that the site follows the kernel and the inducing inputs the optimiser moves
-   every step (it matters past :math:`N = 100|\mathcal B|`; measured in ``benchmarks/README.md`` §18), and at most
+   every step (it matters past :math:`N = 100|\mathcal B|`; ``docs/design_notes.md``, stochastic EP), and at most
    the damping :math:`\delta = 1/2`: batches that cover most of the data move all sites at once, as parallel EP,
    which oscillates undamped (on iris at the outputscale dense EP learns, full batches diverged at
    :math:`\epsilon = 1` and converged at 1/2).

@@ -381,7 +381,8 @@ class IterNCGPStrategy(_IterGPStrategy):
         computational uncertainty; these actions remove it where the predictions need it. They enlarge
         :math:`\mathbf C` only (not the recycled actions): the covariance stays at least the exact Laplace
         covariance, shrinks with every block, and is exact once the actions span the space. ``0``: no phase (the
-        paper's method); the default, 5, is measured in ``benchmarks/README.md`` §22 (at learnt kernels it narrows
+        paper's method); the default, 5 (``docs/design_notes.md``, "Laplace's final fit spends 5 products on the
+        covariance"): at learnt kernels it narrows
         the predictive where the Newton steps' actions left it wide; more blocks barely changed it).
     :param covariance_block_size: actions per product in the covariance phase (the start block takes the
         :math:`C` latents of ``covariance_block_size // C`` data points). Memory: :math:`\mathbf Q` and

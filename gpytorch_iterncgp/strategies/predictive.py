@@ -77,7 +77,7 @@ class LatentPredictions:
         variance stays near the prior's where :math:`\mathbf W \to 0` (confidently classified points), the probit
         approximation :math:`\operatorname{softmax}(\boldsymbol\mu / \sqrt{1 + \pi\boldsymbol\sigma^2/8})` can
         score a lower test NLL by under-counting that variance; it is not the posterior's predictive and is not used
-        (``benchmarks/README.md``, section 8).
+        (``benchmarks/predictive_rule.py``, ``benchmarks/results/predictive_rule.json``).
         """
         if self.adapter.predictive_needs_blocks:
             return self.adapter.predictive_mean(*self.marginal_latent_blocks(inputs))
