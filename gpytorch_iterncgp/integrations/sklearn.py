@@ -307,7 +307,7 @@ class _IterNCGPEstimator(BaseEstimator):
         if not _is(self.optimizer_steps, "auto"):
             self._check(check_count, "optimizer_steps")
         self._check(check_count, "train_fit_steps", minimum=1)
-        if not (isinstance(self.learning_fit_steps, str) and self.learning_fit_steps == DEPRECATED):
+        if not _is(self.learning_fit_steps, DEPRECATED):
             self._check(check_count, "learning_fit_steps", minimum=1)
         if isinstance(self.learning_subset, str):
             if self.learning_subset != "auto":
@@ -325,9 +325,7 @@ class _IterNCGPEstimator(BaseEstimator):
             self._check(check_nonnegative, "outer_tol", positive=True)
         if self.max_time is not None:
             self._check(check_nonnegative, "max_time")
-        if not (
-            isinstance(self.standardize, bool) or (isinstance(self.standardize, str) and self.standardize == "auto")
-        ):
+        if not (isinstance(self.standardize, bool) or _is(self.standardize, "auto")):
             raise _param_error(self, "standardize", "True, False or 'auto'", self.standardize)
         for name in ("recycle", "verbose"):
             self._check(check_flag, name)
