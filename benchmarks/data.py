@@ -3,39 +3,13 @@
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-
 import torch
-from torch import Tensor
 
+from benchmarks import real_data
+from benchmarks.problem import TENSORS, Data
 from gpytorch_iterncgp.datasets import gaussian_mixture
 
-TENSORS = ("train_x", "train_y", "test_x", "test_y")
-
-
-@dataclass
-class Data:
-    """A classification problem: inputs, integer labels in ``[0, num_classes)``, and, where a benchmark fixes the kernel
-    instead of learning it (:mod:`benchmarks.suite`), that kernel's lengthscale and outputscale. A count regression
-    problem (:data:`benchmarks.real_data.COUNTS`) has ``num_classes`` 0 and the counts as labels."""
-
-    name: str
-    train_x: Tensor
-    train_y: Tensor
-    test_x: Tensor
-    test_y: Tensor
-    num_classes: int
-    lengthscale: float | None = None
-    outputscale: float | None = None
-
-    @property
-    def num_train(self) -> int:
-        return len(self.train_y)
-
-    def to(self, device: str | torch.device) -> Data:
-        """The same problem with its tensors on ``device``."""
-        return dataclasses.replace(self, **{name: getattr(self, name).to(device) for name in TENSORS})
+__all__ = ["TENSORS", "Data", "load"]
 
 
 def _digits(smoke: bool, seed: int) -> Data:
@@ -58,8 +32,6 @@ def load(name: str, smoke: bool, seed: int) -> Data:
     """The data set ``name``: ``mixture<N>`` (the paper's 10-class mixture in 3-D, N training and 2000 test points,
     the samples drawn by ``seed``), ``binary<N>`` (its classes 0-4 against 5-9), ``digits``, or a real data set of
     :mod:`benchmarks.real_data` (split by ``seed``); smaller with ``smoke``."""
-    from benchmarks import real_data
-
     if name in real_data.NAMES:
         return real_data.load(name, smoke, seed)
     if name == "digits":

@@ -35,7 +35,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from benchmarks.data import Data
+from benchmarks.problem import Data
 
 DATASETS = ("affairs", "satimage", "chess")
 #: mid-size sets (496–3261 training rows, where the learning subset holds rows out of data it would cover)

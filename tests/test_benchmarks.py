@@ -873,3 +873,37 @@ def test_learning_evidence_fits_the_default_on_each_evidence_and_pairs_the_split
     table = learning_evidence.summary(rows)
     difference = rows[1]["log_loss"] - rows[0]["log_loss"]
     assert "| iris | 1 |" in table and f"{difference:+.4f}" in table
+
+
+def test_the_benchmarks_import_each_other_without_a_circle():
+    """The modules of ``benchmarks/`` import each other (at import or inside a function) along a graph without a
+    cycle: a module that needs another's container or loader imports it, never the other way round as well."""
+    import ast
+    import pathlib
+
+    folder = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+    modules = {path.stem for path in folder.glob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name in modules:
+        imported = set()
+        for node in ast.walk(ast.parse((folder / f"{name}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "benchmarks":
+                imported |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("benchmarks."):
+                imported.add(node.module.split(".")[1])
+            elif isinstance(node, ast.Import):
+                imported |= {alias.name.split(".")[1] for alias in node.names if alias.name.startswith("benchmarks.")}
+        graph[name] = (imported & modules) - {name}
+    state: dict[str, str] = {}
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = "open"
+        for other in sorted(graph[name]):
+            assert state.get(other) != "open", f"import circle: {' -> '.join([*path, name, other])}"
+            if other not in state:
+                visit(other, [*path, name])
+        state[name] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [])
