@@ -26,6 +26,7 @@ import gpytorch
 import torch
 
 from benchmarks.common import add_smoke_flag, machine
+from benchmarks.scoring import log_loss
 from gpytorch_iterncgp import IterNCGPStrategy, LogitBernoulliLikelihood
 from gpytorch_iterncgp.datasets import gaussian_mixture
 
@@ -74,12 +75,8 @@ def problems(smoke: bool) -> dict:
 
 def nll_and_accuracy(strategy, test_x, test_y) -> tuple[float, float]:
     with torch.no_grad():
-        probabilities = strategy.predictive_probabilities(test_x).double()
-    if probabilities.dim() == 1:
-        probabilities = torch.stack([1 - probabilities, probabilities], dim=-1)
-    labels = test_y.long()
-    picked = probabilities.gather(-1, labels[:, None])[:, 0].clamp_min(1e-12)
-    return float(-picked.log().mean()), float((probabilities.argmax(-1) == labels).double().mean())
+        scores = log_loss(strategy.predictive_probabilities(test_x), test_y)
+    return scores["nll"], scores["accuracy"]
 
 
 def run(train_x, train_y, test_x, test_y, make_likelihood, options) -> list[dict]:

@@ -55,6 +55,7 @@ from sklearn.exceptions import ConvergenceWarning as SklearnConvergenceWarning
 from benchmarks.common import add_smoke_flag, machine
 from benchmarks.data import Data, load
 from benchmarks.gpytorch_door import SwapModel, _swap_model
+from benchmarks.scoring import log_loss
 from gpytorch_iterncgp import ConvergenceWarning, IterNCGPStrategy, fit_mll
 from gpytorch_iterncgp.sklearn import IterNCGPClassifier
 
@@ -71,8 +72,7 @@ CONVERGENCE_WARNINGS = (ConvergenceWarning, SklearnConvergenceWarning)
 
 def _nll(probabilities: torch.Tensor, labels: torch.Tensor) -> float:
     """Mean of :math:`-\\log p(y_* \\mid x_*)` over the test points (``probabilities[:, k]``: class ``k``)."""
-    picked = probabilities.double().gather(-1, labels.long()[:, None])[:, 0].clamp_min(1e-300)
-    return float(-picked.log().mean())
+    return log_loss(probabilities, labels)["nll"]
 
 
 def _warnings(caught: list) -> dict:

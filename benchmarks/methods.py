@@ -34,6 +34,7 @@ from torchmetrics.classification import MulticlassCalibrationError
 from benchmarks.common import peak_rss_bytes, reset_peak_rss, rss_bytes
 from benchmarks.data import Data
 from benchmarks.loops import minibatch_steps
+from benchmarks.scoring import log_loss
 from benchmarks.svgp import SVGPModel, svgp_marginals
 from gpytorch_iterncgp import IterNCGPStrategy
 from gpytorch_iterncgp.likelihoods.adapters import likelihood_adapter
@@ -61,13 +62,8 @@ def class_probabilities(mean: Tensor, variance: Tensor, num_classes: int) -> Ten
 def classification_metrics(probabilities: Tensor, labels: Tensor, num_classes: int) -> dict[str, float]:
     """Accuracy, mean negative log predictive probability, and ECE (torchmetrics, 15 bins, L1)."""
     ece = MulticlassCalibrationError(num_classes=num_classes, n_bins=15, norm="l1")
-    probabilities = probabilities.double()
-    picked = probabilities[torch.arange(len(labels)), labels]
-    return {
-        "accuracy": float((probabilities.argmax(-1) == labels).double().mean()),
-        "nll": float(-picked.clamp_min(1e-300).log().mean()),
-        "ece": float(ece(probabilities.float(), labels)),
-    }
+    scores = log_loss(probabilities, labels)
+    return {"accuracy": scores["accuracy"], "nll": scores["nll"], "ece": float(ece(probabilities.float(), labels))}
 
 
 @dataclass

@@ -36,6 +36,7 @@ import torch
 
 from benchmarks import methods
 from benchmarks.common import add_smoke_flag, machine
+from benchmarks.scoring import log_loss
 from benchmarks.suite import load_problem
 from gpytorch_iterncgp import IterNCGPStrategy
 from gpytorch_iterncgp.likelihoods.adapters import softmax_gaussian
@@ -44,7 +45,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def test_nll(probabilities: torch.Tensor, labels: torch.Tensor) -> float:
-    return float(-probabilities.double().gather(-1, labels[:, None]).clamp_min(1e-15).log().mean())
+    return log_loss(probabilities, labels)["nll"]
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -12,14 +12,20 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+#: the smallest probability a log-loss takes the logarithm of: float64's machine epsilon, where
+#: ``sklearn.metrics.log_loss`` clips, so that every benchmark's log-loss is scikit-learn's
+PROBABILITY_FLOOR = torch.finfo(torch.float64).eps
+
 
 def log_loss(probabilities: Tensor, labels: Tensor) -> dict[str, float]:
-    """Test NLL (mean negative log probability of the true class, clamped at 1e-15) and accuracy; ``probabilities``
-    ``(N*, C)``, or ``(N*,)`` for :math:`p(y = 1)`."""
+    """Test NLL (mean negative log probability of the true class, clamped at :data:`PROBABILITY_FLOOR`) and accuracy;
+    ``probabilities`` ``(N*, C)``, or ``(N*,)`` for :math:`p(y = 1)`. Every benchmark scores by this function or by
+    ``sklearn.metrics.log_loss``, which agree."""
     if probabilities.dim() == 1:
         probabilities = torch.stack([1 - probabilities, probabilities], dim=-1)
     probabilities = probabilities.double()
-    true_class = probabilities.gather(-1, labels[:, None])[:, 0].clamp_min(1e-15)
+    labels = labels.long().to(probabilities.device)
+    true_class = probabilities.gather(-1, labels[:, None])[:, 0].clamp_min(PROBABILITY_FLOOR)
     accuracy = (probabilities.argmax(-1) == labels).double().mean()
     return {"nll": float(-true_class.log().mean()), "accuracy": float(accuracy)}
 

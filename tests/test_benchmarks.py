@@ -577,9 +577,9 @@ def test_laplace_door_smoke_run_reports_each_rank_and_its_nll(tmp_path, monkeypa
 
     original_run, original_continued = laplace_door.run_fit_mll, laplace_door._continued
 
-    def run_fit_mll(data, seed, rank):
+    def run_fit_mll(data, seed, rank, **options):
         current["rank"] = rank
-        return original_run(data, seed, rank)
+        return original_run(data, seed, rank, **options)
 
     def continued(strategy, data, probabilities):
         fitted[current["rank"]] = (probabilities, data.test_y)
