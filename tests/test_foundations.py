@@ -153,6 +153,7 @@ LAYERS: list[tuple[str, list[set[str]]]] = [
     (
         "learning",
         [
+            {"thresholds"},
             {"recipe", "scale", "scores"},
             {"rows", "learner", "outputscale", "minibatch", "optimisers"},
             {"estimator_policy"},

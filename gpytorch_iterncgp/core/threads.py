@@ -18,14 +18,10 @@ from contextvars import ContextVar
 
 import torch
 
-__all__ = ["ONE_THREAD_LEARNING_SIZE", "PARALLEL_WORK", "large_operation", "small_operations"]
+__all__ = ["PARALLEL_WORK", "large_operation", "small_operations"]
 
 #: the work (multiply-adds) from which an operation inside :func:`small_operations` runs on the caller's threads
 PARALLEL_WORK = 10**7
-#: learning in the exact regime runs inside :func:`small_operations` up to this many latent values :math:`N C`: on two
-#: threads one was faster at 400 (0.77 s against 0.89 s for banana's Matérn, 1.51 s against 2.13 s for linear +
-#: Matérn), two at 1000 (2.03 s against 2.98 s, 5.53 s against 7.07 s; ``docs/design_notes.md``)
-ONE_THREAD_LEARNING_SIZE = 500
 
 _caller_threads: ContextVar[int | None] = ContextVar("caller_threads", default=None)
 

@@ -680,18 +680,18 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
 
         The rule is :func:`~gpytorch_iterncgp.learning.estimator_policy.solver_budget`:
 
-        * :math:`N C \le` :data:`~gpytorch_iterncgp.learning.estimator_policy.EXACT_SOLVE_SIZE` (1000): the **exact
+        * :math:`N C \le` :data:`~gpytorch_iterncgp.learning.thresholds.EXACT_SOLVE_SIZE` (1000): the **exact
           Laplace posterior**. With ``policy="auto"`` (or ``"unit"``) every solve takes unit-vector actions until the approximate
           precision :math:`\mathbf C` has full rank (``solver_tol`` is not used): the posterior mean *and*
           covariance are those of the exact Laplace approximation, without computational uncertainty. (A
           solve stopped by the residual tolerance converges the mean long before the covariance.) The first
           Newton step costs :math:`N C` products with the kernel matrix; later steps and refits at new
           hyperparameters reuse the recycled actions. With another policy: no budget, until ``solver_tol``.
-        * :math:`N C >` :data:`~gpytorch_iterncgp.learning.estimator_policy.EXACT_SOLVE_SIZE`: CG, at most
+        * :math:`N C >` :data:`~gpytorch_iterncgp.learning.thresholds.EXACT_SOLVE_SIZE`: CG, at most
           :data:`~gpytorch_iterncgp.learning.estimator_policy.DEFAULT_SOLVER_ITERATIONS` iterations per
           Newton step (:class:`~gpytorch_iterncgp.IterNCGPStrategy`'s default); the predictive variance then
           includes the computational uncertainty of the stopped solver. Binary EP past
-          :data:`~gpytorch_iterncgp.learning.estimator_policy.EP_POINTS_PER_BUDGET` (10 000) points:
+          :data:`~gpytorch_iterncgp.learning.thresholds.EP_POINTS_PER_BUDGET` (10 000) points:
           :data:`~gpytorch_iterncgp.learning.estimator_policy.DEFAULT_SOLVER_ITERATIONS` per sweep for every 10 000
           points, rounded up (its
           cavities take the marginal variances, computational uncertainty included; with fewer the sweeps
@@ -739,7 +739,7 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
         with ``random_state`` and stratified by class (every class keeps its share), whose evidence is maximised before
         the posterior is fitted on all the data at the learnt hyperparameters (subset-of-data type-II maximum likelihood,
         R&W §8.3.3). ``"auto"`` (default): :math:`M = \lfloor \sqrt{10^7 / C} \rfloor` points
-        (:data:`~gpytorch_iterncgp.learning.recipe.LEARNING_SUBSET_COST`: 1000 points for 10 classes, 3162 for binary data), chosen by measurement (``docs/design_notes.md``, "Subset-of-data learning"): each
+        (:data:`~gpytorch_iterncgp.learning.thresholds.LEARNING_SUBSET_COST`: 1000 points for 10 classes, 3162 for binary data), chosen by measurement (``docs/design_notes.md``, "Subset-of-data learning"): each
         evidence evaluation costs :math:`O(M^2 C)` instead of :math:`O(N^2 C)`, and at :math:`N = 5000` the kernel
         learnt on 1000 points predicted better on average over data seeds than those learnt on 500 or 2000. Data
         within :math:`M` plus 100 rows: all but a fifth of the rows, the fifth held out (``validation_rows_``) where it

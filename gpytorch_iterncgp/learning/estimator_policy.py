@@ -6,7 +6,7 @@ latent values each (:math:`C = 1` for binary and count data, the number of class
 
 * inference: :func:`auto_inference` (``inference="auto"``), :data:`CLASSIFIER_INFERENCE`, :data:`REGRESSOR_INFERENCE`;
 * the solver budget: :func:`solver_budget` (``policy="auto"``, ``max_solver_iterations="auto"``), from
-  :data:`EXACT_SOLVE_SIZE`, :data:`DEFAULT_SOLVER_ITERATIONS` and :data:`EP_POINTS_PER_BUDGET`;
+  :data:`~.thresholds.EXACT_SOLVE_SIZE`, :data:`DEFAULT_SOLVER_ITERATIONS` and :data:`~.thresholds.EP_POINTS_PER_BUDGET`;
 * the strategy's keyword arguments: :func:`strategy_options`; the evidence that goes with a strategy:
   :func:`evidence_class`;
 * the prior: :func:`default_kernel`, or with ``kernel="auto"`` the kernel chosen among :data:`AUTO_KERNELS` by the
@@ -29,6 +29,14 @@ from ..laplace.newton import SolverOptions
 from ..mlls.itergp import EPMarginalLogLikelihood, LaplaceMarginalLogLikelihood
 from ..strategies.itergp import EPStrategy
 from .rows import auto_choice_size, auto_learning_size, auto_subset_size, holds_out_rows
+from .thresholds import (
+    EP_POINTS_PER_BUDGET,
+    EXACT_MARGINAL_TOL,
+    EXACT_SOLVE_SIZE,
+    SPARSE_EP_LATENT_VALUES,
+    SPARSE_EP_NESTED_WORK,
+    SPARSE_EP_POINTS,
+)
 
 __all__ = [
     "AUTO_KERNELS",
@@ -55,34 +63,15 @@ __all__ = [
     "strategy_options",
 ]
 
-#: ``max_solver_iterations="auto"``: problems with at most this many latent values :math:`N C` get the exact
-#: Laplace posterior (every IterGP solve runs until :math:`\mathbf C` has full rank: at most :math:`N C` products
-#: with :math:`\mathbf K` in the first Newton step, then none, as the actions are recycled). 1000 keeps a fit with
-#: 25 evidence steps to seconds (:math:`O((N C)^3)` per step; ``docs/design_notes.md``).
-EXACT_SOLVE_SIZE = 1000
-#: EP's ``marginal_tol`` where the solves are exact (:data:`EXACT_SOLVE_SIZE`): the sweeps stop where one moved the
-#: marginals by at most this many nats per latent value, a small multiple of their distance from exact EP's fixed
-#: point (``docs/design_notes.md``), instead of running the sites to ``site_tol``; ``None``: the sites' test alone.
-EXACT_MARGINAL_TOL: float | None = 1e-5
 #: ``inference="auto"`` of the classifier below :func:`auto_inference`'s switch: the approximation chosen by
 #: measurement (``benchmarks/learned.py``, ``benchmarks/sklearn_defaults.py``).
 CLASSIFIER_INFERENCE = "ep"
 #: ``inference="auto"`` of the Poisson regressor (EP needs integer counts; the quasi-likelihood of non-integer targets
 #: has no tilted moments).
 REGRESSOR_INFERENCE = "laplace"
-#: ``inference="auto"`` picks stochastic EP past this many training points on a CPU, past this many latent values
-#: :math:`N C` for :math:`C > 2` classes, or past this much nested EP work :math:`N C^3`: where stochastic EP became the
-#: faster at a test log-loss as good as dense EP's (``benchmarks/auto_switch.py``; ``docs/design_notes.md``).
-SPARSE_EP_POINTS, SPARSE_EP_LATENT_VALUES, SPARSE_EP_NESTED_WORK = 15_000, 80_000, 4 * 10**7
-#: ``max_solver_iterations="auto"`` above :data:`EXACT_SOLVE_SIZE`: the strategy's own default budget per Newton step.
+#: ``max_solver_iterations="auto"`` above :data:`~.thresholds.EXACT_SOLVE_SIZE`: the strategy's own default budget per Newton step.
 DEFAULT_SOLVER_ITERATIONS = cast(int, SolverOptions.max_solver_iterations)  # an int (the dataclass field allows None)
-#: ``max_solver_iterations="auto"`` for EP with one latent value per point (measured on binary data; counts get the same
-#: rule) past this many training points: :data:`DEFAULT_SOLVER_ITERATIONS` per sweep for every this many points
-#: (rounded up). EP's cavities take the marginal variances of the stopped solve, which include its computational
-#: uncertainty; with too few new actions per sweep the cavities of most points sit at the prior and the sweeps diverge
-#: (``docs/design_notes.md``, "The estimators' EP budget grows with N"). Laplace's Newton steps use only the
-#: mean, and multi-class EP did not need more.
-EP_POINTS_PER_BUDGET = 10_000
+
 
 #: the parameters only dense inference (``"laplace"``, ``"ep"``) uses: its solver and its learning on a subset
 DENSE_ONLY = (
@@ -159,9 +148,9 @@ class KernelChoice:
 
 def auto_inference(num_data: int, num_classes: int) -> str:
     r"""``inference="auto"`` for a classifier: ``"sparse_ep"`` (stochastic EP, :math:`O(C(M^3 + B M^2))` a minibatch
-    whatever :math:`N`) past :data:`SPARSE_EP_POINTS` training points, or for :math:`C > 2` classes past
-    :data:`SPARSE_EP_LATENT_VALUES` latent values :math:`N C` (dense EP's products and recycled actions) or
-    :data:`SPARSE_EP_NESTED_WORK` in :math:`N C^3` (dense multi-class EP's per-point work); else
+    whatever :math:`N`) past :data:`~.thresholds.SPARSE_EP_POINTS` training points, or for :math:`C > 2` classes past
+    :data:`~.thresholds.SPARSE_EP_LATENT_VALUES` latent values :math:`N C` (dense EP's products and recycled actions) or
+    :data:`~.thresholds.SPARSE_EP_NESTED_WORK` in :math:`N C^3` (dense multi-class EP's per-point work); else
     :data:`CLASSIFIER_INFERENCE` (dense computation-aware EP). The estimators fit on the CPU, where both limits were
     measured (``benchmarks/auto_switch.py``).
 
@@ -281,13 +270,13 @@ def solver_budget(
     r"""Resolve ``policy`` and ``max_solver_iterations`` (each may be ``"auto"``) for :math:`N` ``num_points`` of
     :math:`C` ``num_latents`` latent values each and the ``inference``. With ``max_solver_iterations="auto"``:
 
-    * :math:`N C \le` :data:`EXACT_SOLVE_SIZE` (1000) and ``policy`` ``"auto"`` or ``"unit"``: unit-vector actions
+    * :math:`N C \le` :data:`~.thresholds.EXACT_SOLVE_SIZE` (1000) and ``policy`` ``"auto"`` or ``"unit"``: unit-vector actions
       until the approximate precision :math:`\mathbf C` has full rank (no iteration budget, tolerance 0): the exact
       Laplace posterior, ``exact=True``;
-    * :math:`N C \le` :data:`EXACT_SOLVE_SIZE` with another policy: no iteration budget, each solve until its residual
+    * :math:`N C \le` :data:`~.thresholds.EXACT_SOLVE_SIZE` with another policy: no iteration budget, each solve until its residual
       is below ``solver_tol``;
-    * EP (``inference="ep"``) with :math:`C = 1` and :math:`N >` :data:`EP_POINTS_PER_BUDGET` (10 000): CG,
-      :data:`DEFAULT_SOLVER_ITERATIONS` (5) iterations per sweep for every :data:`EP_POINTS_PER_BUDGET` points, rounded
+    * EP (``inference="ep"``) with :math:`C = 1` and :math:`N >` :data:`~.thresholds.EP_POINTS_PER_BUDGET` (10 000): CG,
+      :data:`DEFAULT_SOLVER_ITERATIONS` (5) iterations per sweep for every :data:`~.thresholds.EP_POINTS_PER_BUDGET` points, rounded
       up (:math:`5 \lceil N / 10^4 \rceil`: 10 at :math:`N = 10\,001`, 15 at :math:`N = 25\,000`);
     * otherwise: CG, at most :data:`DEFAULT_SOLVER_ITERATIONS` iterations per Newton step (EP sweep).
 

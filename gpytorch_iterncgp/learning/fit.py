@@ -47,7 +47,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..core.memory import peak_memory_bytes, retained_allocations, start_peak_memory
-from ..core.threads import ONE_THREAD_LEARNING_SIZE, small_operations
+from ..core.threads import small_operations
 from ..core.validation import DEPRECATED, check_flag, check_nonnegative, renamed
 from ..exceptions import ConvergenceWarning, ExplicitGradientWarning, WorseThanConstantWarning
 from ..mlls.itergp import EPMarginalLogLikelihood, LaplaceMarginalLogLikelihood
@@ -64,6 +64,7 @@ from .recipe import RECOVERABLE_ERRORS, LearningRecipe, LearningReport, Learning
 from .rows import auto_choice_size, auto_learning_size, draw_rows, held_out_rows
 from .scale import LogScale, trainable_parameters
 from .scores import has_held_out_score, held_out_metric, held_out_unavailable, log_rate
+from .thresholds import ONE_THREAD_LEARNING_SIZE
 
 __all__ = ["fit_dense_mll", "fit_minibatch_mll", "fit_mll"]
 

@@ -13,6 +13,7 @@ import torch
 from linear_operator.utils.errors import NanError
 
 from ..core.validation import check_count, check_nonnegative
+from .thresholds import KERNEL_CHOICE_COST, LEARNING_SUBSET_COST
 
 __all__ = ["EVIDENCES", "KERNEL_CHOICE_COST", "LEARNING_SUBSET_COST", "LearningRecipe", "LearningReport"]
 
@@ -20,17 +21,6 @@ __all__ = ["EVIDENCES", "KERNEL_CHOICE_COST", "LEARNING_SUBSET_COST", "LearningR
 KERNEL_SCORES = {"held_out": "held-out", "evidence": "evidence", "bic": "BIC"}
 #: :attr:`LearningRecipe.evidence`'s values: the evidence an EP model's hyperparameters are learnt on
 EVIDENCES = ("laplace", "ep")
-
-#: ``learning_subset="auto"``: the hyperparameters are learnt on a random (stratified by class, for classifiers)
-#: subset of :math:`M = \lfloor \sqrt{\text{this} / C} \rfloor` points, so that a product with the subset's kernel
-#: matrix costs at most this many multiply-adds :math:`M^2 C` (1000 points for 10 classes, 3162 for binary data); chosen by
-#: measurement (``docs/design_notes.md``, "Subset-of-data learning").
-LEARNING_SUBSET_COST = 10**7
-#: ``kernel_choice_subset="auto"``: with candidate kernels, each is learnt and scored for the choice on
-#: :math:`M_c = \lfloor \sqrt{\text{this} / C} \rfloor` of the learning rows (1000 for binary data, 316 for 10
-#: classes), a product with their kernel matrix a tenth of the learning's; only the chosen kernel is then learnt on all
-#: the learning rows (``docs/design_notes.md``, "The kernel choice learns the candidates on a subset").
-KERNEL_CHOICE_COST = 10**6
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import math
 import torch
 from torch import Tensor
 
-from .recipe import KERNEL_CHOICE_COST, LEARNING_SUBSET_COST
+from .thresholds import KERNEL_CHOICE_COST, LEARNING_SUBSET_COST
 
 __all__ = [
     "auto_choice_size",
@@ -21,12 +21,12 @@ __all__ = [
 
 
 def auto_subset_size(num_latents: int) -> int:
-    r""":math:`M = \lfloor \sqrt{10^7 / C} \rfloor` (:data:`~gpytorch_iterncgp.learning.recipe.LEARNING_SUBSET_COST`)."""
+    r""":math:`M = \lfloor \sqrt{10^7 / C} \rfloor` (:data:`~gpytorch_iterncgp.learning.thresholds.LEARNING_SUBSET_COST`)."""
     return max(2, math.isqrt(LEARNING_SUBSET_COST // num_latents))
 
 
 def auto_choice_size(num_latents: int) -> int:
-    r""":math:`M_c = \lfloor \sqrt{10^6 / C} \rfloor` (:data:`~gpytorch_iterncgp.learning.recipe.KERNEL_CHOICE_COST`)."""
+    r""":math:`M_c = \lfloor \sqrt{10^6 / C} \rfloor` (:data:`~gpytorch_iterncgp.learning.thresholds.KERNEL_CHOICE_COST`)."""
     return max(2, math.isqrt(KERNEL_CHOICE_COST // num_latents))
 
 
