@@ -6,11 +6,12 @@ latent values each (:math:`C = 1` for binary and count data, the number of class
 
 * inference: :func:`auto_inference` (``inference="auto"``), :data:`CLASSIFIER_INFERENCE`, :data:`REGRESSOR_INFERENCE`;
 * the solver budget: :func:`solver_budget` (``policy="auto"``, ``max_solver_iterations="auto"``), from
-  :data:`~.thresholds.EXACT_SOLVE_SIZE`, :data:`DEFAULT_SOLVER_ITERATIONS` and :data:`~.thresholds.EP_POINTS_PER_BUDGET`;
+  :data:`~.thresholds.EXACT_SOLVE_SIZE`, :data:`DEFAULT_SOLVER_ITERATIONS` and
+  :data:`~.thresholds.EP_POINTS_PER_BUDGET` (the sizes in :mod:`.thresholds`);
 * the strategy's keyword arguments: :func:`strategy_options`; the evidence that goes with a strategy:
   :func:`evidence_class`;
-* the prior: :func:`default_kernel`, or with ``kernel="auto"`` the kernel chosen among :data:`AUTO_KERNELS` by the
-  held-out score (:func:`auto_kernel_names`);
+* the prior: :func:`~gpytorch_iterncgp.kernels.family.default_kernel`, or with ``kernel="auto"`` the kernel chosen
+  among :data:`AUTO_KERNELS` by the held-out score (:func:`auto_kernel_names`);
 * the estimators' own defaults (:data:`ESTIMATOR_DEFAULTS`), and the parameters only one kind of inference reads
   (:data:`DENSE_ONLY`, :data:`SPARSE_ONLY`, :func:`check_parameters_apply`).
 """
@@ -69,7 +70,8 @@ CLASSIFIER_INFERENCE = "ep"
 #: ``inference="auto"`` of the Poisson regressor (EP needs integer counts; the quasi-likelihood of non-integer targets
 #: has no tilted moments).
 REGRESSOR_INFERENCE = "laplace"
-#: ``max_solver_iterations="auto"`` above :data:`~.thresholds.EXACT_SOLVE_SIZE`: the strategy's own default budget per Newton step.
+#: ``max_solver_iterations="auto"`` above :data:`~.thresholds.EXACT_SOLVE_SIZE`: the strategy's own default budget per
+#: Newton step.
 DEFAULT_SOLVER_ITERATIONS = cast(int, SolverOptions.max_solver_iterations)  # an int (the dataclass field allows None)
 
 
@@ -270,14 +272,15 @@ def solver_budget(
     r"""Resolve ``policy`` and ``max_solver_iterations`` (each may be ``"auto"``) for :math:`N` ``num_points`` of
     :math:`C` ``num_latents`` latent values each and the ``inference``. With ``max_solver_iterations="auto"``:
 
-    * :math:`N C \le` :data:`~.thresholds.EXACT_SOLVE_SIZE` (1000) and ``policy`` ``"auto"`` or ``"unit"``: unit-vector actions
-      until the approximate precision :math:`\mathbf C` has full rank (no iteration budget, tolerance 0): the exact
-      Laplace posterior, ``exact=True``;
-    * :math:`N C \le` :data:`~.thresholds.EXACT_SOLVE_SIZE` with another policy: no iteration budget, each solve until its residual
-      is below ``solver_tol``;
-    * EP (``inference="ep"``) with :math:`C = 1` and :math:`N >` :data:`~.thresholds.EP_POINTS_PER_BUDGET` (10 000): CG,
-      :data:`DEFAULT_SOLVER_ITERATIONS` (5) iterations per sweep for every :data:`~.thresholds.EP_POINTS_PER_BUDGET` points, rounded
-      up (:math:`5 \lceil N / 10^4 \rceil`: 10 at :math:`N = 10\,001`, 15 at :math:`N = 25\,000`);
+    * :math:`N C \le` :data:`~.thresholds.EXACT_SOLVE_SIZE` (1000) and ``policy`` ``"auto"`` or ``"unit"``:
+      unit-vector actions until the approximate precision :math:`\mathbf C` has full rank (no iteration budget,
+      tolerance 0): the exact Laplace posterior, ``exact=True``;
+    * :math:`N C \le` :data:`~.thresholds.EXACT_SOLVE_SIZE` with another policy: no iteration budget, each solve
+      until its residual is below ``solver_tol``;
+    * EP (``inference="ep"``) with :math:`C = 1` and :math:`N >` :data:`~.thresholds.EP_POINTS_PER_BUDGET` (10 000):
+      CG, :data:`DEFAULT_SOLVER_ITERATIONS` (5) iterations per sweep for every
+      :data:`~.thresholds.EP_POINTS_PER_BUDGET` points, rounded up (:math:`5 \lceil N / 10^4 \rceil`: 10 at
+      :math:`N = 10\,001`, 15 at :math:`N = 25\,000`);
     * otherwise: CG, at most :data:`DEFAULT_SOLVER_ITERATIONS` iterations per Newton step (EP sweep).
 
     ``policy="auto"`` is ``"unit"`` in the first case, ``"cg"`` otherwise; a policy or iteration budget given explicitly

@@ -1,9 +1,9 @@
 r"""The sizes and tolerances :func:`~gpytorch_iterncgp.fit_mll` and the scikit-learn estimators decide by, in one
 place, each with the measurement behind it: the learning's rows (:data:`LEARNING_SUBSET_COST`,
 :data:`KERNEL_CHOICE_COST`) and threads (:data:`ONE_THREAD_LEARNING_SIZE`), the estimators' exact solves
-(:data:`EXACT_SOLVE_SIZE`, :data:`EXACT_MARGINAL_TOL`), EP's solver budget (:data:`EP_POINTS_PER_BUDGET`) and the switch to
-stochastic EP (:data:`SPARSE_EP_POINTS`, :data:`SPARSE_EP_LATENT_VALUES`, :data:`SPARSE_EP_NESTED_WORK`). The rules
-that read them are :mod:`.rows`, :mod:`.fit` and :mod:`.estimator_policy`."""
+(:data:`EXACT_SOLVE_SIZE`, :data:`EXACT_MARGINAL_TOL`), EP's solver budget (:data:`EP_POINTS_PER_BUDGET`) and the
+switch to stochastic EP (:data:`SPARSE_EP_POINTS`, :data:`SPARSE_EP_LATENT_VALUES`, :data:`SPARSE_EP_NESTED_WORK`).
+The rules that read them are :mod:`.rows`, :mod:`.fit` and :mod:`.estimator_policy`."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ __all__ = [
 
 #: ``learning_subset="auto"``: the hyperparameters are learnt on a random (stratified by class, for classifiers)
 #: subset of :math:`M = \lfloor \sqrt{\text{this} / C} \rfloor` points, so that a product with the subset's kernel
-#: matrix costs at most this many multiply-adds :math:`M^2 C` (1000 points for 10 classes, 3162 for binary data); chosen by
-#: measurement (``docs/design_notes.md``, "Subset-of-data learning").
+#: matrix costs at most this many multiply-adds :math:`M^2 C` (1000 points for 10 classes, 3162 for binary data);
+#: chosen by measurement (``docs/design_notes.md``, "Subset-of-data learning").
 LEARNING_SUBSET_COST = 10**7
 #: ``kernel_choice_subset="auto"``: with candidate kernels, each is learnt and scored for the choice on
 #: :math:`M_c = \lfloor \sqrt{\text{this} / C} \rfloor` of the learning rows (1000 for binary data, 316 for 10
