@@ -287,8 +287,6 @@ class FitReport:
     wall_time: float = 0.0
     records: list[Any] = field(default_factory=list)  # NewtonStep or EPSweep records, one per step
     budget: str = ""  # how the solver budget was chosen (set by callers that choose it, e.g. the estimators)
-    # the learning before this fit (the estimators' LearningReport, which holds this report: not compared or repr'd)
-    learning: Any = field(default=None, compare=False, repr=False)
     method: str = "Laplace"  # the outer loop: "Laplace" (IterNCGP's damped Newton), "EP" or "EP-DTC" (sparse EP)
     step_name: str = "Newton steps"  # what the loop calls its steps (OuterLoop.step_name), e.g. "sweeps" for EP
 
@@ -333,7 +331,6 @@ class FitReport:
             f"converged={self.converged}, breakdown={self.breakdown}, {details}, "
             f"residual={last.residual_norm if last else float('nan'):.3g}, {self.wall_time:.2f}s"
             + (f"; {self.budget}" if self.budget else "")
-            + (f"; {self.learning}" if self.learning is not None else "")
         )
 
 

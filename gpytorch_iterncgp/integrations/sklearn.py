@@ -548,7 +548,7 @@ class _IterNCGPEstimator(BaseEstimator):
             self.kernel_choice_ = KernelChoice(report.kernel, names, why, report.validation_points)
         self.fit_report_ = report.fit_report
         # str(fit_report_) says what was done, why, and where the time before the final fit went
-        self.fit_report_.budget, self.fit_report_.learning = budget["rule"], report
+        self.fit_report_.budget = f"{budget['rule']}; {report}"
         self.model_, self.likelihood_, self.kernel_ = model, likelihood, model.covar_module
         self.feature_lengthscales_ = self._feature_lengthscales()
 
