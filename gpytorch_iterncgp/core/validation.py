@@ -21,6 +21,12 @@ def _refuse_bool(value, name: str) -> None:
 DEPRECATED = "deprecated"
 
 
+def is_string(value: Any, text: str) -> bool:
+    """Whether an argument is the string ``text`` (``"auto"``, :data:`DEPRECATED`), whatever else it may be: an
+    array's or a tensor's ``==`` would compare elementwise."""
+    return isinstance(value, str) and value == text
+
+
 def renamed(owner: str, old: str, new: str, old_value: Any, new_value: Any, new_default: Any, stacklevel: int) -> Any:
     """The value of a parameter renamed from ``old`` to ``new``: ``new_value``, or ``old_value`` with a
     ``FutureWarning`` where the old name was given (it is not :data:`DEPRECATED`). It keeps working for one release.
@@ -30,7 +36,7 @@ def renamed(owner: str, old: str, new: str, old_value: Any, new_value: Any, new_
     :param stacklevel: of the warning, counted from this function (2: its caller's caller).
     :raises ValueError: where both names are given.
     """
-    if isinstance(old_value, str) and old_value == DEPRECATED:
+    if is_string(old_value, DEPRECATED):
         return new_value
     if not (new_value is new_default or (isinstance(new_value, (str, int, float)) and new_value == new_default)):
         raise ValueError(f"{owner}: {old}= is the deprecated name of {new}=; give {new}= alone.")

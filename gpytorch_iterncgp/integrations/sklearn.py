@@ -52,7 +52,7 @@ from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import check_is_fitted, validate_data
 
 from ..core.policies import Policy
-from ..core.validation import DEPRECATED, check_count, check_flag, check_nonnegative, renamed
+from ..core.validation import DEPRECATED, check_count, check_flag, check_nonnegative, is_string, renamed
 from ..exceptions import ConvergenceWarning as PackageConvergenceWarning
 from ..exceptions import NotConvergedWarning
 from ..kernels.family import default_kernel, kernel_family
@@ -136,12 +136,6 @@ def _reemit_as_scikit_learn(caught: list[warnings.WarningMessage], limit_note: s
         warnings.warn(message, category, stacklevel=4)  # here, _fit_model, fit, its caller
 
 
-def _is(value: Any, text: str) -> bool:
-    """Whether a parameter's value is the string ``text`` (``"auto"``, :data:`DEPRECATED`), whatever else it may
-    be (an array's ``==`` is elementwise)."""
-    return isinstance(value, str) and value == text
-
-
 def _param_error(estimator, name: str, expected: str, value) -> ValueError:
     return ValueError(
         f"The {name!r} parameter of {type(estimator).__name__} must be {expected}. Got {value!r} instead."
@@ -218,7 +212,7 @@ class _IterNCGPEstimator(BaseEstimator):
     def _auto_kernel(self) -> bool:
         """``kernel="auto"``: the kernel chosen by
         :func:`~gpytorch_iterncgp.learning.estimator_policy.auto_kernel_names`'s rule."""
-        return isinstance(self.kernel, str) and self.kernel == "auto"
+        return is_string(self.kernel, "auto")
 
     def _given_kernel(self, num_features: int) -> gpytorch.kernels.Kernel:
         """A float64 copy of the ``kernel`` given (fitted in place of it), or the default Matérn for ``None`` and for
@@ -304,10 +298,10 @@ class _IterNCGPEstimator(BaseEstimator):
         self._check(check_count, "compression_rank", minimum=1, allow_none=True)
         self._check(check_count, "preconditioner_rank")
         self._check(check_count, "covariance_iterations", allow_none=True)
-        if not _is(self.optimizer_steps, "auto"):
+        if not is_string(self.optimizer_steps, "auto"):
             self._check(check_count, "optimizer_steps")
         self._check(check_count, "train_fit_steps", minimum=1)
-        if not _is(self.learning_fit_steps, DEPRECATED):
+        if not is_string(self.learning_fit_steps, DEPRECATED):
             self._check(check_count, "learning_fit_steps", minimum=1)
         if isinstance(self.learning_subset, str):
             if self.learning_subset != "auto":
@@ -319,17 +313,17 @@ class _IterNCGPEstimator(BaseEstimator):
         self._check(check_count, "num_inducing", minimum=1)
         self._check(check_count, "batch_size", minimum=1)
         self._check(check_nonnegative, "solver_tol", positive=True)
-        if not _is(self.learning_rate, "auto"):
+        if not is_string(self.learning_rate, "auto"):
             self._check(check_nonnegative, "learning_rate", positive=True)
         if self.outer_tol is not None:
             self._check(check_nonnegative, "outer_tol", positive=True)
         if self.max_time is not None:
             self._check(check_nonnegative, "max_time")
-        if not (isinstance(self.standardize, bool) or _is(self.standardize, "auto")):
+        if not (isinstance(self.standardize, bool) or is_string(self.standardize, "auto")):
             raise _param_error(self, "standardize", "True, False or 'auto'", self.standardize)
         for name in ("recycle", "verbose"):
             self._check(check_flag, name)
-        if not _is(self.optimize_hyperparameters, DEPRECATED):
+        if not is_string(self.optimize_hyperparameters, DEPRECATED):
             self._check(check_flag, "optimize_hyperparameters")
         self._check_device()
 
@@ -389,9 +383,9 @@ class _IterNCGPEstimator(BaseEstimator):
         :raises ValueError: for ``optimize_hyperparameters`` beside an ``optimizer_steps`` given.
         """
         steps = self.optimizer_steps
-        if not _is(self.optimize_hyperparameters, DEPRECATED):
+        if not is_string(self.optimize_hyperparameters, DEPRECATED):
             name = type(self).__name__
-            if not _is(steps, "auto"):
+            if not is_string(steps, "auto"):
                 raise ValueError(
                     f"{name}: optimize_hyperparameters= is deprecated; give optimizer_steps= alone (0: no learning)."
                 )
@@ -403,10 +397,10 @@ class _IterNCGPEstimator(BaseEstimator):
             )
             steps = "auto" if self.optimize_hyperparameters else 0
         sparse = inference == "sparse_ep"
-        if _is(steps, "auto"):
+        if is_string(steps, "auto"):
             steps = MinibatchRecipe.max_steps if sparse else LearningRecipe.optimizer_steps
         rate = self.learning_rate
-        if _is(rate, "auto"):
+        if is_string(rate, "auto"):
             rate = MinibatchRecipe.learning_rate if sparse else LearningRecipe.learning_rate
         return int(steps), float(rate)
 

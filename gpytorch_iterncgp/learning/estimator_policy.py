@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from ..core.policies import Policy
+from ..core.validation import is_string
 from ..kernels.family import default_kernel, log_positive
 from ..laplace.newton import SolverOptions
 from ..mlls.itergp import EPMarginalLogLikelihood, LaplaceMarginalLogLikelihood
@@ -296,8 +297,8 @@ def solver_budget(
     :return: a dict: ``policy``, ``max_solver_iterations`` and ``solver_tol`` as passed to the strategy, ``exact``
         (whether every solve runs until :math:`\mathbf C` has full rank) and ``rule`` (a sentence saying which case).
     """
-    auto_policy = isinstance(policy, str) and policy == "auto"
-    auto_iterations = isinstance(max_solver_iterations, str) and max_solver_iterations == "auto"
+    auto_policy = is_string(policy, "auto")
+    auto_iterations = is_string(max_solver_iterations, "auto")
     num_latent_values = num_points * num_latents
     small = num_latent_values <= EXACT_SOLVE_SIZE
     chosen = ("unit" if small and auto_iterations else "cg") if auto_policy else policy

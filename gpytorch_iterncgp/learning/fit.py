@@ -48,7 +48,7 @@ from tqdm.auto import tqdm
 
 from ..core.memory import peak_memory_bytes, retained_allocations, start_peak_memory
 from ..core.threads import small_operations
-from ..core.validation import DEPRECATED, check_flag, check_nonnegative, renamed
+from ..core.validation import DEPRECATED, check_flag, check_nonnegative, is_string, renamed
 from ..exceptions import ConvergenceWarning, ExplicitGradientWarning, WorseThanConstantWarning
 from ..mlls.itergp import EPMarginalLogLikelihood, LaplaceMarginalLogLikelihood
 from ..mlls.stochastic import StochasticEPMarginalLogLikelihood
@@ -127,7 +127,7 @@ def fit_mll(
             ("subset", subset, DEPRECATED),
         )
         for name, value, default in dense_only:
-            if not (isinstance(value, str) and value == default):
+            if not is_string(value, default):
                 _refuse(mll, name, _NOT_FOR_MINIBATCHES[name])
         with retained_allocations():
             return fit_minibatch_mll(mll, data, recipe=cast(MinibatchRecipe | None, recipe), **common)
