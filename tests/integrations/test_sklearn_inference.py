@@ -422,6 +422,21 @@ class _Recorded(Exception):
     """Raised by the spy in place of ``fit_mll`` once it has recorded what the estimator passed."""
 
 
+def _recorded_calls(monkeypatch, record) -> list[dict]:
+    """Replace the estimators' ``fit_mll`` by a spy that records ``record(mll)`` and the keywords it was given, then
+    raises :class:`_Recorded`; returns the list the calls go to."""
+    from gpytorch_iterncgp.integrations import sklearn as estimators
+
+    calls: list[dict] = []
+
+    def spy(mll, **options):
+        calls.append({**record(mll), **options})
+        raise _Recorded
+
+    monkeypatch.setattr(estimators, "fit_mll", spy)
+    return calls
+
+
 @pytest.mark.parametrize("inference", ["laplace", "ep"])
 def test_every_estimator_parameter_reaches_what_it_names(monkeypatch, inference):
     """Each parameter of the dense estimators, set away from its default, arrives where its name says: the strategy's
@@ -432,13 +447,7 @@ def test_every_estimator_parameter_reaches_what_it_names(monkeypatch, inference)
     from gpytorch_iterncgp import ConjugateGradientPolicy
     from gpytorch_iterncgp.integrations import sklearn as estimators
 
-    calls: list[dict] = []
-
-    def spy(mll, **options):
-        calls.append({"strategy": mll.model.variational_strategy, **options})
-        raise _Recorded
-
-    monkeypatch.setattr(estimators, "fit_mll", spy)
+    calls = _recorded_calls(monkeypatch, lambda mll: {"strategy": mll.model.variational_strategy})
     x, y = _binary(num=1200)[:2]
     given = dict(
         policy="cg",
@@ -484,15 +493,8 @@ def test_stochastic_eps_steps_and_learning_rate_are_the_estimators_optimizer_ste
     ``learning_rate`` (``"auto"``: ``MinibatchRecipe``'s, where the dense learning's are ``LearningRecipe``'s);
     ``optimizer_steps=0`` fixes the kernel, the loop fitting the sites for its default steps."""
     from gpytorch_iterncgp import LearningRecipe, MinibatchRecipe
-    from gpytorch_iterncgp.integrations import sklearn as estimators
 
-    calls: list[dict] = []
-
-    def spy(mll, **options):
-        calls.append({"parameters": [p.requires_grad for p in mll.model.parameters()], **options})
-        raise _Recorded
-
-    monkeypatch.setattr(estimators, "fit_mll", spy)
+    calls = _recorded_calls(monkeypatch, lambda mll: {"parameters": [p.requires_grad for p in mll.model.parameters()]})
     x, y = _binary(num=200)[:2]
     for given, steps, rate in [
         ({}, MinibatchRecipe.max_steps, MinibatchRecipe.learning_rate),
