@@ -10,7 +10,7 @@ For each data set and seed (one after the other, ``--threads`` threads):
 * ``IterNCGPClassifier(random_state=seed)`` with its defaults (the kernel learnt on a subset, the final EP fit stopped
   where a sweep moves the marginals by less than the default ``marginal_tol``): its final fit's sweeps and seconds, the test
   NLL and accuracy;
-* at the kernel it learnt, ``IterNCGPClassifier(kernel_, optimizer_steps=0, outer_tol=1e-4)``: the same
+* at the kernel it learnt, ``IterNCGPClassifier(kernel_, optimizer_steps=0, solver_options={"site_tol": 1e-4, "marginal_tol": None})``: the same
   final fit with the sites' test alone (``site_tol`` 1e-4, no bounded cavity), ``--chunk`` sweeps at a time
   (``EPStrategy.fit(max_sweeps=chunk)`` resumes the sites and recycled actions; each call ends with the covariance
   phase, as the estimator's fit does) up to ``--max-sweeps`` or convergence: the test NLL and the seconds after each
@@ -65,7 +65,10 @@ def run(name: str, seed: int, chunk: int, max_sweeps: int, smoke: bool) -> dict:
         **_scores(classifier, data),
     }
     sites_only = IterNCGPClassifier(
-        classifier.kernel_, random_state=seed, optimizer_steps=0, outer_tol=1e-4, max_newton_steps=chunk
+        classifier.kernel_,
+        random_state=seed,
+        optimizer_steps=0,
+        solver_options={"site_tol": 1e-4, "marginal_tol": None, "max_sweeps": chunk},
     )
     checkpoints, seconds = [], 0.0
     with warnings.catch_warnings():

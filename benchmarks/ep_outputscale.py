@@ -59,7 +59,7 @@ def run(mode: str, seed: int, lengthscale: float, outputscales: list[float], swe
         kernel.base_kernel.lengthscale, kernel.outputscale = lengthscale, outputscale
         options = dict(optimizer_steps=0, inference="ep", random_state=seed)
         if mode == "subset":
-            options.update(max_newton_steps=sweeps, max_solver_iterations=iterations)
+            options.update(solver_options={"max_sweeps": sweeps, "max_solver_iterations": iterations})
         estimator = IterNCGPClassifier(kernel, **options)
         fit_x, fit_y = (x, y) if mode == "full" else (x[rows], y[rows])
         tic = time.perf_counter()

@@ -187,7 +187,7 @@ def run_estimator(data: Data, seed: int, rank: int) -> dict:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         estimator = IterNCGPClassifier(  # the Matérn alone, the door's subject (kernel="auto" may choose a sum)
-            kernel=None, inference="laplace", preconditioner_rank=rank, random_state=seed
+            kernel=None, inference="laplace", solver_options={"preconditioner_rank": rank}, random_state=seed
         )
         estimator.fit(x, y)
     seconds = time.perf_counter() - start

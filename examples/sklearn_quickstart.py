@@ -4,7 +4,7 @@ Breast cancer (569 points, 30 features, binary) and 1000 digits (64 features, 10
 with scikit-learn, standardised, 70/30 split. Both classifiers use a scaled Matérn-5/2 kernel whose
 lengthscale and outputscale they learn from the Laplace evidence: IterNCGP by Adam (25 steps; for the
 digits a softmax over 10 classes with one shared kernel and the matrix-free evidence; once more with
-compression_rank=50), scikit-learn by L-BFGS (one-vs-rest for the digits: ten binary GPs, each with its
+``solver_options={"compression_rank": 50}``), scikit-learn by L-BFGS (one-vs-rest for the digits: ten binary GPs, each with its
 own hyperparameters). The table gives test accuracy, log-loss and fit time; the figure the reliability
 diagrams (confidence against accuracy). numpy's BLAS gets ``--threads`` threads like torch.
 
@@ -45,8 +45,8 @@ def classifiers(num_features: int, smoke: bool) -> dict:
         # default kernel ScaleKernel(MaternKernel(nu=2.5)), lengthscale sqrt(D), outputscale 1; 25 Adam steps
         "IterNCGPClassifier()": IterNCGPClassifier(optimizer_steps=3 if smoke else 25, random_state=0),
         # at most 50 recycled actions kept: bounded cost per Adam step, more computational uncertainty
-        "IterNCGPClassifier(compression_rank=50)": IterNCGPClassifier(
-            compression_rank=50, optimizer_steps=3 if smoke else 25, random_state=0
+        'IterNCGPClassifier(solver_options={"compression_rank": 50})': IterNCGPClassifier(
+            solver_options={"compression_rank": 50}, optimizer_steps=3 if smoke else 25, random_state=0
         ),
         # --smoke: scikit-learn's kernel stays fixed (its L-BFGS takes half a minute even on 175 digits)
         "sklearn GaussianProcessClassifier": GaussianProcessClassifier(

@@ -1,6 +1,6 @@
 """The API page's glossary (``docs/api/index.md``) says where each name is used: every name is a parameter of every
 place its row lists (a strategy's options, ``fit_mll``'s dense door, ``LearningRecipe``, the estimators'
-constructors), and every former name still works there with a ``FutureWarning`` (tested where each is renamed)."""
+constructors, the keys of the estimators' ``solver_options``), and every former name still works there with a ``FutureWarning`` (tested where each is renamed)."""
 
 from __future__ import annotations
 
@@ -44,6 +44,10 @@ def parameters(place: str) -> set[str]:
 
         names = [set(estimator().get_params()) for estimator in (IterNCGPClassifier, IterNCGPPoissonRegressor)]
         return names[0] & names[1] & set(IterNCGPNegativeBinomialRegressor().get_params())
+    if place == "solver_options":
+        from gpytorch_iterncgp.learning.estimator_policy import solver_option_names
+
+        return set(solver_option_names("laplace")) | set(solver_option_names("ep"))
     raise AssertionError(f"the glossary names a place the test does not know: {place!r}")
 
 

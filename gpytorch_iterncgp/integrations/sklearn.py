@@ -51,7 +51,6 @@ from sklearn.utils import check_random_state
 from sklearn.utils.multiclass import check_classification_targets
 from sklearn.utils.validation import check_is_fitted, validate_data
 
-from ..core.policies import Policy
 from ..core.validation import DEPRECATED, check_count, check_flag, check_nonnegative, is_string, renamed
 from ..exceptions import ConvergenceWarning as PackageConvergenceWarning
 from ..exceptions import NotConvergedWarning
@@ -60,14 +59,14 @@ from ..kernels.warping import KumaraswamyWarpedKernel
 from ..laplace.newton import SolverOptions
 from ..learning.estimator_policy import (
     ESTIMATOR_DEFAULTS,
+    FORMER_SOLVER_PARAMETERS,
     REGRESSOR_INFERENCE,
     KernelChoice,
     auto_inference,
     auto_kernel_names,
     check_parameters_apply,
     evidence_class,
-    solver_budget,
-    strategy_options,
+    solver_settings,
 )
 from ..learning.fit import fit_mll
 from ..learning.minibatch import MinibatchRecipe
@@ -160,15 +159,7 @@ class _IterNCGPEstimator(BaseEstimator):
         standardize="auto",
         link=None,
         inference=ESTIMATOR_DEFAULTS.inference,
-        policy=ESTIMATOR_DEFAULTS.policy,
-        max_newton_steps=SolverOptions.max_newton_steps,
-        max_solver_iterations=ESTIMATOR_DEFAULTS.max_solver_iterations,
-        compression_rank=SolverOptions.compression_rank,
-        preconditioner_rank=SolverOptions.preconditioner_rank,
-        covariance_iterations=None,
-        recycle=SolverOptions.recycle,
-        outer_tol=None,
-        solver_tol=ESTIMATOR_DEFAULTS.solver_tol,
+        solver_options=None,
         optimizer_steps=ESTIMATOR_DEFAULTS.optimizer_steps,
         learning_rate=ESTIMATOR_DEFAULTS.learning_rate,
         train_fit_steps=SolverOptions.train_fit_steps,
@@ -181,20 +172,21 @@ class _IterNCGPEstimator(BaseEstimator):
         verbose=False,
         learning_fit_steps=DEPRECATED,
         optimize_hyperparameters=DEPRECATED,
+        policy=DEPRECATED,
+        max_newton_steps=DEPRECATED,
+        max_solver_iterations=DEPRECATED,
+        compression_rank=DEPRECATED,
+        preconditioner_rank=DEPRECATED,
+        covariance_iterations=DEPRECATED,
+        recycle=DEPRECATED,
+        outer_tol=DEPRECATED,
+        solver_tol=DEPRECATED,
     ):
         self.kernel = kernel
         self.standardize = standardize
         self.link = link
         self.inference = inference
-        self.policy = policy
-        self.max_newton_steps = max_newton_steps
-        self.max_solver_iterations = max_solver_iterations
-        self.compression_rank = compression_rank
-        self.preconditioner_rank = preconditioner_rank
-        self.covariance_iterations = covariance_iterations
-        self.recycle = recycle
-        self.outer_tol = outer_tol
-        self.solver_tol = solver_tol
+        self.solver_options = solver_options
         self.optimizer_steps = optimizer_steps
         self.learning_rate = learning_rate
         self.train_fit_steps = train_fit_steps
@@ -207,6 +199,15 @@ class _IterNCGPEstimator(BaseEstimator):
         self.verbose = verbose
         self.learning_fit_steps = learning_fit_steps
         self.optimize_hyperparameters = optimize_hyperparameters
+        self.policy = policy
+        self.max_newton_steps = max_newton_steps
+        self.max_solver_iterations = max_solver_iterations
+        self.compression_rank = compression_rank
+        self.preconditioner_rank = preconditioner_rank
+        self.covariance_iterations = covariance_iterations
+        self.recycle = recycle
+        self.outer_tol = outer_tol
+        self.solver_tol = solver_tol
 
     @property
     def _auto_kernel(self) -> bool:
@@ -288,16 +289,6 @@ class _IterNCGPEstimator(BaseEstimator):
             raise _param_error(self, "kernel", "a gpytorch.kernels.Kernel, 'auto' or None", self.kernel)
         if self.link is not None and self.link not in self._links:
             raise _param_error(self, "link", f"a str among {set(self._links)} or None", self.link)
-        if not (
-            isinstance(self.policy, Policy) or (isinstance(self.policy, str) and self.policy in ("auto", "cg", "unit"))
-        ):
-            raise _param_error(self, "policy", "'auto', 'cg', 'unit' or a gpytorch_iterncgp.Policy", self.policy)
-        self._check(check_count, "max_newton_steps", minimum=1, allow_none=True)
-        if self.max_solver_iterations != "auto":
-            self._check(check_count, "max_solver_iterations", minimum=1, allow_none=True)
-        self._check(check_count, "compression_rank", minimum=1, allow_none=True)
-        self._check(check_count, "preconditioner_rank")
-        self._check(check_count, "covariance_iterations", allow_none=True)
         if not is_string(self.optimizer_steps, "auto"):
             self._check(check_count, "optimizer_steps")
         self._check(check_count, "train_fit_steps", minimum=1)
@@ -312,17 +303,13 @@ class _IterNCGPEstimator(BaseEstimator):
             raise _param_error(self, "inference", "a str among {'auto', 'laplace', 'ep', 'sparse_ep'}", self.inference)
         self._check(check_count, "num_inducing", minimum=1)
         self._check(check_count, "batch_size", minimum=1)
-        self._check(check_nonnegative, "solver_tol", positive=True)
         if not is_string(self.learning_rate, "auto"):
             self._check(check_nonnegative, "learning_rate", positive=True)
-        if self.outer_tol is not None:
-            self._check(check_nonnegative, "outer_tol", positive=True)
         if self.max_time is not None:
             self._check(check_nonnegative, "max_time")
         if not (isinstance(self.standardize, bool) or is_string(self.standardize, "auto")):
             raise _param_error(self, "standardize", "True, False or 'auto'", self.standardize)
-        for name in ("recycle", "verbose"):
-            self._check(check_flag, name)
+        self._check(check_flag, "verbose")
         if not is_string(self.optimize_hyperparameters, DEPRECATED):
             self._check(check_flag, "optimize_hyperparameters")
         self._check_device()
@@ -340,37 +327,32 @@ class _IterNCGPEstimator(BaseEstimator):
                 "a GPU."
             )
 
-    def _solver_budget(self, num_points: int, num_latents: int = 1, inference: str = "laplace") -> dict:
-        """:func:`~gpytorch_iterncgp.learning.estimator_policy.solver_budget` at this estimator's ``policy``,
-        ``max_solver_iterations`` and ``solver_tol``, for ``num_points`` of ``num_latents`` latent values each."""
-        return solver_budget(
-            self.policy, self.max_solver_iterations, self.solver_tol, num_points, num_latents, inference
+    def _solver_settings(self, seed: int, num_points: int, num_latents: int, inference: str) -> tuple[dict, dict]:
+        """The solver budget and the strategy's keyword arguments of this estimator's ``solver_options`` (and
+        deprecated solver parameters), for ``num_points`` of ``num_latents`` latent values each
+        (:func:`~gpytorch_iterncgp.learning.estimator_policy.solver_settings`)."""
+        name = type(self).__name__
+        train_fit_steps = renamed(
+            name,
+            "learning_fit_steps",
+            "train_fit_steps",
+            self.learning_fit_steps,
+            self.train_fit_steps,
+            SolverOptions.train_fit_steps,
+            stacklevel=5,
         )
-
-    def _strategy_options(self, seed: int, budget: dict, inference: str) -> dict:
-        """:func:`~gpytorch_iterncgp.learning.estimator_policy.strategy_options` at this estimator's parameters."""
-        return strategy_options(
-            budget,
+        former = {parameter: getattr(self, parameter) for parameter in FORMER_SOLVER_PARAMETERS}
+        return solver_settings(
+            name,
+            self.solver_options,
+            former,
             inference,
+            num_points,
+            num_latents,
             seed=seed,
-            max_newton_steps=self.max_newton_steps,
-            compression_rank=self.compression_rank,
-            preconditioner_rank=self.preconditioner_rank,
-            covariance_iterations=self.covariance_iterations,
-            recycle=self.recycle,
-            outer_tol=self.outer_tol,
-            train_fit_steps=int(
-                renamed(
-                    type(self).__name__,
-                    "learning_fit_steps",
-                    "train_fit_steps",
-                    self.learning_fit_steps,
-                    self.train_fit_steps,
-                    SolverOptions.train_fit_steps,
-                    stacklevel=5,
-                )
-            ),
-            show_progress=self.verbose,
+            train_fit_steps=int(train_fit_steps),
+            show_progress=bool(self.verbose),
+            stacklevel=5,
         )
 
     def _learning_settings(self, inference: str) -> tuple[int, float]:
@@ -505,8 +487,8 @@ class _IterNCGPEstimator(BaseEstimator):
         # kernel="auto": the model starts with the first candidate; fit_mll learns each, keeps the best held-out one
         kernel, candidates = self._starting_kernels(X.shape[1], names)
         self.inference_ = inference
-        self.solver_budget_ = budget = self._solver_budget(len(X), num_latents, inference)
-        options = self._strategy_options(seed, budget, inference)
+        budget, options = self._solver_settings(seed, len(X), num_latents, inference)
+        self.solver_budget_ = budget
         strategy_type = EPStrategy if inference == "ep" else IterNCGPStrategy
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)  # probe vectors of the matrix-free evidence, random actions
@@ -528,7 +510,8 @@ class _IterNCGPEstimator(BaseEstimator):
         # the final fit stopped at its step limit: the package's warning names the strategy's option
         at_step_limit = report.fit_report.limit == model.variational_strategy.max_steps_option
         limit_note = (
-            f" In {type(self).__name__}, the parameter max_newton_steps sets this limit (EP's sweeps too)."
+            f" In {type(self).__name__}, solver_options={{{model.variational_strategy.max_steps_option!r}: ...}} "
+            "sets this limit."
             if at_step_limit
             else ""
         )
@@ -662,53 +645,44 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
         the edge wins (``outputscale_extensions``; :class:`~gpytorch_iterncgp.LearningRecipe`), by the log-loss of
         held-out training rows (``validation_rows_``: the learnt outputscale can be far from the predictive's best). This is
         :func:`~gpytorch_iterncgp.fit_mll`'s recipe; what was used is ``inference_`` and ``learning_report_``.
-    :param policy: IterGP's actions: ``"cg"`` (conjugate gradients), ``"unit"`` (a random subset of the data
-        per iteration, seeded by ``random_state``), a :class:`~gpytorch_iterncgp.Policy`, or ``"auto"`` (default):
-        ``"unit"`` where ``max_solver_iterations="auto"`` solves exactly (below), ``"cg"`` otherwise.
-    :param max_newton_steps: the most damped Newton steps (EP: sweeps) per fit; ``None``: the fit runs until it
-        converges, or stalls with a warning.
-    :param max_solver_iterations: IterGP iterations (products with the kernel matrix) per Newton step (EP sweep);
-        ``None``: until the residual is below ``solver_tol``. ``"auto"`` (default): no budget where the exact
-        posterior is affordable, the strategy's budget elsewhere. With :math:`N C` latent values (:math:`C = 1`
-        for binary data, the number of classes otherwise):
+    :param solver_options: the dense solver's options (``inference`` ``"laplace"`` or ``"ep"``), a dict by the names
+        of the strategy's options (:class:`~gpytorch_iterncgp.SolverOptions` for Laplace, EP's ``EPOptions``;
+        :func:`~gpytorch_iterncgp.learning.estimator_policy.solver_option_names`), each replacing the estimator's
+        choice for that option alone; ``None`` (default): the estimator's choices. What a practitioner tunes here:
 
-        The rule is :func:`~gpytorch_iterncgp.learning.estimator_policy.solver_budget`:
-
-        * :math:`N C \le` :data:`~gpytorch_iterncgp.learning.thresholds.EXACT_SOLVE_SIZE` (1000): the **exact
-          Laplace posterior**. With ``policy="auto"`` (or ``"unit"``) every solve takes unit-vector actions until the approximate
-          precision :math:`\mathbf C` has full rank (``solver_tol`` is not used): the posterior mean *and*
-          covariance are those of the exact Laplace approximation, without computational uncertainty. (A
-          solve stopped by the residual tolerance converges the mean long before the covariance.) The first
-          Newton step costs :math:`N C` products with the kernel matrix; later steps and refits at new
-          hyperparameters reuse the recycled actions. With another policy: no budget, until ``solver_tol``.
-        * :math:`N C >` :data:`~gpytorch_iterncgp.learning.thresholds.EXACT_SOLVE_SIZE`: CG, at most
-          :data:`~gpytorch_iterncgp.learning.estimator_policy.DEFAULT_SOLVER_ITERATIONS` iterations per
-          Newton step (:class:`~gpytorch_iterncgp.IterNCGPStrategy`'s default); the predictive variance then
-          includes the computational uncertainty of the stopped solver. Binary EP past
+        * ``"policy"``: IterGP's actions, ``"cg"`` (conjugate gradients), ``"unit"`` (a random subset of the data per
+          iteration, seeded by ``random_state``), a :class:`~gpytorch_iterncgp.Policy`, or ``"auto"`` (the default):
+          ``"unit"`` where ``"max_solver_iterations"`` ``"auto"`` solves exactly (below), ``"cg"`` otherwise.
+        * ``"max_solver_iterations"``: IterGP iterations (products with the kernel matrix) per Newton step (EP
+          sweep); ``None``: until the residual is below the tolerances. ``"auto"`` (the default):
+          :func:`~gpytorch_iterncgp.learning.estimator_policy.solver_budget`'s rule. With :math:`N C` latent values
+          (:math:`C = 1` for binary data, the number of classes otherwise), :math:`N C \le`
+          :data:`~gpytorch_iterncgp.learning.thresholds.EXACT_SOLVE_SIZE` (1000): the **exact posterior**, every
+          solve taking unit-vector actions until the approximate precision :math:`\mathbf C` has full rank (the
+          posterior mean *and* covariance without computational uncertainty; the first Newton step costs :math:`N C`
+          products with the kernel matrix, later steps and refits reuse the recycled actions). Above it: CG, at most
+          :data:`~gpytorch_iterncgp.learning.estimator_policy.DEFAULT_SOLVER_ITERATIONS` iterations per Newton step
+          (the predictive variance then includes the computational uncertainty of the stopped solver); binary EP past
           :data:`~gpytorch_iterncgp.learning.thresholds.EP_POINTS_PER_BUDGET` (10 000) points:
           :data:`~gpytorch_iterncgp.learning.estimator_policy.DEFAULT_SOLVER_ITERATIONS` per sweep for every 10 000
-          points, rounded up (its
-          cavities take the marginal variances, computational uncertainty included; with fewer the sweeps
-          diverged at 2·10⁴ binary points).
+          points, rounded up (its cavities take the marginal variances; with fewer the sweeps diverged at 2·10⁴
+          binary points). What was used is ``solver_budget_``.
+        * ``"abs_tol"``, ``"rel_tol"``: IterGP stops a step where the residual norm is below
+          ``max(abs_tol, rel_tol * ||b||)``; the estimator's are 1e-5 (0 for the exact solves above).
+        * ``"max_newton_steps"`` (Laplace), ``"max_sweeps"`` (EP): the most steps of a fit; ``None`` (the default):
+          until it converges, or stalls with a warning.
+        * ``"outer_tol"`` (Laplace: the representer weights' relative change), ``"site_tol"`` and ``"marginal_tol"``
+          (EP: the sites' largest change, the marginals' mean movement in nats per latent value, 1e-3, and 1e-5
+          with the exact solves, ``EXACT_MARGINAL_TOL``): when a fit has converged.
+        * ``"compression_rank"`` (recycled actions kept between steps, ``None``: all), ``"preconditioner_rank"`` (the
+          low-rank factor of the kernel that preconditions CG, :mod:`~gpytorch_iterncgp.core.preconditioner`, 0:
+          none), ``"recycle"``, ``"covariance_iterations"`` (blocks of the covariance phase after the final fit,
+          :mod:`gpytorch_iterncgp.core.covariance`: Laplace's 5, EP's 0; not run while the hyperparameters are
+          learnt, run in the held-out outputscale choice's fits).
 
-        What was used is recorded in ``solver_budget_``.
-    :param compression_rank: number of recycled solver actions kept between Newton steps (``None``: all).
-    :param preconditioner_rank: columns of the low-rank factor of the kernel that preconditions the solver's CG
-        actions (:mod:`~gpytorch_iterncgp.core.preconditioner`); ``0``: none.
-    :param covariance_iterations: blocks of the covariance phase after the final fit (one product with the kernel
-        matrix each; :mod:`gpytorch_iterncgp.core.covariance`): they shrink the predictive variance towards the Laplace
-        posterior's where the solver budget left computational uncertainty (:math:`N C >` 1000). Not run while the
-        hyperparameters are learnt; run in the held-out outputscale choice's fits. ``None``: the approximation's
-        default (Laplace's 5, EP's 0: for EP it did not help).
-    :param recycle: recycle solver actions across Newton steps.
-    :param outer_tol: stop the Newton loop when the representer weights change by less than this (relative), or EP
-        when no site would change by more (``site_tol``); ``None`` (default): the strategy's own (``1e-2`` for
-        Newton, ``1e-4`` for EP); with ``None`` EP also stops, converged, once a sweep moves the posterior marginals
-        at the training points by less than :class:`~gpytorch_iterncgp.EPStrategy`'s ``marginal_tol`` (nats per
-        latent value on average): 1e-3 past the exact solves (:math:`N C > 1000` latent values), 1e-5 with them
-        (``EXACT_MARGINAL_TOL``): the test log-loss has settled by then.
-    :param solver_tol: IterGP stops a Newton step early when the residual norm is below
-        ``solver_tol * max(1, ||b||)`` (with ``max_solver_iterations=None`` this is the only stop).
+        A key that is no option of the inference's strategy is refused, naming its options; ``train_fit_steps``,
+        the seed and the progress bar are the estimator's own parameters (``train_fit_steps``, ``random_state``,
+        ``verbose``).
     :param optimizer_steps: ``"auto"`` (default): 25 under dense inference (:class:`~gpytorch_iterncgp.LearningRecipe`),
         2000 minibatch steps under ``"sparse_ep"`` (:class:`~gpytorch_iterncgp.MinibatchRecipe`'s ``max_steps``);
         ``0``: the kernel's hyperparameters are not learnt (the posterior is fitted at the kernel given; stochastic EP
@@ -727,7 +701,7 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
     :param train_fit_steps: with Adam, the Newton steps (EP sweeps) each evaluation of the evidence runs on from
         the previous posterior (the strategy's option of that name; at most its ``train_compression_rank``, 20,
         recycled actions are kept): the posterior follows the hyperparameters loosely, and the final fit
-        (``max_newton_steps``) converges it. L-BFGS refits whole at each evaluation (its line search needs converged
+        converges it. L-BFGS refits whole at each evaluation (its line search needs converged
         values).
     :param learning_subset: the number of training points the hyperparameters are learnt on: a random subset, drawn
         with ``random_state`` and stratified by class (every class keeps its share), whose evidence is maximised before
@@ -757,6 +731,11 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
         (:func:`~gpytorch_iterncgp.fit_mll`).
     :param learning_fit_steps: the deprecated name of ``train_fit_steps`` (a ``FutureWarning``).
     :param optimize_hyperparameters: deprecated (a ``FutureWarning``): ``False`` is ``optimizer_steps=0``.
+    :param policy: deprecated (a ``FutureWarning``), as are ``max_newton_steps``, ``max_solver_iterations``,
+        ``compression_rank``, ``preconditioner_rank``, ``covariance_iterations``, ``recycle``, ``outer_tol`` and
+        ``solver_tol``: each is the ``solver_options`` key of its name, but ``max_newton_steps`` and ``outer_tol`` are
+        EP's ``"max_sweeps"`` and ``"site_tol"`` (with ``"marginal_tol": None``) under EP and ``solver_tol`` is
+        ``"abs_tol"`` and ``"rel_tol"``.
 
     Fitted attributes: ``classes_``, ``n_classes_``, ``n_features_in_`` (``feature_names_in_``), ``scaler_`` (the
     fitted ``StandardScaler``, or ``None`` where ``standardize=False``), ``feature_lengthscales_`` (``(D,)``: the fitted
@@ -772,7 +751,7 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
     :class:`~gpytorch_iterncgp.WorseThanConstantWarning` where it predicts them worse; or ``None``),
     ``fit_report_`` (the final :class:`~gpytorch_iterncgp.FitReport`; its text also says where the learning's time went), ``learning_report_`` (a :class:`LearningReport`: evidence evaluations, seconds in fits, evidence and gradients, why it stopped), ``loss_curve_`` (``-evidence / n``
     at every evaluation of the evidence: L-BFGS iterations and line-search trials, or Adam steps), ``solver_budget_`` (a dict: the ``policy``, ``max_solver_iterations`` and ``solver_tol``
-    the strategy was given, ``exact``: whether every solve ran to full rank, and the ``rule`` that chose them).
+    (both tolerances) the estimator's rule gave the strategy, ``exact``: whether every solve ran to full rank, and the ``rule`` that chose them).
     """
 
     _links = ("logit", "probit")

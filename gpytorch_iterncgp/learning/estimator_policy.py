@@ -19,17 +19,20 @@ latent values each (:math:`C = 1` for binary and count data, the number of class
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
-from ..core.policies import Policy
-from ..core.validation import is_string
+from ..core.policies import Policy, make_policy
+from ..core.validation import DEPRECATED, is_string
 from ..kernels.family import default_kernel, log_positive
 from ..laplace.newton import SolverOptions
 from ..mlls.itergp import EPMarginalLogLikelihood, LaplaceMarginalLogLikelihood
-from ..strategies.itergp import EPStrategy
+from ..strategies.base import replaced_options
+from ..strategies.itergp import EPStrategy, IterNCGPStrategy
 from .rows import auto_choice_size, auto_learning_size, auto_subset_size, holds_out_rows
 from .thresholds import (
     EP_POINTS_PER_BUDGET,
@@ -76,8 +79,9 @@ REGRESSOR_INFERENCE = "laplace"
 DEFAULT_SOLVER_ITERATIONS = cast(int, SolverOptions.max_solver_iterations)  # an int (the dataclass field allows None)
 
 
-#: the parameters only dense inference (``"laplace"``, ``"ep"``) uses: its solver and its learning on a subset
-DENSE_ONLY = (
+#: the estimators' former solver parameters, each now a key of ``solver_options`` (deprecated: a ``FutureWarning``,
+#: and they keep working for one release; :func:`former_solver_options`)
+FORMER_SOLVER_PARAMETERS = (
     "policy",
     "max_newton_steps",
     "max_solver_iterations",
@@ -87,9 +91,14 @@ DENSE_ONLY = (
     "recycle",
     "outer_tol",
     "solver_tol",
+)
+#: the parameters only dense inference (``"laplace"``, ``"ep"``) uses: its solver and its learning on a subset
+DENSE_ONLY = (
+    "solver_options",
     "train_fit_steps",
     "learning_fit_steps",
     "learning_subset",
+    *FORMER_SOLVER_PARAMETERS,
 )
 #: the parameters only stochastic EP (``"sparse_ep"``) uses: its inducing inputs and minibatches
 SPARSE_ONLY = ("num_inducing", "batch_size")
@@ -334,64 +343,183 @@ def solver_budget(
     return dict(policy=chosen, max_solver_iterations=iterations, solver_tol=tolerance, exact=exact, rule=rule)
 
 
+#: the strategy options the estimators set from parameters of their own (``solver_options`` refuses them)
+ESTIMATOR_SET_OPTIONS = {"train_fit_steps": "train_fit_steps", "seed": "random_state", "show_progress": "verbose"}
+
+
+def _strategy_type(inference: str) -> type[IterNCGPStrategy] | type[EPStrategy]:
+    """The dense strategy of ``inference`` (``"laplace"`` or ``"ep"``)."""
+    return EPStrategy if inference == "ep" else IterNCGPStrategy
+
+
+def solver_option_names(inference: str) -> tuple[str, ...]:
+    """The keys ``solver_options`` takes under ``inference`` (``"laplace"`` or ``"ep"``): ``policy`` and the fields
+    of the strategy's options (:class:`~gpytorch_iterncgp.SolverOptions`, EP's ``EPOptions``), by their names there,
+    but those the estimators set from their own parameters (:data:`ESTIMATOR_SET_OPTIONS`)."""
+    fields = [field.name for field in dataclasses.fields(_strategy_type(inference)._options_type)]
+    return ("policy", *(name for name in fields if name not in ESTIMATOR_SET_OPTIONS))
+
+
+def checked_solver_options(estimator: str, solver_options: Any, inference: str) -> dict:
+    """``solver_options`` (``None`` or a mapping) as a dict, its keys checked against :func:`solver_option_names`.
+
+    :raises ValueError: for another type, or a key that is no option of ``inference``'s strategy (naming the
+        estimator parameter where it is one, the keys otherwise).
+    """
+    if solver_options is None:
+        return {}
+    if not isinstance(solver_options, Mapping):
+        raise ValueError(
+            f"The 'solver_options' parameter of {estimator} must be a dict of the solver's options or None, got "
+            f"{solver_options!r}."
+        )
+    names = solver_option_names(inference)
+    for key in solver_options:
+        if key in ESTIMATOR_SET_OPTIONS:
+            raise ValueError(
+                f"{estimator}: solver_options[{key!r}] is set by the estimator's parameter "
+                f"{ESTIMATOR_SET_OPTIONS[key]}=; give it there."
+            )
+        if key not in names:
+            raise ValueError(
+                f"{estimator}: solver_options[{key!r}] is no option of {_strategy_type(inference).__name__} "
+                f"(inference={inference!r}); its options are {', '.join(names)}."
+            )
+    return dict(solver_options)
+
+
+def _check_solver_values(estimator: str, options: Mapping[str, Any], inference: str) -> None:
+    """The values of ``options`` (strategy options by name) as the strategy checks them; ``"auto"`` is the
+    estimators' rule for ``policy`` and ``max_solver_iterations``.
+
+    :raises ValueError: with the strategy's message.
+    """
+    policy = options.get("policy", "auto")
+    values = {key: value for key, value in options.items() if key != "policy" and not is_string(value, "auto")}
+    try:
+        if not is_string(policy, "auto"):
+            make_policy(policy)
+        replaced_options(_strategy_type(inference)._options_type(), values, f"{estimator}'s solver_options")
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"The 'solver_options' parameter of {estimator} is invalid: {error}") from error
+
+
+def former_solver_options(estimator: str, former: Mapping[str, Any], inference: str, stacklevel: int) -> dict:
+    """The deprecated solver parameters given (those of :data:`FORMER_SOLVER_PARAMETERS` not
+    :data:`~gpytorch_iterncgp.core.validation.DEPRECATED`) as ``solver_options`` under ``inference``, with one
+    ``FutureWarning`` naming each and its key: ``max_newton_steps`` is EP's ``max_sweeps``; ``outer_tol`` is EP's
+    ``site_tol`` (then the sites' test alone, ``marginal_tol=None``, as before); ``solver_tol`` is ``abs_tol`` and
+    ``rel_tol`` (returned as ``"solver_tol"``: :func:`solver_budget` reads it, as it read the parameter).
+
+    :param stacklevel: of the warning, counted from this function.
+    """
+    given = {name: value for name, value in former.items() if not is_string(value, DEPRECATED)}
+    if not given:
+        return {}
+    ep = inference == "ep"
+    options: dict[str, Any] = {}
+    for name, value in given.items():
+        if name == "max_newton_steps":
+            options["max_sweeps" if ep else name] = value
+        elif name == "outer_tol" and ep:
+            options.update(site_tol=value, marginal_tol=None)
+        else:
+            options[name] = value
+    keys = ", ".join(f"{name}= as solver_options[{_former_key(name, ep)!r}]" for name in given)
+    warnings.warn(
+        f"{estimator}: the solver's parameters are deprecated and will be removed in a future release; give "
+        f"{keys} (solver_options takes the strategy's options by their names).",
+        FutureWarning,
+        stacklevel=stacklevel,
+    )
+    return options
+
+
+def _former_key(name: str, ep: bool) -> str:
+    """The ``solver_options`` key of the former parameter ``name``."""
+    if ep and name in ("max_newton_steps", "outer_tol"):
+        return {"max_newton_steps": "max_sweeps", "outer_tol": "site_tol"}[name]
+    return {"solver_tol": "abs_tol' and 'rel_tol"}.get(name, name)
+
+
+def solver_settings(
+    estimator: str,
+    solver_options: Any,
+    former: Mapping[str, Any],
+    inference: str,
+    num_points: int,
+    num_latents: int,
+    *,
+    seed: int,
+    train_fit_steps: int,
+    show_progress: bool,
+    stacklevel: int,
+) -> tuple[dict, dict]:
+    """The solver budget (:func:`solver_budget`) and the strategy's keyword arguments (:func:`strategy_options`) of
+    an estimator's ``solver_options`` (:func:`checked_solver_options`) and its deprecated solver parameters
+    (:func:`former_solver_options`; refused beside ``solver_options`` keys they would set), under ``inference``.
+
+    :raises ValueError: as :func:`checked_solver_options`, for a former parameter beside its key, or for a value
+        the strategy refuses (its message).
+    """
+    options = checked_solver_options(estimator, solver_options, inference)
+    former_options = former_solver_options(estimator, former, inference, stacklevel + 1)
+    both = sorted(set(options) & set(former_options))
+    if both or ("solver_tol" in former_options and {"abs_tol", "rel_tol"} & set(options)):
+        raise ValueError(
+            f"{estimator}: solver_options and the deprecated solver parameters both set "
+            f"{', '.join(both) or 'the tolerances'}; give solver_options alone."
+        )
+    tolerance = former_options.pop("solver_tol", ESTIMATOR_DEFAULTS.solver_tol)
+    options.update(former_options)
+    _check_solver_values(estimator, {**options, "abs_tol": tolerance, **options}, inference)
+    budget = solver_budget(
+        options.pop("policy", ESTIMATOR_DEFAULTS.policy),
+        options.pop("max_solver_iterations", ESTIMATOR_DEFAULTS.max_solver_iterations),
+        tolerance,
+        num_points,
+        num_latents,
+        inference,
+    )
+    settings = strategy_options(
+        budget, inference, seed=seed, train_fit_steps=train_fit_steps, show_progress=show_progress
+    )
+    return budget, {**settings, **options}
+
+
 def strategy_options(
     budget: Mapping[str, Any],
     inference: str,
     *,
     seed: int,
-    max_newton_steps: int | None,
-    compression_rank: int | None,
-    preconditioner_rank: int,
-    covariance_iterations: int | None,
-    recycle: bool,
-    outer_tol: float | None,
     train_fit_steps: int,
     show_progress: bool,
 ) -> dict:
     """The keyword arguments of the strategy (:class:`~gpytorch_iterncgp.IterNCGPStrategy` or
-    :class:`~gpytorch_iterncgp.EPStrategy`) from the estimator's parameters.
-
-    ``solver_tol`` is both ``abs_tol`` and ``rel_tol``; ``max_newton_steps`` bounds EP's sweeps too (``max_sweeps``),
-    and ``outer_tol`` is EP's ``site_tol`` (``None``: the strategy's own default, absent from the result); EP
-    converges where its marginals settle (the strategy's default ``marginal_tol``) unless its solves are exact
-    (``budget["exact"]``: a few hundred latent values, where exact EP to ``site_tol`` is cheap and its evidence
-    exact) or ``outer_tol`` is given: then the sites' test alone (``marginal_tol=None``). The policy is copied, so
-    that a :class:`~gpytorch_iterncgp.Policy` given to the estimator is not advanced
-    by its fits.
+    :class:`~gpytorch_iterncgp.EPStrategy`) that the estimators' rules set, before ``solver_options``: the budget's
+    policy and iterations, its tolerance as both ``abs_tol`` and ``rel_tol``, and under EP with exact solves
+    (``budget["exact"]``: a few hundred latent values, where exact EP is cheap and its evidence exact) the
+    marginals' test at :data:`~.thresholds.EXACT_MARGINAL_TOL` (elsewhere the strategy's default ``marginal_tol``).
+    The policy is copied, so that a :class:`~gpytorch_iterncgp.Policy` given to the estimator is not advanced by its
+    fits.
 
     :param budget: :func:`solver_budget`'s result.
     :param inference: ``"laplace"`` or ``"ep"``.
     :param seed: the strategy's seed (unit-vector policy, probe vectors).
-    :param covariance_iterations: the final fit's covariance-phase blocks (``fit_mll`` learns without); ``None``: the
-        strategy's own default (absent from the result).
     :return: a dict of the strategy's keyword arguments.
     """
     options = dict(
         policy=copy.deepcopy(budget["policy"]),
         max_solver_iterations=budget["max_solver_iterations"],
-        compression_rank=compression_rank,
-        preconditioner_rank=int(preconditioner_rank),
-        recycle=bool(recycle),
         train_fit_steps=int(train_fit_steps),
         abs_tol=budget["solver_tol"],
         rel_tol=budget["solver_tol"],
         seed=seed,
         show_progress=bool(show_progress),
     )
-    if covariance_iterations is not None:
-        options["covariance_iterations"] = int(covariance_iterations)
-    tolerance = {} if outer_tol is None else {"site_tol" if inference == "ep" else "outer_tol": outer_tol}
-    if inference == "ep":
-        # a tolerance given for the sites: theirs alone; exact solves: marginals that settled to EXACT_MARGINAL_TOL
-        marginal = (
-            {"marginal_tol": None}
-            if outer_tol is not None
-            else {"marginal_tol": EXACT_MARGINAL_TOL}
-            if budget["exact"]
-            else {}
-        )
-        return {**options, "max_sweeps": max_newton_steps, **marginal, **tolerance}
-    return {**options, "max_newton_steps": max_newton_steps, **tolerance}
+    if inference == "ep" and budget["exact"]:
+        options["marginal_tol"] = EXACT_MARGINAL_TOL
+    return options
 
 
 def evidence_class(strategy: Any) -> type[LaplaceMarginalLogLikelihood] | type[EPMarginalLogLikelihood]:

@@ -97,10 +97,7 @@ def test_posterior_equals_exact_laplace_of_sklearn_gpc():
     y = (rng.uniform(size=60) < 1 / (1 + np.exp(-3 * np.sin(2 * x[:, 0])))).astype(int)
     classifier = IterNCGPClassifier(
         inference="laplace",
-        policy="unit",
-        max_solver_iterations=None,
-        solver_tol=1e-12,
-        outer_tol=1e-12,
+        solver_options=dict(policy="unit", max_solver_iterations=None, abs_tol=1e-12, rel_tol=1e-12, outer_tol=1e-12),
         optimizer_steps=0,
         standardize=False,
     ).fit(x, y)

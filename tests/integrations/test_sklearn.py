@@ -46,23 +46,23 @@ from tests import reference  # noqa: E402
 
 # Tiny settings for scikit-learn's checks (dozens of fits on up to 300 points); the hyperparameter path
 # runs (two Adam steps) in the default classifier and the regressor.
-FAST = dict(max_newton_steps=5, max_solver_iterations=5, optimizer_steps=2, random_state=0)
+FAST = dict(optimizer_steps=2, random_state=0)
+EP_BUDGET = dict(solver_options={"max_sweeps": 5, "max_solver_iterations": 5})
+LAPLACE_BUDGET = dict(solver_options={"max_newton_steps": 5, "max_solver_iterations": 5})
 CHECKED = [
-    IterNCGPClassifier(**FAST),  # EP (inference="auto")
-    IterNCGPClassifier(link="probit", **{**FAST, "optimizer_steps": 0}),
-    IterNCGPPoissonRegressor(**FAST),  # Laplace
+    IterNCGPClassifier(**FAST, **EP_BUDGET),  # EP (inference="auto")
+    IterNCGPClassifier(link="probit", **{**FAST, "optimizer_steps": 0}, **EP_BUDGET),
+    IterNCGPPoissonRegressor(**FAST, **LAPLACE_BUDGET),  # Laplace
 ]
-CHECKED_SLOW = [IterNCGPClassifier(inference="laplace", **FAST)]  # the same facade as the first, with -m slow
+CHECKED_SLOW = [IterNCGPClassifier(inference="laplace", **FAST, **LAPLACE_BUDGET)]  # the first's facade, with -m slow
 # Every solve exact: unit-vector actions until the residual vanishes (all N of them, so the precision
 # C = QQ^T is the exact (K + W^-1)^-1 and the covariance the exact Laplace covariance), Newton to 1e-12.
 TIGHT = dict(
     standardize=False,  # the references' kernels act on the features as given
     inference="laplace",
-    policy="unit",
-    max_solver_iterations=None,
-    solver_tol=1e-12,
-    outer_tol=1e-12,
-    max_newton_steps=100,
+    solver_options=dict(
+        policy="unit", max_solver_iterations=None, abs_tol=1e-12, rel_tol=1e-12, outer_tol=1e-12, max_newton_steps=100
+    ),
     optimizer_steps=0,
 )
 
@@ -76,7 +76,7 @@ def expected_failed_checks(estimator) -> dict[str, str]:
     return {}
 
 
-# The checks' budgets (max_newton_steps=5) stop some fits before they converge, on purpose: scikit-learn's own
+# The checks' budgets (5 Newton steps or EP sweeps) stop some fits before they converge, on purpose: scikit-learn's own
 # estimator tests ignore the ConvergenceWarning that says so.
 @pytest.mark.filterwarnings("ignore::sklearn.exceptions.ConvergenceWarning")
 @parametrize_with_checks(CHECKED, expected_failed_checks=expected_failed_checks)
@@ -510,8 +510,9 @@ def test_random_state_reproducible_and_global_rng_untouched():
     x, y, x_test = _multiclass(num=90)  # N C = 270; forced matrix-free evidence is stochastic
     state = torch.random.get_rng_state()
     with settings.exact_evidence_size(10):
-        first = IterNCGPClassifier(policy="unit", optimizer_steps=3, random_state=3).fit(x, y)
-        second = IterNCGPClassifier(policy="unit", optimizer_steps=3, random_state=3).fit(x, y)
+        unit = dict(solver_options={"policy": "unit"}, optimizer_steps=3, random_state=3)
+        first = IterNCGPClassifier(**unit).fit(x, y)
+        second = IterNCGPClassifier(**unit).fit(x, y)
     assert torch.equal(state, torch.random.get_rng_state())
     np.testing.assert_array_equal(first.predict_proba(x_test), second.predict_proba(x_test))
     assert first.loss_curve_ == second.loss_curve_
@@ -544,9 +545,12 @@ def test_pickle_round_trip_predicts_without_refitting():
             "Laplace's multi-class likelihood is the softmax",
         ),
         (IterNCGPClassifier(link="cauchit"), np.zeros((2, 2)), [0, 1], "'link' parameter of IterNCGPClassifier"),
-        (IterNCGPClassifier(max_newton_steps=0), np.zeros((2, 2)), [0, 1], "'max_newton_steps' parameter"),
+        (IterNCGPClassifier(solver_options={"max_sweeps": -1}), np.zeros((2, 2)), [0, 1], "max_sweeps must be"),
+        (IterNCGPClassifier(solver_options={"max_newton_steps": 2}), np.zeros((2, 2)), [0, 1], "no option of EP"),
+        (IterNCGPClassifier(solver_options={"seed": 2}), np.zeros((2, 2)), [0, 1], "parameter random_state="),
+        (IterNCGPClassifier(solver_options=[2]), np.zeros((2, 2)), [0, 1], "'solver_options' parameter"),
         (IterNCGPClassifier(kernel="rbf"), np.zeros((2, 2)), [0, 1], "'kernel' parameter"),
-        (IterNCGPClassifier(policy="random"), np.zeros((2, 2)), [0, 1], "'policy' parameter"),
+        (IterNCGPClassifier(solver_options={"policy": "random"}), np.zeros((2, 2)), [0, 1], "'solver_options' param"),
         (IterNCGPClassifier(learning_subset="all"), np.zeros((2, 2)), [0, 1], "'learning_subset' parameter"),
         (IterNCGPClassifier(learning_subset=1), np.zeros((2, 2)), [0, 1], "'learning_subset' parameter"),
         (IterNCGPPoissonRegressor(learning_subset=True), np.zeros((2, 1)), [1, 2], "'learning_subset' parameter"),
@@ -628,13 +632,15 @@ def test_default_solver_budget_above_the_exact_size_is_the_strategys_default():
 
     assert DEFAULT_SOLVER_ITERATIONS == SolverOptions().max_solver_iterations  # the strategy's default option
     x, y, _ = _multiclass(num=EXACT_SOLVE_SIZE // 3 + 1)  # N C = 3 (EXACT_SOLVE_SIZE // 3 + 1) > EXACT_SOLVE_SIZE
-    fast = dict(optimizer_steps=0, max_newton_steps=2, random_state=0)
-    budget = IterNCGPClassifier(**fast).fit(x, y).solver_budget_
+    fast = dict(optimizer_steps=0, random_state=0)
+    budget = IterNCGPClassifier(solver_options={"max_sweeps": 2}, **fast).fit(x, y).solver_budget_
     assert budget["policy"] == "cg" and budget["max_solver_iterations"] == DEFAULT_SOLVER_ITERATIONS
     assert not budget["exact"] and budget["solver_tol"] == 1e-5
-    classifier = IterNCGPClassifier(policy="cg", max_solver_iterations=None, **fast).fit(x[:90], y[:90])
+    options = {"policy": "cg", "max_solver_iterations": None, "max_sweeps": 2}
+    classifier = IterNCGPClassifier(solver_options=options, **fast).fit(x[:90], y[:90])
     assert classifier.solver_budget_["max_solver_iterations"] is None and not classifier.solver_budget_["exact"]
-    classifier = IterNCGPClassifier(policy="cg", **fast).fit(x[:90], y[:90])  # small, CG asked for: to solver_tol
+    options = {"policy": "cg", "max_sweeps": 2}  # small, CG asked for: to the tolerances
+    classifier = IterNCGPClassifier(solver_options=options, **fast).fit(x[:90], y[:90])
     assert (
         classifier.solver_budget_["max_solver_iterations"] is None and classifier.solver_budget_["solver_tol"] == 1e-5
     )
@@ -645,13 +651,14 @@ def test_default_binary_ep_budget_grows_with_the_number_of_points():
     points (rounded up); multi-class EP and Laplace keep the strategy's default, and a budget the user set is kept."""
     estimator = IterNCGPClassifier()
     for points, blocks in ((EP_POINTS_PER_BUDGET, 1), (EP_POINTS_PER_BUDGET + 1, 2), (25_000, 3)):
-        budget = estimator._solver_budget(points, 1, "ep")
+        budget, _ = estimator._solver_settings(0, points, 1, "ep")
         assert budget["max_solver_iterations"] == blocks * DEFAULT_SOLVER_ITERATIONS and budget["policy"] == "cg"
         assert f"at most {blocks * DEFAULT_SOLVER_ITERATIONS} solver iterations" in budget["rule"]
         for latents, inference in ((1, "laplace"), (10, "ep")):
-            other = estimator._solver_budget(points, latents, inference)
+            other, _ = estimator._solver_settings(0, points, latents, inference)
             assert other["max_solver_iterations"] == DEFAULT_SOLVER_ITERATIONS
-    assert IterNCGPClassifier(max_solver_iterations=7)._solver_budget(25_000, 1, "ep")["max_solver_iterations"] == 7
+    budget, _ = IterNCGPClassifier(solver_options={"max_solver_iterations": 7})._solver_settings(0, 25_000, 1, "ep")
+    assert budget["max_solver_iterations"] == 7
 
 
 def test_dense_ep_past_the_switch_names_stochastic_ep_when_it_does_not_converge(monkeypatch):
@@ -660,7 +667,7 @@ def test_dense_ep_past_the_switch_names_stochastic_ep_when_it_does_not_converge(
     from sklearn.exceptions import ConvergenceWarning
 
     x, y, _ = _binary(num=200)
-    fast = dict(inference="ep", optimizer_steps=0, max_newton_steps=1, random_state=0)
+    fast = dict(inference="ep", optimizer_steps=0, solver_options={"max_sweeps": 1}, random_state=0)
     monkeypatch.setattr(estimator_policy, "SPARSE_EP_POINTS", 150)
     assert len(x) > 150 and estimator_policy.auto_inference(len(x), 2) == "sparse_ep"
     with pytest.warns(ConvergenceWarning, match="stopped at max_sweeps=1") as caught:
@@ -725,9 +732,9 @@ def test_covariance_iterations_shrink_the_predictive_variance_of_the_final_fit_o
 
     x, y = make_classification(n_samples=400, n_features=4, n_informative=3, n_redundant=0, n_classes=3, random_state=0)
     options = dict(random_state=0, optimizer_steps=3, inference="laplace")  # (EP's escalations refresh its marginals)
-    without = IterNCGPClassifier(covariance_iterations=0, **options).fit(x, y)
-    with_phase = IterNCGPClassifier(covariance_iterations=2, **options).fit(x, y)
-    assert with_phase.get_params()["covariance_iterations"] == 2
+    without = IterNCGPClassifier(solver_options={"covariance_iterations": 0}, **options).fit(x, y)
+    with_phase = IterNCGPClassifier(solver_options={"covariance_iterations": 2}, **options).fit(x, y)
+    assert with_phase.model_.variational_strategy.options.covariance_iterations == 2
     np.testing.assert_array_equal(with_phase.loss_curve_, without.loss_curve_)
     assert with_phase.fit_report_.kernel_products == without.fit_report_.kernel_products + 2
     test_x = torch.as_tensor(x[:100])
@@ -740,7 +747,7 @@ def test_covariance_iterations_shrink_the_predictive_variance_of_the_final_fit_o
 
 def test_covariance_iterations_must_be_a_count():
     with pytest.raises(ValueError, match="covariance_iterations"):
-        IterNCGPClassifier(covariance_iterations=-1).fit(np.zeros((4, 1)), np.array([0, 1, 0, 1]))
+        IterNCGPClassifier(solver_options={"covariance_iterations": -1}).fit(np.zeros((4, 1)), np.array([0, 1, 0, 1]))
 
 
 @pytest.mark.parametrize("regime", ["exact (L-BFGS)", "matrix-free (Adam)"])

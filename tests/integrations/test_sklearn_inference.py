@@ -31,7 +31,14 @@ from tests.integrations.test_sklearn import TIGHT, _binary, _kernel_with_priors,
 
 # Exact EP: the Laplace tests' exact solves (unit-vector actions to full rank in every sweep, sites to 1e-12), the
 # default kernel fixed.
-EXACT_EP = {**TIGHT, "inference": "ep", "max_newton_steps": 400}
+EXACT_EP = {
+    **TIGHT,
+    "inference": "ep",
+    "solver_options": dict(
+        policy="unit", max_solver_iterations=None, abs_tol=1e-12, rel_tol=1e-12, site_tol=1e-12, marginal_tol=None
+    )
+    | {"max_sweeps": 400},
+}
 
 
 def test_binary_ep_is_dense_ep():
@@ -91,7 +98,8 @@ def test_exact_ep_stops_where_its_marginals_settle_near_the_fixed_point(data, li
     x, y, x_test = data()
     options = dict(inference="ep", optimizer_steps=0, random_state=0, **({"link": link} if link else {}))
     settled = IterNCGPClassifier(**options).fit(x, y)
-    fixed_point = IterNCGPClassifier(outer_tol=1e-10, max_newton_steps=1000, **options).fit(x, y)
+    to_the_sites = {"site_tol": 1e-10, "marginal_tol": None, "max_sweeps": 1000}
+    fixed_point = IterNCGPClassifier(solver_options=to_the_sites, **options).fit(x, y)
     assert fixed_point.fit_report_.converged and settled.fit_report_.converged
     assert 2 * settled.fit_report_.steps <= fixed_point.fit_report_.steps
     np.testing.assert_allclose(settled.predict_proba(x_test), fixed_point.predict_proba(x_test), rtol=0, atol=3e-3)
@@ -104,7 +112,9 @@ def _learnt_evidence(train_fit_steps: int) -> tuple[float, float]:
     from sklearn.datasets import make_classification
 
     x, y = make_classification(n_samples=1200, n_features=3, n_informative=3, n_redundant=0, random_state=0)
-    options = dict(inference="laplace", optimizer_steps=12, random_state=0, max_solver_iterations=10)
+    options = dict(
+        inference="laplace", optimizer_steps=12, random_state=0, solver_options={"max_solver_iterations": 10}
+    )
     learnt = IterNCGPClassifier(train_fit_steps=train_fit_steps, **options).fit(x, y)
     start = IterNCGPClassifier(optimizer_steps=0, **options).fit(x, y)
     with settings.exact_evidence_size(2000):
@@ -144,7 +154,7 @@ def test_learning_runs_loose_fits_and_the_final_fit_whole(monkeypatch):
         optimizer_steps=3,
         random_state=0,
         train_fit_steps=2,
-        covariance_iterations=2,
+        solver_options={"covariance_iterations": 2},
         learning_subset=None,
     ).fit(x, y)
     assert budgets == [(2, 20, 0)] * 3 + [(None, None, 2)]  # the final fit: no step limit
@@ -323,8 +333,8 @@ def test_a_final_fit_stopped_by_its_limit_raises_scikit_learns_convergence_warni
     from sklearn.exceptions import ConvergenceWarning
 
     x, y = make_moons(200, noise=0.3, random_state=0)
-    with pytest.warns(ConvergenceWarning, match="max_newton_steps sets this limit") as caught:
-        IterNCGPClassifier(max_newton_steps=1, optimizer_steps=0).fit(x, y)
+    with pytest.warns(ConvergenceWarning, match=r"solver_options=\{'max_sweeps': ...\} sets this limit") as caught:
+        IterNCGPClassifier(solver_options={"max_sweeps": 1}, optimizer_steps=0).fit(x, y)
     assert caught[0].filename == __file__
     with warnings.catch_warnings():
         warnings.simplefilter("error", ConvergenceWarning)
@@ -410,8 +420,8 @@ def test_parameters_the_inference_does_not_use_are_refused():
     from gpytorch_iterncgp.sklearn import IterNCGPClassifier
 
     x, y, _ = _multiclass(num=60)
-    with pytest.raises(ValueError, match=r"max_solver_iterations=10 do\(es\) not apply: inference='sparse_ep'"):
-        IterNCGPClassifier(inference="sparse_ep", max_solver_iterations=10).fit(x, y)
+    with pytest.raises(ValueError, match=r"solver_options=\{'max_solver_iterations': 10\} do\(es\) not apply"):
+        IterNCGPClassifier(inference="sparse_ep", solver_options={"max_solver_iterations": 10}).fit(x, y)
     with pytest.raises(ValueError, match=r"num_inducing=32, batch_size=16 do\(es\) not apply: inference='auto' chose"):
         IterNCGPClassifier(num_inducing=32, batch_size=16).fit(x, y)
     with pytest.raises(ValueError, match="Set inference='sparse_ep' to use it"):
@@ -437,28 +447,54 @@ def _recorded_calls(monkeypatch, record) -> list[dict]:
     return calls
 
 
-@pytest.mark.parametrize("inference", ["laplace", "ep"])
-def test_every_estimator_parameter_reaches_what_it_names(monkeypatch, inference):
-    """Each parameter of the dense estimators, set away from its default, arrives where its name says: the strategy's
-    option of that name (EP's ``max_sweeps`` and ``site_tol`` for ``max_newton_steps`` and ``outer_tol``), the
-    ``LearningRecipe``, or ``fit_mll``'s keyword; the stochastic-EP ones are refused (the test above)."""
-    from sklearn.utils import check_random_state
+#: the solver's options set away from the estimators' choices, by the strategies' names (``solver_options``)
+SOLVER_GIVEN = dict(
+    policy="cg",
+    max_solver_iterations=9,
+    compression_rank=11,
+    preconditioner_rank=13,
+    covariance_iterations=3,
+    recycle=False,
+    abs_tol=1e-3,
+    rel_tol=1e-3,
+)
+#: the former estimator parameters of the same values (``max_newton_steps`` and ``outer_tol`` are EP's ``max_sweeps``
+#: and ``site_tol``)
+FORMER_GIVEN = {
+    **{name: value for name, value in SOLVER_GIVEN.items() if name not in ("abs_tol", "rel_tol")},
+    "solver_tol": 1e-3,
+    "max_newton_steps": 7,
+    "outer_tol": 0.05,
+}
 
+
+def _check_solver_options(strategy, inference: str) -> None:
+    """``strategy`` has :data:`SOLVER_GIVEN`'s options, 7 steps at most and a tolerance of 0.05 for its outer loop."""
     from gpytorch_iterncgp import ConjugateGradientPolicy
     from gpytorch_iterncgp.integrations import sklearn as estimators
 
+    options = strategy.options
+    steps, tolerance = ("max_sweeps", "site_tol") if inference == "ep" else ("max_newton_steps", "outer_tol")
+    assert isinstance(strategy, estimators.EPStrategy if inference == "ep" else estimators.IterNCGPStrategy)
+    assert isinstance(strategy.policy, ConjugateGradientPolicy)
+    assert (getattr(options, steps), getattr(options, tolerance)) == (7, 0.05)
+    assert (options.max_solver_iterations, options.compression_rank, options.preconditioner_rank) == (9, 11, 13)
+    assert (options.covariance_iterations, options.recycle) == (3, False)
+    assert options.abs_tol == options.rel_tol == 1e-3
+
+
+@pytest.mark.parametrize("inference", ["laplace", "ep"])
+def test_every_estimator_parameter_reaches_what_it_names(monkeypatch, inference):
+    """Each parameter of the dense estimators, set away from its default, arrives where its name says:
+    ``solver_options`` at the strategy's options of their names, the learning's at the ``LearningRecipe``, the rest at
+    ``fit_mll``'s keyword or the strategy option of its name; the stochastic-EP ones are refused (the test above)."""
+    from sklearn.utils import check_random_state
+
     calls = _recorded_calls(monkeypatch, lambda mll: {"strategy": mll.model.variational_strategy})
     x, y = _binary(num=1200)[:2]
+    steps, tolerance = ("max_sweeps", "site_tol") if inference == "ep" else ("max_newton_steps", "outer_tol")
     given = dict(
-        policy="cg",
-        max_newton_steps=7,
-        max_solver_iterations=9,
-        compression_rank=11,
-        preconditioner_rank=13,
-        covariance_iterations=3,
-        recycle=False,
-        outer_tol=0.05,
-        solver_tol=1e-3,
+        solver_options={**SOLVER_GIVEN, steps: 7, tolerance: 0.05},
         optimizer_steps=6,
         learning_rate=0.05,
         train_fit_steps=4,
@@ -471,14 +507,8 @@ def test_every_estimator_parameter_reaches_what_it_names(monkeypatch, inference)
         IterNCGPClassifier(inference=inference, **given).fit(x, y)
     (call,) = calls
     strategy, recipe = call["strategy"], call["recipe"]
-    options = strategy.options
-    steps, tolerance = ("max_sweeps", "site_tol") if inference == "ep" else ("max_newton_steps", "outer_tol")
-    assert isinstance(strategy, estimators.EPStrategy if inference == "ep" else estimators.IterNCGPStrategy)
-    assert isinstance(strategy.policy, ConjugateGradientPolicy)
-    assert (getattr(options, steps), getattr(options, tolerance)) == (7, 0.05)
-    assert (options.max_solver_iterations, options.compression_rank, options.preconditioner_rank) == (9, 11, 13)
-    assert (options.covariance_iterations, options.recycle, options.train_fit_steps) == (3, False, 4)
-    assert options.abs_tol == options.rel_tol == 1e-3
+    _check_solver_options(strategy, inference)
+    assert strategy.options.train_fit_steps == 4
     assert (recipe.optimizer_steps, recipe.learning_rate) == (6, 0.05)
     assert (call["learning_subset"], call["max_time"], call["show_progress"]) == (500, 30.0, True)
     assert call["seed"] == check_random_state(5).randint(np.iinfo(np.int32).max)
@@ -486,6 +516,29 @@ def test_every_estimator_parameter_reaches_what_it_names(monkeypatch, inference)
     with pytest.raises(_Recorded):
         IterNCGPClassifier(inference=inference, optimizer_steps=0).fit(x, y)
     assert calls[0]["recipe"].optimizer_steps == 0
+
+
+@pytest.mark.parametrize("inference", ["laplace", "ep"])
+def test_the_former_solver_parameters_warn_once_and_reach_the_same_options(monkeypatch, inference):
+    """The nine solver parameters ``solver_options`` replaced still work for one release: one ``FutureWarning`` at the
+    caller's line naming each one's key, and the strategy gets the options ``solver_options`` would give it (EP's
+    ``outer_tol`` tests the sites alone, as before: ``marginal_tol=None``); beside ``solver_options`` setting the
+    same option they are refused."""
+    calls = _recorded_calls(monkeypatch, lambda mll: {"strategy": mll.model.variational_strategy})
+    x, y = _binary(num=1200)[:2]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(_Recorded):
+            IterNCGPClassifier(inference=inference, **FORMER_GIVEN).fit(x, y)
+    future = [warning for warning in caught if issubclass(warning.category, FutureWarning)]
+    assert len(future) == 1 and future[0].filename == __file__
+    steps = "max_sweeps" if inference == "ep" else "max_newton_steps"
+    assert f"max_newton_steps= as solver_options['{steps}']" in str(future[0].message)
+    _check_solver_options(calls[0]["strategy"], inference)
+    if inference == "ep":
+        assert calls[0]["strategy"].options.marginal_tol is None
+    with pytest.raises(ValueError, match="both set policy"), pytest.warns(FutureWarning):
+        IterNCGPClassifier(inference=inference, policy="cg", solver_options={"policy": "unit"}).fit(x, y)
 
 
 def test_stochastic_eps_steps_and_learning_rate_are_the_estimators_optimizer_steps_and_learning_rate(monkeypatch):

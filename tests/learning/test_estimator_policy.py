@@ -32,7 +32,6 @@ from gpytorch_iterncgp.learning.estimator_policy import (
     default_kernel,
     evidence_class,
     solver_budget,
-    strategy_options,
 )
 from tests.common import IterNCGPModel, binary_data
 
@@ -141,45 +140,53 @@ def test_documented_constants():
 # ---------------------------------------------------------------------------------------------------
 # The strategy's options and evidence
 # ---------------------------------------------------------------------------------------------------
-def test_strategy_options_map_the_estimators_parameters():
+def test_strategy_options_are_the_rules_then_the_solver_options():
+    """The strategy's keywords: the budget's policy (a copy), iterations and tolerance (both ``abs_tol`` and
+    ``rel_tol``), the estimator's seed, progress bar and loose-fit steps, EP's marginals to ``EXACT_MARGINAL_TOL``
+    with exact solves; then each ``solver_options`` key replaces the option of its name alone."""
     policy = UnitVectorPolicy(seed=1)
-    budget = dict(policy=policy, max_solver_iterations=9, solver_tol=1e-6, exact=False)
-    common = dict(
-        seed=4,
-        max_newton_steps=12,
-        compression_rank=None,
-        preconditioner_rank=50,
-        covariance_iterations=2,
-        recycle=False,
-        train_fit_steps=3,
-        show_progress=False,
+    common = dict(seed=4, train_fit_steps=3, show_progress=False, stacklevel=1)
+    expected = dict(max_solver_iterations=9, train_fit_steps=3, abs_tol=1e-5, rel_tol=1e-5, seed=4, show_progress=False)
+    given = dict(policy=policy, max_solver_iterations=9, compression_rank=7, recycle=False)
+    for inference, steps in (("laplace", "max_newton_steps"), ("ep", "max_sweeps")):
+        budget, options = estimator_policy.solver_settings("E", {**given, steps: 12}, {}, inference, 2000, 1, **common)
+        assert options.pop("policy") is not policy  # a copy: the estimator's policy is not advanced by its fits
+        assert options == {**expected, "compression_rank": 7, "recycle": False, steps: 12}
+        assert budget["max_solver_iterations"] == 9 and budget["rule"] == "max_solver_iterations set by the user"
+    # exact solves (a few hundred latent values): EP until its marginals settle to EXACT_MARGINAL_TOL, unless given
+    _, exact = estimator_policy.solver_settings("E", None, {}, "ep", 100, 1, **common)
+    assert exact["marginal_tol"] == EXACT_MARGINAL_TOL and exact["abs_tol"] == exact["rel_tol"] == 0.0
+    _, given_tol = estimator_policy.solver_settings("E", {"marginal_tol": None}, {}, "ep", 100, 1, **common)
+    assert given_tol["marginal_tol"] is None
+    with pytest.raises(ValueError, match=r"solver_options\['max_sweeps'\] is no option of IterNCGPStrategy"):
+        estimator_policy.solver_settings("E", {"max_sweeps": 3}, {}, "laplace", 100, 1, **common)
+    with pytest.raises(ValueError, match=r"estimator's parameter train_fit_steps="):
+        estimator_policy.solver_settings("E", {"train_fit_steps": 3}, {}, "laplace", 100, 1, **common)
+    with pytest.raises(ValueError, match="'solver_options' parameter of E is invalid"):
+        estimator_policy.solver_settings("E", {"outer_tol": -1.0}, {}, "laplace", 100, 1, **common)
+
+
+def test_the_former_solver_parameters_map_to_the_strategys_names():
+    """``max_newton_steps`` is EP's ``max_sweeps``, ``outer_tol`` EP's ``site_tol`` with the sites' test alone, and
+    ``solver_tol`` both tolerances of the budget; a parameter left ``DEPRECATED`` is not given."""
+    from gpytorch_iterncgp.core.validation import DEPRECATED
+
+    former = {name: DEPRECATED for name in estimator_policy.FORMER_SOLVER_PARAMETERS}
+    former.update(max_newton_steps=12, outer_tol=1e-3, solver_tol=1e-6, max_solver_iterations=9)
+    common = dict(seed=4, train_fit_steps=3, show_progress=False, stacklevel=1)
+    with pytest.warns(FutureWarning, match=r"outer_tol= as solver_options\['site_tol'\]"):
+        budget, ep = estimator_policy.solver_settings("E", None, former, "ep", 2000, 1, **common)
+    assert (ep["max_sweeps"], ep["site_tol"], ep["marginal_tol"], ep["abs_tol"], ep["rel_tol"]) == (
+        12,
+        1e-3,
+        None,
+        1e-6,
+        1e-6,
     )
-    expected = dict(
-        max_solver_iterations=9,
-        compression_rank=None,
-        preconditioner_rank=50,
-        recycle=False,
-        train_fit_steps=3,
-        abs_tol=1e-6,
-        rel_tol=1e-6,
-        seed=4,
-        show_progress=False,
-        covariance_iterations=2,
-    )
-    laplace = strategy_options(budget, "laplace", outer_tol=None, **common)
-    assert isinstance(laplace.pop("policy"), UnitVectorPolicy)
-    assert laplace == {**expected, "max_newton_steps": 12}
-    ep = strategy_options(budget, "ep", outer_tol=None, **common)
-    assert ep.pop("policy") is not policy  # a copy: the estimator's policy is not advanced by its fits
-    assert ep == {**expected, "max_sweeps": 12}  # the strategy's default marginal_tol
-    # a tolerance given for the sites: the sites' test alone
-    ep = strategy_options(budget, "ep", outer_tol=1e-3, **common)
-    assert ep["site_tol"] == 1e-3 and ep["marginal_tol"] is None
-    assert strategy_options(budget, "laplace", outer_tol=1e-3, **common)["outer_tol"] == 1e-3
-    # exact solves (a few hundred latent values): EP until its marginals settle to EXACT_MARGINAL_TOL
-    exact = strategy_options({**budget, "exact": True}, "ep", outer_tol=None, **common)
-    assert exact["marginal_tol"] == EXACT_MARGINAL_TOL
-    assert strategy_options({**budget, "exact": True}, "ep", outer_tol=1e-3, **common)["marginal_tol"] is None
+    assert budget["solver_tol"] == 1e-6
+    with pytest.warns(FutureWarning, match=r"outer_tol= as solver_options\['outer_tol'\]"):
+        _, laplace = estimator_policy.solver_settings("E", None, former, "laplace", 2000, 1, **common)
+    assert (laplace["max_newton_steps"], laplace["outer_tol"]) == (12, 1e-3) and "marginal_tol" not in laplace
 
 
 def test_the_evidence_class_follows_the_strategy():
@@ -255,18 +262,20 @@ def test_estimator_constructor_defaults_are_the_policys_and_the_options():
     pytest.importorskip("sklearn")
     from gpytorch_iterncgp.sklearn import IterNCGPClassifier, IterNCGPPoissonRegressor
 
-    expected = {field.name: getattr(ESTIMATOR_DEFAULTS, field.name) for field in dataclasses.fields(ESTIMATOR_DEFAULTS)}
-    for name in ("max_newton_steps", "compression_rank", "preconditioner_rank", "recycle", "train_fit_steps"):
-        expected[name] = getattr(SolverOptions(), name)
-    expected["covariance_iterations"] = None  # the approximation's own (Laplace's 5, EP's 0)
+    rule = ("policy", "max_solver_iterations", "solver_tol")  # the solver budget's defaults, not parameters
+    fields = [field.name for field in dataclasses.fields(ESTIMATOR_DEFAULTS) if field.name not in rule]
+    expected = {name: getattr(ESTIMATOR_DEFAULTS, name) for name in fields}
+    expected["train_fit_steps"] = SolverOptions().train_fit_steps
     expected.update(
+        solver_options=None,  # the estimator's rules (solver_budget), the strategy's options otherwise
         optimizer_steps="auto",  # LearningRecipe's or MinibatchRecipe's, by the inference
         learning_rate="auto",
         learning_fit_steps="deprecated",  # the old name of train_fit_steps: not given
         optimize_hyperparameters="deprecated",  # optimizer_steps=0 says the same
         batch_size=MinibatchRecipe().batch_size,
+        **{name: "deprecated" for name in estimator_policy.FORMER_SOLVER_PARAMETERS},  # now solver_options keys
     )
-    assert expected["inference"] == "auto" and expected["num_inducing"] == 256 and expected["solver_tol"] == 1e-5
+    assert expected["inference"] == "auto" and expected["num_inducing"] == 256 and ESTIMATOR_DEFAULTS.solver_tol == 1e-5
     for estimator in (IterNCGPClassifier, IterNCGPPoissonRegressor):
         defaults = {name: p.default for name, p in inspect.signature(estimator.__init__).parameters.items()}
         assert {name: defaults[name] for name in expected} == expected

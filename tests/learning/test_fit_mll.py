@@ -90,7 +90,7 @@ def _estimator_model(estimator, x, y, likelihood, inference):
     from gpytorch_iterncgp.learning.estimator_policy import default_kernel
 
     seed = int(np.random.RandomState(estimator.random_state).randint(np.iinfo(np.int32).max))
-    options = estimator._strategy_options(seed, estimator._solver_budget(len(x)), inference)
+    _, options = estimator._solver_settings(seed, len(x), 1, inference)
     strategy_type = EPStrategy if inference == "ep" else IterNCGPStrategy
     train_x, train_y = torch.as_tensor(x), torch.as_tensor(y, dtype=torch.float64)
     mean = gpytorch.means.ZeroMean()

@@ -451,9 +451,7 @@ def test_the_classifier_with_kernel_auto_chooses_a_linear_kernel_on_linear_data_
     classifier = IterNCGPClassifier(
         kernel="auto",
         learning_subset=150,
-        policy="cg",
-        max_solver_iterations=None,
-        solver_tol=1e-4,
+        solver_options=dict(policy="cg", max_solver_iterations=None, abs_tol=1e-4, rel_tol=1e-4),
         optimizer_steps=10,
         random_state=0,
     ).fit(x[:350], y[:350])
