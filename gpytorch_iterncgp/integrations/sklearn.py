@@ -135,13 +135,239 @@ def _reemit_as_scikit_learn(caught: list[warnings.WarningMessage], limit_note: s
         warnings.warn(message, category, stacklevel=4)  # here, _fit_model, fit, its caller
 
 
+def _step_limit_note(estimator: str, report: Any, strategy: Any) -> str:
+    """Appended to the warnings where the final fit stopped at its step limit (the package's warning names the
+    strategy's option): the ``solver_options`` key that sets it; ``""`` otherwise."""
+    option = strategy.max_steps_option
+    return f" In {estimator}, solver_options={{{option!r}: ...}} sets this limit." if report.limit == option else ""
+
+
 def _param_error(estimator, name: str, expected: str, value) -> ValueError:
     return ValueError(
         f"The {name!r} parameter of {type(estimator).__name__} must be {expected}. Got {value!r} instead."
     )
 
 
-class _IterNCGPEstimator(BaseEstimator):
+class _FeatureScaling:
+    """The features as the kernel sees them: standardised by ``scaler_`` (``standardize``), as float64 tensors on
+    ``device``, and the fitted kernel's lengthscales back in the features' units."""
+
+    device: Any
+    standardize: Any
+    kernel: Any
+    kernel_: gpytorch.kernels.Kernel
+    n_features_in_: int
+    scaler_: StandardScaler | None
+
+    @property
+    def _device(self) -> torch.device:
+        """``device`` as a ``torch.device`` (validated by :meth:`_validate_params`)."""
+        return torch.device(self.device)
+
+    def _standardized(self, X: np.ndarray, fit: bool = False) -> np.ndarray:
+        """``X`` as the kernel sees it: centred and scaled to unit variance by ``scaler_`` (fitted on ``X`` where
+        ``fit``; constant features are centred only), or as given where ``scaler_`` is ``None``."""
+        if fit:
+            standardize = self.standardize
+            if standardize == "auto":
+                standardize = not isinstance(self.kernel, gpytorch.kernels.Kernel)
+            self.scaler_ = StandardScaler().fit(X) if standardize else None
+        return X if self.scaler_ is None else self.scaler_.transform(X)
+
+    def _feature_lengthscales(self) -> np.ndarray | None:
+        r"""The fitted kernel's lengthscales in the units of the features given to ``fit``, ``(D,)``: where the kernel
+        has one lengthscale (or one per feature) on the features themselves, :math:`\ell_d` times the feature's
+        standard deviation (``scaler_.scale_``); ``None`` for kernels with several (additive) or none on the features
+        (warped)."""
+        lengthscales = [
+            module.lengthscale
+            for module in self.kernel_.modules()
+            if isinstance(module, gpytorch.kernels.Kernel) and module.has_lengthscale
+        ]
+        warped = any(isinstance(module, KumaraswamyWarpedKernel) for module in self.kernel_.modules())
+        num_features = self.n_features_in_
+        if warped or len(lengthscales) != 1 or lengthscales[0].numel() not in (1, num_features):
+            return None
+        values = np.broadcast_to(lengthscales[0].detach().cpu().numpy().reshape(-1), (num_features,))
+        return values * (1.0 if self.scaler_ is None else self.scaler_.scale_)
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        """A float64 copy of ``array`` on ``device`` (never sharing the caller's memory, which may be read-only)."""
+        return torch.tensor(array, dtype=_DTYPE, device=self._device)
+
+
+class _FittedPredictions(_FeatureScaling):
+    """What a fitted estimator computes at new inputs (the latents' posterior, in chunks) and at its training data (the
+    evidence)."""
+
+    model_: Any
+    likelihood_: Any
+    inference_: str
+
+    def _validated_test_inputs(self, X) -> torch.Tensor:
+        check_is_fitted(self)
+        X = validate_data(self, X, dtype=np.float64, reset=False)
+        return self._tensor(self._standardized(X))
+
+    def _chunked(self, function, inputs: torch.Tensor) -> list[torch.Tensor]:
+        """``function`` on rows of ``inputs`` in chunks; each output concatenated over the chunks."""
+        self.model_.eval()
+        with torch.no_grad():
+            pieces = [
+                function(inputs[start : start + _PREDICT_CHUNK]) for start in range(0, len(inputs), _PREDICT_CHUNK)
+            ]
+        if isinstance(pieces[0], tuple):
+            return [torch.cat(parts) for parts in zip(*pieces, strict=True)]
+        return [torch.cat(pieces)]
+
+    def _latent(self, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latent mean and variance ``(n, C)``."""
+        mean, variance = self._chunked(self.model_.variational_strategy.marginal_latent, inputs)
+        return mean, variance
+
+    def predict_latent(self, X):
+        """Posterior mean and standard deviation of the latent function(s) at ``X``.
+
+        The standard deviation includes IterNCGP's computational uncertainty (the solver's error of
+        having stopped early).
+
+        :return: ``(mean, std)``, each ``(n,)`` for one latent function (binary classification, counts)
+            or ``(n, n_classes)`` for multi-class (softmax) classification.
+        """
+        mean, variance = self._latent(self._validated_test_inputs(X))
+        if mean.shape[-1] == 1:
+            mean, variance = mean[:, 0], variance[:, 0]
+        return mean.cpu().numpy(), variance.sqrt().cpu().numpy()
+
+    def log_marginal_likelihood(self) -> float:
+        """The Laplace (or, with ``inference_ == "ep"``, EP) approximation of :math:`\\log p(\\mathbf y \\mid \\mathbf X,
+        \\theta)` at the fitted hyperparameters (exact, or estimated by stochastic Lanczos quadrature above
+        ``gpytorch_iterncgp.settings.exact_evidence_size``; see :class:`~gpytorch_iterncgp.LaplaceMarginalLogLikelihood`
+        and :class:`~gpytorch_iterncgp.EPMarginalLogLikelihood`)."""
+        check_is_fitted(self)
+        if self.inference_ == "sparse_ep":
+            raise NotImplementedError(
+                "log_marginal_likelihood() is the Laplace or EP evidence; stochastic EP (inference='sparse_ep') learns "
+                "by its energy's gradient on minibatches and keeps no estimate of log p(y | X): use inference='ep'."
+            )
+        strategy = self.model_.variational_strategy
+        mll = evidence_class(strategy)(self.likelihood_, self.model_)
+        training = self.model_.training
+        self.model_.train()  # the posterior at the training inputs, all N C latents (the prior has N if shared)
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)  # the matrix-free regime's probe vectors: the same value on every call
+                value = mll(self.model_(strategy.train_inputs), strategy.train_targets)
+        finally:
+            self.model_.train(training)
+        return float(value) * strategy.num_data - float(mll.log_prior().detach())  # the evidence alone, without priors
+
+
+class _Kernels:
+    """The kernel a fit starts with: a copy of the one given, the default Matérn, or with ``kernel="auto"`` the
+    family's candidates to choose among."""
+
+    kernel: Any
+
+    @property
+    def _auto_kernel(self) -> bool:
+        """``kernel="auto"``: the kernel chosen by
+        :func:`~gpytorch_iterncgp.learning.estimator_policy.auto_kernel_names`'s rule."""
+        return is_string(self.kernel, "auto")
+
+    def _given_kernel(self, num_features: int) -> gpytorch.kernels.Kernel:
+        """A float64 copy of the ``kernel`` given (fitted in place of it), or the default Matérn for ``None`` and for
+        ``"auto"`` where it does not choose (:func:`~gpytorch_iterncgp.learning.estimator_policy.auto_kernel_names`)."""
+        if isinstance(self.kernel, gpytorch.kernels.Kernel):
+            return copy.deepcopy(self.kernel).to(_DTYPE)
+        return default_kernel(num_features)
+
+    def _starting_kernels(
+        self, num_features: int, names: Sequence[str]
+    ) -> tuple[gpytorch.kernels.Kernel, dict[str, gpytorch.kernels.Kernel] | None]:
+        """The kernel the model starts with (the first of the family's ``names``, else :meth:`_given_kernel`) and the
+        candidates ``fit_mll`` chooses among (``None`` for fewer than two names); only these are built."""
+        family = kernel_family(num_features, names=names) if names else {}
+        kernel = family[names[0]] if names else self._given_kernel(num_features)
+        return kernel, ({name: family[name] for name in names} if len(names) > 1 else None)
+
+    def _kernel_batch_shape(self) -> torch.Size:
+        """The batch shape of the prior mean: the user's kernel's (one GP per class), ``[]`` otherwise."""
+        return self.kernel.batch_shape if isinstance(self.kernel, gpytorch.kernels.Kernel) else torch.Size([])
+
+
+class _StochasticEPFit(_Kernels, _FeatureScaling):
+    """``inference="sparse_ep"``: the estimators' fit by stochastic EP with inducing inputs on minibatches."""
+
+    random_state: Any
+    num_inducing: int
+    batch_size: int
+    max_time: float | None
+    verbose: bool
+    kernel_choice_: KernelChoice | None
+    solver_budget_: dict | None
+    learning_rows_: np.ndarray | None
+    validation_rows_: np.ndarray | None
+    fit_report_: Any
+
+    def _fit_sparse_model(
+        self,
+        X: np.ndarray,
+        targets: torch.Tensor,
+        likelihood,
+        mean,
+        names: tuple[str, ...],
+        why: str,
+        recipe: LearningRecipe,
+    ) -> None:
+        """``inference="sparse_ep"``: stochastic EP with ``num_inducing`` inducing inputs at k-means centres of ``X``
+        (scikit-learn's ``MiniBatchKMeans``), learnt with the kernel by :func:`~gpytorch_iterncgp.fit_mll`'s
+        minibatch loop (batches of ``batch_size``, ``recipe.optimizer_steps`` steps at ``recipe.learning_rate``, or
+        until ``max_time``; with no step, the kernel fixed, the loop's default steps fit the sites), after choosing it
+        among the ``names`` of the family where there are several (by the held-out score of dense EP on rows of ``X``,
+        :func:`~gpytorch_iterncgp.learning.fit.fit_minibatch_mll`; ``why``: the choice's reason); set the fitted
+        attributes."""
+        from sklearn.cluster import MiniBatchKMeans
+
+        seed = int(check_random_state(self.random_state).randint(np.iinfo(np.int32).max))
+        num_inducing = min(int(self.num_inducing), len(X))
+        centres = MiniBatchKMeans(n_clusters=num_inducing, random_state=seed, n_init=1).fit(X).cluster_centers_
+        kernel, candidates = self._starting_kernels(X.shape[1], names)
+        model = _SparseLatentGP(self._tensor(centres), likelihood, kernel, mean, len(X))
+        model = model.to(device=self._device, dtype=_DTYPE)
+        if recipe.optimizer_steps == 0:  # the loop still fits the sites, for its own default steps
+            for parameter in model.parameters():
+                parameter.requires_grad_(False)
+        steps = recipe.optimizer_steps or MinibatchRecipe.max_steps
+        mll = StochasticEPMarginalLogLikelihood(likelihood, model)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            report = fit_mll(
+                mll,
+                data=(self._tensor(X), targets),
+                max_time=self.max_time,
+                recipe=MinibatchRecipe(
+                    batch_size=int(self.batch_size), max_steps=steps, learning_rate=recipe.learning_rate
+                ),
+                seed=seed,
+                show_progress=bool(self.verbose),
+                kernels=candidates,
+            )
+        if candidates is not None:
+            assert report.kernel is not None
+            rows = report.kernel_scores[report.kernel]["rows"]
+            self.kernel_choice_ = KernelChoice(report.kernel, names, why, report.validation_points, rows)
+        self.inference_ = "sparse_ep"
+        self.solver_budget_ = None
+        self.learning_rows_ = self.validation_rows_ = None
+        self.loss_curve_ = report.losses
+        self.learning_report_ = report
+        self.fit_report_ = None
+        self.model_, self.likelihood_, self.kernel_ = model, likelihood, model.covar_module
+        self.feature_lengthscales_ = self._feature_lengthscales()
+
+
+class _IterNCGPEstimator(_FittedPredictions, _StochasticEPFit, BaseEstimator):
     """Parameters, validation, model construction and hyperparameter learning shared by the estimators."""
 
     _links: tuple[str, ...] = ()
@@ -208,68 +434,6 @@ class _IterNCGPEstimator(BaseEstimator):
         self.recycle = recycle
         self.outer_tol = outer_tol
         self.solver_tol = solver_tol
-
-    @property
-    def _auto_kernel(self) -> bool:
-        """``kernel="auto"``: the kernel chosen by
-        :func:`~gpytorch_iterncgp.learning.estimator_policy.auto_kernel_names`'s rule."""
-        return is_string(self.kernel, "auto")
-
-    def _given_kernel(self, num_features: int) -> gpytorch.kernels.Kernel:
-        """A float64 copy of the ``kernel`` given (fitted in place of it), or the default Matérn for ``None`` and for
-        ``"auto"`` where it does not choose (:func:`~gpytorch_iterncgp.learning.estimator_policy.auto_kernel_names`)."""
-        if isinstance(self.kernel, gpytorch.kernels.Kernel):
-            return copy.deepcopy(self.kernel).to(_DTYPE)
-        return default_kernel(num_features)
-
-    def _starting_kernels(
-        self, num_features: int, names: Sequence[str]
-    ) -> tuple[gpytorch.kernels.Kernel, dict[str, gpytorch.kernels.Kernel] | None]:
-        """The kernel the model starts with (the first of the family's ``names``, else :meth:`_given_kernel`) and the
-        candidates ``fit_mll`` chooses among (``None`` for fewer than two names); only these are built."""
-        family = kernel_family(num_features, names=names) if names else {}
-        kernel = family[names[0]] if names else self._given_kernel(num_features)
-        return kernel, ({name: family[name] for name in names} if len(names) > 1 else None)
-
-    def _kernel_batch_shape(self) -> torch.Size:
-        """The batch shape of the prior mean: the user's kernel's (one GP per class), ``[]`` otherwise."""
-        return self.kernel.batch_shape if isinstance(self.kernel, gpytorch.kernels.Kernel) else torch.Size([])
-
-    @property
-    def _device(self) -> torch.device:
-        """``device`` as a ``torch.device`` (validated by :meth:`_validate_params`)."""
-        return torch.device(self.device)
-
-    def _standardized(self, X: np.ndarray, fit: bool = False) -> np.ndarray:
-        """``X`` as the kernel sees it: centred and scaled to unit variance by ``scaler_`` (fitted on ``X`` where
-        ``fit``; constant features are centred only), or as given where ``scaler_`` is ``None``."""
-        if fit:
-            standardize = self.standardize
-            if standardize == "auto":
-                standardize = not isinstance(self.kernel, gpytorch.kernels.Kernel)
-            self.scaler_ = StandardScaler().fit(X) if standardize else None
-        return X if self.scaler_ is None else self.scaler_.transform(X)
-
-    def _feature_lengthscales(self) -> np.ndarray | None:
-        r"""The fitted kernel's lengthscales in the units of the features given to ``fit``, ``(D,)``: where the kernel
-        has one lengthscale (or one per feature) on the features themselves, :math:`\ell_d` times the feature's
-        standard deviation (``scaler_.scale_``); ``None`` for kernels with several (additive) or none on the features
-        (warped)."""
-        lengthscales = [
-            module.lengthscale
-            for module in self.kernel_.modules()
-            if isinstance(module, gpytorch.kernels.Kernel) and module.has_lengthscale
-        ]
-        warped = any(isinstance(module, KumaraswamyWarpedKernel) for module in self.kernel_.modules())
-        num_features = self.n_features_in_
-        if warped or len(lengthscales) != 1 or lengthscales[0].numel() not in (1, num_features):
-            return None
-        values = np.broadcast_to(lengthscales[0].detach().cpu().numpy().reshape(-1), (num_features,))
-        return values * (1.0 if self.scaler_ is None else self.scaler_.scale_)
-
-    def _tensor(self, array: np.ndarray) -> torch.Tensor:
-        """A float64 copy of ``array`` on ``device`` (never sharing the caller's memory, which may be read-only)."""
-        return torch.tensor(array, dtype=_DTYPE, device=self._device)
 
     @property
     def _link(self) -> str:
@@ -391,62 +555,6 @@ class _IterNCGPEstimator(BaseEstimator):
         """Appended to the fit's ``ConvergenceWarning``: nothing here (the classifier names a faster inference)."""
         return ""
 
-    def _fit_sparse_model(
-        self,
-        X: np.ndarray,
-        targets: torch.Tensor,
-        likelihood,
-        mean,
-        names: tuple[str, ...],
-        why: str,
-        recipe: LearningRecipe,
-    ) -> None:
-        """``inference="sparse_ep"``: stochastic EP with ``num_inducing`` inducing inputs at k-means centres of ``X``
-        (scikit-learn's ``MiniBatchKMeans``), learnt with the kernel by :func:`~gpytorch_iterncgp.fit_mll`'s
-        minibatch loop (batches of ``batch_size``, ``recipe.optimizer_steps`` steps at ``recipe.learning_rate``, or
-        until ``max_time``; with no step, the kernel fixed, the loop's default steps fit the sites), after choosing it
-        among the ``names`` of the family where there are several (by the held-out score of dense EP on rows of ``X``,
-        :func:`~gpytorch_iterncgp.learning.fit.fit_minibatch_mll`; ``why``: the choice's reason); set the fitted
-        attributes."""
-        from sklearn.cluster import MiniBatchKMeans
-
-        seed = int(check_random_state(self.random_state).randint(np.iinfo(np.int32).max))
-        num_inducing = min(int(self.num_inducing), len(X))
-        centres = MiniBatchKMeans(n_clusters=num_inducing, random_state=seed, n_init=1).fit(X).cluster_centers_
-        kernel, candidates = self._starting_kernels(X.shape[1], names)
-        model = _SparseLatentGP(self._tensor(centres), likelihood, kernel, mean, len(X))
-        model = model.to(device=self._device, dtype=_DTYPE)
-        if recipe.optimizer_steps == 0:  # the loop still fits the sites, for its own default steps
-            for parameter in model.parameters():
-                parameter.requires_grad_(False)
-        steps = recipe.optimizer_steps or MinibatchRecipe.max_steps
-        mll = StochasticEPMarginalLogLikelihood(likelihood, model)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            report = fit_mll(
-                mll,
-                data=(self._tensor(X), targets),
-                max_time=self.max_time,
-                recipe=MinibatchRecipe(
-                    batch_size=int(self.batch_size), max_steps=steps, learning_rate=recipe.learning_rate
-                ),
-                seed=seed,
-                show_progress=bool(self.verbose),
-                kernels=candidates,
-            )
-        if candidates is not None:
-            assert report.kernel is not None
-            rows = report.kernel_scores[report.kernel]["rows"]
-            self.kernel_choice_ = KernelChoice(report.kernel, names, why, report.validation_points, rows)
-        self.inference_ = "sparse_ep"
-        self.solver_budget_ = None
-        self.learning_rows_ = self.validation_rows_ = None
-        self.loss_curve_ = report.losses
-        self.learning_report_ = report
-        self.fit_report_ = None
-        self.model_, self.likelihood_, self.kernel_ = model, likelihood, model.covar_module
-        self.feature_lengthscales_ = self._feature_lengthscales()
-
     def _fit_model(self, X: np.ndarray, targets: torch.Tensor, likelihood, mean, inference: str) -> None:
         """Build the model, then :func:`~gpytorch_iterncgp.fit_mll`: learn the hyperparameters (optional; on
         ``learning_subset`` rows, stratified by class for classifiers) and fit the Laplace or EP (``inference``) posterior on all
@@ -507,14 +615,7 @@ class _IterNCGPEstimator(BaseEstimator):
                     show_progress=bool(self.verbose),
                     kernels=candidates,
                 )
-        # the final fit stopped at its step limit: the package's warning names the strategy's option
-        at_step_limit = report.fit_report.limit == model.variational_strategy.max_steps_option
-        limit_note = (
-            f" In {type(self).__name__}, solver_options={{{model.variational_strategy.max_steps_option!r}: ...}} "
-            "sets this limit."
-            if at_step_limit
-            else ""
-        )
+        limit_note = _step_limit_note(type(self).__name__, report.fit_report, model.variational_strategy)
         _reemit_as_scikit_learn(caught, limit_note, self._convergence_hint(len(X), inference))
         self.learning_rows_ = None if report.learning_rows is None else np.asarray(report.learning_rows)
         self.validation_rows_ = None if report.validation_rows is None else np.asarray(report.validation_rows)
@@ -528,65 +629,6 @@ class _IterNCGPEstimator(BaseEstimator):
         self.fit_report_.budget = f"{budget['rule']}; {report}"
         self.model_, self.likelihood_, self.kernel_ = model, likelihood, model.covar_module
         self.feature_lengthscales_ = self._feature_lengthscales()
-
-    # -- predictions -----------------------------------------------------------------------------
-    def _validated_test_inputs(self, X) -> torch.Tensor:
-        check_is_fitted(self)
-        X = validate_data(self, X, dtype=np.float64, reset=False)
-        return self._tensor(self._standardized(X))
-
-    def _chunked(self, function, inputs: torch.Tensor) -> list[torch.Tensor]:
-        """``function`` on rows of ``inputs`` in chunks; each output concatenated over the chunks."""
-        self.model_.eval()
-        with torch.no_grad():
-            pieces = [
-                function(inputs[start : start + _PREDICT_CHUNK]) for start in range(0, len(inputs), _PREDICT_CHUNK)
-            ]
-        if isinstance(pieces[0], tuple):
-            return [torch.cat(parts) for parts in zip(*pieces, strict=True)]
-        return [torch.cat(pieces)]
-
-    def _latent(self, inputs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Latent mean and variance ``(n, C)``."""
-        mean, variance = self._chunked(self.model_.variational_strategy.marginal_latent, inputs)
-        return mean, variance
-
-    def predict_latent(self, X):
-        """Posterior mean and standard deviation of the latent function(s) at ``X``.
-
-        The standard deviation includes IterNCGP's computational uncertainty (the solver's error of
-        having stopped early).
-
-        :return: ``(mean, std)``, each ``(n,)`` for one latent function (binary classification, counts)
-            or ``(n, n_classes)`` for multi-class (softmax) classification.
-        """
-        mean, variance = self._latent(self._validated_test_inputs(X))
-        if mean.shape[-1] == 1:
-            mean, variance = mean[:, 0], variance[:, 0]
-        return mean.cpu().numpy(), variance.sqrt().cpu().numpy()
-
-    def log_marginal_likelihood(self) -> float:
-        """The Laplace (or, with ``inference_ == "ep"``, EP) approximation of :math:`\\log p(\\mathbf y \\mid \\mathbf X,
-        \\theta)` at the fitted hyperparameters (exact, or estimated by stochastic Lanczos quadrature above
-        ``gpytorch_iterncgp.settings.exact_evidence_size``; see :class:`~gpytorch_iterncgp.LaplaceMarginalLogLikelihood`
-        and :class:`~gpytorch_iterncgp.EPMarginalLogLikelihood`)."""
-        check_is_fitted(self)
-        if self.inference_ == "sparse_ep":
-            raise NotImplementedError(
-                "log_marginal_likelihood() is the Laplace or EP evidence; stochastic EP (inference='sparse_ep') learns "
-                "by its energy's gradient on minibatches and keeps no estimate of log p(y | X): use inference='ep'."
-            )
-        strategy = self.model_.variational_strategy
-        mll = evidence_class(strategy)(self.likelihood_, self.model_)
-        training = self.model_.training
-        self.model_.train()  # the posterior at the training inputs, all N C latents (the prior has N if shared)
-        try:
-            with torch.no_grad(), torch.random.fork_rng(devices=[]):
-                torch.manual_seed(0)  # the matrix-free regime's probe vectors: the same value on every call
-                value = mll(self.model_(strategy.train_inputs), strategy.train_targets)
-        finally:
-            self.model_.train(training)
-        return float(value) * strategy.num_data - float(mll.log_prior().detach())  # the evidence alone, without priors
 
 
 # ---------------------------------------------------------------------------------------------------
