@@ -116,7 +116,7 @@ def _learnt_evidence(train_fit_steps: int) -> tuple[float, float]:
         inference="laplace", optimizer_steps=12, random_state=0, solver_options={"max_solver_iterations": 10}
     )
     learnt = IterNCGPClassifier(train_fit_steps=train_fit_steps, **options).fit(x, y)
-    start = IterNCGPClassifier(optimizer_steps=0, **options).fit(x, y)
+    start = IterNCGPClassifier(**{**options, "optimizer_steps": 0}).fit(x, y)
     with settings.exact_evidence_size(2000):
         return learnt.log_marginal_likelihood(), start.log_marginal_likelihood()
 
