@@ -5,11 +5,13 @@ call this module's rules, then :func:`~gpytorch_iterncgp.fit_mll`. With :math:`N
 latent values each (:math:`C = 1` for binary and count data, the number of classes otherwise):
 
 * inference: :func:`auto_inference` (``inference="auto"``), :data:`CLASSIFIER_INFERENCE`, :data:`REGRESSOR_INFERENCE`;
-* the solver budget: :func:`solver_budget` (``policy="auto"``, ``max_solver_iterations="auto"``), from
+* the solver budget: :func:`solver_budget` (``solver_options``' ``"policy"`` and ``"max_solver_iterations"``
+  ``"auto"``), from
   :data:`~.thresholds.EXACT_SOLVE_SIZE`, :data:`DEFAULT_SOLVER_ITERATIONS` and
   :data:`~.thresholds.EP_POINTS_PER_BUDGET` (the sizes in :mod:`.thresholds`);
-* the strategy's keyword arguments: :func:`strategy_options`; the evidence that goes with a strategy:
-  :func:`evidence_class`;
+* the strategy's keyword arguments: :func:`solver_settings` (the rules' :func:`strategy_options`, then the
+  estimators' ``solver_options`` by the strategy's names, :func:`solver_option_names`, and their former parameters,
+  :data:`FORMER_SOLVER_PARAMETERS`); the evidence that goes with a strategy: :func:`evidence_class`;
 * the prior: :func:`~gpytorch_iterncgp.kernels.family.default_kernel`, or with ``kernel="auto"`` the kernel chosen
   among :data:`AUTO_KERNELS` by the held-out score (:func:`auto_kernel_names`);
 * the estimators' own defaults (:data:`ESTIMATOR_DEFAULTS`), and the parameters only one kind of inference reads
@@ -50,7 +52,9 @@ __all__ = [
     "DENSE_ONLY",
     "EP_POINTS_PER_BUDGET",
     "ESTIMATOR_DEFAULTS",
+    "ESTIMATOR_SET_OPTIONS",
     "EXACT_SOLVE_SIZE",
+    "FORMER_SOLVER_PARAMETERS",
     "REGRESSOR_INFERENCE",
     "SPARSE_EP_LATENT_VALUES",
     "SPARSE_EP_NESTED_WORK",
@@ -61,10 +65,14 @@ __all__ = [
     "auto_inference",
     "auto_kernel_names",
     "check_parameters_apply",
+    "checked_solver_options",
     "default_kernel",
     "evidence_class",
+    "former_solver_options",
     "log_positive",
     "solver_budget",
+    "solver_option_names",
+    "solver_settings",
     "strategy_options",
 ]
 
