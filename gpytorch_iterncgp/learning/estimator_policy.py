@@ -426,28 +426,28 @@ def former_solver_options(estimator: str, former: Mapping[str, Any], inference: 
         return {}
     ep = inference == "ep"
     options: dict[str, Any] = {}
+    named = []
     for name, value in given.items():
-        if name == "max_newton_steps":
-            options["max_sweeps" if ep else name] = value
-        elif name == "outer_tol" and ep:
-            options.update(site_tol=value, marginal_tol=None)
-        else:
-            options[name] = value
-    keys = ", ".join(f"{name}= as solver_options[{_former_key(name, ep)!r}]" for name in given)
+        keys = _as_solver_options(name, value, ep)
+        options.update(keys)
+        key = "'abs_tol' and 'rel_tol'" if name == "solver_tol" else repr(next(iter(keys)))
+        named.append(f"{name}= as solver_options[{key}]")
     warnings.warn(
         f"{estimator}: the solver's parameters are deprecated and will be removed in a future release; give "
-        f"{keys} (solver_options takes the strategy's options by their names).",
+        f"{', '.join(named)} (solver_options takes the strategy's options by their names).",
         FutureWarning,
         stacklevel=stacklevel,
     )
     return options
 
 
-def _former_key(name: str, ep: bool) -> str:
-    """The ``solver_options`` key of the former parameter ``name``."""
-    if ep and name in ("max_newton_steps", "outer_tol"):
-        return {"max_newton_steps": "max_sweeps", "outer_tol": "site_tol"}[name]
-    return {"solver_tol": "abs_tol' and 'rel_tol"}.get(name, name)
+def _as_solver_options(name: str, value: Any, ep: bool) -> dict[str, Any]:
+    """The former parameter ``name`` given ``value`` as ``solver_options`` (EP's names under ``ep``)."""
+    if ep and name == "max_newton_steps":
+        return {"max_sweeps": value}
+    if ep and name == "outer_tol":
+        return {"site_tol": value, "marginal_tol": None}
+    return {name: value}
 
 
 def solver_settings(
@@ -480,7 +480,7 @@ def solver_settings(
         )
     tolerance = former_options.pop("solver_tol", ESTIMATOR_DEFAULTS.solver_tol)
     options.update(former_options)
-    _check_solver_values(estimator, {**options, "abs_tol": tolerance, **options}, inference)
+    _check_solver_values(estimator, {"abs_tol": tolerance, **options}, inference)
     budget = solver_budget(
         options.pop("policy", ESTIMATOR_DEFAULTS.policy),
         options.pop("max_solver_iterations", ESTIMATOR_DEFAULTS.max_solver_iterations),
