@@ -115,19 +115,13 @@ def _point_blocks(covariance: LinearOperator, num: int) -> Tensor:
     return covariance[..., index[:, :, None], index[:, None, :]]
 
 
-# Products with at most this many columns by a cached, symmetric kernel matrix on the CPU run as (X^T K)^T.
-NARROW_PRODUCT_COLUMNS = 32
+#: Products with at most this many columns by a dense matrix on the CPU run transposed and padded (:func:`narrow_matmul`).
+NARROW_PRODUCT_COLUMNS = 256
 
 
 def _narrow_symmetric_matmul(covariance: LinearOperator, rhs: Tensor) -> Tensor | None:
-    r""":math:`\mathbf K \mathbf X = (\mathbf X^\top \mathbf K)^\top` for the dense kernel matrix of the training points with
-    themselves (evaluated and cached on the first product; ``None`` for other kernels, or wide or non-CPU ``rhs``).
-
-    For the few columns of a solver iteration (``(N, k)``, :math:`k \le` ``NARROW_PRODUCT_COLUMNS``) CPU BLAS
-    libraries stream a row-major :math:`\mathbf K` faster from the left (``docs/design_notes.md``;
-    ``benchmarks/outside_products.py``). The kernel is symmetric because its two inputs are the same
-    tensor; the results agree to rounding.
-    """
+    r""":math:`\mathbf K \mathbf X` for the dense kernel matrix of the training points with themselves (evaluated and
+    cached on the first product) by :func:`narrow_matmul`; ``None`` for other kernels, or wide or non-CPU ``rhs``."""
     if rhs.device.type != "cpu" or rhs.shape[-1] > NARROW_PRODUCT_COLUMNS or torch.is_grad_enabled():
         return None
     if not isinstance(covariance, LazyEvaluatedKernelTensor) or covariance.x1 is not covariance.x2:
@@ -137,20 +131,34 @@ def _narrow_symmetric_matmul(covariance: LinearOperator, rhs: Tensor) -> Tensor 
     evaluated = covariance.evaluate_kernel()  # cached by GPyTorch, as its own product would do
     if not isinstance(evaluated, DenseLinearOperator):
         return None
-    return _narrow_product(evaluated.tensor, rhs)
+    return narrow_matmul(evaluated.tensor, rhs)
 
 
-def _narrow_product(matrix: Tensor, rhs: Tensor) -> Tensor:
-    r""":math:`\mathbf K \mathbf X = (\mathbf X^\top \mathbf K)^\top` for a symmetric ``matrix`` and narrow ``rhs``."""
-    return (rhs.mT.contiguous() @ matrix).mT
+def narrow_matmul(matrix: Tensor, rhs: Tensor) -> Tensor:
+    r"""``matrix @ rhs`` for a dense ``matrix`` ``(*batch, N, M)``; on the CPU, for :math:`2 \le k \le`
+    ``NARROW_PRODUCT_COLUMNS`` columns of ``rhs`` ``(*batch, M, k)``, as :math:`(\mathbf X^\top \mathbf A^\top)^\top`
+    with :math:`\mathbf X` padded by zero columns to a multiple of four (a view of the transposed result).
+
+    The same numbers to rounding; BLAS libraries' kernels for a few columns are far from the memory bandwidth one
+    pass over the matrix allows, and this form with a multiple of four columns is not (``docs/design_notes.md``).
+    """
+    width = rhs.shape[-1]
+    if rhs.device.type != "cpu" or not 2 <= width <= NARROW_PRODUCT_COLUMNS or rhs.dim() != matrix.dim():
+        return matrix @ rhs
+    padded = torch.nn.functional.pad(rhs.mT, (0, 0, 0, -width % 4))  # (*batch, k + p, M), differentiable
+    return (padded @ matrix.mT)[..., :width, :].mT
 
 
-def _evaluated_matmul(matrix: Tensor, rhs: Tensor, symmetric: bool) -> Tensor:
-    """``matrix @ rhs`` for the kernel matrix a prior holds evaluated; narrow products of a symmetric one on the CPU
-    from the left (:func:`_narrow_symmetric_matmul`)."""
-    if symmetric and rhs.device.type == "cpu" and rhs.shape[-1] <= NARROW_PRODUCT_COLUMNS:
-        return _narrow_product(matrix, rhs)
-    return matrix @ rhs
+class SymmetricMatrixOperator(DenseLinearOperator):
+    """A dense symmetric matrix ``(*batch, N, N)`` (a kernel matrix of points with themselves) whose products, and
+    products with its transpose, run by :func:`narrow_matmul`: linear_operator's dense product with the transpose
+    reads the matrix by columns, which BLAS libraries multiply with a few columns ten times slower."""
+
+    def _matmul(self, rhs: Tensor) -> Tensor:
+        return narrow_matmul(self.tensor, rhs)
+
+    def _t_matmul(self, rhs: Tensor) -> Tensor:
+        return narrow_matmul(self.tensor, rhs)
 
 
 def _chunked_matmul(covariance: LinearOperator, rhs: Tensor, chunk_rows: int) -> Tensor:
@@ -161,7 +169,7 @@ def _chunked_matmul(covariance: LinearOperator, rhs: Tensor, chunk_rows: int) ->
 
 
 def _kernel_matmul(covariance: LinearOperator, rhs: Tensor, chunk_rows: int) -> Tensor:
-    """``covariance @ rhs``: cached (and narrow products from the left) up to the dense limit, fused for RBF and
+    """``covariance @ rhs``: cached (narrow products by :func:`narrow_matmul`) up to the dense limit, fused for RBF and
     Matérn kernels above it (``chunk_rows`` > 0), chunked otherwise."""
     if not chunk_rows:
         narrow = _narrow_symmetric_matmul(covariance, rhs)
@@ -272,7 +280,16 @@ class LatentPrior:
 
     def data_major_covariance(self) -> LinearOperator:
         r"""The square covariance as one data-major ``(N C, N C)`` LinearOperator (lazy)."""
-        return self.covariance
+        return self._kernel_operator()
+
+    def _kernel_operator(self) -> LinearOperator:
+        """The kernel matrix as an operator: the matrix the prior holds evaluated, where it is the training points'
+        with themselves (a :class:`SymmetricMatrixOperator`, with the evaluation's graph), else the covariance."""
+        covariance = self.covariance
+        symmetric = isinstance(covariance, LazyEvaluatedKernelTensor) and covariance.x1 is covariance.x2
+        if self._evaluated_kernel is None or not symmetric:
+            return covariance
+        return SymmetricMatrixOperator(self._evaluated_kernel)
 
     def block(self, rows: slice, cols: slice) -> LatentPrior:
         """The prior restricted to row points ``rows`` and column points ``cols`` (lazy; nothing is evaluated)."""
@@ -359,11 +376,10 @@ class LatentPrior:
         sharded = _sharded(self.covariance)
         if sharded is not None:
             return functools.partial(sharded.sharded_matmul, _local_matmul)
-        if self._evaluated_kernel is not None and not torch.is_grad_enabled():
-            # the matrix read already (the preconditioner's pivots): one product, not one per term of a sum of kernels
-            covariance = self.covariance
-            symmetric = isinstance(covariance, LazyEvaluatedKernelTensor) and covariance.x1 is covariance.x2
-            return functools.partial(_evaluated_matmul, self._evaluated_kernel, symmetric=symmetric)
+        if self._evaluated_kernel is not None:
+            # the matrix read already (the preconditioner's pivots), with its graph where the kernel's evaluation has
+            # one: one product, not one per term of a sum of kernels, and one N x N derivative per product backwards
+            return functools.partial(narrow_matmul, self._evaluated_kernel)
         chunk_rows = 0 if torch.is_grad_enabled() else _chunk_rows(self.covariance)
         return functools.partial(_kernel_matmul, self.covariance, chunk_rows=chunk_rows)
 
@@ -515,7 +531,7 @@ class SharedKernelPrior(LatentPrior):
 
     def data_major_covariance(self) -> LinearOperator:
         identity = IdentityLinearOperator(self.num_latents, dtype=self.dtype, device=self.device)
-        return KroneckerProductLinearOperator(self.covariance, identity)
+        return KroneckerProductLinearOperator(self._kernel_operator(), identity)
 
 
 class IndependentPrior(LatentPrior):
@@ -541,7 +557,7 @@ class IndependentPrior(LatentPrior):
         return super().diagonal().mT.reshape(-1)
 
     def data_major_covariance(self) -> LinearOperator:
-        return BlockInterleavedLinearOperator(self.covariance, block_dim=-3)
+        return BlockInterleavedLinearOperator(self._kernel_operator(), block_dim=-3)
 
 
 class MultitaskPrior(LatentPrior):

@@ -215,6 +215,11 @@ class WhitenedKernel(LinearOperator):
         :math:`\log\lvert\mathbf P^{-1}\mathbf B\rvert` and adds :math:`\log\lvert\mathbf P\rvert`; Gardner et al.
         2018), :math:`\mathbf P^{-1} = \mathbf I - \mathbf R^\top \mathbf L \mathbf G^{-1} \mathbf L^\top \mathbf R`
         with :math:`\mathbf G = \mathbf I + \mathbf L^\top \mathbf W \mathbf L` (Woodbury).
+    :param kernel_product: :math:`\mathbf K \mathbf X` for data-major ``X`` ``(N C, k)`` where no gradient is recorded
+        (the CG iterations and Lanczos quadrature of linear_operator's forward passes), e.g. the prior's
+        :meth:`~gpytorch_iterncgp.core.prior.LatentPrior.matmul` (by the matrix it holds evaluated, fused or chunked
+        past the dense limit, and counted); ``None``: ``kernel``'s own. Products that record gradients (the backward
+        passes' bilinear derivatives) always run through ``kernel``.
     """
 
     def __init__(
@@ -224,14 +229,24 @@ class WhitenedKernel(LinearOperator):
         kernel_point_blocks: Tensor,
         cg_tolerance: float | None = None,
         kernel_factor: LowRankKernelFactor | None = None,
+        kernel_product: Callable[[Tensor], Tensor] | None = None,
     ):
-        super().__init__(roots, kernel, kernel_point_blocks, cg_tolerance=cg_tolerance, kernel_factor=kernel_factor)
+        super().__init__(
+            roots,
+            kernel,
+            kernel_point_blocks,
+            cg_tolerance=cg_tolerance,
+            kernel_factor=kernel_factor,
+            kernel_product=kernel_product,
+        )
         self.roots, self.kernel, self.kernel_point_blocks = roots, kernel, kernel_point_blocks
-        self.cg_tolerance, self.kernel_factor = cg_tolerance, kernel_factor
+        self.cg_tolerance, self.kernel_factor, self.kernel_product = cg_tolerance, kernel_factor, kernel_product
 
     def with_cg_tolerance(self, cg_tolerance: float) -> WhitenedKernel:
         r"""The same :math:`\mathbf B`, its CG solves run to ``cg_tolerance``."""
-        return WhitenedKernel(self.roots, self.kernel, self.kernel_point_blocks, cg_tolerance, self.kernel_factor)
+        return WhitenedKernel(
+            self.roots, self.kernel, self.kernel_point_blocks, cg_tolerance, self.kernel_factor, self.kernel_product
+        )
 
     def _preconditioner(self) -> tuple[Callable[[Tensor], Tensor] | None, LinearOperator | None, Tensor | None]:
         r""":math:`\mathbf P^{-1}` as a function, :math:`\mathbf P = \mathbf I + \mathbf U \mathbf U^\top` with
@@ -280,7 +295,10 @@ class WhitenedKernel(LinearOperator):
         num_data, num_latents = self.roots.shape[:2]
         blocks = rhs.reshape(*rhs.shape[:-2], num_data, num_latents, rhs.shape[-1])
         rooted = (self.roots @ blocks).reshape(rhs.shape)
-        product = self.kernel.matmul(rooted).reshape(blocks.shape)
+        if self.kernel_product is None or torch.is_grad_enabled() or rhs.dim() != 2:
+            product = self.kernel.matmul(rooted).reshape(blocks.shape)
+        else:
+            product = self.kernel_product(rooted).reshape(blocks.shape)
         return rhs + (self.roots.mT @ product).reshape(rhs.shape)
 
     def _transpose_nonbatch(self) -> LinearOperator:
@@ -289,6 +307,14 @@ class WhitenedKernel(LinearOperator):
     def _diagonal(self) -> Tensor:
         quadratic = torch.einsum("ndc,nde,nec->nc", self.roots, self.kernel_point_blocks, self.roots)
         return 1 + quadratic.reshape(-1)
+
+
+def _whitened_kernel(prior: LatentPrior, roots: Tensor, kernel_factor: LowRankKernelFactor | None) -> WhitenedKernel:
+    r""":math:`\mathbf B` of the prior's kernel and the curvature's roots :math:`\mathbf R` ``(N, C, C)``."""
+    covariance = prior.data_major_covariance()
+    return WhitenedKernel(
+        roots, covariance, prior.point_blocks(), kernel_factor=kernel_factor, kernel_product=prior.matmul
+    )
 
 
 def _whitened_system(
@@ -302,7 +328,7 @@ def _whitened_system(
     latent = latent.reshape(-1, adapter.num_latents)
     log_likelihood, gradient, curvature = adapter.local_terms(latent, targets)
     roots = curvature_root(curvature, _probabilities_if_softmax(adapter, latent))
-    system = WhitenedKernel(roots, prior.data_major_covariance(), prior.point_blocks(), kernel_factor=kernel_factor)
+    system = _whitened_kernel(prior, roots, kernel_factor)
     return log_likelihood, gradient, curvature, roots, system
 
 
@@ -718,7 +744,7 @@ def ep_evidence(
     else:
         if marginals is None:
             raise ValueError("ep_evidence: the matrix-free regime needs the posterior marginals (mean, variance).")
-        system = WhitenedKernel(roots, prior.data_major_covariance(), prior.point_blocks(), kernel_factor=kernel_factor)
+        system = _whitened_kernel(prior, roots, kernel_factor)
         inv_quad, logdet = system.inv_quad_logdet(inv_quad_rhs=rhs[:, None], logdet=True)
         fixed_site_part = -0.5 * logdet - 0.5 * inv_quad
     mean, variance = (marginal.detach() for marginal in marginals)

@@ -311,8 +311,8 @@ def test_unit_vector_fit_counts_kernel_columns_as_products():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("layout", ["single", "shared", "independent"])
 def test_narrow_products_with_the_cached_kernel_equal_the_dense_product(layout, dtype, monkeypatch):
-    """Few columns on the CPU go through (X^T K)^T (the cached K is symmetric); wide ones through K X. Both equal the
-    dense product to rounding, and the kernel is evaluated once."""
+    """Products with the cached K on the CPU go through narrow_matmul (few columns transposed and padded, wide ones as
+    K X). Both equal the dense product to rounding, and the kernel is evaluated once."""
     narrow = []
     original = prior_module._narrow_symmetric_matmul
 
@@ -335,6 +335,24 @@ def test_narrow_products_with_the_cached_kernel_equal_the_dense_product(layout, 
     assert sum(key[0] == "kernel_eval" for key in prior.covariance._memoize_cache) == 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("batch", [(), (3,)])
+def test_narrow_matmul_equals_the_product(batch, dtype):
+    """Every width (padded to a multiple of four or not, past NARROW_PRODUCT_COLUMNS or not), square or not, batched
+    or not: the product to rounding, the right shape, and the inputs untouched."""
+    generator = torch.Generator().manual_seed(2)
+    matrix = torch.randn(*batch, 37, 29, dtype=dtype, generator=generator)
+    tolerance = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+    for width in (1, 2, 3, 4, 5, 8, 11, NARROW_PRODUCT_COLUMNS, NARROW_PRODUCT_COLUMNS + 1):
+        rhs = torch.randn(*batch, 29, width, dtype=dtype, generator=generator)
+        copy = rhs.clone()
+        product = prior_module.narrow_matmul(matrix, rhs)
+        assert product.shape == (*batch, 37, width)
+        expected = torch.einsum("...nm,...mk->...nk", matrix.double(), rhs.double()).to(dtype)
+        torch.testing.assert_close(product, expected, **tolerance)
+        assert torch.equal(rhs, copy)
+
+
 def _dense(prior: LatentPrior) -> torch.Tensor:
     """The data-major (N C, N C) prior covariance, from the kernel matrix."""
     matrix = prior.covariance.to_dense()
@@ -354,12 +372,12 @@ def _dense(prior: LatentPrior) -> torch.Tensor:
 def test_products_read_the_kernel_matrix_the_prior_holds_evaluated(layout, dtype, monkeypatch):
     """A sum of kernels evaluates to a sum of operators, whose products would run term by term; once the prior holds
     the matrix evaluated (the preconditioner's pivots read it), products without gradients use that one matrix,
-    narrow ones from the left, and equal the dense product; with gradients they go through the kernel."""
+    by narrow_matmul, and equal the dense product; with gradients too (the matrix's own graph)."""
     prior = _prior(layout, dtype=dtype, plus_linear=True)
     called = []
-    original = prior_module._evaluated_matmul
+    original = prior_module.narrow_matmul
     monkeypatch.setattr(
-        prior_module, "_evaluated_matmul", lambda *args, **kwargs: called.append(1) or original(*args, **kwargs)
+        prior_module, "narrow_matmul", lambda *args, **kwargs: called.append(1) or original(*args, **kwargs)
     )
     generator = torch.Generator().manual_seed(1)
     size = prior.shape[0] * prior.num_latents
@@ -375,8 +393,28 @@ def test_products_read_the_kernel_matrix_the_prior_holds_evaluated(layout, dtype
             torch.testing.assert_close(prior.matmul(wide), dense @ wide, **tolerance)
         torch.testing.assert_close(prior.matmul(vectors), before, **tolerance)
     assert len(called) == 4
-    prior.matmul(vectors)  # with gradients: through the kernel
-    assert len(called) == 4
+
+
+@pytest.mark.parametrize("layout", ["single", "shared", "independent"])
+def test_products_with_the_evaluated_matrix_differentiate_as_the_kernel(layout):
+    """With gradients, a product by the matrix the prior holds evaluated (made with its graph) has the gradient, with
+    respect to the hyperparameters and the right-hand side, of the product through the kernel's operators."""
+    gradients = []
+    for evaluated in (False, True):
+        prior = _prior(layout, plus_linear=True)
+        size = prior.shape[0] * prior.num_latents
+        vectors = torch.randn(size, 3, dtype=DTYPE, generator=torch.Generator().manual_seed(3)).requires_grad_()
+        weights = torch.randn(size, 3, dtype=DTYPE, generator=torch.Generator().manual_seed(4))
+        if evaluated:
+            prior.matmul(vectors)  # evaluates the kernel (with its graph)
+            assert prior.evaluated_kernel() is not None and prior.evaluated_kernel().requires_grad
+        else:
+            assert prior.evaluated_kernel() is None
+        parameters = list(prior.covariance.kernel.parameters())
+        loss = (weights * prior.matmul(vectors)).sum()
+        gradients.append(torch.autograd.grad(loss, [*parameters, vectors]))
+    for through_kernel, through_matrix in zip(*gradients, strict=True):
+        torch.testing.assert_close(through_matrix, through_kernel, rtol=1e-12, atol=1e-12)
 
 
 def test_solver_keeps_the_root_implicit_and_its_columns_conjugate():
