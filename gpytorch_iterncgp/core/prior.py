@@ -119,12 +119,17 @@ def _point_blocks(covariance: LinearOperator, num: int) -> Tensor:
 NARROW_PRODUCT_COLUMNS = 256
 
 
-def _narrow_symmetric_matmul(covariance: LinearOperator, rhs: Tensor) -> Tensor | None:
+def _is_training_kernel(covariance: LinearOperator) -> bool:
+    """Whether ``covariance`` is a lazily evaluated kernel of one set of points with themselves (a symmetric matrix)."""
+    return isinstance(covariance, LazyEvaluatedKernelTensor) and covariance.x1 is covariance.x2
+
+
+def _cached_kernel_matmul(covariance: LinearOperator, rhs: Tensor) -> Tensor | None:
     r""":math:`\mathbf K \mathbf X` for the dense kernel matrix of the training points with themselves (evaluated and
     cached on the first product) by :func:`narrow_matmul`; ``None`` for other kernels, or wide or non-CPU ``rhs``."""
     if rhs.device.type != "cpu" or rhs.shape[-1] > NARROW_PRODUCT_COLUMNS or torch.is_grad_enabled():
         return None
-    if not isinstance(covariance, LazyEvaluatedKernelTensor) or covariance.x1 is not covariance.x2:
+    if not _is_training_kernel(covariance):
         return None
     if _uses_keops(covariance.kernel):
         return None
@@ -172,7 +177,7 @@ def _kernel_matmul(covariance: LinearOperator, rhs: Tensor, chunk_rows: int) -> 
     """``covariance @ rhs``: cached (narrow products by :func:`narrow_matmul`) up to the dense limit, fused for RBF and
     Matérn kernels above it (``chunk_rows`` > 0), chunked otherwise."""
     if not chunk_rows:
-        narrow = _narrow_symmetric_matmul(covariance, rhs)
+        narrow = _cached_kernel_matmul(covariance, rhs)
         return covariance.matmul(rhs) if narrow is None else narrow
     fused = fused_kernel_matmul(covariance, rhs)  # RBF / Matérn: never forms K
     return _chunked_matmul(covariance, rhs, chunk_rows) if fused is None else fused
@@ -285,10 +290,8 @@ class LatentPrior:
     def _kernel_operator(self) -> LinearOperator:
         """The kernel matrix as an operator: the matrix the prior holds evaluated, where it is the training points'
         with themselves (a :class:`SymmetricMatrixOperator`, with the evaluation's graph), else the covariance."""
-        covariance = self.covariance
-        symmetric = isinstance(covariance, LazyEvaluatedKernelTensor) and covariance.x1 is covariance.x2
-        if self._evaluated_kernel is None or not symmetric:
-            return covariance
+        if self._evaluated_kernel is None or not _is_training_kernel(self.covariance):
+            return self.covariance
         return SymmetricMatrixOperator(self._evaluated_kernel)
 
     def block(self, rows: slice, cols: slice) -> LatentPrior:

@@ -314,14 +314,14 @@ def test_narrow_products_with_the_cached_kernel_equal_the_dense_product(layout, 
     """Products with the cached K on the CPU go through narrow_matmul (few columns transposed and padded, wide ones as
     K X). Both equal the dense product to rounding, and the kernel is evaluated once."""
     narrow = []
-    original = prior_module._narrow_symmetric_matmul
+    original = prior_module._cached_kernel_matmul
 
     def spy(covariance, rhs):
         product = original(covariance, rhs)
         narrow.append(product is not None)
         return product
 
-    monkeypatch.setattr(prior_module, "_narrow_symmetric_matmul", spy)
+    monkeypatch.setattr(prior_module, "_cached_kernel_matmul", spy)
     prior = _prior(layout, dtype=dtype)
     size = prior.shape[0] * prior.num_latents
     dense = _dense(prior)
