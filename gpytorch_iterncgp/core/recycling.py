@@ -52,6 +52,8 @@ NOISE_CHUNK_BYTES = 2**21
 # action (n <= 4 B, e.g. the exact path's n = B); for wider buffers E = L^{-T} and one GEMM, which the CPU runs faster
 # per multiply-add than a triangular solve over many right-hand sides (docs/design_notes.md).
 TRIANGULAR_COMBINATION_WIDTH = 4
+# a product with a triangular matrix of at least twice this many rows is split in halves (lower_triangular_matmul)
+TRIANGULAR_BLOCK_ROWS = 128
 
 
 def _symmetric(matrix: Tensor) -> Tensor:
@@ -553,7 +555,9 @@ def _combination(rows: Tensor, extra: Tensor | None, coefficients: Tensor, capac
     target = store.extend(count)
     weights = coefficients.to(rows.dtype)
     support = row_support(rows) if extra is None else None
-    if support is None:
+    if support is None and extra is None and _is_upper_triangular(weights):  # E = L^-T of a Cholesky root (bordered)
+        lower_triangular_matmul(weights.mT, rows, out=target)
+    elif support is None:
         torch.matmul(weights[: rows.shape[0]].mT, rows, out=target)
     else:  # sparse actions (unit vectors): the other rows of the combination are zero
         target.zero_()
@@ -561,6 +565,31 @@ def _combination(rows: Tensor, extra: Tensor | None, coefficients: Tensor, capac
     if extra is not None:
         target.addr_(weights[-1], extra)
     return store
+
+
+def _is_upper_triangular(matrix: Tensor) -> bool:
+    """Whether ``matrix`` is square, large enough for :func:`lower_triangular_matmul` to split, and zero below its
+    diagonal."""
+    rows = matrix.shape[0]
+    return rows == matrix.shape[-1] and rows >= 2 * TRIANGULAR_BLOCK_ROWS and not bool(matrix.tril(-1).any())
+
+
+def lower_triangular_matmul(lower: Tensor, matrix: Tensor, out: Tensor) -> Tensor:
+    r""":math:`\mathbf L \mathbf M` into ``out`` ``(B, n)`` for a lower triangular :math:`\mathbf L` ``(B, B)`` and
+    :math:`\mathbf M` ``(B, n)``, without the multiply-adds of :math:`\mathbf L`'s zero upper half: with
+    :math:`\mathbf L = \begin{pmatrix} \mathbf A & \mathbf 0 \\ \mathbf C & \mathbf D \end{pmatrix}` split in
+    halves, the top rows are :math:`\mathbf A \mathbf M_1` and the bottom ones :math:`\mathbf C \mathbf M_1 + \mathbf D
+    \mathbf M_2`, :math:`\mathbf A` and :math:`\mathbf D` again by halves down to :data:`TRIANGULAR_BLOCK_ROWS` rows: all
+    GEMMs, :math:`\tfrac12 + 2^{-k-1}` of one GEMM's multiply-adds at :math:`k` levels (five eighths at
+    :math:`B \ge 512`; ``docs/design_notes.md``). Equal to ``lower @ matrix`` to rounding."""
+    size = lower.shape[0]
+    if size < 2 * TRIANGULAR_BLOCK_ROWS:
+        return torch.matmul(lower, matrix, out=out)
+    half = size // 2
+    lower_triangular_matmul(lower[half:, half:], matrix[half:], out[half:])
+    out[half:].addmm_(lower[half:, :half], matrix[:half])
+    lower_triangular_matmul(lower[:half, :half], matrix[:half], out[:half])
+    return out
 
 
 def virtual_solver_run(

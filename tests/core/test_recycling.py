@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from gpytorch_iterncgp.core.noise import DiagonalNoiseInverse
-from gpytorch_iterncgp.core.recycling import ActionBuffer, virtual_solver_run
+from gpytorch_iterncgp.core.precision import ColumnStore
+from gpytorch_iterncgp.core.recycling import ActionBuffer, combined_columns, lower_triangular_matmul, virtual_solver_run
 from gpytorch_iterncgp.core.sharding import RowBlock
 
 DTYPE = torch.float64
@@ -212,3 +213,30 @@ def test_kernel_gram_of_renewed_products_is_one_gemm_that_a_restored_buffer_repe
     torch.testing.assert_close(
         restored.kernel_gram(), (actions.mT @ kernel @ actions).double(), rtol=tolerance, atol=tolerance
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("size", [255, 256, 700])  # no split, one level, two levels (TRIANGULAR_BLOCK_ROWS = 128)
+def test_lower_triangular_product_by_halves_equals_the_product(dtype, size):
+    generator = torch.Generator().manual_seed(size)
+    lower = torch.randn(size, size, dtype=torch.float64, generator=generator).tril()
+    matrix = torch.randn(size, 90, dtype=torch.float64, generator=generator)
+    out = torch.full((size, 90), torch.nan, dtype=dtype)
+    lower_triangular_matmul(lower.to(dtype), matrix.to(dtype), out)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(out.double(), lower @ matrix, rtol=tolerance, atol=tolerance * size**0.5)
+
+
+def test_combined_columns_of_a_triangular_root_equal_the_dense_product():
+    """:math:`\\mathbf S \\mathbf E` for an upper triangular :math:`\\mathbf E` (a Cholesky root's :math:`\\mathbf L^{-\\top}`)
+    by halves, and for a dense one, against the dense product."""
+    generator = torch.Generator().manual_seed(3)
+    store = ColumnStore.with_capacity(120, 300, DTYPE, torch.device("cpu"))
+    store.extend(300).copy_(torch.randn(300, 120, dtype=DTYPE, generator=generator))
+    for coefficients in (
+        torch.randn(300, 300, dtype=DTYPE, generator=generator).triu(),
+        torch.randn(300, 300, dtype=DTYPE, generator=generator),
+    ):
+        torch.testing.assert_close(
+            combined_columns(store, coefficients), store.value @ coefficients, rtol=1e-12, atol=1e-11
+        )
