@@ -267,7 +267,8 @@ class FitReport:
     """What a call of :meth:`~gpytorch_iterncgp.IterNCGPStrategy.fit` or :meth:`~gpytorch_iterncgp.EPStrategy.fit` did.
 
     :attr:`steps` counts the outer loop's steps, which the loop calls :attr:`step_name` (Newton steps, or EP
-    sweeps); :attr:`records` holds one record per step.
+    sweeps); :attr:`records` holds one record per step. :attr:`budget` is the solver budget where a caller chose it
+    (the estimators: their ``solver_budget_``), whose ``"rule"`` the text ends with.
     """
 
     steps: int = 0
@@ -286,7 +287,7 @@ class FitReport:
     stalled: bool = False  # stopped without converging: no step could progress (a NotConvergedWarning says why)
     wall_time: float = 0.0
     records: list[Any] = field(default_factory=list)  # NewtonStep or EPSweep records, one per step
-    budget: str = ""  # how the solver budget was chosen (set by callers that choose it, e.g. the estimators)
+    budget: dict[str, Any] | None = None  # the solver budget a caller chose, with its "rule" (e.g. the estimators)
     method: str = "Laplace"  # the outer loop: "Laplace" (IterNCGP's damped Newton), "EP" or "EP-DTC" (sparse EP)
     step_name: str = "Newton steps"  # what the loop calls its steps (OuterLoop.step_name), e.g. "sweeps" for EP
 
@@ -330,7 +331,7 @@ class FitReport:
             + "), "
             f"converged={self.converged}, breakdown={self.breakdown}, {details}, "
             f"residual={last.residual_norm if last else float('nan'):.3g}, {self.wall_time:.2f}s"
-            + (f"; {self.budget}" if self.budget else "")
+            + (f"; {self.budget['rule']}" if self.budget else "")
         )
 
 

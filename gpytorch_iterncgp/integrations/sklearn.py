@@ -625,8 +625,7 @@ class _IterNCGPEstimator(_FittedPredictions, _StochasticEPFit, BaseEstimator):
             assert report.kernel is not None
             self.kernel_choice_ = KernelChoice(report.kernel, names, why, report.validation_points)
         self.fit_report_ = report.fit_report
-        # str(fit_report_) says what was done, why, and where the time before the final fit went
-        self.fit_report_.budget = f"{budget['rule']}; {report}"
+        self.fit_report_.budget = budget
         self.model_, self.likelihood_, self.kernel_ = model, likelihood, model.covar_module
         self.feature_lengthscales_ = self._feature_lengthscales()
 
@@ -791,7 +790,7 @@ class IterNCGPClassifier(ClassifierMixin, _IterNCGPEstimator):
     (the rows held out from learning, where the kernel was learnt on a subset: the outputscale and the kernel are
     chosen on them and the learnt model is checked against a constant predictor, with a
     :class:`~gpytorch_iterncgp.WorseThanConstantWarning` where it predicts them worse; or ``None``),
-    ``fit_report_`` (the final :class:`~gpytorch_iterncgp.FitReport`; its text also says where the learning's time went), ``learning_report_`` (a :class:`LearningReport`: evidence evaluations, seconds in fits, evidence and gradients, why it stopped), ``loss_curve_`` (``-evidence / n``
+    ``fit_report_`` (the final :class:`~gpytorch_iterncgp.FitReport`, its ``budget`` the ``solver_budget_``), ``learning_report_`` (a :class:`LearningReport`: the kernel choice, evidence evaluations, seconds in fits, evidence and gradients, why it stopped, the outputscale's factor and the check against a constant predictor; its text says them), ``loss_curve_`` (``-evidence / n``
     at every evaluation of the evidence: L-BFGS iterations and line-search trials, or Adam steps), ``solver_budget_`` (a dict: the ``policy``, ``max_solver_iterations`` and ``solver_tol``
     (both tolerances) the estimator's rule gave the strategy, ``exact``: whether every solve ran to full rank, and the ``rule`` that chose them).
     """

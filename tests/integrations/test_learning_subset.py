@@ -46,7 +46,7 @@ def test_subset_learning_learns_what_a_fit_on_the_subset_learns(inference):
     np.testing.assert_allclose(subset.loss_curve_, alone.loss_curve_, rtol=1e-8)
     assert subset.learning_report_.evidence == "Laplace"  # (EP's kernel too: LearningRecipe.evidence)
     assert subset.model_.variational_strategy.num_data == 120
-    assert "of 60 of the 120 points" in str(subset.fit_report_)
+    assert "of 60 of the 120 points" in str(subset.learning_report_)
     # the learnt kernel moved from the initial one, and the final fit is the posterior at it on all the data
     fixed = IterNCGPClassifier(inference=inference, kernel=subset.kernel_, optimizer_steps=0).fit(x, y)
     np.testing.assert_allclose(subset.predict_proba(x), fixed.predict_proba(x), rtol=1e-6, atol=1e-9)

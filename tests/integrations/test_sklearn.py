@@ -768,12 +768,13 @@ def test_max_time_stops_learning_after_the_running_evaluation(regime):
     assert stopped.learning_report_.stopped == "max_time"
     for ours, theirs in zip(stopped.kernel_.parameters(), initial.kernel_.parameters(), strict=True):
         torch.testing.assert_close(ours.detach(), theirs.detach(), rtol=0, atol=0)
-    assert initial.learning_report_.stopped == "not learnt" and "not learnt" in str(initial.fit_report_)
+    assert initial.learning_report_.stopped == "not learnt" and "not learnt" in str(initial.learning_report_)
 
 
 def test_learning_report_says_where_the_time_went():
     """Adam (forced matrix-free evidence): one evaluation per step, the parts of the time within the whole, and the
-    final fit's report carries the summary; L-BFGS with one iteration stops by ``optimizer_steps``."""
+    report's text says them; the final fit's report holds the solver budget as data, its text ends with the rule;
+    L-BFGS with one iteration stops by ``optimizer_steps``."""
     from gpytorch_iterncgp import settings
 
     x, y, _ = _binary(num=60, seed=2)
@@ -784,7 +785,9 @@ def test_learning_report_says_where_the_time_went():
     assert len(adam.loss_curve_) == 4
     parts = (report.fit_seconds, report.evidence_seconds, report.gradient_seconds)
     assert all(part > 0 for part in parts) and sum(parts) <= report.seconds
-    assert "hyperparameters: Adam on the Laplace evidence, 4 evaluations" in str(adam.fit_report_)
+    assert "hyperparameters: Adam on the Laplace evidence, 4 evaluations" in str(adam.learning_report_)
+    assert adam.fit_report_.budget is adam.solver_budget_ and set(adam.solver_budget_) >= {"policy", "rule"}
+    assert str(adam.fit_report_).endswith(f"; {adam.solver_budget_['rule']}")
     lbfgs = IterNCGPClassifier(optimizer_steps=1, random_state=0).fit(x, y)
     assert lbfgs.learning_report_.method == "L-BFGS" and lbfgs.learning_report_.stopped == "optimizer_steps"
     assert lbfgs.learning_report_.evaluations == len(lbfgs.loss_curve_) >= 1

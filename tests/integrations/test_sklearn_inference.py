@@ -224,7 +224,7 @@ def test_ep_estimator_learns_on_the_laplace_evidence_unless_the_recipe_asks_for_
     assert large.learning_report_.evidence == "Laplace" and large.learning_report_.evaluations == 3
     assert type(large.model_.variational_strategy).__name__ == "EPStrategy"
     assert large.kernel_.outputscale.item() != 1.0  # learnt, and the EP model holds the learnt kernel
-    assert "Laplace evidence" in str(large.fit_report_)
+    assert "Laplace evidence" in str(large.learning_report_)
     small = IterNCGPClassifier(inference="ep", optimizer_steps=3, random_state=0).fit(x[:60], y[:60])
     assert small.learning_report_.evidence == "Laplace" and small.learning_report_.method == "L-BFGS"
     recipe = LearningRecipe(optimizer_steps=3, evidence="ep")
@@ -257,7 +257,7 @@ def test_ep_outputscale_is_chosen_by_the_held_out_log_loss():
     rows, held_out = classifier.learning_rows_, classifier.validation_rows_
     assert report.evidence == "Laplace" and len(rows) == len(held_out) == report.validation_points == 80
     assert not set(rows) & set(held_out)
-    assert "log-loss of 80 held-out points" in str(classifier.fit_report_)
+    assert "log-loss of 80 held-out points" in str(classifier.learning_report_)
     lengthscale = classifier.kernel_.base_kernel.lengthscale.item()
     laplace_outputscale = classifier.kernel_.outputscale.item() / report.outputscale_factor
 
@@ -296,7 +296,7 @@ def test_ep_outputscale_needs_held_out_rows_an_outputscale_and_time():
             assert classifier.learning_report_.evidence == "Laplace"
             assert classifier.learning_report_.outputscale_scores == {}
             assert classifier.learning_report_.outputscale_factor == 1.0
-            assert "outputscale times" not in str(classifier.fit_report_)
+            assert "outputscale times" not in str(classifier.learning_report_)
     assert everything.validation_rows_ is None and everything.learning_report_.held_out_score is None
     # without an outputscale the held-out rows still check the model against a constant predictor
     assert len(no_outputscale.validation_rows_) == 80 and no_outputscale.learning_report_.held_out_score is not None

@@ -469,7 +469,7 @@ def test_the_classifier_with_kernel_auto_chooses_a_linear_kernel_on_linear_data_
     assert str(choice) == f"'linear+matern': chosen among {among} by the held-out score of 150 points"
     assert classifier.kernel_ is classifier.model_.covar_module
     assert any(isinstance(module, gpytorch.kernels.LinearKernel) for module in classifier.kernel_.modules())
-    assert f"kernel {report.kernel!r} by held-out of {len(AUTO_KERNELS)} candidates" in str(classifier.fit_report_)
+    assert f"kernel {report.kernel!r} by held-out of {len(AUTO_KERNELS)} candidates" in str(classifier.learning_report_)
     probabilities = classifier.predict_proba(x[350:])
     assert probabilities.shape == (200, 2) and classifier.score(x[350:], y[350:]) > 0.85
 
