@@ -42,12 +42,6 @@ a few blocks of the covariance phase during the sweeps, their actions recycled, 
 a handful of CG iterations per sweep cannot: fewer cavities are bounded, at the price of more products. On small
 problems, where the recycled CG actions soon resolve the marginals, they cost more than they bring (measurements:
 ``docs/design_notes.md``).
-
-The noise is bounded where :math:`\tilde\tau_i \to 0` (first sweep, flat sites) by the likelihood's
-``min_curvature``: :math:`\tilde{\mathbf T}^{-1} = \operatorname{diag}(1/\max(\tilde\tau_i, \tau_{\min}))` with the
-right-hand side :math:`(\tilde\nu_i - \tilde\tau_i m_i)/\max(\tilde\tau_i, \tau_{\min})`, which equals
-:math:`\tilde\mu_i - m_i` wherever :math:`\tilde\tau_i \ge \tau_{\min}` and keeps a site with
-:math:`\tilde\tau_i = 0` as the linear term :math:`\exp(\tilde\nu_i f_i)` (to :math:`O(\tau_{\min})`).
 """
 
 from __future__ import annotations
@@ -58,50 +52,19 @@ from collections.abc import Generator
 from dataclasses import dataclass
 
 import torch
-from linear_operator.operators import LinearOperator
 from torch import Tensor
 
-from ..core.covariance import CovarianceOptions, CovariancePhase, covariance_phase
-from ..core.noise import DiagonalNoiseInverse
 from ..core.outer_loop import EPSweep, FitLimits, LoopStatus, OuterStep, TrainModeFits, sites_progressed
 from ..core.policies import Policy
-from ..core.preconditioner import KernelPreconditioning
 from ..core.prior import LatentPrior
 from ..core.recycling import ActionBuffer
 from ..core.sharding import RowBlock
-from ..core.solver import IterGPOptions, IterGPResult, RegressionState, itergp_solve
+from ..core.solver import IterGPResult, RegressionState
 from ..core.validation import check_count, check_nonnegative
 from ..likelihoods.adapters import LikelihoodAdapter
 from ..likelihoods.multinomial_probit import InnerSites
-from .sites import SiteUpdate, site_block_noise, update_site_blocks, update_sites, zero_sum_basis
-
-
-def posterior_marginals(
-    prior_mean: Tensor, prior_variance: Tensor, state: RegressionState, rows_block: RowBlock
-) -> tuple[Tensor, Tensor]:
-    r"""Posterior means :math:`m_i + (\mathbf K\mathbf a)_i` and variances :math:`k_{ii} - \|(\mathbf K\mathbf Q)_{i,:}\|^2`
-    (including the computational uncertainty of an incomplete solve), ``(n,)`` each, from the state's buffers
-    (:math:`\mathbf K\mathbf a`, :math:`\mathbf K\mathbf Q` held by rows of ``rows_block``: gathered, and each rank's
-    row norms)."""
-    mean = prior_mean + rows_block.all_rows(state.kernel_representer_weights)
-    variance = prior_variance - rows_block.all_rows(state.kernel_precision_root.square().sum(-1))
-    return mean, variance
-
-
-def posterior_marginal_blocks(
-    prior_mean: Tensor, prior_blocks: Tensor, state: RegressionState, rows_block: RowBlock
-) -> tuple[Tensor, Tensor]:
-    r"""Each point's posterior mean ``(N, C)`` and :math:`C \times C` covariance
-    :math:`\mathbf K_{ii} - \mathbf R_i \mathbf R_i^\top` ``(N, C, C)``, :math:`\mathbf R_i` the point's :math:`C` rows
-    of :math:`\mathbf K\mathbf Q` (data-major); ``prior_mean`` ``(N, C)``, ``prior_blocks`` :math:`\mathbf K_{ii}`
-    ``(N, C, C)`` (:math:`\mathbf K\mathbf Q` held by rows of ``rows_block``: each rank's blocks, gathered)."""
-    num_latents = prior_mean.shape[-1]
-    kernel_root = state.kernel_precision_root
-    rows = kernel_root.reshape(kernel_root.shape[0] // num_latents, num_latents, kernel_root.shape[-1])
-    products = rows_block.all_rows((rows @ rows.mT).reshape(-1, num_latents)).reshape(-1, num_latents, num_latents)
-    covariance = prior_blocks - products
-    mean = prior_mean + rows_block.all_rows(state.kernel_representer_weights).reshape(-1, num_latents)
-    return mean, (covariance + covariance.mT) / 2
+from .regression import SiteRegression, SiteRegressionOptions
+from .sites import SiteUpdate, update_site_blocks, update_sites
 
 
 def marginal_divergence(
@@ -156,7 +119,7 @@ class SweepOptions(FitLimits):
 
 
 @dataclass
-class EPOptions(SweepOptions, IterGPOptions, CovarianceOptions, TrainModeFits):
+class EPOptions(SweepOptions, SiteRegressionOptions, TrainModeFits):
     """Settings of the EP loop, of IterGP and of the covariance phase (see :class:`~gpytorch_iterncgp.EPStrategy`)."""
 
     marginal_iterations: int = 0  # covariance-phase blocks (products with K) for the marginals during the sweeps
@@ -170,8 +133,7 @@ class EPOptions(SweepOptions, IterGPOptions, CovarianceOptions, TrainModeFits):
 
     def validate(self) -> None:
         """:raises ValueError: naming the option that is out of range."""
-        IterGPOptions.validate(self)
-        CovarianceOptions.validate(self)
+        SiteRegressionOptions.validate(self)
         SweepOptions.validate(self)
         TrainModeFits.validate(self)
         check_count(self.marginal_iterations, "marginal_iterations")
@@ -230,7 +192,7 @@ class EPState(RegressionState):
         return {**super().expected_shapes(saved), **sites}
 
 
-class ExpectationPropagation:
+class ExpectationPropagation(SiteRegression):
     r"""Parallel EP with damping, each sweep a GP regression solved by IterGP (see the module docstring).
 
     An outer loop for :func:`~gpytorch_iterncgp.core.outer_loop.run_outer_loop`.
@@ -241,12 +203,8 @@ class ExpectationPropagation:
     each point's :math:`C \times C` covariance, and the sweep is :func:`~gpytorch_iterncgp.ep.sites.update_site_blocks`
     (nested EP, its inner sites kept by the loop for warm starts).
 
-    :param prior: the GP prior at the training inputs (its matmul is the one product with K).
-    :param adapter: a likelihood with tilted moments: :math:`C = 1` (probit, logit, Poisson exp/softplus) or the
-        multinomial probit.
-    :param targets: validated targets ``(N,)``.
-    :param options: damping, tolerances and IterGP's budget (``max_sweeps`` is the driver's business).
-    :param policy: IterGP's policy (already prepared for the problem size).
+    Its parameters are those of the sites' regression (:class:`~gpytorch_iterncgp.ep.regression.SiteRegression`),
+    ``options`` with the sweeps' damping and tolerances too (``max_sweeps`` is the driver's business).
 
     **By rows** (``prior.rows`` sharded, a ``ShardedKernel`` with ``shard_state``): the sites, the marginals, cavities
     and tilted moments, :math:`\mathbf a`, :math:`\mathbf K \mathbf a` and the regression's right-hand side and
@@ -294,37 +252,10 @@ class ExpectationPropagation:
     def __init__(
         self, prior: LatentPrior, adapter: LikelihoodAdapter, targets: Tensor, options: EPOptions, policy: Policy
     ):
-        if adapter.num_latents > 1 and not adapter.has_block_tilted_moments:
-            raise ValueError(
-                f"EP with C x C site blocks needs a likelihood that is flat along (1, ..., 1) with nested-EP tilted "
-                f"moments (MultinomialProbitLikelihood); {adapter.name} has C = {adapter.num_latents}."
-            )
-        self.prior, self.adapter, self.options, self.policy = prior, adapter, options, policy
-        self._reset_budget()
-        self.num_latents = num = adapter.num_latents
-        self.rows_block = block = prior.rows  # this rank's rows where the state is held by rows, else all
-        prior_mean = prior.mean.reshape(-1)
-        self.num_points = len(prior_mean) // num  # N
-        # this rank's points (all of them in one process): the loop's vectors, sites and marginals are held by rows
-        self.prior_mean = block.own_rows(prior_mean)
-        # this rank's rows read as all there are: the marginals of its own points, with no collective
-        self.own_rows = RowBlock(block.local_size, num)
-        self.prior_variance = block.own_rows(prior.diagonal().reshape(-1))
-        self.targets = block.own_points(targets)
-        self.kernel_matmul, self.kernel_columns = prior.matmul_by_rows, prior.kernel_columns_by_rows
-        zero_sum = adapter.zero_sum_actions
-        self.project = adapter.project if zero_sum else None  # of IterGP's actions
-        self.preconditioning = KernelPreconditioning(
-            prior, options.preconditioner_rank, policy.uses_residual, self.project, num - 1 if zero_sum else num
-        )
-        self.min_precision = adapter._min_curvature(self.prior_mean.dtype)
-        self.prior_blocks: Tensor | None = None
-        self.action_space_dimension: int | None = None
+        super().__init__(prior, adapter, targets, options, policy)
+        self.options: EPOptions = options
         self.inner_sites: InnerSites | None = None  # multi-class: the nested EP's sites of the last sweep
-        if num > 1:
-            self.prior_blocks = block.own_points(prior.point_blocks())
-            self.action_space_dimension = self.num_points * (num - 1)
-            self.basis = zero_sum_basis(num, self.prior_mean.dtype, self.prior_mean.device)
+        self._reset_budget()
 
     def _reset_budget(self) -> None:
         """A fit's own budget (:meth:`escalate` raises it): the options' solver iterations, no refresh burst."""
@@ -351,28 +282,11 @@ class ExpectationPropagation:
         if self.options.covariance_iterations == 0 or not state.solved:
             return state
         noise, _ = self.noise(state.site_precision, state.site_natural_mean, self.rows_block)
-        phase = self._covariance_blocks(state, noise, self.options.covariance_iterations)
+        phase = self.covariance_blocks(state, noise, self.options.covariance_iterations)
         return dataclasses.replace(
             state,
             precision_root=phase.precision_root,
             kernel_precision_root=phase.kernel_precision_root,
-        )
-
-    def _covariance_blocks(self, state: EPState, noise: LinearOperator, blocks: int, seed: int = 0) -> CovariancePhase:
-        r"""``blocks`` blocks of the covariance phase for ``state``'s regression with the noise of its sites (its
-        :math:`\mathbf Q`, :math:`\mathbf K \mathbf Q` by rows where they are held by rows, and so the result)."""
-        return covariance_phase(
-            self.prior.matmul,
-            noise,
-            state.precision_root,
-            state.kernel_precision_root,
-            self.num_latents,
-            blocks,
-            self.options.covariance_block_size,
-            project=self.adapter.project if self.adapter.zero_sum_actions else None,
-            action_space_dimension=self.action_space_dimension,
-            seed=seed,
-            rows_block=self.rows_block,
         )
 
     def refine_marginals(self, state: EPState, buffer: ActionBuffer, blocks: int) -> tuple[EPState, ActionBuffer]:
@@ -399,7 +313,7 @@ class ExpectationPropagation:
         """
         options = self.options
         noise, rhs = self.noise(state.site_precision, state.site_natural_mean, self.rows_block)
-        phase = self._covariance_blocks(state, noise, blocks, seed=state.sweeps)
+        phase = self.covariance_blocks(state, noise, blocks, seed=state.sweeps)
         block = self.rows_block
         start = state.precision_root.shape[-1]
         new_roots, new_kernel_roots = phase.precision_root[:, start:], phase.kernel_precision_root[:, start:]  # D, K D
@@ -426,26 +340,6 @@ class ExpectationPropagation:
         )
         return state, buffer
 
-    # -- one regression ------------------------------------------------------------------------------------------
-    def marginals(self, state: RegressionState) -> tuple[Tensor, Tensor]:
-        """The posterior marginals at the training inputs (as :meth:`marginals_of`): of this rank's points where the
-        state is held by rows (its rows of :math:`\\mathbf K \\mathbf a` and :math:`\\mathbf K \\mathbf Q`; no
-        collective)."""
-        if self.num_latents == 1:
-            return posterior_marginals(self.prior_mean, self.prior_variance, state, self.own_rows)
-        assert self.prior_blocks is not None
-        prior_mean = self.prior_mean.reshape(-1, self.num_latents)
-        return posterior_marginal_blocks(prior_mean, self.prior_blocks, state, self.own_rows)
-
-    @staticmethod
-    def marginals_of(prior: LatentPrior, state: RegressionState) -> tuple[Tensor, Tensor]:
-        """:func:`posterior_marginals` (``(N,)`` each) for ``prior`` at the training inputs, or for :math:`C > 1`
-        :func:`posterior_marginal_blocks` (``(N, C)`` and ``(N, C, C)``)."""
-        block = prior.rows
-        if prior.num_latents == 1:
-            return posterior_marginals(prior.mean.reshape(-1), prior.diagonal().reshape(-1), state, block)
-        return posterior_marginal_blocks(prior.mean.reshape(-1, prior.num_latents), prior.point_blocks(), state, block)
-
     def update(self, state: EPState, marginals: tuple[Tensor, Tensor] | None = None) -> SiteUpdate:
         """One parallel sweep's site update from the marginals of ``state``'s regression (:meth:`marginals`, unless
         given)."""
@@ -469,43 +363,6 @@ class ExpectationPropagation:
         )
         self.inner_sites = update.inner_sites
         return update
-
-    def noise(self, precision: Tensor, natural_mean: Tensor, rows_block: RowBlock) -> tuple[LinearOperator, Tensor]:
-        r"""The noise :math:`\tilde{\mathbf T}^{-1}` (bounded; pseudo-inverse blocks for :math:`C > 1`) and the
-        right-hand side :math:`\tilde{\boldsymbol\mu} - \mathbf m` of the sites' regression (see the module docstring):
-        of the points of ``rows_block`` (this rank's where sharded: its blocks and rows, as the solver holds them)."""
-        num = self.num_latents
-        precision, natural_mean = rows_block.own_points(precision), rows_block.own_points(natural_mean)
-        prior_mean = rows_block.own_rows(self.prior_mean)
-        if num == 1:
-            bounded = precision.clamp_min(self.min_precision)
-            return DiagonalNoiseInverse(bounded.reciprocal()), (natural_mean - precision * prior_mean) / bounded
-        noise, rhs = site_block_noise(
-            precision, natural_mean, prior_mean.reshape(-1, num), self.min_precision, self.basis
-        )
-        return noise, rhs.reshape(-1)
-
-    def solve(self, state: EPState, buffer: ActionBuffer, precision: Tensor, natural_mean: Tensor) -> IterGPResult:
-        r"""IterGP on :math:`(\mathbf K + \tilde{\mathbf T}^{-1}) \mathbf v = \tilde{\boldsymbol\mu} - \mathbf m` for the
-        sites ``(precision, natural_mean)``, from ``buffer`` (noise bounded as in the module docstring)."""
-        options = self.options
-        noise, rhs = self.noise(precision, natural_mean, self.rows_block)
-        return itergp_solve(
-            self.kernel_matmul,
-            noise,
-            rhs,
-            self.preconditioning.seeded(buffer),
-            self.policy,
-            project=self.project,
-            action_space_dimension=self.action_space_dimension,
-            max_solver_iterations=self.solver_iterations,
-            abs_tol=options.abs_tol,
-            rel_tol=options.rel_tol,
-            compression_rank=options.compression_rank,
-            keep=(state.representer_weights, state.kernel_representer_weights),
-            kernel_columns=self.kernel_columns,
-            preconditioner=self.preconditioning.for_noise(noise),
-        )
 
     def _bounded_points(self, update: SiteUpdate, state: EPState) -> Tensor:
         """The indices of the points whose cavity ``update`` bounded, as many as ``bounded_point_actions`` actions
@@ -553,7 +410,7 @@ class ExpectationPropagation:
         buffer = ActionBuffer.from_tensors(state.actions, state.kernel_actions, self.rows_block, gemm_columns=columns)
         extra_iterations = 0
         if not state.solved:  # the kernel changed: the marginals need the kept sites' regression first
-            result = self.solve(state, buffer, state.site_precision, state.site_natural_mean)
+            result = self.solve(state, buffer, state.site_precision, state.site_natural_mean, self.solver_iterations)
             buffer, extra_iterations = result.buffer, result.iterations
             state = self._solved(state, result, state.site_precision, state.site_natural_mean, state.sweeps)
         marginals: tuple[Tensor, Tensor] | None = None  # of the state, where the last sweep measured them
@@ -568,7 +425,7 @@ class ExpectationPropagation:
             buffer = self.preconditioning.with_point_actions(
                 self.preconditioning.seeded(buffer), self._bounded_points(update, state)
             )
-            result = self.solve(state, buffer, update.site_precision, update.site_natural_mean)
+            result = self.solve(state, buffer, update.site_precision, update.site_natural_mean, self.solver_iterations)
             buffer = result.buffer
             # (by rows: the counts over all ranks, one all_reduce)
             counts = block.summed(torch.stack([update.skipped.sum(), update.bounded.sum(), update.clipped.sum()]))
