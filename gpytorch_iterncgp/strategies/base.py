@@ -25,9 +25,10 @@ from torch import Tensor
 from .. import settings
 from ..core.memory import retained_allocations
 from ..core.outer_loop import FitReport, OuterLoop, ProductCounter, run_outer_loop
-from ..core.state import CommittedState, Companion, data_fingerprint, parameter_fingerprint
+from ..core.state import CommittedState, Companion, parameter_fingerprint
 from ..core.validation import check_flag, check_inputs
 from ..likelihoods.adapters import likelihood_adapter
+from .saved_state import SavedCommittedState
 
 
 def replaced_options(options: Any, changes: Mapping[str, Any], caller: str) -> Any:
@@ -131,7 +132,7 @@ def _show_progress(callback: Callable | None, show_progress: bool | None, defaul
     return default if show_progress is None else show_progress
 
 
-class OuterLoopStrategy(gpytorch.Module, metaclass=abc.ABCMeta):
+class OuterLoopStrategy(SavedCommittedState, metaclass=abc.ABCMeta):
     r"""A ``VariationalStrategy`` replacement that fits by an outer loop: the committed state (a
     :class:`~gpytorch_iterncgp.core.state.CommittedState`), refitting when it is stale, driving a fit, its report,
     ``state_dict`` and devices.
@@ -404,35 +405,6 @@ class OuterLoopStrategy(gpytorch.Module, metaclass=abc.ABCMeta):
         self.last_report = report
         return report
 
-    # -- state_dict and devices ------------------------------------------------------------------
-    def _state_to_save(self) -> Any:
-        """The committed state (not ``None``) as :meth:`get_extra_state` saves it; itself here."""
-        return self._committed.state
-
-    def get_extra_state(self) -> dict:
-        """The committed state for ``state_dict()``: tensors, numbers and strings only (``weights_only`` loadable).
-
-        Holds the state of the last completed step (also when saved inside a ``fit`` callback), the fingerprint of
-        the hyperparameters it belongs to, the companion's position, and a hash of the training data
-        (:meth:`CommittedState.to_extra <gpytorch_iterncgp.core.state.CommittedState.to_extra>`).
-        """
-        saved = None if self._committed.state is None else self._state_to_save()
-        return self._committed.to_extra(data_fingerprint(self.train_inputs, self.train_targets), saved)
-
-    def set_extra_state(self, extra: dict) -> None:
-        """Restore :meth:`get_extra_state`.
-
-        A state saved for other training data (another size, or a different hash) is discarded with a
-        ``UserWarning``: the hyperparameters still load, and the next ``fit()`` or prediction starts from the
-        prior instead of predicting with weights fitted to other data.
-
-        :raises ValueError: if the saved state is malformed (missing entries, shapes that disagree).
-        """
-        data = data_fingerprint(self.train_inputs, self.train_targets)
-        self._committed.load_extra(
-            extra, self.train_inputs, self.num_data * self.num_latents, data, type(self).__name__
-        )
-
     @abc.abstractmethod
     def forward(self, inputs: Tensor, **kwargs: Any) -> Any:
         """``model(x)``: the posterior of the latents at ``inputs`` (the model's distribution type)."""
@@ -444,8 +416,3 @@ class OuterLoopStrategy(gpytorch.Module, metaclass=abc.ABCMeta):
     @abc.abstractmethod
     def marginal_latent_blocks(self, inputs: Tensor) -> tuple[Tensor, Tensor]:
         """Posterior means ``(N*, C)`` and each test point's latent covariance ``(N*, C, C)``."""
-
-    def _apply(self, fn, recurse=True):
-        super()._apply(fn, recurse)
-        self._committed.apply(fn)
-        return self
