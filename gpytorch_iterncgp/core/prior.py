@@ -197,7 +197,44 @@ def _sharded(covariance: LinearOperator) -> ShardedKernelMatrix | None:
     return evaluated if isinstance(evaluated, ShardedKernelMatrix) else None
 
 
-class LatentPrior:
+class ProductCounts:
+    """Every product with K a prior made (calls, columns, seconds), and of those the ones made inside
+    :meth:`set_aside` (a preconditioner's, which a fit's report counts apart): a
+    :class:`~gpytorch_iterncgp.core.outer_loop.ProductCounter`. Counters only grow."""
+
+    def __init__(self) -> None:
+        self.products = 0  # calls of the kernel's matmul (or columns), every one
+        self.columns = 0  # columns multiplied in those calls
+        self.product_seconds = 0.0  # wall time spent in those calls
+        # of those, the ones made inside set_aside()
+        self.products_aside = 0
+        self.columns_aside = 0
+        self.product_seconds_aside = 0.0
+        self._aside_depth = 0
+
+    @contextlib.contextmanager
+    def set_aside(self) -> Iterator[None]:
+        """Count the products made inside the block as every product, and also in :attr:`products_aside`,
+        :attr:`columns_aside` and :attr:`product_seconds_aside` (a preconditioner's kernel columns, which a fit's report
+        counts apart from the solver's products). Counters only grow."""
+        self._aside_depth += 1
+        try:
+            yield
+        finally:
+            self._aside_depth -= 1
+
+    def count(self, columns: int, seconds: float = 0.0) -> None:
+        """Count one product (or read of kernel columns) with ``columns`` columns that took ``seconds``."""
+        self.products += 1
+        self.columns += columns
+        self.product_seconds += seconds
+        if self._aside_depth:
+            self.products_aside += 1
+            self.columns_aside += columns
+            self.product_seconds_aside += seconds
+
+
+class LatentPrior(ProductCounts):
     r"""Prior mean ``(N, C)`` and covariance :math:`\mathbf K` (``(N C, M C)``, data-major) of the latents.
 
     One subclass per layout of the model's output (:meth:`from_distribution`): :class:`OneLatentPrior` (one GP),
@@ -218,14 +255,7 @@ class LatentPrior:
         self._mean = mean
         self.covariance = covariance
         self.num_latents = num_latents
-        self.products = 0  # calls of the kernel's matmul (or columns), every one
-        self.columns = 0  # columns multiplied in those calls
-        self.product_seconds = 0.0  # wall time spent in those calls
-        # of those, the ones made inside set_aside() (a preconditioner's, which the fit reports count apart)
-        self.products_aside = 0
-        self.columns_aside = 0
-        self.product_seconds_aside = 0.0
-        self._aside_depth = 0
+        super().__init__()
         self._evaluated_kernel: Tensor | None = None  # the kernel matrix as a tensor, once read (evaluated_kernel)
 
     @classmethod
@@ -385,27 +415,6 @@ class LatentPrior:
             return functools.partial(narrow_matmul, self._evaluated_kernel)
         chunk_rows = 0 if torch.is_grad_enabled() else _chunk_rows(self.covariance)
         return functools.partial(_kernel_matmul, self.covariance, chunk_rows=chunk_rows)
-
-    @contextlib.contextmanager
-    def set_aside(self) -> Iterator[None]:
-        """Count the products made inside the block as every product, and also in :attr:`products_aside`,
-        :attr:`columns_aside` and :attr:`product_seconds_aside` (a preconditioner's kernel columns, which a fit's report
-        counts apart from the solver's products). Counters only grow."""
-        self._aside_depth += 1
-        try:
-            yield
-        finally:
-            self._aside_depth -= 1
-
-    def count(self, columns: int, seconds: float = 0.0) -> None:
-        """Count one product (or read of kernel columns) with ``columns`` columns that took ``seconds``."""
-        self.products += 1
-        self.columns += columns
-        self.product_seconds += seconds
-        if self._aside_depth:
-            self.products_aside += 1
-            self.columns_aside += columns
-            self.product_seconds_aside += seconds
 
     def _counted(self, columns: int, product: Callable[[], Tensor], work: int | None = None) -> Tensor:
         """``product()``, counted as one product with ``columns`` columns and timed (:meth:`count`); ``work``

@@ -1,4 +1,4 @@
-r"""The log posterior of the Newton loop and its damped step (a backtracking line search), for
+r"""The log posterior of the Newton loop, its damped step (a backtracking line search) and its convergence test, for
 :class:`~gpytorch_iterncgp.laplace.newton.DampedNewton`.
 
 With :math:`\mathbf f = \mathbf m + \mathbf K \mathbf a`,
@@ -143,3 +143,48 @@ class LogPosterior:
         gradient = self.derivatives(point.kernel_weights).gradient.reshape(-1)
         block = self.rows_block
         return float(block.norm(gradient - point.weights)) <= tolerance * float(block.norm(point.weights))
+
+    def converged(
+        self,
+        new: Point,
+        step_size: float,
+        full_psi: float,
+        proposed_change: float,
+        predicted_gain: float,
+        solved: bool,
+        outer_tol: float,
+    ) -> bool:
+        r"""Whether Newton's loop has converged after a damped step of ``step_size`` to ``new``, the full step's
+        :math:`\Psi` ``full_psi``, its relative change of :math:`\mathbf a` ``proposed_change`` and its
+        ``predicted_gain`` in :math:`\Psi`; ``solved``: IterGP solved the step's system.
+
+        * The full (undamped) Newton step changes :math:`\mathbf a` by at most ``outer_tol``, promises to gain at most
+          ``outer_tol`` in :math:`\Psi` (half the Newton decrement: where :math:`\mathbf a` is large, a change of 1%
+          can still gain nats, as preconditioned solves at large outputscales showed) and was a real Newton step:
+          IterGP solved its system, or :math:`\mathbf a = \nabla \log p(\mathbf y \mid \mathbf f)` holds to
+          ``outer_tol``. An incomplete solve can barely move far from the mode; without this check such steps would
+          be reported as converged.
+        * Or a solved Newton step promises a gain in :math:`\Psi` (half the Newton decrement) below the
+          resolution of :math:`\Psi`: nothing is left to gain, however tight ``outer_tol`` is (a relative change
+          of :math:`\mathbf a` at rounding level depends on the CPU's rounding). ``outer_tol = 0`` turns this off
+          (run every step).
+        * Or, when ``outer_tol`` is below what rounding allows, the full step was rejected, changes :math:`\Psi`
+          only at rounding level and :math:`\mathbf a = \nabla \log p(\mathbf y \mid \mathbf f)` holds to
+          :math:`\sqrt{\epsilon}` (a residual stalled by rounding).
+        """
+        eps = torch.finfo(new.weights.dtype).eps
+        root_eps = math.sqrt(eps)
+        scale = max(1.0, abs(new.log_posterior))
+        if (
+            proposed_change <= outer_tol
+            and predicted_gain <= max(outer_tol, eps * scale)
+            and (solved or self.first_order_condition(new, outer_tol))
+        ):
+            return True
+        if outer_tol > 0 and solved and step_size > 0 and predicted_gain <= eps * scale:
+            return True
+        return (
+            step_size == 0.0
+            and abs(full_psi - new.log_posterior) <= root_eps * scale
+            and self.first_order_condition(new, root_eps)
+        )

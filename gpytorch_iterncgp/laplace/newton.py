@@ -286,14 +286,16 @@ class DampedNewton:
     def _line_search(self, current: Point, result: IterGPResult) -> _NewtonStepTaken:
         r"""The damped step from ``current`` towards the solver's :math:`\mathbf v`
         (:meth:`~gpytorch_iterncgp.laplace.line_search.LogPosterior.damped_step`) and whether the loop has converged
-        with it (:meth:`_converged`)."""
+        with it (:meth:`~gpytorch_iterncgp.laplace.line_search.LogPosterior.converged`)."""
         proposal = self.objective.point(result.representer_weights, result.kernel_representer_weights)
         # Half the Newton decrement: what the full step promises to gain in Psi (exact for a quadratic).
         predicted_gain = 0.5 * self.objective.slope(current, proposal.kernel_weights - current.kernel_weights)
         step_size, new, full_psi = self.objective.damped_step(current, proposal)
         relative_change = relative_norm_change(new.weights, current.weights, self.rows_block)
         proposed_change = relative_norm_change(proposal.weights, current.weights, self.rows_block)
-        converged = self._converged(result, current, new, step_size, full_psi, proposed_change, predicted_gain)
+        converged = self.objective.converged(
+            new, step_size, full_psi, proposed_change, predicted_gain, result.converged, self.options.outer_tol
+        )
         return _NewtonStepTaken(step_size, new, relative_change, converged)
 
     def _next_control(
@@ -346,41 +348,6 @@ class DampedNewton:
             relative_change=step.relative_change,
         )
         return OuterStep(record, state, status, message, breakdown=result.breakdown)
-
-    def _converged(self, result, current, new, step_size, full_psi, proposed_change, predicted_gain) -> bool:
-        r"""Whether the loop has converged after a step from ``current`` to ``new``.
-
-        * The full (undamped) Newton step changes :math:`\mathbf a` by at most ``outer_tol``, promises to gain at most
-          ``outer_tol`` in :math:`\Psi` (half the Newton decrement: where :math:`\mathbf a` is large, a change of 1%
-          can still gain nats, as preconditioned solves at large outputscales showed) and was a real Newton step:
-          IterGP solved its system, or :math:`\mathbf a = \nabla \log p(\mathbf y \mid \mathbf f)` holds to
-          ``outer_tol``. An incomplete solve can barely move far from the mode; without this check such steps would
-          be reported as converged.
-        * Or a solved Newton step promises a gain in :math:`\Psi` (half the Newton decrement) below the
-          resolution of :math:`\Psi`: nothing is left to gain, however tight ``outer_tol`` is (a relative change
-          of :math:`\mathbf a` at rounding level depends on the CPU's rounding). ``outer_tol = 0`` turns this off
-          (run every step).
-        * Or, when ``outer_tol`` is below what rounding allows, the full step was rejected, changes :math:`\Psi`
-          only at rounding level and :math:`\mathbf a = \nabla \log p(\mathbf y \mid \mathbf f)` holds to
-          :math:`\sqrt{\epsilon}` (a residual stalled by rounding).
-        """
-        eps = torch.finfo(new.weights.dtype).eps
-        root_eps = math.sqrt(eps)
-        scale = max(1.0, abs(new.log_posterior))
-        outer_tol = self.options.outer_tol
-        if (
-            proposed_change <= outer_tol
-            and predicted_gain <= max(outer_tol, eps * scale)
-            and (result.converged or self.objective.first_order_condition(new, outer_tol))
-        ):
-            return True
-        if self.options.outer_tol > 0 and result.converged and step_size > 0 and predicted_gain <= eps * scale:
-            return True
-        return (
-            step_size == 0.0
-            and abs(full_psi - new.log_posterior) <= root_eps * scale
-            and self.objective.first_order_condition(new, root_eps)
-        )
 
     def finalize(self, state: LaplaceState) -> LaplaceState:
         r"""The precision of the final mode: a virtual solver run at :math:`\mathbf W(\hat{\mathbf f})` over every
