@@ -170,22 +170,8 @@ def choose_kernel(
     held-out log-loss unimodal in the outputscale the walk ends at the same factor from any start, in fewer fits
     from a nearby one (:func:`~.outputscale.choose_outputscale`).
 
-    Scores, each the lower the better, all recorded in ``report.kernel_scores[name]`` (with the candidate's number of
-    kernel ``hyperparameters`` :math:`k`, its ``seconds`` and its ``error``):
-
-    * ``held_out``: :func:`held_out_score` on the rows the learning held out (``None`` without any);
-    * ``evidence``: :func:`learnt_evidence`, :math:`-\log q(\mathbf y \mid \theta^*) / M` at the learnt
-      hyperparameters :math:`\theta^*` (before the outputscale phase), exact: type-II maximum likelihood across
-      kernels (R&W sec. 5.4). Of two nested kernels (Matérn and its ARD form) the larger scores at least as well
-      at its maximum;
-    * ``bic``: the Bayesian information criterion per row, :math:`-\log q(\mathbf y \mid \theta^*) / M +
-      k \log M / (2 M)`, the evidence penalised for the hyperparameters fitted (Schwarz 1978; the kernel search of
-      Duvenaud et al. 2013): a kernel with more hyperparameters must raise the evidence by :math:`\tfrac12 \log M`
-      nats for each.
-
-    The evidence and the BIC are computed only where ``select_by`` is one of them (``None`` under ``"held_out"``): the
-    exact evidence is a dense factorisation of all :math:`M C` latent values after a whole fit, seconds for a
-    multi-class candidate, which a choice by the held-out score would not read.
+    Each candidate's scores (held-out, evidence, BIC; :func:`_score_candidate`) are recorded in
+    ``report.kernel_scores[name]`` with its number of kernel ``hyperparameters``, its ``seconds`` and its ``error``.
 
     The candidate with the lowest ``select_by`` score is chosen (``report.kernel``; the first of equal ones); the
     report's learning fields are its. A candidate whose learning or scoring fails (:data:`~.recipe.RECOVERABLE_ERRORS`,
@@ -225,24 +211,7 @@ def choose_kernel(
         scores: dict[str, Any] = dict(held_out=None, evidence=None, bic=None, hyperparameters=count, seconds=0.0)
         scores.update(rows=None, error=None, outputscale_factor=None)
         try:
-            learner = screen.learn(candidate, candidate_deadline, name)
-            rows = scores["rows"] = learner.variational_strategy.num_data
-            if select_by != "held_out":
-                scores["evidence"] = learnt_evidence(learner)
-                scores["bic"] = scores["evidence"] + count * math.log(rows) / (2 * rows)
-            screen.choose_outputscale(candidate, candidate_deadline, walk_from)
-            if candidate.outputscale_scores:
-                scores["outputscale_factor"] = walk_from = candidate.outputscale_factor
-            if screen.validation is not None:
-                losses = candidate.outputscale_scores
-                scores["held_out"] = (
-                    losses[candidate.outputscale_factor]  # the outputscale phase's fit at the chosen factor
-                    if candidate.outputscale_factor in losses
-                    else held_out_score(screen.final_model(), *screen.validation, screen.recipe.outputscale_fit_steps)
-                )
-            chosen_score = scores[select_by]
-            if chosen_score is None or not math.isfinite(chosen_score):
-                raise FloatingPointError(f"the {select_by} score is {chosen_score}")
+            walk_from = _score_candidate(screen, candidate, name, scores, select_by, candidate_deadline, walk_from)
             outcomes[name] = (candidate, [parameter.detach().clone() for parameter in others])
         except RECOVERABLE_ERRORS as error:
             scores["error"] = f"{type(error).__name__}: {error}"
@@ -269,6 +238,56 @@ def choose_kernel(
     report.kernel, report.kernel_scores, report.selected_by = chosen, scores, select_by
     if phase.held_out is not None:
         report.validation_rows, report.validation_points = phase.held_out.tolist(), len(phase.held_out)
+
+
+def _score_candidate(
+    screen: LearningPhase,
+    candidate: LearningReport,
+    name: str,
+    scores: dict[str, Any],
+    select_by: str,
+    deadline: float | None,
+    walk_from: float | None,
+) -> float | None:
+    r"""Learn the kernel in the model (``screen``'s learning, then its outputscale walk from ``walk_from``, into
+    ``candidate``) and fill its ``scores``: ``rows``, ``outputscale_factor`` and the scores, each the lower the better.
+    Returns the factor the walk ended at (``walk_from`` where there was no walk).
+
+    * ``held_out``: :func:`held_out_score` on the rows the learning held out (``None`` without any);
+    * ``evidence``: :func:`learnt_evidence`, :math:`-\log q(\mathbf y \mid \theta^*) / M` at the learnt
+      hyperparameters :math:`\theta^*` (before the outputscale phase), exact: type-II maximum likelihood across
+      kernels (R&W sec. 5.4). Of two nested kernels (Matérn and its ARD form) the larger scores at least as well
+      at its maximum;
+    * ``bic``: the Bayesian information criterion per row, :math:`-\log q(\mathbf y \mid \theta^*) / M +
+      k \log M / (2 M)`, the evidence penalised for the hyperparameters fitted (Schwarz 1978; the kernel search of
+      Duvenaud et al. 2013): a kernel with more hyperparameters must raise the evidence by :math:`\tfrac12 \log M`
+      nats for each.
+
+    The evidence and the BIC are computed only where ``select_by`` is one of them (``None`` under ``"held_out"``): the
+    exact evidence is a dense factorisation of all :math:`M C` latent values after a whole fit, seconds for a
+    multi-class candidate, which a choice by the held-out score would not read.
+
+    :raises FloatingPointError: where the ``select_by`` score is missing or not finite.
+    """
+    learner = screen.learn(candidate, deadline, name)
+    rows = scores["rows"] = learner.variational_strategy.num_data
+    if select_by != "held_out":
+        scores["evidence"] = learnt_evidence(learner)
+        scores["bic"] = scores["evidence"] + scores["hyperparameters"] * math.log(rows) / (2 * rows)
+    screen.choose_outputscale(candidate, deadline, walk_from)
+    if candidate.outputscale_scores:
+        scores["outputscale_factor"] = walk_from = candidate.outputscale_factor
+    if screen.validation is not None:
+        losses = candidate.outputscale_scores
+        scores["held_out"] = (
+            losses[candidate.outputscale_factor]  # the outputscale phase's fit at the chosen factor
+            if candidate.outputscale_factor in losses
+            else held_out_score(screen.final_model(), *screen.validation, screen.recipe.outputscale_fit_steps)
+        )
+    chosen_score = scores[select_by]
+    if chosen_score is None or not math.isfinite(chosen_score):
+        raise FloatingPointError(f"the {select_by} score is {chosen_score}")
+    return walk_from
 
 
 def time_share(deadline: float | None, parts: int, whole: int) -> float | None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import gpytorch
 import torch
@@ -25,6 +25,49 @@ from .recipe import RECOVERABLE_ERRORS, LearningRecipe, LearningReport
 from .scores import held_out_score
 
 __all__ = ["choose_outputscale"]
+
+
+class FactorLadder:
+    """The outputscale factors a walk may visit: ``factors`` sorted, extended past an edge by doubling the largest or
+    halving the smallest factor, at most ``extensions`` times in all; a ``start`` outside them extends them as the walk
+    would have (each such step counted among the extensions)."""
+
+    def __init__(self, factors: Sequence[float], extensions: int, start: float):
+        self.grid, self.extensions = sorted(set(factors)), extensions
+        while start > self.grid[-1] and self.extensions:
+            self.grid.append(self.grid[-1] * 2)
+            self.extensions -= 1
+        while start < self.grid[0] and self.extensions:
+            self.grid.insert(0, self.grid[0] / 2)
+            self.extensions -= 1
+        if start not in self.grid:
+            self.grid = sorted([*self.grid, start])
+
+    def neighbour(self, factor: float, downwards: bool) -> float | None:
+        """The next factor below (above) ``factor``, extending the ladder where extensions are left; ``None`` past its
+        end."""
+        index = self.grid.index(factor) + (-1 if downwards else 1)
+        if 0 <= index < len(self.grid):
+            return self.grid[index]
+        if not self.extensions:
+            return None
+        self.extensions -= 1
+        self.grid.insert(max(index, 0), factor / 2 if downwards else factor * 2)
+        return self.grid[max(index, 0)]
+
+
+def _walk(ladder: FactorLadder, start: float, better: Callable[[float, float], bool], upwards_first: bool) -> None:
+    """From ``start``, one way along ``ladder`` while the next factor is ``better`` than the best so far; where the first
+    step is no better, the other way (``upwards_first``: upwards first)."""
+    best = start
+    for downwards in (not upwards_first, upwards_first):
+        origin = best
+        step = ladder.neighbour(best, downwards)
+        while step is not None and better(step, best):
+            best = step
+            step = ladder.neighbour(best, downwards)
+        if best != origin:
+            break
 
 
 def choose_outputscale(
@@ -93,29 +136,6 @@ def choose_outputscale(
     def out_of_time() -> bool:
         return deadline is not None and time.perf_counter() >= deadline
 
-    best = recipe.outputscale_factors[0] if start is None else start
-    grid = sorted(set(recipe.outputscale_factors))
-    extensions = [recipe.outputscale_extensions]
-    while best > grid[-1] and extensions[0]:  # a start past the grid's edges: the ladder the walk would have built
-        grid.append(grid[-1] * 2)
-        extensions[0] -= 1
-    while best < grid[0] and extensions[0]:
-        grid.insert(0, grid[0] / 2)
-        extensions[0] -= 1
-    if best not in grid:
-        grid = sorted([*grid, best])
-
-    def neighbour(factor: float, downwards: bool) -> float | None:
-        """The next factor of the ladder below (above) ``factor``; ``None`` past its end."""
-        index = grid.index(factor) + (-1 if downwards else 1)
-        if 0 <= index < len(grid):
-            return grid[index]
-        if not extensions[0]:
-            return None
-        extensions[0] -= 1
-        grid.insert(max(index, 0), factor / 2 if downwards else factor * 2)
-        return grid[max(index, 0)]
-
     def better(factor: float, than: float) -> bool:
         """Scores ``factor`` (where time is left): whether its log-loss is below ``than``'s."""
         if out_of_time():
@@ -124,16 +144,10 @@ def choose_outputscale(
         losses = report.outputscale_scores
         return factor in losses and (than not in losses or losses[factor] < losses[than])
 
+    best = recipe.outputscale_factors[0] if start is None else start
     if not out_of_time():
         score(best)
-    for downwards in (not upwards_first, upwards_first):  # one way while the score falls; else the other
-        origin = best
-        step = neighbour(best, downwards)
-        while step is not None and better(step, best):
-            best = step
-            step = neighbour(best, downwards)
-        if best != origin:
-            break
+    _walk(FactorLadder(recipe.outputscale_factors, recipe.outputscale_extensions, best), best, better, upwards_first)
     losses = report.outputscale_scores
     report.outputscale_factor = min(losses, key=losses.__getitem__) if losses else 1.0
     set_factor(report.outputscale_factor)
