@@ -42,6 +42,20 @@ costs one product with :math:`\mathbf K` per block. :math:`\mathbf C` stays :mat
 never increases as blocks are added, never falls below the exact Laplace covariance, and equals it once the actions
 span the space. The preconditioner only chooses the actions: any positive semi-definite :math:`\mathbf W` keeps
 these properties.
+
+**By rows.** With a sharded ``rows_block`` (:func:`covariance_phase`) the phase keeps :math:`\mathbf Q`, :math:`\mathbf K \mathbf Q` and the directions
+it adds by rows, as the action buffer keeps :math:`\mathbf S`, :math:`\mathbf K \mathbf S`
+(:class:`~gpytorch_iterncgp.core.recycling.ActionBuffer`): the conjugation :math:`\mathbf Q^\top \hat{\mathbf K}
+\mathbf V = \sum_p (\mathbf K \mathbf Q)_{\mathcal I_p}^\top \mathbf V_{\mathcal I_p} + \mathbf Q_{\mathcal
+I_p}^\top (\mathbf W^{-1} \mathbf V)_{\mathcal I_p}` and the block's Gram matrix :math:`\mathbf V^\top \hat{\mathbf
+K} \mathbf V` are local products and one ``all_reduce`` each, :math:`\mathbf Q \mathbf c` a local product and one
+``all_gather``. The block :math:`\mathbf V` (``block_size`` columns) is whole on every rank, the same on all:
+it is the right-hand side of the block's product with :math:`\mathbf K`, which returns it whole;
+:math:`\mathbf W` and :math:`\mathbf W^{-1}` act on this rank's rows (its blocks), and the next block
+:math:`\mathbf W \hat{\mathbf K} \mathbf D` is gathered from them (one ``all_gather``). A rank so holds
+:math:`\lceil N / P \rceil C (r + \text{added})` entries of :math:`\mathbf Q` and of :math:`\mathbf K \mathbf Q`
+and a few whole blocks, never :math:`\mathbf Q` whole. Every rank takes the same decisions (kept directions,
+eigenvalues), from the same reduced numbers; one process's up to the order of the sums over the ranks.
 """
 
 from __future__ import annotations
@@ -115,6 +129,56 @@ def _memory_capped_rank(rank: int, target: int, size: int, dtype: torch.dtype) -
     return int(room)
 
 
+def _unit_vectors_of_points(size: int, num_latents: int, block_size: int, seed: int, like: Tensor) -> Tensor:
+    r""":math:`\mathbf E_Z` ``(n, |Z| C)``: the unit vectors of the :math:`C` latents of each point of a random subset
+    :math:`Z` of ``block_size // C`` points (at least one; of ``n / C`` points; ``seed``), in ``like``'s dtype and on its
+    device."""
+    num_points = size // num_latents
+    generator = torch.Generator().manual_seed(seed)
+    points = torch.randperm(num_points, generator=generator)[: max(1, block_size // num_latents)]
+    coordinates = (points[:, None] * num_latents + torch.arange(num_latents)).flatten().to(like.device)
+    start = like.new_zeros(size, len(coordinates))
+    start[coordinates, torch.arange(len(coordinates), device=start.device)] = 1.0
+    return start
+
+
+def _conjugated(
+    directions: Tensor,
+    root: Tensor,
+    kernel_root: Tensor,
+    noise_inverse: LinearOperator,
+    project: Callable[[Tensor], Tensor],
+    rows_block: RowBlock,
+) -> Tensor:
+    r"""``directions`` ``(n, k)`` (whole) normalised and :math:`\hat{\mathbf K}`-conjugated against :math:`\mathbf Q`:
+    classical Gram–Schmidt in the :math:`\hat{\mathbf K}` inner product, twice, with :math:`\mathbf Q^\top \hat{\mathbf
+    K} \mathbf V = (\mathbf K \mathbf Q)^\top \mathbf V + \mathbf Q^\top \mathbf W^{-1} \mathbf V` (no product with
+    :math:`\mathbf K`; ``root``, ``kernel_root``: this rank's rows of :math:`\mathbf Q`, :math:`\mathbf K \mathbf Q`),
+    projected after each pass."""
+    local = rows_block.local
+    directions = directions / directions.norm(dim=0).clamp_min(torch.finfo(directions.dtype).tiny)
+    for _ in range(2):
+        noisy_rows = noise_inverse.matmul(local(directions))
+        conjugation = rows_block.summed(kernel_root.mT @ local(directions) + root.mT @ noisy_rows)
+        directions = project(directions - rows_block.all_rows(root @ conjugation))
+    return directions
+
+
+def _orthonormalising(gram: Tensor, tolerance: float, room: int) -> Tensor | None:
+    r"""The combinations ``(k, k')`` of a block's columns that are :math:`\hat{\mathbf K}`-orthonormal, from its Gram
+    matrix :math:`\mathbf V^\top \hat{\mathbf K} \mathbf V` ``(k, k)``: eigenvectors over the square roots of their
+    eigenvalues, of the eigenvalues above ``tolerance`` times the largest, at most ``room`` of them (the weakest
+    dropped); ``None`` where none is kept."""
+    eigenvalues, eigenvectors = torch.linalg.eigh((gram + gram.mT) / 2)
+    keep = eigenvalues > tolerance * eigenvalues[-1].clamp_min(0)
+    excess = int(keep.sum()) - room
+    if excess > 0:
+        keep[keep.nonzero()[:excess, 0]] = False
+    if not bool(keep.any()):
+        return None
+    return eigenvectors[:, keep] * eigenvalues[keep].rsqrt()
+
+
 def covariance_phase(
     kernel_matmul: Callable[[Tensor], Tensor],
     noise_inverse: LinearOperator,
@@ -148,20 +212,6 @@ def covariance_phase(
         ``noise_inverse`` is then this rank's blocks of :math:`\mathbf W^{-1}`, ``(|I_p| C, |I_p| C)``.
     :return: :math:`[\mathbf Q, \mathbf D]`, :math:`[\mathbf K\mathbf Q, \mathbf K\mathbf D]` (sharded: this
         rank's rows ``(|I_p| C, r + added)``) and the products taken.
-
-    **By rows.** With a sharded ``rows_block`` the phase keeps :math:`\mathbf Q`, :math:`\mathbf K \mathbf Q` and the directions
-    it adds by rows, as the action buffer keeps :math:`\mathbf S`, :math:`\mathbf K \mathbf S`
-    (:class:`~gpytorch_iterncgp.core.recycling.ActionBuffer`): the conjugation :math:`\mathbf Q^\top \hat{\mathbf K}
-    \mathbf V = \sum_p (\mathbf K \mathbf Q)_{\mathcal I_p}^\top \mathbf V_{\mathcal I_p} + \mathbf Q_{\mathcal
-    I_p}^\top (\mathbf W^{-1} \mathbf V)_{\mathcal I_p}` and the block's Gram matrix :math:`\mathbf V^\top \hat{\mathbf
-    K} \mathbf V` are local products and one ``all_reduce`` each, :math:`\mathbf Q \mathbf c` a local product and one
-    ``all_gather``. The block :math:`\mathbf V` (``block_size`` columns) is whole on every rank, the same on all:
-    it is the right-hand side of the block's product with :math:`\mathbf K`, which returns it whole;
-    :math:`\mathbf W` and :math:`\mathbf W^{-1}` act on this rank's rows (its blocks), and the next block
-    :math:`\mathbf W \hat{\mathbf K} \mathbf D` is gathered from them (one ``all_gather``). A rank so holds
-    :math:`\lceil N / P \rceil C (r + \text{added})` entries of :math:`\mathbf Q` and of :math:`\mathbf K \mathbf Q`
-    and a few whole blocks, never :math:`\mathbf Q` whole. Every rank takes the same decisions (kept directions,
-    eigenvalues), from the same reduced numbers; one process's up to the order of the sums over the ranks.
     """
     check_count(iterations, "iterations")
     check_count(block_size, "block_size", minimum=1)
@@ -183,21 +233,11 @@ def covariance_phase(
     local = rows_block.local  # this rank's rows of whole vectors (themselves in one process)
 
     curvature = curvature_matmul(noise_inverse, num_latents)
-    num_points = size // num_latents
-    generator = torch.Generator().manual_seed(seed)
-    points = torch.randperm(num_points, generator=generator)[: max(1, block_size // num_latents)]
-    coordinates = (points[:, None] * num_latents + torch.arange(num_latents)).flatten().to(precision_root.device)
-    start = precision_root.new_zeros(size, len(coordinates))
-    start[coordinates, torch.arange(len(coordinates), device=start.device)] = 1.0
-    block = rows_block.all_rows(curvature(local(start)))
+    start = _unit_vectors_of_points(size, num_latents, block_size, seed, precision_root)
+    block = rows_block.all_rows(curvature(local(start)))  # W E_Z
     while products < iterations and rank < full_rank:
         root, kernel_root = roots.value, kernel_roots.value
-        directions = project(block)
-        directions = directions / directions.norm(dim=0).clamp_min(torch.finfo(dtype).tiny)
-        for _ in range(2):  # classical Gram–Schmidt in the K̂ inner product, twice; no product with K
-            noisy_rows = noise_inverse.matmul(local(directions))
-            conjugation = rows_block.summed(kernel_root.mT @ local(directions) + root.mT @ noisy_rows)
-            directions = project(directions - rows_block.all_rows(root @ conjugation))
+        directions = _conjugated(project(block), root, kernel_root, noise_inverse, project, rows_block)
         directions = directions[:, directions.norm(dim=0) > new_fraction]
         if directions.shape[-1] == 0:
             break
@@ -206,14 +246,10 @@ def covariance_phase(
         products += 1
         noisy_rows = local(kernel_directions) + noise_inverse.matmul(local(directions))  # this rank's rows of K̂ V
         gram = rows_block.summed(local(directions).double().mT @ noisy_rows.double())
-        eigenvalues, eigenvectors = torch.linalg.eigh((gram + gram.mT) / 2)
-        keep = eigenvalues > tolerance * eigenvalues[-1].clamp_min(0)
-        excess = int(keep.sum()) - (full_rank - rank)
-        if excess > 0:  # never beyond the dimension of the action space: drop the weakest directions
-            keep[keep.nonzero()[:excess, 0]] = False
-        if not bool(keep.any()):
+        scale = _orthonormalising(gram, tolerance, full_rank - rank)  # never beyond the action space's dimension
+        if scale is None:
             break
-        scale = (eigenvectors[:, keep] * eigenvalues[keep].rsqrt()).to(dtype)
+        scale = scale.to(dtype)
         new_root, new_kernel_root = directions @ scale, kernel_directions @ scale
         for column, kernel_column in zip(local(new_root).mT, local(new_kernel_root).mT, strict=True):
             roots.append(column)

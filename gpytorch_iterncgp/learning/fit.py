@@ -731,6 +731,69 @@ def _learner(
     return learner
 
 
+class _EvidenceEvaluations:
+    """The negative evidence and its gradient as the optimiser evaluates them (:func:`~.optimise.optimise`'s two
+    callables): each evaluation fits the strategy (``learner(inputs)``, warm-started from the last posterior), and the
+    fit's, the evidence's and the gradient's seconds, the loss and the evaluations whose gradient was explicit go into
+    ``report``; the ``parameters`` with the best evidence seen are kept (:meth:`restore_best`). An evaluation after
+    ``deadline`` (the first excepted) raises :class:`_OutOfTime`."""
+
+    def __init__(
+        self,
+        learner: Any,
+        mll: Any,
+        scale: LogScale,
+        parameters: list[Tensor],
+        report: LearningReport,
+        deadline: float | None,
+        bar: Any,
+    ):
+        self.learner, self.mll, self.scale, self.parameters = learner, mll, scale, parameters
+        self.report, self.deadline, self.bar = report, deadline, bar
+        self.best_loss = math.inf
+        self.best_state: list[Tensor] | None = None
+
+    def evaluate(self) -> Tensor:
+        report, strategy = self.report, self.learner.variational_strategy
+        if self.deadline is not None and report.losses and time.perf_counter() >= self.deadline:
+            raise _OutOfTime
+        self.scale.push()
+        tic = time.perf_counter()
+        output = self.learner(strategy.train_inputs)  # the strategy's fit, warm-started from the last posterior
+        report.fit_seconds += time.perf_counter() - tic
+        tic = time.perf_counter()
+        with cg_nans_as_nan_errors(), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ExplicitGradientWarning)
+            loss = -self.mll(output, strategy.train_targets)
+        report.evidence_seconds += time.perf_counter() - tic
+        explicit = [warning for warning in caught if issubclass(warning.category, ExplicitGradientWarning)]
+        report.explicit_gradients += bool(explicit)
+        for warning in caught:  # the others again, from one line: a message repeated at every evaluation shows once
+            if warning not in explicit:
+                warnings.warn(warning.message, warning.category, stacklevel=2)
+        value = float(loss.detach())
+        report.losses.append(value)
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{value:.4g}")
+        if value < self.best_loss:
+            self.best_loss, self.best_state = value, [parameter.detach().clone() for parameter in self.parameters]
+        return loss
+
+    def backward(self, loss: Tensor) -> None:
+        tic = time.perf_counter()
+        with cg_nans_as_nan_errors():
+            loss.backward()
+        self.scale.pull_gradients()
+        self.report.gradient_seconds += time.perf_counter() - tic
+
+    def restore_best(self) -> None:
+        """The parameters with the best evidence seen (none where no evaluation ended)."""
+        if self.best_state is not None:
+            with torch.no_grad():
+                for parameter, value in zip(self.parameters, self.best_state, strict=True):
+                    parameter.copy_(value)
+
+
 def _learn(
     learner: Any,
     recipe: LearningRecipe,
@@ -756,44 +819,12 @@ def _learn(
     modules = [learner, strategy.likelihood]
     parameters = trainable_parameters(modules)
     scale = LogScale(modules, parameters)  # positive hyperparameters on the log scale, whatever their constraint
-    inputs, targets = strategy.train_inputs, strategy.train_targets
-    best: dict[str, Any] = {"loss": math.inf, "state": None}
+    inputs = strategy.train_inputs
     start = time.perf_counter()
     kernel = f" ({name})" if name else ""
     description = f"learning{kernel}: {report.method} on the {report.evidence} evidence of {len(inputs)} points"
     bar = tqdm(total=recipe.optimizer_steps if not exact else None, desc=description, disable=not show)
-
-    def evaluate() -> Tensor:
-        if deadline is not None and report.losses and time.perf_counter() >= deadline:
-            raise _OutOfTime
-        scale.push()
-        tic = time.perf_counter()
-        output = learner(inputs)  # the strategy's fit, warm-started from the last posterior
-        report.fit_seconds += time.perf_counter() - tic
-        tic = time.perf_counter()
-        with cg_nans_as_nan_errors(), warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", ExplicitGradientWarning)
-            loss = -mll(output, targets)
-        report.evidence_seconds += time.perf_counter() - tic
-        explicit = [warning for warning in caught if issubclass(warning.category, ExplicitGradientWarning)]
-        report.explicit_gradients += bool(explicit)
-        for warning in caught:  # the others again, from one line: a message repeated at every evaluation shows once
-            if warning not in explicit:
-                warnings.warn(warning.message, warning.category, stacklevel=2)
-        value = float(loss.detach())
-        report.losses.append(value)
-        bar.update(1)
-        bar.set_postfix(loss=f"{value:.4g}")
-        if value < best["loss"]:
-            best["loss"], best["state"] = value, [parameter.detach().clone() for parameter in parameters]
-        return loss
-
-    def backward(loss: Tensor) -> None:
-        tic = time.perf_counter()
-        with cg_nans_as_nan_errors():
-            loss.backward()
-        scale.pull_gradients()
-        report.gradient_seconds += time.perf_counter() - tic
+    evaluations = _EvidenceEvaluations(learner, mll, scale, parameters, report, deadline, bar)
 
     learner.train()
     try:
@@ -803,11 +834,11 @@ def _learn(
         with _loose_fits(strategy, recipe, exact), small_operations() if small else contextlib.nullcontext():
             if strategy.state is None:  # the first evaluation's fit starts loose from the prior, as the later ones
                 strategy.loose_fit()
-            report.stopped = optimise(scale.variables, evaluate, backward, exact, recipe)
+            report.stopped = optimise(scale.variables, evaluations.evaluate, evaluations.backward, exact, recipe)
     except _OutOfTime:
         report.stopped = LearningStop.MAX_TIME
     except RECOVERABLE_ERRORS as error:
-        if best["state"] is None:  # fails at the initial hyperparameters: a real error
+        if evaluations.best_state is None:  # fails at the initial hyperparameters: a real error
             raise
         report.stopped = LearningStop.ERROR
         warnings.warn(
@@ -819,10 +850,7 @@ def _learn(
         )
     finally:
         bar.close()
-    if best["state"] is not None:
-        with torch.no_grad():
-            for parameter, value in zip(parameters, best["state"], strict=True):
-                parameter.copy_(value)
+    evaluations.restore_best()
     report.evaluations, report.seconds = len(report.losses), time.perf_counter() - start
     if report.explicit_gradients:
         warnings.warn(
