@@ -32,6 +32,20 @@ An action with few non-zero entries (a unit vector, or one projected to zero sum
 product: :math:`\mathbf K \mathbf s` is a combination of the kernel columns at its support, :math:`O(N D)` each
 (``kernel_columns``, e.g. :meth:`~gpytorch_iterncgp.core.prior.LatentPrior.kernel_columns`). It still counts as the iteration's
 product with :math:`\mathbf K`.
+
+**By rows** (:func:`itergp_solve`). Where ``buffer`` is held by rows (its ``rows_block``, ``shard_state``), so is
+every ``(n,)`` vector: ``rhs``, ``keep``, the residual, the actions, the result's :math:`\mathbf v` and :math:`\mathbf
+K \mathbf v` are this rank's rows ``(|I_p| C,)``; ``noise_inverse`` is this rank's blocks ``(|I_p| C, |I_p| C)``;
+``kernel_matmul`` and ``kernel_columns`` map to this rank's rows (``LatentPrior.matmul_by_rows``: the action's rows
+gathered once for its product); the policy sees this rank's rows of the residual. Inner products and norms are
+``all_reduce`` sums of a number. Without a block (one process) this is the one-process computation, unchanged.
+
+**A first block** (:func:`itergp_solve`). Where no tolerance is set (``abs_tol`` and ``rel_tol`` 0: the exact budget),
+``buffer`` is empty, :math:`\mathbf b \ne \mathbf 0`, there is no preconditioner and the policy gives its actions
+without the residual (:meth:`Policy.next_actions`: unit vectors), no iteration decides anything the next could change:
+the next :math:`\min(\text{limit}, n)` actions are taken at once (:func:`_first_block`: one call of the kernel's
+columns, one Cholesky factor of :math:`\mathbf S^\top \hat{\mathbf K} \mathbf S`), each counted as an iteration; the
+precision and weights are those of the same actions taken one by one, to rounding.
 """
 
 from __future__ import annotations
@@ -386,6 +400,45 @@ class _IterGPIterations:
     # the last action came from the preconditioned residual and lay in span(S): the next one is the plain residual's
     plain_next: bool = False
 
+    @classmethod
+    def from_root(
+        cls,
+        rhs: Tensor,
+        policy: Policy,
+        precondition: Callable[[Tensor], Tensor] | None,
+        project: Callable[[Tensor], Tensor],
+        noise_inverse: LinearOperator,
+        kernel_product: Callable[[Tensor], Tensor],
+        root: ImplicitRoot,
+        recycled_rank: int,
+        iterations: int,
+    ) -> _IterGPIterations:
+        r"""The iterations from ``root`` (the virtual solver run's, or a first block's, with its buffer) and its
+        solution :math:`\mathbf v = \mathbf S \mathbf E \mathbf E^\top \mathbf S^\top \mathbf b`, :math:`\mathbf K
+        \mathbf v = \mathbf T \mathbf E \mathbf E^\top \mathbf S^\top \mathbf b` (no product with :math:`\mathbf K`),
+        ``iterations`` already taken."""
+        multiply_noise = noise_inverse.apply if isinstance(noise_inverse, NoiseOperator) else noise_inverse.matmul
+
+        def noisy(vector: Tensor) -> Tensor:
+            return multiply_noise(vector[:, None])[:, 0]  # W^{-1} v
+
+        buffer = root.buffer
+        weights, kernel_weights = buffer.combine(root.coefficient_products(buffer.transpose_matmul(rhs)))
+        return cls(
+            rhs,
+            policy,
+            precondition,
+            project,
+            noisy,
+            kernel_product,
+            buffer,
+            root,
+            weights=weights,
+            kernel_weights=kernel_weights,
+            recycled_rank=recycled_rank,
+            iterations=iterations,
+        )
+
     @property
     def rows_block(self) -> RowBlock:
         """The rows of the vectors this rank holds (the buffer's)."""
@@ -589,19 +642,7 @@ def itergp_solve(
 ) -> IterGPResult:
     r"""Solve :math:`(\mathbf K + \mathbf W^{-1}) \mathbf v = \mathbf b` approximately, recycling ``buffer``.
 
-    **By rows.** Where ``buffer`` is held by rows (its ``rows_block``, ``shard_state``), so is every ``(n,)`` vector:
-    ``rhs``, ``keep``, the residual, the actions, the result's :math:`\mathbf v` and :math:`\mathbf K \mathbf v` are
-    this rank's rows ``(|I_p| C,)``; ``noise_inverse`` is this rank's blocks ``(|I_p| C, |I_p| C)``; ``kernel_matmul``
-    and ``kernel_columns`` map to this rank's rows (``LatentPrior.matmul_by_rows``: the action's rows
-    gathered once for its product); the policy sees this rank's rows of the residual. Inner products and norms are
-    ``all_reduce`` sums of a number. Without a block (one process) this is the one-process computation, unchanged.
-
-    **A first block.** Where no tolerance is set (``abs_tol`` and ``rel_tol`` 0: the exact budget), ``buffer`` is empty,
-    :math:`\mathbf b \ne \mathbf 0`, there is no preconditioner and the policy gives its actions without the residual
-    (:meth:`Policy.next_actions`: unit vectors), no iteration decides anything the next could change: the next
-    :math:`\min(\text{limit}, n)` actions are taken at once (:func:`_first_block`: one call of the kernel's columns, one Cholesky factor of
-    :math:`\mathbf S^\top \hat{\mathbf K} \mathbf S`), each counted as an iteration; the precision and weights are
-    those of the same actions taken one by one, to rounding.
+    By rows where ``buffer`` is, with a first block where no iteration decides anything (the module docstring).
 
     :param kernel_matmul: :math:`\mathbf X \mapsto \mathbf K \mathbf X` for ``(n, k)`` inputs.
     :param noise_inverse: :math:`\mathbf W^{-1}`, ``(n, n)``.
@@ -640,12 +681,6 @@ def itergp_solve(
     full_rank = num_rows if action_space_dimension is None else action_space_dimension
     compression_rank = memory_capped_rank(compression_rank, buffer, min(limit, full_rank))
     root = virtual_solver_run(buffer, noise_inverse, compression_rank, keep=keep, spare=min(limit, 64))  # Q = S E
-    sparse_limit = max(16, num_rows // 64)
-    multiply_noise = noise_inverse.apply if isinstance(noise_inverse, NoiseOperator) else noise_inverse.matmul
-
-    def noisy(vector: Tensor) -> Tensor:
-        return multiply_noise(vector[:, None])[:, 0]  # W^{-1} v
-
     rhs_norm = float(rows_block.norm(project(rhs[:, None])))
     tolerance = max(abs_tol, rel_tol * rhs_norm)
     recycled_rank, block_size = root.rank, 0
@@ -654,22 +689,9 @@ def itergp_solve(
         if block is not None:
             root = _first_block(block, project, kernel_matmul, kernel_columns, noise_inverse, rows_block)
             block_size = block.shape[-1]
-    buffer = root.buffer
-    coefficients = root.coefficient_products(buffer.transpose_matmul(rhs))  # E E^T S^T b
-    weights, kernel_weights = buffer.combine(coefficients)  # v = S c, K v = T c
-    solver = _IterGPIterations(
-        rhs,
-        policy,
-        preconditioner,
-        project,
-        noisy,
-        _kernel_product(kernel_matmul, kernel_columns, sparse_limit, rows_block),
-        buffer,
-        root,
-        weights=weights,
-        kernel_weights=kernel_weights,
-        recycled_rank=recycled_rank,
-        iterations=block_size,
+    kernel_product = _kernel_product(kernel_matmul, kernel_columns, max(16, num_rows // 64), rows_block)
+    solver = _IterGPIterations.from_root(
+        rhs, policy, preconditioner, project, noise_inverse, kernel_product, root, recycled_rank, block_size
     )
     residual_norm = solver.run(tolerance, limit, full_rank)
     return solver.result(residual_norm, tolerance, full_rank)
