@@ -33,7 +33,7 @@ import enum
 import math
 import time
 import warnings
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -376,10 +376,7 @@ def run_outer_loop(
     try:
         while max_steps is None or report.steps < max_steps:
             products, _, seconds = _solver_counts(counter)
-            with warnings.catch_warnings(record=True) as caught, small_operations():
-                warnings.simplefilter("always", NumericalBreakdownWarning)
-                outcome = next(iterator, None)
-            _reemit(caught, stacklevel + 1)
+            outcome = _next_step(iterator, stacklevel + 1)
             if outcome is None:
                 break
             report.breakdown |= outcome.breakdown or outcome.status is LoopStatus.BREAKDOWN
@@ -414,17 +411,7 @@ def run_outer_loop(
     finally:
         iterator.close()
         progress.close()
-    loop_products, finalize_start = _solver_counts(counter)[0], time.perf_counter()
-    with small_operations():
-        final = loop.finalize(state)
-    report.covariance_products = _solver_counts(counter)[0] - loop_products
-    report.covariance_seconds = time.perf_counter() - finalize_start
-    commit(final)  # also after no step: the starting state (e.g. renewed after a change of K)
-    report.kernel_products, report.kernel_columns, report.kernel_product_seconds = _solver_counts(counter)
-    preconditioning = getattr(loop, "preconditioning", None)  # (the loops over IterGP's dense solves have one)
-    if preconditioning is not None:
-        report.preconditioner_seconds = preconditioning.seconds
-        report.preconditioner_products = preconditioning.products
+    _finalize(loop, state, commit, counter, report)
     report.wall_time = time.perf_counter() - start_time
     stopped = not (report.converged or report.breakdown or report.stopped_by_callback or report.stalled)
     if stopped and max_steps is not None and report.steps >= max_steps > 0:
@@ -433,6 +420,35 @@ def run_outer_loop(
         value = f"{max_time:g} s" if report.limit == "max_time" else str(max_steps)
         warnings.warn(_limit_message(report, value), ConvergenceWarning, stacklevel=stacklevel + 1)
     return report
+
+
+def _next_step(iterator: Iterator[OuterStep], stacklevel: int) -> OuterStep | None:
+    """The loop's next step (``None``: the loop ended), its numerical warnings shown at every step (re-emitted with
+    ``stacklevel`` counted from this function's caller, as :func:`warnings.warn` counts it)."""
+    with warnings.catch_warnings(record=True) as caught, small_operations():
+        warnings.simplefilter("always", NumericalBreakdownWarning)
+        outcome = next(iterator, None)
+    _reemit(caught, stacklevel + 1)
+    return outcome
+
+
+def _finalize(
+    loop: OuterLoop, state: Any, commit: Callable[[Any], None], counter: ProductCounter, report: FitReport
+) -> None:
+    """Commit ``loop``'s final state from ``state`` (also after no step: the starting state, e.g. renewed after a
+    change of K), and fill ``report``'s totals: the products with K and their seconds, those of the finalize (its
+    covariance phase), and the preconditioner's where the loop has one."""
+    loop_products, finalize_start = _solver_counts(counter)[0], time.perf_counter()
+    with small_operations():
+        final = loop.finalize(state)
+    report.covariance_products = _solver_counts(counter)[0] - loop_products
+    report.covariance_seconds = time.perf_counter() - finalize_start
+    commit(final)
+    report.kernel_products, report.kernel_columns, report.kernel_product_seconds = _solver_counts(counter)
+    preconditioning = getattr(loop, "preconditioning", None)  # (the loops over IterGP's dense solves have one)
+    if preconditioning is not None:
+        report.preconditioner_seconds = preconditioning.seconds
+        report.preconditioner_products = preconditioning.products
 
 
 def _limit_message(report: FitReport, value: str) -> str:
