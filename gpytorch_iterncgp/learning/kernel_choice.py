@@ -191,33 +191,15 @@ def choose_kernel(
     """
     inputs = model.variational_strategy.train_inputs
     owner = kernel_owner(model)
+    for kernel in candidates.values():
+        kernel.to(device=inputs.device, dtype=inputs.dtype)
     initial_kernel = {id(parameter) for parameter in owner.covar_module.parameters()}
     others = list({id(p): p for p in itertools.chain(model.parameters(), likelihood.parameters())}.values())
     others = [parameter for parameter in others if id(parameter) not in initial_kernel]
     initial = [parameter.detach().clone() for parameter in others]
     initial_kernels = {name: copy.deepcopy(kernel.state_dict()) for name, kernel in candidates.items()}
-    outcomes: dict[str, tuple[LearningReport, list[Tensor]]] = {}
-    report.kernel_scores = {}
     screen = phase if choice is None else choice
-    # each outputscale walk starts where the last one ended (the first: at the grid's start)
-    walk_from: float | None = None
-    for index, (name, kernel) in enumerate(candidates.items()):
-        candidate_deadline = time_share(deadline, 1, len(candidates) - index + (choice is not None))
-        owner.covar_module = kernel.to(device=inputs.device, dtype=inputs.dtype)
-        _restore(others, initial)
-        candidate = dataclasses.replace(report, losses=[], outputscale_scores={}, kernel_scores={})
-        start = time.perf_counter()
-        count = sum(parameter.numel() for parameter in kernel.parameters() if parameter.requires_grad)
-        scores: dict[str, Any] = dict(held_out=None, evidence=None, bic=None, hyperparameters=count, seconds=0.0)
-        scores.update(rows=None, error=None, outputscale_factor=None)
-        try:
-            walk_from = _score_candidate(screen, candidate, name, scores, select_by, candidate_deadline, walk_from)
-            outcomes[name] = (candidate, [parameter.detach().clone() for parameter in others])
-        except RECOVERABLE_ERRORS as error:
-            scores["error"] = f"{type(error).__name__}: {error}"
-            warnings.warn(f"fit_mll: kernel {name!r} skipped ({scores['error']}).", RuntimeWarning, stacklevel=4)
-        scores["seconds"] = time.perf_counter() - start
-        report.kernel_scores[name] = scores
+    outcomes = _first_rung(owner, others, initial, candidates, screen, select_by, report, deadline, choice is not None)
     if not outcomes:
         errors = "; ".join(f"{name}: {scores['error']}" for name, scores in report.kernel_scores.items())
         raise RuntimeError(f"fit_mll: every candidate kernel failed ({errors}).")
@@ -238,6 +220,46 @@ def choose_kernel(
     report.kernel, report.kernel_scores, report.selected_by = chosen, scores, select_by
     if phase.held_out is not None:
         report.validation_rows, report.validation_points = phase.held_out.tolist(), len(phase.held_out)
+
+
+def _first_rung(
+    owner: Any,
+    others: list[Tensor],
+    initial: list[Tensor],
+    candidates: dict[str, Kernel],
+    screen: LearningPhase,
+    select_by: str,
+    report: LearningReport,
+    deadline: float | None,
+    second_rung: bool,
+) -> dict[str, tuple[LearningReport, list[Tensor]]]:
+    """Each candidate put in ``owner`` (``owner.covar_module``), learnt and scored in ``screen``
+    (:func:`_score_candidate`) from the ``others`` parameters' ``initial`` values, its scores in
+    ``report.kernel_scores``; one that fails is skipped with a ``RuntimeWarning``. Returns, for those that did not, their
+    report and their ``others`` parameters' learnt values. Each gets an equal share of the time left before
+    ``deadline`` (as does the ``second_rung``'s learning, where there is one)."""
+    outcomes: dict[str, tuple[LearningReport, list[Tensor]]] = {}
+    report.kernel_scores = {}
+    # each outputscale walk starts where the last one ended (the first: at the grid's start)
+    walk_from: float | None = None
+    for index, (name, kernel) in enumerate(candidates.items()):
+        candidate_deadline = time_share(deadline, 1, len(candidates) - index + second_rung)
+        owner.covar_module = kernel
+        _restore(others, initial)
+        candidate = dataclasses.replace(report, losses=[], outputscale_scores={}, kernel_scores={})
+        start = time.perf_counter()
+        count = sum(parameter.numel() for parameter in kernel.parameters() if parameter.requires_grad)
+        scores: dict[str, Any] = dict(held_out=None, evidence=None, bic=None, hyperparameters=count, seconds=0.0)
+        scores.update(rows=None, error=None, outputscale_factor=None)
+        try:
+            walk_from = _score_candidate(screen, candidate, name, scores, select_by, candidate_deadline, walk_from)
+            outcomes[name] = (candidate, [parameter.detach().clone() for parameter in others])
+        except RECOVERABLE_ERRORS as error:
+            scores["error"] = f"{type(error).__name__}: {error}"
+            warnings.warn(f"fit_mll: kernel {name!r} skipped ({scores['error']}).", RuntimeWarning, stacklevel=5)
+        scores["seconds"] = time.perf_counter() - start
+        report.kernel_scores[name] = scores
+    return outcomes
 
 
 def _score_candidate(
