@@ -146,9 +146,9 @@ LAYERS: list[tuple[str, list[set[str]]]] = [
         [{"multinomial_probit", "tilted", "negative_binomial"}, {"adapters", "factorised"}, {"quasi_poisson"}],
     ),
     ("laplace", [{"line_search"}, {"newton"}]),
-    ("ep", [{"sites"}, {"sweeps"}]),
+    ("ep", [{"sites"}, {"regression"}, {"sweeps"}]),
     ("sparse", [{"psi_statistics"}, {"dtc"}, {"uncertain", "uncertain_prediction", "stochastic"}]),
-    ("strategies", [{"base"}, {"predictive"}, {"itergp", "sparse", "stochastic"}]),
+    ("strategies", [{"saved_state"}, {"base"}, {"predictive"}, {"itergp", "sparse", "stochastic"}]),
     ("mlls", [{"itergp"}, {"sparse", "stochastic"}, {"uncertain"}]),
     (
         "learning",
@@ -220,6 +220,26 @@ def test_modules_import_only_lower_layers():
             assert _rank(imported) < _rank(module), f"{module} imports {imported} (same or higher layer)"
     for init in subpackage_inits:  # a subpackage's __init__ only documents it: importing it costs nothing
         assert not _package_imports(PACKAGE / (init.replace(".", "/") + ".py")), init
+
+
+MAX_CLASS_LINES, MAX_FUNCTION_LINES = 300, 80
+
+
+def test_no_class_over_300_lines_and_no_function_over_80():
+    """Classes and functions (docstrings included) split along their ideas where they grow past these sizes."""
+    too_long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            limit = (
+                MAX_CLASS_LINES
+                if isinstance(node, ast.ClassDef)
+                else MAX_FUNCTION_LINES
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+                else None
+            )
+            if limit is not None and node.end_lineno - node.lineno + 1 > limit:
+                too_long.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name}")
+    assert not too_long, too_long
 
 
 def test_public_api_is_what_users_call():

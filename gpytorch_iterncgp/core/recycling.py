@@ -592,6 +592,37 @@ def lower_triangular_matmul(lower: Tensor, matrix: Tensor, out: Tensor) -> Tenso
     return out
 
 
+def _compressed_keeping(
+    buffer: ActionBuffer,
+    noise_inverse: LinearOperator,
+    gram: Tensor,
+    extra: tuple[Tensor, Tensor],
+    compression_rank: int,
+    relative_eigenvalue_tolerance: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    r"""Compression that keeps a direction :math:`\mathbf x` (``extra``: it and its kernel product, unit-norm): the top
+    :math:`R - 1` eigen-directions of :math:`\mathbf M` (``gram``, ``(B, B)``), normalised, :math:`\mathbf x` beside
+    them, and the eigenpairs of :math:`\hat{\mathbf K}` over these :math:`R`. Returns the coefficients ``(B + 1, R')``
+    over :math:`[\mathbf S, \mathbf x]`, their eigenvalues, and :math:`[\mathbf S, \mathbf x]^\top [\mathbf S,
+    \mathbf x]` (float64)."""
+    block = buffer.rows_block
+    first, _ = _top_eigenpairs(gram, relative_eigenvalue_tolerance, max(compression_rank - 1, 0))
+    action_gram = buffer.action_gram()
+    first = first / (first * (action_gram @ first)).sum(0).sqrt().clamp_min(torch.finfo(torch.float64).tiny)
+    direction, kernel_direction = extra
+    noisy_direction = kernel_direction + noise_inverse.matmul(direction[:, None])[:, 0]
+    noisy_column = torch.cat(
+        [buffer.transpose_matmul(noisy_direction), block.summed(direction @ noisy_direction)[None]]
+    ).double()
+    action_column = torch.cat([buffer.transpose_matmul(direction), block.summed(direction @ direction)[None]]).double()
+    extended_gram = _bordered(gram, noisy_column)
+    basis = torch.block_diag(first, torch.ones(1, 1, dtype=torch.float64, device=first.device))
+    second, eigenvalues = _top_eigenpairs(
+        _symmetric(basis.mT @ extended_gram @ basis), relative_eigenvalue_tolerance, None
+    )
+    return basis @ second, eigenvalues, _bordered(action_gram, action_column)
+
+
 def virtual_solver_run(
     buffer: ActionBuffer,
     noise_inverse: LinearOperator,
@@ -646,25 +677,10 @@ def virtual_solver_run(
             return ImplicitRoot(buffer, (coefficients * eigenvalues.rsqrt()).to(dtype))
         extended_action_gram = buffer.action_gram()
     else:
-        # Compress to the top R - 1 directions (normalised), add the kept one, and decompose again over these R.
-        first, _ = _top_eigenpairs(gram, relative_eigenvalue_tolerance, max(compression_rank - 1, 0))  # type: ignore[operator]
-        action_gram = buffer.action_gram()
-        first = first / (first * (action_gram @ first)).sum(0).sqrt().clamp_min(torch.finfo(torch.float64).tiny)
-        direction, kernel_direction = extra
-        noisy_direction = kernel_direction + noise_inverse.matmul(direction[:, None])[:, 0]
-        noisy_column = torch.cat(
-            [buffer.transpose_matmul(noisy_direction), block.summed(direction @ noisy_direction)[None]]
-        ).double()
-        action_column = torch.cat(
-            [buffer.transpose_matmul(direction), block.summed(direction @ direction)[None]]
-        ).double()
-        extended_gram = _bordered(gram, noisy_column)
-        extended_action_gram = _bordered(action_gram, action_column)
-        basis = torch.block_diag(first, torch.ones(1, 1, dtype=torch.float64, device=first.device))
-        second, eigenvalues = _top_eigenpairs(
-            _symmetric(basis.mT @ extended_gram @ basis), relative_eigenvalue_tolerance, None
+        assert compression_rank is not None  # (extra is only set for a compression)
+        coefficients, eigenvalues, extended_action_gram = _compressed_keeping(
+            buffer, noise_inverse, gram, extra, compression_rank, relative_eigenvalue_tolerance
         )
-        coefficients = basis @ second
     # Re-weight: the new buffer [S, x] E / ν with unit-norm columns (ν from S^T S), and
     # Q = [S, x] E Λ^{-1/2} = (new S) ν Λ^{-1/2}. The new buffer's kernel Gram matrix is computed when next needed.
     norms = (coefficients * (extended_action_gram @ coefficients)).sum(0).sqrt()

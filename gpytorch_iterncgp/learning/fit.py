@@ -37,7 +37,7 @@ import math
 import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, NoReturn, cast
+from typing import Any, NoReturn, TypeVar, cast
 
 import gpytorch
 import torch
@@ -166,6 +166,23 @@ _NOT_FOR_MINIBATCHES = {
 }
 
 
+RecipeType = TypeVar("RecipeType", LearningRecipe, MinibatchRecipe)
+
+
+def _checked_recipe(recipe: Any, recipe_type: type[RecipeType], objective: str) -> RecipeType:
+    """``recipe`` (``None``: ``recipe_type``'s defaults), validated.
+
+    :raises TypeError: for a recipe of another type than ``recipe_type``, the one of ``objective``.
+    """
+    recipe = recipe_type() if recipe is None else recipe
+    if not isinstance(recipe, recipe_type):
+        raise TypeError(
+            f"fit_mll: recipe must be a {recipe_type.__name__} for {objective}, got {type(recipe).__name__}."
+        )
+    recipe.validate()
+    return recipe
+
+
 def fit_dense_mll(
     mll: LaplaceMarginalLogLikelihood | EPMarginalLogLikelihood,
     *,
@@ -232,12 +249,7 @@ def fit_dense_mll(
     """
     learning_subset = renamed("fit_mll", "subset", "learning_subset", subset, learning_subset, "auto", stacklevel=4)
     strategy = _checked_strategy(mll)
-    recipe = LearningRecipe() if recipe is None else recipe
-    if not isinstance(recipe, LearningRecipe):
-        raise TypeError(
-            f"fit_mll: recipe must be a LearningRecipe for {type(mll).__name__}, got {type(recipe).__name__}."
-        )
-    recipe.validate()
+    recipe = _checked_recipe(recipe, LearningRecipe, type(mll).__name__)
     candidates = _candidates(mll, kernels, select_by, recipe)
     deadline, show = _deadline(max_time), _show(show_progress, strategy.show_progress)
     device = _device(mll)
@@ -461,10 +473,7 @@ def fit_minibatch_mll(
     :raises ValueError: for an unknown ``select_by`` (or one without ``kernels``), or ``"held_out"`` with too few rows
         to hold out.
     """
-    recipe = MinibatchRecipe() if recipe is None else recipe
-    if not isinstance(recipe, MinibatchRecipe):
-        raise TypeError(f"fit_mll: recipe must be a MinibatchRecipe for stochastic EP, got {type(recipe).__name__}.")
-    recipe.validate()
+    recipe = _checked_recipe(recipe, MinibatchRecipe, "stochastic EP")
     if not (isinstance(data, tuple) and len(data) == 2 and all(torch.is_tensor(part) for part in data)):
         raise TypeError(
             "fit_mll: a StochasticEPMarginalLogLikelihood's model holds no data; pass data=(train_inputs, train_targets)."

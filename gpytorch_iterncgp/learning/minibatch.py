@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -109,36 +110,16 @@ def fit_minibatches(
     bar = tqdm(total=recipe.max_steps, desc=description, disable=not show)
     report.stopped = LearningStop.MAX_STEPS
 
-    def batches():
-        if batch_size == len(inputs):  # full batches, in the data's order (as per-point sites need)
-            yield from (torch.arange(len(inputs)) for _ in range(recipe.max_steps))
-            return
-        for _ in range(math.ceil(recipe.max_steps * batch_size / len(inputs))):
-            yield from torch.randperm(len(inputs), generator=generator).split(batch_size)
-
     model.train()
     try:
-        for step, rows in enumerate(batches()):
+        for step, rows in enumerate(_batches(len(inputs), batch_size, recipe.max_steps, generator)):
             if step == recipe.max_steps:
                 break
             if deadline is not None and report.losses and time.perf_counter() >= deadline:
                 report.stopped = LearningStop.MAX_TIME
                 break
             with small_operations():  # one thread a step: a busy machine's other process costs little
-                if schedule is None:
-                    with torch.no_grad():
-                        output = model(inputs[rows])
-                        objective, moments = mll.energy_and_moments(output, targets[rows])
-                else:
-                    scale.push()
-                    schedule.optimizer.zero_grad()
-                    output = model(inputs[rows])
-                    objective, moments = mll.energy_and_moments(output, targets[rows])
-                    (-objective).backward()
-                    scale.pull_gradients()
-                    schedule.optimizer.step()
-                    schedule.step()
-                strategy.update_site(output, targets[rows], moments)  # from the cavities before Adam's step
+                objective = _step(mll, scale, schedule, inputs[rows], targets[rows])
             report.losses.append(-float(objective.detach()))
             bar.update(1)
             bar.set_postfix(loss=f"{report.losses[-1]:.4g}")
@@ -148,3 +129,41 @@ def fit_minibatches(
         model.eval()
     report.evaluations, report.seconds = len(report.losses), time.perf_counter() - start
     return report
+
+
+def _batches(num_rows: int, batch_size: int, max_steps: int, generator: torch.Generator) -> Iterator[Tensor]:
+    """The rows of each step's batch: all of them in the data's order where a batch holds them all (as per-point sites
+    need), else random permutations of the ``num_rows`` rows split into batches, enough for ``max_steps``."""
+    if batch_size == num_rows:
+        yield from (torch.arange(num_rows) for _ in range(max_steps))
+        return
+    for _ in range(math.ceil(max_steps * batch_size / num_rows)):
+        yield from torch.randperm(num_rows, generator=generator).split(batch_size)
+
+
+def _step(
+    mll: StochasticEPMarginalLogLikelihood,
+    scale: LogScale,
+    schedule: torch.optim.lr_scheduler.LambdaLR | None,
+    inputs: Tensor,
+    targets: Tensor,
+) -> Tensor:
+    """One step on the batch ``(inputs, targets)``: SEP's energy and its tilted moments at the batch, Adam's step on
+    the energy (``schedule``'s optimiser and learning rate; ``None``: nothing to learn), and the site's step from the
+    cavities the energy was computed at. Returns the energy."""
+    model = mll.model
+    if schedule is None:
+        with torch.no_grad():
+            output = model(inputs)
+            objective, moments = mll.energy_and_moments(output, targets)
+    else:
+        scale.push()
+        schedule.optimizer.zero_grad()
+        output = model(inputs)
+        objective, moments = mll.energy_and_moments(output, targets)
+        (-objective).backward()
+        scale.pull_gradients()
+        schedule.optimizer.step()
+        schedule.step()
+    model.variational_strategy.update_site(output, targets, moments)  # from the cavities before Adam's step
+    return objective

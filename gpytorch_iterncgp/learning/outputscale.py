@@ -57,8 +57,12 @@ class FactorLadder:
 
 
 def _walk(ladder: FactorLadder, start: float, better: Callable[[float, float], bool], upwards_first: bool) -> None:
-    """From ``start``, one way along ``ladder`` while the next factor is ``better`` than the best so far; where the first
-    step is no better, the other way (``upwards_first``: upwards first)."""
+    r"""From ``start``, one way along ``ladder`` while the next factor is ``better`` than the best so far; where the first
+    step is no better, the other way (``upwards_first``: upwards first).
+
+    On a score unimodal in :math:`\log s^2` (as measured on the tabular panel and the small sets) it finds the ladder's
+    minimum in two fits more than its distance from the start instead of a fit at every factor, whatever the start; a
+    start near the minimum (the factor a kernel choice found on fewer rows) saves the fits in between."""
     best = start
     for downwards in (not upwards_first, upwards_first):
         origin = best
@@ -93,16 +97,12 @@ def choose_outputscale(
     factor and goes on upwards while the score falls; where the first larger one is no better it tries the smaller ones
     the same way (``upwards_first=False``: downwards first). EP's final fit walks upwards first (at the outputscale
     Laplace's evidence learns, EP's held-out optimum lay above it on every split of the tabular panel), Laplace's
-    downwards (its own predictive's optimum lies below; ``docs/design_notes.md``). On a score unimodal in :math:`\log
-    s^2` (as measured on the tabular panel and the small sets) it finds the grid's minimum in two fits more than its
-    distance from the start instead of a fit at every factor, whatever the start; a start near the minimum (the factor a
-    kernel choice found on fewer rows) saves the fits in between. A start outside the grid extends it as the walk would
-    (doubling its largest or halving its smallest factor, each counted among the extensions). Each candidate gets a cold
-    fit of ``recipe.outputscale_fit_steps`` EP sweeps or Newton steps (``build()``: a new model of the final
-    approximation on the learning rows sharing ``kernel``) and is scored at the held-out rows; a failed fit counts as no
-    better. No candidate starts after ``deadline`` (``time.perf_counter()`` seconds); where every fit fails the factor
-    is 1 (the learnt outputscale). Fills ``report``'s outputscale fields; ``tick()`` after each candidate (the progress
-    bar).
+    downwards (its own predictive's optimum lies below; ``docs/design_notes.md``); a start outside the grid extends it
+    (:class:`FactorLadder`), and the walk's cost is :func:`_walk`'s. Each candidate gets a cold fit of
+    ``recipe.outputscale_fit_steps`` EP sweeps or Newton steps (``build()``: a new model of the final approximation on
+    the learning rows sharing ``kernel``) and is scored at the held-out rows; a failed fit counts as no better. No
+    candidate starts after ``deadline`` (``time.perf_counter()`` seconds); where every fit fails the factor is 1 (the
+    learnt outputscale). Fills ``report``'s outputscale fields; ``tick()`` after each candidate (the progress bar).
 
     ``log_rate_mean``: a count model's constant prior mean :math:`m` of a log rate (exp link), shifted with each factor
     :math:`a` to :math:`m + (1 - a) s^2 / 2`, so that the prior mean rate :math:`\mathbb E[e^f] = e^{m + s^2/2}` stays
